@@ -1,0 +1,180 @@
+"""From a launched process to a rank context: process groups, device binding, DEP groups, teardown.
+
+Lifetimes: `init_rank_context` (collective over the world) -> `new_dep_group` (collective over the
+world, once per group size) -> ... -> `teardown` (collective; reverse order of creation).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from launch.env import LaunchEnv, read_launch_env
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One process's place in the job.
+
+    device: the bound device; several ranks may share one GPU (`local_rank % device_count`).
+    group: the world group (NCCL when every local rank has its own GPU, gloo otherwise).
+    cpu_group: a gloo group over the world for metadata and host barriers (`group` itself if gloo).
+    """
+
+    env: LaunchEnv
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+    owns_process_group: bool = True
+    _created_groups: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+
+@dataclass(frozen=True)
+class DepGroup:
+    """A DEP group: `size` consecutive world ranks [index*size, (index+1)*size).
+
+    group: the device group (NCCL or gloo); cpu_group: gloo over the same ranks (EpBuffers' barriers
+    and metadata use this one); rank: this process's rank inside the group.
+    """
+
+    index: int
+    size: int
+    rank: int
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous(env: LaunchEnv) -> str:
+    """An init_method URL: torchrun's MASTER_ADDR/PORT, or a port agreed through mpi4py."""
+    if env.master_port is not None:
+        return f"tcp://{env.master_addr or '127.0.0.1'}:{env.master_port}"
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RuntimeError(
+            f"init_rank_context: launched by {env.launcher} without MASTER_ADDR/MASTER_PORT; set"
+            " them, or `pip install mpi4py` so rank 0 can publish a rendezvous port"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if env.master_addr is None and env.local_world_size != env.world_size:
+        raise RuntimeError(
+            "init_rank_context: a multi-node MPI job needs MASTER_ADDR (rank 0's host) in the"
+            " environment"
+        )
+    port = comm.bcast(_free_port() if env.rank == 0 else None, root=0)
+    return f"tcp://{env.master_addr or '127.0.0.1'}:{port}"
+
+
+def _bind_device(env: LaunchEnv, device: str) -> tuple[torch.device, bool]:
+    """Returns (device, shares_gpu). device: "auto" | "cpu" | "cuda"."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"init_rank_context: device={device!r}; allowed: 'auto', 'cpu', 'cuda'")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu"), False
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError("init_rank_context: device='cuda' but torch sees no CUDA device")
+    index = env.local_rank % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), env.local_world_size > count
+
+
+def init_rank_context(
+    device: str = "auto", *, timeout_s: float = 300.0, env: LaunchEnv | None = None
+) -> RankContext:
+    """Initialise torch.distributed for this process and bind its device. Collective (world).
+
+    Backend: gloo on CPU and whenever ranks share a GPU (NCCL refuses two ranks on one GPU),
+    NCCL otherwise, with a gloo group beside it for metadata. `timeout_s` bounds every collective.
+    Reuses a process group the host already initialised (and then leaves its teardown to the host).
+    """
+    env = read_launch_env() if env is None else env
+    bound, shares_gpu = _bind_device(env, device)
+    backend = "nccl" if bound.type == "cuda" and not shares_gpu else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        if env.world_size == 1:
+            dist.init_process_group(store=dist.HashStore(), **kwargs)
+        else:
+            dist.init_process_group(init_method=_rendezvous(env), **kwargs)
+        owned = True
+    else:
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise RuntimeError(
+                f"init_rank_context: torch.distributed is initialised as rank {dist.get_rank()}"
+                f" of {dist.get_world_size()}, the launcher says {env.rank} of {env.world_size}"
+            )
+        backend = dist.get_backend()
+        owned = False
+    world = dist.group.WORLD
+    cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    ctx = RankContext(env, bound, backend, world, cpu_group, owned)
+    if cpu_group is not world:
+        ctx._created_groups.append(cpu_group)
+    return ctx
+
+
+def new_dep_group(ctx: RankContext, size: int) -> DepGroup:
+    """Split the world into DEP groups of `size` consecutive ranks; return this rank's.
+
+    Collective over the world (every rank creates every group, in the same order).
+    """
+    if size < 1 or ctx.world_size % size:
+        raise ValueError(
+            f"new_dep_group: size={size} must divide the world size {ctx.world_size}"
+        )
+    mine = None
+    for index in range(ctx.world_size // size):
+        ranks = tuple(range(index * size, (index + 1) * size))
+        if size == ctx.world_size:
+            group, cpu_group = ctx.group, ctx.cpu_group
+        else:
+            group = dist.new_group(list(ranks), backend=ctx.backend)
+            cpu_group = group if ctx.backend == "gloo" else dist.new_group(list(ranks), "gloo")
+            ctx._created_groups.append(group)
+            if cpu_group is not group:
+                ctx._created_groups.append(cpu_group)
+        if ctx.rank in ranks:
+            mine = DepGroup(index, size, ctx.rank - ranks[0], ranks, group, cpu_group)
+    assert mine is not None
+    return mine
+
+
+def teardown(ctx: RankContext) -> None:
+    """Destroy what `init_rank_context` and `new_dep_group` created, newest first. Collective.
+
+    Close every EpBuffers/EpRouted before this. A process group the host created stays.
+    """
+    if not dist.is_initialized():
+        return
+    for group in reversed(ctx._created_groups):
+        dist.destroy_process_group(group)
+    ctx._created_groups.clear()
+    if ctx.owns_process_group:
+        dist.destroy_process_group()
