@@ -1,0 +1,117 @@
+"""EpBuffers: one symmetric allocation per rank (sized by EpLayout for max_tokens) and views of
+every rank's regions. CPU: POSIX shared memory (comm/shm.py). CUDA: NVSHMEM (not built yet)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from comm.layout import EpLayout, Region
+from comm.shm import allocate_shm
+
+
+class RankRegions:
+    """Typed views of one rank's allocation (own or a peer's). Row-count arguments are receive
+    rows (`layout.rows(T)`); each view is the first `rows` rows of the region."""
+
+    def __init__(self, segment: torch.Tensor, layout: EpLayout) -> None:
+        self._segment = segment
+        self._layout = layout
+        self._regions = layout.regions
+
+    def _view(self, name: str, rows: int | None) -> torch.Tensor:
+        region: Region = self._regions[name]
+        full = self._segment[region.offset : region.offset + region.nbytes]
+        full = full.view(region.dtype).view(region.shape)
+        if rows is None:
+            return full
+        if not 0 <= rows <= self._layout.max_rows:
+            raise ValueError(f"EpBuffers.{name}: rows={rows} outside 0..{self._layout.max_rows}")
+        return full[:rows]
+
+    @property
+    def header(self) -> torch.Tensor:
+        """int64 [HEADER_WORDS]: the host protocol's control block (seq, tokens, status)."""
+        return self._view("header", None)
+
+    def x(self, rows: int) -> torch.Tensor:
+        """uint8 [rows, L]: MXFP8 e4m3 bytes."""
+        return self._view("x", rows)
+
+    def sf(self, rows: int) -> torch.Tensor:
+        """uint8 [rows, L/32]: E8M0 scale bytes, linear layout."""
+        return self._view("sf", rows)
+
+    def ids(self, rows: int) -> torch.Tensor:
+        """int32 [rows, K]: global expert ids owned by this rank, -1 elsewhere."""
+        return self._view("ids", rows)
+
+    def weights(self, rows: int) -> torch.Tensor:
+        """fp32 [rows, K]: routing weights as the source sent them."""
+        return self._view("weights", rows)
+
+    def partials(self, rows: int) -> torch.Tensor:
+        """bf16 [rows, L]: combine input, row d*S + t = rank d's expert sum for token t."""
+        return self._view("partials", rows)
+
+
+class EpBuffers(RankRegions):
+    """Symmetric receive buffers of one rank of an EP group of `ranks` ranks.
+
+    Collective: construction and `close()` are called by every rank of `group` in the same order.
+    Construction blocks the host (allocation, mapping, two barriers). The views `x(rows)`,
+    `sf(rows)`, `ids(rows)`, `weights(rows)`, `partials(rows)` are this rank's; `peers[r]` gives the
+    same views of rank r's allocation (writes land in rank r's memory).
+
+    group: a gloo group on CPU (its ranks map each other's shared memory).
+    ranks: group size; rank: this process's rank in `group`.
+    max_tokens: tokens per rank per step, at most; latent: L (multiple of 32); topk: K.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        ranks: int,
+        rank: int,
+        max_tokens: int,
+        device: torch.device | str,
+        *,
+        latent: int,
+        topk: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        device = torch.device(device)
+        if dist.get_world_size(group) != ranks or dist.get_rank(group) != rank:
+            raise ValueError(
+                f"EpBuffers: ranks={ranks} rank={rank}, but the group has"
+                f" {dist.get_world_size(group)} ranks and this process is {dist.get_rank(group)}"
+            )
+        layout = EpLayout(ranks, max_tokens, latent, topk)
+        if device.type == "cpu":
+            if dist.get_backend(group) != "gloo":
+                raise ValueError(
+                    f"EpBuffers: CPU buffers need a gloo group, got {dist.get_backend(group)}"
+                )
+            segments = allocate_shm(group, rank, ranks, layout.total_bytes, timeout_s=timeout_s)
+        elif device.type == "cuda":
+            raise NotImplementedError(
+                "EpBuffers: CUDA symmetric buffers (NVSHMEM) are not built yet; use device='cpu'"
+            )
+        else:
+            raise ValueError(f"EpBuffers: device={device}; allowed: cpu, cuda")
+        super().__init__(segments[rank], layout)
+        self.group, self.rank, self.num_ranks = group, rank, ranks
+        self.device, self.layout, self.timeout_s = device, layout, timeout_s
+        self.peers = [RankRegions(seg, layout) for seg in segments]
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release this rank's mappings. Collective by contract (NVSHMEM's free is); on CPU it is
+        local and views handed out earlier keep their mapping alive until they are dropped."""
+        self.peers = []
+        self._segment = torch.empty(0, dtype=torch.uint8)
+        self._closed = True

@@ -1,0 +1,92 @@
+"""Reference dispatch and combine in torch: the row contract, by writing into the peers' buffers.
+
+These functions only write; completion (every source has delivered) is the caller's barrier
+(EpRouted's host protocol on CPU). The GPU kernels are compared against these bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from comm.buffers import EpBuffers
+
+
+def owner_ranks(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
+    """int64 [T, K]: the rank owning each expert id (ranks own contiguous ranges), -1 for id -1."""
+    ids = ids.long()
+    return torch.where(ids >= 0, torch.div(ids, experts_per_rank, rounding_mode="floor"), -1)
+
+
+def dispatch_write(
+    buffers: EpBuffers,
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts_per_rank: int,
+) -> None:
+    """Write this rank's T tokens into every rank's receive rows [rank*S, rank*S + T).
+
+    q uint8 [T, L], sf uint8 [T, L/32] (the token's MXFP8, quantized once), ids int [T, K] global
+    (-1 = none), weights fp32 [T, K]. Destination d gets, for token t: ids with every id d does not
+    own replaced by -1; and, only when one id is d's, the x, sf and weights rows (each token
+    reaches each rank at most once). Rows of tokens with no id on d carry ids of -1 only.
+    """
+    tokens = ids.shape[0]
+    stride = buffers.layout.stride(tokens)
+    rows = buffers.layout.rows(tokens)
+    owners = owner_ranks(ids, experts_per_rank)
+    base = buffers.rank * stride
+    for dest, peer in enumerate(buffers.peers):
+        local = owners == dest
+        peer.ids(rows)[base : base + tokens] = torch.where(local, ids.int(), -1)
+        hit = local.any(dim=1).nonzero().squeeze(1)
+        if hit.numel() == 0:
+            continue
+        at = base + hit
+        peer.x(rows)[at] = q[hit]
+        peer.sf(rows)[at] = sf[hit]
+        peer.weights(rows)[at] = weights[hit]
+
+
+def combine_write(buffers: EpBuffers, expert_out: torch.Tensor, tokens: int) -> None:
+    """Send each expert output row back to its source: row s*S + t of `expert_out` (bf16
+    [N*S, L]) goes to rank s's partials row rank*S + t, for the rows whose received ids hold at
+    least one local id (the only rows the experts wrote)."""
+    stride = buffers.layout.stride(tokens)
+    rows = buffers.layout.rows(tokens)
+    hit = (buffers.ids(rows) >= 0).any(dim=1)
+    for source, peer in enumerate(buffers.peers):
+        mine = hit[source * stride : source * stride + tokens].nonzero().squeeze(1)
+        if mine.numel() == 0:
+            continue
+        peer.partials(rows)[buffers.rank * stride + mine] = expert_out[source * stride + mine]
+
+
+def combine_reduce(
+    buffers: EpBuffers,
+    ids: torch.Tensor,
+    experts_per_rank: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Sum, per token, the partial rows of the ranks that own one of its experts, in fp32 and in
+    rank order 0..N-1 (starting from +0.0; deterministic), then `rms_norm`. Returns bf16 [T, L].
+    Partials of ranks that own none of the token's experts are never read (they may be stale)."""
+    tokens = ids.shape[0]
+    stride = buffers.layout.stride(tokens)
+    partials = buffers.partials(buffers.layout.rows(tokens)).view(buffers.num_ranks, stride, -1)
+    owners = owner_ranks(ids, experts_per_rank)
+    total = torch.zeros(tokens, partials.shape[-1], dtype=torch.float32, device=ids.device)
+    for rank in range(buffers.num_ranks):
+        hit = (owners == rank).any(dim=1).nonzero().squeeze(1)
+        total[hit] += partials[rank, hit].float()
+    return rms_norm(total, norm_weight, eps)
+
+
+def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The latent norm of the HF block: the fp32 expert sum is cast to BF16 (as HF's block does),
+    normalised in fp32 (x * rsqrt(mean(x^2) + eps)), cast to BF16, times the BF16 weight."""
+    h = total.to(torch.bfloat16).float()
+    normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return normed.to(torch.bfloat16) * norm_weight
