@@ -1,0 +1,35 @@
+"""The one interface every experts backend implements for EpRouted."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class ExpertsBackend(ABC):
+    """Routed experts of one rank: global experts [first_expert, first_expert + num_local_experts).
+
+    `forward(x, sf, ids, weights, out)` consumes receive rows (the row contract):
+      x uint8 [R, L] MXFP8 e4m3 bytes, sf uint8 [R, L/32] E8M0 bytes (linear layout),
+      ids int32 [R, K] global expert ids (-1 = none; ids outside this rank's range are skipped),
+      weights fp32 [R, K], out bf16 [R, L] (caller-allocated).
+    For every row holding at least one local id it writes out[row] = BF16 of the fp32 sum over k in
+    order of weights[row, k] * expert_{ids[row, k]}(x[row]) (each expert output BF16). Rows with no
+    local id are not written and their x/sf/weights are not read (they may hold anything).
+    """
+
+    first_expert: int
+    num_local_experts: int
+    latent: int
+
+    @abstractmethod
+    def forward(
+        self,
+        x: torch.Tensor,
+        sf: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write the weighted expert sums of the rows with a local id into `out`; return `out`."""
