@@ -105,6 +105,11 @@ class EpBuffers(RankRegions):
         self.peers = [RankRegions(seg, layout) for seg in segments]
         self._closed = False
 
+    def _view(self, name: str, rows: int | None) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError(f"EpBuffers.{name}: the buffers were closed")
+        return super()._view(name, rows)
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -1,0 +1,70 @@
+"""One seeded case builder for the multi-rank tests: every rank builds every rank's inputs from
+the same generator (so each can compute any reference locally) and keeps its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ep.geometry import MoeGeometry
+
+ROUTINGS = ("random", "skewed", "padded", "same", "duplicate", "nan")
+
+
+@dataclass
+class Case:
+    latent: list[torch.Tensor]  # per source rank: bf16 [T, L]
+    ids: list[torch.Tensor]  # int32 [T, K], -1 = none
+    weights: list[torch.Tensor]  # fp32 [T, K]
+
+
+def make_case(
+    geometry: MoeGeometry, num_ranks: int, tokens: int, seed: int, routing: str = "random"
+) -> Case:
+    """routing: random (distinct experts per token); skewed (every id on rank N-1's experts);
+    padded (every third token all -1, some tokens with a few -1 slots); same (every rank's tokens
+    pick the same K experts); duplicate (each token lists its first expert twice); nan (random,
+    with NaN in one element of token T//2 on rank 0)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"make_case: routing={routing!r}; allowed {ROUTINGS}")
+    gen = torch.Generator().manual_seed(seed)
+    E, K, L = geometry.experts, geometry.topk, geometry.latent
+    per_rank = E // num_ranks
+    case = Case([], [], [])
+    for source in range(num_ranks):
+        latent = torch.randn(tokens, L, generator=gen).to(torch.bfloat16)
+        if routing == "skewed":
+            pool = torch.arange(E - per_rank, E)
+            pick = torch.stack([torch.randperm(per_rank, generator=gen)[:K] for _ in range(tokens)])
+            ids = pool[pick] if per_rank >= K else pool[pick % per_rank]
+        elif routing == "same":
+            ids = torch.randperm(E, generator=torch.Generator().manual_seed(seed))[:K].repeat(tokens, 1)
+        else:
+            ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+        if routing == "duplicate" and K > 1:
+            ids[:, 1] = ids[:, 0]
+        if routing == "padded":
+            ids[::3] = -1
+            ids[1::3, K // 2 :] = -1
+        if routing == "nan" and source == 0:
+            latent[tokens // 2, L // 3] = float("nan")
+        weights = torch.rand(tokens, K, generator=gen) + 0.05
+        weights = weights / weights.sum(dim=1, keepdim=True)
+        case.latent.append(latent)
+        case.ids.append(ids.to(torch.int32))
+        case.weights.append(weights)
+    return case
+
+
+def collective_assert(group: dist.ProcessGroup, failures: list[str]) -> None:
+    """Fail on every rank if any rank failed (keeps ranks in step: no rank runs ahead into the
+    next test's collectives). `failures` are this rank's messages."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32)
+    flags[dist.get_rank(group)] = 1 if failures else 0
+    dist.all_reduce(flags, group=group)
+    bad = flags.nonzero().squeeze(1).tolist()
+    if bad:
+        mine = "; ".join(failures[:5]) if failures else "this rank passed"
+        raise AssertionError(f"failed on rank(s) {bad}. Rank {dist.get_rank(group)}: {mine}")
