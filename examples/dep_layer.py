@@ -1,0 +1,130 @@
+"""Run the routed-expert path of one MoE layer across the ranks of a DEP group and check each step.
+
+    torchrun --nproc-per-node 4 examples/dep_layer.py            # CPU, tiny preset, 4 ranks
+    mpiexec -n 3 python examples/dep_layer.py --steps 20
+
+Every step draws fresh hidden states, routes them (sigmoid top-K with the bias), gives each rank a
+random number of real tokens padded to the same T with rows of -1 ids, runs dispatch -> experts ->
+combine (+ RMSNorm) through EpRouted, and compares every rank's output with the all-gather
+reference. Rank 0 prints per-phase times (host wall clock, max over ranks) and the worst error.
+Exit status 1 if any step fails its check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from ep import PRESETS, EpRouted, SyntheticLayer, allgather_reference, route  # noqa: E402
+from experts import ReferenceExperts  # noqa: E402
+from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+
+# Tolerance of the check (bf16 output against the float64 reference; tests/test_routed_mpi.py).
+MAX_REL_L2 = 8e-3
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                   help="layer geometry: tiny (seconds on CPU) or k3 (Kimi K3: ~4 GB of weights"
+                        " per rank at 4 ranks, meant for GPUs); auto: tiny")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where tensors and buffers live; auto: CPU until the GPU buffers exist")
+    p.add_argument("--tokens", type=int, default=16,
+                   help="T: tokens every rank passes per step (real ones + padding rows)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="capacity of the buffers (default: --tokens)")
+    p.add_argument("--steps", type=int, default=5, help="steps, each with fresh data")
+    p.add_argument("--dep-size", type=int, default=None,
+                   help="ranks per DEP group (default: all ranks; must divide the world size)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any wait may take before EpTimeoutError")
+    p.add_argument("--no-check", action="store_true", help="skip the all-gather reference")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    device = args.device
+    if device == "auto":
+        # GPU symmetric buffers (NVSHMEM) are not built yet: the CPU path runs everywhere.
+        device = "cpu"
+    if device == "cuda":
+        raise SystemExit("dep_layer.py: --device cuda needs the GPU buffers, not built yet")
+    ctx = init_rank_context(device, timeout_s=args.timeout)
+    dep = new_dep_group(ctx, args.dep_size or ctx.world_size)
+    geometry = PRESETS["tiny" if args.preset == "auto" else args.preset]
+    max_tokens = args.max_tokens or args.tokens
+    if not 1 <= args.tokens <= max_tokens:
+        raise SystemExit(f"dep_layer.py: --tokens {args.tokens} outside 1..{max_tokens}")
+    per_rank = geometry.experts // dep.size
+    layer = SyntheticLayer(geometry, args.seed + dep.index)
+    experts = ReferenceExperts(*layer.local(dep.rank * per_rank, per_rank),
+                               first_expert=dep.rank * per_rank)  # fmt: skip
+    gate, bias = layer.router()
+    norm_weight = layer.norm_weight()
+    routed = EpRouted(dep.cpu_group, max_tokens, ctx.device, experts=geometry.experts,
+                      latent=geometry.latent, topk=geometry.topk, timeout_s=args.timeout)  # fmt: skip
+    gen = torch.Generator().manual_seed(args.seed * 7919 + ctx.rank)
+    if ctx.rank == 0:
+        print(f"dep_layer: {ctx.world_size} rank(s), DEP groups of {dep.size}, preset"
+              f" {geometry.name}, T={args.tokens}, device {ctx.device}, {args.steps} steps")
+        print(f"{'step':>4} {'real tokens':>14} {'dispatch ms':>11} {'experts ms':>10}"
+              f" {'combine ms':>10} {'check ms':>8} {'rel L2 err':>10}  result")
+    failed = 0
+    for step in range(args.steps):
+        T = args.tokens
+        hidden = torch.randn(T, geometry.hidden, generator=gen).to(torch.bfloat16)
+        latent = torch.randn(T, geometry.latent, generator=gen).to(torch.bfloat16)
+        ids, weights = route(hidden, gate, bias, geometry.topk)
+        real = int(torch.randint(1, T + 1, (1,), generator=gen))
+        ids[real:] = -1  # padding rows: no expert
+        times = []
+        t0 = time.perf_counter()
+        rows = routed.dispatch(latent, ids, weights, experts=experts)
+        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        normed = routed.combine(norm_weight, eps=1e-5)
+        times.append(time.perf_counter() - t0)
+        error = 0.0
+        t0 = time.perf_counter()
+        if not args.no_check:
+            ref = allgather_reference(dep.cpu_group, latent, ids, weights, norm_weight,
+                                      layer.expert)  # fmt: skip
+            diff = (normed.double() - ref).norm() / ref.norm().clamp(min=1e-30)
+            error = float(diff) if normed.isfinite().all() else float("inf")
+        times.append(time.perf_counter() - t0)
+        stats = torch.tensor([*times, error, real, real], dtype=torch.float64)
+        dist.all_reduce(stats[:5], op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+        reals = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx.world_size)]
+        dist.all_gather(reals, stats[5:6], group=ctx.cpu_group)
+        ok = args.no_check or float(stats[4]) <= MAX_REL_L2
+        failed += not ok
+        if ctx.rank == 0:
+            counts = ",".join(str(int(r)) for r in reals)
+            ms = [f"{1e3 * float(v):.2f}" for v in stats[:4]]
+            check = "skipped" if args.no_check else ("ok" if ok else "FAILED")
+            print(f"{step:>4} {counts:>14} {ms[0]:>11} {ms[1]:>10} {ms[2]:>10} {ms[3]:>8}"
+                  f" {float(stats[4]):>10.2e}  {check}", flush=True)  # fmt: skip
+    routed.close()
+    if ctx.rank == 0:
+        verdict = "check skipped" if args.no_check else f"{failed} of {args.steps} steps failed"
+        print(f"dep_layer: {verdict} (tolerance: relative L2 <= {MAX_REL_L2:g}; times are host"
+              " wall clock, max over ranks)")
+    teardown(ctx)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

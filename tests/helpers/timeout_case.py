@@ -1,0 +1,39 @@
+"""Run under 2 ranks: rank 1 skips a dispatch; both ranks must raise EpTimeoutError that names the
+rank, the phase and the peer, within the configured timeout. Prints one RESULT line per rank."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from comm import EpTimeoutError  # noqa: E402
+from ep import TINY, EpRouted, SyntheticLayer  # noqa: E402
+from experts import ReferenceExperts  # noqa: E402
+from launch import init_rank_context, new_dep_group  # noqa: E402
+
+TIMEOUT_S = 3.0
+
+ctx = init_rank_context("cpu", timeout_s=30.0)
+dep = new_dep_group(ctx, ctx.world_size)
+layer = SyntheticLayer(TINY, 0)
+per_rank = TINY.experts // dep.size
+experts = ReferenceExperts(*layer.local(dep.rank * per_rank, per_rank),
+                           first_expert=dep.rank * per_rank)  # fmt: skip
+routed = EpRouted(dep.cpu_group, 4, "cpu", experts=TINY.experts, latent=TINY.latent,
+                  topk=TINY.topk, timeout_s=TIMEOUT_S)  # fmt: skip
+import torch  # noqa: E402
+
+latent = torch.randn(4, TINY.latent).bfloat16()
+ids = torch.randint(0, TINY.experts, (4, TINY.topk), dtype=torch.int32)
+weights = torch.full((4, TINY.topk), 1.0 / TINY.topk)
+if dep.rank == 1:
+    time.sleep(2 * TIMEOUT_S)  # skips the first dispatch
+start = time.monotonic()
+try:
+    routed.routed(latent, ids, weights, layer.norm_weight(), experts=experts)
+    print(f"RESULT rank {dep.rank}: no error", flush=True)
+except EpTimeoutError as err:
+    took = time.monotonic() - start
+    print(f"RESULT rank {dep.rank}: EpTimeoutError after {took:.1f}s: {err}", flush=True)
+routed.close()

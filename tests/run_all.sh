@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every test: single-process ones (including the example under torchrun on 2-4 ranks and the
+# timeout case under mpiexec), then the multi-rank suite under mpiexec with 2, 3 and 4 ranks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=$(dirname "$(command -v python)")
+mpiexec=$(command -v "$bin/mpiexec" || command -v mpiexec || true)
+[ -n "$mpiexec" ] || { echo "run_all.sh: mpiexec not found; pip install -e '.[test]'" >&2; exit 2; }
+echo "== single-process tests"
+python -m pytest -q -m "not mpi" tests
+for n in 2 3 4; do
+  echo "== multi-rank tests on $n ranks"
+  "$mpiexec" -n "$n" python -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests
+done
+echo "== all test runs passed"

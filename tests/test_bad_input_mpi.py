@@ -1,0 +1,134 @@
+"""Bad input raises the documented error on every rank (never a hang), and the buffers stay usable."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from cases import collective_assert, make_case
+from comm import EpPeerError
+from ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from experts import ReferenceExperts
+from test_routed_mpi import MAX_TOKENS, agreed_seed, compare, make_experts
+
+T = 6
+
+
+def corrupt(case_name, latent, ids, weights, experts, norm, rank, num_ranks, layer):
+    """Return the bad rank's (latent, ids, weights, experts, norm_weight) and the message."""
+    L, K, E = TINY.latent, TINY.topk, TINY.experts
+    if case_name == "tokens_over":
+        big = make_case(TINY, 1, MAX_TOKENS + 1, 5)
+        return big.latent[0], big.ids[0], big.weights[0], experts, norm, f"tokens={MAX_TOKENS + 1}"
+    if case_name == "tokens_zero":
+        return latent[:0], ids[:0], weights[:0], experts, norm, "tokens=0 outside 1.."
+    if case_name == "id_high":
+        ids = ids.clone()
+        ids[2, 1] = E
+        return latent, ids, weights, experts, norm, f"ids hold {E}; allowed -1"
+    if case_name == "id_low":
+        ids = ids.clone()
+        ids[0, 0] = -2
+        return latent, ids, weights, experts, norm, "ids hold -2"
+    if case_name == "latent_dtype":
+        return latent.float(), ids, weights, experts, norm, "latent dtype torch.float32"
+    if case_name == "latent_width":
+        wide = torch.zeros(T, L + 32, dtype=torch.bfloat16)
+        return wide, ids, weights, experts, norm, f"latent shape \\({T}, {L + 32}\\)"
+    if case_name == "ids_dtype":
+        return latent, ids.short(), weights, experts, norm, "ids dtype torch.int16"
+    if case_name == "weights_shape":
+        return latent, ids, weights[:, :-1], experts, norm, "weights shape"
+    if case_name == "noncontiguous":
+        strided = torch.empty(L, T, dtype=torch.bfloat16).t()
+        strided.copy_(latent)
+        return strided, ids, weights, experts, norm, "latent must be contiguous"
+    if case_name == "device":
+        return latent.to("meta"), ids, weights, experts, norm, "latent on meta"
+    if case_name == "weights_nan":
+        weights = weights.clone()
+        weights[1, 2] = float("nan")
+        return latent, ids, weights, experts, norm, "weights\\[1, 2\\]=nan is not finite"
+    if case_name == "foreign_experts":
+        other = make_experts(layer, (rank + 1) % num_ranks, num_ranks)
+        return latent, ids, weights, other, norm, f"rank {rank} owns experts"
+    if case_name == "norm_dtype":
+        return latent, ids, weights, experts, norm.float(), "norm_weight dtype"
+    raise AssertionError(case_name)
+
+
+CASES = ["tokens_over", "tokens_zero", "id_high", "id_low", "latent_dtype", "latent_width",
+         "ids_dtype", "weights_shape", "noncontiguous", "device", "weights_nan",
+         "foreign_experts", "norm_dtype"]  # fmt: skip
+
+
+@pytest.fixture
+def setup(dep):
+    layer = SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 0))
+    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", experts=TINY.experts, latent=TINY.latent,
+                      topk=TINY.topk, timeout_s=60.0)  # fmt: skip
+    yield layer, routed, make_experts(layer, dep.rank, dep.size)
+    routed.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case_name", CASES)
+def test_one_rank_bad_input(dep, setup, case_name):
+    layer, routed, experts = setup
+    rank, bad_rank = dep.rank, dep.size - 1
+    case = make_case(TINY, dep.size, T, agreed_seed(dep.cpu_group, 0))
+    args = (case.latent[rank], case.ids[rank], case.weights[rank], experts, layer.norm_weight())
+    message = None
+    if rank == bad_rank:
+        *args, message = corrupt(case_name, *args, rank, dep.size, layer)
+    latent, ids, weights, ex, norm = args
+    failures = []
+    expected = (TypeError, ValueError) if rank == bad_rank else EpPeerError
+    try:
+        routed.routed(latent, ids, weights, norm, experts=ex)
+        failures.append(f"{case_name}: no error raised")
+    except expected as err:
+        if message and not re.search(message, str(err)):
+            failures.append(f"{case_name}: message {str(err)!r} lacks {message!r}")
+        if message and "EpRouted.routed" not in str(err):
+            failures.append(f"{case_name}: message {str(err)!r} does not name the call")
+    except Exception as err:  # noqa: BLE001 - report the wrong type on every rank
+        failures.append(f"{case_name}: {type(err).__name__}: {err}")
+    # The buffers stay usable: the next correct call matches the reference.
+    good = make_case(TINY, dep.size, T, agreed_seed(dep.cpu_group, 1))
+    out = routed.routed(good.latent[rank], good.ids[rank], good.weights[rank],
+                        layer.norm_weight(), experts=experts)  # fmt: skip
+    ref = allgather_reference(dep.cpu_group, good.latent[rank], good.ids[rank],
+                              good.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
+    failures += compare(out, ref, f"after {case_name}")
+    collective_assert(dep.cpu_group, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_token_counts_differ(dep, setup):
+    layer, routed, experts = setup
+    tokens = T - 1 if dep.rank == 0 else T
+    case = make_case(TINY, dep.size, tokens, agreed_seed(dep.cpu_group, 0))
+    r = dep.rank
+    failures = []
+    with pytest.raises(ValueError, match="different token counts"):
+        routed.routed(case.latent[r], case.ids[r], case.weights[r], layer.norm_weight(),
+                      experts=experts)  # fmt: skip
+    collective_assert(dep.cpu_group, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_construction_errors(dep):
+    for kwargs, match in [
+        (dict(experts=4 * dep.size + 1), "multiple of the rank count"),
+        (dict(topk=TINY.experts + 1), "topk="),
+        (dict(max_tokens=0), "max_tokens=0"),
+    ]:
+        args = dict(max_tokens=8, experts=TINY.experts, latent=TINY.latent, topk=TINY.topk)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            EpRouted(dep.cpu_group, args.pop("max_tokens"), "cpu", **args)
+    with pytest.raises(ValueError, match="first_expert"):
+        ReferenceExperts(*SyntheticLayer(TINY, 0).local(0, 1), first_expert=-3)

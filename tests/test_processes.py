@@ -1,0 +1,42 @@
+"""Whole-process checks: the example under torchrun on 2-4 ranks, and a rank that skips a dispatch."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launcher(name: str) -> str:
+    path = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found: install the test extras (pip install -e '.[test]')")
+    return path
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_example_passes_its_check(ranks):
+    cmd = [launcher("torchrun"), "--nproc-per-node", str(ranks), "examples/dep_layer.py",
+           "--steps", "3", "--tokens", "9"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 of 3 steps failed" in proc.stdout, proc.stdout[-3000:]
+    assert len(re.findall(r"  ok$", proc.stdout, re.M)) == 3
+
+
+def test_skipped_dispatch_times_out_naming_rank_phase_peer():
+    cmd = [launcher("mpiexec"), "-n", "2", sys.executable, "tests/helpers/timeout_case.py"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RESULT rank 0: EpTimeoutError" in lines[0]
+    assert "timed out in phase 'dispatch' waiting for rank(s) 1" in lines[0]
+    took = float(re.search(r"after ([\d.]+)s", lines[0]).group(1))
+    assert 2.5 < took < 10, f"rank 0 waited {took}s with a 3 s timeout"
+    assert "RESULT rank 1: EpTimeoutError" in lines[1] and "rank 1: timed out" in lines[1]
