@@ -4,8 +4,9 @@ exact dequantization. Runs on any device torch supports.
 
 Non-finite input (not covered by FlashInfer's checked contract; ours, by the same formula):
 a block whose amax is Inf or NaN gets scale byte 255 and multiplier 0, so its finite elements
-become +-0 and its NaN/Inf elements become e4m3 NaN (0x7F / 0xFF); dequantized, the whole block
-is NaN. Other blocks and other tokens are untouched.
+become +-0 and its NaN/Inf elements become the canonical e4m3 NaN 0x7F (what the GPU's
+cvt.rn.satfinite produces); dequantized, the whole block is NaN. Other blocks and other tokens are
+untouched.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     usable = (scale > 0) & (scale < 254)
     inv = torch.where(usable, (254 - scale) << 23, torch.zeros_like(scale)).view(torch.float32)
     scaled = (blocks * inv.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    q = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(shape)
+    q = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    q = torch.where(scaled.isnan(), torch.full_like(q, 0x7F), q).reshape(shape)
     return q, scale.to(torch.uint8)
 
 

@@ -84,9 +84,34 @@ def combine_reduce(
     return rms_norm(total, norm_weight, eps)
 
 
+NORM_LANES = 32  # the combine kernel's warp: lane l owns the 8-element chunks l, l+32, ...
+NORM_CHUNK = 8
+
+
 def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The latent norm of the HF block: the fp32 expert sum is cast to BF16 (as HF's block does),
-    normalised in fp32 (x * rsqrt(mean(x^2) + eps)), cast to BF16, times the BF16 weight."""
+    """The latent norm of the HF block, in the exact order of the combine kernel.
+
+    h = BF16(total) (as HF's block casts the expert sum); sum of squares in fp32: lane l of 32 adds
+    h*h over its chunks l, l+32, ... (8 elements each) in order, then the lanes are reduced by the
+    tree x[i] += x[i + o], o = 16, 8, 4, 2, 1; inv = 1 / sqrt(sumsq / L + eps) (IEEE division and
+    square root); out = BF16(BF16(h * inv) * weight). total fp32 [T, L] -> bf16 [T, L].
+    """
+    tokens, latent = total.shape
     h = total.to(torch.bfloat16).float()
-    normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return normed.to(torch.bfloat16) * norm_weight
+    chunks = latent // NORM_CHUNK
+    per_lane = -(-chunks // NORM_LANES)
+    padded = torch.zeros(tokens, per_lane * NORM_LANES * NORM_CHUNK, device=h.device)
+    padded[:, :latent] = h
+    squares = (padded * padded).view(tokens, per_lane, NORM_LANES, NORM_CHUNK)
+    lanes = torch.zeros(tokens, NORM_LANES, device=h.device)
+    for i in range(per_lane):
+        valid = min(NORM_LANES, chunks - i * NORM_LANES)
+        for j in range(NORM_CHUNK):
+            lanes[:, :valid] = lanes[:, :valid] + squares[:, i, :valid, j]
+    width = NORM_LANES
+    while width > 1:
+        width //= 2
+        lanes = lanes[:, :width] + lanes[:, width : 2 * width]
+    mean = lanes / float(latent)
+    inv = torch.ones_like(mean) / torch.sqrt(mean + eps)
+    return (h * inv).to(torch.bfloat16) * norm_weight

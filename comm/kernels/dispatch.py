@@ -1,0 +1,99 @@
+"""DispatchKernel: quantize each token to MXFP8 once and push it to every rank owning one of its
+experts (the row contract of docs/design.md), then wait until every source has delivered."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint8, Uint32
+
+from comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
+from comm.kernels.signals import (
+    PHASE_DISPATCH, gmem_ptr, load_i32, load_i64, signal_arrival, wait_arrivals,
+)  # fmt: skip
+
+
+class DispatchKernel:
+    """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank. T is runtime.
+
+    Grid: CTAs take contiguous chunks of tokens; a CTA's threads quantize one token's L/32 blocks
+    (one block of 32 per thread at a time) and store each block to every destination rank that owns
+    one of the token's experts (16-byte stores); threads < K write the ids row to every rank (-1
+    for experts it does not own) and the weights to the ranks the token goes to. After its tokens,
+    each CTA fences at system scope and release-adds its token count to every destination's arrival
+    counter for this source. CTA 0 then waits for all sources (see signals.py).
+    """
+
+    def __init__(self, num_ranks: int, latent: int, topk: int, experts_per_rank: int,
+                 threads: int = 128):  # fmt: skip
+        assert 1 <= num_ranks <= 32 and latent % 32 == 0 and threads >= max(num_ranks, topk)
+        self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
+        self.experts_per_rank, self.threads = experts_per_rank, threads
+        self.blocks_per_row = latent // 32
+
+    @cute.jit
+    def __call__(
+        self, latent: Int64, ids: Int64, weights: Int64, peers: Int64, own: Int64, state: Int64,
+        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, sig_off: Int64,
+        tokens: Int32, rank: Int32, timeout_ns: Int64, grid: Int32, stream: cuda.CUstream,
+    ):  # fmt: skip
+        self.kernel(latent, ids, weights, peers, own, state, error, x_off, sf_off, ids_off, w_off,
+                    sig_off, tokens, rank, timeout_ns).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self, latent: Int64, ids: Int64, weights: Int64, peers: Int64, own: Int64, state: Int64,
+        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, sig_off: Int64,
+        tokens: Int32, rank: Int32, timeout_ns: Int64,
+    ):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        N, K, L, NB = self.num_ranks, self.topk, self.latent, self.blocks_per_row
+        chunk = (tokens + grid - 1) // grid
+        t_begin = cutlass.min(bidx * chunk, tokens)
+        t_end = cutlass.min(t_begin + chunk, tokens)
+        rOut = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_OUT), Uint32)
+        for t in cutlass.range(t_begin, t_end):
+            hits = Uint32(0)  # bit d: the token has an expert on rank d
+            for k in cutlass.range_constexpr(K):
+                e = load_i32(ids + (Int64(t) * K + k) * 4)
+                if e >= 0:
+                    hits = hits | (Uint32(1) << Uint32(e // self.experts_per_rank))
+            row = Int64(rank) * tokens + t  # receive row on every destination
+            for b in cutlass.range(tidx, NB, self.threads):
+                scale = quantize_block(latent + (Int64(t) * NB + b) * 64, rOut)
+                for d in cutlass.range_constexpr(N):
+                    if (hits >> d) & 1:
+                        base = load_i64(peers + d * 8)
+                        cute.autovec_copy(rOut, gmem_words(base + x_off + row * L + b * 32,
+                                                           BLOCK_WORDS_OUT))  # fmt: skip
+                        cute.arch.store(gmem_ptr(Uint8, base + sf_off + row * NB + b, 1),
+                                        Uint8(scale))  # fmt: skip
+            for k in cutlass.range(tidx, K, self.threads):
+                e = load_i32(ids + (Int64(t) * K + k) * 4)
+                w = cute.arch.load(gmem_ptr(Uint32, weights + (Int64(t) * K + k) * 4), Uint32)
+                for d in cutlass.range_constexpr(N):
+                    base = load_i64(peers + d * 8)
+                    mine = Int32(-1)
+                    if e >= 0 and e // self.experts_per_rank == d:
+                        mine = e
+                    cute.arch.store(gmem_ptr(Int32, base + ids_off + (row * K + k) * 4), mine)
+                    if (hits >> d) & 1:
+                        cute.arch.store(gmem_ptr(Uint32, base + w_off + (row * K + k) * 4), w)
+        cute.arch.fence_acq_rel_sys()
+        cute.arch.barrier()
+        count = t_end - t_begin
+        if tidx < N and count > 0:
+            signal_arrival(load_i64(peers + tidx * 8) + sig_off + Int64(rank) * 8, Int64(count))
+        if bidx == 0 and tidx < N:
+            expected = state + tidx * 8  # dispatch rows expected from source tidx so far
+            target = load_i64(expected) + tokens
+            wait_arrivals(own + sig_off + tidx * 8, target, state + 2 * N * 8, error, rank,
+                          PHASE_DISPATCH, tidx, timeout_ns)  # fmt: skip
+            cute.arch.store(gmem_ptr(Int64, expected, 8), target)
+            combine_expected = state + (N + tidx) * 8  # the combine of this step waits for it
+            cute.arch.store(gmem_ptr(Int64, combine_expected, 8),
+                            load_i64(combine_expected) + tokens)  # fmt: skip
