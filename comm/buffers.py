@@ -1,5 +1,5 @@
 """EpBuffers: one symmetric allocation per rank (sized by EpLayout for max_tokens) and views of
-every rank's regions. CPU: POSIX shared memory (comm/shm.py). CUDA: NVSHMEM (not built yet)."""
+every rank's regions. CPU: POSIX shared memory (comm/shm.py). CUDA: NVSHMEM (comm/nvshmem_alloc.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import torch
 import torch.distributed as dist
 
 from comm.layout import EpLayout, Region
+from comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
 from comm.shm import allocate_shm
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """A torch.device with an index for CUDA ("cuda" -> the current device), so comparisons hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class RankRegions:
@@ -28,6 +37,11 @@ class RankRegions:
         if not 0 <= rows <= self._layout.max_rows:
             raise ValueError(f"EpBuffers.{name}: rows={rows} outside 0..{self._layout.max_rows}")
         return full[:rows]
+
+    @property
+    def base_address(self) -> int:
+        """Address of the allocation's first byte in this process (regions are at layout offsets)."""
+        return self._segment.data_ptr()
 
     @property
     def header(self) -> torch.Tensor:
@@ -63,7 +77,9 @@ class EpBuffers(RankRegions):
     `sf(rows)`, `ids(rows)`, `weights(rows)`, `partials(rows)` are this rank's; `peers[r]` gives the
     same views of rank r's allocation (writes land in rank r's memory).
 
-    group: a gloo group on CPU (its ranks map each other's shared memory).
+    group: a gloo group (CPU: its ranks map each other's shared memory; CUDA: it carries the NVSHMEM
+    bootstrap and host barriers). On CUDA every rank's allocation is reachable through NVLink (or
+    the same GPU) and `peer_addresses` holds their base addresses for the kernels.
     ranks: group size; rank: this process's rank in `group`.
     max_tokens: tokens per rank per step, at most; latent: L (multiple of 32); topk: K.
     """
@@ -80,7 +96,7 @@ class EpBuffers(RankRegions):
         topk: int,
         timeout_s: float = 60.0,
     ) -> None:
-        device = torch.device(device)
+        device = resolve_device(device)
         if dist.get_world_size(group) != ranks or dist.get_rank(group) != rank:
             raise ValueError(
                 f"EpBuffers: ranks={ranks} rank={rank}, but the group has"
@@ -94,15 +110,17 @@ class EpBuffers(RankRegions):
                 )
             segments = allocate_shm(group, rank, ranks, layout.total_bytes, timeout_s=timeout_s)
         elif device.type == "cuda":
-            raise NotImplementedError(
-                "EpBuffers: CUDA symmetric buffers (NVSHMEM) are not built yet; use device='cpu'"
-            )
+            segments = allocate_nvshmem(group, rank, ranks, layout.total_bytes, device)
         else:
             raise ValueError(f"EpBuffers: device={device}; allowed: cpu, cuda")
         super().__init__(segments[rank], layout)
         self.group, self.rank, self.num_ranks = group, rank, ranks
         self.device, self.layout, self.timeout_s = device, layout, timeout_s
         self.peers = [RankRegions(seg, layout) for seg in segments]
+        # int64 [N] on the device: base address of every rank's allocation, for the kernels.
+        self.peer_addresses = torch.tensor([seg.data_ptr() for seg in segments], dtype=torch.int64,
+                                           device=device)  # fmt: skip
+        self._own_allocation = segments[rank]
         self._closed = False
 
     def _view(self, name: str, rows: int | None) -> torch.Tensor:
@@ -117,6 +135,11 @@ class EpBuffers(RankRegions):
     def close(self) -> None:
         """Release this rank's mappings. Collective by contract (NVSHMEM's free is); on CPU it is
         local and views handed out earlier keep their mapping alive until they are dropped."""
+        if self._closed:
+            return
         self.peers = []
         self._segment = torch.empty(0, dtype=torch.uint8)
         self._closed = True
+        if self.device.type == "cuda":
+            free_nvshmem(self._own_allocation)
+        self._own_allocation = None

@@ -44,6 +44,7 @@ class EpLayout:
       ids      int32 [max_rows, topk]     global expert ids this rank owns, -1 elsewhere
       weights  fp32  [max_rows, topk]     routing weights as the source sent them
       partials bf16  [max_rows, latent]   combine: row d*stride(T)+t = rank d's sum for token t
+      signals  int64 [2, num_ranks]       GPU arrival counters per source: [0] dispatch, [1] combine
     """
 
     num_ranks: int
@@ -82,6 +83,7 @@ class EpLayout:
             ("ids", (rows, K), torch.int32),
             ("weights", (rows, K), torch.float32),
             ("partials", (rows, L), torch.bfloat16),
+            ("signals", (2, self.num_ranks), torch.int64),
         )
         out, offset = {}, 0
         for name, shape, dtype in specs:

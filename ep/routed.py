@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from comm.buffers import EpBuffers
+from comm.buffers import EpBuffers, resolve_device
 from comm.errors import EpPeerError
 from comm.host_sync import bounded_barrier
 from comm.layout import HEADER_SEQ, HEADER_STATUS, HEADER_TOKENS
@@ -54,6 +54,7 @@ class EpRouted:
         latent: int,
         topk: int,
         timeout_s: float = 60.0,
+        check_values: bool | None = None,
     ) -> None:
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         if experts < 1 or experts % num_ranks:
@@ -65,7 +66,7 @@ class EpRouted:
             raise ValueError(f"EpRouted: topk={topk} outside 1..{experts} (experts)")
         if max_tokens < 1:
             raise ValueError(f"EpRouted: max_tokens={max_tokens} must be >= 1")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.num_experts, self.latent, self.topk = experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = experts // num_ranks
@@ -75,6 +76,14 @@ class EpRouted:
             latent=latent, topk=topk, timeout_s=timeout_s,
         )  # fmt: skip
         self._group, self._timeout_s = group, timeout_s
+        self.on_gpu = self.device.type == "cuda"
+        # Value checks (ids range, finite weights) read the tensors: a host sync on GPU.
+        self.check_values = (not self.on_gpu) if check_values is None else check_values
+        self._exchange = None
+        if self.on_gpu:
+            from comm.device_exchange import DeviceExchange
+
+            self._exchange = DeviceExchange(self.buffers, self.experts_per_rank, timeout_s)
         self._expert_out = torch.empty(
             self.buffers.layout.max_rows, latent, dtype=torch.bfloat16, device=self.device
         )
@@ -131,8 +140,9 @@ class EpRouted:
         shape = (tokens, self.topk)
         check_tensor(fn, "ids", ids, (torch.int32, torch.int64), shape, self.device)
         check_tensor(fn, "weights", weights, (torch.float32,), shape, self.device)
-        check_ids(fn, ids, self.num_experts)
-        check_weights_finite(fn, weights, ids)
+        if self.check_values:
+            check_ids(fn, ids, self.num_experts)
+            check_weights_finite(fn, weights, ids)
         if experts is not None:
             self._check_experts(fn, experts)
         return tokens
@@ -172,6 +182,13 @@ class EpRouted:
         self._check_open(_fn)
         if self._dispatched is not None:
             raise RuntimeError(f"{_fn}: the previous dispatch was not combined yet")
+        if self.on_gpu:
+            self._exchange.check()
+            tokens = self._check_inputs(_fn, latent, ids, weights, experts)
+            ids = ids if ids.dtype == torch.int32 else ids.int()
+            self._exchange.dispatch(latent, ids, weights)
+            self._dispatched = ids
+            return self.receive(tokens)
         error, tokens = None, 0
         try:
             tokens = self._check_inputs(_fn, latent, ids, weights, experts)
@@ -202,6 +219,15 @@ class EpRouted:
         if ids is None:
             raise RuntimeError(f"{_fn}: no dispatch to combine")
         tokens = ids.shape[0]
+        if self.on_gpu:
+            if _error is not None:
+                raise _error
+            check_tensor(_fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,),
+                         self.device)  # fmt: skip
+            normed = torch.empty(tokens, self.latent, dtype=torch.bfloat16, device=self.device)
+            self._exchange.combine(self.receive(tokens).out, ids, norm_weight, float(eps), normed)
+            self._dispatched = None
+            return normed
         error = _error
         if error is None:
             try:
@@ -237,6 +263,13 @@ class EpRouted:
         except Exception as err:  # every rank must still reach combine's barrier
             error = err
         return self.combine(norm_weight, eps=eps, _fn=fn, _error=error)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued work and raise EpTimeoutError if a kernel recorded a timeout.
+        On CPU every call completes before it returns and this only checks the state."""
+        if self.on_gpu:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._exchange.check()
 
     def close(self) -> None:
         """Release the buffers. Collective by contract; idempotent."""

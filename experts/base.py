@@ -16,7 +16,8 @@ class ExpertsBackend(ABC):
       weights fp32 [R, K], out bf16 [R, L] (caller-allocated).
     For every row holding at least one local id it writes out[row] = BF16 of the fp32 sum over k in
     order of weights[row, k] * expert_{ids[row, k]}(x[row]) (each expert output BF16). Rows with no
-    local id are not written and their x/sf/weights are not read (they may hold anything).
+    local id may hold anything in x/sf/weights; a backend may leave their output or write anything
+    there (combine never reads them).
     """
 
     first_expert: int

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Every test: single-process ones (including the example under torchrun on 2-4 ranks and the
+# Every CPU test: single-process ones (including the example under torchrun on 2-4 ranks and the
 # timeout case under mpiexec), then the multi-rank suite under mpiexec with 2, 3 and 4 ranks.
+# tests/gpu needs a CUDA device: see docs/gpu.md for its command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$(dirname "$(command -v python)")
 mpiexec=$(command -v "$bin/mpiexec" || command -v mpiexec || true)
 [ -n "$mpiexec" ] || { echo "run_all.sh: mpiexec not found; pip install -e '.[test]'" >&2; exit 2; }
 echo "== single-process tests"
-python -m pytest -q -m "not mpi" tests
+python -m pytest -q -m "not mpi" --ignore=tests/gpu tests
 for n in 2 3 4; do
   echo "== multi-rank tests on $n ranks"
-  "$mpiexec" -n "$n" python -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests
+  "$mpiexec" -n "$n" python -m pytest -q -p no:cacheprovider --with-mpi -m mpi --ignore=tests/gpu tests
 done
 echo "== all test runs passed"

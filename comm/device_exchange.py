@@ -1,0 +1,120 @@
+"""DeviceExchange: the GPU side of dispatch and combine for one EpBuffers.
+
+Compiles the CuTeDSL kernels once (at construction, before any graph capture; T is a runtime
+argument, so no compile per token count), keeps the device state (expected arrival counts per
+source, the abort word) and the host-mapped error record, and launches on the current stream.
+No host synchronisation and no memset between calls: every launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from comm.buffers import EpBuffers
+from comm.errors import EpTimeoutError
+from launch.nvshmem import GPU_EXTRA
+
+PHASE_NAMES = {1: "dispatch", 2: "combine"}
+CTAS_PER_SM = 2
+
+
+def import_cute():
+    try:
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+    except ImportError as err:
+        raise ImportError(f"the GPU kernels need CuTeDSL: {GPU_EXTRA}") from err
+    return cuda, cutlass, cute
+
+
+def compile_kernels(num_ranks: int, latent: int, topk: int, experts_per_rank: int,
+                    arch: str | None = None, keep_ptx_dir: str | None = None) -> dict:
+    """Compile dispatch, combine-send and combine-reduce for one geometry. `arch` (e.g.
+    "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX.
+    Returns {name: compiled function}."""
+    cuda, cutlass, cute = import_cute()
+    from cutlass import Float32, Int32, Int64
+
+    from comm.kernels.combine_reduce import CombineReduceKernel
+    from comm.kernels.combine_send import CombineSendKernel
+    from comm.kernels.dispatch import DispatchKernel
+
+    options = []
+    if arch:
+        options.append(f"--gpu-arch {arch}")
+    if keep_ptx_dir:
+        options += ["--keep-ptx", f"--dump-dir {keep_ptx_dir}"]
+    kw = {"options": " ".join(options)} if options else {}
+    z, one, stream = Int64(0), Int32(1), cuda.CUstream(0)
+    return {
+        "dispatch": cute.compile(DispatchKernel(num_ranks, latent, topk, experts_per_rank),
+                                 *([z] * 12), one, Int32(0), z, one, stream, **kw),
+        "combine_send": cute.compile(CombineSendKernel(num_ranks, latent, topk),
+                                     *([z] * 5), one, Int32(0), one, stream, **kw),
+        "combine_reduce": cute.compile(CombineReduceKernel(num_ranks, latent, topk, experts_per_rank),
+                                       *([z] * 8), Float32(1e-5), one, Int32(0), z, stream, **kw),
+    }  # fmt: skip
+
+
+class DeviceExchange:
+    """Launch wrappers over one CUDA EpBuffers (see docs/design.md for the protocol)."""
+
+    def __init__(self, buffers: EpBuffers, experts_per_rank: int, timeout_s: float):
+        self.cuda, _, _ = import_cute()
+        self.buffers = buffers
+        layout = buffers.layout
+        self.num_ranks, self.rank, self.device = buffers.num_ranks, buffers.rank, buffers.device
+        self.experts_per_rank = experts_per_rank
+        self.timeout_ns = int(timeout_s * 1e9)
+        regions = layout.regions
+        self.offsets = {name: r.offset for name, r in regions.items()}
+        self.sig_dispatch = regions["signals"].offset
+        self.sig_combine = regions["signals"].offset + 8 * layout.num_ranks
+        # int64 [2N + 1]: expected dispatch rows per source, expected combine rows, abort word.
+        self.state = torch.zeros(2 * layout.num_ranks + 1, dtype=torch.int64, device=self.device)
+        # int64 [4] host-mapped: [status (2 = recorded), phase, peer, rank] of the first timeout.
+        self.error = torch.zeros(4, dtype=torch.int64).pin_memory()
+        self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
+                                       experts_per_rank)  # fmt: skip
+        self.own = buffers.base_address
+        self.peers = buffers.peer_addresses.data_ptr()
+
+    def _stream(self):
+        return self.cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def check(self) -> None:
+        """Raise EpTimeoutError if a kernel recorded a timeout (reads host-mapped memory: no sync)."""
+        if int(self.error[0]) == 2:
+            phase, peer, rank = (int(v) for v in self.error[1:4])
+            raise EpTimeoutError(rank, PHASE_NAMES.get(phase, str(phase)), f"rank {peer}",
+                                 "recorded by the GPU kernel; rebuild the buffers")  # fmt: skip
+
+    def dispatch(self, latent: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device."""
+        tokens = latent.shape[0]
+        o = self.offsets
+        self.kernels["dispatch"](
+            latent.data_ptr(), ids.data_ptr(), weights.data_ptr(), self.peers, self.own,
+            self.state.data_ptr(), self.error.data_ptr(), o["x"], o["sf"], o["ids"], o["weights"],
+            self.sig_dispatch, tokens, self.rank, self.timeout_ns, min(tokens, self.max_ctas),
+            self._stream(),
+        )  # fmt: skip
+
+    def combine(self, expert_out: torch.Tensor, ids: torch.Tensor, norm_weight: torch.Tensor,
+                eps: float, normed: torch.Tensor) -> None:  # fmt: skip
+        """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
+        norm_weight bf16 [L]; writes normed bf16 [T, L]."""
+        tokens = ids.shape[0]
+        o = self.offsets
+        rows = tokens * self.num_ranks
+        self.kernels["combine_send"](
+            expert_out.data_ptr(), self.own + o["ids"], self.peers, o["partials"],
+            self.sig_combine, tokens, self.rank, min(rows, self.max_ctas), self._stream(),
+        )  # fmt: skip
+        self.kernels["combine_reduce"](
+            ids.data_ptr(), norm_weight.data_ptr(), normed.data_ptr(), self.own,
+            self.state.data_ptr(), self.error.data_ptr(), o["partials"], self.sig_combine, eps,
+            tokens, self.rank, self.timeout_ns, self._stream(),
+        )  # fmt: skip

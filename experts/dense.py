@@ -1,0 +1,41 @@
+"""DenseExperts: every local expert on every receive row, masked by the ids. No data-dependent
+shapes and no host synchronisation, so a CUDA graph can capture it; the work grows with the
+number of local experts, so it suits small geometries (tests, graph-replay checks)."""
+
+from __future__ import annotations
+
+import torch
+
+from comm.mxfp8 import mxfp8_dequantize
+from experts.reference import ReferenceExperts
+from experts.situ import situ
+
+
+class DenseExperts(ReferenceExperts):
+    """Same weights and arguments as ReferenceExperts and the same per-expert formulas (fp32 GEMMs,
+    SiTU in fp32, BF16 activation and expert outputs, fp32 sum over k in order); the GEMMs run on
+    all rows at once, so results may differ from ReferenceExperts in the last bit. Writes every
+    row (combine reads only rows with a local id). Dequantizes all local experts at construction."""
+
+    def __init__(self, w13, s13, w2, s2, *, first_expert: int) -> None:
+        super().__init__(w13, s13, w2, s2, first_expert=first_expert)
+        dequant = [self._weights(e) for e in range(self.num_local_experts)]
+        self._w13 = torch.stack([w for w, _ in dequant])  # fp32 [E_local, 2I, L]
+        self._w2 = torch.stack([w for _, w in dequant])  # fp32 [E_local, L, I]
+
+    def forward(self, x, sf, ids, weights, out):
+        h = mxfp8_dequantize(x, sf).float()
+        gate_up = torch.einsum("rl,eil->eri", h, self._w13)
+        act = situ(gate_up[..., : self.intermediate], gate_up[..., self.intermediate :])
+        expert_out = torch.einsum("eri,eli->erl", act.to(torch.bfloat16).float(), self._w2)
+        expert_out = expert_out.to(torch.bfloat16).float()  # [E_local, R, L]
+        local = ids.long() - self.first_expert
+        valid = (local >= 0) & (local < self.num_local_experts)
+        rows = torch.arange(x.shape[0], device=x.device)
+        total = torch.zeros(x.shape[0], self.latent, dtype=torch.float32, device=x.device)
+        for k in range(ids.shape[1]):
+            picked = expert_out[local[:, k].clamp(0, self.num_local_experts - 1), rows]
+            scale = torch.where(valid[:, k], weights[:, k], torch.zeros_like(weights[:, k]))
+            total = total + scale.unsqueeze(1) * picked
+        out.copy_(total.to(torch.bfloat16))
+        return out

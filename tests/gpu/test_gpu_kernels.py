@@ -1,0 +1,239 @@
+"""GPU kernels against the torch references, bit for bit; EpRouted on NVSHMEM buffers against the
+all-gather reference; graph replay; many layers back to back. Several processes may share the GPU
+(gloo group): correctness only, no timing."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cases import collective_assert, make_case  # noqa: E402
+from comm.mxfp8 import mxfp8_quantize  # noqa: E402
+from comm.reference import owner_ranks, rms_norm  # noqa: E402
+from ep import TINY, EpRouted, SyntheticLayer, allgather_reference  # noqa: E402
+from experts import DenseExperts, ReferenceExperts  # noqa: E402
+from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
+from test_mxfp8 import edge_blocks  # noqa: E402
+from test_routed_mpi import TOLERANCE, agreed_seed, compare  # noqa: E402
+
+MAX_TOKENS = 64
+REPLAYS = int(os.environ.get("EP_TEST_REPLAYS", "1000"))
+LAYERS = int(os.environ.get("EP_TEST_LAYERS", "1000"))
+
+
+@pytest.fixture(scope="module")
+def routed(gpu_dep):
+    r = EpRouted(gpu_dep.cpu_group, MAX_TOKENS, torch.device("cuda"), experts=TINY.experts,
+                 latent=TINY.latent, topk=TINY.topk, timeout_s=60.0)  # fmt: skip
+    yield r
+    r.close()
+
+
+def on_gpu(case, rank):
+    dev = torch.device("cuda")
+    return case.latent[rank].to(dev), case.ids[rank].to(dev), case.weights[rank].to(dev)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of bf16 tensors, any NaN equal to any NaN."""
+    nan_a, nan_b = a.isnan(), b.isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.int16)[~nan_a],
+                                                     b.view(torch.int16)[~nan_b])  # fmt: skip
+
+
+@pytest.mark.mpi(min_size=1)
+def test_quantize_kernel_bit_exact(gpu_dep):
+    from comm.device_exchange import import_cute
+    from comm.kernels.mxfp8_quantize import Mxfp8QuantizeKernel
+
+    cuda, _, cute = import_cute()
+    from cutlass import Int32, Int64
+
+    blocks = torch.tensor(edge_blocks()).bfloat16()  # [blocks, 32]: L = 32
+    rand = (torch.randn(64, 3584) * torch.exp2(torch.randint(-40, 40, (64, 1)).float())).bfloat16()
+    failures = []
+    for x in (blocks, rand):
+        x = x.cuda()
+        q = torch.full(x.shape, 0xEE, dtype=torch.uint8, device="cuda")
+        sf = torch.full((x.shape[0], x.shape[1] // 32), 0xEE, dtype=torch.uint8, device="cuda")
+        kernel = cute.compile(Mxfp8QuantizeKernel(x.shape[1]), Int64(0), Int64(0), Int64(0),
+                              Int32(1), cuda.CUstream(0))  # fmt: skip
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        kernel(x.data_ptr(), q.data_ptr(), sf.data_ptr(), x.shape[0], stream)
+        want_q, want_sf = mxfp8_quantize(x.cpu())
+        if not torch.equal(q.cpu(), want_q) or not torch.equal(sf.cpu(), want_sf):
+            bad = (q.cpu() != want_q).nonzero()[:3].tolist()
+            failures.append(f"L={x.shape[1]}: bytes differ at {bad}")
+    collective_assert(gpu_dep.cpu_group, failures)
+
+
+def poison_receive(routed):
+    b = routed.buffers
+    rows = b.layout.max_rows
+    b.x(rows).fill_(0xFF)
+    b.sf(rows).fill_(0xEE)
+    b.ids(rows).fill_(-7)
+    b.weights(rows).fill_(float("nan"))
+    b.partials(rows).fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,routing", [
+    (1, "random"), (7, "random"), (MAX_TOKENS, "random"), (13, "skewed"), (12, "padded"),
+    (5, "same"),
+])  # fmt: skip
+def test_dispatch_rows_bitwise(gpu_dep, routed, tokens, routing):
+    n, rank = gpu_dep.size, gpu_dep.rank
+    case = make_case(TINY, n, tokens, agreed_seed(gpu_dep.cpu_group, tokens), routing)
+    weights = [provenance_weights(s, tokens) for s in range(n)]
+    poison_receive(routed)
+    dist.barrier(gpu_dep.cpu_group)
+    latent, ids, _ = on_gpu(case, rank)
+    rows = routed.dispatch(latent, ids, weights[rank].cuda())
+    routed.synchronize()
+    cpu_rows = type(rows)(*(t.cpu() for t in (rows.x, rows.sf, rows.ids, rows.weights, rows.out)))
+    failures = check_rows(cpu_rows, case, weights, rank, n, tokens)
+    rows.out.zero_()
+    routed.combine(torch.ones(TINY.latent, dtype=torch.bfloat16, device="cuda"))
+    routed.synchronize()
+    collective_assert(gpu_dep.cpu_group, failures)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,routing", [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"),
+                                            (10, "nan")])  # fmt: skip
+def test_combine_bitwise(gpu_dep, routed, tokens, routing):
+    """Expert outputs drawn from (seed, rank) on every rank; combine must equal the torch
+    reference (rank-ordered fp32 sum + rms_norm) bit for bit."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, 7)
+    case = make_case(TINY, n, tokens, seed, routing)
+    outs = [torch.randn(n * tokens, TINY.latent, generator=torch.Generator().manual_seed(seed + d))
+            .to(torch.bfloat16) for d in range(n)]  # fmt: skip
+    if routing == "nan":
+        outs[0][3, 5] = float("nan")
+    norm = SyntheticLayer(TINY, seed).norm_weight()
+    poison_receive(routed)
+    dist.barrier(gpu_dep.cpu_group)
+    latent, ids, weights = on_gpu(case, rank)
+    rows = routed.dispatch(latent, ids, weights)
+    hit = (rows.ids >= 0).any(dim=1)
+    rows.out.copy_(torch.where(hit.unsqueeze(1), outs[rank].cuda(), float("nan")))
+    normed = routed.combine(norm.cuda())
+    routed.synchronize()
+    per_rank = TINY.experts // n
+    owners = owner_ranks(case.ids[rank], per_rank)
+    total = torch.zeros(tokens, TINY.latent)
+    for d in range(n):
+        mine = (owners == d).any(dim=1).nonzero().squeeze(1)
+        total[mine] += outs[d][rank * tokens + mine].float()
+    want = rms_norm(total, norm, 1e-5)
+    failures = [] if bits_equal(normed.cpu(), want) else [
+        f"combine differs in {(normed.cpu().view(torch.int16) != want.view(torch.int16)).sum()}"
+        " elements"]  # fmt: skip
+    collective_assert(gpu_dep.cpu_group, failures)
+
+
+def experts_for(kind, layer, rank, n):
+    per_rank = TINY.experts // n
+    weights = [t.cuda() for t in layer.local(rank * per_rank, per_rank)]
+    return kind(*weights, first_expert=rank * per_rank)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,routing", [(1, "random"), (17, "padded"), (MAX_TOKENS, "random"),
+                                            (11, "duplicate"), (10, "nan")])  # fmt: skip
+def test_routed_matches_allgather_reference(gpu_dep, routed, tokens, routing):
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, 3)
+    layer = SyntheticLayer(TINY, seed)
+    experts = experts_for(ReferenceExperts, layer, rank, n)
+    case = make_case(TINY, n, tokens, seed, routing)
+    latent, ids, weights = on_gpu(case, rank)
+    out = routed.routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts)
+    routed.synchronize()
+    ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
+                              case.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
+    collective_assert(gpu_dep.cpu_group, compare(out.cpu(), ref, f"T={tokens} {routing}"))
+
+
+def fresh_inputs(gen, tokens, n_experts):
+    latent = torch.randn(tokens, TINY.latent, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_experts, generator=gen, device="cuda")[:TINY.topk]
+                       for _ in range(tokens)]).int()  # fmt: skip
+    weights = torch.rand(tokens, TINY.topk, generator=gen, device="cuda") + 0.05
+    return latent, ids, weights / weights.sum(1, keepdim=True)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_graph_replay_matches_eager(gpu_dep, routed):
+    """routed() for a fixed T captured once, replayed REPLAYS times with fresh inputs copied into
+    the captured buffers: every replay equals, bit for bit, an eager call on the same inputs."""
+    n, rank, tokens = gpu_dep.size, gpu_dep.rank, 24
+    layer = SyntheticLayer(TINY, agreed_seed(gpu_dep.cpu_group, 11))
+    experts = experts_for(DenseExperts, layer, rank, n)
+    norm = layer.norm_weight().cuda()
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    static = [t.clone() for t in fresh_inputs(gen, tokens, TINY.experts)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on the capture stream
+        routed.routed(*static, norm, experts=experts)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(gpu_dep.cpu_group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = routed.routed(*static, norm, experts=experts)
+    failures = []
+    for step in range(REPLAYS):
+        fresh = fresh_inputs(gen, tokens, TINY.experts)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        replayed = captured.clone()
+        eager = routed.routed(*fresh, norm, experts=experts)
+        routed.synchronize()
+        if not bits_equal(replayed, eager):
+            failures.append(f"replay {step} differs from eager")
+            break
+    collective_assert(gpu_dep.cpu_group, failures)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_many_layers_back_to_back(gpu_dep, routed):
+    """LAYERS routed calls alternating two layers, fresh data and T each time, no host sync in
+    between; every 100th checked against the all-gather reference, every output finite."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    layers = [SyntheticLayer(TINY, agreed_seed(gpu_dep.cpu_group, 20 + i)) for i in range(2)]
+    experts = [experts_for(DenseExperts, layer, rank, n) for layer in layers]
+    norms = [layer.norm_weight().cuda() for layer in layers]
+    gen = torch.Generator().manual_seed(agreed_seed(gpu_dep.cpu_group, 5))
+    failures = []
+    finite = torch.ones((), dtype=torch.bool, device="cuda")
+    for step in range(LAYERS):
+        tokens = int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=gen))
+        case = make_case(TINY, n, tokens, int(torch.randint(0, 2**31, (1,), generator=gen)))
+        which = step % 2
+        out = routed.routed(*on_gpu(case, rank), norms[which], experts=experts[which])
+        finite &= out.isfinite().all()
+        if step % 100 == 99:
+            routed.synchronize()
+            ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
+                                      case.weights[rank], layers[which].norm_weight(),
+                                      layers[which].expert)  # fmt: skip
+            failures += compare(out.cpu(), ref, f"layer step {step}")
+    routed.synchronize()
+    if not bool(finite):
+        failures.append("a non-finite output")
+    collective_assert(gpu_dep.cpu_group, failures)
+
+
+assert TOLERANCE  # the tolerance table of the CPU suite applies here too
