@@ -91,6 +91,14 @@ class DeviceExchange:
             raise EpTimeoutError(rank, PHASE_NAMES.get(phase, str(phase)), f"rank {peer}",
                                  "recorded by the GPU kernel; rebuild the buffers")  # fmt: skip
 
+    def reset_counters(self) -> None:
+        """Zero this rank's arrival counters and expectations (and the abort word). Only when no
+        kernel of this EP group is queued or running and every rank resets (benchmarks, tests)."""
+        torch.cuda.synchronize(self.device)
+        self.buffers.peers[self.rank]._view("signals", None).zero_()
+        self.state.zero_()
+        torch.cuda.synchronize(self.device)
+
     def dispatch(self, latent: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device."""
         tokens = latent.shape[0]

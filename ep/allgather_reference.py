@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-_R448 = torch.tensor([0x3B124925], dtype=torch.int32).view(torch.float32)  # rcp.approx(448)
+_R448 = 0x3B124925  # fp32 bits of rcp.approx(448)
 
 
 def _round_e4m3(y: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,8 @@ def _mxfp8_roundtrip(latent: torch.Tensor) -> torch.Tensor:
     """bf16 [T, L] -> float64 [T, L] after MXFP8 quantize + dequantize (the contract's rounding)."""
     blocks = latent.double().reshape(latent.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=-1)
-    v = (amax.float() * _R448).double()  # the one fp32 multiply of the contract
+    r448 = torch.tensor([_R448], dtype=torch.int32, device=latent.device).view(torch.float32)
+    v = (amax.float() * r448).double()  # the one fp32 multiply of the contract
     mant, exp = torch.frexp(v)
     scale = torch.where(mant == 0.5, exp - 1, exp).double() + 127  # ceil(log2 v) + 127
     scale = torch.where(v == 0, torch.zeros_like(scale), scale).clamp(0, 254)
@@ -70,21 +71,22 @@ def allgather_reference(
     beta: float = 4.0,
     linear_beta: float = 25.0,
 ) -> torch.Tensor:
-    """This rank's expected routed output, float64 [T, L]. Collective over `group` (gloo).
+    """This rank's expected routed output, float64 [T, L] on latent's device (the gather runs on
+    CPU tensors, the arithmetic on the device). Collective over `group` (gloo).
 
     latent bf16 [T, L], ids [T, K] (-1 = none), weights fp32 [T, K] as this rank passes them;
     expert_weights(e) -> (w13, s13, w2, s2) of global expert e in checkpoint layout.
     """
-    rank, tokens = dist.get_rank(group), latent.shape[0]
+    rank, tokens, device = dist.get_rank(group), latent.shape[0], latent.device
     all_latent = _gather(group, latent.cpu().view(torch.uint8)).view(torch.bfloat16)
     all_ids = _gather(group, ids.cpu().long())
     all_weights = _gather(group, weights.cpu().double())
     mine = slice(rank * tokens, (rank + 1) * tokens)
-    x = _mxfp8_roundtrip(all_latent[mine])
-    my_ids, my_weights = all_ids[mine], all_weights[mine]
+    x = _mxfp8_roundtrip(all_latent[mine].to(device))
+    my_ids, my_weights = all_ids[mine].to(device), all_weights[mine].to(device)
     total = torch.zeros_like(x)
     for expert in sorted(set(my_ids[my_ids >= 0].tolist())):
-        w13, s13, w2, s2 = (t.cpu() for t in expert_weights(expert))
+        w13, s13, w2, s2 = (t.to(device) for t in expert_weights(expert))
         w13, w2 = _e2m1(w13, s13), _e2m1(w2, s2)
         inter = w13.shape[0] // 2
         token, k = (my_ids == expert).nonzero(as_tuple=True)
@@ -94,4 +96,4 @@ def allgather_reference(
         act = act * linear_beta * torch.tanh(up / linear_beta)
         total.index_add_(0, token, my_weights[token, k].unsqueeze(1) * (act @ w2.T))
     rms = torch.sqrt((total * total).mean(dim=-1, keepdim=True) + eps)
-    return total / rms * norm_weight.cpu().double()
+    return total / rms * norm_weight.to(device).double()

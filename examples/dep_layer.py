@@ -6,8 +6,9 @@
 Every step draws fresh hidden states, routes them (sigmoid top-K with the bias), gives each rank a
 random number of real tokens padded to the same T with rows of -1 ids, runs dispatch -> experts ->
 combine (+ RMSNorm) through EpRouted, and compares every rank's output with the all-gather
-reference. Rank 0 prints per-phase times (host wall clock, max over ranks) and the worst error.
-Exit status 1 if any step fails its check.
+reference. Rank 0 prints per-phase times (host wall clock with a device sync after each phase,
+max over ranks: not a benchmark; bench/bench_ep.py is) and the worst error. On GPU the path runs
+on NVSHMEM buffers and the CuTeDSL kernels. Exit status 1 if any step fails its check.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ MAX_REL_L2 = 8e-3
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                   help="layer geometry: tiny (seconds on CPU) or k3 (Kimi K3: ~4 GB of weights"
-                        " per rank at 4 ranks, meant for GPUs); auto: tiny")
+                   help="layer geometry: tiny (seconds on CPU) or k3 (Kimi K3: ~20 GB of GPU"
+                        " memory per rank at 4 ranks); auto: k3 on GPU, tiny on CPU")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where tensors and buffers live; auto: CPU until the GPU buffers exist")
+                   help="where tensors and buffers live; auto: cuda when a GPU and the GPU extras"
+                        " (CuTeDSL, nvshmem4py) are present, else cpu")
     p.add_argument("--tokens", type=int, default=16,
                    help="T: tokens every rank passes per step (real ones + padding rows)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -51,22 +53,31 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def gpu_stack_present() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cutlass.cute  # noqa: F401
+        import nvshmem.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main() -> int:
     args = parse_args()
     device = args.device
     if device == "auto":
-        # GPU symmetric buffers (NVSHMEM) are not built yet: the CPU path runs everywhere.
-        device = "cpu"
-    if device == "cuda":
-        raise SystemExit("dep_layer.py: --device cuda needs the GPU buffers, not built yet")
+        device = "cuda" if gpu_stack_present() else "cpu"
     ctx = init_rank_context(device, timeout_s=args.timeout)
     dep = new_dep_group(ctx, args.dep_size or ctx.world_size)
-    geometry = PRESETS["tiny" if args.preset == "auto" else args.preset]
+    on_gpu = ctx.device.type == "cuda"
+    geometry = PRESETS[("k3" if on_gpu else "tiny") if args.preset == "auto" else args.preset]
     max_tokens = args.max_tokens or args.tokens
     if not 1 <= args.tokens <= max_tokens:
         raise SystemExit(f"dep_layer.py: --tokens {args.tokens} outside 1..{max_tokens}")
     per_rank = geometry.experts // dep.size
-    layer = SyntheticLayer(geometry, args.seed + dep.index)
+    layer = SyntheticLayer(geometry, args.seed + dep.index, ctx.device)
     experts = ReferenceExperts(*layer.local(dep.rank * per_rank, per_rank),
                                first_expert=dep.rank * per_rank)  # fmt: skip
     gate, bias = layer.router()
@@ -82,20 +93,23 @@ def main() -> int:
     failed = 0
     for step in range(args.steps):
         T = args.tokens
-        hidden = torch.randn(T, geometry.hidden, generator=gen).to(torch.bfloat16)
-        latent = torch.randn(T, geometry.latent, generator=gen).to(torch.bfloat16)
+        hidden = torch.randn(T, geometry.hidden, generator=gen).to(ctx.device, torch.bfloat16)
+        latent = torch.randn(T, geometry.latent, generator=gen).to(ctx.device, torch.bfloat16)
         ids, weights = route(hidden, gate, bias, geometry.topk)
         real = int(torch.randint(1, T + 1, (1,), generator=gen))
         ids[real:] = -1  # padding rows: no expert
         times = []
         t0 = time.perf_counter()
         rows = routed.dispatch(latent, ids, weights, experts=experts)
+        routed.synchronize()
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        routed.synchronize()
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         normed = routed.combine(norm_weight, eps=1e-5)
+        routed.synchronize()
         times.append(time.perf_counter() - t0)
         error = 0.0
         t0 = time.perf_counter()
@@ -120,8 +134,10 @@ def main() -> int:
     routed.close()
     if ctx.rank == 0:
         verdict = "check skipped" if args.no_check else f"{failed} of {args.steps} steps failed"
+        shared = " (ranks share GPUs: time-sliced)" if on_gpu and ctx.world_size > \
+            torch.cuda.device_count() else ""  # fmt: skip
         print(f"dep_layer: {verdict} (tolerance: relative L2 <= {MAX_REL_L2:g}; times are host"
-              " wall clock, max over ranks)")
+              f" wall clock with a sync after each phase, max over ranks{shared})")
     teardown(ctx)
     return 1 if failed else 0
 

@@ -1,0 +1,199 @@
+"""EP=1 benchmark on one GPU: dispatch, combine and the pair, against the device-to-device copy
+ceiling measured in the same run; the MXFP8 quantize kernel against the torch reference.
+
+    python bench/bench_ep.py --out docs            # writes docs/bench_ep1.md and docs/bench_ep1.png
+
+One process, every expert local (EP=1), K3 geometry (L 3584, K 16, E 896). Times are medians of
+CUDA-event-timed graph replays (each replay runs REPS launches back to back; the graph is
+replayed many times). Combine cannot run without a dispatch before it (its wait targets advance
+at dispatch), so it is timed as (dispatch + combine) - dispatch. Bytes are the fewest each kernel
+must move through device memory at EP=1 (inputs read once, outputs written once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from comm.mxfp8 import mxfp8_quantize  # noqa: E402
+from ep import K3, EpRouted  # noqa: E402
+from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+REPS = 20  # launches captured per graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, launches: int, samples: int = 30) -> float:
+    """Median microseconds per launch over `samples` timed replays (after 3 warm-up replays)."""
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / launches)
+    return statistics.median(times)
+
+
+def capture(fn, launches: int) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return graph
+
+
+def copy_ceiling_gbs() -> float:
+    """Device-to-device copy of 2 GiB: (bytes read + bytes written) / time."""
+    src = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    graph = capture(lambda: dst.copy_(src), 2)
+    return 2 * src.numel() / (replay_us(graph, 2, 10) * 1e-6) / 1e9
+
+
+def bytes_moved(tokens: int) -> tuple[int, int]:
+    """(dispatch, combine) bytes at EP=1 per step of `tokens` tokens."""
+    L, K = K3.latent, K3.topk
+    dispatch = tokens * (2 * L + 8 * K + L + L // 32 + 8 * K)  # read latent+ids+w, write x+sf+ids+w
+    # send: read ids row + out row, write partials; reduce: read ids + partials, write normed
+    combine = tokens * (4 * K + 2 * L + 2 * L + 4 * K + 2 * L + 2 * L) + 2 * L
+    return dispatch, combine
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="docs", help="folder for bench_ep1.md and bench_ep1.png")
+    p.add_argument("--tokens", type=int, nargs="*", default=TOKENS, help="token counts T")
+    args = p.parse_args()
+    ctx = init_rank_context("cuda")
+    if ctx.world_size != 1:
+        raise SystemExit("bench_ep.py: run one process (EP=1); several processes share time")
+    dep = new_dep_group(ctx, 1)
+    max_tokens = max(args.tokens)
+    routed = EpRouted(dep.cpu_group, max_tokens, "cuda", experts=K3.experts, latent=K3.latent,
+                      topk=K3.topk)  # fmt: skip
+    ex = routed._exchange
+    ceiling = copy_ceiling_gbs()
+    norm = torch.ones(K3.latent, dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for tokens in args.tokens:
+        latent = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(K3.experts, device="cuda")[: K3.topk]
+                           for _ in range(tokens)]).int()  # fmt: skip
+        weights = torch.rand(tokens, K3.topk, device="cuda")
+        out = routed.receive(tokens).out
+        out.copy_(torch.randn_like(out, dtype=torch.float32).to(torch.bfloat16))
+        normed = torch.empty(tokens, K3.latent, dtype=torch.bfloat16, device="cuda")
+        ex.reset_counters()
+        pair = capture(lambda: (ex.dispatch(latent, ids, weights),
+                                ex.combine(out, ids, norm, 1e-5, normed)), REPS)  # fmt: skip
+        pair_us = replay_us(pair, REPS)
+        routed.synchronize()
+        ex.reset_counters()  # dispatch alone advances combine's expectations: reset after it
+        d_us = replay_us(capture(lambda: ex.dispatch(latent, ids, weights), REPS), REPS)
+        routed.synchronize()
+        ex.reset_counters()
+        c_us = pair_us - d_us
+        q_graph = capture(lambda: mxfp8_quantize(latent), 5)
+        torch_q_us = replay_us(q_graph, 5, 10)
+        d_bytes, c_bytes = bytes_moved(tokens)
+        rows.append((tokens, d_us, c_us, pair_us, d_bytes, c_bytes, torch_q_us))
+        print(f"T={tokens:5d} dispatch {d_us:8.2f} us combine {c_us:8.2f} us pair {pair_us:8.2f}"
+              f" us  torch quantize {torch_q_us:8.2f} us", flush=True)
+    quant = quantize_speedup(max_tokens)
+    routed.close()
+    write_report(Path(args.out), rows, ceiling, quant)
+    teardown(ctx)
+    return 0
+
+
+def quantize_speedup(tokens: int) -> tuple[int, float, float]:
+    """(tokens, kernel us, torch us) for MXFP8 quantization of [tokens, L] on the GPU."""
+    from comm.device_exchange import import_cute
+    from comm.kernels.mxfp8_quantize import Mxfp8QuantizeKernel
+
+    cuda, _, cute = import_cute()
+    from cutlass import Int32, Int64
+
+    x = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
+    q = torch.empty(tokens, K3.latent, dtype=torch.uint8, device="cuda")
+    sf = torch.empty(tokens, K3.latent // 32, dtype=torch.uint8, device="cuda")
+    kernel = cute.compile(Mxfp8QuantizeKernel(K3.latent), Int64(0), Int64(0), Int64(0), Int32(1),
+                          cuda.CUstream(0))  # fmt: skip
+
+    def run():
+        kernel(x.data_ptr(), q.data_ptr(), sf.data_ptr(), tokens,
+               cuda.CUstream(torch.cuda.current_stream().cuda_stream))  # fmt: skip
+
+    want = mxfp8_quantize(x)
+    run()
+    torch.cuda.synchronize()
+    assert torch.equal(q, want[0]) and torch.equal(sf, want[1]), "quantize kernel != reference"
+    return tokens, replay_us(capture(run, REPS), REPS), replay_us(capture(lambda: mxfp8_quantize(x), 5), 5)
+
+
+def write_report(out: Path, rows, ceiling: float, quant) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    lines = [
+        "# EP=1 benchmark (one GPU, every expert local)", "",
+        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py --out docs` (one process).",
+        f"K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of CUDA-event-timed"
+        f" graph replays, {REPS} launches per replay. Copy ceiling (2 GiB device-to-device copy,"
+        f" read + written bytes, same run): **{ceiling:.0f} GB/s**.", "",
+        "combine = (dispatch + combine) - dispatch, as combine cannot run without its dispatch.",
+        "GB/s = fewest bytes the kernel must move at EP=1 / time; % = of the copy ceiling.", "",
+        "| T | dispatch us | dispatch GB/s | % ceiling | combine us | combine GB/s | % ceiling |"
+        " dispatch+combine us | torch MXFP8 quantize us |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for tokens, d_us, c_us, pair_us, d_bytes, c_bytes, tq in rows:
+        d_gbs, c_gbs = d_bytes / d_us / 1e3, c_bytes / max(c_us, 1e-3) / 1e3
+        lines.append(f"| {tokens} | {d_us:.2f} | {d_gbs:.0f} | {100 * d_gbs / ceiling:.0f}% |"
+                     f" {c_us:.2f} | {c_gbs:.0f} | {100 * c_gbs / ceiling:.0f}% | {pair_us:.2f} |"
+                     f" {tq:.1f} |")  # fmt: skip
+    tokens, k_us, t_us = quant
+    lines += ["", f"MXFP8 quantization of [{tokens}, {K3.latent}] BF16: kernel {k_us:.1f} us, torch"
+              f" reference {t_us:.1f} us: **{t_us / k_us:.1f}x** (bit-identical outputs checked).", ""]
+    (out / "bench_ep1.md").write_text("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ts = [r[0] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.loglog(ts, [r[1] for r in rows], "o-", label="dispatch")
+    a.loglog(ts, [max(r[2], 1e-2) for r in rows], "s-", label="combine")
+    a.set_xlabel("tokens T"), a.set_ylabel("us"), a.legend(), a.grid(True, which="both", alpha=0.3)
+    b.semilogx(ts, [r[4] / r[1] / 1e3 for r in rows], "o-", label="dispatch")
+    b.semilogx(ts, [r[5] / max(r[2], 1e-3) / 1e3 for r in rows], "s-", label="combine")
+    b.axhline(ceiling, color="k", ls="--", label="copy ceiling")
+    b.set_xlabel("tokens T"), b.set_ylabel("GB/s"), b.legend(), b.grid(True, alpha=0.3)
+    fig.suptitle(f"EP=1, K3 geometry, {gpu}, {date}")
+    fig.tight_layout()
+    fig.savefig(out / "bench_ep1.png", dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Two ranks on CUDA: rank 1 skips a dispatch. Rank 0's dispatch kernel must stop after the
+timeout and `synchronize()` must raise EpTimeoutError naming rank 0, phase 'dispatch' and rank 1.
+Then both ranks close and rebuild the buffers, and a correct call matches the reference.
+Prints one RESULT line per rank.   torchrun --nproc-per-node 2 tests/gpu/timeout_case.py"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from cases import make_case  # noqa: E402
+from comm import EpTimeoutError  # noqa: E402
+from ep import TINY, EpRouted, SyntheticLayer, allgather_reference  # noqa: E402
+from experts import ReferenceExperts  # noqa: E402
+from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from test_routed_mpi import compare  # noqa: E402
+
+TIMEOUT_S = 2.0
+
+ctx = init_rank_context("cuda", timeout_s=120.0)
+dep = new_dep_group(ctx, ctx.world_size)
+rank, n = dep.rank, dep.size
+layer = SyntheticLayer(TINY, 0)
+per_rank = TINY.experts // n
+experts = ReferenceExperts(*(t.cuda() for t in layer.local(rank * per_rank, per_rank)),
+                           first_expert=rank * per_rank)  # fmt: skip
+case = make_case(TINY, n, 8, 1)
+inputs = [t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[rank])]
+
+
+def build():
+    return EpRouted(dep.cpu_group, 8, "cuda", experts=TINY.experts, latent=TINY.latent,
+                    topk=TINY.topk, timeout_s=TIMEOUT_S)  # fmt: skip
+
+
+routed = build()
+outcome = "no error"
+if rank == 1:
+    time.sleep(3 * TIMEOUT_S)  # skips the dispatch
+else:
+    start = time.monotonic()
+    routed.dispatch(*inputs)
+    try:
+        routed.synchronize()
+    except EpTimeoutError as err:
+        outcome = f"EpTimeoutError after {time.monotonic() - start:.1f}s: {err}"
+routed.close()  # collective: both ranks arrive here
+routed = build()
+out = routed.routed(*inputs, layer.norm_weight().cuda(), experts=experts)
+routed.synchronize()
+ref = allgather_reference(dep.cpu_group, case.latent[rank], case.ids[rank], case.weights[rank],
+                          layer.norm_weight(), layer.expert)  # fmt: skip
+after = compare(out.cpu(), ref, "after rebuild") or ["ok"]
+print(f"RESULT rank {rank}: {outcome}; rebuilt: {'; '.join(after)}", flush=True)
+routed.close()
+teardown(ctx)

@@ -1,0 +1,53 @@
+"""The CuTeDSL kernels compile for Hopper (sm_90a) and Blackwell (sm_100a) without a GPU, and the
+PTX holds what the protocol relies on: 16-byte vector stores, system-scope release/acquire,
+bounded waits on %globaltimer, exact-rounding arithmetic, no local-memory spills."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+try:
+    from comm.device_exchange import compile_kernels
+    import cutlass  # noqa: F401
+except ImportError as err:  # the test extra installs CuTeDSL: missing it is a failure, not a skip
+    raise ImportError(f"tests/test_kernels_compile.py needs nvidia-cutlass-dsl: {err}") from err
+
+REQUIRED = {
+    "dispatch": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", r"fence\.acq_rel\.sys",
+                 r"atom\.global\.sys\.release\.add", r"ld\.acquire\.sys", r"%globaltimer",
+                 r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"mul\.rn\.f32"],
+    "combine_send": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", r"fence\.acq_rel\.sys",
+                     r"atom\.global\.sys\.release\.add"],
+    "combine_reduce": [r"ld\.acquire\.sys", r"%globaltimer", r"ld\.global\.v4\.b32",
+                       r"st\.global\.v4\.b32", r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync"],
+}  # fmt: skip
+FORBIDDEN = [r"\.local", r"fma\.rn\.f32"]  # spills; a contracted multiply-add breaks bit-exactness
+
+
+@pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
+def ptx(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    kernels = compile_kernels(num_ranks=8, latent=3584, topk=16, experts_per_rank=112,
+                              arch=request.param, keep_ptx_dir=str(folder))  # fmt: skip
+    return request.param, {name: ptx_text(k.artifacts.PTX) for name, k in kernels.items()}
+
+
+def ptx_text(artifact: str) -> str:
+    """CuTeDSL gives the PTX itself or the path it was kept at, depending on the version."""
+    if "\n" not in artifact and Path(artifact).is_file():
+        return Path(artifact).read_text()
+    return artifact
+
+
+@pytest.mark.parametrize("kernel", sorted(REQUIRED))
+def test_ptx_holds_the_protocol(ptx, kernel):
+    arch, texts = ptx
+    text = texts[kernel]
+    assert f".target {arch}" in text, f"{kernel}: not compiled for {arch}"
+    missing = [p for p in REQUIRED[kernel] if not re.search(p, text)]
+    assert not missing, f"{kernel} ({arch}) PTX lacks {missing}"
+    present = [p for p in FORBIDDEN if re.search(p, text)]
+    assert not present, f"{kernel} ({arch}) PTX holds {present}"
