@@ -4,10 +4,12 @@ ceiling measured in the same run; the MXFP8 quantize kernel against the torch re
     python bench/bench_ep.py --out docs            # writes docs/bench_ep1.md and docs/bench_ep1.png
 
 One process, every expert local (EP=1), K3 geometry (L 3584, K 16, E 896). Times are medians of
-CUDA-event-timed graph replays (each replay runs REPS launches back to back; the graph is
+CUDA-event-timed graph replays (each replay runs REPS launches back to back, each launch on its
+own input set, so that a replay's inputs are several times the L2 at large T; the graph is
 replayed many times). Combine cannot run without a dispatch before it (its wait targets advance
 at dispatch), so it is timed as (dispatch + combine) - dispatch. Bytes are the fewest each kernel
-must move through device memory at EP=1 (inputs read once, outputs written once).
+must move through device memory at EP=1 (inputs read once, outputs written once); the receive
+rows and partials are one fixed region of the symmetric buffer, as in real use.
 """
 
 from __future__ import annotations
@@ -60,12 +62,22 @@ def capture(fn, launches: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def make_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    """(latent bf16 [T, L], ids int32 [T, K] distinct per token, weights fp32 [T, K], expert
+    output rows bf16 [T, L]) on the GPU, random."""
+    latent = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(tokens, K3.experts, device="cuda").argsort(dim=1)[:, : K3.topk].int()
+    weights = torch.rand(tokens, K3.topk, device="cuda")
+    out = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
+    return latent, ids, weights, out
+
+
 def copy_ceiling_gbs() -> float:
-    """Device-to-device copy of 2 GiB: (bytes read + bytes written) / time."""
-    src = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")
+    """Device-to-device copy of 2 GiB of fp32: (bytes read + bytes written) / time."""
+    src = torch.randn(1 << 29, device="cuda")
     dst = torch.empty_like(src)
     graph = capture(lambda: dst.copy_(src), 2)
-    return 2 * src.numel() / (replay_us(graph, 2, 10) * 1e-6) / 1e9
+    return 2 * 4 * src.numel() / (replay_us(graph, 2, 10) * 1e-6) / 1e9
 
 
 def bytes_moved(tokens: int) -> tuple[int, int]:
@@ -157,7 +169,8 @@ def write_report(out: Path, rows, ceiling: float, quant) -> None:
         "# EP=1 benchmark (one GPU, every expert local)", "",
         f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py --out docs` (one process).",
         f"K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of CUDA-event-timed"
-        f" graph replays, {REPS} launches per replay. Copy ceiling (2 GiB device-to-device copy,"
+        f" graph replays, {REPS} launches per replay on {REPS} distinct input sets. Copy ceiling"
+        " (2 GiB device-to-device copy,"
         f" read + written bytes, same run): **{ceiling:.0f} GB/s**.", "",
         "combine = (dispatch + combine) - dispatch, as combine cannot run without its dispatch.",
         "GB/s = fewest bytes the kernel must move at EP=1 / time; % = of the copy ceiling.", "",

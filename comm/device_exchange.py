@@ -15,7 +15,8 @@ from comm.errors import EpTimeoutError
 from launch.nvshmem import GPU_EXTRA
 
 PHASE_NAMES = {1: "dispatch", 2: "combine"}
-CTAS_PER_SM = 2
+CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
+COMBINE_TOKENS_PER_CTA = 4  # combine: one warp per token in the reduce phase
 
 
 def import_cute():
@@ -30,14 +31,13 @@ def import_cute():
 
 def compile_kernels(num_ranks: int, latent: int, topk: int, experts_per_rank: int,
                     arch: str | None = None, keep_ptx_dir: str | None = None) -> dict:
-    """Compile dispatch, combine-send and combine-reduce for one geometry. `arch` (e.g.
+    """Compile dispatch and combine for one geometry. `arch` (e.g.
     "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX.
     Returns {name: compiled function}."""
     cuda, cutlass, cute = import_cute()
     from cutlass import Float32, Int32, Int64
 
-    from comm.kernels.combine_reduce import CombineReduceKernel
-    from comm.kernels.combine_send import CombineSendKernel
+    from comm.kernels.combine import CombineKernel
     from comm.kernels.dispatch import DispatchKernel
 
     options = []
@@ -50,10 +50,8 @@ def compile_kernels(num_ranks: int, latent: int, topk: int, experts_per_rank: in
     return {
         "dispatch": cute.compile(DispatchKernel(num_ranks, latent, topk, experts_per_rank),
                                  *([z] * 12), one, Int32(0), z, one, stream, **kw),
-        "combine_send": cute.compile(CombineSendKernel(num_ranks, latent, topk),
-                                     *([z] * 5), one, Int32(0), one, stream, **kw),
-        "combine_reduce": cute.compile(CombineReduceKernel(num_ranks, latent, topk, experts_per_rank),
-                                       *([z] * 8), Float32(1e-5), one, Int32(0), z, stream, **kw),
+        "combine": cute.compile(CombineKernel(num_ranks, latent, topk, experts_per_rank),
+                                *([z] * 11), Float32(1e-5), one, Int32(0), z, one, stream, **kw),
     }  # fmt: skip
 
 
@@ -75,7 +73,8 @@ class DeviceExchange:
         self.state = torch.zeros(2 * layout.num_ranks + 1, dtype=torch.int64, device=self.device)
         # int64 [4] host-mapped: [status (2 = recorded), phase, peer, rank] of the first timeout.
         self.error = torch.zeros(4, dtype=torch.int64).pin_memory()
-        self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.max_ctas = CTAS_PER_SM * self.num_sms
         self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
                                        experts_per_rank)  # fmt: skip
         self.own = buffers.base_address
@@ -116,13 +115,11 @@ class DeviceExchange:
         norm_weight bf16 [L]; writes normed bf16 [T, L]."""
         tokens = ids.shape[0]
         o = self.offsets
-        rows = tokens * self.num_ranks
-        self.kernels["combine_send"](
-            expert_out.data_ptr(), self.own + o["ids"], self.peers, o["partials"],
-            self.sig_combine, tokens, self.rank, min(rows, self.max_ctas), self._stream(),
-        )  # fmt: skip
-        self.kernels["combine_reduce"](
-            ids.data_ptr(), norm_weight.data_ptr(), normed.data_ptr(), self.own,
-            self.state.data_ptr(), self.error.data_ptr(), o["partials"], self.sig_combine, eps,
-            tokens, self.rank, self.timeout_ns, self._stream(),
+        # The combine kernel waits inside: its grid must be co-resident (<= one CTA per SM).
+        wanted = max(tokens * self.num_ranks, -(-tokens // COMBINE_TOKENS_PER_CTA))
+        self.kernels["combine"](
+            expert_out.data_ptr(), self.own + o["ids"], ids.data_ptr(), norm_weight.data_ptr(),
+            normed.data_ptr(), self.peers, self.own, self.state.data_ptr(), self.error.data_ptr(),
+            o["partials"], self.sig_combine, eps, tokens, self.rank, self.timeout_ns,
+            min(wanted, self.num_sms), self._stream(),
         )  # fmt: skip

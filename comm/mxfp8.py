@@ -11,16 +11,16 @@ untouched.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from comm.layout import SCALE_BLOCK
 
 E4M3_MAX = 448.0
-_RCP_448_BITS = 0x3B124925  # rcp.approx.ftz(448.0) as fp32 bits
-
-
-def _fp32(bits: int) -> torch.Tensor:
-    return torch.tensor([bits], dtype=torch.int32).view(torch.float32)
+# rcp.approx.ftz(448.0), fp32 bits 0x3B124925, as an exact Python float (a scalar keeps the op
+# capturable in a CUDA graph; torch multiplies a float32 tensor by it in float32).
+_RCP_448 = struct.unpack("<f", struct.pack("<I", 0x3B124925))[0]
 
 
 def _check_latent(fn: str, x: torch.Tensor) -> None:
@@ -45,7 +45,7 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shape = x.shape
     blocks = x.float().reshape(*shape[:-1], shape[-1] // SCALE_BLOCK, SCALE_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    v_bits = (amax * _fp32(_RCP_448_BITS).to(x.device)).view(torch.int32)
+    v_bits = (amax * _RCP_448).view(torch.int32)
     exponent = (v_bits >> 23) & 0xFF
     mantissa = v_bits & 0x7FFFFF
     round_up = (mantissa != 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))

@@ -19,10 +19,9 @@ REQUIRED = {
     "dispatch": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", r"fence\.acq_rel\.sys",
                  r"atom\.global\.sys\.release\.add", r"ld\.acquire\.sys", r"%globaltimer",
                  r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"mul\.rn\.f32"],
-    "combine_send": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", r"fence\.acq_rel\.sys",
-                     r"atom\.global\.sys\.release\.add"],
-    "combine_reduce": [r"ld\.acquire\.sys", r"%globaltimer", r"ld\.global\.v4\.b32",
-                       r"st\.global\.v4\.b32", r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync"],
+    "combine": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", r"fence\.acq_rel\.sys",
+                r"atom\.global\.sys\.release\.add", r"ld\.acquire\.sys", r"%globaltimer",
+                r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync"],
 }  # fmt: skip
 FORBIDDEN = [r"\.local", r"fma\.rn\.f32"]  # spills; a contracted multiply-add breaks bit-exactness
 

@@ -1,0 +1,158 @@
+"""CombineKernel: return expert output rows to their sources, wait, sum over ranks, RMSNorm.
+
+One launch, two phases (a separate send and reduce launch measured 12.5 us at T=1 on an H200
+against 4.6 us for dispatch: docs/bench_ep1.md):
+1. send: CTAs take contiguous chunks of the rows r = s*T + t of this rank's expert output (bf16
+   [N*T, L]); a row whose received ids hold a local expert goes to rank s's partials row
+   rank*T + t (16-byte copies). Each CTA then fences at system scope and release-adds, per source
+   s, the number of s's rows it handled (sent or not) to s's combine counter for this rank: every
+   source receives exactly T per step from every rank.
+2. reduce: every CTA waits (acquire) until all ranks delivered; warp w of CTA b then takes tokens
+   t = 4b + w, 4b + w + 4G, ...: the partials of the ranks owning one of the token's experts are
+   summed in fp32 in rank order, and RMSNorm is applied in the exact order of
+   comm/reference.py `rms_norm` (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in
+   chunk and element order; tree 16, 8, 4, 2, 1).
+The grid must be co-resident (waiting CTAs would otherwise hold the SMs the senders need): the
+host launches at most one CTA per SM.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from comm.kernels.mxfp8_block import gmem_words
+from comm.kernels.ptx import add_rn, bf16_round, bits_f32, div_rn, mul_rn, sqrt_rn
+from comm.kernels.signals import (
+    PHASE_COMBINE, load_i32, load_i64, overlap, signal_arrival, wait_arrivals,
+)  # fmt: skip
+
+LANES = 32
+WARPS = 4
+CHUNK = 8  # bf16 elements per 16-byte chunk
+
+
+def _lo(word):
+    return bits_f32(word << 16)
+
+
+def _hi(word):
+    return bits_f32(word & Uint32(0xFFFF0000))
+
+
+class CombineKernel:
+    """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank. T is runtime."""
+
+    def __init__(self, num_ranks: int, latent: int, topk: int, experts_per_rank: int):
+        assert 1 <= num_ranks <= 32 and latent % CHUNK == 0
+        self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
+        self.experts_per_rank = experts_per_rank
+        self.chunks = latent // CHUNK
+        self.chunks_per_lane = (self.chunks + LANES - 1) // LANES
+
+    @cute.jit
+    def __call__(
+        self, out: Int64, recv_ids: Int64, ids: Int64, norm_weight: Int64, normed: Int64,
+        peers: Int64, own: Int64, state: Int64, error: Int64, partials_off: Int64, sig_off: Int64,
+        eps: Float32, tokens: Int32, rank: Int32, timeout_ns: Int64, grid: Int32,
+        stream: cuda.CUstream,
+    ):  # fmt: skip
+        self.kernel(out, recv_ids, ids, norm_weight, normed, peers, own, state, error,
+                    partials_off, sig_off, eps, tokens, rank, timeout_ns).launch(
+            grid=[grid, 1, 1], block=[LANES * WARPS, 1, 1], stream=stream)  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self, out: Int64, recv_ids: Int64, ids: Int64, norm_weight: Int64, normed: Int64,
+        peers: Int64, own: Int64, state: Int64, error: Int64, partials_off: Int64, sig_off: Int64,
+        eps: Float32, tokens: Int32, rank: Int32, timeout_ns: Int64,
+    ):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        N, K, L, row_bytes = self.num_ranks, self.topk, self.latent, self.latent * 2
+        # Phase 1: send.
+        rows = tokens * N
+        chunk = (rows + grid - 1) // grid
+        r_begin = cutlass.min(bidx * chunk, rows)
+        r_end = cutlass.min(r_begin + chunk, rows)
+        rBuf = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+        for r in cutlass.range(r_begin, r_end):
+            hit = Int32(0)
+            for k in cutlass.range_constexpr(K):
+                if load_i32(recv_ids + (Int64(r) * K + k) * 4) >= 0:
+                    hit = Int32(1)
+            if hit != 0:
+                source = r // tokens
+                t = r - source * tokens
+                dst = load_i64(peers + source * 8) + partials_off
+                dst = dst + (Int64(rank) * tokens + t) * row_bytes
+                src = out + Int64(r) * row_bytes
+                for c in cutlass.range(tidx, row_bytes // 16, LANES * WARPS):
+                    cute.autovec_copy(gmem_words(src + c * 16, 4), rBuf)
+                    cute.autovec_copy(rBuf, gmem_words(dst + c * 16, 4))
+        cute.arch.fence_acq_rel_sys()
+        cute.arch.barrier()
+        if tidx < N:
+            count = overlap(r_begin, r_end, tidx * tokens, (tidx + 1) * tokens)
+            if count > 0:
+                signal_arrival(load_i64(peers + tidx * 8) + sig_off + Int64(rank) * 8,
+                               Int64(count))  # fmt: skip
+        # Phase 2: wait for every rank, then reduce and normalise.
+        if tidx < N:
+            target = load_i64(state + (N + tidx) * 8)  # advanced by this step's dispatch
+            wait_arrivals(own + sig_off + tidx * 8, target, state + 2 * N * 8, error, rank,
+                          PHASE_COMBINE, tidx, timeout_ns)  # fmt: skip
+        cute.arch.barrier()
+        lane = tidx % LANES
+        warp = tidx // LANES
+        for t in cutlass.range(bidx * WARPS + warp, tokens, grid * WARPS):
+            self.reduce_token(ids, norm_weight, normed, own + partials_off, eps, tokens, t, lane)
+
+    @cute.jit
+    def reduce_token(self, ids: Int64, norm_weight: Int64, normed: Int64, partials: Int64,
+                     eps: Float32, tokens: Int32, t: Int32, lane: Int32):  # fmt: skip
+        """One warp: token t's rank-ordered fp32 sum of partials, then RMSNorm, to `normed`."""
+        N, K, L = self.num_ranks, self.topk, self.latent
+        hits = Uint32(0)
+        for k in cutlass.range_constexpr(K):
+            e = load_i32(ids + (Int64(t) * K + k) * 4)
+            if e >= 0:
+                hits = hits | (Uint32(1) << Uint32(e // self.experts_per_rank))
+        rH = cute.make_rmem_tensor(cute.make_layout(self.chunks_per_lane * CHUNK), Float32)
+        rWords = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+        acc = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+        sumsq = Float32(0.0)
+        for i in cutlass.range_constexpr(self.chunks_per_lane):
+            c = lane + LANES * i
+            if c < self.chunks:
+                for j in cutlass.range_constexpr(CHUNK):
+                    acc[j] = Float32(0.0)
+                for d in cutlass.range_constexpr(N):
+                    if (hits >> d) & 1:
+                        src = partials + ((Int64(d) * tokens + t) * L + c * CHUNK) * 2
+                        cute.autovec_copy(gmem_words(src, 4), rWords)
+                        for j in cutlass.range_constexpr(4):
+                            acc[2 * j] = add_rn(acc[2 * j], _lo(rWords[j]))
+                            acc[2 * j + 1] = add_rn(acc[2 * j + 1], _hi(rWords[j]))
+                for j in cutlass.range_constexpr(CHUNK):
+                    h = bits_f32(bf16_round(acc[j]) << 16)
+                    rH[i * CHUNK + j] = h
+                    sumsq = add_rn(sumsq, mul_rn(h, h))
+        for step in cutlass.range_constexpr(5):
+            sumsq = add_rn(sumsq, cute.arch.shuffle_sync_down(sumsq, 16 >> step))
+        total = cute.arch.shuffle_sync(sumsq, 0)
+        inv = div_rn(Float32(1.0), sqrt_rn(add_rn(div_rn(total, Float32(L)), eps)))
+        for i in cutlass.range_constexpr(self.chunks_per_lane):
+            c = lane + LANES * i
+            if c < self.chunks:
+                cute.autovec_copy(gmem_words(norm_weight + c * CHUNK * 2, 4), rWords)
+                for j in cutlass.range_constexpr(4):
+                    y0 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j], inv)) << 16)
+                    y1 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j + 1], inv)) << 16)
+                    z0 = bf16_round(mul_rn(y0, _lo(rWords[j])))
+                    z1 = bf16_round(mul_rn(y1, _hi(rWords[j])))
+                    rWords[j] = z0 | (z1 << 16)
+                cute.autovec_copy(rWords, gmem_words(normed + (Int64(t) * L + c * CHUNK) * 2, 4))
