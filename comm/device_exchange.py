@@ -15,8 +15,10 @@ from comm.errors import EpTimeoutError
 from launch.nvshmem import GPU_EXTRA
 
 PHASE_NAMES = {1: "dispatch", 2: "combine"}
+MAX_RANKS = 32  # destination sets are 32-bit masks in the kernels
+MAX_TOPK = 128  # dispatch writes a token's ids with one thread per k (128 threads)
 CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
-COMBINE_TOKENS_PER_CTA = 4  # combine: one warp per token in the reduce phase
+COMBINE_TOKENS_PER_CTA = 8  # combine: one warp per token in the reduce phase, 8 warps
 
 
 def import_cute():
@@ -59,9 +61,16 @@ class DeviceExchange:
     """Launch wrappers over one CUDA EpBuffers (see docs/design.md for the protocol)."""
 
     def __init__(self, buffers: EpBuffers, experts_per_rank: int, timeout_s: float):
+        layout = buffers.layout
+        if layout.num_ranks > MAX_RANKS or layout.topk > MAX_TOPK:
+            raise ValueError(
+                f"EpRouted: the GPU kernels take at most {MAX_RANKS} ranks and topk {MAX_TOPK};"
+                f" got {layout.num_ranks} ranks, topk {layout.topk}"
+            )
+        if not 0 < timeout_s < 1e9:
+            raise ValueError(f"EpRouted: timeout_s={timeout_s} must be in (0, 1e9)")
         self.cuda, _, _ = import_cute()
         self.buffers = buffers
-        layout = buffers.layout
         self.num_ranks, self.rank, self.device = buffers.num_ranks, buffers.rank, buffers.device
         self.experts_per_rank = experts_per_rank
         self.timeout_ns = int(timeout_s * 1e9)

@@ -7,9 +7,9 @@ against 4.6 us for dispatch: docs/bench_ep1.md):
    rank*T + t (16-byte copies). Each CTA then fences at system scope and release-adds, per source
    s, the number of s's rows it handled (sent or not) to s's combine counter for this rank: every
    source receives exactly T per step from every rank.
-2. reduce: every CTA waits (acquire) until all ranks delivered; warp w of CTA b then takes tokens
-   t = 4b + w, 4b + w + 4G, ...: the partials of the ranks owning one of the token's experts are
-   summed in fp32 in rank order, and RMSNorm is applied in the exact order of
+2. reduce: every CTA waits (acquire) until all ranks delivered; the partials of the ranks owning
+   one of a token's experts are summed in fp32 in rank order (warp w of CTA b takes tokens t = 8b + w, 8b + w + 8G, ...), and
+   RMSNorm is applied in the exact order of
    comm/reference.py `rms_norm` (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in
    chunk and element order; tree 16, 8, 4, 2, 1).
 The grid must be co-resident (waiting CTAs would otherwise hold the SMs the senders need): the
@@ -30,7 +30,7 @@ from comm.kernels.signals import (
 )  # fmt: skip
 
 LANES = 32
-WARPS = 4
+WARPS = 8  # 256 threads: the reduce phase's tokens in flight per CTA (one CTA per SM)
 CHUNK = 8  # bf16 elements per 16-byte chunk
 
 
@@ -112,6 +112,27 @@ class CombineKernel:
             self.reduce_token(ids, norm_weight, normed, own + partials_off, eps, tokens, t, lane)
 
     @cute.jit
+    def sum_chunk(self, partials: Int64, tokens: Int32, t: Int32, c: Int32, hits: Uint32, i: int,
+                  rH: cute.Tensor, rWords: cute.Tensor, acc: cute.Tensor,
+                  sumsq: Float32) -> Float32:  # fmt: skip
+        """Chunk c (8 elements) of token t: rank-ordered fp32 sum of the hit ranks' partials, BF16
+        rounded into rH[8i:8i+8]; returns sumsq plus their squares, in element order."""
+        for j in cutlass.range_constexpr(CHUNK):
+            acc[j] = Float32(0.0)
+        for d in cutlass.range_constexpr(self.num_ranks):
+            if (hits >> d) & 1:
+                src = partials + ((Int64(d) * tokens + t) * self.latent + c * CHUNK) * 2
+                cute.autovec_copy(gmem_words(src, 4), rWords)
+                for j in cutlass.range_constexpr(4):
+                    acc[2 * j] = add_rn(acc[2 * j], _lo(rWords[j]))
+                    acc[2 * j + 1] = add_rn(acc[2 * j + 1], _hi(rWords[j]))
+        for j in cutlass.range_constexpr(CHUNK):
+            h = bits_f32(bf16_round(acc[j]) << 16)
+            rH[i * CHUNK + j] = h
+            sumsq = add_rn(sumsq, mul_rn(h, h))
+        return sumsq
+
+    @cute.jit
     def reduce_token(self, ids: Int64, norm_weight: Int64, normed: Int64, partials: Int64,
                      eps: Float32, tokens: Int32, t: Int32, lane: Int32):  # fmt: skip
         """One warp: token t's rank-ordered fp32 sum of partials, then RMSNorm, to `normed`."""
@@ -127,21 +148,12 @@ class CombineKernel:
         sumsq = Float32(0.0)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
             c = lane + LANES * i
-            if c < self.chunks:
-                for j in cutlass.range_constexpr(CHUNK):
-                    acc[j] = Float32(0.0)
-                for d in cutlass.range_constexpr(N):
-                    if (hits >> d) & 1:
-                        src = partials + ((Int64(d) * tokens + t) * L + c * CHUNK) * 2
-                        cute.autovec_copy(gmem_words(src, 4), rWords)
-                        for j in cutlass.range_constexpr(4):
-                            acc[2 * j] = add_rn(acc[2 * j], _lo(rWords[j]))
-                            acc[2 * j + 1] = add_rn(acc[2 * j + 1], _hi(rWords[j]))
-                for j in cutlass.range_constexpr(CHUNK):
-                    h = bits_f32(bf16_round(acc[j]) << 16)
-                    rH[i * CHUNK + j] = h
-                    sumsq = add_rn(sumsq, mul_rn(h, h))
-        for step in cutlass.range_constexpr(5):
+            if cutlass.const_expr(self.chunks % LANES == 0):  # every lane has chunk i: no guard
+                sumsq = self.sum_chunk(partials, tokens, t, c, hits, i, rH, rWords, acc, sumsq)
+            else:
+                if c < self.chunks:
+                    sumsq = self.sum_chunk(partials, tokens, t, c, hits, i, rH, rWords, acc, sumsq)
+        for step in cutlass.range_constexpr(5):  # lane 0 ends with the tree of the 32 lane sums
             sumsq = add_rn(sumsq, cute.arch.shuffle_sync_down(sumsq, 16 >> step))
         total = cute.arch.shuffle_sync(sumsq, 0)
         inv = div_rn(Float32(1.0), sqrt_rn(add_rn(div_rn(total, Float32(L)), eps)))

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cases import collective_assert, make_case  # noqa: E402
 from comm.mxfp8 import mxfp8_quantize  # noqa: E402
 from comm.reference import owner_ranks, rms_norm  # noqa: E402
-from ep import TINY, EpRouted, SyntheticLayer, allgather_reference  # noqa: E402
+from ep import TINY, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference  # noqa: E402
 from experts import DenseExperts, ReferenceExperts  # noqa: E402
 from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
 from test_mxfp8 import edge_blocks  # noqa: E402
@@ -106,20 +106,31 @@ def test_dispatch_rows_bitwise(gpu_dep, routed, tokens, routing):
     collective_assert(gpu_dep.cpu_group, failures)
 
 
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("tokens,routing", [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"),
-                                            (10, "nan")])  # fmt: skip
-def test_combine_bitwise(gpu_dep, routed, tokens, routing):
+# latent 2080 = 260 chunks of 8: lanes hold unequal chunk counts (the combine's guarded path).
+ODD = MoeGeometry("odd", hidden=512, latent=2080, experts=48, topk=6, intermediate=128)
+
+
+@pytest.fixture(scope="module")
+def routed_odd(gpu_dep):
+    r = EpRouted(gpu_dep.cpu_group, 16, torch.device("cuda"), experts=ODD.experts,
+                 latent=ODD.latent, topk=ODD.topk, timeout_s=60.0)  # fmt: skip
+    yield r
+    r.close()
+
+
+def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> list[str]:
     """Expert outputs drawn from (seed, rank) on every rank; combine must equal the torch
     reference (rank-ordered fp32 sum + rms_norm) bit for bit."""
     n, rank = gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 7)
-    case = make_case(TINY, n, tokens, seed, routing)
-    outs = [torch.randn(n * tokens, TINY.latent, generator=torch.Generator().manual_seed(seed + d))
-            .to(torch.bfloat16) for d in range(n)]  # fmt: skip
+    case = make_case(geometry, n, tokens, seed, routing)
+    outs = [torch.randn(n * tokens, geometry.latent,
+                        generator=torch.Generator().manual_seed(seed + d)).to(torch.bfloat16)
+            for d in range(n)]  # fmt: skip
     if routing == "nan":
         outs[0][3, 5] = float("nan")
-    norm = SyntheticLayer(TINY, seed).norm_weight()
+    norm = (1 + 0.1 * torch.randn(geometry.latent, generator=torch.Generator().manual_seed(seed)))
+    norm = norm.to(torch.bfloat16)
     poison_receive(routed)
     dist.barrier(gpu_dep.cpu_group)
     latent, ids, weights = on_gpu(case, rank)
@@ -128,17 +139,30 @@ def test_combine_bitwise(gpu_dep, routed, tokens, routing):
     rows.out.copy_(torch.where(hit.unsqueeze(1), outs[rank].cuda(), float("nan")))
     normed = routed.combine(norm.cuda())
     routed.synchronize()
-    per_rank = TINY.experts // n
-    owners = owner_ranks(case.ids[rank], per_rank)
-    total = torch.zeros(tokens, TINY.latent)
+    owners = owner_ranks(case.ids[rank], geometry.experts // n)
+    total = torch.zeros(tokens, geometry.latent)
     for d in range(n):
         mine = (owners == d).any(dim=1).nonzero().squeeze(1)
         total[mine] += outs[d][rank * tokens + mine].float()
     want = rms_norm(total, norm, 1e-5)
-    failures = [] if bits_equal(normed.cpu(), want) else [
-        f"combine differs in {(normed.cpu().view(torch.int16) != want.view(torch.int16)).sum()}"
-        " elements"]  # fmt: skip
-    collective_assert(gpu_dep.cpu_group, failures)
+    if bits_equal(normed.cpu(), want):
+        return []
+    differ = (normed.cpu().view(torch.int16) != want.view(torch.int16)).sum()
+    return [f"L={geometry.latent} T={tokens} {routing}: combine differs in {int(differ)} elements"]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,routing", [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"),
+                                            (10, "nan")])  # fmt: skip
+def test_combine_bitwise(gpu_dep, routed, tokens, routing):
+    collective_assert(gpu_dep.cpu_group,
+                      check_combine_bitwise(gpu_dep, routed, TINY, tokens, routing))  # fmt: skip
+
+
+@pytest.mark.mpi(min_size=1)
+def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd):
+    collective_assert(gpu_dep.cpu_group,
+                      check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded"))  # fmt: skip
 
 
 def experts_for(kind, layer, rank, n):
