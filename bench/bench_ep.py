@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -127,8 +126,11 @@ def main() -> int:
         torch_q_us = replay_us(q_graph, 5, 10)
         d_bytes, c_bytes = bytes_moved(tokens)
         rows.append((tokens, d_us, c_us, pair_us, d_bytes, c_bytes, torch_q_us))
-        print(f"T={tokens:5d} dispatch {d_us:8.2f} us combine {c_us:8.2f} us pair {pair_us:8.2f}"
-              f" us  torch quantize {torch_q_us:8.2f} us", flush=True)
+        print(
+            f"T={tokens:5d} dispatch {d_us:8.2f} us combine {c_us:8.2f} us pair {pair_us:8.2f}"
+            f" us  torch quantize {torch_q_us:8.2f} us",
+            flush=True,
+        )
     quant = quantize_speedup(max_tokens)
     routed.close()
     write_report(Path(args.out), rows, ceiling, quant)
@@ -158,7 +160,11 @@ def quantize_speedup(tokens: int) -> tuple[int, float, float]:
     run()
     torch.cuda.synchronize()
     assert torch.equal(q, want[0]) and torch.equal(sf, want[1]), "quantize kernel != reference"
-    return tokens, replay_us(capture(run, REPS), REPS), replay_us(capture(lambda: mxfp8_quantize(x), 5), 5)
+    return (
+        tokens,
+        replay_us(capture(run, REPS), REPS),
+        replay_us(capture(lambda: mxfp8_quantize(x), 5), 5),
+    )
 
 
 def write_report(out: Path, rows, ceiling: float, quant) -> None:
@@ -184,8 +190,12 @@ def write_report(out: Path, rows, ceiling: float, quant) -> None:
                      f" {c_us:.2f} | {c_gbs:.0f} | {100 * c_gbs / ceiling:.0f}% | {pair_us:.2f} |"
                      f" {tq:.1f} |")  # fmt: skip
     tokens, k_us, t_us = quant
-    lines += ["", f"MXFP8 quantization of [{tokens}, {K3.latent}] BF16: kernel {k_us:.1f} us, torch"
-              f" reference {t_us:.1f} us: **{t_us / k_us:.1f}x** (bit-identical outputs checked).", ""]
+    lines += [
+        "",
+        f"MXFP8 quantization of [{tokens}, {K3.latent}] BF16: kernel {k_us:.1f} us, torch"
+        f" reference {t_us:.1f} us: **{t_us / k_us:.1f}x** (bit-identical outputs checked).",
+        "",
+    ]
     (out / "bench_ep1.md").write_text("\n".join(lines))
     try:
         import matplotlib

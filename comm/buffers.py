@@ -1,5 +1,6 @@
 """EpBuffers: one symmetric allocation per rank (sized by EpLayout for max_tokens) and views of
-every rank's regions. CPU: POSIX shared memory (comm/shm.py). CUDA: NVSHMEM (comm/nvshmem_alloc.py)."""
+every rank's regions. CPU: POSIX shared memory (comm/shm.py); CUDA: NVSHMEM
+(comm/nvshmem_alloc.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class RankRegions:
 
     @property
     def base_address(self) -> int:
-        """Address of the allocation's first byte in this process (regions are at layout offsets)."""
+        """Address of the allocation's first byte in this process (regions at layout offsets)."""
         return self._segment.data_ptr()
 
     @property

@@ -31,8 +31,14 @@ def import_cute():
     return cuda, cutlass, cute
 
 
-def compile_kernels(num_ranks: int, latent: int, topk: int, experts_per_rank: int,
-                    arch: str | None = None, keep_ptx_dir: str | None = None) -> dict:
+def compile_kernels(
+    num_ranks: int,
+    latent: int,
+    topk: int,
+    experts_per_rank: int,
+    arch: str | None = None,
+    keep_ptx_dir: str | None = None,
+) -> dict:
     """Compile dispatch and combine for one geometry. `arch` (e.g.
     "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX.
     Returns {name: compiled function}."""
@@ -93,7 +99,7 @@ class DeviceExchange:
         return self.cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def check(self) -> None:
-        """Raise EpTimeoutError if a kernel recorded a timeout (reads host-mapped memory: no sync)."""
+        """Raise EpTimeoutError if a kernel recorded a timeout (host-mapped memory: no sync)."""
         if int(self.error[0]) == 2:
             phase, peer, rank = (int(v) for v in self.error[1:4])
             raise EpTimeoutError(rank, PHASE_NAMES.get(phase, str(phase)), f"rank {peer}",

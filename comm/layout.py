@@ -38,7 +38,7 @@ class EpLayout:
 
     Receive row `s * stride(T) + t` on rank d holds token t of source rank s (the row contract of
     docs/design.md). Regions, each sized for `max_rows = num_ranks * max_tokens` rows:
-      header   int64 [HEADER_WORDS]       per-rank control block (host protocol: seq, tokens, status)
+      header   int64 [HEADER_WORDS]       per-rank control block of the CPU host protocol
       x        uint8 [max_rows, latent]   MXFP8 e4m3 bytes of the dispatched latent
       sf       uint8 [max_rows, latent/32] E8M0 scale bytes, linear layout
       ids      int32 [max_rows, topk]     global expert ids this rank owns, -1 elsewhere

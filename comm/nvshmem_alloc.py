@@ -21,7 +21,9 @@ def allocate_nvshmem(
         torch.cuda.synchronize(device)
         nvshmem.barrier_all(torch.cuda.current_stream(device))
         torch.cuda.synchronize(device)
-        peers = [own if r == rank else nvshmem.get_peer_tensor(own, pes[r]) for r in range(num_ranks)]
+        peers = [
+            own if r == rank else nvshmem.get_peer_tensor(own, pes[r]) for r in range(num_ranks)
+        ]
     except BaseException:
         release_nvshmem()
         raise

@@ -41,9 +41,7 @@ def check_ids(fn: str, ids: torch.Tensor, num_experts: int) -> None:
     low, high = int(ids.min()), int(ids.max())
     if low < -1 or high >= num_experts:
         bad = low if low < -1 else high
-        raise ValueError(
-            f"{fn}: ids hold {bad}; allowed -1 (no expert) or 0..{num_experts - 1}"
-        )
+        raise ValueError(f"{fn}: ids hold {bad}; allowed -1 (no expert) or 0..{num_experts - 1}")
 
 
 def check_weights_finite(fn: str, weights: torch.Tensor, ids: torch.Tensor) -> None:

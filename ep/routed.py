@@ -36,12 +36,17 @@ class EpRouted:
     """The routed-expert path of every MoE layer of one rank: buffers shared by all layers.
 
     Collective calls (every rank of `group`, same order, same T): construction, `dispatch`,
-    `combine`, `routed`, `close`. On CPU each blocks the host and completes before it returns.
-    group: gloo group of the EP ranks (CPU); max_tokens: the most tokens a rank passes in a step;
-    experts: E (divisible by the rank count; rank r owns [r*E/N, (r+1)*E/N)); latent: L; topk: K.
-    timeout_s bounds every wait; expiry raises EpTimeoutError naming rank, phase and peers.
-    A call whose input one rank rejects raises on every rank (ValueError/TypeError on the rejecting
-    rank, EpPeerError elsewhere), and the buffers stay usable.
+    `combine`, `routed`, `close`. On CPU each blocks the host and completes before it returns; on
+    CUDA (NVSHMEM buffers, CuTeDSL kernels) dispatch/combine/routed are stream-ordered, never sync
+    the host and can be captured in a CUDA graph; `synchronize()` waits and reports a timeout.
+    group: gloo group of the EP ranks (it carries the CPU barriers, or the NVSHMEM bootstrap);
+    max_tokens: the most tokens a rank passes in a step; experts: E (divisible by the rank count;
+    rank r owns [r*E/N, (r+1)*E/N)); latent: L; topk: K. timeout_s bounds every wait; expiry
+    raises EpTimeoutError naming rank, phase and peer. check_values: check ids range and finite
+    weights (reads the tensors; default on for CPU, off for CUDA where it would sync the host).
+    On CPU a call whose input one rank rejects raises on every rank (ValueError/TypeError on the
+    rejecting rank, EpPeerError elsewhere) and the buffers stay usable; on CUDA the rejecting rank
+    raises and the others time out (docs/design.md, "Errors").
     """
 
     def __init__(
@@ -97,10 +102,11 @@ class EpRouted:
         return self.buffers.layout.stride(tokens)
 
     def receive(self, tokens: int) -> ReceiveRows:
-        """Views of this rank's receive rows for a step of `tokens` tokens (valid after dispatch)."""
+        """This rank's receive rows for a step of `tokens` tokens (valid after dispatch)."""
         rows = self.buffers.layout.rows(check_tokens("EpRouted.receive", tokens, self.max_tokens))
         b = self.buffers
-        return ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows), self._expert_out[:rows])
+        out = self._expert_out[:rows]
+        return ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows), out)
 
     # ----------------------------------------------------------------------------- host protocol
     def _agree(self, phase: str, error: Exception | None, tokens: int) -> None:
@@ -149,7 +155,9 @@ class EpRouted:
 
     def _check_experts(self, fn: str, experts: ExpertsBackend) -> None:
         if not isinstance(experts, ExpertsBackend):
-            raise TypeError(f"{fn}: experts is {type(experts).__name__}; expected an ExpertsBackend")
+            raise TypeError(
+                f"{fn}: experts is {type(experts).__name__}; expected an ExpertsBackend"
+            )
         mine = (self.first_expert, self.experts_per_rank, self.latent)
         theirs = (experts.first_expert, experts.num_local_experts, experts.latent)
         if theirs != mine:

@@ -21,7 +21,9 @@ def route(
             " must be [T, H] and [E, H]"
         )
     if bias.shape != (gate_weight.shape[0],):
-        raise ValueError(f"route: bias shape {tuple(bias.shape)}; expected ({gate_weight.shape[0]},)")
+        raise ValueError(
+            f"route: bias shape {tuple(bias.shape)}; expected ({gate_weight.shape[0]},)"
+        )
     if not 1 <= topk <= gate_weight.shape[0]:
         raise ValueError(f"route: topk={topk} outside 1..{gate_weight.shape[0]}")
     scores = torch.sigmoid(hidden.float() @ gate_weight.float().T)

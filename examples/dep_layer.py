@@ -33,22 +33,43 @@ MAX_REL_L2 = 8e-3
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                   help="layer geometry: tiny (seconds on CPU) or k3 (Kimi K3: ~20 GB of GPU"
-                        " memory per rank at 4 ranks); auto: k3 on GPU, tiny on CPU")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where tensors and buffers live; auto: cuda when a GPU and the GPU extras"
-                        " (CuTeDSL, nvshmem4py) are present, else cpu")
-    p.add_argument("--tokens", type=int, default=16,
-                   help="T: tokens every rank passes per step (real ones + padding rows)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="capacity of the buffers (default: --tokens)")
+    p.add_argument(
+        "--preset",
+        choices=["auto", *PRESETS],
+        default="auto",
+        help="layer geometry: tiny (seconds on CPU) or k3 (Kimi K3: ~20 GB of GPU"
+        " memory per rank at 4 ranks); auto: k3 on GPU, tiny on CPU",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where tensors and buffers live; auto: cuda when a GPU and the GPU extras"
+        " (CuTeDSL, nvshmem4py) are present, else cpu",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=16,
+        help="T: tokens every rank passes per step (real ones + padding rows)",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="capacity of the buffers (default: --tokens)"
+    )
     p.add_argument("--steps", type=int, default=5, help="steps, each with fresh data")
-    p.add_argument("--dep-size", type=int, default=None,
-                   help="ranks per DEP group (default: all ranks; must divide the world size)")
+    p.add_argument(
+        "--dep-size",
+        type=int,
+        default=None,
+        help="ranks per DEP group (default: all ranks; must divide the world size)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds any wait may take before EpTimeoutError")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any wait may take before EpTimeoutError",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the all-gather reference")
     return p.parse_args()
 
@@ -82,14 +103,20 @@ def main() -> int:
                                first_expert=dep.rank * per_rank)  # fmt: skip
     gate, bias = layer.router()
     norm_weight = layer.norm_weight()
-    routed = EpRouted(dep.cpu_group, max_tokens, ctx.device, experts=geometry.experts,
-                      latent=geometry.latent, topk=geometry.topk, timeout_s=args.timeout)  # fmt: skip
+    routed = EpRouted(
+        dep.cpu_group, max_tokens, ctx.device, experts=geometry.experts,
+        latent=geometry.latent, topk=geometry.topk, timeout_s=args.timeout,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed * 7919 + ctx.rank)
     if ctx.rank == 0:
-        print(f"dep_layer: {ctx.world_size} rank(s), DEP groups of {dep.size}, preset"
-              f" {geometry.name}, T={args.tokens}, device {ctx.device}, {args.steps} steps")
-        print(f"{'step':>4} {'real tokens':>14} {'dispatch ms':>11} {'experts ms':>10}"
-              f" {'combine ms':>10} {'check ms':>8} {'rel L2 err':>10}  result")
+        print(
+            f"dep_layer: {ctx.world_size} rank(s), DEP groups of {dep.size}, preset"
+            f" {geometry.name}, T={args.tokens}, device {ctx.device}, {args.steps} steps"
+        )
+        print(
+            f"{'step':>4} {'real tokens':>14} {'dispatch ms':>11} {'experts ms':>10}"
+            f" {'combine ms':>10} {'check ms':>8} {'rel L2 err':>10}  result"
+        )
     failed = 0
     for step in range(args.steps):
         T = args.tokens
@@ -136,8 +163,10 @@ def main() -> int:
         verdict = "check skipped" if args.no_check else f"{failed} of {args.steps} steps failed"
         shared = " (ranks share GPUs: time-sliced)" if on_gpu and ctx.world_size > \
             torch.cuda.device_count() else ""  # fmt: skip
-        print(f"dep_layer: {verdict} (tolerance: relative L2 <= {MAX_REL_L2:g}; times are host"
-              f" wall clock with a sync after each phase, max over ranks{shared})")
+        print(
+            f"dep_layer: {verdict} (tolerance: relative L2 <= {MAX_REL_L2:g}; times are host"
+            f" wall clock with a sync after each phase, max over ranks{shared})"
+        )
     teardown(ctx)
     return 1 if failed else 0
 

@@ -18,7 +18,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 def mxfp4_pack(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., K] (each 0..15, K even) -> packed uint8 [..., K/2]."""
     if codes.dtype != torch.uint8 or codes.shape[-1] % 2:
-        raise ValueError(f"mxfp4_pack: codes {codes.dtype} {tuple(codes.shape)}; need uint8, K even")
+        raise ValueError(
+            f"mxfp4_pack: codes {codes.dtype} {tuple(codes.shape)}; need uint8, K even"
+        )
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError("mxfp4_pack: codes must be in 0..15")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)

@@ -49,7 +49,8 @@ class ReferenceExperts(ExpertsBackend):
         latent, intermediate = half_latent * 2, two_i // 2
         if two_i % 2 or latent % SCALE_BLOCK or intermediate % SCALE_BLOCK:
             raise ValueError(
-                f"ReferenceExperts: w13 shape {tuple(w13.shape)} gives L={latent}, I={intermediate};"
+                f"ReferenceExperts: w13 shape {tuple(w13.shape)} gives L={latent},"
+                f" I={intermediate};"
                 f" both must be multiples of {SCALE_BLOCK}"
             )
         _check_weight("w13", w13, (num_local, 2 * intermediate, latent // 2))
@@ -58,7 +59,9 @@ class ReferenceExperts(ExpertsBackend):
         _check_weight("s2", s2, (num_local, latent, intermediate // SCALE_BLOCK))
         devices = {t.device for t in (w13, s13, w2, s2)}
         if len(devices) != 1:
-            raise ValueError(f"ReferenceExperts: weights on several devices {sorted(map(str, devices))}")
+            raise ValueError(
+                f"ReferenceExperts: weights on several devices {sorted(map(str, devices))}"
+            )
         if first_expert < 0:
             raise ValueError(f"ReferenceExperts: first_expert={first_expert} must be >= 0")
         self.w13, self.s13, self.w2, self.s2 = w13, s13, w2, s2

@@ -146,9 +146,7 @@ def new_dep_group(ctx: RankContext, size: int) -> DepGroup:
     Collective over the world (every rank creates every group, in the same order).
     """
     if size < 1 or ctx.world_size % size:
-        raise ValueError(
-            f"new_dep_group: size={size} must divide the world size {ctx.world_size}"
-        )
+        raise ValueError(f"new_dep_group: size={size} must divide the world size {ctx.world_size}")
     mine = None
     for index in range(ctx.world_size // size):
         ranks = tuple(range(index * size, (index + 1) * size))

@@ -40,11 +40,17 @@ class LaunchEnv:
             )
 
 
-# (launcher, rank, size, local rank, local size): the first launcher whose rank variable is set wins.
+# (launcher, rank, size, local rank, local size): the first launcher whose rank variable is set
+# wins.
 _LAUNCHERS = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 )
 
@@ -64,7 +70,8 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Parse the launcher variables of `environ` (default `os.environ`).
 
-    Local rank and size fall back to (rank, world size) when a launcher does not set them (one node).
+    Local rank and size fall back to (rank, world size) when a launcher does not set them (one
+    node).
     """
     environ = os.environ if environ is None else environ
     port = environ.get("MASTER_PORT")

@@ -17,7 +17,9 @@ def import_nvshmem():
     try:
         import nvshmem.core as nvshmem
     except ImportError as err:
-        raise ImportError(f"GPU symmetric buffers need NVSHMEM's Python bindings: {GPU_EXTRA}") from err
+        raise ImportError(
+            f"GPU symmetric buffers need NVSHMEM's Python bindings: {GPU_EXTRA}"
+        ) from err
     return nvshmem
 
 

@@ -40,7 +40,9 @@ def make_case(
             pick = torch.stack([torch.randperm(per_rank, generator=gen)[:K] for _ in range(tokens)])
             ids = pool[pick] if per_rank >= K else pool[pick % per_rank]
         elif routing == "same":
-            ids = torch.randperm(E, generator=torch.Generator().manual_seed(seed))[:K].repeat(tokens, 1)
+            ids = torch.randperm(E, generator=torch.Generator().manual_seed(seed))[:K].repeat(
+                tokens, 1
+            )
         else:
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
         if routing == "duplicate" and K > 1:

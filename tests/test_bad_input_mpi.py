@@ -1,4 +1,4 @@
-"""Bad input raises the documented error on every rank (never a hang), and the buffers stay usable."""
+"""Bad input raises the documented error on every rank (never a hang); the buffers stay usable."""
 
 from __future__ import annotations
 
@@ -6,19 +6,19 @@ import re
 
 import pytest
 import torch
-
 from cases import collective_assert, make_case
+from test_routed_mpi import MAX_TOKENS, agreed_seed, compare, make_experts
+
 from comm import EpPeerError
 from ep import TINY, EpRouted, SyntheticLayer, allgather_reference
 from experts import ReferenceExperts
-from test_routed_mpi import MAX_TOKENS, agreed_seed, compare, make_experts
 
 T = 6
 
 
 def corrupt(case_name, latent, ids, weights, experts, norm, rank, num_ranks, layer):
     """Return the bad rank's (latent, ids, weights, experts, norm_weight) and the message."""
-    L, K, E = TINY.latent, TINY.topk, TINY.experts
+    L, E = TINY.latent, TINY.experts
     if case_name == "tokens_over":
         big = make_case(TINY, 1, MAX_TOKENS + 1, 5)
         return big.latent[0], big.ids[0], big.weights[0], experts, norm, f"tokens={MAX_TOKENS + 1}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from cases import collective_assert, make_case
+
 from comm.mxfp8 import mxfp8_quantize
 from ep import TINY, EpRouted
 

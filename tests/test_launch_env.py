@@ -4,16 +4,35 @@ from launch.env import read_launch_env
 
 
 def test_torchrun():
-    env = read_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                           "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+    env = read_launch_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "29500",
+        }
+    )
     assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
-        "torchrun", 3, 8, 1, 4)
+        "torchrun",
+        3,
+        8,
+        1,
+        4,
+    )
     assert (env.master_addr, env.master_port) == ("h", 29500)
 
 
 def test_openmpi():
-    env = read_launch_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6",
-                           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    env = read_launch_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_SIZE": "6",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
     assert (env.launcher, env.rank, env.local_rank, env.master_port) == ("openmpi", 5, 1, None)
 
 
@@ -27,11 +46,14 @@ def test_single_process():
     assert (env.launcher, env.rank, env.world_size) == ("single", 0, 1)
 
 
-@pytest.mark.parametrize("environ, match", [
-    ({"RANK": "4", "WORLD_SIZE": "4"}, "rank=4"),
-    ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x'"),
-    ({"RANK": "0"}, "WORLD_SIZE is not set"),
-])
+@pytest.mark.parametrize(
+    "environ, match",
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "rank=4"),
+        ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x'"),
+        ({"RANK": "0"}, "WORLD_SIZE is not set"),
+    ],
+)
 def test_bad_environment(environ, match):
     with pytest.raises(ValueError, match=match):
         read_launch_env(environ)

@@ -1,4 +1,4 @@
-"""Whole-process checks: the example under torchrun on 2-4 ranks, and a rank that skips a dispatch."""
+"""Whole processes: the example under torchrun on 2-4 ranks; a rank that skips a dispatch."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from cases import collective_assert, make_case
+
 from ep import TINY, EpRouted, SyntheticLayer, allgather_reference
 from experts import ReferenceExperts
 

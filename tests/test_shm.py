@@ -26,7 +26,8 @@ def run_child(body: str) -> subprocess.CompletedProcess:
         import os, signal, torch
         from launch import init_rank_context, new_dep_group
         from comm import EpBuffers
-        ctx = init_rank_context("cpu", env=__import__("launch").LaunchEnv("single", 0, 1, 0, 1, None, None))
+        from launch import LaunchEnv
+        ctx = init_rank_context("cpu", env=LaunchEnv("single", 0, 1, 0, 1, None, None))
         dep = new_dep_group(ctx, 1)
         buf = EpBuffers(dep.cpu_group, 1, 0, 8, "cpu", latent=64, topk=2)
         """

@@ -7,11 +7,11 @@ against 4.6 us for dispatch: docs/bench_ep1.md):
    rank*T + t (16-byte copies). Each CTA then fences at system scope and release-adds, per source
    s, the number of s's rows it handled (sent or not) to s's combine counter for this rank: every
    source receives exactly T per step from every rank.
-2. reduce: every CTA waits (acquire) until all ranks delivered; the partials of the ranks owning
-   one of a token's experts are summed in fp32 in rank order (warp w of CTA b takes tokens t = 8b + w, 8b + w + 8G, ...), and
-   RMSNorm is applied in the exact order of
-   comm/reference.py `rms_norm` (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in
-   chunk and element order; tree 16, 8, 4, 2, 1).
+2. reduce: every CTA waits (acquire) until all ranks delivered; warp w of CTA b then takes tokens
+   t = 8b + w, 8b + w + 8G, ...: the partials of the ranks owning one of the token's experts are
+   summed in fp32 in rank order, and RMSNorm is applied in the exact order of comm/reference.py
+   `rms_norm` (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in chunk and element
+   order; tree 16, 8, 4, 2, 1).
 The grid must be co-resident (waiting CTAs would otherwise hold the SMs the senders need): the
 host launches at most one CTA per SM.
 """
@@ -26,7 +26,12 @@ from cutlass import Float32, Int32, Int64, Uint32
 from comm.kernels.mxfp8_block import gmem_words
 from comm.kernels.ptx import add_rn, bf16_round, bits_f32, div_rn, mul_rn, sqrt_rn
 from comm.kernels.signals import (
-    PHASE_COMBINE, load_i32, load_i64, overlap, signal_arrival, wait_arrivals,
+    PHASE_COMBINE,
+    load_i32,
+    load_i64,
+    overlap,
+    signal_arrival,
+    wait_arrivals,
 )  # fmt: skip
 
 LANES = 32
@@ -72,7 +77,7 @@ class CombineKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        N, K, L, row_bytes = self.num_ranks, self.topk, self.latent, self.latent * 2
+        N, K, row_bytes = self.num_ranks, self.topk, self.latent * 2
         # Phase 1: send.
         rows = tokens * N
         chunk = (rows + grid - 1) // grid
@@ -136,7 +141,7 @@ class CombineKernel:
     def reduce_token(self, ids: Int64, norm_weight: Int64, normed: Int64, partials: Int64,
                      eps: Float32, tokens: Int32, t: Int32, lane: Int32):  # fmt: skip
         """One warp: token t's rank-ordered fp32 sum of partials, then RMSNorm, to `normed`."""
-        N, K, L = self.num_ranks, self.topk, self.latent
+        K, L = self.topk, self.latent
         hits = Uint32(0)
         for k in cutlass.range_constexpr(K):
             e = load_i32(ids + (Int64(t) * K + k) * 4)

@@ -10,7 +10,12 @@ from cutlass import Int32, Int64, Uint8, Uint32
 
 from comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
 from comm.kernels.signals import (
-    PHASE_DISPATCH, gmem_ptr, load_i32, load_i64, signal_arrival, wait_arrivals,
+    PHASE_DISPATCH,
+    gmem_ptr,
+    load_i32,
+    load_i64,
+    signal_arrival,
+    wait_arrivals,
 )  # fmt: skip
 
 

@@ -48,7 +48,11 @@ def quantize_block(src_addr: Int64, rOut: cute.Tensor) -> Uint32:
     inv = bits_f32(inv_bits)
     for j in cutlass.range_constexpr(BLOCK_WORDS_OUT):
         w0, w1 = rIn[2 * j], rIn[2 * j + 1]
-        q01 = e4m3x2(mul_rn(bits_f32(w0 & Uint32(0xFFFF0000)), inv), mul_rn(bits_f32(w0 << 16), inv))
-        q23 = e4m3x2(mul_rn(bits_f32(w1 & Uint32(0xFFFF0000)), inv), mul_rn(bits_f32(w1 << 16), inv))
+        q01 = e4m3x2(
+            mul_rn(bits_f32(w0 & Uint32(0xFFFF0000)), inv), mul_rn(bits_f32(w0 << 16), inv)
+        )
+        q23 = e4m3x2(
+            mul_rn(bits_f32(w1 & Uint32(0xFFFF0000)), inv), mul_rn(bits_f32(w1 << 16), inv)
+        )
         rOut[j] = q01 | (q23 << 16)
     return scale

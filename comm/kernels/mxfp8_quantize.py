@@ -15,7 +15,7 @@ from comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
 
 
 class Mxfp8QuantizeKernel:
-    """One CTA per group of rows; thread j of a row quantizes blocks j, j+threads, ... (static L)."""
+    """One CTA per row; thread j quantizes the row's blocks j, j+threads, ... (L is static)."""
 
     def __init__(self, latent: int, threads: int = 128):
         self.latent, self.threads = latent, threads
@@ -30,7 +30,7 @@ class Mxfp8QuantizeKernel:
     def kernel(self, src: Int64, q: Int64, sf: Int64, rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        L, nb = self.latent, self.blocks_per_row
+        nb = self.blocks_per_row
         rOut = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_OUT), cutlass.Uint32)
         for b in cutlass.range(tidx, nb, self.threads):
             block = Int64(row) * nb + b

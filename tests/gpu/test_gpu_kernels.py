@@ -14,13 +14,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cases import collective_assert, make_case  # noqa: E402
+from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
+from test_mxfp8 import edge_blocks  # noqa: E402
+from test_routed_mpi import TOLERANCE, agreed_seed, compare  # noqa: E402
+
 from comm.mxfp8 import mxfp8_quantize  # noqa: E402
 from comm.reference import owner_ranks, rms_norm  # noqa: E402
 from ep import TINY, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference  # noqa: E402
 from experts import DenseExperts, ReferenceExperts  # noqa: E402
-from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
-from test_mxfp8 import edge_blocks  # noqa: E402
-from test_routed_mpi import TOLERANCE, agreed_seed, compare  # noqa: E402
 
 MAX_TOKENS = 64
 REPLAYS = int(os.environ.get("EP_TEST_REPLAYS", "1000"))
@@ -129,7 +130,7 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> list[st
             for d in range(n)]  # fmt: skip
     if routing == "nan":
         outs[0][3, 5] = float("nan")
-    norm = (1 + 0.1 * torch.randn(geometry.latent, generator=torch.Generator().manual_seed(seed)))
+    norm = 1 + 0.1 * torch.randn(geometry.latent, generator=torch.Generator().manual_seed(seed))
     norm = norm.to(torch.bfloat16)
     poison_receive(routed)
     dist.barrier(gpu_dep.cpu_group)

@@ -1,4 +1,4 @@
-"""Run without mpirun (it launches its own ranks):  python -m pytest tests/gpu/test_gpu_timeout.py"""
+"""Run without mpirun (it launches its own ranks): python -m pytest tests/gpu/test_gpu_timeout.py"""
 
 import os
 import re

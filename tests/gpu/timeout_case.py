@@ -10,14 +10,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
 from cases import make_case  # noqa: E402
+from test_routed_mpi import compare  # noqa: E402
+
 from comm import EpTimeoutError  # noqa: E402
 from ep import TINY, EpRouted, SyntheticLayer, allgather_reference  # noqa: E402
 from experts import ReferenceExperts  # noqa: E402
 from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
-from test_routed_mpi import compare  # noqa: E402
 
 TIMEOUT_S = 2.0
 
