@@ -23,6 +23,22 @@ class ExpertsBackend(ABC):
     first_expert: int
     num_local_experts: int
     latent: int
+    # Human-readable hardware the backend needs, for error messages ("any torch device", ...).
+    requires: str = "any torch device"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        """None when the backend runs on `device`, else why not (naming the hardware it needs).
+        Backends with hardware needs override this; construction calls `check_device`."""
+        return None
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        """Raise RuntimeError naming the hardware this backend needs when it cannot run there."""
+        reason = cls.unsupported_reason(torch.device(device))
+        if reason is not None:
+            raise RuntimeError(f"{cls.__name__} cannot run on {device}: {reason}; it needs"
+                               f" {cls.requires}")  # fmt: skip
 
     @abstractmethod
     def forward(

@@ -64,6 +64,7 @@ class ReferenceExperts(ExpertsBackend):
             )
         if first_expert < 0:
             raise ValueError(f"ReferenceExperts: first_expert={first_expert} must be >= 0")
+        self.check_device(w13.device)
         self.w13, self.s13, self.w2, self.s2 = w13, s13, w2, s2
         self.first_expert = int(first_expert)
         self.num_local_experts = num_local

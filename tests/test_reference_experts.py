@@ -72,3 +72,38 @@ def test_rejects_bad_weights():
         ReferenceExperts(w13, s13, w2.int(), s2, first_expert=0)
     with pytest.raises(ValueError, match="first_expert"):
         ReferenceExperts(w13, s13, w2, s2, first_expert=-1)
+
+
+def test_dense_experts_match_float64_rows():
+    from experts import DenseExperts
+
+    seed = int(torch.randint(0, 2**31, (1,)))
+    layer = SyntheticLayer(TINY, seed=seed)
+    dense = DenseExperts(*layer.local(FIRST, COUNT), first_expert=FIRST)
+    q, sf, ids, weights = rows_case(seed)
+    out = torch.full((q.shape[0], TINY.latent), float("nan"), dtype=torch.bfloat16)
+    dense.forward(q, sf, ids, weights, out)
+    want = expected(layer, q, sf, ids, weights)
+    written = ~want[:, 0].isnan()
+    err = (out[written].double() - want[written]).norm() / want[written].norm()
+    assert err < 8e-3, f"seed {seed}: relative L2 error {err}"
+
+
+def test_backends_declare_their_hardware():
+    from experts.base import ExpertsBackend
+
+    class NeedsBlackwell(ExpertsBackend):
+        requires = "an NVIDIA GPU of compute capability 10.x"
+
+        @classmethod
+        def unsupported_reason(cls, device):
+            return None if device.type == "cuda" else f"{device.type} is not a CUDA device"
+
+        def forward(self, x, sf, ids, weights, out):
+            return out
+
+    ReferenceExperts.check_device(torch.device("cpu"))  # any device
+    with pytest.raises(
+        RuntimeError, match="NeedsBlackwell cannot run on cpu.*compute capability 10"
+    ):
+        NeedsBlackwell.check_device(torch.device("cpu"))

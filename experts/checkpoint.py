@@ -1,0 +1,168 @@
+"""Read one MoE layer of a Kimi K3 checkpoint (safetensors, compressed-tensors MXFP4 experts):
+only the experts a rank owns, plus the layer's dense weights. Names and shapes: FACTS.md.
+
+Layout on disk, per expert E under `language_model.model.layers.{layer}.block_sparse_moe.`:
+`experts.{E}.w1.weight_packed` uint8 [I, L/2] (gate), `.w1.weight_scale` uint8 [I, L/32],
+`w3` the same (up), `w2.weight_packed` uint8 [L, I/2] and `.w2.weight_scale` uint8 [L, I/32];
+two E2M1 codes a byte (low nibble first), one E8M0 scale per 32.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ep.geometry import MoeGeometry
+
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_PIP = "pip install safetensors"
+
+
+def layer_prefix(layer: int) -> str:
+    return f"language_model.model.layers.{layer}.block_sparse_moe."
+
+
+def dense_shapes(g: MoeGeometry) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Dense tensors of one MoE layer: name (after the prefix) -> (shape, dtype)."""
+    shared = 2 * g.intermediate  # one shared MLP of twice the routed intermediate (FACTS.md)
+    return {
+        "gate.weight": ((g.experts, g.hidden), torch.bfloat16),
+        "gate.e_score_correction_bias": ((g.experts,), torch.float32),
+        "routed_expert_down_proj.weight": ((g.latent, g.hidden), torch.bfloat16),
+        "routed_expert_norm.weight": ((g.latent,), torch.bfloat16),
+        "routed_expert_up_proj.weight": ((g.hidden, g.latent), torch.bfloat16),
+        "shared_experts.gate_proj.weight": ((shared, g.hidden), torch.bfloat16),
+        "shared_experts.up_proj.weight": ((shared, g.hidden), torch.bfloat16),
+        "shared_experts.down_proj.weight": ((g.hidden, shared), torch.bfloat16),
+    }
+
+
+def expert_shapes(g: MoeGeometry, expert: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """One expert's tensors: name (after the prefix) -> (shape, dtype)."""
+    latent, inter, u8 = g.latent, g.intermediate, torch.uint8
+    out = {}
+    for w in ("w1", "w3"):
+        out[f"experts.{expert}.{w}.weight_packed"] = ((inter, latent // 2), u8)
+        out[f"experts.{expert}.{w}.weight_scale"] = ((inter, latent // 32), u8)
+    out[f"experts.{expert}.w2.weight_packed"] = ((latent, inter // 2), u8)
+    out[f"experts.{expert}.w2.weight_scale"] = ((latent, inter // 32), u8)
+    return out
+
+
+@dataclass
+class MoeLayerWeights:
+    """One rank's part of one MoE layer, in the layouts the backends take.
+
+    w13 uint8 [E_local, 2I, L/2] rows [w1 (gate); w3 (up)], s13 uint8 [E_local, 2I, L/32],
+    w2 uint8 [E_local, L, I/2], s2 uint8 [E_local, L, I/32] (checkpoint layout: ReferenceExperts
+    and TrtllmExperts take these as they are); first_expert: global id of local expert 0;
+    dense: the layer's dense tensors by name (see dense_shapes).
+    """
+
+    first_expert: int
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    dense: dict[str, torch.Tensor]
+
+
+class CheckpointReader:
+    """Tensors of a safetensors checkpoint folder, by name, read lazily (only what is asked).
+
+    The folder holds `model.safetensors.index.json` (weight_map: name -> file) or a single
+    `*.safetensors` file.
+    """
+
+    def __init__(self, folder: str | Path):
+        try:
+            from safetensors import safe_open
+        except ImportError as err:
+            raise ImportError(f"reading checkpoints needs safetensors: {SAFETENSORS_PIP}") from err
+        self._safe_open = safe_open
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.folder / file for name, file in weight_map.items()}
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if len(files) != 1:
+                raise FileNotFoundError(
+                    f"CheckpointReader: {self.folder} has no {INDEX_FILE} and"
+                    f" {len(files)} .safetensors files (need the index or exactly one file)"
+                )
+            with safe_open(files[0], framework="pt") as f:
+                self.files = {name: files[0] for name in f.keys()}
+        self._open: dict[Path, object] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor `name`, checked against `shape` and `dtype`; errors name the tensor."""
+        path = self.files.get(name)
+        if path is None:
+            raise KeyError(f"checkpoint {self.folder}: tensor {name} is missing")
+        if path not in self._open:
+            self._open[path] = self._safe_open(path, framework="pt").__enter__()
+        try:
+            t = self._open[path].get_tensor(name)
+        except Exception as err:  # a name in the index but not in its file
+            raise KeyError(
+                f"checkpoint {self.folder}: tensor {name} not readable from {path.name}: {err}"
+            ) from err
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"checkpoint {self.folder}: tensor {name} is {t.dtype} {tuple(t.shape)};"
+                f" expected {dtype} {shape}"
+            )
+        return t
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+
+def load_moe_layer(
+    folder: str | Path,
+    layer: int,
+    geometry: MoeGeometry,
+    *,
+    first_expert: int,
+    num_local_experts: int,
+    device: torch.device | str = "cpu",
+    dense: bool = True,
+) -> MoeLayerWeights:
+    """Read MoE layer `layer`: experts [first_expert, first_expert + num_local_experts) and (when
+    `dense`) the layer's dense weights, onto `device`. Blocks the host; reads only those tensors.
+    Raises KeyError naming a missing tensor, ValueError naming a tensor of the wrong shape/dtype."""
+    if (
+        first_expert < 0
+        or num_local_experts < 1
+        or first_expert + num_local_experts > geometry.experts
+    ):
+        raise ValueError(
+            f"load_moe_layer: experts {first_expert}..{first_expert + num_local_experts - 1}"
+            f" outside 0..{geometry.experts - 1}"
+        )
+    prefix = layer_prefix(layer)
+    reader = CheckpointReader(folder)
+    try:
+        w13, s13, w2, s2 = [], [], [], []
+        for e in range(first_expert, first_expert + num_local_experts):
+            t = {n: reader.get(prefix + n, *spec) for n, spec in expert_shapes(geometry, e).items()}
+            base = f"experts.{e}."
+            w13.append(torch.cat([t[base + "w1.weight_packed"], t[base + "w3.weight_packed"]]))
+            s13.append(torch.cat([t[base + "w1.weight_scale"], t[base + "w3.weight_scale"]]))
+            w2.append(t[base + "w2.weight_packed"])
+            s2.append(t[base + "w2.weight_scale"])
+        dense_weights = {}
+        if dense:
+            dense_weights = {n: reader.get(prefix + n, *spec).to(device)
+                             for n, spec in dense_shapes(geometry).items()}  # fmt: skip
+    finally:
+        reader.close()
+    stack = [torch.stack(ts).to(device) for ts in (w13, s13, w2, s2)]
+    return MoeLayerWeights(first_expert, *stack, dense=dense_weights)

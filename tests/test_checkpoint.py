@@ -1,0 +1,97 @@
+"""Loading one MoE layer of a checkpoint written in the Kimi K3 naming and MXFP4 format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ep.geometry import TINY
+from ep.synthetic import SyntheticLayer
+from experts import ReferenceExperts
+from experts.checkpoint import INDEX_FILE, dense_shapes, layer_prefix, load_moe_layer
+
+LAYER = 3
+
+
+def checkpoint_tensors(layer: SyntheticLayer) -> dict[str, torch.Tensor]:
+    """Every tensor of MoE layer LAYER as the released checkpoint names them."""
+    g, prefix = layer.geometry, layer_prefix(LAYER)
+    out = {}
+    for e in range(g.experts):
+        w13, s13, w2, s2 = layer.expert(e)
+        I = g.intermediate  # noqa: E741
+        out[f"{prefix}experts.{e}.w1.weight_packed"] = w13[:I].contiguous()
+        out[f"{prefix}experts.{e}.w1.weight_scale"] = s13[:I].contiguous()
+        out[f"{prefix}experts.{e}.w3.weight_packed"] = w13[I:].contiguous()
+        out[f"{prefix}experts.{e}.w3.weight_scale"] = s13[I:].contiguous()
+        out[f"{prefix}experts.{e}.w2.weight_packed"] = w2
+        out[f"{prefix}experts.{e}.w2.weight_scale"] = s2
+    gen = torch.Generator().manual_seed(5)
+    for name, (shape, dtype) in dense_shapes(g).items():
+        out[prefix + name] = torch.randn(shape, generator=gen).to(dtype)
+    out["language_model.model.layers.0.mlp.down_proj.weight"] = torch.zeros(4, 4)  # unrelated
+    return out
+
+
+def write_sharded(folder, tensors: dict[str, torch.Tensor], shards: int = 3) -> None:
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(folder / file))
+        weight_map.update({n: file for n in part})
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return SyntheticLayer(TINY, seed=int(torch.randint(0, 2**31, (1,))))
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_loads_own_experts_and_dense(tmp_path, layer, sharded):
+    tensors = checkpoint_tensors(layer)
+    if sharded:
+        write_sharded(tmp_path, tensors)
+    else:
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+    first, count = 12, 12  # rank 1 of 4
+    loaded = load_moe_layer(tmp_path, LAYER, TINY, first_expert=first, num_local_experts=count)
+    want = layer.local(first, count)
+    for got, expect in zip((loaded.w13, loaded.s13, loaded.w2, loaded.s2), want):
+        assert torch.equal(got, expect)
+    for name in dense_shapes(TINY):
+        assert torch.equal(loaded.dense[name], tensors[layer_prefix(LAYER) + name]), name
+    experts = ReferenceExperts(loaded.w13, loaded.s13, loaded.w2, loaded.s2, first_expert=first)
+    assert (experts.first_expert, experts.num_local_experts) == (first, count)
+
+
+def test_missing_tensor_is_named(tmp_path, layer):
+    tensors = checkpoint_tensors(layer)
+    gone = f"{layer_prefix(LAYER)}experts.13.w3.weight_scale"
+    del tensors[gone]
+    write_sharded(tmp_path, tensors)
+    with pytest.raises(KeyError, match=gone.replace(".", r"\.")):
+        load_moe_layer(tmp_path, LAYER, TINY, first_expert=12, num_local_experts=12)
+    # Experts another rank owns are never read: the same checkpoint loads for rank 0.
+    load_moe_layer(tmp_path, LAYER, TINY, first_expert=0, num_local_experts=12, dense=False)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_wrong_tensor_is_named(tmp_path, layer, bad):
+    tensors = checkpoint_tensors(layer)
+    name = f"{layer_prefix(LAYER)}experts.20.w2.weight_packed"
+    t = tensors[name]
+    tensors[name] = t[:, :-1].contiguous() if bad == "shape" else t.to(torch.int16)
+    write_sharded(tmp_path, tensors)
+    with pytest.raises(ValueError, match=rf"{name.replace('.', '.')}.*expected torch.uint8"):
+        load_moe_layer(tmp_path, LAYER, TINY, first_expert=12, num_local_experts=12)
+
+
+def test_bad_expert_range(tmp_path):
+    with pytest.raises(ValueError, match="outside 0..47"):
+        load_moe_layer(tmp_path, LAYER, TINY, first_expert=40, num_local_experts=12)
