@@ -65,6 +65,11 @@ class RankRegions:
         """fp32 [rows, K]: routing weights as the source sent them."""
         return self._view("weights", rows)
 
+    @property
+    def signals(self) -> torch.Tensor:
+        """int64 [2, N]: GPU arrival counters per source rank ([0] dispatch, [1] combine)."""
+        return self._view("signals", None)
+
     def partials(self, rows: int) -> torch.Tensor:
         """bf16 [rows, L]: combine input, row d*S + t = rank d's expert sum for token t."""
         return self._view("partials", rows)

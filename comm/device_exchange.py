@@ -109,7 +109,7 @@ class DeviceExchange:
         """Zero this rank's arrival counters and expectations (and the abort word). Only when no
         kernel of this EP group is queued or running and every rank resets (benchmarks, tests)."""
         torch.cuda.synchronize(self.device)
-        self.buffers.peers[self.rank]._view("signals", None).zero_()
+        self.buffers.signals.zero_()
         self.state.zero_()
         torch.cuda.synchronize(self.device)
 
