@@ -46,7 +46,8 @@ class RankRegions:
 
     @property
     def header(self) -> torch.Tensor:
-        """int64 [HEADER_WORDS]: the host protocol's control block (seq, tokens, status)."""
+        """int64 [2, 4]: the CPU host protocol's control block, one slot per phase (dispatch,
+        combine): [seq, tokens, status, unused]."""
         return self._view("header", None)
 
     def x(self, rows: int) -> torch.Tensor:

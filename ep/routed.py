@@ -17,6 +17,10 @@ from ep.checks import check_ids, check_tensor, check_tokens, check_weights_finit
 from experts.base import ExpertsBackend
 
 _OK, _REJECTED = 0, 1
+# Header slot per phase. One slot for both would race: after the dispatch barrier a fast rank may
+# already write its combine status while a slow rank still reads the dispatch statuses. A phase's
+# slot is rewritten only after the other phase's next barrier, which every reader passes first.
+_SLOT = {"dispatch": 0, "combine": 1}
 
 
 @dataclass(frozen=True)
@@ -114,12 +118,15 @@ class EpRouted:
         rank rejected its input or the ranks' T differ. The barrier is the completion of `phase`:
         every write made before it (peers' rows) is visible after it."""
         self._seq += 1
-        header = self.buffers.header
+        slot = _SLOT[phase]
+        header = self.buffers.header[slot]
         header[HEADER_SEQ] = self._seq
         header[HEADER_TOKENS] = tokens if error is None else -1
         header[HEADER_STATUS] = _OK if error is None else _REJECTED
         bounded_barrier(self._group, self.rank, phase, self._timeout_s)
-        headers = [peer.header.clone() for peer in self.buffers.peers]
+        headers = [peer.header[slot].clone() for peer in self.buffers.peers]
+        stale = [r for r, h in enumerate(headers) if int(h[HEADER_SEQ]) != self._seq]
+        assert not stale, f"rank {self.rank}: {phase} headers of ranks {stale} are from another call"
         rejected = [r for r, h in enumerate(headers) if int(h[HEADER_STATUS]) != _OK]
         counts = [int(h[HEADER_TOKENS]) for h in headers]
         if not rejected and len(set(counts)) == 1:

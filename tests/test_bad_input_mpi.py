@@ -132,3 +132,46 @@ def test_construction_errors(dep):
             EpRouted(dep.cpu_group, args.pop("max_tokens"), "cpu", **args)
     with pytest.raises(ValueError, match="first_expert"):
         ReferenceExperts(*SyntheticLayer(TINY, 0).local(0, 1), first_expert=-3)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_slow_reader_is_not_confused_by_the_next_phase(dep, monkeypatch):
+    """Rank 0 reads the dispatch statuses late, while the last rank already rejected its combine
+    input: rank 0 must still see the dispatch as accepted, and every rank must raise in combine."""
+    import time
+
+    import ep.routed as routed_module
+
+    barrier = routed_module.bounded_barrier
+
+    def slow_after_dispatch(group, rank, phase, timeout_s):
+        barrier(group, rank, phase, timeout_s)
+        if rank == 0 and phase == "dispatch":
+            time.sleep(0.5)
+
+    monkeypatch.setattr(routed_module, "bounded_barrier", slow_after_dispatch)
+    layer = SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 0))
+    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", experts=TINY.experts, latent=TINY.latent,
+                      topk=TINY.topk, timeout_s=10.0)  # fmt: skip
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures = []
+    try:
+        for step in range(3):
+            case = make_case(TINY, dep.size, T, agreed_seed(dep.cpu_group, step))
+            r = dep.rank
+            norm = layer.norm_weight()
+            bad = dep.rank == dep.size - 1 and step != 1
+            expected = TypeError if bad else EpPeerError
+            try:
+                routed.routed(case.latent[r], case.ids[r], case.weights[r],
+                              norm.float() if bad else norm, experts=experts)  # fmt: skip
+                if step != 1:
+                    failures.append(f"step {step}: no error")
+            except expected as err:
+                if step == 1 or "combine" not in str(err) and not bad:
+                    failures.append(f"step {step}: {type(err).__name__}: {err}")
+            except Exception as err:  # noqa: BLE001
+                failures.append(f"step {step}: {type(err).__name__}: {err}")
+    finally:
+        routed.close()
+    collective_assert(dep.cpu_group, failures)
