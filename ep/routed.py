@@ -126,7 +126,7 @@ class EpRouted:
         bounded_barrier(self._group, self.rank, phase, self._timeout_s)
         headers = [peer.header[slot].clone() for peer in self.buffers.peers]
         stale = [r for r, h in enumerate(headers) if int(h[HEADER_SEQ]) != self._seq]
-        assert not stale, f"rank {self.rank}: {phase} headers of ranks {stale} are from another call"
+        assert not stale, f"rank {self.rank}: {phase} headers of {stale} are from another call"
         rejected = [r for r, h in enumerate(headers) if int(h[HEADER_STATUS]) != _OK]
         counts = [int(h[HEADER_TOKENS]) for h in headers]
         if not rejected and len(set(counts)) == 1:
