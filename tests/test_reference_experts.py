@@ -8,7 +8,7 @@ import torch
 from comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from ep.geometry import TINY
 from ep.synthetic import SyntheticLayer
-from experts import ReferenceExperts, mxfp4_dequantize
+from experts import DenseExperts, ReferenceExperts, mxfp4_dequantize
 
 FIRST, COUNT = 12, 12  # rank 1 of 4 under TINY
 
@@ -44,23 +44,33 @@ def expected(layer, q, sf, ids, weights):
     return out
 
 
-def test_matches_float64_rows_and_leaves_other_rows():
-    seed = int(torch.randint(0, 2**31, (1,)))
+def run_backend(kind, seed: int):
+    """(backend, out, want, written, inputs): `kind` on fresh rows of `seed`, output poisoned with
+    NaN before the call; want is the float64 row-by-row result, written its rows with a local id."""
     layer = SyntheticLayer(TINY, seed=seed)
-    experts = ReferenceExperts(*layer.local(FIRST, COUNT), first_expert=FIRST)
-    q, sf, ids, weights = rows_case(seed)
-    out = torch.full((q.shape[0], TINY.latent), float("nan"), dtype=torch.bfloat16)
-    experts.forward(q, sf, ids, weights, out)
-    want = expected(layer, q, sf, ids, weights)
-    written = ~want[:, 0].isnan()
+    backend = kind(*layer.local(FIRST, COUNT), first_expert=FIRST)
+    inputs = rows_case(seed)
+    out = torch.full((inputs[0].shape[0], TINY.latent), float("nan"), dtype=torch.bfloat16)
+    backend.forward(*inputs, out)
+    want = expected(layer, *inputs)
+    return backend, out, want, ~want[:, 0].isnan(), inputs
+
+
+@pytest.mark.parametrize("kind", [ReferenceExperts, DenseExperts])
+def test_matches_float64_rows(kind):
+    seed = int(torch.randint(0, 2**31, (1,)))
+    backend, out, want, written, inputs = run_backend(kind, seed)
     assert written.sum() > 10 and (~written).sum() >= 8
-    assert out[~written].isnan().all(), "rows without a local id must not be written"
-    got = out[written].double()
-    err = (got - want[written]).norm() / want[written].norm()
-    assert err < 8e-3, f"seed {seed}: relative L2 error {err}"
+    err = (out[written].double() - want[written]).norm() / want[written].norm()
+    assert err < 8e-3, f"{kind.__name__} seed {seed}: relative L2 error {err}"
     again = torch.full_like(out, float("nan"))
-    experts.forward(q, sf, ids, weights, again)
+    backend.forward(*inputs, again)
     assert torch.equal(again[written], out[written])  # deterministic
+
+
+def test_reference_leaves_rows_without_local_ids():
+    _, out, _, written, _ = run_backend(ReferenceExperts, int(torch.randint(0, 2**31, (1,))))
+    assert out[~written].isnan().all(), "rows without a local id must not be written"
 
 
 def test_rejects_bad_weights():
@@ -72,21 +82,6 @@ def test_rejects_bad_weights():
         ReferenceExperts(w13, s13, w2.int(), s2, first_expert=0)
     with pytest.raises(ValueError, match="first_expert"):
         ReferenceExperts(w13, s13, w2, s2, first_expert=-1)
-
-
-def test_dense_experts_match_float64_rows():
-    from experts import DenseExperts
-
-    seed = int(torch.randint(0, 2**31, (1,)))
-    layer = SyntheticLayer(TINY, seed=seed)
-    dense = DenseExperts(*layer.local(FIRST, COUNT), first_expert=FIRST)
-    q, sf, ids, weights = rows_case(seed)
-    out = torch.full((q.shape[0], TINY.latent), float("nan"), dtype=torch.bfloat16)
-    dense.forward(q, sf, ids, weights, out)
-    want = expected(layer, q, sf, ids, weights)
-    written = ~want[:, 0].isnan()
-    err = (out[written].double() - want[written]).norm() / want[written].norm()
-    assert err < 8e-3, f"seed {seed}: relative L2 error {err}"
 
 
 def test_backends_declare_their_hardware():
