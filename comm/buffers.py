@@ -127,7 +127,6 @@ class EpBuffers(RankRegions):
         # int64 [N] on the device: base address of every rank's allocation, for the kernels.
         self.peer_addresses = torch.tensor([seg.data_ptr() for seg in segments], dtype=torch.int64,
                                            device=device)  # fmt: skip
-        self._own_allocation = segments[rank]
         self._closed = False
 
     def _view(self, name: str, rows: int | None) -> torch.Tensor:
@@ -144,9 +143,8 @@ class EpBuffers(RankRegions):
         local and views handed out earlier keep their mapping alive until they are dropped."""
         if self._closed:
             return
+        own, self._segment = self._segment, torch.empty(0, dtype=torch.uint8)
         self.peers = []
-        self._segment = torch.empty(0, dtype=torch.uint8)
         self._closed = True
         if self.device.type == "cuda":
-            free_nvshmem(self._own_allocation)
-        self._own_allocation = None
+            free_nvshmem(own)
