@@ -174,6 +174,11 @@ class EpRouted:
                 f" (first_expert={mine[0]}, {mine[1]} experts) of latent {mine[2]}"
             )
 
+    def _check_norm(self, fn: str, norm_weight: torch.Tensor, eps: float) -> None:
+        check_tensor(fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,), self.device)
+        if not (isinstance(eps, float) and eps > 0):
+            raise ValueError(f"{fn}: eps={eps!r}; expected a float > 0")
+
     def _check_open(self, fn: str) -> None:
         if self.buffers.closed:
             raise RuntimeError(f"{fn}: this EpRouted was closed")
@@ -237,8 +242,7 @@ class EpRouted:
         if self.on_gpu:
             if _error is not None:
                 raise _error
-            check_tensor(_fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,),
-                         self.device)  # fmt: skip
+            self._check_norm(_fn, norm_weight, eps)
             normed = torch.empty(tokens, self.latent, dtype=torch.bfloat16, device=self.device)
             self._exchange.combine(self.receive(tokens).out, ids, norm_weight, float(eps), normed)
             self._dispatched = None
@@ -246,10 +250,7 @@ class EpRouted:
         error = _error
         if error is None:
             try:
-                check_tensor(_fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,),
-                             self.device)  # fmt: skip
-                if not (isinstance(eps, float) and eps > 0):
-                    raise ValueError(f"{_fn}: eps={eps!r}; expected a float > 0")
+                self._check_norm(_fn, norm_weight, eps)
             except (TypeError, ValueError) as err:
                 error = err
         if error is None:
