@@ -60,6 +60,14 @@ def make_case(
     return case
 
 
+def agreed_seed(group: dist.ProcessGroup, base: int) -> int:
+    """`base` plus a fresh random offset drawn by group rank 0 and broadcast: every rank builds the
+    same case, and every run a new one."""
+    t = torch.tensor([base + int(torch.randint(0, 10**6, (1,)))])
+    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+    return int(t)
+
+
 def collective_assert(group: dist.ProcessGroup, failures: list[str]) -> None:
     """Fail on every rank if any rank failed (keeps ranks in step: no rank runs ahead into the
     next test's collectives). `failures` are this rank's messages."""

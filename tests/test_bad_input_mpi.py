@@ -6,8 +6,8 @@ import re
 
 import pytest
 import torch
-from cases import collective_assert, make_case
-from test_routed_mpi import MAX_TOKENS, agreed_seed, compare, make_experts
+from cases import agreed_seed, collective_assert, make_case
+from test_routed_mpi import MAX_TOKENS, compare, make_experts
 
 from comm import EpPeerError
 from ep import TINY, EpRouted, SyntheticLayer, allgather_reference

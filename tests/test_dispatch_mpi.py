@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from cases import collective_assert, make_case
+from cases import agreed_seed, collective_assert, make_case
 
 from comm.mxfp8 import mxfp8_quantize
 from ep import TINY, EpRouted
@@ -28,8 +28,7 @@ def provenance_weights(source: int, tokens: int) -> torch.Tensor:
 ])  # fmt: skip
 def test_dispatch_rows_bitwise(dep, tokens, routing):
     group, rank, num_ranks = dep.cpu_group, dep.rank, dep.size
-    seed = 1000 * tokens + ROUTING_SEED[routing] + int(torch.randint(0, 1000, (1,)))
-    seed = _agree_seed(group, seed)
+    seed = agreed_seed(group, 1000 * tokens + ROUTING_SEED[routing])
     case = make_case(TINY, num_ranks, tokens, seed, routing)
     weights = [provenance_weights(s, tokens) for s in range(num_ranks)]
     routed = EpRouted(group, MAX_TOKENS, "cpu", experts=TINY.experts, latent=TINY.latent,
@@ -49,12 +48,6 @@ def test_dispatch_rows_bitwise(dep, tokens, routing):
 
 
 ROUTING_SEED = {"random": 1, "skewed": 2, "padded": 3, "same": 4}
-
-
-def _agree_seed(group, seed: int) -> int:
-    t = torch.tensor([seed])
-    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
-    return int(t)
 
 
 def check_rows(rows, case, weights, rank, num_ranks, tokens) -> list[str]:

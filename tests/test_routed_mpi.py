@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from cases import collective_assert, make_case
+from cases import agreed_seed, collective_assert, make_case
 
 from ep import TINY, EpRouted, SyntheticLayer, allgather_reference
 from experts import ReferenceExperts
@@ -15,12 +14,6 @@ MAX_TOKENS = 24
 # the activation, expert outputs, per-rank partials and the sum): worst seen over 100 steps of
 # 2-4 ranks, 2026-11-29: 998 comparisons, relative L2 <= 4.9e-3, max |diff| 0.057 at |ref| 5.2.
 TOLERANCE = {"rel_l2": 8e-3, "atol": 0.06, "rtol": 0.03}
-
-
-def agreed_seed(group, base: int) -> int:
-    t = torch.tensor([base + int(torch.randint(0, 10**6, (1,)))])
-    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
-    return int(t)
 
 
 def make_experts(layer: SyntheticLayer, rank: int, num_ranks: int) -> ReferenceExperts:

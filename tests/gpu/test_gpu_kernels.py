@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cases import collective_assert, make_case  # noqa: E402
+from cases import agreed_seed, collective_assert, make_case  # noqa: E402
 from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
 from test_mxfp8 import edge_blocks  # noqa: E402
-from test_routed_mpi import TOLERANCE, agreed_seed, compare  # noqa: E402
+from test_routed_mpi import TOLERANCE, compare  # noqa: E402
 
 from comm.mxfp8 import mxfp8_quantize  # noqa: E402
 from comm.reference import owner_ranks, rms_norm  # noqa: E402
