@@ -6,29 +6,42 @@ import torch
 
 from comm.mxfp8 import mxfp8_dequantize
 from experts.base import ExpertsBackend
-from experts.mxfp4 import SCALE_BLOCK, mxfp4_dequantize
+from experts.mxfp4 import mxfp4_dequantize
 from experts.situ import situ
+from experts.weights import check_expert_weights
 
 
-def _check_weight(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.dtype != torch.uint8:
-        raise TypeError(f"ReferenceExperts: {name} dtype {t.dtype}; expected torch.uint8")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"ReferenceExperts: {name} shape {tuple(t.shape)}; expected {shape}")
+def _grouped_mm_available(device: torch.device) -> bool:
+    """torch's grouped BF16 GEMM (fp32 accumulation, one rounding to BF16) runs here: CUDA SM90+."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, N] = a @ b for BF16 a [M, K] and b [K, N], products and sums in fp32. On CUDA one
+    BF16 GEMM with fp32 output (no widened copy of the weights); elsewhere an fp32 GEMM."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 
 class ReferenceExperts(ExpertsBackend):
-    """The rank's experts from checkpoint-layout MXFP4 weights.
+    """The rank's experts from checkpoint-layout MXFP4 weights (experts/weights.py has the layout).
 
-    w13 uint8 [E_local, 2I, L/2]: rows [w1 (gate); w3 (up)], two E2M1 codes per byte (low nibble
-    first); s13 uint8 [E_local, 2I, L/32]; w2 uint8 [E_local, L, I/2]; s2 uint8 [E_local, L, I/32]
-    (E8M0 scale bytes). first_expert: the global id of local expert 0.
+    Numerics: x dequantized exactly from MXFP8; g, u = x @ w1^T, x @ w3^T with fp32 products and
+    sums; SiTU in fp32, one cast to BF16; the expert output (act @ w2^T, fp32 sums) cast to BF16;
+    the weighted sum over the row's local ids in fp32, k in order; one cast to BF16. Only the
+    order of the fp32 sums inside a GEMM differs between devices.
 
-    Numerics: x dequantized exactly from MXFP8; g, u = x @ w1^T, x @ w3^T in fp32; SiTU in fp32,
-    one cast to BF16; expert output (act @ w2^T in fp32) cast to BF16; the weighted sum over the
-    row's local ids in fp32, k in order; one cast to BF16. Each expert's weights are dequantized
-    on first use and cached in BF16 (exact for MXFP4 values; 2 bytes per weight, 66 MB per K3
-    expert) and widened to fp32 for each GEMM.
+    Memory: every local expert is dequantized once, at construction, into BF16 (exact for MXFP4
+    values): 2 bytes per weight, 3 * I * L * 2 bytes per expert, 66.1 MB for K3, so 3.70 GB for
+    56 local experts (16 ranks) and 7.40 GB for 112 (8 ranks), per layer, on the weights' device.
+
+    Execution: one host synchronisation to size the work, then the (row, expert) pairs sorted by
+    expert; FC1 runs one GEMM per expert that has rows (fp32 output, which torch's grouped GEMM
+    does not offer); FC2 runs as one grouped GEMM over all experts where torch has it (CUDA SM90+),
+    else one GEMM per expert. Not capturable in a CUDA graph (DenseExperts is).
     """
 
     def __init__(
@@ -40,46 +53,45 @@ class ReferenceExperts(ExpertsBackend):
         *,
         first_expert: int,
     ) -> None:
-        if w13.dim() != 3 or w2.dim() != 3:
-            raise ValueError(
-                f"ReferenceExperts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be 3-D"
-                " [E_local, rows, K/2]"
-            )
-        num_local, two_i, half_latent = w13.shape
-        latent, intermediate = half_latent * 2, two_i // 2
-        if two_i % 2 or latent % SCALE_BLOCK or intermediate % SCALE_BLOCK:
-            raise ValueError(
-                f"ReferenceExperts: w13 shape {tuple(w13.shape)} gives L={latent},"
-                f" I={intermediate};"
-                f" both must be multiples of {SCALE_BLOCK}"
-            )
-        _check_weight("w13", w13, (num_local, 2 * intermediate, latent // 2))
-        _check_weight("s13", s13, (num_local, 2 * intermediate, latent // SCALE_BLOCK))
-        _check_weight("w2", w2, (num_local, latent, intermediate // 2))
-        _check_weight("s2", s2, (num_local, latent, intermediate // SCALE_BLOCK))
-        devices = {t.device for t in (w13, s13, w2, s2)}
-        if len(devices) != 1:
-            raise ValueError(
-                f"ReferenceExperts: weights on several devices {sorted(map(str, devices))}"
-            )
-        if first_expert < 0:
-            raise ValueError(f"ReferenceExperts: first_expert={first_expert} must be >= 0")
-        self.check_device(w13.device)
-        self.w13, self.s13, self.w2, self.s2 = w13, s13, w2, s2
+        geometry = check_expert_weights(type(self).__name__, w13, s13, w2, s2, first_expert)
+        self.check_device(geometry.device)
         self.first_expert = int(first_expert)
-        self.num_local_experts = num_local
-        self.latent, self.intermediate = latent, intermediate
-        self.device = w13.device
-        self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.num_local_experts = geometry.num_local
+        self.latent, self.intermediate = geometry.latent, geometry.intermediate
+        self.device = geometry.device
+        shape13 = (geometry.num_local, 2 * geometry.intermediate, geometry.latent)
+        shape2 = (geometry.num_local, geometry.latent, geometry.intermediate)
+        # bf16 [E_local, 2I, L] rows [w1 (gate); w3 (up)] and bf16 [E_local, L, I].
+        self.w13_bf16 = torch.empty(shape13, dtype=torch.bfloat16, device=self.device)
+        self.w2_bf16 = torch.empty(shape2, dtype=torch.bfloat16, device=self.device)
+        for e in range(geometry.num_local):  # one expert at a time bounds the fp32 temporaries
+            self.w13_bf16[e] = mxfp4_dequantize(w13[e], s13[e], torch.bfloat16)
+            self.w2_bf16[e] = mxfp4_dequantize(w2[e], s2[e], torch.bfloat16)
+        self._grouped_fc2 = _grouped_mm_available(self.device)
 
-    def _weights(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (w13 [2I, L], w2 [L, I]) of local expert `local` (cached in BF16, exact)."""
-        if local not in self._dequantized:
-            w13 = mxfp4_dequantize(self.w13[local], self.s13[local], torch.bfloat16)
-            w2 = mxfp4_dequantize(self.w2[local], self.s2[local], torch.bfloat16)
-            self._dequantized[local] = (w13, w2)
-        w13, w2 = self._dequantized[local]
-        return w13.float(), w2.float()
+    def expert_outputs(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """BF16 [P, L] expert outputs of BF16 rows h [P, L] sorted by local expert: rows
+        [sum(counts[:e]), sum(counts[:e+1])) go through local expert e."""
+        inter = self.intermediate
+        gate_up = torch.empty(h.shape[0], 2 * inter, dtype=torch.float32, device=h.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                gate_up[start : start + count] = _mm_fp32(h[start : start + count],
+                                                          self.w13_bf16[e].T)  # fmt: skip
+            start += count
+        act = situ(gate_up[:, :inter], gate_up[:, inter:]).to(torch.bfloat16)
+        if self._grouped_fc2:
+            offsets = torch.tensor(counts, device=h.device).cumsum(0).to(torch.int32)
+            return torch._grouped_mm(act, self.w2_bf16.transpose(1, 2), offs=offsets)
+        out = torch.empty(h.shape[0], self.latent, dtype=torch.bfloat16, device=h.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                out[rows] = _mm_fp32(act[rows], self.w2_bf16[e].T).to(torch.bfloat16)
+            start += count
+        return out
 
     def forward(
         self,
@@ -89,27 +101,33 @@ class ReferenceExperts(ExpertsBackend):
         weights: torch.Tensor,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        local = (ids >= self.first_expert) & (ids < self.first_expert + self.num_local_experts)
-        rows = local.any(dim=1).nonzero().squeeze(1)
+        local_ids = ids.long() - self.first_expert
+        local = (local_ids >= 0) & (local_ids < self.num_local_experts)  # bool [R, K]
+        rows = local.any(dim=1).nonzero().squeeze(1)  # [N] rows with a local id (host sync)
         if rows.numel() == 0:
             return out
-        h = mxfp8_dequantize(x[rows], sf[rows]).float()
-        row_ids = ids[rows].long() - self.first_expert
-        pairs = local[rows].nonzero()  # [P, 2]: (index into rows, k)
-        pair_expert = row_ids[pairs[:, 0], pairs[:, 1]]
-        expert_out = torch.empty(pairs.shape[0], self.latent, dtype=torch.float32, device=x.device)
-        for expert in pair_expert.unique().tolist():
-            sel = (pair_expert == expert).nonzero().squeeze(1)
-            w13, w2 = self._weights(expert)
-            gate_up = h[pairs[sel, 0]] @ w13.T
-            act = situ(gate_up[:, : self.intermediate], gate_up[:, self.intermediate :])
-            o = act.to(torch.bfloat16).float() @ w2.T
-            expert_out[sel] = o.to(torch.bfloat16).float()
+        row_local = local[rows]
+        pair_row, pair_k = row_local.nonzero().unbind(1)  # [P] each, row-major: k ascending
+        pair_expert = local_ids[rows][pair_row, pair_k]
+        order = torch.argsort(pair_expert, stable=True)
+        counts = torch.bincount(pair_expert, minlength=self.num_local_experts).tolist()
+        h = mxfp8_dequantize(x[rows], sf[rows])  # BF16, exact
+        sorted_out = self.expert_outputs(h[pair_row[order]], counts)
+        num_pairs = pair_row.numel()
+        padded = torch.zeros(num_pairs + 1, self.latent, dtype=torch.bfloat16, device=x.device)
+        padded[order] = sorted_out  # pair order; row num_pairs stays zero (padding)
+
+        # Weighted sum, k in order: slot j of a row is its j-th local pair; missing slots point
+        # at the zero row with weight 0, and adding +0.0 leaves an fp32 sum unchanged.
+        per_row = row_local.sum(dim=1)
+        slot = torch.arange(num_pairs, device=x.device) - (per_row.cumsum(0) - per_row)[pair_row]
+        num_slots = int(per_row.max())
+        pair_at = torch.full((rows.numel(), num_slots), num_pairs, device=x.device)
+        pair_at[pair_row, slot] = torch.arange(num_pairs, device=x.device)
+        slot_weight = torch.zeros(rows.numel(), num_slots, dtype=torch.float32, device=x.device)
+        slot_weight[pair_row, slot] = weights[rows][pair_row, pair_k].float()
         total = torch.zeros(rows.numel(), self.latent, dtype=torch.float32, device=x.device)
-        row_weights = weights[rows]
-        for k in range(ids.shape[1]):
-            sel = (pairs[:, 1] == k).nonzero().squeeze(1)
-            at = pairs[sel, 0]
-            total[at] += row_weights[at, k].unsqueeze(1) * expert_out[sel]
+        for j in range(num_slots):
+            total += slot_weight[:, j : j + 1] * padded[pair_at[:, j]].float()
         out[rows] = total.to(torch.bfloat16)
         return out

@@ -1,14 +1,15 @@
-"""ReferenceExperts on receive rows against a float64 row-by-row computation."""
+"""ReferenceExperts and DenseExperts: determinism, untouched rows, argument errors, hardware
+declarations."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from comm.mxfp8 import mxfp8_quantize
 from ep.geometry import TINY
 from ep.synthetic import SyntheticLayer
-from experts import DenseExperts, ReferenceExperts, mxfp4_dequantize
+from experts import DenseExperts, ReferenceExperts
 
 FIRST, COUNT = 12, 12  # rank 1 of 4 under TINY
 
@@ -23,53 +24,33 @@ def rows_case(seed: int, num_rows: int = 40):
     return q, sf, ids, weights
 
 
-def expected(layer, q, sf, ids, weights):
-    x = mxfp8_dequantize(q, sf).double()
-    out = torch.full((q.shape[0], TINY.latent), float("nan"), dtype=torch.float64)
-    for r in range(q.shape[0]):
-        acc, hit = torch.zeros(TINY.latent, dtype=torch.float64), False
-        for k in range(TINY.topk):
-            e = int(ids[r, k])
-            if not FIRST <= e < FIRST + COUNT:
-                continue
-            hit = True
-            w13, s13, w2, s2 = layer.expert(e)
-            w13, w2 = mxfp4_dequantize(w13, s13).double(), mxfp4_dequantize(w2, s2).double()
-            gu = w13 @ x[r]
-            g, u = gu[: TINY.intermediate], gu[TINY.intermediate :]
-            act = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
-            acc += float(weights[r, k]) * (w2 @ act)
-        if hit:
-            out[r] = acc
-    return out
-
-
 def run_backend(kind, seed: int):
-    """(backend, out, want, written, inputs): `kind` on fresh rows of `seed`, output poisoned with
-    NaN before the call; want is the float64 row-by-row result, written its rows with a local id."""
+    """(out, again, written): `kind` twice on the same fresh rows of `seed`, outputs poisoned
+    with NaN before each call; written marks the rows with a local id."""
     layer = SyntheticLayer(TINY, seed=seed)
     backend = kind(*layer.local(FIRST, COUNT), first_expert=FIRST)
     inputs = rows_case(seed)
     out = torch.full((inputs[0].shape[0], TINY.latent), float("nan"), dtype=torch.bfloat16)
+    again = out.clone()
     backend.forward(*inputs, out)
-    want = expected(layer, *inputs)
-    return backend, out, want, ~want[:, 0].isnan(), inputs
+    backend.forward(*inputs, again)
+    ids = inputs[2]
+    written = ((ids >= FIRST) & (ids < FIRST + COUNT)).any(dim=1)
+    return out, again, written
 
 
 @pytest.mark.parametrize("kind", [ReferenceExperts, DenseExperts])
-def test_matches_float64_rows(kind):
+def test_deterministic(kind):
+    """Accuracy against the all-gather reference: tests/test_experts_backends.py."""
     seed = int(torch.randint(0, 2**31, (1,)))
-    backend, out, want, written, inputs = run_backend(kind, seed)
+    out, again, written = run_backend(kind, seed)
     assert written.sum() > 10 and (~written).sum() >= 8
-    err = (out[written].double() - want[written]).norm() / want[written].norm()
-    assert err < 8e-3, f"{kind.__name__} seed {seed}: relative L2 error {err}"
-    again = torch.full_like(out, float("nan"))
-    backend.forward(*inputs, again)
-    assert torch.equal(again[written], out[written])  # deterministic
+    assert not out[written].isnan().any(), f"seed {seed}"
+    assert torch.equal(again[written], out[written]), f"{kind.__name__} seed {seed}"
 
 
 def test_reference_leaves_rows_without_local_ids():
-    _, out, _, written, _ = run_backend(ReferenceExperts, int(torch.randint(0, 2**31, (1,))))
+    out, _, written = run_backend(ReferenceExperts, int(torch.randint(0, 2**31, (1,))))
     assert out[~written].isnan().all(), "rows without a local id must not be written"
 
 
