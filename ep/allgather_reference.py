@@ -59,6 +59,38 @@ def _gather(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def expert_sums(
+    latent: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_weights: Callable[[int], tuple[torch.Tensor, ...]],
+    *,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+) -> torch.Tensor:
+    """float64 [T, L]: each token's sum over its ids (-1 skipped) of weight * expert(latent), the
+    latent rounded through MXFP8 as the contract fixes, everything after it in float64.
+
+    latent bf16 [T, L], ids [T, K], weights [T, K]; expert_weights(e) -> (w13, s13, w2, s2) of
+    global expert e in checkpoint layout. Tokens with no id get zeros.
+    """
+    device = latent.device
+    x = _mxfp8_roundtrip(latent)
+    ids, weights = ids.to(device).long(), weights.to(device).double()
+    total = torch.zeros_like(x)
+    for expert in sorted(set(ids[ids >= 0].tolist())):
+        w13, s13, w2, s2 = (t.to(device) for t in expert_weights(expert))
+        w13, w2 = _e2m1(w13, s13), _e2m1(w2, s2)
+        inter = w13.shape[0] // 2
+        token, k = (ids == expert).nonzero(as_tuple=True)
+        h = x[token] @ w13.T
+        gate, up = h[:, :inter], h[:, inter:]
+        act = beta * torch.tanh(gate / beta) / (1 + torch.exp(-gate))
+        act = act * linear_beta * torch.tanh(up / linear_beta)
+        total.index_add_(0, token, weights[token, k].unsqueeze(1) * (act @ w2.T))
+    return total
+
+
 def allgather_reference(
     group: dist.ProcessGroup,
     latent: torch.Tensor,
@@ -82,18 +114,7 @@ def allgather_reference(
     all_ids = _gather(group, ids.cpu().long())
     all_weights = _gather(group, weights.cpu().double())
     mine = slice(rank * tokens, (rank + 1) * tokens)
-    x = _mxfp8_roundtrip(all_latent[mine].to(device))
-    my_ids, my_weights = all_ids[mine].to(device), all_weights[mine].to(device)
-    total = torch.zeros_like(x)
-    for expert in sorted(set(my_ids[my_ids >= 0].tolist())):
-        w13, s13, w2, s2 = (t.to(device) for t in expert_weights(expert))
-        w13, w2 = _e2m1(w13, s13), _e2m1(w2, s2)
-        inter = w13.shape[0] // 2
-        token, k = (my_ids == expert).nonzero(as_tuple=True)
-        h = x[token] @ w13.T
-        gate, up = h[:, :inter], h[:, inter:]
-        act = beta * torch.tanh(gate / beta) / (1 + torch.exp(-gate))
-        act = act * linear_beta * torch.tanh(up / linear_beta)
-        total.index_add_(0, token, my_weights[token, k].unsqueeze(1) * (act @ w2.T))
+    total = expert_sums(all_latent[mine].to(device), all_ids[mine], all_weights[mine],
+                        expert_weights, beta=beta, linear_beta=linear_beta)  # fmt: skip
     rms = torch.sqrt((total * total).mean(dim=-1, keepdim=True) + eps)
     return total / rms * norm_weight.to(device).double()

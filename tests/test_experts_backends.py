@@ -1,0 +1,88 @@
+"""Every experts backend against the plain all-gather reference (ep/allgather_reference.py,
+float64) on the same receive rows, fresh random data each run, output poisoned with NaN.
+
+CPU cases run everywhere; CUDA cases run where a GPU is (single process:
+`python -m pytest -q tests/test_experts_backends.py`), and TrtllmExperts only on SM100/103:
+elsewhere its cases are reported as skipped with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm.mxfp8 import mxfp8_quantize
+from ep.allgather_reference import expert_sums
+from ep.geometry import K3, TINY, MoeGeometry
+from ep.synthetic import SyntheticLayer
+from experts import DenseExperts, ReferenceExperts
+from experts.trtllm import TrtllmExperts
+
+K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=64,
+                        topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
+BACKENDS = {
+    "reference": lambda w, first, g: ReferenceExperts(*w, first_expert=first),
+    "dense": lambda w, first, g: DenseExperts(*w, first_expert=first),
+    "trtllm": lambda w, first, g: TrtllmExperts(*w, first_expert=first, num_experts=g.experts),
+}
+CASES = [
+    ("reference", "cpu", TINY),
+    ("dense", "cpu", TINY),
+    ("reference", "cuda", TINY),
+    ("dense", "cuda", TINY),
+    ("reference", "cuda", K3_WIDTHS),
+    ("trtllm", "cuda", TINY),
+    ("trtllm", "cuda", K3_WIDTHS),
+]
+TOLERANCE = 8e-3  # relative L2, the routed path's (docs/design.md)
+
+
+def receive_rows(g: MoeGeometry, first: int, count: int, rows: int, gen: torch.Generator):
+    """(latent bf16 [R, L], ids int32 [R, K], weights fp32 [R, K]): distinct ids per row, about
+    half of them local; every fourth row has no local id, every fifth a few -1 slots."""
+    ids = torch.empty(rows, g.topk, dtype=torch.int32)
+    others = [e for e in range(g.experts) if not first <= e < first + count]
+    for r in range(rows):
+        local = (
+            0 if r % 4 == 0 else int(torch.randint(1, min(count, g.topk) + 1, (1,), generator=gen))
+        )
+        pick_local = first + torch.randperm(count, generator=gen)[:local]
+        pick_other = torch.tensor(others)[
+            torch.randperm(len(others), generator=gen)[: g.topk - local]
+        ]
+        row = torch.cat((pick_local, pick_other))
+        ids[r] = row[torch.randperm(g.topk, generator=gen)]
+    ids[::5, -2:] = -1
+    latent = torch.randn(rows, g.latent, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(rows, g.topk, generator=gen)
+    return latent, ids, weights
+
+
+@pytest.mark.parametrize(
+    "name,device,geometry", CASES, ids=[f"{n}-{d}-{g.name}" for n, d, g in CASES]
+)
+def test_backend_matches_allgather_reference(name, device, geometry):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    if name == "trtllm":
+        reason = TrtllmExperts.unsupported_reason(torch.device(device))
+        if reason is not None:
+            pytest.skip(f"TrtllmExperts needs {TrtllmExperts.requires}: {reason}")
+    seed = int(torch.randint(0, 2**31, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    first, count = 8, 8
+    layer = SyntheticLayer(geometry, seed)
+    weights_local = tuple(t.to(device) for t in layer.local(first, count))
+    backend = BACKENDS[name](weights_local, first, geometry)
+    latent, ids, weights = (t.to(device) for t in receive_rows(geometry, first, count, 64, gen))
+    x, sf = mxfp8_quantize(latent)
+    out = torch.full((64, geometry.latent), float("nan"), dtype=torch.bfloat16, device=device)
+    backend.forward(x, sf, ids, weights, out)
+
+    local = (ids >= first) & (ids < first + count)
+    want = expert_sums(latent, torch.where(local, ids, -1), weights, layer.expert)
+    written = local.any(dim=1)
+    assert written.sum() >= 40 and (~written).sum() >= 10
+    got = out[written].double()
+    assert not got.isnan().any(), f"{name} seed {seed}: NaN in rows with a local id"
+    err = (got - want[written]).norm() / want[written].norm()
+    assert err < TOLERANCE, f"{name} on {device} seed {seed}: relative L2 error {err:.2e}"
