@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ep.geometry import MoeGeometry
 
-ROUTINGS = ("random", "skewed", "padded", "same", "duplicate", "nan")
+ROUTINGS = ("random", "skewed", "padded", "same", "duplicate", "nan", "ragged")
 
 
 @dataclass
@@ -26,7 +26,8 @@ def make_case(
     """routing: random (distinct experts per token); skewed (every id on rank N-1's experts);
     padded (every third token all -1, some tokens with a few -1 slots); same (every rank's tokens
     pick the same K experts); duplicate (each token lists its first expert twice); nan (random,
-    with NaN in one element of token T//2 on rank 0)."""
+    with NaN in one element of token T//2 on rank 0); ragged (random, but rank s has only
+    real_tokens(T, N)[s] real tokens and pads the rest of its T rows with all -1 ids)."""
     if routing not in ROUTINGS:
         raise ValueError(f"make_case: routing={routing!r}; allowed {ROUTINGS}")
     gen = torch.Generator().manual_seed(seed)
@@ -50,6 +51,8 @@ def make_case(
         if routing == "padded":
             ids[::3] = -1
             ids[1::3, K // 2 :] = -1
+        if routing == "ragged":
+            ids[real_tokens(tokens, num_ranks)[source] :] = -1
         if routing == "nan" and source == 0:
             latent[tokens // 2, L // 3] = float("nan")
         weights = torch.rand(tokens, K, generator=gen) + 0.05
@@ -58,6 +61,15 @@ def make_case(
         case.ids.append(ids.to(torch.int32))
         case.weights.append(weights)
     return case
+
+
+def real_tokens(tokens: int, num_ranks: int) -> list[int]:
+    """Real token count of each rank in the "ragged" routing: T - s*T/N for rank s, and none on
+    the last rank when N >= 3 (an idle data-parallel rank still joins every call)."""
+    real = [tokens - (s * tokens) // num_ranks for s in range(num_ranks)]
+    if num_ranks >= 3:
+        real[-1] = 0
+    return real
 
 
 def agreed_seed(group: dist.ProcessGroup, base: int) -> int:

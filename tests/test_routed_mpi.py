@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import agreed_seed, collective_assert, make_case
+from cases import agreed_seed, collective_assert, make_case, real_tokens
 
 from ep import TINY, EpRouted, SyntheticLayer, allgather_reference
 from experts import ReferenceExperts
@@ -84,6 +84,28 @@ def test_routed_matches_allgather_reference(dep, harness, tokens, routing):
     case = make_case(TINY, dep.size, tokens, seed, routing)
     failures = harness.check(case, f"T={tokens} {routing} seed={seed}")
     collective_assert(dep.cpu_group, failures)
+
+
+def check_ragged(out: torch.Tensor, ref: torch.Tensor, rank: int, num_ranks: int) -> list[str]:
+    """Real rows within tolerance of the reference; padding rows exactly +0.0 (docs/design.md)."""
+    tokens = out.shape[0]
+    real = real_tokens(tokens, num_ranks)[rank]
+    failures = compare(out, ref, f"ragged T={tokens} real={real}")
+    padding = out[real:].cpu()
+    if not torch.equal(padding.view(torch.int16), torch.zeros_like(padding.view(torch.int16))):
+        failures.append(f"ragged: padding rows {real}..{tokens - 1} are not all +0.0")
+    return failures
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ragged_token_counts(dep, harness):
+    """Ranks with different real token counts (one idle on >= 3 ranks) padded to one T."""
+    case = make_case(TINY, dep.size, 16, agreed_seed(dep.cpu_group, 0), "ragged")
+    out = harness.run(case)
+    r = dep.rank
+    ref = allgather_reference(dep.cpu_group, case.latent[r], case.ids[r], case.weights[r],
+                              harness.layer.norm_weight(), harness.layer.expert)  # fmt: skip
+    collective_assert(dep.cpu_group, check_ragged(out, ref, r, dep.size))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cases import agreed_seed, collective_assert, make_case  # noqa: E402
 from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
 from test_mxfp8 import edge_blocks  # noqa: E402
-from test_routed_mpi import TOLERANCE, compare  # noqa: E402
+from test_routed_mpi import TOLERANCE, check_ragged, compare  # noqa: E402
 
 from comm.mxfp8 import mxfp8_quantize  # noqa: E402
 from comm.reference import owner_ranks, rms_norm  # noqa: E402
@@ -154,7 +154,7 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> list[st
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"),
-                                            (10, "nan")])  # fmt: skip
+                                            (10, "nan"), (33, "ragged")])  # fmt: skip
 def test_combine_bitwise(gpu_dep, routed, tokens, routing):
     collective_assert(gpu_dep.cpu_group,
                       check_combine_bitwise(gpu_dep, routed, TINY, tokens, routing))  # fmt: skip
@@ -187,6 +187,21 @@ def test_routed_matches_allgather_reference(gpu_dep, routed, tokens, routing):
     ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
                               case.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
     collective_assert(gpu_dep.cpu_group, compare(out.cpu(), ref, f"T={tokens} {routing}"))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_ragged_token_counts(gpu_dep, routed):
+    """Ranks with different real token counts (one idle on >= 3 ranks) padded to one T: real rows
+    match the all-gather reference, padding rows are exactly +0.0."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    layer = SyntheticLayer(TINY, agreed_seed(gpu_dep.cpu_group, 13))
+    experts = experts_for(ReferenceExperts, layer, rank, n)
+    case = make_case(TINY, n, 40, agreed_seed(gpu_dep.cpu_group, 14), "ragged")
+    out = routed.routed(*on_gpu(case, rank), layer.norm_weight().cuda(), experts=experts)
+    routed.synchronize()
+    ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
+                              case.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
+    collective_assert(gpu_dep.cpu_group, check_ragged(out.cpu(), ref, rank, n))
 
 
 def fresh_inputs(gen, tokens, n_experts):
