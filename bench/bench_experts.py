@@ -95,34 +95,39 @@ def receive_rows(ranks: int, tokens: int, local: int, gen: torch.Generator):
     return x, sf, ids, weights
 
 
+def bench_local(local: int, ceiling: float, iterations: int, gen: torch.Generator) -> list:
+    """Report rows for one local expert count (rank 0 of K3.experts // local ranks)."""
+    ranks = K3.experts // local
+    expert_bytes = 3 * K3.intermediate * K3.latent * 2  # BF16 cache per expert
+    layer = SyntheticLayer(K3, seed=1, device="cuda")
+    backend = ReferenceExperts(*layer.local(0, local), first_expert=0)
+    rows = []
+    for tokens in TOKENS:
+        x, sf, ids, weights = receive_rows(ranks, tokens, local, gen)
+        out = torch.empty(x.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+        base = torch.empty_like(out)
+        new_ms = median_ms(lambda: backend.forward(x, sf, ids, weights, out), iterations)
+        old_ms = median_ms(lambda: loop_forward(backend, x, sf, ids, weights, base), iterations)
+        diff = (out.float() - base.float()).norm() / base.float().norm()
+        touched = int(ids[(ids < local)].unique().numel())
+        pairs = int((ids < local).sum())
+        floor_ms = touched * expert_bytes / (ceiling * 1e9) * 1e3
+        rows.append((local, ranks, tokens, x.shape[0], pairs, touched, new_ms, old_ms, floor_ms,
+                     float(diff)))  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs", help="folder for bench_experts.md")
     p.add_argument("--iterations", type=int, default=10)
     args = p.parse_args()
     ceiling = copy_gbs()
-    expert_bytes = 3 * K3.intermediate * K3.latent * 2  # BF16 cache per expert
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for local in LOCAL_EXPERTS:
-        ranks = K3.experts // local
-        layer = SyntheticLayer(K3, seed=1, device="cuda")
-        backend = ReferenceExperts(*layer.local(0, local), first_expert=0)
-        for tokens in TOKENS:
-            x, sf, ids, weights = receive_rows(ranks, tokens, local, gen)
-            out = torch.empty(x.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
-            base = torch.empty_like(out)
-            new_ms = median_ms(lambda: backend.forward(x, sf, ids, weights, out), args.iterations)
-            old_ms = median_ms(lambda: loop_forward(backend, x, sf, ids, weights, base),
-                               args.iterations)  # fmt: skip
-            diff = (out.float() - base.float()).norm() / base.float().norm()
-            touched = int(ids[(ids < local)].unique().numel())
-            pairs = int((ids < local).sum())
-            floor_ms = touched * expert_bytes / (ceiling * 1e9) * 1e3
-            rows.append((local, ranks, tokens, x.shape[0], pairs, touched, new_ms, old_ms,
-                         floor_ms, float(diff)))  # fmt: skip
-            print(rows[-1], flush=True)
-        del backend
+        rows += bench_local(local, ceiling, args.iterations, gen)
         torch.cuda.empty_cache()
     write_report(Path(args.out), rows, ceiling, args.iterations)
     return 0

@@ -1,0 +1,232 @@
+"""Multi-GPU benchmark, one process per GPU: our dispatch and combine against the baselines every
+user has, side by side in one run, K3 geometry.
+
+    torchrun --nproc-per-node 8 bench/bench_dep.py --out docs     # docs/bench_dep{N}.md
+
+Baselines, on the NCCL group over the same GPUs:
+  allgather: vLLM's default: all-gather of the BF16 latents [T, L] plus ids and weights (the
+    dispatch side), reduce-scatter of the BF16 expert sums [N*T, L] (the combine side);
+  all_to_all: torch.distributed.all_to_all_single moving exactly the bytes our kernels move (each
+    token's MXFP8 row + scales + ids + weights to each rank owning one of its experts; BF16 rows
+    back). Its split sizes are given to it on the host, a count exchange a real user would pay
+    for is not timed.
+Times: medians over samples of CUDA-event-timed graph replays (REPS launches per replay; NCCL
+collectives eager when capture fails, marked), the slowest rank's median reported. Combine of
+ours = (dispatch + combine) - dispatch. GB/s per rank: bytes this rank sends to other ranks over
+NVLink / time (mean over ranks). Ranks sharing one GPU are time-sliced: the script refuses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ep import K3, EpRouted  # noqa: E402
+from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+REPS = 10
+SAMPLES = 20
+
+
+def timed_us(fn, group, reps: int = REPS, samples: int = SAMPLES) -> tuple[float, str]:
+    """(median us per call, "graph" | "eager"): `fn` captured REPS times in a CUDA graph and
+    replayed, ranks lined up by a host barrier before each sample; eager when capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    mode = "graph"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        run = graph.replay
+    except RuntimeError:
+        torch.cuda.synchronize()
+        mode = "eager"
+
+        def run():
+            for _ in range(reps):
+                fn()
+
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        dist.barrier(group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(times), mode
+
+
+def reset(ex, group) -> None:
+    """Zero every rank's counters once no kernel of any rank runs (a peer's last signal lands in
+    this rank's counters, so the barrier comes before the reset) and line the ranks up after."""
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    ex.reset_counters()
+    dist.barrier(group)
+
+
+def destinations(ids: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """bool [T, N]: token t goes to rank d (d owns one of its experts)."""
+    per_rank = K3.experts // num_ranks
+    owner = torch.where(ids >= 0, ids.long() // per_rank, num_ranks)
+    hits = torch.zeros(ids.shape[0], num_ranks + 1, dtype=torch.bool, device=ids.device)
+    hits.scatter_(1, owner, True)
+    return hits[:, :num_ranks]
+
+
+def slowest(value: float, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def mean(value: float, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="docs")
+    p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
+    args = p.parse_args()
+    ctx = init_rank_context("cuda", timeout_s=300.0)
+    if ctx.backend != "nccl":
+        raise SystemExit("bench_dep.py: needs one GPU per rank (ranks sharing a GPU time-slice)")
+    n, rank = ctx.world_size, ctx.rank
+    dep = new_dep_group(ctx, n)
+    cpu = dep.cpu_group
+    routed = EpRouted(cpu, max(args.tokens), "cuda", experts=K3.experts, latent=K3.latent,
+                      topk=K3.topk)  # fmt: skip
+    ex = routed._exchange
+    L, K = K3.latent, K3.topk
+    row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
+    norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    results = []
+    for tokens in args.tokens:
+        latent = torch.randn(tokens, L, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.rand(tokens, K3.experts, device="cuda", generator=gen).argsort(dim=1)
+        ids = ids[:, :K].int().contiguous()
+        weights = torch.rand(tokens, K, device="cuda", generator=gen)
+        out = routed.receive(tokens).out
+        out.copy_(torch.randn(out.shape, device="cuda", generator=gen).to(torch.bfloat16))
+        normed = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
+
+        reset(ex, cpu)
+        pair_us, _ = timed_us(lambda: (ex.dispatch(latent, ids, weights),
+                                       ex.combine(out, ids, norm, 1e-5, normed)), cpu)  # fmt: skip
+        routed.synchronize()
+        reset(ex, cpu)  # dispatch alone advances combine's expectations
+        d_us, _ = timed_us(lambda: ex.dispatch(latent, ids, weights), cpu)
+        routed.synchronize()
+        reset(ex, cpu)
+
+        # Baseline 1: all-gather + reduce-scatter (BF16 latents, as vLLM's default).
+        g_latent = torch.empty(n * tokens, L, dtype=torch.bfloat16, device="cuda")
+        g_ids = torch.empty(n * tokens, K, dtype=torch.int32, device="cuda")
+        g_weights = torch.empty(n * tokens, K, dtype=torch.float32, device="cuda")
+        sums = torch.randn(n * tokens, L, device="cuda", generator=gen).to(torch.bfloat16)
+        scattered = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
+
+        def allgather():
+            dist.all_gather_into_tensor(g_latent, latent, group=ctx.group)
+            dist.all_gather_into_tensor(g_ids, ids, group=ctx.group)
+            dist.all_gather_into_tensor(g_weights, weights, group=ctx.group)
+
+        ag_us, ag_mode = timed_us(allgather, cpu)
+        rs_us, rs_mode = timed_us(
+            lambda: dist.reduce_scatter_tensor(scattered, sums, group=ctx.group), cpu)  # fmt: skip
+
+        # Baseline 2: all_to_all_single with our bytes.
+        dest = destinations(ids, n)
+        send_rows = dest.sum(dim=0).tolist()  # rows to each rank
+        recv_rows = torch.tensor(send_rows, dtype=torch.int64)
+        all_rows = [torch.empty_like(recv_rows) for _ in range(n)]
+        dist.all_gather(all_rows, recv_rows, group=cpu)
+        recv_rows = [int(all_rows[s][rank]) for s in range(n)]  # rows each source sends here
+        a2a_send = torch.empty(sum(send_rows) * row_bytes, dtype=torch.uint8, device="cuda")
+        a2a_recv = torch.empty(sum(recv_rows) * row_bytes, dtype=torch.uint8, device="cuda")
+        back_send = torch.empty(sum(recv_rows) * 2 * L, dtype=torch.uint8, device="cuda")
+        back_recv = torch.empty(sum(send_rows) * 2 * L, dtype=torch.uint8, device="cuda")
+        out_split = [r * row_bytes for r in recv_rows]
+        in_split = [r * row_bytes for r in send_rows]
+
+        a2a_us, a2a_mode = timed_us(lambda: dist.all_to_all_single(
+            a2a_recv, a2a_send, out_split, in_split, group=ctx.group), cpu)  # fmt: skip
+        back_us, back_mode = timed_us(lambda: dist.all_to_all_single(
+            back_recv, back_send, [r * 2 * L for r in send_rows], [r * 2 * L for r in recv_rows],
+            group=ctx.group), cpu)  # fmt: skip
+
+        # Bytes this rank sends to other ranks.
+        remote_rows = sum(r for d, r in enumerate(send_rows) if d != rank)
+        remote_back = sum(r for s, r in enumerate(recv_rows) if s != rank)
+        d_bytes, c_bytes = remote_rows * row_bytes, remote_back * 2 * L
+        row = dict(
+            tokens=tokens, dispatch=slowest(d_us, cpu), combine=slowest(pair_us - d_us, cpu),
+            pair=slowest(pair_us, cpu), allgather=slowest(ag_us, cpu),
+            reduce_scatter=slowest(rs_us, cpu), a2a=slowest(a2a_us, cpu),
+            a2a_back=slowest(back_us, cpu), d_bytes=mean(d_bytes, cpu), c_bytes=mean(c_bytes, cpu),
+            modes="/".join(sorted({ag_mode, rs_mode, a2a_mode, back_mode})),
+        )  # fmt: skip
+        results.append(row)
+        if rank == 0:
+            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
+                  flush=True)  # fmt: skip
+    routed.close()
+    if rank == 0:
+        write_report(Path(args.out), results, n)
+    teardown(ctx)
+    return 0
+
+
+def write_report(out: Path, results: list[dict], n: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    lines = [
+        f"# DEP benchmark, {n} GPUs, one process per GPU", "",
+        f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
+        f" --nproc-per-node {n} bench/bench_dep.py --out docs`. K3 geometry (L {K3.latent}, K"
+        f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank).", "",
+        "Medians of CUDA-event-timed graph replays, slowest rank; see bench/bench_dep.py for the"
+        " baselines' definitions. GB/s: bytes the rank sends to other ranks / time (mean over"
+        " ranks). x: baseline time / ours.", "",
+        "| T | dispatch us | GB/s | combine us | GB/s | all-gather us (x) | reduce-scatter us (x) |"
+        " a2a dispatch us (x) | a2a combine us (x) | NCCL timing |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in results:
+        d, c = r["dispatch"], max(r["combine"], 1e-3)
+        lines.append(
+            f"| {r['tokens']} | {d:.1f} | {r['d_bytes'] / d / 1e3:.0f} | {c:.1f} |"
+            f" {r['c_bytes'] / c / 1e3:.0f} | {r['allgather']:.1f} ({r['allgather'] / d:.1f}x) |"
+            f" {r['reduce_scatter']:.1f} ({r['reduce_scatter'] / c:.1f}x) |"
+            f" {r['a2a']:.1f} ({r['a2a'] / d:.1f}x) |"
+            f" {r['a2a_back']:.1f} ({r['a2a_back'] / c:.1f}x) | {r['modes']} |"
+        )
+    lines.append("")
+    (out / f"bench_dep{n}.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

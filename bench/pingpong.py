@@ -1,0 +1,141 @@
+"""Two-GPU ping-pong: the latency floor of one NVLink store + flag round trip.
+
+    torchrun --nproc-per-node 2 bench/pingpong.py --out docs/pingpong.md
+    (or mpirun -n 2 ...; with more ranks, ranks 0 and 1 play and the others idle)
+
+One thread on each of the two GPUs; the flags are int64 words in NVSHMEM symmetric memory.
+Round i: rank 0 stores the value base+i into rank 1's flag with a release store at system scope
+and spins (acquire, system scope, bounded by %globaltimer) until its own flag reaches base+i;
+rank 1 waits for its flag, then stores base+i into rank 0's. One launch plays `rounds` rounds;
+the time per round is the round trip (two one-way store + flag latencies). Medians over launches
+timed with CUDA events on rank 0. Two processes sharing one GPU are time-sliced: their numbers
+measure the scheduler, not NVLink (the script says so when it sees it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cuda.bindings.driver as cuda  # noqa: E402
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32, Int64  # noqa: E402
+
+from comm.errors import EpTimeoutError  # noqa: E402
+from comm.kernels.signals import gmem_ptr, wait_arrivals  # noqa: E402
+from comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem  # noqa: E402
+from launch import init_rank_context, teardown  # noqa: E402
+
+PHASE_PINGPONG = 3
+
+
+class PingPongKernel:
+    """One CTA of one warp; thread 0 plays `rounds` rounds (see the module docstring)."""
+
+    @cute.jit
+    def __call__(self, my_flag: Int64, peer_flag: Int64, base: Int64, rounds: Int32,
+                 initiator: Int32, abort: Int64, error: Int64, rank: Int32, peer: Int32,
+                 timeout_ns: Int64, stream: cuda.CUstream):  # fmt: skip
+        self.kernel(my_flag, peer_flag, base, rounds, initiator, abort, error, rank, peer,
+                    timeout_ns).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, my_flag: Int64, peer_flag: Int64, base: Int64, rounds: Int32,
+               initiator: Int32, abort: Int64, error: Int64, rank: Int32, peer: Int32,
+               timeout_ns: Int64):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            for i in cutlass.range(rounds):
+                value = base + Int64(i) + 1
+                if initiator != 0:
+                    cute.arch.store(gmem_ptr(Int64, peer_flag, 8), value, sem="release",
+                                    scope="sys")  # fmt: skip
+                    wait_arrivals(my_flag, value, abort, error, rank, PHASE_PINGPONG, peer,
+                                  timeout_ns)  # fmt: skip
+                else:
+                    wait_arrivals(my_flag, value, abort, error, rank, PHASE_PINGPONG, peer,
+                                  timeout_ns)  # fmt: skip
+                    cute.arch.store(gmem_ptr(Int64, peer_flag, 8), value, sem="release",
+                                    scope="sys")  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="docs/pingpong.md")
+    p.add_argument("--rounds", type=int, default=1000, help="round trips per launch")
+    p.add_argument("--launches", type=int, default=30)
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    args = p.parse_args()
+    ctx = init_rank_context("cuda", timeout_s=120.0)
+    group, rank = ctx.cpu_group, ctx.rank
+    if ctx.world_size < 2:
+        raise SystemExit("pingpong: needs 2 ranks (torchrun --nproc-per-node 2)")
+    nbytes = 256
+    flags = allocate_nvshmem(group, rank, ctx.world_size, nbytes, ctx.device)
+    playing = rank < 2
+    same_gpu = ctx.backend == "gloo"  # init_rank_context picks gloo when ranks share a GPU
+    abort = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+    error = torch.zeros(4, dtype=torch.int64).pin_memory()
+    kernel = cute.compile(PingPongKernel(), *([Int64(0)] * 3), Int32(1), Int32(0), Int64(0),
+                          Int64(0), Int32(0), Int32(0), Int64(0), cuda.CUstream(0))  # fmt: skip
+    peer = 1 - rank if playing else rank
+    my_flag, peer_flag = flags[rank].data_ptr(), flags[peer].data_ptr()
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    base, times = 0, []
+    for launch in range(args.launches + 2):
+        dist.barrier(group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if playing:
+            kernel(my_flag, peer_flag, base, args.rounds, int(rank == 0), abort.data_ptr(),
+                   error.data_ptr(), rank, peer, int(args.timeout_s * 1e9), stream)  # fmt: skip
+        end.record()
+        end.synchronize()
+        if int(error[0]) == 2:
+            raise EpTimeoutError(rank, "pingpong", f"rank {int(error[2])}", "flag never came")
+        base += args.rounds
+        if launch >= 2:  # two warm-up launches
+            times.append(start.elapsed_time(end) * 1e3 / args.rounds)
+    dist.barrier(group)
+    if rank == 0:
+        rtt = statistics.median(times)
+        print(f"round trip {rtt:.2f} us (one way {rtt / 2:.2f} us), {args.rounds} rounds x"
+              f" {args.launches} launches" + (" [ranks share one GPU: time-sliced]"
+                                              if same_gpu else ""), flush=True)  # fmt: skip
+        write_report(Path(args.out), rtt, times, args, same_gpu)
+    free_nvshmem(flags[rank])
+    teardown(ctx)
+    return 0
+
+
+def write_report(out: Path, rtt: float, times: list[float], args, same_gpu: bool) -> None:
+    gpu = torch.cuda.get_device_name()
+    lines = [
+        "# Ping-pong: one NVLink store + flag round trip", "",
+        f"GPU: {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
+        f" --nproc-per-node 2 bench/pingpong.py --rounds {args.rounds} --launches"
+        f" {args.launches}`.", "",
+        "Release store of a flag into the peer's NVSHMEM memory, acquire spin on the own flag"
+        " (system scope), one thread per GPU; per round: rank 0 -> rank 1 -> rank 0.", "",
+        "| | us |", "|---|---|",
+        f"| round trip (median of {len(times)} launches) | {rtt:.2f} |",
+        f"| one way | {rtt / 2:.2f} |",
+        f"| min / max launch | {min(times):.2f} / {max(times):.2f} |", "",
+    ]  # fmt: skip
+    if same_gpu:
+        lines += ["Both ranks shared ONE GPU (time-sliced): this is the scheduler, not NVLink.", ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
