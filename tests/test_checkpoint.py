@@ -7,11 +7,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from scale_layout import interleave_128x4
 
 from ep.geometry import TINY
 from ep.synthetic import SyntheticLayer
 from experts import ReferenceExperts
 from experts.checkpoint import INDEX_FILE, dense_shapes, layer_prefix, load_moe_layer
+from experts.trtllm_weights import prepare_trtllm_weights
 
 LAYER = 3
 
@@ -68,6 +70,11 @@ def test_loads_own_experts_and_dense(tmp_path, layer, sharded):
         assert torch.equal(loaded.dense[name], tensors[layer_prefix(LAYER) + name]), name
     experts = ReferenceExperts(loaded.w13, loaded.s13, loaded.w2, loaded.s2, first_expert=first)
     assert (experts.first_expert, experts.num_local_experts) == (first, count)
+    # The same tensors feed TrtllmExperts' preparation (its interleave modelled on CPU).
+    prepared = prepare_trtllm_weights(loaded.w13, loaded.s13, loaded.w2, loaded.s2,
+                                      interleave=interleave_128x4)  # fmt: skip
+    assert prepared.gemm1_weights.shape == loaded.w13.shape
+    assert prepared.gemm2_weights_scale.shape == loaded.s2.shape
 
 
 def test_missing_tensor_is_named(tmp_path, layer):
