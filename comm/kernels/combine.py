@@ -27,6 +27,9 @@ from comm.kernels.mxfp8_block import gmem_words
 from comm.kernels.ptx import add_rn, bf16_round, bits_f32, div_rn, mul_rn, sqrt_rn
 from comm.kernels.signals import (
     PHASE_COMBINE,
+    chunk_begin,
+    chunk_end,
+    destination_mask,
     load_i32,
     load_i64,
     overlap,
@@ -80,9 +83,7 @@ class CombineKernel:
         N, K, row_bytes = self.num_ranks, self.topk, self.latent * 2
         # Phase 1: send.
         rows = tokens * N
-        chunk = (rows + grid - 1) // grid
-        r_begin = cutlass.min(bidx * chunk, rows)
-        r_end = cutlass.min(r_begin + chunk, rows)
+        r_begin, r_end = chunk_begin(rows, bidx, grid), chunk_end(rows, bidx, grid)
         rBuf = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
         for r in cutlass.range(r_begin, r_end):
             hit = Int32(0)
@@ -142,11 +143,7 @@ class CombineKernel:
                      eps: Float32, tokens: Int32, t: Int32, lane: Int32):  # fmt: skip
         """One warp: token t's rank-ordered fp32 sum of partials, then RMSNorm, to `normed`."""
         K, L = self.topk, self.latent
-        hits = Uint32(0)
-        for k in cutlass.range_constexpr(K):
-            e = load_i32(ids + (Int64(t) * K + k) * 4)
-            if e >= 0:
-                hits = hits | (Uint32(1) << Uint32(e // self.experts_per_rank))
+        hits = destination_mask(ids, t, K, self.experts_per_rank)
         rH = cute.make_rmem_tensor(cute.make_layout(self.chunks_per_lane * CHUNK), Float32)
         rWords = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
         acc = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)

@@ -11,6 +11,9 @@ from cutlass import Int32, Int64, Uint8, Uint32
 from comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
 from comm.kernels.signals import (
     PHASE_DISPATCH,
+    chunk_begin,
+    chunk_end,
+    destination_mask,
     gmem_ptr,
     load_i32,
     load_i64,
@@ -57,16 +60,10 @@ class DispatchKernel:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         N, K, L, NB = self.num_ranks, self.topk, self.latent, self.blocks_per_row
-        chunk = (tokens + grid - 1) // grid
-        t_begin = cutlass.min(bidx * chunk, tokens)
-        t_end = cutlass.min(t_begin + chunk, tokens)
+        t_begin, t_end = chunk_begin(tokens, bidx, grid), chunk_end(tokens, bidx, grid)
         rOut = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_OUT), Uint32)
         for t in cutlass.range(t_begin, t_end):
-            hits = Uint32(0)  # bit d: the token has an expert on rank d
-            for k in cutlass.range_constexpr(K):
-                e = load_i32(ids + (Int64(t) * K + k) * 4)
-                if e >= 0:
-                    hits = hits | (Uint32(1) << Uint32(e // self.experts_per_rank))
+            hits = destination_mask(ids, t, K, self.experts_per_rank)  # bit d: goes to rank d
             row = Int64(rank) * tokens + t  # receive row on every destination
             for b in cutlass.range(tidx, NB, self.threads):
                 scale = quantize_block(latent + (Int64(t) * NB + b) * 64, rOut)

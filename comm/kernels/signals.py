@@ -1,5 +1,5 @@
 """Device code shared by the kernels: peer addresses, arrival signals, bounded waits, the error
-record.
+record, the destination ranks of a token and the CTAs' contiguous shares of the work.
 
 Arrival counters (int64, one per source rank and phase, in the destination's symmetric memory)
 only grow: a source adds the number of rows it delivered, with a release atomic at system scope
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, Uint32
 
 PHASE_DISPATCH, PHASE_COMBINE = 1, 2
 ERROR_WORDS = 4
@@ -66,6 +66,32 @@ def wait_arrivals(
                 cute.arch.store(gmem_ptr(Int64, error + 16, 8), Int64(peer))
                 cute.arch.store(gmem_ptr(Int64, error + 24, 8), Int64(rank))
                 cute.arch.store(gmem_ptr(Int64, error, 8), Int64(2), sem="release", scope="sys")
+
+
+@cute.jit
+def destination_mask(
+    ids: Int64, t: Int32, topk: cutlass.Constexpr[int], experts_per_rank: cutlass.Constexpr[int]
+) -> Uint32:
+    """Bit d set: token t of the int32 ids [*, topk] at `ids` (-1 = none) has an expert on rank d
+    (ranks own `experts_per_rank` consecutive experts)."""
+    hits = Uint32(0)
+    for k in cutlass.range_constexpr(topk):
+        e = load_i32(ids + (Int64(t) * topk + k) * 4)
+        if e >= 0:
+            hits = hits | (Uint32(1) << Uint32(e // experts_per_rank))
+    return hits
+
+
+@cute.jit
+def chunk_begin(count: Int32, block: Int32, grid: Int32) -> Int32:
+    """First item of CTA `block`'s contiguous share of `count` items over `grid` CTAs."""
+    return cutlass.min(block * ((count + grid - 1) // grid), count)
+
+
+@cute.jit
+def chunk_end(count: Int32, block: Int32, grid: Int32) -> Int32:
+    """One past the last item of CTA `block`'s share (see chunk_begin); begin == end: none."""
+    return cutlass.min(chunk_begin(count, block, grid) + (count + grid - 1) // grid, count)
 
 
 def overlap(a0, a1, b0, b1):
