@@ -1,0 +1,54 @@
+"""Where ReferenceExperts spends a call at K3 geometry: torch profiler over a few calls, one line
+per CUDA kernel and per host-side op, for one local expert count and T.
+
+    python bench/profile_experts.py --local 56 --tokens 1 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_experts import median_ms, receive_rows  # noqa: E402
+
+from ep import K3  # noqa: E402
+from ep.synthetic import SyntheticLayer  # noqa: E402
+from experts import ReferenceExperts  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--local", type=int, default=56)
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 256])
+    p.add_argument("--calls", type=int, default=5)
+    args = p.parse_args()
+    ranks = K3.experts // args.local
+    backend = ReferenceExperts(*SyntheticLayer(K3, 1, "cuda").local(0, args.local), first_expert=0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tokens in args.tokens:
+        x, sf, ids, weights = receive_rows(ranks, tokens, args.local, gen)
+        out = torch.empty(x.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+        ms = median_ms(lambda: backend.forward(x, sf, ids, weights, out), 10)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                backend.forward(x, sf, ids, weights, out)
+            torch.cuda.synchronize()
+        print(f"\n== local {args.local}, T={tokens}: {x.shape[0]} rows, {ms:.3f} ms a call;"
+              f" profile of {args.calls} calls", flush=True)  # fmt: skip
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                          max_name_column_width=60)  # fmt: skip
+        print(table, flush=True)
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15,
+                                          max_name_column_width=60)  # fmt: skip
+        print(table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
