@@ -1,8 +1,8 @@
 #!/bin/bash
 # Stages flashinfer-python (and the pure-Python / small deps its import and JIT need) for the lent
 # H200 (Python 3.12) in two git-ignored folders, .stage/fi1 and .stage/fi2, each under the 64 MiB
-# (run it after ../shared/device/stage.sh, which empties .stage/)
-# one device call may carry. Use after ../shared/device/stage.sh's two calls, on the warm machine:
+# one device call may carry. Run it after ../shared/device/stage.sh (which empties .stage/); on
+# the device, after that script's two calls, on the same warm machine:
 #   run carry=[.stage/fi1] 'mkdir -p /tmp/stage_fi && cp .stage/fi1/* /tmp/stage_fi/'
 #   run carry=[.stage/fi2] 'bash .stage/fi2/install_flashinfer.sh && . /tmp/site/env.sh && ...'
 set -euo pipefail
