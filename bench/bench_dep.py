@@ -108,6 +108,13 @@ def mean(value: float, group) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="docs")
+    p.add_argument(
+        "--combine-split-min-tokens",
+        type=int,
+        default=None,
+        help="force the combine path: 0 = always two launches, a huge value = always"
+        " one (default: the library's choice); the report's name gets a suffix",
+    )
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
     args = p.parse_args()
     ctx = init_rank_context("cuda", timeout_s=300.0)
@@ -119,6 +126,10 @@ def main() -> int:
     routed = EpRouted(cpu, max(args.tokens), "cuda", experts=K3.experts, latent=K3.latent,
                       topk=K3.topk)  # fmt: skip
     ex = routed._exchange
+    suffix = ""
+    if args.combine_split_min_tokens is not None:
+        ex.combine_split_min_tokens = args.combine_split_min_tokens
+        suffix = f"_split{args.combine_split_min_tokens}"
     L, K = K3.latent, K3.topk
     row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
     norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
@@ -195,12 +206,12 @@ def main() -> int:
                   flush=True)  # fmt: skip
     routed.close()
     if rank == 0:
-        write_report(Path(args.out), results, n)
+        write_report(Path(args.out), results, n, suffix)
     teardown(ctx)
     return 0
 
 
-def write_report(out: Path, results: list[dict], n: int) -> None:
+def write_report(out: Path, results: list[dict], n: int, suffix: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     lines = [
@@ -225,7 +236,11 @@ def write_report(out: Path, results: list[dict], n: int) -> None:
             f" {r['a2a_back']:.1f} ({r['a2a_back'] / c:.1f}x) | {r['modes']} |"
         )
     lines.append("")
-    (out / f"bench_dep{n}.md").write_text("\n".join(lines))
+    if suffix:
+        forced = suffix[len("_split") :]
+        lines.insert(3, f"Combine path forced: `--combine-split-min-tokens {forced}` (0: two"
+                        " launches at every T; huge: one launch at every T).\n")  # fmt: skip
+    (out / f"bench_dep{n}{suffix}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,13 @@ def bytes_moved(tokens: int) -> tuple[int, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="docs", help="folder for bench_ep1.md and bench_ep1.png")
+    p.add_argument(
+        "--combine-split-min-tokens",
+        type=int,
+        default=None,
+        help="force the combine path: 0 = always two launches, a huge value = always"
+        " one (default: the library's choice); the report's name gets a suffix",
+    )
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS, help="token counts T")
     args = p.parse_args()
     ctx = init_rank_context("cuda")
@@ -101,6 +108,10 @@ def main() -> int:
     routed = EpRouted(dep.cpu_group, max_tokens, "cuda", experts=K3.experts, latent=K3.latent,
                       topk=K3.topk)  # fmt: skip
     ex = routed._exchange
+    suffix = ""
+    if args.combine_split_min_tokens is not None:
+        ex.combine_split_min_tokens = args.combine_split_min_tokens
+        suffix = f"_split{args.combine_split_min_tokens}"
     ceiling = copy_ceiling_gbs()
     norm = torch.ones(K3.latent, dtype=torch.bfloat16, device="cuda")
     rows = []
@@ -133,7 +144,7 @@ def main() -> int:
         )
     quant = quantize_speedup(max_tokens)
     routed.close()
-    write_report(Path(args.out), rows, ceiling, quant)
+    write_report(Path(args.out), rows, ceiling, quant, suffix)
     teardown(ctx)
     return 0
 
@@ -167,7 +178,7 @@ def quantize_speedup(tokens: int) -> tuple[int, float, float]:
     )
 
 
-def write_report(out: Path, rows, ceiling: float, quant) -> None:
+def write_report(out: Path, rows, ceiling: float, quant, suffix: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
@@ -196,7 +207,11 @@ def write_report(out: Path, rows, ceiling: float, quant) -> None:
         f" reference {t_us:.1f} us: **{t_us / k_us:.1f}x** (bit-identical outputs checked).",
         "",
     ]
-    (out / "bench_ep1.md").write_text("\n".join(lines))
+    if suffix:
+        forced = suffix[len("_split") :]
+        lines.insert(3, f"Combine path forced: `--combine-split-min-tokens {forced}` (0: two"
+                        " launches at every T; huge: one launch at every T).\n")  # fmt: skip
+    (out / f"bench_ep1{suffix}.md").write_text("\n".join(lines))
     try:
         import matplotlib
 
@@ -215,7 +230,7 @@ def write_report(out: Path, rows, ceiling: float, quant) -> None:
     b.set_xlabel("tokens T"), b.set_ylabel("GB/s"), b.legend(), b.grid(True, alpha=0.3)
     fig.suptitle(f"EP=1, K3 geometry, {gpu}, {date}")
     fig.tight_layout()
-    fig.savefig(out / "bench_ep1.png", dpi=110)
+    fig.savefig(out / f"bench_ep1{suffix}.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ MAX_RANKS = 32  # destination sets are 32-bit masks in the kernels
 MAX_TOPK = 128  # dispatch writes a token's ids with one thread per k (128 threads)
 CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
 COMBINE_TOKENS_PER_CTA = 8  # combine: one warp per token in the reduce phase, 8 warps
+# From this T on, combine runs as two launches (send, then reduce over T/8 CTAs) instead of one
+# co-resident launch: docs/perf_notes.md has the crossover measurement.
+COMBINE_SPLIT_MIN_TOKENS = 512
 
 
 def import_cute():
@@ -58,8 +61,10 @@ def compile_kernels(
     return {
         "dispatch": cute.compile(DispatchKernel(num_ranks, latent, topk, experts_per_rank),
                                  *([z] * 12), one, Int32(0), z, one, stream, **kw),
-        "combine": cute.compile(CombineKernel(num_ranks, latent, topk, experts_per_rank),
-                                *([z] * 11), Float32(1e-5), one, Int32(0), z, one, stream, **kw),
+        **{name: cute.compile(CombineKernel(num_ranks, latent, topk, experts_per_rank, mode),
+                              *([z] * 11), Float32(1e-5), one, Int32(0), z, one, stream, **kw)
+           for name, mode in (("combine", "fused"), ("combine_send", "send"),
+                              ("combine_reduce", "reduce"))},
     }  # fmt: skip
 
 
@@ -90,6 +95,7 @@ class DeviceExchange:
         self.error = torch.zeros(4, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_ctas = CTAS_PER_SM * self.num_sms
+        self.combine_split_min_tokens = COMBINE_SPLIT_MIN_TOKENS  # tests set it to force a path
         self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
                                        experts_per_rank)  # fmt: skip
         self.own = buffers.base_address
@@ -130,11 +136,17 @@ class DeviceExchange:
         norm_weight bf16 [L]; writes normed bf16 [T, L]."""
         tokens = ids.shape[0]
         o = self.offsets
-        # The combine kernel waits inside: its grid must be co-resident (<= one CTA per SM).
-        wanted = max(tokens * self.num_ranks, -(-tokens // COMBINE_TOKENS_PER_CTA))
-        self.kernels["combine"](
+        args = (
             expert_out.data_ptr(), self.own + o["ids"], ids.data_ptr(), norm_weight.data_ptr(),
             normed.data_ptr(), self.peers, self.own, self.state.data_ptr(), self.error.data_ptr(),
             o["partials"], self.sig_combine, eps, tokens, self.rank, self.timeout_ns,
-            min(wanted, self.num_sms), self._stream(),
         )  # fmt: skip
+        if tokens >= self.combine_split_min_tokens:
+            send_grid = min(tokens * self.num_ranks, self.max_ctas)
+            self.kernels["combine_send"](*args, send_grid, self._stream())
+            reduce_grid = -(-tokens // COMBINE_TOKENS_PER_CTA)
+            self.kernels["combine_reduce"](*args, reduce_grid, self._stream())
+            return
+        # The fused kernel waits inside: its grid must be co-resident (<= one CTA per SM).
+        wanted = max(tokens * self.num_ranks, -(-tokens // COMBINE_TOKENS_PER_CTA))
+        self.kernels["combine"](*args, min(wanted, self.num_sms), self._stream())

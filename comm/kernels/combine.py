@@ -1,7 +1,6 @@
 """CombineKernel: return expert output rows to their sources, wait, sum over ranks, RMSNorm.
 
-One launch, two phases (a separate send and reduce launch measured 12.5 us at T=1 on an H200
-against 4.6 us for dispatch: docs/bench_ep1.md):
+Two phases, compiled as one launch (mode "fused") or two (modes "send" then "reduce"):
 1. send: CTAs take contiguous chunks of the rows r = s*T + t of this rank's expert output (bf16
    [N*T, L]); a row whose received ids hold a local expert goes to rank s's partials row
    rank*T + t (16-byte copies). Each CTA then fences at system scope and release-adds, per source
@@ -12,8 +11,12 @@ against 4.6 us for dispatch: docs/bench_ep1.md):
    summed in fp32 in rank order, and RMSNorm is applied in the exact order of comm/reference.py
    `rms_norm` (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in chunk and element
    order; tree 16, 8, 4, 2, 1).
-The grid must be co-resident (waiting CTAs would otherwise hold the SMs the senders need): the
-host launches at most one CTA per SM.
+Fused, the grid must be co-resident (waiting CTAs would otherwise hold the SMs the senders need):
+the host launches at most one CTA per SM. That saves a launch and a flag hop at small T (8.7 us
+against 12.5 us at T = 1, EP = 1) but caps the reduce phase at 8 warps per SM, which costs at
+large T; there the host launches "send" (any grid: it never waits) and then "reduce" (one CTA of
+8 warps per 8 tokens: its waits only depend on the peers' send launches, never on a CTA of its
+own that is not yet resident). comm/device_exchange.py picks by T.
 """
 
 from __future__ import annotations
@@ -50,11 +53,18 @@ def _hi(word):
     return bits_f32(word & Uint32(0xFFFF0000))
 
 
-class CombineKernel:
-    """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank. T is runtime."""
+MODES = ("fused", "send", "reduce")
 
-    def __init__(self, num_ranks: int, latent: int, topk: int, experts_per_rank: int):
-        assert 1 <= num_ranks <= 32 and latent % CHUNK == 0
+
+class CombineKernel:
+    """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank; `mode` one of
+    MODES (which phases the launch runs; same arguments in every mode). T is runtime."""
+
+    def __init__(
+        self, num_ranks: int, latent: int, topk: int, experts_per_rank: int, mode: str = "fused"
+    ):
+        assert 1 <= num_ranks <= 32 and latent % CHUNK == 0 and mode in MODES
+        self.mode = mode
         self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
         self.experts_per_rank = experts_per_rank
         self.chunks = latent // CHUNK
@@ -80,8 +90,29 @@ class CombineKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
+        N = self.num_ranks
+        if cutlass.const_expr(self.mode != "reduce"):
+            self.send(out, recv_ids, peers, partials_off, sig_off, tokens, rank, tidx, bidx, grid)
+        if cutlass.const_expr(self.mode != "send"):
+            # Wait for every rank, then reduce and normalise.
+            if tidx < N:
+                target = load_i64(state + (N + tidx) * 8)  # advanced by this step's dispatch
+                wait_arrivals(own + sig_off + tidx * 8, target, state + 2 * N * 8, error, rank,
+                              PHASE_COMBINE, tidx, timeout_ns)  # fmt: skip
+            cute.arch.barrier()
+            lane = tidx % LANES
+            warp = tidx // LANES
+            for t in cutlass.range(bidx * WARPS + warp, tokens, grid * WARPS):
+                self.reduce_token(ids, norm_weight, normed, own + partials_off, eps, tokens, t,
+                                  lane)  # fmt: skip
+
+    @cute.jit
+    def send(self, out: Int64, recv_ids: Int64, peers: Int64, partials_off: Int64,
+             sig_off: Int64, tokens: Int32, rank: Int32, tidx: Int32, bidx: Int32,
+             grid: Int32):  # fmt: skip
+        """Phase 1: this CTA's contiguous share of the rows r = s*T + t goes to the sources'
+        partials; then fence and signal each source the count of its rows this CTA handled."""
         N, K, row_bytes = self.num_ranks, self.topk, self.latent * 2
-        # Phase 1: send.
         rows = tokens * N
         r_begin, r_end = chunk_begin(rows, bidx, grid), chunk_end(rows, bidx, grid)
         rBuf = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
@@ -106,16 +137,6 @@ class CombineKernel:
             if count > 0:
                 signal_arrival(load_i64(peers + tidx * 8) + sig_off + Int64(rank) * 8,
                                Int64(count))  # fmt: skip
-        # Phase 2: wait for every rank, then reduce and normalise.
-        if tidx < N:
-            target = load_i64(state + (N + tidx) * 8)  # advanced by this step's dispatch
-            wait_arrivals(own + sig_off + tidx * 8, target, state + 2 * N * 8, error, rank,
-                          PHASE_COMBINE, tidx, timeout_ns)  # fmt: skip
-        cute.arch.barrier()
-        lane = tidx % LANES
-        warp = tidx // LANES
-        for t in cutlass.range(bidx * WARPS + warp, tokens, grid * WARPS):
-            self.reduce_token(ids, norm_weight, normed, own + partials_off, eps, tokens, t, lane)
 
     @cute.jit
     def sum_chunk(self, partials: Int64, tokens: Int32, t: Int32, c: Int32, hits: Uint32, i: int,

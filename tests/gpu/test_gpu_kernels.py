@@ -119,6 +119,18 @@ def routed_odd(gpu_dep):
     r.close()
 
 
+@pytest.fixture(params=["fused", "split"])
+def combine_path(request, routed, routed_odd):
+    """Force the combine's one-launch or two-launch path on both EpRouted of this module."""
+    exchanges = [routed._exchange, routed_odd._exchange]
+    saved = [ex.combine_split_min_tokens for ex in exchanges]
+    for ex in exchanges:
+        ex.combine_split_min_tokens = 0 if request.param == "split" else 1 << 30
+    yield request.param
+    for ex, value in zip(exchanges, saved):
+        ex.combine_split_min_tokens = value
+
+
 def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> list[str]:
     """Expert outputs drawn from (seed, rank) on every rank; combine must equal the torch
     reference (rank-ordered fp32 sum + rms_norm) bit for bit."""
@@ -155,13 +167,13 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> list[st
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"),
                                             (10, "nan"), (33, "ragged")])  # fmt: skip
-def test_combine_bitwise(gpu_dep, routed, tokens, routing):
+def test_combine_bitwise(gpu_dep, routed, combine_path, tokens, routing):
     collective_assert(gpu_dep.cpu_group,
                       check_combine_bitwise(gpu_dep, routed, TINY, tokens, routing))  # fmt: skip
 
 
 @pytest.mark.mpi(min_size=1)
-def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd):
+def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd, combine_path):
     collective_assert(gpu_dep.cpu_group,
                       check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded"))  # fmt: skip
 
@@ -175,7 +187,7 @@ def experts_for(kind, layer, rank, n):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), (17, "padded"), (MAX_TOKENS, "random"),
                                             (11, "duplicate"), (10, "nan")])  # fmt: skip
-def test_routed_matches_allgather_reference(gpu_dep, routed, tokens, routing):
+def test_routed_matches_allgather_reference(gpu_dep, routed, combine_path, tokens, routing):
     n, rank = gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 3)
     layer = SyntheticLayer(TINY, seed)
@@ -213,7 +225,7 @@ def fresh_inputs(gen, tokens, n_experts):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_graph_replay_matches_eager(gpu_dep, routed):
+def test_graph_replay_matches_eager(gpu_dep, routed, combine_path):
     """routed() for a fixed T captured once, replayed REPLAYS times with fresh inputs copied into
     the captured buffers: every replay equals, bit for bit, an eager call on the same inputs."""
     n, rank, tokens = gpu_dep.size, gpu_dep.rank, 24
