@@ -20,8 +20,11 @@ MAX_TOPK = 128  # dispatch writes a token's ids with one thread per k (128 threa
 CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
 COMBINE_TOKENS_PER_CTA = 8  # combine: one warp per token in the reduce phase, 8 warps
 # From this T on, combine runs as two launches (send, then reduce over T/8 CTAs) instead of one
-# co-resident launch: docs/perf_notes.md has the crossover measurement.
-COMBINE_SPLIT_MIN_TOKENS = 512
+# co-resident launch, where that was measured faster (docs/perf_notes.md, v6): at EP=1 from
+# T = 1024 on (T = 4096: 56 against 77 us); at EP=2 the one launch stayed as fast or faster
+# (T = 4096: 130 against 135 us), so with several ranks the split is off until measured at EP=8.
+COMBINE_SPLIT_MIN_TOKENS = {1: 1024}  # num_ranks -> T; ranks not listed: never split
+NEVER = 1 << 62
 
 
 def import_cute():
@@ -95,7 +98,8 @@ class DeviceExchange:
         self.error = torch.zeros(4, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_ctas = CTAS_PER_SM * self.num_sms
-        self.combine_split_min_tokens = COMBINE_SPLIT_MIN_TOKENS  # tests set it to force a path
+        # T from which combine takes two launches; tests and benchmarks set it to force a path.
+        self.combine_split_min_tokens = COMBINE_SPLIT_MIN_TOKENS.get(self.num_ranks, NEVER)
         self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
                                        experts_per_rank)  # fmt: skip
         self.own = buffers.base_address
