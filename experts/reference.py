@@ -18,10 +18,14 @@ def _grouped_mm_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+# torch.mm(..., out_dtype=) (BF16 inputs, fp32 output) exists on CUDA from torch 2.8 on.
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 [M, N] = a @ b for BF16 a [M, K] and b [K, N], products and sums in fp32. On CUDA one
     BF16 GEMM with fp32 output (no widened copy of the weights); elsewhere an fp32 GEMM."""
-    if a.is_cuda:
+    if a.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
