@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import combine_path  # noqa: E402
+from timing import capture, time_us  # noqa: E402
 
 from ep import K3, EpRouted  # noqa: E402
 from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
@@ -40,19 +42,8 @@ SAMPLES = 20
 def timed_us(fn, group, reps: int = REPS, samples: int = SAMPLES) -> tuple[float, str]:
     """(median us per call, "graph" | "eager"): `fn` captured REPS times in a CUDA graph and
     replayed, ranks lined up by a host barrier before each sample; eager when capture fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    mode = "graph"
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        run = graph.replay
+        run, mode = capture(fn, reps).replay, "graph"
     except RuntimeError:
         torch.cuda.synchronize()
         mode = "eager"
@@ -61,18 +52,7 @@ def timed_us(fn, group, reps: int = REPS, samples: int = SAMPLES) -> tuple[float
             for _ in range(reps):
                 fn()
 
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        dist.barrier(group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times), mode
+    return time_us(run, reps, samples, before=lambda: dist.barrier(group)), mode
 
 
 def reset(ex, group) -> None:
@@ -108,13 +88,7 @@ def mean(value: float, group) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="docs")
-    p.add_argument(
-        "--combine-split-min-tokens",
-        type=int,
-        default=None,
-        help="force the combine path: 0 = always two launches, a huge value = always"
-        " one (default: the library's choice); the report's name gets a suffix",
-    )
+    combine_path.add_option(p)
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
     args = p.parse_args()
     ctx = init_rank_context("cuda", timeout_s=300.0)
@@ -126,10 +100,7 @@ def main() -> int:
     routed = EpRouted(cpu, max(args.tokens), "cuda", experts=K3.experts, latent=K3.latent,
                       topk=K3.topk)  # fmt: skip
     ex = routed._exchange
-    suffix = ""
-    if args.combine_split_min_tokens is not None:
-        ex.combine_split_min_tokens = args.combine_split_min_tokens
-        suffix = f"_split{args.combine_split_min_tokens}"
+    suffix = combine_path.apply(args, ex)
     L, K = K3.latent, K3.topk
     row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
     norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
@@ -237,10 +208,40 @@ def write_report(out: Path, results: list[dict], n: int, suffix: str = "") -> No
         )
     lines.append("")
     if suffix:
-        forced = suffix[len("_split") :]
-        lines.insert(3, f"Combine path forced: `--combine-split-min-tokens {forced}` (0: two"
-                        " launches at every T; huge: one launch at every T).\n")  # fmt: skip
+        lines.insert(3, combine_path.forced_line(suffix))
     (out / f"bench_dep{n}{suffix}.md").write_text("\n".join(lines))
+    plot(out / f"bench_dep{n}{suffix}.png", results, n, gpu)
+
+
+def plot(path: Path, results: list[dict], n: int, gpu: str) -> None:
+    """Times against T (ours and the baselines, dispatch and combine side), and ours in GB/s."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ts = [r["tokens"] for r in results]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    for axis, ours, baselines, title in (
+        (a, "dispatch", (("allgather", "all-gather"), ("a2a", "all_to_all_single")), "dispatch"),
+        (b, "combine", (("reduce_scatter", "reduce-scatter"), ("a2a_back", "all_to_all_single")),
+         "combine"),
+    ):  # fmt: skip
+        axis.loglog(ts, [max(r[ours], 1e-2) for r in results], "o-", label=f"ours: {ours}")
+        for key, label in baselines:
+            axis.loglog(ts, [r[key] for r in results], "s--", label=f"NCCL {label}")
+        axis.set_title(title), axis.set_xlabel("tokens per rank T"), axis.set_ylabel("us")
+        axis.legend(), axis.grid(True, which="both", alpha=0.3)
+    c.semilogx(ts, [r["d_bytes"] / r["dispatch"] / 1e3 for r in results], "o-", label="dispatch")
+    c.semilogx(ts, [r["c_bytes"] / max(r["combine"], 1e-3) / 1e3 for r in results], "s-",
+               label="combine")  # fmt: skip
+    c.set_title("ours: GB/s sent to other ranks, per rank"), c.set_xlabel("tokens per rank T")
+    c.legend(), c.grid(True, alpha=0.3)
+    fig.suptitle(f"DEP, {n} x {gpu}, K3 geometry, {datetime.date.today().isoformat()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

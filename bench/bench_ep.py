@@ -24,41 +24,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import combine_path  # noqa: E402
+from timing import capture, replay_us  # noqa: E402
+
 from comm.mxfp8 import mxfp8_quantize  # noqa: E402
 from ep import K3, EpRouted  # noqa: E402
 from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, launches: int, samples: int = 30) -> float:
-    """Median microseconds per launch over `samples` timed replays (after 3 warm-up replays)."""
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
-
-
-def capture(fn, launches: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    return graph
 
 
 def make_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
@@ -107,13 +81,7 @@ def bytes_moved(tokens: int) -> tuple[int, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="docs", help="folder for bench_ep1.md and bench_ep1.png")
-    p.add_argument(
-        "--combine-split-min-tokens",
-        type=int,
-        default=None,
-        help="force the combine path: 0 = always two launches, a huge value = always"
-        " one (default: the library's choice); the report's name gets a suffix",
-    )
+    combine_path.add_option(p)
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS, help="token counts T")
     args = p.parse_args()
     ctx = init_rank_context("cuda")
@@ -124,10 +92,7 @@ def main() -> int:
     routed = EpRouted(dep.cpu_group, max_tokens, "cuda", experts=K3.experts, latent=K3.latent,
                       topk=K3.topk)  # fmt: skip
     ex = routed._exchange
-    suffix = ""
-    if args.combine_split_min_tokens is not None:
-        ex.combine_split_min_tokens = args.combine_split_min_tokens
-        suffix = f"_split{args.combine_split_min_tokens}"
+    suffix = combine_path.apply(args, ex)
     copies = copy_ceiling_gbs()
     print("copy GB/s:", {k: round(v) for k, v in copies.items()}, flush=True)
     norm = torch.ones(K3.latent, dtype=torch.bfloat16, device="cuda")
@@ -227,9 +192,7 @@ def write_report(out: Path, rows, copies: dict, quant, suffix: str = "") -> None
         "",
     ]
     if suffix:
-        forced = suffix[len("_split") :]
-        lines.insert(3, f"Combine path forced: `--combine-split-min-tokens {forced}` (0: two"
-                        " launches at every T; huge: one launch at every T).\n")  # fmt: skip
+        lines.insert(3, combine_path.forced_line(suffix))
     (out / f"bench_ep1{suffix}.md").write_text("\n".join(lines))
     try:
         import matplotlib
