@@ -18,8 +18,9 @@ def _grouped_mm_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-# torch.mm(..., out_dtype=) (BF16 inputs, fp32 output) exists on CUDA from torch 2.8 on.
+# torch.mm / torch.bmm(..., out_dtype=) (BF16 inputs, fp32 output) exist on CUDA from torch 2.8.
 _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -43,9 +44,11 @@ class ReferenceExperts(ExpertsBackend):
     56 local experts (16 ranks) and 7.40 GB for 112 (8 ranks), per layer, on the weights' device.
 
     Execution: one host synchronisation to size the work, then the (row, expert) pairs sorted by
-    expert; FC1 runs one GEMM per expert that has rows (fp32 output, which torch's grouped GEMM
-    does not offer); FC2 runs as one grouped GEMM over all experts where torch has it (CUDA SM90+),
-    else one GEMM per expert. Not capturable in a CUDA graph (DenseExperts is).
+    expert; FC1 needs fp32 output, which torch's grouped GEMM does not offer: on CUDA it runs as
+    one batched GEMM over all local experts (rows zero-padded) when the padding at most doubles
+    the rows, else one GEMM per expert that has rows; FC2 runs as one grouped GEMM over all experts
+    where torch has it (CUDA SM90+), else one GEMM per expert. Not capturable in a CUDA graph
+    (DenseExperts is).
     """
 
     def __init__(
@@ -72,11 +75,28 @@ class ReferenceExperts(ExpertsBackend):
             self.w13_bf16[e] = mxfp4_dequantize(w13[e], s13[e], torch.bfloat16)
             self.w2_bf16[e] = mxfp4_dequantize(w2[e], s2[e], torch.bfloat16)
         self._grouped_fc2 = _grouped_mm_available(self.device)
+        # fc1: padded rows / real rows up to which FC1 runs batched (tests set 0 to force a loop).
+        self.batched_fc1_max_padding = 2.0
 
-    def expert_outputs(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """BF16 [P, L] expert outputs of BF16 rows h [P, L] sorted by local expert: rows
-        [sum(counts[:e]), sum(counts[:e+1])) go through local expert e."""
-        inter = self.intermediate
+    def fc1(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """fp32 [P, 2I] = rows h [P, L] (BF16, sorted by local expert, `counts` per expert) times
+        their expert's w13^T. On CUDA, when padding every local expert's rows to the largest count
+        at most multiplies the rows by `batched_fc1_max_padding` (so at least half the experts
+        have rows, and memory stays bounded), one batched GEMM over every local expert (zero rows
+        for the padding; every expert's weights read once; one launch); else one GEMM each."""
+        num_local, inter = self.num_local_experts, self.intermediate
+        most = max(counts)
+        batched = num_local * most <= self.batched_fc1_max_padding * h.shape[0]
+        if h.is_cuda and _BMM_OUT_DTYPE and batched:
+            starts = torch.tensor([0] + counts[:-1], device=h.device).cumsum(0)
+            expert = torch.repeat_interleave(torch.arange(num_local, device=h.device),
+                                             torch.tensor(counts, device=h.device))  # fmt: skip
+            slot = expert * most + torch.arange(h.shape[0], device=h.device) - starts[expert]
+            padded = torch.zeros(num_local * most, self.latent, dtype=h.dtype, device=h.device)
+            padded[slot] = h
+            out = torch.bmm(padded.view(num_local, most, self.latent),
+                            self.w13_bf16.transpose(1, 2), out_dtype=torch.float32)  # fmt: skip
+            return out.view(num_local * most, 2 * inter)[slot]
         gate_up = torch.empty(h.shape[0], 2 * inter, dtype=torch.float32, device=h.device)
         start = 0
         for e, count in enumerate(counts):
@@ -84,6 +104,13 @@ class ReferenceExperts(ExpertsBackend):
                 gate_up[start : start + count] = _mm_fp32(h[start : start + count],
                                                           self.w13_bf16[e].T)  # fmt: skip
             start += count
+        return gate_up
+
+    def expert_outputs(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """BF16 [P, L] expert outputs of BF16 rows h [P, L] sorted by local expert: rows
+        [sum(counts[:e]), sum(counts[:e+1])) go through local expert e."""
+        inter = self.intermediate
+        gate_up = self.fc1(h, counts)
         act = situ(gate_up[:, :inter], gate_up[:, inter:]).to(torch.bfloat16)
         if self._grouped_fc2:
             offsets = torch.tensor(counts, device=h.device).cumsum(0).to(torch.int32)

@@ -19,8 +19,18 @@ from experts.trtllm import TrtllmExperts
 
 K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=64,
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
+
+
+def reference_per_expert(weights, first: int) -> ReferenceExperts:
+    """ReferenceExperts with FC1 forced to one GEMM per expert (CUDA otherwise batches it)."""
+    backend = ReferenceExperts(*weights, first_expert=first)
+    backend.batched_fc1_max_padding = 0.0
+    return backend
+
+
 BACKENDS = {
     "reference": lambda w, first, g: ReferenceExperts(*w, first_expert=first),
+    "reference-per-expert": lambda w, first, g: reference_per_expert(w, first),
     "dense": lambda w, first, g: DenseExperts(*w, first_expert=first),
     "trtllm": lambda w, first, g: TrtllmExperts(*w, first_expert=first, num_experts=g.experts),
 }
@@ -30,6 +40,7 @@ CASES = [
     ("reference", "cuda", TINY),
     ("dense", "cuda", TINY),
     ("reference", "cuda", K3_WIDTHS),
+    ("reference-per-expert", "cuda", K3_WIDTHS),
     ("trtllm", "cuda", TINY),
     ("trtllm", "cuda", K3_WIDTHS),
 ]
