@@ -42,6 +42,8 @@ class ReferenceExperts(ExpertsBackend):
     Memory: every local expert is dequantized once, at construction, into BF16 (exact for MXFP4
     values): 2 bytes per weight, 3 * I * L * 2 bytes per expert, 66.1 MB for K3, so 3.70 GB for
     56 local experts (16 ranks) and 7.40 GB for 112 (8 ranks), per layer, on the weights' device.
+    Per call, temporaries grow with the P (row, local expert) pairs: the batched FC1 holds at most
+    2P padded rows, 2P * (2L + 8I) bytes (270 MB for K3 at P = 4,219, T = 256 on 16 ranks).
 
     Execution: one host synchronisation to size the work, then the (row, expert) pairs sorted by
     expert; FC1 needs fp32 output, which torch's grouped GEMM does not offer: on CUDA it runs as
