@@ -83,9 +83,9 @@ def prepare_trtllm_weights(
     weights' device. `interleave(sf uint8 [rows, cols]) -> uint8 [rows * cols]` defaults to
     FlashInfer's block_scale_interleave (CUDA). L and I must be multiples of 128 (FlashInfer's
     MXFP4 alignment: whole 128-row epilogue tiles, whole 4-column scale tiles)."""
-    import_flashinfer()
+    fi = import_flashinfer()  # also the index helpers below: fail early if it is missing
     if interleave is None:
-        interleave = import_flashinfer().block_scale_interleave
+        interleave = fi.block_scale_interleave
     num_local, two_i, _ = w13.shape
     latent = w2.shape[1]
     for name, size in (("L", latent), ("I", two_i // 2)):
