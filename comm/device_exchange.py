@@ -37,6 +37,11 @@ def import_cute():
     return cuda, cutlass, cute
 
 
+COMBINE_MODES = {"combine": "fused", "combine_send": "send", "combine_reduce": "reduce"}
+KERNEL_NAMES = ("dispatch", *COMBINE_MODES)
+SPLIT_COMBINE = ("combine_send", "combine_reduce")
+
+
 def compile_kernels(
     num_ranks: int,
     latent: int,
@@ -44,8 +49,9 @@ def compile_kernels(
     experts_per_rank: int,
     arch: str | None = None,
     keep_ptx_dir: str | None = None,
+    names: tuple[str, ...] = KERNEL_NAMES,
 ) -> dict:
-    """Compile dispatch and combine for one geometry. `arch` (e.g.
+    """Compile the kernels `names` (of KERNEL_NAMES) for one geometry. `arch` (e.g.
     "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX.
     Returns {name: compiled function}."""
     cuda, cutlass, cute = import_cute()
@@ -61,14 +67,25 @@ def compile_kernels(
         options += ["--keep-ptx", f"--dump-dir {keep_ptx_dir}"]
     kw = {"options": " ".join(options)} if options else {}
     z, one, stream = Int64(0), Int32(1), cuda.CUstream(0)
-    return {
-        "dispatch": cute.compile(DispatchKernel(num_ranks, latent, topk, experts_per_rank),
-                                 *([z] * 12), one, Int32(0), z, one, stream, **kw),
-        **{name: cute.compile(CombineKernel(num_ranks, latent, topk, experts_per_rank, mode),
-                              *([z] * 11), Float32(1e-5), one, Int32(0), z, one, stream, **kw)
-           for name, mode in (("combine", "fused"), ("combine_send", "send"),
-                              ("combine_reduce", "reduce"))},
-    }  # fmt: skip
+    kernels = {}
+    for name in names:
+        if name == "dispatch":
+            kernels[name] = cute.compile(
+                DispatchKernel(num_ranks, latent, topk, experts_per_rank),
+                *([z] * 12),
+                one,
+                Int32(0),
+                z,
+                one,
+                stream,
+                **kw,
+            )
+        else:
+            combine = CombineKernel(num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name])
+            kernels[name] = cute.compile(
+                combine, *([z] * 11), Float32(1e-5), one, Int32(0), z, one, stream, **kw
+            )
+    return kernels  # fmt: skip
 
 
 class DeviceExchange:
@@ -98,12 +115,29 @@ class DeviceExchange:
         self.error = torch.zeros(4, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_ctas = CTAS_PER_SM * self.num_sms
-        # T from which combine takes two launches; tests and benchmarks set it to force a path.
+        self.kernels = self._compile(("dispatch", "combine"))
+        self._split_min_tokens = NEVER
         self.combine_split_min_tokens = COMBINE_SPLIT_MIN_TOKENS.get(self.num_ranks, NEVER)
-        self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
-                                       experts_per_rank)  # fmt: skip
         self.own = buffers.base_address
         self.peers = buffers.peer_addresses.data_ptr()
+
+    def _compile(self, names: tuple[str, ...]) -> dict:
+        layout = self.buffers.layout
+        return compile_kernels(layout.num_ranks, layout.latent, layout.topk,
+                               self.experts_per_rank, names=names)  # fmt: skip
+
+    @property
+    def combine_split_min_tokens(self) -> int:
+        """T from which combine takes two launches (NEVER: always one)."""
+        return self._split_min_tokens
+
+    @combine_split_min_tokens.setter
+    def combine_split_min_tokens(self, tokens: int) -> None:
+        """Tests and benchmarks set it to force a path; the two-launch kernels are compiled the
+        first time a reachable T asks for them (here, on the host: set it before any capture)."""
+        if tokens < NEVER and SPLIT_COMBINE[0] not in self.kernels:
+            self.kernels.update(self._compile(SPLIT_COMBINE))
+        self._split_min_tokens = tokens
 
     def _stream(self):
         return self.cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
