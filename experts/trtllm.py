@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ep.checks import check_tensor
 from ep.geometry import K3
 from experts.base import ExpertsBackend
 from experts.mxfp4 import SCALE_BLOCK
@@ -19,24 +20,16 @@ from experts.weights import check_expert_weights
 
 
 def check_receive_rows(owner: str, x, sf, ids, weights, out, latent: int) -> None:
-    """Raise naming `owner` and the argument unless the tensors follow the row contract
-    (experts/base.py) with R rows of width `latent`; ids must be int32 here."""
+    """Raise naming `owner`.forward and the argument unless the tensors follow the row contract
+    (experts/base.py) with R rows of width `latent` on x's device; ids must be int32 here."""
     rows = x.shape[0] if x.dim() == 2 else -1
     topk = ids.shape[1] if ids.dim() == 2 else -1
-    expected = {
-        "x": (x, torch.uint8, (rows, latent)),
-        "sf": (sf, torch.uint8, (rows, latent // SCALE_BLOCK)),
-        "ids": (ids, torch.int32, (rows, topk)),
-        "weights": (weights, torch.float32, (rows, topk)),
-        "out": (out, torch.bfloat16, (rows, latent)),
-    }
-    for name, (t, dtype, shape) in expected.items():
-        if t.dtype != dtype:
-            raise TypeError(f"{owner}.forward: {name} dtype {t.dtype}; expected {dtype}")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{owner}.forward: {name} shape {tuple(t.shape)}; expected {shape}")
-        if not t.is_contiguous():
-            raise ValueError(f"{owner}.forward: {name} must be contiguous")
+    fn = f"{owner}.forward"
+    check_tensor(fn, "x", x, (torch.uint8,), (rows, latent), x.device)
+    check_tensor(fn, "sf", sf, (torch.uint8,), (rows, latent // SCALE_BLOCK), x.device)
+    check_tensor(fn, "ids", ids, (torch.int32,), (rows, topk), x.device)
+    check_tensor(fn, "weights", weights, (torch.float32,), (rows, topk), x.device)
+    check_tensor(fn, "out", out, (torch.bfloat16,), (rows, latent), x.device)
 
 
 def routed_moe_arguments(
