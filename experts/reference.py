@@ -31,6 +31,15 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def _expert_slices(counts: list[int]):
+    """(local expert, rows slice) of each expert with rows, for rows sorted by expert."""
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            yield e, slice(start, start + count)
+        start += count
+
+
 class ReferenceExperts(ExpertsBackend):
     """The rank's experts from checkpoint-layout MXFP4 weights (experts/weights.py has the layout).
 
@@ -100,12 +109,8 @@ class ReferenceExperts(ExpertsBackend):
                             self.w13_bf16.transpose(1, 2), out_dtype=torch.float32)  # fmt: skip
             return out.view(num_local * most, 2 * inter)[slot]
         gate_up = torch.empty(h.shape[0], 2 * inter, dtype=torch.float32, device=h.device)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                gate_up[start : start + count] = _mm_fp32(h[start : start + count],
-                                                          self.w13_bf16[e].T)  # fmt: skip
-            start += count
+        for e, rows in _expert_slices(counts):
+            gate_up[rows] = _mm_fp32(h[rows], self.w13_bf16[e].T)
         return gate_up
 
     def expert_outputs(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -118,12 +123,8 @@ class ReferenceExperts(ExpertsBackend):
             offsets = torch.tensor(counts, device=h.device).cumsum(0).to(torch.int32)
             return torch._grouped_mm(act, self.w2_bf16.transpose(1, 2), offs=offsets)
         out = torch.empty(h.shape[0], self.latent, dtype=torch.bfloat16, device=h.device)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                rows = slice(start, start + count)
-                out[rows] = _mm_fp32(act[rows], self.w2_bf16[e].T).to(torch.bfloat16)
-            start += count
+        for e, rows in _expert_slices(counts):
+            out[rows] = _mm_fp32(act[rows], self.w2_bf16[e].T).to(torch.bfloat16)
         return out
 
     def forward(
