@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import combine_path  # noqa: E402
-from timing import capture, replay_us  # noqa: E402
+from timing import capture, replay_us, time_us  # noqa: E402
 
 from comm.mxfp8 import mxfp8_quantize  # noqa: E402
 from ep import K3, EpRouted  # noqa: E402
@@ -54,17 +53,10 @@ def copy_ceiling_gbs() -> dict[str, float]:
     nbytes = 2 * 4 * src.numel()
     graph_copy = replay_us(capture(lambda: dst.copy_(src), 2), 2, 10)
     kernel_copy = replay_us(capture(lambda: torch.mul(src, 1.0, out=dst), 2), 2, 10)
-    eager = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        eager.append(start.elapsed_time(end) * 1e3)
+    eager_copy = time_us(lambda: dst.copy_(src), 1, 10)
     return {
         "graph memcpy": nbytes / (graph_copy * 1e-6) / 1e9,
-        "eager memcpy": nbytes / (statistics.median(eager) * 1e-6) / 1e9,
+        "eager memcpy": nbytes / (eager_copy * 1e-6) / 1e9,
         "graph kernel": nbytes / (kernel_copy * 1e-6) / 1e9,
     }
 

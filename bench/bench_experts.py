@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import time_us  # noqa: E402
 
 from comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: E402
 from ep import K3  # noqa: E402
@@ -62,17 +63,8 @@ def loop_forward(backend: ReferenceExperts, x, sf, ids, weights, out):
 
 
 def median_ms(fn, iterations: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of `fn()` (one call: CUDA events around it, host syncs inside count)."""
+    return time_us(fn, 1, iterations) / 1e3
 
 
 def copy_gbs() -> float:
