@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import combine_path  # noqa: E402
 from timing import capture, time_us  # noqa: E402
 
-from ep import K3, EpRouted  # noqa: E402
-from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from dep_ep.ep import K3, EpRouted  # noqa: E402
+from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 10
@@ -99,7 +99,7 @@ def main() -> int:
     cpu = dep.cpu_group
     routed = EpRouted(cpu, max(args.tokens), "cuda", experts=K3.experts, latent=K3.latent,
                       topk=K3.topk)  # fmt: skip
-    ex = routed._exchange
+    ex = routed.transport
     suffix = combine_path.apply(args, ex)
     L, K = K3.latent, K3.topk
     row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import combine_path  # noqa: E402
 from timing import capture, replay_us, time_us  # noqa: E402
 
-from comm.mxfp8 import mxfp8_quantize  # noqa: E402
-from ep import K3, EpRouted  # noqa: E402
-from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from dep_ep.comm.mxfp8 import mxfp8_quantize  # noqa: E402
+from dep_ep.ep import K3, EpRouted  # noqa: E402
+from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
@@ -81,9 +81,9 @@ def main() -> int:
         raise SystemExit("bench_ep.py: run one process (EP=1); several processes share time")
     dep = new_dep_group(ctx, 1)
     max_tokens = max(args.tokens)
-    routed = EpRouted(dep.cpu_group, max_tokens, "cuda", experts=K3.experts, latent=K3.latent,
+    routed = EpRouted(dep.cpu_group, max_tokens, "cuda", num_experts=K3.experts, latent=K3.latent,
                       topk=K3.topk)  # fmt: skip
-    ex = routed._exchange
+    ex = routed.transport
     suffix = combine_path.apply(args, ex)
     copies = copy_ceiling_gbs()
     print("copy GB/s:", {k: round(v) for k, v in copies.items()}, flush=True)
@@ -125,8 +125,8 @@ def main() -> int:
 
 def quantize_speedup(tokens: int) -> tuple[int, float, float]:
     """(tokens, kernel us, torch us) for MXFP8 quantization of [tokens, L] on the GPU."""
-    from comm.device_exchange import import_cute
-    from comm.kernels.mxfp8_quantize import Mxfp8QuantizeKernel
+    from dep_ep.comm.device_transport import import_cute
+    from dep_ep.comm.kernels.mxfp8_quantize import Mxfp8QuantizeKernel
 
     cuda, _, cute = import_cute()
     from cutlass import Int32, Int64

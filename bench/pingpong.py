@@ -30,10 +30,10 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
-from comm.errors import EpTimeoutError  # noqa: E402
-from comm.kernels.signals import gmem_ptr, wait_arrivals  # noqa: E402
-from comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem  # noqa: E402
-from launch import init_rank_context, teardown  # noqa: E402
+from dep_ep.comm.errors import EpTimeoutError  # noqa: E402
+from dep_ep.comm.kernels.signals import gmem_ptr, wait_arrivals  # noqa: E402
+from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem  # noqa: E402
+from dep_ep.launch import init_rank_context, teardown  # noqa: E402
 
 PHASE_PINGPONG = 3
 

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_experts import median_ms, receive_rows  # noqa: E402
 
-from ep import K3  # noqa: E402
-from ep.synthetic import SyntheticLayer  # noqa: E402
-from experts import ReferenceExperts  # noqa: E402
+from dep_ep.ep import K3  # noqa: E402
+from dep_ep.ep.synthetic import SyntheticLayer  # noqa: E402
+from dep_ep.experts import ReferenceExperts  # noqa: E402
 
 
 def main() -> int:

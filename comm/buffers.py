@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from comm.layout import EpLayout, Region
-from comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
-from comm.shm import allocate_shm
+from dep_ep.comm.layout import EpLayout, Region
+from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
+from dep_ep.comm.shm import allocate_shm
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -7,7 +7,7 @@ import re
 
 import torch.distributed as dist
 
-from comm.errors import EpTimeoutError
+from dep_ep.comm.errors import EpTimeoutError
 
 
 def bounded_barrier(group: dist.ProcessGroup, rank: int, phase: str, timeout_s: float) -> None:

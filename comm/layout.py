@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dep_ep.constants import SCALE_BLOCK
+
 ALIGN_BYTES = 256  # every region starts on this boundary (16-byte vector stores, TMA-friendly)
 HEADER_WORDS = 8  # int64 words of the per-rank control block: one slot per host-protocol phase
 HEADER_SLOT_WORDS = 4  # a phase's slot: [seq, tokens, status, unused]
 HEADER_SEQ, HEADER_TOKENS, HEADER_STATUS = 0, 1, 2
-SCALE_BLOCK = 32  # MXFP8/MXFP4 elements per E8M0 scale
 
 
 def _align(n: int) -> int:

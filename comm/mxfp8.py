@@ -15,12 +15,11 @@ import struct
 
 import torch
 
-from comm.layout import SCALE_BLOCK
+from dep_ep.constants import E4M3_MAX, RCP_448_BITS, SCALE_BLOCK
 
-E4M3_MAX = 448.0
 # rcp.approx.ftz(448.0), fp32 bits 0x3B124925, as an exact Python float (a scalar keeps the op
 # capturable in a CUDA graph; torch multiplies a float32 tensor by it in float32).
-_RCP_448 = struct.unpack("<f", struct.pack("<I", 0x3B124925))[0]
+_RCP_448 = struct.unpack("<f", struct.pack("<I", RCP_448_BITS))[0]
 
 
 def _check_latent(fn: str, x: torch.Tensor) -> None:

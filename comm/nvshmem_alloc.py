@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from launch.nvshmem import acquire_nvshmem, import_nvshmem, release_nvshmem
+from dep_ep.launch.nvshmem import acquire_nvshmem, import_nvshmem, release_nvshmem
 
 
 def allocate_nvshmem(

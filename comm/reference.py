@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from comm.buffers import EpBuffers
+from dep_ep.comm.buffers import EpBuffers
+from dep_ep.constants import NORM_CHUNK, NORM_LANES
 
 
 def owner_ranks(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
@@ -84,8 +85,6 @@ def combine_reduce(
     return rms_norm(total, norm_weight, eps)
 
 
-NORM_LANES = 32  # the combine kernel's warp: lane l owns the 8-element chunks l, l+32, ...
-NORM_CHUNK = 8
 
 
 def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from comm.host_sync import bounded_barrier
+from dep_ep.comm.host_sync import bounded_barrier
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "dep-ep-"

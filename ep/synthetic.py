@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ep.geometry import SCALE_BLOCK, MoeGeometry
+from dep_ep.config import SCALE_BLOCK, MoeGeometry
 
 _E2M1_RMS = math.sqrt(8.5625)  # rms of the E2M1 magnitudes over uniformly random codes
 

@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from ep import PRESETS, EpRouted, SyntheticLayer, allgather_reference, route  # noqa: E402
-from experts import ReferenceExperts  # noqa: E402
-from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from dep_ep.config import EpConfig
+from dep_ep.ep import PRESETS, EpRouted, SyntheticLayer, allgather_reference, route  # noqa: E402
+from dep_ep.experts import ReferenceExperts  # noqa: E402
+from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
 
 # Tolerance of the check (bf16 output against the float64 reference; tests/test_routed_mpi.py).
 MAX_REL_L2 = 8e-3
@@ -104,8 +105,8 @@ def main() -> int:
     gate, bias = layer.router()
     norm_weight = layer.norm_weight()
     routed = EpRouted(
-        dep.cpu_group, max_tokens, ctx.device, experts=geometry.experts,
-        latent=geometry.latent, topk=geometry.topk, timeout_s=args.timeout,
+        dep.cpu_group, max_tokens, ctx.device, num_experts=geometry.experts,
+        latent=geometry.latent, topk=geometry.topk, config=EpConfig(timeout_s=args.timeout),
     )  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed * 7919 + ctx.rank)
     if ctx.rank == 0:

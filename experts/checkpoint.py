@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ep.geometry import MoeGeometry
+from dep_ep.config import MoeGeometry
 
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_PIP = "pip install safetensors"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from comm.mxfp8 import mxfp8_dequantize
-from experts.reference import ReferenceExperts
-from experts.situ import situ
+from dep_ep.comm.mxfp8 import mxfp8_dequantize
+from dep_ep.experts.reference import ReferenceExperts
+from dep_ep.experts.situ import situ
 
 
 class DenseExperts(ReferenceExperts):

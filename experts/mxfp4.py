@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from comm.mxfp8 import e8m0_to_fp32
+from dep_ep.comm.mxfp8 import e8m0_to_fp32
+from dep_ep.constants import SCALE_BLOCK
 
-SCALE_BLOCK = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 

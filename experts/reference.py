@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from comm.mxfp8 import mxfp8_dequantize
-from experts.base import ExpertsBackend
-from experts.mxfp4 import mxfp4_dequantize
-from experts.situ import situ
-from experts.weights import check_expert_weights
+from dep_ep.comm.mxfp8 import mxfp8_dequantize
+from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.mxfp4 import mxfp4_dequantize
+from dep_ep.experts.situ import situ
+from dep_ep.experts.weights import check_expert_weights
 
 
 def _grouped_mm_available(device: torch.device) -> bool:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ep.checks import check_tensor
-from ep.geometry import K3
-from experts.base import ExpertsBackend
-from experts.mxfp4 import SCALE_BLOCK
-from experts.situ import SITU_BETA, SITU_LINEAR_BETA
-from experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
-from experts.weights import check_expert_weights
+from dep_ep.checks import check_tensor
+from dep_ep.config import K3
+from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.mxfp4 import SCALE_BLOCK
+from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
+from dep_ep.experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
+from dep_ep.experts.weights import check_expert_weights
 
 
 def check_receive_rows(owner: str, x, sf, ids, weights, out, latent: int) -> None:

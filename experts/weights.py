@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from experts.mxfp4 import SCALE_BLOCK
+from dep_ep.experts.mxfp4 import SCALE_BLOCK
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Process launch: rank context, device binding, DEP groups, teardown. Only this package reads the
 environment."""
 
-from launch.context import DepGroup, RankContext, init_rank_context, new_dep_group, teardown
-from launch.env import LaunchEnv, read_launch_env
+from dep_ep.launch.context import DepGroup, RankContext, init_rank_context, new_dep_group, teardown
+from dep_ep.launch.env import LaunchEnv, read_launch_env
 
 __all__ = [
     "DepGroup",

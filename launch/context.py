@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from launch.env import LaunchEnv, read_launch_env
+from dep_ep.launch.env import LaunchEnv, read_launch_env
 
 
 @dataclass(frozen=True)

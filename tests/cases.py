@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ep.geometry import MoeGeometry
+from dep_ep.config import MoeGeometry
 
 ROUTINGS = ("random", "skewed", "padded", "same", "duplicate", "nan", "ragged")
 

@@ -9,9 +9,10 @@ import torch
 from cases import agreed_seed, collective_assert, make_case
 from test_routed_mpi import MAX_TOKENS, compare, make_experts
 
-from comm import EpPeerError
-from ep import TINY, EpRouted, SyntheticLayer, allgather_reference
-from experts import ReferenceExperts
+from dep_ep.comm import EpPeerError
+from dep_ep.config import EpConfig
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.experts import ReferenceExperts
 
 T = 6
 
@@ -67,8 +68,8 @@ CASES = ["tokens_over", "tokens_zero", "id_high", "id_low", "latent_dtype", "lat
 @pytest.fixture
 def setup(dep):
     layer = SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 0))
-    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", experts=TINY.experts, latent=TINY.latent,
-                      topk=TINY.topk, timeout_s=60.0)  # fmt: skip
+    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent,
+                      topk=TINY.topk, config=EpConfig(timeout_s=60.0))  # fmt: skip
     yield layer, routed, make_experts(layer, dep.rank, dep.size)
     routed.close()
 
@@ -122,11 +123,11 @@ def test_token_counts_differ(dep, setup):
 @pytest.mark.mpi(min_size=2)
 def test_construction_errors(dep):
     for kwargs, match in [
-        (dict(experts=4 * dep.size + 1), "multiple of the rank count"),
+        (dict(num_experts=4 * dep.size + 1), "multiple of the rank count"),
         (dict(topk=TINY.experts + 1), "topk="),
         (dict(max_tokens=0), "max_tokens=0"),
     ]:
-        args = dict(max_tokens=8, experts=TINY.experts, latent=TINY.latent, topk=TINY.topk)
+        args = dict(max_tokens=8, num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk)
         args.update(kwargs)
         with pytest.raises(ValueError, match=match):
             EpRouted(dep.cpu_group, args.pop("max_tokens"), "cpu", **args)
@@ -140,19 +141,19 @@ def test_slow_reader_is_not_confused_by_the_next_phase(dep, monkeypatch):
     input: rank 0 must still see the dispatch as accepted, and every rank must raise in combine."""
     import time
 
-    import ep.routed as routed_module
+    import dep_ep.comm.host_transport as transport_module
 
-    barrier = routed_module.bounded_barrier
+    barrier = transport_module.bounded_barrier
 
     def slow_after_dispatch(group, rank, phase, timeout_s):
         barrier(group, rank, phase, timeout_s)
         if rank == 0 and phase == "dispatch":
             time.sleep(0.5)
 
-    monkeypatch.setattr(routed_module, "bounded_barrier", slow_after_dispatch)
+    monkeypatch.setattr(transport_module, "bounded_barrier", slow_after_dispatch)
     layer = SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 0))
-    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", experts=TINY.experts, latent=TINY.latent,
-                      topk=TINY.topk, timeout_s=10.0)  # fmt: skip
+    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent,
+                      topk=TINY.topk, config=EpConfig(timeout_s=10.0))  # fmt: skip
     experts = make_experts(layer, dep.rank, dep.size)
     failures = []
     try:

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from cases import agreed_seed, collective_assert, make_case
 
-from comm.mxfp8 import mxfp8_quantize
-from ep import TINY, EpRouted
+from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.ep import TINY, EpRouted
 
 MAX_TOKENS = 24
 POISON_ID = -7  # no dispatch ever writes this id
@@ -31,7 +31,7 @@ def test_dispatch_rows_bitwise(dep, tokens, routing):
     seed = agreed_seed(group, 1000 * tokens + ROUTING_SEED[routing])
     case = make_case(TINY, num_ranks, tokens, seed, routing)
     weights = [provenance_weights(s, tokens) for s in range(num_ranks)]
-    routed = EpRouted(group, MAX_TOKENS, "cpu", experts=TINY.experts, latent=TINY.latent,
+    routed = EpRouted(group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent,
                       topk=TINY.topk)  # fmt: skip
     try:
         b = routed.buffers

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comm.mxfp8 import mxfp8_quantize
-from ep.allgather_reference import expert_sums
-from ep.geometry import K3, TINY, MoeGeometry
-from ep.synthetic import SyntheticLayer
-from experts import DenseExperts, ReferenceExperts
-from experts.trtllm import TrtllmExperts
+from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.ep.allgather_reference import expert_sums
+from dep_ep.config import K3, TINY, MoeGeometry
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts import DenseExperts, ReferenceExperts
+from dep_ep.experts.trtllm import TrtllmExperts
 
 K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=64,
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip

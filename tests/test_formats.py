@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comm.layout import ALIGN_BYTES, EpLayout
-from ep.geometry import K3, TINY, MoeGeometry
-from ep.router import route
-from experts.mxfp4 import E2M1_VALUES, mxfp4_dequantize, mxfp4_pack, mxfp4_unpack
-from experts.situ import situ
+from dep_ep.comm.layout import ALIGN_BYTES, EpLayout
+from dep_ep.config import K3, TINY, MoeGeometry
+from dep_ep.ep.router import route
+from dep_ep.experts.mxfp4 import E2M1_VALUES, mxfp4_dequantize, mxfp4_pack, mxfp4_unpack
+from dep_ep.experts.situ import situ
 
 
 def test_mxfp4_nibble_order_and_values():

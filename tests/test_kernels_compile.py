@@ -12,7 +12,7 @@ import pytest
 try:
     import cutlass  # noqa: F401
 
-    from comm.device_exchange import compile_kernels
+    from dep_ep.comm.device_transport import compile_kernels
 except ImportError as err:  # the test extra installs CuTeDSL: missing it is a failure, not a skip
     raise ImportError(f"tests/test_kernels_compile.py needs nvidia-cutlass-dsl: {err}") from err
 

@@ -1,6 +1,6 @@
 import pytest
 
-from launch.env import read_launch_env
+from dep_ep.launch.env import read_launch_env
 
 
 def test_torchrun():

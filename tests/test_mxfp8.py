@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 
 R448 = struct.unpack("<f", struct.pack("<I", 0x3B124925))[0]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-import launch.nvshmem as boot
+import dep_ep.launch.nvshmem as boot
 
 
 class FakeNvshmem(types.SimpleNamespace):
@@ -91,9 +91,9 @@ def test_missing_packages_name_the_pip_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvshmem.core", None)
     with pytest.raises(ImportError, match="pip install 'nvshmem4py-cu13"):
         boot.import_nvshmem()
-    from comm import device_exchange
+    from dep_ep.comm import device_transport
 
     monkeypatch.setitem(sys.modules, "cutlass", None)
     monkeypatch.setitem(sys.modules, "cutlass.cute", None)
     with pytest.raises(ImportError, match="pip install"):
-        device_exchange.import_cute()
+        device_transport.import_cute()

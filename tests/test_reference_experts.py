@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comm.mxfp8 import mxfp8_quantize
-from ep.geometry import TINY
-from ep.synthetic import SyntheticLayer
-from experts import DenseExperts, ReferenceExperts
+from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.config import TINY
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts import DenseExperts, ReferenceExperts
 
 FIRST, COUNT = 12, 12  # rank 1 of 4 under TINY
 
@@ -66,7 +66,7 @@ def test_rejects_bad_weights():
 
 
 def test_backends_declare_their_hardware():
-    from experts.base import ExpertsBackend
+    from dep_ep.experts.base import ExpertsBackend
 
     class NeedsBlackwell(ExpertsBackend):
         requires = "an NVIDIA GPU of compute capability 10.x"

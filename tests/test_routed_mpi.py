@@ -6,8 +6,8 @@ import pytest
 import torch
 from cases import agreed_seed, collective_assert, make_case, real_tokens
 
-from ep import TINY, EpRouted, SyntheticLayer, allgather_reference
-from experts import ReferenceExperts
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.experts import ReferenceExperts
 
 MAX_TOKENS = 24
 # Tolerance of the bf16 output against the float64 reference (which skips the BF16 roundings of
@@ -45,7 +45,7 @@ class Harness:
 
     def __init__(self, dep, seed: int):
         self.dep = dep
-        self.routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", experts=TINY.experts,
+        self.routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
                                latent=TINY.latent, topk=TINY.topk)  # fmt: skip
         self.layer = SyntheticLayer(TINY, seed)
         self.experts = make_experts(self.layer, dep.rank, dep.size)

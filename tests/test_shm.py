@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from comm.shm import SHM_DIR, SHM_PREFIX
+from dep_ep.comm.shm import SHM_DIR, SHM_PREFIX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,9 +24,9 @@ def run_child(body: str) -> subprocess.CompletedProcess:
     code = textwrap.dedent(
         """
         import os, signal, torch
-        from launch import init_rank_context, new_dep_group
-        from comm import EpBuffers
-        from launch import LaunchEnv
+        from dep_ep.launch import init_rank_context, new_dep_group
+        from dep_ep.comm import EpBuffers
+        from dep_ep.launch import LaunchEnv
         ctx = init_rank_context("cpu", env=LaunchEnv("single", 0, 1, 0, 1, None, None))
         dep = new_dep_group(ctx, 1)
         buf = EpBuffers(dep.cpu_group, 1, 0, 8, "cpu", latent=64, topk=2)

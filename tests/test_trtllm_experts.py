@@ -11,10 +11,10 @@ import pytest
 import torch
 from scale_layout import deinterleave_128x4, interleave_128x4
 
-from ep.geometry import TINY
-from ep.synthetic import SyntheticLayer
-from experts.trtllm import TrtllmExperts, check_receive_rows, routed_moe_arguments
-from experts.trtllm_weights import TrtllmWeights, prepare_trtllm_weights
+from dep_ep.config import TINY
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts.trtllm import TrtllmExperts, check_receive_rows, routed_moe_arguments
+from dep_ep.experts.trtllm_weights import TrtllmWeights, prepare_trtllm_weights
 
 
 def shuffled_position(row: int) -> int:
@@ -157,7 +157,7 @@ def test_rejects_experts_beyond_the_model():
 def test_missing_flashinfer_names_the_install(monkeypatch):
     import importlib
 
-    from experts import trtllm_weights
+    from dep_ep.experts import trtllm_weights
 
     real = importlib.import_module
 

@@ -26,9 +26,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from comm.kernels.mxfp8_block import gmem_words
-from comm.kernels.ptx import add_rn, bf16_round, bits_f32, div_rn, mul_rn, sqrt_rn
-from comm.kernels.signals import (
+from dep_ep.constants import MAX_RANKS, NORM_CHUNK, NORM_LANES
+from dep_ep.comm.kernels.mxfp8_block import gmem_words
+from dep_ep.comm.kernels.ptx import add_rn, bf16_round, bits_f32, div_rn, mul_rn, sqrt_rn
+from dep_ep.comm.kernels.signals import (
     PHASE_COMBINE,
     chunk_begin,
     chunk_end,
@@ -40,9 +41,9 @@ from comm.kernels.signals import (
     wait_arrivals,
 )  # fmt: skip
 
-LANES = 32
+LANES = NORM_LANES  # one warp per token in the reduce phase
 WARPS = 8  # 256 threads: the reduce phase's tokens in flight per CTA (one CTA per SM)
-CHUNK = 8  # bf16 elements per 16-byte chunk
+CHUNK = NORM_CHUNK  # bf16 elements per 16-byte chunk
 
 
 def _lo(word):
@@ -63,7 +64,7 @@ class CombineKernel:
     def __init__(
         self, num_ranks: int, latent: int, topk: int, experts_per_rank: int, mode: str = "fused"
     ):
-        assert 1 <= num_ranks <= 32 and latent % CHUNK == 0 and mode in MODES
+        assert 1 <= num_ranks <= MAX_RANKS and latent % CHUNK == 0 and mode in MODES
         self.mode = mode
         self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
         self.experts_per_rank = experts_per_rank

@@ -11,7 +11,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
 
-from comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
+from dep_ep.constants import SCALE_BLOCK
+from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
 
 
 class Mxfp8QuantizeKernel:
@@ -19,7 +20,7 @@ class Mxfp8QuantizeKernel:
 
     def __init__(self, latent: int, threads: int = 128):
         self.latent, self.threads = latent, threads
-        self.blocks_per_row = latent // 32
+        self.blocks_per_row = latent // SCALE_BLOCK
 
     @cute.jit
     def __call__(self, src: Int64, q: Int64, sf: Int64, rows: Int32, stream: cuda.CUstream):

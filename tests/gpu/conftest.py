@@ -8,7 +8,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def gpu_dep():
-    from launch import init_rank_context, new_dep_group, teardown
+    from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
     if not torch.cuda.is_available():
         pytest.fail("tests/gpu needs a CUDA device")

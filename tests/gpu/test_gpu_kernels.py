@@ -18,10 +18,10 @@ from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
 from test_mxfp8 import edge_blocks  # noqa: E402
 from test_routed_mpi import TOLERANCE, check_ragged, compare  # noqa: E402
 
-from comm.mxfp8 import mxfp8_quantize  # noqa: E402
-from comm.reference import owner_ranks, rms_norm  # noqa: E402
-from ep import TINY, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference  # noqa: E402
-from experts import DenseExperts, ReferenceExperts  # noqa: E402
+from dep_ep.comm.mxfp8 import mxfp8_quantize  # noqa: E402
+from dep_ep.comm.reference import owner_ranks, rms_norm  # noqa: E402
+from dep_ep.ep import TINY, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference  # noqa: E402
+from dep_ep.experts import DenseExperts, ReferenceExperts  # noqa: E402
 
 MAX_TOKENS = 64
 REPLAYS = int(os.environ.get("EP_TEST_REPLAYS", "1000"))
@@ -50,8 +50,8 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.mpi(min_size=1)
 def test_quantize_kernel_bit_exact(gpu_dep):
-    from comm.device_exchange import import_cute
-    from comm.kernels.mxfp8_quantize import Mxfp8QuantizeKernel
+    from dep_ep.comm.device_transport import import_cute
+    from dep_ep.comm.kernels.mxfp8_quantize import Mxfp8QuantizeKernel
 
     cuda, _, cute = import_cute()
     from cutlass import Int32, Int64
@@ -122,7 +122,7 @@ def routed_odd(gpu_dep):
 @pytest.fixture(params=["fused", "split"])
 def combine_path(request, routed, routed_odd):
     """Force the combine's one-launch or two-launch path on both EpRouted of this module."""
-    exchanges = [routed._exchange, routed_odd._exchange]
+    exchanges = [routed.transport, routed_odd._exchange]
     saved = [ex.combine_split_min_tokens for ex in exchanges]
     for ex in exchanges:
         ex.combine_split_min_tokens = 0 if request.param == "split" else 1 << 30

@@ -14,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cases import make_case  # noqa: E402
 from test_routed_mpi import compare  # noqa: E402
 
-from comm import EpTimeoutError  # noqa: E402
-from ep import TINY, EpRouted, SyntheticLayer, allgather_reference  # noqa: E402
-from experts import ReferenceExperts  # noqa: E402
-from launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from dep_ep.comm import EpTimeoutError  # noqa: E402
+from dep_ep.config import EpConfig
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference  # noqa: E402
+from dep_ep.experts import ReferenceExperts  # noqa: E402
+from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
 
 TIMEOUT_S = 2.0
 
@@ -33,8 +34,8 @@ inputs = [t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[ran
 
 
 def build():
-    return EpRouted(dep.cpu_group, 8, "cuda", experts=TINY.experts, latent=TINY.latent,
-                    topk=TINY.topk, timeout_s=TIMEOUT_S)  # fmt: skip
+    return EpRouted(dep.cpu_group, 8, "cuda", num_experts=TINY.experts, latent=TINY.latent,
+                    topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
 
 
 routed = build()

@@ -7,10 +7,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from comm import EpTimeoutError  # noqa: E402
-from ep import TINY, EpRouted, SyntheticLayer  # noqa: E402
-from experts import ReferenceExperts  # noqa: E402
-from launch import init_rank_context, new_dep_group  # noqa: E402
+from dep_ep.comm import EpTimeoutError  # noqa: E402
+from dep_ep.config import EpConfig
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer  # noqa: E402
+from dep_ep.experts import ReferenceExperts  # noqa: E402
+from dep_ep.launch import init_rank_context, new_dep_group  # noqa: E402
 
 TIMEOUT_S = 3.0
 
@@ -20,8 +21,8 @@ layer = SyntheticLayer(TINY, 0)
 per_rank = TINY.experts // dep.size
 experts = ReferenceExperts(*layer.local(dep.rank * per_rank, per_rank),
                            first_expert=dep.rank * per_rank)  # fmt: skip
-routed = EpRouted(dep.cpu_group, 4, "cpu", experts=TINY.experts, latent=TINY.latent,
-                  topk=TINY.topk, timeout_s=TIMEOUT_S)  # fmt: skip
+routed = EpRouted(dep.cpu_group, 4, "cpu", num_experts=TINY.experts, latent=TINY.latent,
+                  topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
 import torch  # noqa: E402
 
 latent = torch.randn(4, TINY.latent).bfloat16()

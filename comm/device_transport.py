@@ -1,22 +1,25 @@
-"""DeviceExchange: the GPU side of dispatch and combine for one EpBuffers.
+"""DeviceTransport: dispatch and combine between CUDA ranks over NVSHMEM, with CuTeDSL kernels.
 
-Compiles the CuTeDSL kernels once (at construction, before any graph capture; T is a runtime
-argument, so no compile per token count), keeps the device state (expected arrival counts per
-source, the abort word) and the host-mapped error record, and launches on the current stream.
-No host synchronisation and no memset between calls: every launch can be captured in a CUDA graph.
+Compiles the kernels once per geometry and process (at construction, before any graph capture; T
+is a runtime argument, so no compile per token count), keeps the device state (expected arrival
+counts per source, the abort word) and the host-mapped error record, and launches on the current
+stream. No host synchronisation and no memset between calls: every launch can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-from comm.buffers import EpBuffers
-from comm.errors import EpTimeoutError
-from launch.nvshmem import GPU_EXTRA
+from dep_ep.comm.buffers import EpBuffers
+from dep_ep.comm.errors import EpTimeoutError
+from dep_ep.comm.host_sync import bounded_barrier
+from dep_ep.comm.transport import Transport
+from dep_ep.config import EpConfig
+from dep_ep.constants import MAX_RANKS, MAX_TOPK
+from dep_ep.launch.nvshmem import GPU_EXTRA
 
 PHASE_NAMES = {1: "dispatch", 2: "combine"}
-MAX_RANKS = 32  # destination sets are 32-bit masks in the kernels
-MAX_TOPK = 128  # dispatch writes a token's ids with one thread per k (128 threads)
 CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
 COMBINE_TOKENS_PER_CTA = 8  # combine: one warp per token in the reduce phase, 8 warps
 # From this T on, combine runs as two launches (send, then reduce over T/8 CTAs) instead of one
@@ -37,6 +40,15 @@ def import_cute():
     return cuda, cutlass, cute
 
 
+# (num_ranks, latent, topk, experts_per_rank, kernel name, arch) -> compiled kernel.
+_COMPILED: dict[tuple, object] = {}
+
+
+def compiled_count() -> int:
+    """Kernels compiled so far in this process (the cache's size)."""
+    return len(_COMPILED)
+
+
 COMBINE_MODES = {"combine": "fused", "combine_send": "send", "combine_reduce": "reduce"}
 KERNEL_NAMES = ("dispatch", *COMBINE_MODES)
 SPLIT_COMBINE = ("combine_send", "combine_reduce")
@@ -53,12 +65,14 @@ def compile_kernels(
 ) -> dict:
     """Compile the kernels `names` (of KERNEL_NAMES) for one geometry. `arch` (e.g.
     "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX.
-    Returns {name: compiled function}."""
+    Returns {name: compiled function}. Compiled kernels are cached in the process per geometry
+    and mode, so a second DeviceTransport of the same geometry (a rebuild after a timeout, a test
+    fixture) compiles nothing (`compiled_count()` counts the compilations)."""
     cuda, cutlass, cute = import_cute()
     from cutlass import Float32, Int32, Int64
 
-    from comm.kernels.combine import CombineKernel
-    from comm.kernels.dispatch import DispatchKernel
+    from dep_ep.comm.kernels.combine import CombineKernel
+    from dep_ep.comm.kernels.dispatch import DispatchKernel
 
     options = []
     if arch:
@@ -69,6 +83,10 @@ def compile_kernels(
     z, one, stream = Int64(0), Int32(1), cuda.CUstream(0)
     kernels = {}
     for name in names:
+        key = (num_ranks, latent, topk, experts_per_rank, name, arch)
+        if key in _COMPILED and keep_ptx_dir is None:  # a PTX dump asks for a fresh compile
+            kernels[name] = _COMPILED[key]
+            continue
         if name == "dispatch":
             kernels[name] = cute.compile(
                 DispatchKernel(num_ranks, latent, topk, experts_per_rank),
@@ -85,26 +103,27 @@ def compile_kernels(
             kernels[name] = cute.compile(
                 combine, *([z] * 11), Float32(1e-5), one, Int32(0), z, one, stream, **kw
             )
+        _COMPILED[key] = kernels[name]
     return kernels  # fmt: skip
 
 
-class DeviceExchange:
-    """Launch wrappers over one CUDA EpBuffers (see docs/design.md for the protocol)."""
+class DeviceTransport(Transport):
+    """The CUDA transport of one EpBuffers (docs/design.md, "GPU protocol")."""
 
-    def __init__(self, buffers: EpBuffers, experts_per_rank: int, timeout_s: float):
+    completes_on_return = False
+
+    def __init__(self, buffers: EpBuffers, experts_per_rank: int, config: EpConfig):
         layout = buffers.layout
         if layout.num_ranks > MAX_RANKS or layout.topk > MAX_TOPK:
             raise ValueError(
                 f"EpRouted: the GPU kernels take at most {MAX_RANKS} ranks and topk {MAX_TOPK};"
                 f" got {layout.num_ranks} ranks, topk {layout.topk}"
             )
-        if not 0 < timeout_s < 1e9:
-            raise ValueError(f"EpRouted: timeout_s={timeout_s} must be in (0, 1e9)")
         self.cuda, _, _ = import_cute()
         self.buffers = buffers
         self.num_ranks, self.rank, self.device = buffers.num_ranks, buffers.rank, buffers.device
         self.experts_per_rank = experts_per_rank
-        self.timeout_ns = int(timeout_s * 1e9)
+        self.timeout_ns = int(config.timeout_s * 1e9)
         regions = layout.regions
         self.offsets = {name: r.offset for name, r in regions.items()}
         self.sig_dispatch = regions["signals"].offset
@@ -115,29 +134,18 @@ class DeviceExchange:
         self.error = torch.zeros(4, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_ctas = CTAS_PER_SM * self.num_sms
-        self.kernels = self._compile(("dispatch", "combine"))
-        self._split_min_tokens = NEVER
-        self.combine_split_min_tokens = COMBINE_SPLIT_MIN_TOKENS.get(self.num_ranks, NEVER)
+        split = config.combine_split_min_tokens
+        if split is None:
+            split = COMBINE_SPLIT_MIN_TOKENS.get(self.num_ranks, NEVER)
+        # T from which combine takes two launches; their kernels are compiled only when reachable.
+        self.combine_split_min_tokens = split if split <= layout.max_tokens else NEVER
+        names = ("dispatch", "combine")
+        if self.combine_split_min_tokens < NEVER:
+            names += SPLIT_COMBINE
+        self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
+                                       experts_per_rank, names=names)  # fmt: skip
         self.own = buffers.base_address
         self.peers = buffers.peer_addresses.data_ptr()
-
-    def _compile(self, names: tuple[str, ...]) -> dict:
-        layout = self.buffers.layout
-        return compile_kernels(layout.num_ranks, layout.latent, layout.topk,
-                               self.experts_per_rank, names=names)  # fmt: skip
-
-    @property
-    def combine_split_min_tokens(self) -> int:
-        """T from which combine takes two launches (NEVER: always one)."""
-        return self._split_min_tokens
-
-    @combine_split_min_tokens.setter
-    def combine_split_min_tokens(self, tokens: int) -> None:
-        """Tests and benchmarks set it to force a path; the two-launch kernels are compiled the
-        first time a reachable T asks for them (here, on the host: set it before any capture)."""
-        if tokens < NEVER and SPLIT_COMBINE[0] not in self.kernels:
-            self.kernels.update(self._compile(SPLIT_COMBINE))
-        self._split_min_tokens = tokens
 
     def _stream(self):
         return self.cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
@@ -149,17 +157,27 @@ class DeviceExchange:
             raise EpTimeoutError(rank, PHASE_NAMES.get(phase, str(phase)), f"rank {peer}",
                                  "recorded by the GPU kernel; rebuild the buffers")  # fmt: skip
 
-    def reset_counters(self) -> None:
-        """Zero this rank's arrival counters and expectations (and the abort word). Only when no
-        kernel of this EP group is queued or running and every rank resets (benchmarks, tests)."""
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        self.check()
+
+    def reset(self) -> None:
+        """Once every rank's queued work is done (first barrier), zero this rank's arrival
+        counters and expectations (and the abort word); the second barrier keeps every rank from
+        launching again before all have zeroed."""
+        timeout_s = self.timeout_ns / 1e9
         torch.cuda.synchronize(self.device)
+        bounded_barrier(self.buffers.group, self.rank, "reset", timeout_s)
         self.buffers.signals.zero_()
         self.state.zero_()
         torch.cuda.synchronize(self.device)
+        bounded_barrier(self.buffers.group, self.rank, "reset-done", timeout_s)
 
-    def dispatch(self, latent: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    def dispatch(self, latent, ids, weights, *, tokens, rejected):
         """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device."""
-        tokens = latent.shape[0]
+        if rejected is not None:
+            raise rejected
+        self.check()
         o = self.offsets
         self.kernels["dispatch"](
             latent.data_ptr(), ids.data_ptr(), weights.data_ptr(), self.peers, self.own,
@@ -168,23 +186,27 @@ class DeviceExchange:
             self._stream(),
         )  # fmt: skip
 
-    def combine(self, expert_out: torch.Tensor, ids: torch.Tensor, norm_weight: torch.Tensor,
-                eps: float, normed: torch.Tensor) -> None:  # fmt: skip
+    def combine(self, expert_out, ids, norm_weight, eps, *, rejected):
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
-        norm_weight bf16 [L]; writes normed bf16 [T, L]."""
+        norm_weight bf16 [L]; returns normed bf16 [T, L]."""
+        if rejected is not None:
+            raise rejected
         tokens = ids.shape[0]
+        normed = torch.empty(tokens, self.buffers.layout.latent, dtype=torch.bfloat16,
+                             device=self.device)  # fmt: skip
         o = self.offsets
         args = (
             expert_out.data_ptr(), self.own + o["ids"], ids.data_ptr(), norm_weight.data_ptr(),
             normed.data_ptr(), self.peers, self.own, self.state.data_ptr(), self.error.data_ptr(),
-            o["partials"], self.sig_combine, eps, tokens, self.rank, self.timeout_ns,
+            o["partials"], self.sig_combine, float(eps), tokens, self.rank, self.timeout_ns,
         )  # fmt: skip
         if tokens >= self.combine_split_min_tokens:
             send_grid = min(tokens * self.num_ranks, self.max_ctas)
             self.kernels["combine_send"](*args, send_grid, self._stream())
             reduce_grid = -(-tokens // COMBINE_TOKENS_PER_CTA)
             self.kernels["combine_reduce"](*args, reduce_grid, self._stream())
-            return
+            return normed
         # The fused kernel waits inside: its grid must be co-resident (<= one CTA per SM).
         wanted = max(tokens * self.num_ranks, -(-tokens // COMBINE_TOKENS_PER_CTA))
         self.kernels["combine"](*args, min(wanted, self.num_sms), self._stream())
+        return normed

@@ -1,0 +1,82 @@
+"""The transport interface EpRouted drives: one implementation per kind of symmetric memory.
+
+`HostTransport` (CPU ranks: POSIX shared memory, torch reference writes, a host agreement
+protocol) and `DeviceTransport` (CUDA ranks: NVSHMEM, CuTeDSL kernels, device-side counters) take
+the same calls with the same meaning; EpRouted validates the arguments and never asks which one it
+holds. `open_transport` picks by the buffers' device.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from dep_ep.comm.buffers import EpBuffers
+from dep_ep.config import EpConfig
+
+
+class Transport(ABC):
+    """Moves one step's rows between the ranks of one EpBuffers.
+
+    Every call is collective (every rank, same order). `rejected` is this rank's validation error
+    for the call, or None: a transport that can tell its peers (the host protocol) makes every
+    rank raise together; one that cannot (the device transport) raises it on this rank only.
+    """
+
+    buffers: EpBuffers
+    # True when dispatch/combine complete before they return (the host waits): value checks that
+    # read the tensors cost nothing extra there, so EpConfig.check_values=None turns them on.
+    completes_on_return: bool
+
+    @abstractmethod
+    def dispatch(
+        self,
+        latent: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        tokens: int,
+        rejected: Exception | None,
+    ) -> None:
+        """Quantize latent bf16 [T, L] to MXFP8 once per token and write it, with ids int32 [T, K]
+        (-1 = none) and weights fp32 [T, K], into the receive rows of every rank owning one of the
+        token's experts (the row contract, docs/design.md). `tokens` is T (0 when rejected)."""
+
+    @abstractmethod
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        ids: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        *,
+        rejected: Exception | None,
+    ) -> torch.Tensor:
+        """Return expert_out bf16 [N*T, L] rows to their sources, sum each token's rows over ranks
+        in fp32 in rank order, RMSNorm with norm_weight bf16 [L] and eps; returns bf16 [T, L].
+        ids int32 [T, K] are the ids this rank dispatched in the step."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise the error a failed earlier call left behind (EpTimeoutError), without waiting."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for this rank's queued work, then `check()`."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Collective, blocks the host: restart the step pairing of every rank from zero (only
+        when no call of this group is queued or running). Benchmarks that time one phase alone."""
+
+
+def open_transport(buffers: EpBuffers, experts_per_rank: int, config: EpConfig) -> Transport:
+    """The transport for `buffers`' device: HostTransport on CPU, DeviceTransport on CUDA."""
+    if buffers.device.type == "cuda":
+        from dep_ep.comm.device_transport import DeviceTransport
+
+        return DeviceTransport(buffers, experts_per_rank, config)
+    from dep_ep.comm.host_transport import HostTransport
+
+    return HostTransport(buffers, experts_per_rank, config)

@@ -1,0 +1,38 @@
+"""dep_ep: expert-parallel MoE under data-parallel attention (DEP) over NVLink symmetric memory.
+
+Subpackages, imported one way (each may import those before it and the leaf modules
+`dep_ep.constants`, `dep_ep.config`, `dep_ep.checks`):
+  dep_ep.launch   environment -> rank context, DEP groups, NVSHMEM bootstrap
+  dep_ep.comm     layout, symmetric buffers, MXFP8, the host and device transports
+  dep_ep.experts  routed-expert backends, MXFP4 formats, checkpoint loading
+  dep_ep.ep       EpRouted, router, synthetic weights, the all-gather reference
+"""
+
+from dep_ep.comm import EpPeerError, EpTimeoutError
+from dep_ep.config import K3, PRESETS, TINY, EpConfig, MoeGeometry
+from dep_ep.ep import EpRouted, ReceiveRows
+from dep_ep.experts import DenseExperts, ExpertsBackend, ReferenceExperts, TrtllmExperts
+from dep_ep.launch import DepGroup, RankContext, init_rank_context, new_dep_group, teardown
+from dep_ep.version import __version__
+
+__all__ = [
+    "K3",
+    "PRESETS",
+    "TINY",
+    "DenseExperts",
+    "DepGroup",
+    "EpConfig",
+    "EpPeerError",
+    "EpRouted",
+    "EpTimeoutError",
+    "ExpertsBackend",
+    "MoeGeometry",
+    "RankContext",
+    "ReceiveRows",
+    "ReferenceExperts",
+    "TrtllmExperts",
+    "__version__",
+    "init_rank_context",
+    "new_dep_group",
+    "teardown",
+]

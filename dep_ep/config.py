@@ -1,0 +1,74 @@
+"""Model geometry of one MoE layer and its named presets (a leaf module: every layer imports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dep_ep.constants import SCALE_BLOCK
+
+
+@dataclass(frozen=True)
+class MoeGeometry:
+    """hidden: model width (router input); latent: routed-expert width L (dispatch payload);
+    experts: E routed experts; topk: K per token; intermediate: I of each expert."""
+
+    name: str
+    hidden: int
+    latent: int
+    experts: int
+    topk: int
+    intermediate: int
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "latent", "experts", "topk", "intermediate"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"MoeGeometry {self.name}: {field} must be >= 1")
+        for field in ("latent", "intermediate"):
+            if getattr(self, field) % SCALE_BLOCK:
+                raise ValueError(
+                    f"MoeGeometry {self.name}: {field}={getattr(self, field)} must be a multiple"
+                    f" of {SCALE_BLOCK}"
+                )
+        if self.topk > self.experts:
+            raise ValueError(f"MoeGeometry {self.name}: topk={self.topk} > experts={self.experts}")
+
+
+# Kimi K3's MoE layer (the released checkpoint's text_config; docs/formats.md).
+K3 = MoeGeometry("k3", hidden=7168, latent=3584, experts=896, topk=16, intermediate=3072)
+# Small enough for 4 CPU ranks in seconds; 48 experts divide over 1, 2, 3, 4, 6, 8, 12, 16 ranks.
+TINY = MoeGeometry("tiny", hidden=512, latent=256, experts=48, topk=6, intermediate=128)
+
+PRESETS = {g.name: g for g in (K3, TINY)}
+
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class EpConfig:
+    """Runtime settings of one EpRouted (the geometry is its constructor's arguments).
+
+    timeout_s: bounds every wait of the library (barriers, arrival counters, the construction's
+      exchanges); expiry raises EpTimeoutError naming the rank, the phase and the peers. Finite, > 0.
+    check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
+      syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
+    combine_split_min_tokens: from this T on the GPU combine runs as two launches (send, then
+      reduce) instead of one; None takes the measured default for the rank count (docs/gpu.md),
+      0 forces two launches at every T, a value above max_tokens forces one launch.
+    """
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    check_values: bool | None = None
+    combine_split_min_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
+            raise ValueError(f"EpConfig: timeout_s={t!r}; expected a finite number of seconds > 0")
+        if self.check_values not in (None, True, False):
+            raise TypeError(f"EpConfig: check_values={self.check_values!r}; expected bool or None")
+        split = self.combine_split_min_tokens
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
+            raise ValueError(
+                f"EpConfig: combine_split_min_tokens={split!r}; expected None or an int >= 0"
+            )
