@@ -23,16 +23,12 @@ import datetime
 import sys
 from pathlib import Path
 
+import combine_path
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import combine_path  # noqa: E402
-from timing import capture, time_us  # noqa: E402
-
-from dep_ep.ep import K3, EpRouted  # noqa: E402
-from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from dep_ep.ep import K3, EpRouted
+from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from timing import capture, time_us
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 10
@@ -53,15 +49,6 @@ def timed_us(fn, group, reps: int = REPS, samples: int = SAMPLES) -> tuple[float
                 fn()
 
     return time_us(run, reps, samples, before=lambda: dist.barrier(group)), mode
-
-
-def reset(ex, group) -> None:
-    """Zero every rank's counters once no kernel of any rank runs (a peer's last signal lands in
-    this rank's counters, so the barrier comes before the reset) and line the ranks up after."""
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    ex.reset_counters()
-    dist.barrier(group)
 
 
 def destinations(ids: torch.Tensor, num_ranks: int) -> torch.Tensor:
@@ -97,10 +84,12 @@ def main() -> int:
     n, rank = ctx.world_size, ctx.rank
     dep = new_dep_group(ctx, n)
     cpu = dep.cpu_group
-    routed = EpRouted(cpu, max(args.tokens), "cuda", experts=K3.experts, latent=K3.latent,
-                      topk=K3.topk)  # fmt: skip
-    ex = routed.transport
-    suffix = combine_path.apply(args, ex)
+    config = combine_path.config(args)
+    routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
+                      topk=K3.topk, config=config)  # fmt: skip
+    # The transport alone: a dispatch without its combine (the public calls pair them).
+    transport = routed.transport
+    suffix = combine_path.suffix(args)
     L, K = K3.latent, K3.topk
     row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
     norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
@@ -113,16 +102,20 @@ def main() -> int:
         weights = torch.rand(tokens, K, device="cuda", generator=gen)
         out = routed.receive(tokens).out
         out.copy_(torch.randn(out.shape, device="cuda", generator=gen).to(torch.bfloat16))
-        normed = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
 
-        reset(ex, cpu)
-        pair_us, _ = timed_us(lambda: (ex.dispatch(latent, ids, weights),
-                                       ex.combine(out, ids, norm, 1e-5, normed)), cpu)  # fmt: skip
+        def pair():
+            transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
+            transport.combine(out, ids, norm, 1e-5, rejected=None)
+
+        transport.reset()
+        pair_us, _ = timed_us(pair, cpu)
         routed.synchronize()
-        reset(ex, cpu)  # dispatch alone advances combine's expectations
-        d_us, _ = timed_us(lambda: ex.dispatch(latent, ids, weights), cpu)
+        transport.reset()  # dispatch alone advances combine's expectations
+        d_us, _ = timed_us(
+            lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), cpu
+        )
         routed.synchronize()
-        reset(ex, cpu)
+        transport.reset()
 
         # Baseline 1: all-gather + reduce-scatter (BF16 latents, as vLLM's default).
         g_latent = torch.empty(n * tokens, L, dtype=torch.bfloat16, device="cuda")

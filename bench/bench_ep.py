@@ -19,16 +19,12 @@ import datetime
 import sys
 from pathlib import Path
 
+import combine_path
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import combine_path  # noqa: E402
-from timing import capture, replay_us, time_us  # noqa: E402
-
-from dep_ep.comm.mxfp8 import mxfp8_quantize  # noqa: E402
-from dep_ep.ep import K3, EpRouted  # noqa: E402
-from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.ep import K3, EpRouted
+from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from timing import capture, replay_us, time_us
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
@@ -81,10 +77,11 @@ def main() -> int:
         raise SystemExit("bench_ep.py: run one process (EP=1); several processes share time")
     dep = new_dep_group(ctx, 1)
     max_tokens = max(args.tokens)
-    routed = EpRouted(dep.cpu_group, max_tokens, "cuda", num_experts=K3.experts, latent=K3.latent,
-                      topk=K3.topk)  # fmt: skip
-    ex = routed.transport
-    suffix = combine_path.apply(args, ex)
+    routed = EpRouted(dep.cpu_group, max_tokens, "cuda", num_experts=K3.experts,
+                      latent=K3.latent, topk=K3.topk, config=combine_path.config(args))  # fmt: skip
+    # The transport alone: a dispatch without its combine (the public calls pair them).
+    transport = routed.transport
+    suffix = combine_path.suffix(args)
     copies = copy_ceiling_gbs()
     print("copy GB/s:", {k: round(v) for k, v in copies.items()}, flush=True)
     norm = torch.ones(K3.latent, dtype=torch.bfloat16, device="cuda")
@@ -96,16 +93,22 @@ def main() -> int:
         weights = torch.rand(tokens, K3.topk, device="cuda")
         out = routed.receive(tokens).out
         out.copy_(torch.randn_like(out, dtype=torch.float32).to(torch.bfloat16))
-        normed = torch.empty(tokens, K3.latent, dtype=torch.bfloat16, device="cuda")
-        ex.reset_counters()
-        pair = capture(lambda: (ex.dispatch(latent, ids, weights),
-                                ex.combine(out, ids, norm, 1e-5, normed)), REPS)  # fmt: skip
+
+        def pair():
+            transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
+            transport.combine(out, ids, norm, 1e-5, rejected=None)
+
+        transport.reset()
+        pair = capture(pair, REPS)
         pair_us = replay_us(pair, REPS)
         routed.synchronize()
-        ex.reset_counters()  # dispatch alone advances combine's expectations: reset after it
-        d_us = replay_us(capture(lambda: ex.dispatch(latent, ids, weights), REPS), REPS)
+        transport.reset()  # dispatch alone advances combine's expectations: reset after it
+        dispatch = capture(
+            lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), REPS
+        )
+        d_us = replay_us(dispatch, REPS)
         routed.synchronize()
-        ex.reset_counters()
+        transport.reset()
         c_us = pair_us - d_us
         q_graph = capture(lambda: mxfp8_quantize(latent), 5)
         torch_q_us = replay_us(q_graph, 5, 10)

@@ -19,16 +19,12 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timing import time_us  # noqa: E402
-
-from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: E402
-from dep_ep.ep import K3  # noqa: E402
-from dep_ep.ep.synthetic import SyntheticLayer  # noqa: E402
-from dep_ep.experts import ReferenceExperts  # noqa: E402
-from dep_ep.experts.situ import situ  # noqa: E402
+from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from dep_ep.ep import K3
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts import ReferenceExperts
+from dep_ep.experts.situ import situ
+from timing import time_us
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 LOCAL_EXPERTS = [56, 112]

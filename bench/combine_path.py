@@ -1,8 +1,10 @@
-"""The benchmarks' option forcing the combine path (one launch or two, comm/device_exchange.py)."""
+"""The benchmarks' option forcing the combine path (one launch or two; EpConfig)."""
 
 from __future__ import annotations
 
 import argparse
+
+from dep_ep.config import EpConfig
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
@@ -13,11 +15,15 @@ def add_option(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def apply(args: argparse.Namespace, exchange) -> str:
-    """Set the forced path on `exchange` (a DeviceExchange); the report-name suffix ("" if none)."""
+def config(args: argparse.Namespace) -> EpConfig:
+    """The EpConfig the option asks for (the library's choice when it is not given)."""
+    return EpConfig(combine_split_min_tokens=args.combine_split_min_tokens)
+
+
+def suffix(args: argparse.Namespace) -> str:
+    """The report-name suffix of a forced path ("" if none)."""
     if args.combine_split_min_tokens is None:
         return ""
-    exchange.combine_split_min_tokens = args.combine_split_min_tokens
     return f"_split{args.combine_split_min_tokens}"
 
 

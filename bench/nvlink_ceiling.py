@@ -19,13 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timing import capture, time_us  # noqa: E402
-
-from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem  # noqa: E402
-from dep_ep.launch import init_rank_context, teardown  # noqa: E402
+from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
+from dep_ep.launch import init_rank_context, teardown
+from timing import capture, time_us
 
 SIZES_MB = [1, 4, 16, 64, 256]
 REPS = 5

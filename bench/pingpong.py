@@ -20,20 +20,16 @@ import statistics
 import sys
 from pathlib import Path
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import cuda.bindings.driver as cuda  # noqa: E402
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32, Int64  # noqa: E402
-
-from dep_ep.comm.errors import EpTimeoutError  # noqa: E402
-from dep_ep.comm.kernels.signals import gmem_ptr, wait_arrivals  # noqa: E402
-from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem  # noqa: E402
-from dep_ep.launch import init_rank_context, teardown  # noqa: E402
+from cutlass import Int32, Int64
+from dep_ep.comm.errors import EpTimeoutError
+from dep_ep.comm.kernels.signals import gmem_ptr, wait_arrivals
+from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
+from dep_ep.launch import init_rank_context, teardown
 
 PHASE_PINGPONG = 3
 

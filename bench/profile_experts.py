@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
+from bench_experts import median_ms, receive_rows
+from dep_ep.ep import K3
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts import ReferenceExperts
 from torch.profiler import ProfilerActivity, profile
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_experts import median_ms, receive_rows  # noqa: E402
-
-from dep_ep.ep import K3  # noqa: E402
-from dep_ep.ep.synthetic import SyntheticLayer  # noqa: E402
-from dep_ep.experts import ReferenceExperts  # noqa: E402
 
 
 def main() -> int:

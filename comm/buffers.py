@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from dep_ep.comm.layout import EpLayout, Region
 from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
 from dep_ep.comm.shm import allocate_shm

@@ -10,14 +10,14 @@ CUDA graph.
 from __future__ import annotations
 
 import torch
-
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import EpTimeoutError
 from dep_ep.comm.host_sync import bounded_barrier
 from dep_ep.comm.transport import Transport
+from dep_ep.launch.nvshmem import GPU_EXTRA
+
 from dep_ep.config import EpConfig
 from dep_ep.constants import MAX_RANKS, MAX_TOPK
-from dep_ep.launch.nvshmem import GPU_EXTRA
 
 PHASE_NAMES = {1: "dispatch", 2: "combine"}
 CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
@@ -70,7 +70,6 @@ def compile_kernels(
     fixture) compiles nothing (`compiled_count()` counts the compilations)."""
     cuda, cutlass, cute = import_cute()
     from cutlass import Float32, Int32, Int64
-
     from dep_ep.comm.kernels.combine import CombineKernel
     from dep_ep.comm.kernels.dispatch import DispatchKernel
 

@@ -6,7 +6,6 @@ import datetime
 import re
 
 import torch.distributed as dist
-
 from dep_ep.comm.errors import EpTimeoutError
 
 

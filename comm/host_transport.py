@@ -10,8 +10,6 @@ written in the call is used; the buffers stay usable for the next call.
 
 from __future__ import annotations
 
-import torch
-
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import EpPeerError
 from dep_ep.comm.host_sync import bounded_barrier
@@ -19,6 +17,7 @@ from dep_ep.comm.layout import HEADER_SEQ, HEADER_STATUS, HEADER_TOKENS
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import combine_reduce, combine_write, dispatch_write
 from dep_ep.comm.transport import Transport
+
 from dep_ep.config import EpConfig
 
 STATUS_OK, STATUS_REJECTED = 0, 1

@@ -7,8 +7,8 @@ These functions only write; completion (every source has delivered) is the calle
 from __future__ import annotations
 
 import torch
-
 from dep_ep.comm.buffers import EpBuffers
+
 from dep_ep.constants import NORM_CHUNK, NORM_LANES
 
 
@@ -83,8 +83,6 @@ def combine_reduce(
         hit = (owners == rank).any(dim=1).nonzero().squeeze(1)
         total[hit] += partials[rank, hit].float()
     return rms_norm(total, norm_weight, eps)
-
-
 
 
 def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

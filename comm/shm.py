@@ -13,7 +13,6 @@ import uuid
 
 import torch
 import torch.distributed as dist
-
 from dep_ep.comm.host_sync import bounded_barrier
 
 SHM_DIR = "/dev/shm"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
 from dep_ep.comm.buffers import EpBuffers
+
 from dep_ep.config import EpConfig
 
 

@@ -49,7 +49,8 @@ class EpConfig:
     """Runtime settings of one EpRouted (the geometry is its constructor's arguments).
 
     timeout_s: bounds every wait of the library (barriers, arrival counters, the construction's
-      exchanges); expiry raises EpTimeoutError naming the rank, the phase and the peers. Finite, > 0.
+      exchanges); expiry raises EpTimeoutError naming the rank, the phase and the peers.
+      Finite, > 0.
     check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
     combine_split_min_tokens: from this T on the GPU combine runs as two launches (send, then
@@ -68,7 +69,9 @@ class EpConfig:
         if self.check_values not in (None, True, False):
             raise TypeError(f"EpConfig: check_values={self.check_values!r}; expected bool or None")
         split = self.combine_split_min_tokens
-        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
+        if split is not None and (
+            isinstance(split, bool) or not isinstance(split, int) or split < 0
+        ):
             raise ValueError(
                 f"EpConfig: combine_split_min_tokens={split!r}; expected None or an int >= 0"
             )

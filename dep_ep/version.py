@@ -1,3 +1,3 @@
-"""The library version (one definition: pyproject.toml reads it, EpRouted's agreement compares it)."""
+"""The library version, defined once (pyproject.toml reads it)."""
 
 __version__ = "0.2.0"

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from dep_ep.checks import check_ids, check_tensor, check_tokens, check_weights_finite
 from dep_ep.comm.buffers import EpBuffers, resolve_device
 from dep_ep.comm.transport import Transport, open_transport
-from dep_ep.config import EpConfig
 from dep_ep.experts.base import ExpertsBackend
+
+from dep_ep.checks import check_ids, check_tensor, check_tokens, check_weights_finite
+from dep_ep.config import EpConfig
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,10 @@ class EpRouted:
 
     Collective calls (every rank of `group`, same order, same T): construction, `dispatch`,
     `combine`, `routed` (the object is callable: `ep(...)` is `ep.routed(...)`), `close`. On CPU
-    each blocks the host and completes before it returns; on CUDA (NVSHMEM buffers, CuTeDSL kernels) dispatch/combine/routed are
-    stream-ordered, never sync the host and can be captured in a CUDA graph; `synchronize()` waits
-    and reports a timeout. A context manager: `with EpRouted(...) as routed:` closes on exit.
+    each blocks the host and completes before it returns; on CUDA (NVSHMEM buffers, CuTeDSL
+    kernels) dispatch/combine/routed are stream-ordered, never sync the host and can be captured
+    in a CUDA graph; `synchronize()` waits and reports a timeout. A context manager:
+    `with EpRouted(...) as ep:` closes on exit.
 
     group: gloo group of the EP ranks (it carries the CPU barriers, or the NVSHMEM bootstrap);
     max_tokens: the most tokens a rank passes in a step; device: "cpu" or a CUDA device;

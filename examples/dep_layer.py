@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from dep_ep.ep import PRESETS, EpRouted, SyntheticLayer, allgather_reference, route
+from dep_ep.experts import ReferenceExperts
+from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
 from dep_ep.config import EpConfig
-from dep_ep.ep import PRESETS, EpRouted, SyntheticLayer, allgather_reference, route  # noqa: E402
-from dep_ep.experts import ReferenceExperts  # noqa: E402
-from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
 
 # Tolerance of the check (bf16 output against the float64 reference; tests/test_routed_mpi.py).
 MAX_REL_L2 = 8e-3

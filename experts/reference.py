@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from dep_ep.comm.mxfp8 import mxfp8_dequantize
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.mxfp4 import mxfp4_dequantize

@@ -9,14 +9,14 @@ local expert, do_finalize, the caller's output buffer. FlashInfer is imported la
 from __future__ import annotations
 
 import torch
-
-from dep_ep.checks import check_tensor
-from dep_ep.config import K3
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.mxfp4 import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
 from dep_ep.experts.weights import check_expert_weights
+
+from dep_ep.checks import check_tensor
+from dep_ep.config import K3
 
 
 def check_receive_rows(owner: str, x, sf, ids, weights, out, latent: int) -> None:

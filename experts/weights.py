@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from dep_ep.experts.mxfp4 import SCALE_BLOCK
 
 

@@ -25,8 +25,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
-
-from dep_ep.constants import MAX_RANKS, NORM_CHUNK, NORM_LANES
 from dep_ep.comm.kernels.mxfp8_block import gmem_words
 from dep_ep.comm.kernels.ptx import add_rn, bf16_round, bits_f32, div_rn, mul_rn, sqrt_rn
 from dep_ep.comm.kernels.signals import (
@@ -40,6 +38,8 @@ from dep_ep.comm.kernels.signals import (
     signal_arrival,
     wait_arrivals,
 )  # fmt: skip
+
+from dep_ep.constants import MAX_RANKS, NORM_CHUNK, NORM_LANES
 
 LANES = NORM_LANES  # one warp per token in the reduce phase
 WARPS = 8  # 256 threads: the reduce phase's tokens in flight per CTA (one CTA per SM)

@@ -7,8 +7,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
-
-from dep_ep.constants import MAX_RANKS, SCALE_BLOCK
 from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
 from dep_ep.comm.kernels.signals import (
     PHASE_DISPATCH,
@@ -21,6 +19,8 @@ from dep_ep.comm.kernels.signals import (
     signal_arrival,
     wait_arrivals,
 )  # fmt: skip
+
+from dep_ep.constants import MAX_RANKS, SCALE_BLOCK
 
 
 class DispatchKernel:
@@ -36,7 +36,11 @@ class DispatchKernel:
 
     def __init__(self, num_ranks: int, latent: int, topk: int, experts_per_rank: int,
                  threads: int = 128):  # fmt: skip
-        assert 1 <= num_ranks <= MAX_RANKS and latent % SCALE_BLOCK == 0 and threads >= max(num_ranks, topk)
+        assert (
+            1 <= num_ranks <= MAX_RANKS
+            and latent % SCALE_BLOCK == 0
+            and threads >= max(num_ranks, topk)
+        )
         self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
         self.experts_per_rank, self.threads = experts_per_rank, threads
         self.blocks_per_row = latent // SCALE_BLOCK

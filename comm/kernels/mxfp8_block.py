@@ -6,9 +6,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int64, Uint32
+from dep_ep.comm.kernels.ptx import bits_f32, e4m3x2, f32_bits, mul_rn
 
 from dep_ep.constants import RCP_448_BITS
-from dep_ep.comm.kernels.ptx import bits_f32, e4m3x2, f32_bits, mul_rn
 
 BLOCK_WORDS_IN = 16  # 32 bf16 = 16 u32 = 64 bytes
 BLOCK_WORDS_OUT = 8  # 32 e4m3 = 8 u32 = 32 bytes

@@ -1,0 +1,29 @@
+#!/bin/bash
+# The benchmarks on a machine with CUDA GPUs, one process per GPU; each writes its results page
+# (markdown table + plot) into OUTDIR:
+#   pip install -e '.[gpu,test]' && bash scripts/bench.sh OUTDIR
+# bench_ep (EP=1 on GPU 0), bench_experts (GPU 0), and with >= 2 GPUs the store + flag ping-pong,
+# the NVLink write ceiling, bench_dep on 2, 4, ... and all GPUs, the K3 example on all GPUs.
+# Logs go to OUTDIR/logs; the exit status is non-zero if any run failed.
+set -uo pipefail
+out=${1:?usage: bench.sh OUTDIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=$(command -v python3)
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
+[ "$gpus" -ge 1 ] || { echo "bench.sh: no CUDA GPU" >&2; exit 2; }
+status=0
+log() { bash scripts/run_logged.sh "$out" "$@" || status=1; }
+CUDA_VISIBLE_DEVICES=0 log bench_ep1 300 "$py" bench/bench_ep.py --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_experts 300 "$py" bench/bench_experts.py --out "$out"
+if [ "$gpus" -ge 2 ]; then
+  run="$py -m torch.distributed.run"
+  log pingpong 120 $run --nproc-per-node 2 bench/pingpong.py --out "$out/pingpong.md"
+  log nvlink_ceiling 200 $run --nproc-per-node 2 bench/nvlink_ceiling.py --out "$out/nvlink_ceiling.md"
+  for n in $(bash scripts/rank_counts.sh "$gpus"); do
+    log "bench_dep${n}" 300 $run --nproc-per-node "$n" bench/bench_dep.py --out "$out"
+  done
+  log "example_k3_${gpus}gpu" 200 $run --nproc-per-node "$gpus" examples/dep_layer.py --steps 3
+fi
+exit "$status"
