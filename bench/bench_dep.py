@@ -26,9 +26,10 @@ from pathlib import Path
 import combine_path
 import torch
 import torch.distributed as dist
+from timing import capture, time_us
+
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
-from timing import capture, time_us
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 10
@@ -181,7 +182,7 @@ def write_report(out: Path, results: list[dict], n: int, suffix: str = "") -> No
     lines = [
         f"# DEP benchmark, {n} GPUs, one process per GPU", "",
         f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node {n} bench/bench_dep.py --out docs`. K3 geometry (L {K3.latent}, K"
+        f" --nproc-per-node {n} bench/bench_dep.py --out OUTDIR`. K3 geometry (L {K3.latent}, K"
         f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank).", "",
         "Medians of CUDA-event-timed graph replays, slowest rank; see bench/bench_dep.py for the"
         " baselines' definitions. GB/s: bytes the rank sends to other ranks / time (mean over"

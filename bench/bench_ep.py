@@ -21,10 +21,11 @@ from pathlib import Path
 
 import combine_path
 import torch
+from timing import capture, replay_us, time_us
+
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
-from timing import capture, replay_us, time_us
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
@@ -162,7 +163,7 @@ def write_report(out: Path, rows, copies: dict, quant, suffix: str = "") -> None
     date = datetime.date.today().isoformat()
     lines = [
         "# EP=1 benchmark (one GPU, every expert local)", "",
-        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py --out docs` (one process).",
+        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py --out OUTDIR` (one process).",
         f"K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of CUDA-event-timed"
         f" graph replays, {REPS} launches per replay on {REPS} distinct input sets. Copy ceiling"
         " (2 GiB device-to-device copy, read + written bytes, same run, the best of: "

@@ -1,11 +1,11 @@
 """ReferenceExperts on one GPU at K3 geometry: 56 and 112 local experts (16 and 8 ranks' worth),
-T = 1..256 tokens per rank, against the per-expert loop it replaced, measured in the same run.
+T = 1..256 tokens per rank, against a per-expert loop baseline, measured in the same run.
 
     python bench/bench_experts.py --out docs        # writes docs/bench_experts.md
 
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
 random experts of 896, keeping the tokens with at least one of rank 0's experts. Times are
-medians of CUDA-event-timed calls (the backend synchronises the host once per call, so it is not
+medians of CUDA-event-timed calls (the backend reads sizes back to the host every call, so it is not
 graph-captured). Floor: the BF16 weights of the experts the rows touch read once, at the copy
 bandwidth measured in the same run (the reference reads its BF16 cache; a fused MXFP4 kernel
 would read a quarter of that).
@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 
 import torch
+from timing import time_us
+
 from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.situ import situ
-from timing import time_us
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 LOCAL_EXPERTS = [56, 112]
@@ -126,12 +127,12 @@ def write_report(out: Path, rows, ceiling: float, iterations: int) -> None:
     lines = [
         "# ReferenceExperts on one GPU, K3 geometry", "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today().isoformat()}."
-        f" Command: `python bench/bench_experts.py --out docs` (one process). torch"
+        f" Command: `python bench/bench_experts.py --out OUTDIR` (one process). torch"
         f" {torch.__version__}.", "",
         "Rows: rank 0's receive rows when `ranks` ranks each route T tokens (16 distinct random"
         " experts of 896). pairs: (row, local expert) pairs; touched: local experts with rows."
-        f" Medians of {iterations} CUDA-event-timed calls. Baseline: the per-expert loop this"
-        " backend replaced (fp32 GEMMs on widened weights, a masked update per k), same run, same"
+        f" Medians of {iterations} CUDA-event-timed calls. Baseline: a per-expert loop"
+        " (fp32 GEMMs on widened weights, a masked update per k), same run, same"
         " rows. Floor: touched experts' BF16 weights (66.1 MB each) read once at the copy"
         f" bandwidth measured in the same run ({ceiling:.0f} GB/s). rel diff: relative L2"
         " between the two implementations' outputs (summation order only).", "",

@@ -1,6 +1,6 @@
 """NVLink write ceiling between two GPUs: what an SM kernel (and the copy engines) can store into
 the peer's NVSHMEM memory, one way and both ways at once, at the sizes our dispatch and combine
-move. The floor the EP=2 benchmark is read against (METHOD.md: count the bytes, know the floor).
+move. The floor the EP=2 benchmark is read against.
 
     torchrun --nproc-per-node 2 bench/nvlink_ceiling.py --out docs/nvlink_ceiling.md
 
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from timing import capture, time_us
+
 from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
 from dep_ep.launch import init_rank_context, teardown
-from timing import capture, time_us
 
 SIZES_MB = [1, 4, 16, 64, 256]
 REPS = 5

@@ -26,6 +26,7 @@ import cutlass.cute as cute
 import torch
 import torch.distributed as dist
 from cutlass import Int32, Int64
+
 from dep_ep.comm.errors import EpTimeoutError
 from dep_ep.comm.kernels.signals import gmem_ptr, wait_arrivals
 from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
@@ -117,7 +118,7 @@ def write_report(out: Path, rtt: float, times: list[float], args, same_gpu: bool
     gpu = torch.cuda.get_device_name()
     lines = [
         "# Ping-pong: one NVLink store + flag round trip", "",
-        f"GPU: {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
+        f"GPU: 2 x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
         f" --nproc-per-node 2 bench/pingpong.py --rounds {args.rounds} --launches"
         f" {args.launches}`.", "",
         "Release store of a flag into the peer's NVSHMEM memory, acquire spin on the own flag"

@@ -1,5 +1,5 @@
 """Read one MoE layer of a Kimi K3 checkpoint (safetensors, compressed-tensors MXFP4 experts):
-only the experts a rank owns, plus the layer's dense weights. Names and shapes: FACTS.md.
+only the experts a rank owns, plus the layer's dense weights. Names and shapes: docs/formats.md.
 
 Layout on disk, per expert E under `language_model.model.layers.{layer}.block_sparse_moe.`:
 `experts.{E}.w1.weight_packed` uint8 [I, L/2] (gate), `.w1.weight_scale` uint8 [I, L/32],
@@ -27,7 +27,7 @@ def layer_prefix(layer: int) -> str:
 
 def dense_shapes(g: MoeGeometry) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Dense tensors of one MoE layer: name (after the prefix) -> (shape, dtype)."""
-    shared = 2 * g.intermediate  # one shared MLP of twice the routed intermediate (FACTS.md)
+    shared = 2 * g.intermediate  # one shared MLP of twice the routed intermediate (docs/formats.md)
     return {
         "gate.weight": ((g.experts, g.hidden), torch.bfloat16),
         "gate.e_score_correction_bias": ((g.experts,), torch.float32),

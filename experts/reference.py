@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from dep_ep.comm.mxfp8 import mxfp8_dequantize
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.mxfp4 import mxfp4_dequantize
@@ -53,7 +54,7 @@ class ReferenceExperts(ExpertsBackend):
     Per call, temporaries grow with the P (row, local expert) pairs: the batched FC1 holds at most
     2P padded rows, 2P * (2L + 8I) bytes (270 MB for K3 at P = 4,219, T = 256 on 16 ranks).
 
-    Execution: one host synchronisation to size the work, then the (row, expert) pairs sorted by
+    Execution: device-to-host reads to size the work, then the (row, expert) pairs sorted by
     expert; FC1 needs fp32 output, which torch's grouped GEMM does not offer: on CUDA it runs as
     one batched GEMM over all local experts (rows zero-padded) when the padding at most doubles
     the rows, else one GEMM per expert that has rows; FC2 runs as one grouped GEMM over all experts

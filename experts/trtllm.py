@@ -1,6 +1,6 @@
 """TrtllmExperts: FlashInfer's trtllm-gen MXFP4 x MXFP8 routed MoE (Blackwell SM100/103 only).
 
-The call follows FACTS.md ("FlashInfer trtllm-gen routed MoE"): receive rows go in as they are
+The call follows docs/formats.md ("FlashInfer trtllm-gen routed MoE"): receive rows go in as they are
 (MXFP8 bytes viewed float8_e4m3fn, E8M0 scale bytes in the linear layout), ids stay global with
 the rank's expert offset, SiTU with gemm1_alpha = 4.0 (gate) and gemm1_beta = 25.0 (linear) per
 local expert, do_finalize, the caller's output buffer. FlashInfer is imported lazily.
@@ -9,14 +9,14 @@ local expert, do_finalize, the caller's output buffer. FlashInfer is imported la
 from __future__ import annotations
 
 import torch
+
+from dep_ep.checks import check_tensor
+from dep_ep.config import K3
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.mxfp4 import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
 from dep_ep.experts.weights import check_expert_weights
-
-from dep_ep.checks import check_tensor
-from dep_ep.config import K3
 
 
 def check_receive_rows(owner: str, x, sf, ids, weights, out, latent: int) -> None:
