@@ -6,14 +6,17 @@ import re
 
 import pytest
 import torch
-from cases import agreed_seed, collective_assert, make_case
-from test_routed_mpi import MAX_TOKENS, compare, make_experts
 
 from dep_ep.comm import EpPeerError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
 from dep_ep.experts import ReferenceExperts
 
+from helpers.cases import agreed_seed, make_case
+from helpers.collective import collective_assert, expect_raises
+from helpers.reference_check import compare, make_experts
+
+MAX_TOKENS = 24
 T = 6
 
 
@@ -65,21 +68,27 @@ CASES = ["tokens_over", "tokens_zero", "id_high", "id_low", "latent_dtype", "lat
          "foreign_experts", "norm_dtype"]  # fmt: skip
 
 
+def build(dep, config: EpConfig) -> EpRouted:
+    return EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
+                    latent=TINY.latent, topk=TINY.topk, config=config)  # fmt: skip
+
+
 @pytest.fixture
 def setup(dep):
-    layer = SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 0))
-    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent,
-                      topk=TINY.topk, config=EpConfig(timeout_s=60.0))  # fmt: skip
-    yield layer, routed, make_experts(layer, dep.rank, dep.size)
+    seed = agreed_seed(dep.cpu_group, 0)
+    layer = SyntheticLayer(TINY, seed)
+    routed = build(dep, EpConfig(timeout_s=60.0))
+    yield layer, routed, make_experts(layer, dep.rank, dep.size), seed
     routed.close()
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("case_name", CASES)
 def test_one_rank_bad_input(dep, setup, case_name):
-    layer, routed, experts = setup
+    layer, routed, experts, layer_seed = setup
     rank, bad_rank = dep.rank, dep.size - 1
-    case = make_case(TINY, dep.size, T, agreed_seed(dep.cpu_group, 0))
+    seeds = {"layer": layer_seed, "bad call": agreed_seed(dep.cpu_group, 0)}
+    case = make_case(TINY, dep.size, T, seeds["bad call"])
     args = (case.latent[rank], case.ids[rank], case.weights[rank], experts, layer.norm_weight())
     message = None
     if rank == bad_rank:
@@ -98,30 +107,34 @@ def test_one_rank_bad_input(dep, setup, case_name):
     except Exception as err:  # noqa: BLE001 - report the wrong type on every rank
         failures.append(f"{case_name}: {type(err).__name__}: {err}")
     # The buffers stay usable: the next correct call matches the reference.
-    good = make_case(TINY, dep.size, T, agreed_seed(dep.cpu_group, 1))
+    seeds["good call"] = agreed_seed(dep.cpu_group, 1)
+    good = make_case(TINY, dep.size, T, seeds["good call"])
     out = routed.routed(good.latent[rank], good.ids[rank], good.weights[rank],
                         layer.norm_weight(), experts=experts)  # fmt: skip
     ref = allgather_reference(dep.cpu_group, good.latent[rank], good.ids[rank],
                               good.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
     failures += compare(out, ref, f"after {case_name}")
-    collective_assert(dep.cpu_group, failures)
+    collective_assert(dep.cpu_group, failures, seeds=seeds)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_token_counts_differ(dep, setup):
-    layer, routed, experts = setup
+    layer, routed, experts, layer_seed = setup
     tokens = T - 1 if dep.rank == 0 else T
-    case = make_case(TINY, dep.size, tokens, agreed_seed(dep.cpu_group, 0))
+    seed = agreed_seed(dep.cpu_group, 0)
+    case = make_case(TINY, dep.size, tokens, seed)
     r = dep.rank
     failures = []
-    with pytest.raises(ValueError, match="different token counts"):
-        routed.routed(case.latent[r], case.ids[r], case.weights[r], layer.norm_weight(),
-                      experts=experts)  # fmt: skip
-    collective_assert(dep.cpu_group, failures)
+    expect_raises(failures, f"rank 0 with T={T - 1}, others T={T}", ValueError,
+                  "different token counts",
+                  lambda: routed.routed(case.latent[r], case.ids[r], case.weights[r],
+                                        layer.norm_weight(), experts=experts))  # fmt: skip
+    collective_assert(dep.cpu_group, failures, seeds={"layer": layer_seed, "case": seed})
 
 
 @pytest.mark.mpi(min_size=2)
 def test_construction_errors(dep):
+    failures = []
     for kwargs, match in [
         (dict(num_experts=4 * dep.size + 1), "multiple of the rank count"),
         (dict(topk=TINY.experts + 1), "topk="),
@@ -129,10 +142,17 @@ def test_construction_errors(dep):
     ]:
         args = dict(max_tokens=8, num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk)
         args.update(kwargs)
-        with pytest.raises(ValueError, match=match):
-            EpRouted(dep.cpu_group, args.pop("max_tokens"), "cpu", **args)
-    with pytest.raises(ValueError, match="first_expert"):
-        ReferenceExperts(*SyntheticLayer(TINY, 0).local(0, 1), first_expert=-3)
+        max_tokens = args.pop("max_tokens")
+        expect_raises(failures, f"EpRouted({kwargs})", ValueError, match,
+                      lambda: EpRouted(dep.cpu_group, max_tokens, "cpu", **args))  # fmt: skip
+    expect_raises(
+        failures,
+        "ReferenceExperts(first_expert=-3)",
+        ValueError,
+        "first_expert",
+        lambda: ReferenceExperts(*SyntheticLayer(TINY, 0).local(0, 1), first_expert=-3),
+    )
+    collective_assert(dep.cpu_group, failures, seeds=None)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -151,14 +171,15 @@ def test_slow_reader_is_not_confused_by_the_next_phase(dep, monkeypatch):
             time.sleep(0.5)
 
     monkeypatch.setattr(transport_module, "bounded_barrier", slow_after_dispatch)
-    layer = SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 0))
-    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent,
-                      topk=TINY.topk, config=EpConfig(timeout_s=10.0))  # fmt: skip
+    seeds = {"layer": agreed_seed(dep.cpu_group, 0)}
+    layer = SyntheticLayer(TINY, seeds["layer"])
+    routed = build(dep, EpConfig(timeout_s=10.0))
     experts = make_experts(layer, dep.rank, dep.size)
     failures = []
     try:
         for step in range(3):
-            case = make_case(TINY, dep.size, T, agreed_seed(dep.cpu_group, step))
+            seeds[f"step {step}"] = agreed_seed(dep.cpu_group, step)
+            case = make_case(TINY, dep.size, T, seeds[f"step {step}"])
             r = dep.rank
             norm = layer.norm_weight()
             bad = dep.rank == dep.size - 1 and step != 1
@@ -175,4 +196,4 @@ def test_slow_reader_is_not_confused_by_the_next_phase(dep, monkeypatch):
                 failures.append(f"step {step}: {type(err).__name__}: {err}")
     finally:
         routed.close()
-    collective_assert(dep.cpu_group, failures)
+    collective_assert(dep.cpu_group, failures, seeds=seeds)

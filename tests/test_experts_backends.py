@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
-from dep_ep.ep.allgather_reference import expert_sums
 from dep_ep.config import K3, TINY, MoeGeometry
+from dep_ep.ep.allgather_reference import expert_sums
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.experts.trtllm import TrtllmExperts
+
+from helpers.tolerance import EXPERTS_REL_L2, TRTLLM_REL_L2
 
 K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=64,
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
@@ -44,7 +46,8 @@ CASES = [
     ("trtllm", "cuda", TINY),
     ("trtllm", "cuda", K3_WIDTHS),
 ]
-TOLERANCE = 8e-3  # relative L2, the routed path's (docs/design.md)
+# Relative L2 bounds from the error model of the backends' roundings (helpers/tolerance.py).
+TOLERANCE = {"trtllm": TRTLLM_REL_L2}  # FC2 input in MXFP8; every other backend: BF16
 
 
 def receive_rows(g: MoeGeometry, first: int, count: int, rows: int, gen: torch.Generator):
@@ -96,4 +99,5 @@ def test_backend_matches_allgather_reference(name, device, geometry):
     got = out[written].double()
     assert not got.isnan().any(), f"{name} seed {seed}: NaN in rows with a local id"
     err = (got - want[written]).norm() / want[written].norm()
-    assert err < TOLERANCE, f"{name} on {device} seed {seed}: relative L2 error {err:.2e}"
+    bound = TOLERANCE.get(name, EXPERTS_REL_L2)
+    assert err < bound, f"{name} on {device} seed {seed}: relative L2 error {err:.2e} > {bound:.2e}"

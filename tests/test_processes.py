@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 def launcher(name: str) -> str:
@@ -31,8 +32,8 @@ def test_example_passes_its_check(ranks):
 
 
 def test_skipped_dispatch_times_out_naming_rank_phase_peer():
-    cmd = [launcher("mpiexec"), "-n", "2", sys.executable, "tests/helpers/timeout_case.py"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = [launcher("mpiexec"), "-n", "2", sys.executable, "-m", "helpers.timeout_case_cpu"]
+    proc = subprocess.run(cmd, cwd=TESTS, capture_output=True, text=True, timeout=120)
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
     assert len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RESULT rank 0: EpTimeoutError" in lines[0]

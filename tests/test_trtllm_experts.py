@@ -9,12 +9,13 @@ import inspect
 import flashinfer as fi  # the test extra installs it; a missing one fails here, not skips
 import pytest
 import torch
-from scale_layout import deinterleave_128x4, interleave_128x4
 
 from dep_ep.config import TINY
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts.trtllm import TrtllmExperts, check_receive_rows, routed_moe_arguments
 from dep_ep.experts.trtllm_weights import TrtllmWeights, prepare_trtllm_weights
+
+from helpers.scale_layout import deinterleave_128x4, interleave_128x4
 
 
 def shuffled_position(row: int) -> int:

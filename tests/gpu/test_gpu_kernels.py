@@ -5,33 +5,38 @@ all-gather reference; graph replay; many layers back to back. Several processes 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.comm.reference import owner_ranks, rms_norm
+from dep_ep.config import EpConfig
+from dep_ep.ep import TINY, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference
+from dep_ep.experts import DenseExperts, ReferenceExperts
 
-from cases import agreed_seed, collective_assert, make_case  # noqa: E402
-from test_dispatch_mpi import check_rows, provenance_weights  # noqa: E402
-from test_mxfp8 import edge_blocks  # noqa: E402
-from test_routed_mpi import TOLERANCE, check_ragged, compare  # noqa: E402
-
-from dep_ep.comm.mxfp8 import mxfp8_quantize  # noqa: E402
-from dep_ep.comm.reference import owner_ranks, rms_norm  # noqa: E402
-from dep_ep.ep import TINY, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference  # noqa: E402
-from dep_ep.experts import DenseExperts, ReferenceExperts  # noqa: E402
+from helpers.cases import agreed_seed, make_case
+from helpers.collective import collective_assert
+from helpers.dispatch_rows import check_rows, provenance_weights
+from helpers.mxfp8_blocks import edge_blocks
+from helpers.reference_check import check_ragged, compare
 
 MAX_TOKENS = 64
 REPLAYS = int(os.environ.get("EP_TEST_REPLAYS", "1000"))
 LAYERS = int(os.environ.get("EP_TEST_LAYERS", "1000"))
 
 
+def build(gpu_dep, geometry, max_tokens, config=None):
+    return EpRouted(gpu_dep.cpu_group, max_tokens, torch.device("cuda"),
+                    num_experts=geometry.experts, latent=geometry.latent, topk=geometry.topk,
+                    config=config or EpConfig(timeout_s=60.0))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def routed(gpu_dep):
-    r = EpRouted(gpu_dep.cpu_group, MAX_TOKENS, torch.device("cuda"), experts=TINY.experts,
-                 latent=TINY.latent, topk=TINY.topk, timeout_s=60.0)  # fmt: skip
+    """TINY with the default combine path (one launch at these T)."""
+    r = build(gpu_dep, TINY, MAX_TOKENS)
     yield r
     r.close()
 
@@ -56,8 +61,11 @@ def test_quantize_kernel_bit_exact(gpu_dep):
     cuda, _, cute = import_cute()
     from cutlass import Int32, Int64
 
+    seed = agreed_seed(gpu_dep.cpu_group, 0)
+    gen = torch.Generator().manual_seed(seed)
     blocks = torch.tensor(edge_blocks()).bfloat16()  # [blocks, 32]: L = 32
-    rand = (torch.randn(64, 3584) * torch.exp2(torch.randint(-40, 40, (64, 1)).float())).bfloat16()
+    scales = torch.exp2(torch.randint(-40, 40, (64, 1), generator=gen).float())
+    rand = (torch.randn(64, 3584, generator=gen) * scales).bfloat16()
     failures = []
     for x in (blocks, rand):
         x = x.cuda()
@@ -71,7 +79,7 @@ def test_quantize_kernel_bit_exact(gpu_dep):
         if not torch.equal(q.cpu(), want_q) or not torch.equal(sf.cpu(), want_sf):
             bad = (q.cpu() != want_q).nonzero()[:3].tolist()
             failures.append(f"L={x.shape[1]}: bytes differ at {bad}")
-    collective_assert(gpu_dep.cpu_group, failures)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
 def poison_receive(routed):
@@ -92,7 +100,8 @@ def poison_receive(routed):
 ])  # fmt: skip
 def test_dispatch_rows_bitwise(gpu_dep, routed, tokens, routing):
     n, rank = gpu_dep.size, gpu_dep.rank
-    case = make_case(TINY, n, tokens, agreed_seed(gpu_dep.cpu_group, tokens), routing)
+    seed = agreed_seed(gpu_dep.cpu_group, tokens)
+    case = make_case(TINY, n, tokens, seed, routing)
     weights = [provenance_weights(s, tokens) for s in range(n)]
     poison_receive(routed)
     dist.barrier(gpu_dep.cpu_group)
@@ -104,36 +113,54 @@ def test_dispatch_rows_bitwise(gpu_dep, routed, tokens, routing):
     rows.out.zero_()
     routed.combine(torch.ones(TINY.latent, dtype=torch.bfloat16, device="cuda"))
     routed.synchronize()
-    collective_assert(gpu_dep.cpu_group, failures)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
 # latent 2080 = 260 chunks of 8: lanes hold unequal chunk counts (the combine's guarded path).
 ODD = MoeGeometry("odd", hidden=512, latent=2080, experts=48, topk=6, intermediate=128)
 
 
+@pytest.fixture(scope="module", params=["fused", "split"])
+def combine_path(request):
+    """The combine's one-launch ("fused") or two-launch ("split") path at every T."""
+    return request.param
+
+
+def path_config(path: str, max_tokens: int) -> EpConfig:
+    """0 splits at every T; a threshold above max_tokens never splits."""
+    split = 0 if path == "split" else max_tokens + 1
+    return EpConfig(timeout_s=60.0, combine_split_min_tokens=split)
+
+
+def path_failures(routed, path: str) -> list[str]:
+    """The transport takes the path asked for: the split kernels exist exactly for "split"."""
+    transport = routed.transport
+    split = "combine_send" in transport.kernels and "combine_reduce" in transport.kernels
+    threshold = transport.combine_split_min_tokens
+    if (path == "split") != split or (path == "split") != (threshold == 0):
+        return [f"{path}: split kernels compiled {split}, split from T={threshold}"]
+    return []
+
+
 @pytest.fixture(scope="module")
-def routed_odd(gpu_dep):
-    r = EpRouted(gpu_dep.cpu_group, 16, torch.device("cuda"), experts=ODD.experts,
-                 latent=ODD.latent, topk=ODD.topk, timeout_s=60.0)  # fmt: skip
+def routed_path(gpu_dep, combine_path):
+    """TINY on the combine path `combine_path`."""
+    r = build(gpu_dep, TINY, MAX_TOKENS, path_config(combine_path, MAX_TOKENS))
     yield r
     r.close()
 
 
-@pytest.fixture(params=["fused", "split"])
-def combine_path(request, routed, routed_odd):
-    """Force the combine's one-launch or two-launch path on both EpRouted of this module."""
-    exchanges = [routed.transport, routed_odd._exchange]
-    saved = [ex.combine_split_min_tokens for ex in exchanges]
-    for ex in exchanges:
-        ex.combine_split_min_tokens = 0 if request.param == "split" else 1 << 30
-    yield request.param
-    for ex, value in zip(exchanges, saved):
-        ex.combine_split_min_tokens = value
+@pytest.fixture(scope="module")
+def routed_odd(gpu_dep, combine_path):
+    """ODD on the combine path `combine_path`."""
+    r = build(gpu_dep, ODD, 16, path_config(combine_path, 16))
+    yield r
+    r.close()
 
 
-def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> list[str]:
+def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> tuple[list[str], int]:
     """Expert outputs drawn from (seed, rank) on every rank; combine must equal the torch
-    reference (rank-ordered fp32 sum + rms_norm) bit for bit."""
+    reference (rank-ordered fp32 sum + rms_norm) bit for bit. Returns (failures, seed)."""
     n, rank = gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 7)
     case = make_case(geometry, n, tokens, seed, routing)
@@ -159,23 +186,25 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> list[st
         total[mine] += outs[d][rank * tokens + mine].float()
     want = rms_norm(total, norm, 1e-5)
     if bits_equal(normed.cpu(), want):
-        return []
-    differ = (normed.cpu().view(torch.int16) != want.view(torch.int16)).sum()
-    return [f"L={geometry.latent} T={tokens} {routing}: combine differs in {int(differ)} elements"]
+        return [], seed
+    differ = int((normed.cpu().view(torch.int16) != want.view(torch.int16)).sum())
+    return [f"L={geometry.latent} T={tokens} {routing}: combine differs in {differ} elements"], seed
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"),
                                             (10, "nan"), (33, "ragged")])  # fmt: skip
-def test_combine_bitwise(gpu_dep, routed, combine_path, tokens, routing):
-    collective_assert(gpu_dep.cpu_group,
-                      check_combine_bitwise(gpu_dep, routed, TINY, tokens, routing))  # fmt: skip
+def test_combine_bitwise(gpu_dep, routed_path, combine_path, tokens, routing):
+    failures, seed = check_combine_bitwise(gpu_dep, routed_path, TINY, tokens, routing)
+    failures += path_failures(routed_path, combine_path)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
 @pytest.mark.mpi(min_size=1)
 def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd, combine_path):
-    collective_assert(gpu_dep.cpu_group,
-                      check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded"))  # fmt: skip
+    failures, seed = check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded")
+    failures += path_failures(routed_odd, combine_path)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
 def experts_for(kind, layer, rank, n):
@@ -187,8 +216,8 @@ def experts_for(kind, layer, rank, n):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), (17, "padded"), (MAX_TOKENS, "random"),
                                             (11, "duplicate"), (10, "nan")])  # fmt: skip
-def test_routed_matches_allgather_reference(gpu_dep, routed, combine_path, tokens, routing):
-    n, rank = gpu_dep.size, gpu_dep.rank
+def test_routed_matches_allgather_reference(gpu_dep, routed_path, combine_path, tokens, routing):
+    routed, n, rank = routed_path, gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 3)
     layer = SyntheticLayer(TINY, seed)
     experts = experts_for(ReferenceExperts, layer, rank, n)
@@ -198,7 +227,9 @@ def test_routed_matches_allgather_reference(gpu_dep, routed, combine_path, token
     routed.synchronize()
     ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
                               case.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
-    collective_assert(gpu_dep.cpu_group, compare(out.cpu(), ref, f"T={tokens} {routing}"))
+    failures = compare(out.cpu(), ref, f"T={tokens} {routing}")
+    failures += path_failures(routed, combine_path)
+    collective_assert(gpu_dep.cpu_group, failures, seeds={"layer and case": seed})
 
 
 @pytest.mark.mpi(min_size=1)
@@ -206,14 +237,16 @@ def test_ragged_token_counts(gpu_dep, routed):
     """Ranks with different real token counts (one idle on >= 3 ranks) padded to one T: real rows
     match the all-gather reference, padding rows are exactly +0.0."""
     n, rank = gpu_dep.size, gpu_dep.rank
-    layer = SyntheticLayer(TINY, agreed_seed(gpu_dep.cpu_group, 13))
+    group = gpu_dep.cpu_group
+    seeds = {"layer": agreed_seed(group, 13), "case": agreed_seed(group, 14)}
+    layer = SyntheticLayer(TINY, seeds["layer"])
     experts = experts_for(ReferenceExperts, layer, rank, n)
-    case = make_case(TINY, n, 40, agreed_seed(gpu_dep.cpu_group, 14), "ragged")
+    case = make_case(TINY, n, 40, seeds["case"], "ragged")
     out = routed.routed(*on_gpu(case, rank), layer.norm_weight().cuda(), experts=experts)
     routed.synchronize()
     ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
                               case.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
-    collective_assert(gpu_dep.cpu_group, check_ragged(out.cpu(), ref, rank, n))
+    collective_assert(gpu_dep.cpu_group, check_ragged(out.cpu(), ref, rank, n), seeds=seeds)
 
 
 def fresh_inputs(gen, tokens, n_experts):
@@ -225,14 +258,16 @@ def fresh_inputs(gen, tokens, n_experts):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_graph_replay_matches_eager(gpu_dep, routed, combine_path):
+def test_graph_replay_matches_eager(gpu_dep, routed_path, combine_path):
     """routed() for a fixed T captured once, replayed REPLAYS times with fresh inputs copied into
     the captured buffers: every replay equals, bit for bit, an eager call on the same inputs."""
-    n, rank, tokens = gpu_dep.size, gpu_dep.rank, 24
-    layer = SyntheticLayer(TINY, agreed_seed(gpu_dep.cpu_group, 11))
+    routed, n, rank, tokens = routed_path, gpu_dep.size, gpu_dep.rank, 24
+    seeds = {"layer": agreed_seed(gpu_dep.cpu_group, 11),
+             "inputs (plus the rank)": agreed_seed(gpu_dep.cpu_group, 1000)}  # fmt: skip
+    layer = SyntheticLayer(TINY, seeds["layer"])
     experts = experts_for(DenseExperts, layer, rank, n)
     norm = layer.norm_weight().cuda()
-    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    gen = torch.Generator(device="cuda").manual_seed(seeds["inputs (plus the rank)"] + rank)
     static = [t.clone() for t in fresh_inputs(gen, tokens, TINY.experts)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -256,7 +291,8 @@ def test_graph_replay_matches_eager(gpu_dep, routed, combine_path):
         if not bits_equal(replayed, eager):
             failures.append(f"replay {step} differs from eager")
             break
-    collective_assert(gpu_dep.cpu_group, failures)
+    failures += path_failures(routed, combine_path)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seeds)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -264,10 +300,12 @@ def test_many_layers_back_to_back(gpu_dep, routed):
     """LAYERS routed calls alternating two layers, fresh data and T each time, no host sync in
     between; every 100th checked against the all-gather reference, every output finite."""
     n, rank = gpu_dep.size, gpu_dep.rank
-    layers = [SyntheticLayer(TINY, agreed_seed(gpu_dep.cpu_group, 20 + i)) for i in range(2)]
+    seeds = {f"layer {i}": agreed_seed(gpu_dep.cpu_group, 20 + i) for i in range(2)}
+    seeds["steps"] = agreed_seed(gpu_dep.cpu_group, 5)  # draws every step's T and case seed
+    layers = [SyntheticLayer(TINY, seeds[f"layer {i}"]) for i in range(2)]
     experts = [experts_for(DenseExperts, layer, rank, n) for layer in layers]
     norms = [layer.norm_weight().cuda() for layer in layers]
-    gen = torch.Generator().manual_seed(agreed_seed(gpu_dep.cpu_group, 5))
+    gen = torch.Generator().manual_seed(seeds["steps"])
     failures = []
     finite = torch.ones((), dtype=torch.bool, device="cuda")
     for step in range(LAYERS):
@@ -285,7 +323,4 @@ def test_many_layers_back_to_back(gpu_dep, routed):
     routed.synchronize()
     if not bool(finite):
         failures.append("a non-finite output")
-    collective_assert(gpu_dep.cpu_group, failures)
-
-
-assert TOLERANCE  # the tolerance table of the CPU suite applies here too
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seeds)

@@ -78,15 +78,3 @@ def agreed_seed(group: dist.ProcessGroup, base: int) -> int:
     t = torch.tensor([base + int(torch.randint(0, 10**6, (1,)))])
     dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
     return int(t)
-
-
-def collective_assert(group: dist.ProcessGroup, failures: list[str]) -> None:
-    """Fail on every rank if any rank failed (keeps ranks in step: no rank runs ahead into the
-    next test's collectives). `failures` are this rank's messages."""
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32)
-    flags[dist.get_rank(group)] = 1 if failures else 0
-    dist.all_reduce(flags, group=group)
-    bad = flags.nonzero().squeeze(1).tolist()
-    if bad:
-        mine = "; ".join(failures[:5]) if failures else "this rank passed"
-        raise AssertionError(f"failed on rank(s) {bad}. Rank {dist.get_rank(group)}: {mine}")

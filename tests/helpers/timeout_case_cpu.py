@@ -1,17 +1,18 @@
-"""Run under 2 ranks: rank 1 skips a dispatch; both ranks must raise EpTimeoutError that names the
-rank, the phase and the peer, within the configured timeout. Prints one RESULT line per rank."""
+"""Two CPU ranks, rank 1 skips a dispatch: both ranks must raise EpTimeoutError naming the rank,
+the phase and the peer, within the configured timeout. Prints one RESULT line per rank.
 
-import sys
+    cd tests && mpiexec -n 2 python -m helpers.timeout_case_cpu
+"""
+
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-from dep_ep.comm import EpTimeoutError  # noqa: E402
+from dep_ep.comm import EpTimeoutError
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer  # noqa: E402
-from dep_ep.experts import ReferenceExperts  # noqa: E402
-from dep_ep.launch import init_rank_context, new_dep_group  # noqa: E402
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer
+from dep_ep.experts import ReferenceExperts
+from dep_ep.launch import init_rank_context, new_dep_group
 
 TIMEOUT_S = 3.0
 
@@ -23,8 +24,6 @@ experts = ReferenceExperts(*layer.local(dep.rank * per_rank, per_rank),
                            first_expert=dep.rank * per_rank)  # fmt: skip
 routed = EpRouted(dep.cpu_group, 4, "cpu", num_experts=TINY.experts, latent=TINY.latent,
                   topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
-import torch  # noqa: E402
-
 latent = torch.randn(4, TINY.latent).bfloat16()
 ids = torch.randint(0, TINY.experts, (4, TINY.topk), dtype=torch.int32)
 weights = torch.full((4, TINY.topk), 1.0 / TINY.topk)

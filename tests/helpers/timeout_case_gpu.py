@@ -1,24 +1,22 @@
-"""Two ranks on CUDA: rank 1 skips a dispatch. Rank 0's dispatch kernel must stop after the
-timeout and `synchronize()` must raise EpTimeoutError naming rank 0, phase 'dispatch' and rank 1.
-Then both ranks close and rebuild the buffers, and a correct call matches the reference.
-Prints one RESULT line per rank.   torchrun --nproc-per-node 2 tests/gpu/timeout_case.py"""
+"""Two CUDA ranks, rank 1 skips a dispatch. Rank 0's dispatch kernel must stop after the timeout
+and `synchronize()` must raise EpTimeoutError naming rank 0, phase 'dispatch' and rank 1. Then
+both ranks close and rebuild the buffers, and a correct call matches the reference. Prints one
+RESULT line per rank.
 
-import sys
+    cd tests && python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m helpers.timeout_case_gpu
+"""
+
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-from cases import make_case  # noqa: E402
-from test_routed_mpi import compare  # noqa: E402
-
-from dep_ep.comm import EpTimeoutError  # noqa: E402
+from dep_ep.comm import EpTimeoutError
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference  # noqa: E402
-from dep_ep.experts import ReferenceExperts  # noqa: E402
-from dep_ep.launch import init_rank_context, new_dep_group, teardown  # noqa: E402
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.experts import ReferenceExperts
+from dep_ep.launch import init_rank_context, new_dep_group, teardown
+
+from helpers.cases import make_case
+from helpers.reference_check import compare
 
 TIMEOUT_S = 2.0
 
