@@ -11,10 +11,11 @@ import sys
 
 import torch
 from bench_experts import median_ms, receive_rows
+from torch.profiler import ProfilerActivity, profile
+
 from dep_ep.ep import K3
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts
-from torch.profiler import ProfilerActivity, profile
 
 
 def main() -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from dep_ep.comm.agreement import agree_on_construction
 from dep_ep.comm.layout import EpLayout, Region
 from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
 from dep_ep.comm.shm import allocate_shm
@@ -46,7 +48,7 @@ class RankRegions:
     @property
     def header(self) -> torch.Tensor:
         """int64 [2, 4]: the CPU host protocol's control block, one slot per phase (dispatch,
-        combine): [seq, tokens, status, unused]."""
+        combine): [seq, tokens, status, tag]."""
         return self._view("header", None)
 
     def x(self, rows: int) -> torch.Tensor:
@@ -66,9 +68,9 @@ class RankRegions:
         return self._view("weights", rows)
 
     @property
-    def signals(self) -> torch.Tensor:
-        """int64 [2, N]: GPU arrival counters per source rank ([0] dispatch, [1] combine)."""
-        return self._view("signals", None)
+    def flags(self) -> torch.Tensor:
+        """int64 [2, N, 4]: GPU step flags per phase (dispatch, combine) and source rank."""
+        return self._view("flags", None)
 
     def partials(self, rows: int) -> torch.Tensor:
         """bf16 [rows, L]: combine input, row d*S + t = rank d's expert sum for token t."""
@@ -88,6 +90,9 @@ class EpBuffers(RankRegions):
     the same GPU) and `peer_addresses` holds their base addresses for the kernels.
     ranks: group size; rank: this process's rank in `group`.
     max_tokens: tokens per rank per step, at most; latent: L (multiple of 32); topk: K.
+    timeout_s bounds every wait of the construction. job: a tag the ranks agreed on for naming the
+    shared-memory files (EpRouted passes its own); None runs the agreement here, which also
+    checks that every rank asks for the same layout and device kind.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class EpBuffers(RankRegions):
         latent: int,
         topk: int,
         timeout_s: float = 60.0,
+        job: str | None = None,
     ) -> None:
         device = resolve_device(device)
         if dist.get_world_size(group) != ranks or dist.get_rank(group) != rank:
@@ -109,12 +115,17 @@ class EpBuffers(RankRegions):
                 f" {dist.get_world_size(group)} ranks and this process is {dist.get_rank(group)}"
             )
         layout = EpLayout(ranks, max_tokens, latent, topk)
+        if job is None:  # EpRouted agrees on more and passes its tag; standalone buffers agree here
+            fingerprint = {"layout": layout, "device": device.type}
+            job = agree_on_construction("EpBuffers", group, rank, fingerprint, timeout_s)
         if device.type == "cpu":
             if dist.get_backend(group) != "gloo":
                 raise ValueError(
                     f"EpBuffers: CPU buffers need a gloo group, got {dist.get_backend(group)}"
                 )
-            segments = allocate_shm(group, rank, ranks, layout.total_bytes, timeout_s=timeout_s)
+            segments = allocate_shm(
+                group, rank, ranks, layout.total_bytes, job=job, timeout_s=timeout_s
+            )
         elif device.type == "cuda":
             segments = allocate_nvshmem(group, rank, ranks, layout.total_bytes, device)
         else:

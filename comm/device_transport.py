@@ -10,22 +10,32 @@ CUDA graph.
 from __future__ import annotations
 
 import torch
+
 from dep_ep.comm.buffers import EpBuffers
-from dep_ep.comm.errors import EpTimeoutError
+from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError, tag_text
 from dep_ep.comm.host_sync import bounded_barrier
 from dep_ep.comm.transport import Transport
+from dep_ep.config import EpConfig
+from dep_ep.constants import (
+    ERROR_WORDS,
+    KIND_REJECTED,
+    KIND_TAG,
+    KIND_TIMEOUT,
+    KIND_TOKENS,
+    MAX_RANKS,
+    MAX_TOPK,
+    PHASE_NAMES,
+    STATE_WORDS,
+)
 from dep_ep.launch.nvshmem import GPU_EXTRA
 
-from dep_ep.config import EpConfig
-from dep_ep.constants import MAX_RANKS, MAX_TOPK
-
-PHASE_NAMES = {1: "dispatch", 2: "combine"}
 CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
 COMBINE_TOKENS_PER_CTA = 8  # combine: one warp per token in the reduce phase, 8 warps
 # From this T on, combine runs as two launches (send, then reduce over T/8 CTAs) instead of one
 # co-resident launch, where that was measured faster (docs/perf_notes.md, v6): at EP=1 from
 # T = 1024 on (T = 4096: 56 against 77 us); at EP=2 the one launch stayed as fast or faster
-# (T = 4096: 130 against 135 us), so with several ranks the split is off until measured at EP=8.
+# (T = 4096: 130 against 135 us), so with several ranks the split is off (EP=4 and EP=8 not
+# measured).
 COMBINE_SPLIT_MIN_TOKENS = {1: 1024}  # num_ranks -> T; ranks not listed: never split
 NEVER = 1 << 62
 
@@ -50,7 +60,8 @@ def compiled_count() -> int:
 
 
 COMBINE_MODES = {"combine": "fused", "combine_send": "send", "combine_reduce": "reduce"}
-KERNEL_NAMES = ("dispatch", *COMBINE_MODES)
+REJECT_PHASES = {"reject_dispatch": "dispatch", "reject_combine": "combine"}
+KERNEL_NAMES = ("dispatch", *COMBINE_MODES, *REJECT_PHASES)
 SPLIT_COMBINE = ("combine_send", "combine_reduce")
 
 
@@ -67,11 +78,13 @@ def compile_kernels(
     "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX.
     Returns {name: compiled function}. Compiled kernels are cached in the process per geometry
     and mode, so a second DeviceTransport of the same geometry (a rebuild after a timeout, a test
-    fixture) compiles nothing (`compiled_count()` counts the compilations)."""
+    fixture) compiles nothing (`compiled_count()` counts the cache's entries)."""
     cuda, cutlass, cute = import_cute()
     from cutlass import Float32, Int32, Int64
+
     from dep_ep.comm.kernels.combine import CombineKernel
     from dep_ep.comm.kernels.dispatch import DispatchKernel
+    from dep_ep.comm.kernels.reject import RejectKernel
 
     options = []
     if arch:
@@ -87,27 +100,30 @@ def compile_kernels(
             kernels[name] = _COMPILED[key]
             continue
         if name == "dispatch":
-            kernels[name] = cute.compile(
-                DispatchKernel(num_ranks, latent, topk, experts_per_rank),
-                *([z] * 12),
-                one,
-                Int32(0),
-                z,
-                one,
-                stream,
-                **kw,
-            )
+            kernel = DispatchKernel(num_ranks, latent, topk, experts_per_rank)
+            # latent..flags_off (12 addresses), tokens, rank, tag, timeout_ns, grid
+            args = (*([z] * 12), one, Int32(0), z, z, one)
+        elif name in COMBINE_MODES:
+            kernel = CombineKernel(num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name])
+            # out..flags_off (11 addresses), eps, normalize, tokens, rank, tag, timeout_ns, grid
+            args = (*([z] * 11), Float32(1e-5), one, one, Int32(0), z, z, one)
         else:
-            combine = CombineKernel(num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name])
-            kernels[name] = cute.compile(
-                combine, *([z] * 11), Float32(1e-5), one, Int32(0), z, one, stream, **kw
-            )
+            kernel = RejectKernel(num_ranks, REJECT_PHASES[name])
+            # peers, own, state, error, flags_off, tokens, rank, tag, timeout_ns
+            args = (*([z] * 5), one, Int32(0), z, z)
+        kernels[name] = cute.compile(kernel, *args, stream, **kw)
         _COMPILED[key] = kernels[name]
-    return kernels  # fmt: skip
+    return kernels
 
 
 class DeviceTransport(Transport):
-    """The CUDA transport of one EpBuffers (docs/design.md, "GPU protocol")."""
+    """The CUDA transport of one EpBuffers (docs/design.md, "GPU protocol").
+
+    Device state (int64 [STATE_WORDS], this rank only): the calls done, the current call's step
+    status, the CTA counters of the running launches, the abort word (comm/kernels/signals.py).
+    The error record (int64 [ERROR_WORDS], host-mapped): the first error a kernel met, read by
+    `check()` without a device sync.
+    """
 
     completes_on_return = False
 
@@ -122,15 +138,11 @@ class DeviceTransport(Transport):
         self.buffers = buffers
         self.num_ranks, self.rank, self.device = buffers.num_ranks, buffers.rank, buffers.device
         self.experts_per_rank = experts_per_rank
+        self.timeout_s = config.timeout_s
         self.timeout_ns = int(config.timeout_s * 1e9)
-        regions = layout.regions
-        self.offsets = {name: r.offset for name, r in regions.items()}
-        self.sig_dispatch = regions["signals"].offset
-        self.sig_combine = regions["signals"].offset + 8 * layout.num_ranks
-        # int64 [2N + 1]: expected dispatch rows per source, expected combine rows, abort word.
-        self.state = torch.zeros(2 * layout.num_ranks + 1, dtype=torch.int64, device=self.device)
-        # int64 [4] host-mapped: [status (2 = recorded), phase, peer, rank] of the first timeout.
-        self.error = torch.zeros(4, dtype=torch.int64).pin_memory()
+        self.offsets = {name: r.offset for name, r in layout.regions.items()}
+        self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=self.device)
+        self.error = torch.zeros(ERROR_WORDS, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_ctas = CTAS_PER_SM * self.num_sms
         split = config.combine_split_min_tokens
@@ -138,7 +150,7 @@ class DeviceTransport(Transport):
             split = COMBINE_SPLIT_MIN_TOKENS.get(self.num_ranks, NEVER)
         # T from which combine takes two launches; their kernels are compiled only when reachable.
         self.combine_split_min_tokens = split if split <= layout.max_tokens else NEVER
-        names = ("dispatch", "combine")
+        names = ("dispatch", "combine", *REJECT_PHASES)
         if self.combine_split_min_tokens < NEVER:
             names += SPLIT_COMBINE
         self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
@@ -150,54 +162,85 @@ class DeviceTransport(Transport):
         return self.cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def check(self) -> None:
-        """Raise EpTimeoutError if a kernel recorded a timeout (host-mapped memory: no sync)."""
-        if int(self.error[0]) == 2:
-            phase, peer, rank = (int(v) for v in self.error[1:4])
-            raise EpTimeoutError(rank, PHASE_NAMES.get(phase, str(phase)), f"rank {peer}",
+        """Raise the error a kernel recorded (host-mapped memory: no sync). A timeout leaves the
+        buffers unusable (EpTimeoutError says to rebuild them); any other error is cleared once
+        raised, and the next call runs in step."""
+        if int(self.error[0]) != 2:
+            return
+        phase_id, peer, rank, kind, theirs, mine, call = (int(v) for v in self.error[1:8])
+        phase = PHASE_NAMES.get(phase_id, str(phase_id))
+        if kind == KIND_TIMEOUT:
+            raise EpTimeoutError(rank, phase, f"rank {peer}",
                                  "recorded by the GPU kernel; rebuild the buffers")  # fmt: skip
+        self.error.zero_()
+        where = f"EpRouted (rank {rank}): call {call} ({phase})"
+        after = ("; this rank's output of that call is NaN. This call did not start: call it"
+                 " again")  # fmt: skip
+        if kind == KIND_REJECTED:
+            raise EpPeerError(f"{where}: rank {peer} rejected its input{after}")
+        if kind == KIND_TOKENS:
+            raise ValueError(
+                f"{where}: ranks passed different token counts (rank {peer}: {theirs}, this rank:"
+                f" {mine}); every rank must pass the same T{after}"
+            )
+        if kind == KIND_TAG:
+            raise EpDesyncError(
+                f"{where}: the ranks are out of step: rank {peer} ran tag {tag_text(theirs)} where"
+                f" this rank ran tag {tag_text(mine)}{after}"
+            )
+        raise EpDesyncError(
+            f"{where}: the ranks are out of step: rank {peer} was at call {theirs}{after}"
+        )
 
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         self.check()
 
     def reset(self) -> None:
-        """Once every rank's queued work is done (first barrier), zero this rank's arrival
-        counters and expectations (and the abort word); the second barrier keeps every rank from
-        launching again before all have zeroed."""
-        timeout_s = self.timeout_ns / 1e9
+        """Once every rank's queued work is done (first barrier), zero this rank's step flags and
+        device state; the second barrier keeps every rank from launching again before all have
+        zeroed. Also clears a recorded timeout."""
         torch.cuda.synchronize(self.device)
-        bounded_barrier(self.buffers.group, self.rank, "reset", timeout_s)
-        self.buffers.signals.zero_()
+        bounded_barrier(self.buffers.group, self.rank, "reset", self.timeout_s)
+        self.buffers.flags.zero_()
         self.state.zero_()
+        self.error.zero_()
         torch.cuda.synchronize(self.device)
-        bounded_barrier(self.buffers.group, self.rank, "reset-done", timeout_s)
+        bounded_barrier(self.buffers.group, self.rank, "reset-done", self.timeout_s)
 
-    def dispatch(self, latent, ids, weights, *, tokens, rejected):
-        """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device."""
-        if rejected is not None:
-            raise rejected
+    def dispatch(self, latent, ids, weights, *, tokens, rejected, tag):
+        """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device.
+        A rejected call takes part without payload (RejectKernel) and then raises `rejected`."""
         self.check()
         o = self.offsets
+        if rejected is not None:
+            self._reject("reject_dispatch", tag)
+            raise rejected
         self.kernels["dispatch"](
             latent.data_ptr(), ids.data_ptr(), weights.data_ptr(), self.peers, self.own,
             self.state.data_ptr(), self.error.data_ptr(), o["x"], o["sf"], o["ids"], o["weights"],
-            self.sig_dispatch, tokens, self.rank, self.timeout_ns, min(tokens, self.max_ctas),
+            o["flags"], tokens, self.rank, tag, self.timeout_ns, min(tokens, self.max_ctas),
             self._stream(),
         )  # fmt: skip
 
-    def combine(self, expert_out, ids, norm_weight, eps, *, rejected):
+    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, tag):
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
-        norm_weight bf16 [L]; returns normed bf16 [T, L]."""
+        norm_weight bf16 [L] or None (the plain sum); returns bf16 [T, L]. A rejected call
+        takes part without payload (RejectKernel) and then raises `rejected`."""
         if rejected is not None:
+            self._reject("reject_combine", tag)
             raise rejected
         tokens = ids.shape[0]
         normed = torch.empty(tokens, self.buffers.layout.latent, dtype=torch.bfloat16,
                              device=self.device)  # fmt: skip
         o = self.offsets
+        normalize = 0 if norm_weight is None else 1
+        weight_ptr = 0 if norm_weight is None else norm_weight.data_ptr()
         args = (
-            expert_out.data_ptr(), self.own + o["ids"], ids.data_ptr(), norm_weight.data_ptr(),
+            expert_out.data_ptr(), self.own + o["ids"], ids.data_ptr(), weight_ptr,
             normed.data_ptr(), self.peers, self.own, self.state.data_ptr(), self.error.data_ptr(),
-            o["partials"], self.sig_combine, float(eps), tokens, self.rank, self.timeout_ns,
+            o["partials"], o["flags"], float(eps), normalize, tokens, self.rank, tag,
+            self.timeout_ns,
         )  # fmt: skip
         if tokens >= self.combine_split_min_tokens:
             send_grid = min(tokens * self.num_ranks, self.max_ctas)
@@ -209,3 +252,9 @@ class DeviceTransport(Transport):
         wanted = max(tokens * self.num_ranks, -(-tokens // COMBINE_TOKENS_PER_CTA))
         self.kernels["combine"](*args, min(wanted, self.num_sms), self._stream())
         return normed
+
+    def _reject(self, name: str, tag: int) -> None:
+        self.kernels[name](
+            self.peers, self.own, self.state.data_ptr(), self.error.data_ptr(),
+            self.offsets["flags"], -1, self.rank, tag, self.timeout_ns, self._stream(),
+        )  # fmt: skip

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from dep_ep.constants import NO_TAG
+
+
+def tag_text(tag: int) -> str:
+    """A step tag as error messages show it ("none" for a call that gave none)."""
+    return "none" if tag == NO_TAG else str(tag)
+
 
 class EpTimeoutError(RuntimeError):
     """A bounded wait expired: names the rank that waited, the phase and the peer(s) it waited for.
@@ -14,6 +21,12 @@ class EpTimeoutError(RuntimeError):
         self.rank, self.phase, self.peers = rank, phase, peers
         msg = f"rank {rank}: timed out in phase '{phase}' waiting for {peers}"
         super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+class EpDesyncError(RuntimeError):
+    """The ranks are out of step: in the same call they passed different tags (one rank skipped
+    a step, or ran the layers in another order), or their calls did not pair (two EpRouted used
+    in a different order on different ranks). Names the ranks and what each ran."""
 
 
 class EpPeerError(RuntimeError):

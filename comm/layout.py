@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dep_ep.constants import SCALE_BLOCK
+from dep_ep.constants import FLAG_WORDS, SCALE_BLOCK
 
 ALIGN_BYTES = 256  # every region starts on this boundary (16-byte vector stores, TMA-friendly)
 HEADER_WORDS = 8  # int64 words of the per-rank control block: one slot per host-protocol phase
-HEADER_SLOT_WORDS = 4  # a phase's slot: [seq, tokens, status, unused]
-HEADER_SEQ, HEADER_TOKENS, HEADER_STATUS = 0, 1, 2
+HEADER_SLOT_WORDS = 4  # a phase's slot: [seq, tokens, status, tag]
+HEADER_SEQ, HEADER_TOKENS, HEADER_STATUS, HEADER_TAG = 0, 1, 2, 3
 
 
 def _align(n: int) -> int:
@@ -40,13 +40,13 @@ class EpLayout:
 
     Receive row `s * stride(T) + t` on rank d holds token t of source rank s (the row contract of
     docs/design.md). Regions, each sized for `max_rows = num_ranks * max_tokens` rows:
-      header   int64 [2, 4]               CPU host protocol: per phase [seq, tokens, status, -]
+      header   int64 [2, 4]               CPU host protocol: per phase [seq, tokens, status, tag]
       x        uint8 [max_rows, latent]   MXFP8 e4m3 bytes of the dispatched latent
       sf       uint8 [max_rows, latent/32] E8M0 scale bytes, linear layout
       ids      int32 [max_rows, topk]     global expert ids this rank owns, -1 elsewhere
       weights  fp32  [max_rows, topk]     routing weights as the source sent them
       partials bf16  [max_rows, latent]   combine: row d*stride(T)+t = rank d's sum for token t
-      signals  int64 [2, num_ranks]       GPU arrival counters per source: [0] dispatch, [1] combine
+      flags    int64 [2, num_ranks, 4]    GPU step flags per phase and source (signals.py)
     """
 
     num_ranks: int
@@ -85,7 +85,7 @@ class EpLayout:
             ("ids", (rows, K), torch.int32),
             ("weights", (rows, K), torch.float32),
             ("partials", (rows, L), torch.bfloat16),
-            ("signals", (2, self.num_ranks), torch.int64),
+            ("flags", (2, self.num_ranks, FLAG_WORDS), torch.int64),
         )
         out, offset = {}, 0
         for name, shape, dtype in specs:

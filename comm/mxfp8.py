@@ -1,5 +1,5 @@
 """MXFP8 (e4m3 elements, one E8M0 scale per 32) quantization, bit-exact with FlashInfer's
-`mxfp8_quantize` in the linear scale layout (the recipe of FACTS.md, checked on an H200), and the
+`mxfp8_quantize` in the linear scale layout (the recipe of docs/formats.md), and the
 exact dequantization. Runs on any device torch supports.
 
 Non-finite input (not covered by FlashInfer's checked contract; ours, by the same formula):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from dep_ep.launch.nvshmem import acquire_nvshmem, import_nvshmem, release_nvshmem
 
 

@@ -7,9 +7,9 @@ These functions only write; completion (every source has delivered) is the calle
 from __future__ import annotations
 
 import torch
-from dep_ep.comm.buffers import EpBuffers
 
-from dep_ep.constants import NORM_CHUNK, NORM_LANES
+from dep_ep.comm.buffers import EpBuffers
+from dep_ep.constants import NORM_CHUNK, NORM_LANES, NORM_SCALE_MAX_EXP, NORM_SCALE_MIN_EXP
 
 
 def owner_ranks(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
@@ -68,12 +68,13 @@ def combine_reduce(
     buffers: EpBuffers,
     ids: torch.Tensor,
     experts_per_rank: int,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
     """Sum, per token, the partial rows of the ranks that own one of its experts, in fp32 and in
-    rank order 0..N-1 (starting from +0.0; deterministic), then `rms_norm`. Returns bf16 [T, L].
-    Partials of ranks that own none of the token's experts are never read (they may be stale)."""
+    rank order 0..N-1 (starting from +0.0; deterministic), then `rms_norm` (or, with norm_weight
+    None, the sum rounded to BF16). Returns bf16 [T, L]. Partials of ranks that own none of the
+    token's experts are never read (they may be stale)."""
     tokens = ids.shape[0]
     stride = buffers.layout.stride(tokens)
     partials = buffers.partials(buffers.layout.rows(tokens)).view(buffers.num_ranks, stride, -1)
@@ -82,19 +83,30 @@ def combine_reduce(
     for rank in range(buffers.num_ranks):
         hit = (owners == rank).any(dim=1).nonzero().squeeze(1)
         total[hit] += partials[rank, hit].float()
+    if norm_weight is None:
+        return total.to(torch.bfloat16)
     return rms_norm(total, norm_weight, eps)
 
 
 def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The latent norm of the HF block, in the exact order of the combine kernel.
 
-    h = BF16(total) (as HF's block casts the expert sum); sum of squares in fp32: lane l of 32 adds
-    h*h over its chunks l, l+32, ... (8 elements each) in order, then the lanes are reduced by the
-    tree x[i] += x[i + o], o = 16, 8, 4, 2, 1; inv = 1 / sqrt(sumsq / L + eps) (IEEE division and
-    square root); out = BF16(BF16(h * inv) * weight). total fp32 [T, L] -> bf16 [T, L].
+    h = BF16(total) (as HF's block casts the expert sum); s = 2^(127 - clamp(E, 127, 253)) with E
+    the fp32 biased exponent of max |h| over the row: a power of two, 1 for rows below 2.0, so
+    that (h*s)^2 cannot overflow for any finite h (the squares of a row of 1e20s would). Sum of
+    squares of h*s in fp32: lane l of 32 adds over its chunks l, l+32, ... (8 elements each) in
+    order, then the lanes are reduced by the tree x[i] += x[i + o], o = 16, 8, 4, 2, 1;
+    inv = 1 / sqrt(sumsq / L + (eps*s)*s) (IEEE division and square root);
+    out = BF16(BF16((h*s) * inv) * weight). Scaling by a power of two is exact and commutes with
+    every rounding above, so wherever the unscaled formula does not overflow the two agree bit
+    for bit. total fp32 [T, L] -> bf16 [T, L].
     """
     tokens, latent = total.shape
     h = total.to(torch.bfloat16).float()
+    exponent = (h.abs().amax(dim=1).view(torch.int32) >> 23) & 0xFF
+    exponent = exponent.clamp(NORM_SCALE_MIN_EXP, NORM_SCALE_MAX_EXP)
+    scale = ((254 - exponent) << 23).view(torch.float32).unsqueeze(1)  # fp32 [T, 1]
+    h = h * scale
     chunks = latent // NORM_CHUNK
     per_lane = -(-chunks // NORM_LANES)
     padded = torch.zeros(tokens, per_lane * NORM_LANES * NORM_CHUNK, device=h.device)
@@ -110,5 +122,5 @@ def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torc
         width //= 2
         lanes = lanes[:, :width] + lanes[:, width : 2 * width]
     mean = lanes / float(latent)
-    inv = torch.ones_like(mean) / torch.sqrt(mean + eps)
+    inv = torch.ones_like(mean) / torch.sqrt(mean + (eps * scale) * scale)
     return (h * inv).to(torch.bfloat16) * norm_weight

@@ -9,10 +9,10 @@ job that this rank can see.
 from __future__ import annotations
 
 import os
-import uuid
 
 import torch
 import torch.distributed as dist
+
 from dep_ep.comm.host_sync import bounded_barrier
 
 SHM_DIR = "/dev/shm"
@@ -23,26 +23,20 @@ def _path(shm_dir: str, job: str, rank: int) -> str:
     return os.path.join(shm_dir, f"{SHM_PREFIX}{job}-{rank}")
 
 
-def _job_tag(group: dist.ProcessGroup) -> str:
-    """A tag unique to this allocation, chosen by group rank 0 and broadcast (collective)."""
-    tag = torch.frombuffer(bytearray(uuid.uuid4().bytes[:8]), dtype=torch.uint8)
-    dist.broadcast(tag, src=dist.get_global_rank(group, 0), group=group)
-    return bytes(tag.tolist()).hex()
-
-
 def allocate_shm(
     group: dist.ProcessGroup,
     rank: int,
     num_ranks: int,
     nbytes: int,
     *,
+    job: str,
     timeout_s: float,
     shm_dir: str = SHM_DIR,
 ) -> list[torch.Tensor]:
     """Collective: every rank gets `num_ranks` uint8 tensors of `nbytes`, entry r mapping rank r's
-    segment (entry `rank` is this rank's own). Contents start zeroed. Blocks the host.
+    segment (entry `rank` is this rank's own). Contents start zeroed. Blocks the host. `job` is a
+    tag every rank agreed on (comm/agreement.py), unique to this allocation.
     """
-    job = _job_tag(group)
     own = _path(shm_dir, job, rank)
     try:
         fd = os.open(own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

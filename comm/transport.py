@@ -11,17 +11,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from dep_ep.comm.buffers import EpBuffers
 
+from dep_ep.comm.buffers import EpBuffers
 from dep_ep.config import EpConfig
 
 
 class Transport(ABC):
     """Moves one step's rows between the ranks of one EpBuffers.
 
-    Every call is collective (every rank, same order). `rejected` is this rank's validation error
-    for the call, or None: a transport that can tell its peers (the host protocol) makes every
-    rank raise together; one that cannot (the device transport) raises it on this rank only.
+    Every call is collective (every rank, same order). `rejected` is this rank's error for the
+    call (its input failed validation, or its experts failed), or None: the call still takes
+    part without payload, so that no peer waits for it, and then raises `rejected`. The peers
+    raise EpPeerError: in the same call on the host transport, at their next call (or
+    `synchronize()`) on the device transport, whose outputs of the failed call are NaN.
     """
 
     buffers: EpBuffers
@@ -37,11 +39,14 @@ class Transport(ABC):
         weights: torch.Tensor,
         *,
         tokens: int,
-        rejected: Exception | None,
+        rejected: BaseException | None,
+        tag: int,
     ) -> None:
-        """Quantize latent bf16 [T, L] to MXFP8 once per token and write it, with ids int32 [T, K]
-        (-1 = none) and weights fp32 [T, K], into the receive rows of every rank owning one of the
-        token's experts (the row contract, docs/design.md). `tokens` is T (0 when rejected)."""
+        """Quantize latent bf16 [n, L] (n <= T; a token with no expert is never read) to MXFP8
+        once per token and write it, with ids int32 [T, K] (-1 = none) and weights fp32 [T, K],
+        into the receive rows of every rank owning one of the token's experts (the row contract,
+        docs/design.md). `tokens` is T (0 when rejected); `tag` identifies the step (NO_TAG when
+        the caller gave none): ranks whose tags differ raise EpDesyncError."""
 
     @abstractmethod
     def combine(
@@ -51,11 +56,13 @@ class Transport(ABC):
         norm_weight: torch.Tensor,
         eps: float,
         *,
-        rejected: Exception | None,
+        rejected: BaseException | None,
+        tag: int,
     ) -> torch.Tensor:
         """Return expert_out bf16 [N*T, L] rows to their sources, sum each token's rows over ranks
-        in fp32 in rank order, RMSNorm with norm_weight bf16 [L] and eps; returns bf16 [T, L].
-        ids int32 [T, K] are the ids this rank dispatched in the step."""
+        in fp32 in rank order, RMSNorm with norm_weight bf16 [L] and eps (norm_weight None: the
+        sum rounded to BF16); returns bf16 [T, L]. ids int32 [T, K] are the ids this rank
+        dispatched in the step; `tag` is the dispatch's."""
 
     @abstractmethod
     def check(self) -> None:

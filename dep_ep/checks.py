@@ -29,9 +29,26 @@ def check_tensor(
 
 
 def check_tokens(fn: str, tokens: int, max_tokens: int) -> int:
-    if not isinstance(tokens, int) or not 1 <= tokens <= max_tokens:
-        raise ValueError(f"{fn}: tokens={tokens} outside 1..{max_tokens} (max_tokens)")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= max_tokens:
+        raise ValueError(f"{fn}: tokens={tokens!r} outside 1..{max_tokens} (max_tokens)")
     return tokens
+
+
+def check_eps(fn: str, eps: object) -> float:
+    """A finite number > 0 (int or float), returned as a float."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        raise ValueError(f"{fn}: eps={eps!r}; expected a finite number > 0")
+    return float(eps)
+
+
+TAG_MIN, TAG_MAX = -(2**63) + 1, 2**63 - 1  # -2**63 means "no tag" on the wire
+
+
+def check_tag(fn: str, tag: object) -> None:
+    if tag is None:
+        return
+    if isinstance(tag, bool) or not isinstance(tag, int) or not TAG_MIN <= tag <= TAG_MAX:
+        raise ValueError(f"{fn}: tag={tag!r}; expected None or an int in {TAG_MIN}..{TAG_MAX}")
 
 
 def check_ids(fn: str, ids: torch.Tensor, num_experts: int) -> None:

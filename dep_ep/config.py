@@ -56,16 +56,25 @@ class EpConfig:
     combine_split_min_tokens: from this T on the GPU combine runs as two launches (send, then
       reduce) instead of one; None takes the measured default for the rank count (docs/gpu.md),
       0 forces two launches at every T, a value above max_tokens forces one launch.
+    check_expert_rows: a debug mode: dispatch marks the expert output rows, and combine raises
+      (on every rank) when a row that holds a local expert id was not written since the dispatch
+      (experts skipped or writing elsewhere). It reads the rows: a host sync on a GPU. Off, such
+      a combine returns sums of whatever the rows hold (the previous call's, for instance).
     """
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_values: bool | None = None
     combine_split_min_tokens: int | None = None
+    check_expert_rows: bool = False
 
     def __post_init__(self) -> None:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
             raise ValueError(f"EpConfig: timeout_s={t!r}; expected a finite number of seconds > 0")
+        if not isinstance(self.check_expert_rows, bool):
+            raise TypeError(
+                f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected a bool"
+            )
         if self.check_values not in (None, True, False):
             raise TypeError(f"EpConfig: check_values={self.check_values!r}; expected bool or None")
         split = self.combine_split_min_tokens

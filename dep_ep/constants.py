@@ -11,7 +11,31 @@ MAX_RANKS = 32
 # The dispatch kernel writes a token's ids and weights with one thread per k (128 threads a CTA).
 MAX_TOPK = 128
 
+# The GPU step protocol (comm/kernels/signals.py): the host transport reads the same numbers.
+PHASE_DISPATCH, PHASE_COMBINE = 1, 2
+PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
+# Step flags: int64 words per (phase, source rank) in every rank's symmetric allocation:
+# [flag = call << 2 | status, tokens, tag, unused].
+FLAG_WORDS = 4
+FLAG_TOKENS, FLAG_TAG = 1, 2
+STATUS_OK, STATUS_REJECTED = 0, 1
+NO_TAG = -(1 << 63)  # the tag word of a call that gave none
+# Device state of one rank (int64 words, device memory, not symmetric).
+STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c
+STATE_STEP_STATUS = 1  # 0, or the error kind a kernel of the current call met
+STATE_DONE_DISPATCH = 2  # CTAs of the running dispatch launch done with their payload (int32)
+STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their sends (int32)
+STATE_ABORT = 4  # 1 after a timeout: every later wait returns at once
+STATE_WORDS = 8
+# The error record (int64, host-mapped): [status, phase, peer, rank, kind, theirs, mine, call];
+# status 2 = complete. Kinds:
+ERROR_WORDS = 8
+KIND_TIMEOUT, KIND_REJECTED, KIND_TAG, KIND_TOKENS, KIND_CALL = 1, 2, 3, 4, 5
+
 # The combine kernel normalises one token per warp: lane l owns the 8-element (16-byte) chunks
 # l, l + 32, ... of the row. The torch reference sums squares in the same order (bitwise equal).
 NORM_LANES = 32
 NORM_CHUNK = 8
+# The norm scales a row by 2^(127 - clamp(E, 127, 253)), E the biased fp32 exponent of its largest
+# magnitude: exact, 1 below 2.0, and no square can overflow (comm/reference.py rms_norm).
+NORM_SCALE_MIN_EXP, NORM_SCALE_MAX_EXP = 127, 253

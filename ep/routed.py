@@ -6,12 +6,28 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from dep_ep.comm.buffers import EpBuffers, resolve_device
-from dep_ep.comm.transport import Transport, open_transport
-from dep_ep.experts.base import ExpertsBackend
 
-from dep_ep.checks import check_ids, check_tensor, check_tokens, check_weights_finite
+from dep_ep.checks import (
+    check_eps,
+    check_ids,
+    check_tag,
+    check_tensor,
+    check_tokens,
+    check_weights_finite,
+)
+from dep_ep.comm.agreement import agree_on_construction
+from dep_ep.comm.buffers import EpBuffers, resolve_device
+from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
+from dep_ep.comm.layout import EpLayout
+from dep_ep.comm.transport import Transport, open_transport
 from dep_ep.config import EpConfig
+from dep_ep.constants import NO_TAG
+from dep_ep.experts.base import ExpertsBackend
+from dep_ep.version import __version__
+
+# check_expert_rows: dispatch writes this bf16 bit pattern (a NaN with a payload no arithmetic
+# produces) into element 0 of every expert output row; combine finds rows left unwritten by it.
+UNWRITTEN_ROW_MARK = -91  # int16 view of 0xFFA5
 
 
 @dataclass(frozen=True)
@@ -27,23 +43,45 @@ class ReceiveRows:
     out: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Step:
+    """The dispatched step awaiting its combine: T, this rank's real rows n, the tag, and the
+    staged ids int32 [T, K] (a copy: the caller may reuse its tensor)."""
+
+    tokens: int
+    real: int
+    tag: int
+    ids: torch.Tensor
+
+
+# Errors after which every rank's state is as before the call (raised on every rank by design).
+_IN_STEP_ERRORS = (EpPeerError, EpDesyncError, ValueError, TypeError)
+
+
 class EpRouted:
     """The routed-expert path of every MoE layer of one rank: buffers shared by all layers.
 
     Collective calls (every rank of `group`, same order, same T): construction, `dispatch`,
-    `combine`, `routed` (the object is callable: `ep(...)` is `ep.routed(...)`), `close`. On CPU
-    each blocks the host and completes before it returns; on CUDA (NVSHMEM buffers, CuTeDSL
-    kernels) dispatch/combine/routed are stream-ordered, never sync the host and can be captured
-    in a CUDA graph; `synchronize()` waits and reports a timeout. A context manager:
-    `with EpRouted(...) as ep:` closes on exit.
+    `combine` (or `abort_step`), `routed` (the object is callable: `ep(...)` is `ep.routed(...)`),
+    `reset`, `close`. On CPU each blocks the host and completes before it returns; on CUDA
+    (NVSHMEM buffers, CuTeDSL kernels) dispatch/combine/routed are stream-ordered, never sync the
+    host and can be captured in a CUDA graph; `synchronize()` waits and reports errors. A context
+    manager: `with EpRouted(...) as ep:` closes on exit.
 
-    group: gloo group of the EP ranks (it carries the CPU barriers, or the NVSHMEM bootstrap);
+    group: gloo group of the EP ranks (it carries the host barriers, or the NVSHMEM bootstrap);
     max_tokens: the most tokens a rank passes in a step; device: "cpu" or a CUDA device;
     num_experts: E (divisible by the rank count; rank r owns [r*E/N, (r+1)*E/N)); latent: L
-    (a multiple of 32); topk: K; config: runtime settings (timeouts, value checks, combine path).
-    On CPU a call whose input one rank rejects raises on every rank (ValueError/TypeError on the
-    rejecting rank, EpPeerError elsewhere) and the buffers stay usable; on CUDA the rejecting rank
-    raises and the others time out (docs/design.md, "Errors").
+    (a multiple of 32); topk: K; config: runtime settings (timeouts, checks, combine path).
+    Construction compares every rank's arguments (and device kind and library version) and
+    raises ValueError on every rank naming the fields that differ; a rank that never arrives
+    gives EpTimeoutError within `config.timeout_s`.
+
+    Calls pair by their order: the i-th dispatch of every rank forms one step. A rank that skips a
+    whole step is only seen when the calls carry a `tag` (an int the caller advances, such as
+    step * layers + layer): ranks whose tags differ raise EpDesyncError. Errors (docs/design.md,
+    "Errors"): a call whose input one rank rejects raises on every rank (ValueError/TypeError on
+    the rejecting rank, EpPeerError elsewhere: in the same call on CPU, at the next call or
+    `synchronize()` on CUDA, whose outputs of that call are NaN); the buffers stay usable.
     """
 
     def __init__(
@@ -57,32 +95,38 @@ class EpRouted:
         topk: int,
         config: EpConfig | None = None,
     ) -> None:
+        fn = "EpRouted"
         config = EpConfig() if config is None else config
         if not isinstance(config, EpConfig):
-            raise TypeError(f"EpRouted: config is {type(config).__name__}; expected an EpConfig")
+            raise TypeError(f"{fn}: config is {type(config).__name__}; expected an EpConfig")
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         for name, value in (("num_experts", num_experts), ("latent", latent), ("topk", topk),
                             ("max_tokens", max_tokens)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"EpRouted: {name}={value!r}; expected an int")
+                raise TypeError(f"{fn}: {name}={value!r}; expected an int")
         if num_experts < 1 or num_experts % num_ranks:
             raise ValueError(
-                f"EpRouted: num_experts={num_experts} must be a positive multiple of the rank"
+                f"{fn}: num_experts={num_experts} must be a positive multiple of the rank"
                 f" count {num_ranks}"
             )
         if not 1 <= topk <= num_experts:
-            raise ValueError(f"EpRouted: topk={topk} outside 1..{num_experts} (num_experts)")
+            raise ValueError(f"{fn}: topk={topk} outside 1..{num_experts} (num_experts)")
         if max_tokens < 1:
-            raise ValueError(f"EpRouted: max_tokens={max_tokens} must be >= 1")
+            raise ValueError(f"{fn}: max_tokens={max_tokens} must be >= 1")
         self.config = config
         self.device = resolve_device(device)
+        fingerprint = {
+            "num_ranks": num_ranks, "max_tokens": max_tokens, "num_experts": num_experts,
+            "latent": latent, "topk": topk, "device": self.device.type, "version": __version__,
+        }  # fmt: skip
+        job = agree_on_construction(fn, group, rank, fingerprint, config.timeout_s)
         self.num_experts, self.latent, self.topk = num_experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = num_experts // num_ranks
         self.first_expert = rank * self.experts_per_rank
         self.buffers = EpBuffers(
             group, num_ranks, rank, max_tokens, self.device,
-            latent=latent, topk=topk, timeout_s=config.timeout_s,
+            latent=latent, topk=topk, timeout_s=config.timeout_s, job=job,
         )  # fmt: skip
         try:
             self._transport = open_transport(self.buffers, self.experts_per_rank, config)
@@ -93,10 +137,15 @@ class EpRouted:
         # return, a host sync where they are stream-ordered.
         check = config.check_values
         self.check_values = self._transport.completes_on_return if check is None else check
-        self._expert_out = torch.empty(
-            self.buffers.layout.max_rows, latent, dtype=torch.bfloat16, device=self.device
-        )
-        self._dispatched: torch.Tensor | None = None  # int32 ids of the dispatch awaiting combine
+        on = dict(device=self.device)
+        self._expert_out = torch.empty(self.buffers.layout.max_rows, latent, dtype=torch.bfloat16,
+                                       **on)  # fmt: skip
+        # Staged ids and weights of the step: padded to T with -1 ids, owned by this object.
+        self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
+        self._weights = torch.empty(max_tokens, topk, dtype=torch.float32, **on)
+        self._step: _Step | None = None  # the dispatched step awaiting its combine
+        self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
+        self._broken: str | None = None  # why calls are refused until reset()
 
     # ----------------------------------------------------------------------------- lifetime
     def __enter__(self) -> EpRouted:
@@ -111,35 +160,85 @@ class EpRouted:
         that time one phase alone: its calls skip validation and the dispatch/combine pairing."""
         return self._transport
 
+    @staticmethod
+    def workspace_bytes(num_ranks: int, max_tokens: int, *, latent: int, topk: int) -> int:
+        """Bytes of the buffers one rank's EpRouted allocates on its device for the rows: the
+        symmetric allocation (EpLayout), the expert output rows and the staged ids and weights
+        (a few hundred bytes of control words besides). Local, no allocation."""
+        layout = EpLayout(num_ranks, max_tokens, latent, topk)
+        expert_out = layout.max_rows * latent * torch.bfloat16.itemsize
+        staged = max_tokens * topk * (torch.int32.itemsize + torch.float32.itemsize)
+        return layout.total_bytes + expert_out + staged
+
     # ----------------------------------------------------------------------------- geometry
     def prepare(self, tokens: int) -> int:
         """Check `tokens` and get ready for steps of that size; returns stride(T). Local, cheap."""
         check_tokens("EpRouted.prepare", tokens, self.max_tokens)
         return self.buffers.layout.stride(tokens)
 
-    def receive(self, tokens: int) -> ReceiveRows:
-        """This rank's receive rows for a step of `tokens` tokens (valid after dispatch)."""
-        rows = self.buffers.layout.rows(check_tokens("EpRouted.receive", tokens, self.max_tokens))
+    def receive(self, tokens: int | None = None) -> ReceiveRows:
+        """This rank's receive rows of the dispatched step (valid until its combine), or, with no
+        dispatch pending, the views for a step of `tokens` tokens (for callers that prepare the
+        expert output rows before the dispatch). Local."""
+        fn = "EpRouted.receive"
+        self._check_usable(fn)
+        step = self._step
+        if step is None:
+            if tokens is None:
+                raise RuntimeError(f"{fn}: no dispatch is pending; pass tokens= for the views")
+            return self._rows(check_tokens(fn, tokens, self.max_tokens))
+        if tokens is not None and tokens != step.tokens:
+            raise ValueError(
+                f"{fn}: tokens={tokens!r}, but the pending dispatch has T={step.tokens}"
+            )
+        return self._rows(step.tokens)
+
+    def _rows(self, tokens: int) -> ReceiveRows:
+        rows = self.buffers.layout.rows(tokens)
         b = self.buffers
-        out = self._expert_out[:rows]
-        return ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows), out)
+        return ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows),
+                           self._expert_out[:rows])  # fmt: skip
+
+    def expert_counts(self) -> torch.Tensor:
+        """int32 [E_local] on the device: the (token, k) pairs this rank received per local expert
+        in the last dispatch (for expert-load balancing). Stream-ordered, no host sync."""
+        fn = "EpRouted.expert_counts"
+        self._check_usable(fn)
+        if self._last_tokens is None:
+            raise RuntimeError(f"{fn}: no dispatch yet")
+        ids = self.buffers.ids(self.buffers.layout.rows(self._last_tokens))
+        local = ids.long() - self.first_expert
+        mine = ids >= 0
+        counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, device=self.device)
+        counts.scatter_add_(0, local.clamp(min=0).flatten(), mine.flatten().int())
+        return counts
 
     # ----------------------------------------------------------------------------- validation
-    def _check_inputs(self, fn, latent, ids, weights, experts) -> int:
+    def _check_inputs(self, fn, latent, ids, weights, experts, need_experts, tokens, tag):
+        """Returns (T, n) for latent [n, L] padded to T tokens. `need_experts`: None is an error
+        (routed runs them), not "not given" (dispatch)."""
         if not isinstance(latent, torch.Tensor) or latent.dim() != 2:
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent)
-            raise ValueError(f"{fn}: latent {shape}; expected a 2-D tensor [T, {self.latent}]")
-        tokens = check_tokens(fn, latent.shape[0], self.max_tokens)
-        check_tensor(fn, "latent", latent, (torch.bfloat16,), (tokens, self.latent), self.device)
-        shape = (tokens, self.topk)
+            raise ValueError(f"{fn}: latent {shape}; expected a 2-D tensor [n, {self.latent}]")
+        real = latent.shape[0]
+        if tokens is None:
+            if real == 0:
+                raise ValueError(f"{fn}: latent has 0 rows and tokens=None; pass tokens= (T)")
+            tokens = real
+        check_tokens(fn, tokens, self.max_tokens)
+        if real > tokens:
+            raise ValueError(f"{fn}: latent has {real} rows, more than tokens={tokens}")
+        check_tag(fn, tag)
+        check_tensor(fn, "latent", latent, (torch.bfloat16,), (real, self.latent), self.device)
+        shape = (real, self.topk)
         check_tensor(fn, "ids", ids, (torch.int32, torch.int64), shape, self.device)
         check_tensor(fn, "weights", weights, (torch.float32,), shape, self.device)
         if self.check_values:
             check_ids(fn, ids, self.num_experts)
             check_weights_finite(fn, weights, ids)
-        if experts is not None:
+        if experts is not None or need_experts:
             self._check_experts(fn, experts)
-        return tokens
+        return tokens, real
 
     def _check_experts(self, fn: str, experts: ExpertsBackend) -> None:
         if not isinstance(experts, ExpertsBackend):
@@ -155,14 +254,48 @@ class EpRouted:
                 f" (first_expert={mine[0]}, {mine[1]} experts) of latent {mine[2]}"
             )
 
-    def _check_norm(self, fn: str, norm_weight: torch.Tensor, eps: float) -> None:
-        check_tensor(fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,), self.device)
-        if not (isinstance(eps, float) and eps > 0):
-            raise ValueError(f"{fn}: eps={eps!r}; expected a float > 0")
+    def _check_norm(self, fn: str, norm_weight: torch.Tensor | None, eps: object) -> float:
+        if norm_weight is not None:
+            check_tensor(fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,),
+                         self.device)  # fmt: skip
+        return check_eps(fn, eps)
 
-    def _check_open(self, fn: str) -> None:
+    def _check_expert_rows(self, fn: str, step: _Step) -> None:
+        """check_expert_rows: every row with a local id was written since the dispatch."""
+        rows = self._rows(step.tokens)
+        marked = rows.out[:, 0].view(torch.int16) == UNWRITTEN_ROW_MARK
+        missing = ((rows.ids >= 0).any(dim=1) & marked).nonzero()
+        if missing.numel():
+            raise ValueError(
+                f"{fn}: {missing.numel()} receive row(s) hold local expert ids but the experts did"
+                f" not write them since the dispatch (first: row {int(missing[0])})"
+            )
+
+    def _check_usable(self, fn: str) -> None:
         if self.buffers.closed:
             raise RuntimeError(f"{fn}: this EpRouted was closed")
+        if self._broken is not None:
+            raise RuntimeError(f"{fn}: {self._broken}")
+
+    def _run(self, fn: str, call, rejected: BaseException | None):
+        """Run a transport call; mark the object unusable when the call was cut short in a way
+        that leaves the ranks' state unknown."""
+        try:
+            return call()
+        except BaseException as err:
+            if err is rejected or isinstance(err, _IN_STEP_ERRORS):
+                raise
+            if isinstance(err, EpTimeoutError):
+                self._broken = (
+                    f"an earlier call timed out ({err}); close() this EpRouted and build a new"
+                    " one on every rank"
+                )
+            else:
+                self._broken = (
+                    f"an earlier {fn} was interrupted ({type(err).__name__}) inside the exchange;"
+                    " call reset() on every rank (collective) before the next step"
+                )
+            raise
 
     # ----------------------------------------------------------------------------- the path
     def dispatch(
@@ -172,84 +305,141 @@ class EpRouted:
         weights: torch.Tensor,
         *,
         experts: ExpertsBackend | None = None,
+        tokens: int | None = None,
+        tag: int | None = None,
     ) -> ReceiveRows:
         """Quantize each token to MXFP8 once and deliver it to every rank owning one of its experts.
 
-        latent bf16 [T, L]; ids int32|int64 [T, K] global expert ids, -1 = none (padding rows);
-        weights fp32 [T, K]. Collective; on CPU it blocks until every rank has delivered. Returns
-        this rank's receive rows. `experts`, when given, is validated with the inputs.
+        latent bf16 [n, L]; ids int32|int64 [n, K] global expert ids, -1 = none; weights fp32
+        [n, K]. tokens: T, the step's token count, the same on every rank (None: n); rows
+        n..T-1 are padding (no expert). tag: an int identifying the step, or None (see the class
+        docstring). Collective; on CPU it blocks until every rank has delivered. Returns this
+        rank's receive rows. `experts`, when given, is validated with the inputs.
         """
-        return self._dispatch("EpRouted.dispatch", latent, ids, weights, experts)
+        return self._dispatch(
+            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag
+        )
 
-    def _dispatch(self, fn, latent, ids, weights, experts) -> ReceiveRows:
-        self._check_open(fn)
-        if self._dispatched is not None:
-            raise RuntimeError(f"{fn}: the previous dispatch was not combined yet")
-        error, tokens = None, 0
+    def _dispatch(self, fn, latent, ids, weights, experts, need_experts, tokens, tag):
+        self._check_usable(fn)
+        if self._step is not None:
+            raise RuntimeError(
+                f"{fn}: the previous dispatch was not combined yet; call combine (or abort_step)"
+                " on every rank first"
+            )
+        error, real = None, 0
         try:
-            tokens = self._check_inputs(fn, latent, ids, weights, experts)
+            tokens, real = self._check_inputs(
+                fn, latent, ids, weights, experts, need_experts, tokens, tag
+            )
         except (TypeError, ValueError) as err:
-            error = err
+            error, tokens = err, 0
+        wire_tag = NO_TAG if tag is None or error is not None else tag
+        staged_ids, staged_weights = self._ids[:tokens], self._weights[:tokens]
         if error is None:
-            # A copy, never a reference: combine reads the ids again, and the caller may reuse
-            # its tensor in between.
-            ids = ids.to(torch.int32, copy=True)
-        self._transport.dispatch(latent, ids, weights, tokens=tokens, rejected=error)
-        self._dispatched = ids
-        return self.receive(tokens)
+            # Copies, never references: combine reads the ids again and the caller may reuse its
+            # tensors in between; padding rows get -1 ids.
+            staged_ids[:real].copy_(ids)
+            staged_ids[real:].fill_(-1)
+            staged_weights[:real].copy_(weights)
+            if self.config.check_expert_rows:
+                out = self._expert_out[: self.buffers.layout.rows(tokens)]
+                out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
+        self._run(fn, lambda: self._transport.dispatch(
+            latent, staged_ids, staged_weights, tokens=tokens, rejected=error, tag=wire_tag,
+        ), error)  # fmt: skip
+        self._step = _Step(tokens, real, wire_tag, staged_ids)
+        self._last_tokens = tokens
+        return self._rows(tokens)
 
-    def combine(self, norm_weight: torch.Tensor, *, eps: float = 1e-5) -> torch.Tensor:
-        """Return the expert sums (`receive(T).out`, rows with a local id) to their sources, sum per
-        token over ranks in fp32 in rank order, RMSNorm with `norm_weight` (bf16 [L]) and `eps`.
+    def combine(self, norm_weight: torch.Tensor | None, *, eps: float = 1e-5) -> torch.Tensor:
+        """Return the expert sums (`receive().out`, rows with a local id) to their sources, sum
+        per token over ranks in fp32 in rank order, then RMSNorm with `norm_weight` (bf16 [L])
+        and `eps`; norm_weight None returns the plain sum rounded to BF16 (for a caller that
+        applies the norm itself, or a model without a latent norm).
 
-        Collective; on CPU it blocks until every rank has delivered. Returns bf16 [T, L].
+        Collective; on CPU it blocks until every rank has delivered. Returns bf16 [n, L] (the
+        real rows of the dispatch).
         """
         return self._combine("EpRouted.combine", norm_weight, eps, None)
 
+    def abort_step(self, error: BaseException) -> None:
+        """Instead of combine, after a dispatch whose experts failed on this rank: take part in the
+        step's combine without payload (no peer waits for this rank; every peer raises
+        EpPeerError: in this call on CPU, at its next call on CUDA, where its output of the step
+        is NaN), then raise `error`. Collective, like combine."""
+        if not isinstance(error, BaseException):
+            raise TypeError(f"EpRouted.abort_step: error is {type(error).__name__}; expected an"
+                            " exception")  # fmt: skip
+        self._combine("EpRouted.abort_step", None, 1e-5, error)
+
     def _combine(self, fn, norm_weight, eps, error) -> torch.Tensor:
-        self._check_open(fn)
-        ids = self._dispatched
-        if ids is None:
+        self._check_usable(fn)
+        step = self._step
+        if step is None:
             raise RuntimeError(f"{fn}: no dispatch to combine")
-        self._dispatched = None
+        self._step = None
         if error is None:
             try:
-                self._check_norm(fn, norm_weight, eps)
+                eps = self._check_norm(fn, norm_weight, eps)
+                if self.config.check_expert_rows:
+                    self._check_expert_rows(fn, step)
             except (TypeError, ValueError) as err:
                 error = err
-        out = self.receive(ids.shape[0]).out
-        return self._transport.combine(out, ids, norm_weight, float(eps), rejected=error)
+        out = self._rows(step.tokens).out
+        normed = self._run(fn, lambda: self._transport.combine(
+            out, step.ids, norm_weight, eps, rejected=error, tag=step.tag,
+        ), error)  # fmt: skip
+        return normed[: step.real]
 
     def routed(
         self,
         latent: torch.Tensor,
         ids: torch.Tensor,
         weights: torch.Tensor,
-        norm_weight: torch.Tensor,
+        norm_weight: torch.Tensor | None,
         *,
         experts: ExpertsBackend,
         eps: float = 1e-5,
+        tokens: int | None = None,
+        tag: int | None = None,
     ) -> torch.Tensor:
-        """dispatch -> experts.forward on the receive rows -> combine. Returns bf16 [T, L] =
-        RMSNorm(sum over the token's experts of weight * expert(latent)). Collective."""
+        """dispatch -> experts.forward on the receive rows -> combine. Returns bf16 [n, L] =
+        RMSNorm(sum over the token's experts of weight * expert(latent)) (norm_weight None: the
+        plain sum). Arguments as `dispatch` and `combine`. Collective. An exception inside the
+        experts (KeyboardInterrupt included) still completes the step on every rank (this rank
+        aborts it) and is then raised."""
         fn = "EpRouted.routed"
-        rows = self._dispatch(fn, latent, ids, weights, experts)
+        # experts=None is caught by the dispatch's validation, which every rank takes part in.
+        rows = self._dispatch(fn, latent, ids, weights, experts, True, tokens, tag)
         error = None
         try:
             experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
-        except Exception as err:  # every rank must still reach combine's barrier
+        except BaseException as err:  # every rank must still complete the step
             error = err
         return self._combine(fn, norm_weight, eps, error)
 
     __call__ = routed
 
     def synchronize(self) -> None:
-        """Wait for this rank's queued work and raise EpTimeoutError if a kernel recorded a timeout.
-        On CPU every call completes before it returns and this only checks the state."""
-        self._transport.synchronize()
+        """Wait for this rank's queued work and raise what a kernel recorded (EpTimeoutError,
+        EpPeerError, EpDesyncError, ValueError for differing T). On CPU every call completes
+        before it returns and this only checks the state."""
+        self._check_usable("EpRouted.synchronize")
+        self._run("EpRouted.synchronize", self._transport.synchronize, None)
+
+    def reset(self) -> None:
+        """Collective, blocks the host: bring every rank back to a clean state after an
+        interrupted call (drops a pending dispatch, restarts the step pairing). Every rank must
+        call it, with no call of this group queued or running."""
+        if self.buffers.closed:
+            raise RuntimeError("EpRouted.reset: this EpRouted was closed")
+        self._transport.reset()
+        self._step = None
+        self._broken = None
 
     def close(self) -> None:
         """Release the buffers. Collective by contract; idempotent."""
         if not self.buffers.closed:
             self.buffers.close()
-        self._dispatched = None
+        self._step = None

@@ -5,6 +5,7 @@ number of local experts, so it suits small geometries (tests, graph-replay check
 from __future__ import annotations
 
 import torch
+
 from dep_ep.comm.mxfp8 import mxfp8_dequantize
 from dep_ep.experts.reference import ReferenceExperts
 from dep_ep.experts.situ import situ

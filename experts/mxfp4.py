@@ -7,8 +7,8 @@ Code c in 0..15 means E2M1_VALUES[c]; an element is E2M1_VALUES[c] * 2^(scale_by
 from __future__ import annotations
 
 import torch
-from dep_ep.comm.mxfp8 import e8m0_to_fp32
 
+from dep_ep.comm.mxfp8 import e8m0_to_fp32
 from dep_ep.constants import SCALE_BLOCK
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

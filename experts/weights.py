@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from dep_ep.experts.mxfp4 import SCALE_BLOCK
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
 from dep_ep.launch.env import LaunchEnv, read_launch_env
 
 

@@ -7,19 +7,26 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
+
 from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
 from dep_ep.comm.kernels.signals import (
     PHASE_DISPATCH,
+    STATE_CALL,
+    STATE_DONE_DISPATCH,
+    STATE_STEP_STATUS,
+    STATUS_OK,
+    check_step,
     chunk_begin,
     chunk_end,
     destination_mask,
+    flag_slot,
     gmem_ptr,
+    is_last_cta,
     load_i32,
     load_i64,
-    signal_arrival,
-    wait_arrivals,
+    signal_step,
+    store_i64,
 )  # fmt: skip
-
 from dep_ep.constants import MAX_RANKS, SCALE_BLOCK
 
 
@@ -30,8 +37,10 @@ class DispatchKernel:
     (one block of 32 per thread at a time) and store each block to every destination rank that owns
     one of the token's experts (16-byte stores); threads < K write the ids row to every rank (-1
     for experts it does not own) and the weights to the ranks the token goes to. After its tokens,
-    each CTA fences at system scope and release-adds its token count to every destination's arrival
-    counter for this source. CTA 0 then waits for all sources (see signals.py).
+    each CTA fences at system scope; the last CTA to finish stores this source's step flag (call,
+    T, tag) into every destination. CTA 0 then waits for every source's flag of this call and
+    checks its T and tag (signals.py); a mismatch or a rejecting source is recorded, never waited
+    out.
     """
 
     def __init__(self, num_ranks: int, latent: int, topk: int, experts_per_rank: int,
@@ -48,18 +57,19 @@ class DispatchKernel:
     @cute.jit
     def __call__(
         self, latent: Int64, ids: Int64, weights: Int64, peers: Int64, own: Int64, state: Int64,
-        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, sig_off: Int64,
-        tokens: Int32, rank: Int32, timeout_ns: Int64, grid: Int32, stream: cuda.CUstream,
+        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, flags_off: Int64,
+        tokens: Int32, rank: Int32, tag: Int64, timeout_ns: Int64, grid: Int32,
+        stream: cuda.CUstream,
     ):  # fmt: skip
         self.kernel(latent, ids, weights, peers, own, state, error, x_off, sf_off, ids_off, w_off,
-                    sig_off, tokens, rank, timeout_ns).launch(
+                    flags_off, tokens, rank, tag, timeout_ns).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
     def kernel(
         self, latent: Int64, ids: Int64, weights: Int64, peers: Int64, own: Int64, state: Int64,
-        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, sig_off: Int64,
-        tokens: Int32, rank: Int32, timeout_ns: Int64,
+        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, flags_off: Int64,
+        tokens: Int32, rank: Int32, tag: Int64, timeout_ns: Int64,
     ):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -70,15 +80,16 @@ class DispatchKernel:
         for t in cutlass.range(t_begin, t_end):
             hits = destination_mask(ids, t, K, self.experts_per_rank)  # bit d: goes to rank d
             row = Int64(rank) * tokens + t  # receive row on every destination
-            for b in cutlass.range(tidx, NB, self.threads):
-                scale = quantize_block(latent + (Int64(t) * NB + b) * 64, rOut)
-                for d in cutlass.range_constexpr(N):
-                    if (hits >> d) & 1:
-                        base = load_i64(peers + d * 8)
-                        cute.autovec_copy(rOut, gmem_words(base + x_off + row * L + b * 32,
-                                                           BLOCK_WORDS_OUT))  # fmt: skip
-                        cute.arch.store(gmem_ptr(Uint8, base + sf_off + row * NB + b, 1),
-                                        Uint8(scale))  # fmt: skip
+            if hits != 0:  # a token with no expert (padding) is never read: it may not exist
+                for b in cutlass.range(tidx, NB, self.threads):
+                    scale = quantize_block(latent + (Int64(t) * NB + b) * 64, rOut)
+                    for d in cutlass.range_constexpr(N):
+                        if (hits >> d) & 1:
+                            base = load_i64(peers + d * 8)
+                            dst = gmem_words(base + x_off + row * L + b * 32, BLOCK_WORDS_OUT)
+                            cute.autovec_copy(rOut, dst)
+                            cute.arch.store(gmem_ptr(Uint8, base + sf_off + row * NB + b, 1),
+                                            Uint8(scale))  # fmt: skip
             for k in cutlass.range(tidx, K, self.threads):
                 e = load_i32(ids + (Int64(t) * K + k) * 4)
                 w = cute.arch.load(gmem_ptr(Uint32, weights + (Int64(t) * K + k) * 4), Uint32)
@@ -90,17 +101,19 @@ class DispatchKernel:
                     cute.arch.store(gmem_ptr(Int32, base + ids_off + (row * K + k) * 4), mine)
                     if (hits >> d) & 1:
                         cute.arch.store(gmem_ptr(Uint32, base + w_off + (row * K + k) * 4), w)
+        call = load_i64(state + STATE_CALL * 8) + 1  # combine stores it when the call is done
+        if bidx == 0 and tidx == 0:
+            store_i64(state + STATE_STEP_STATUS * 8, Int64(0))  # read only after the barrier
+        # Every thread's payload stores are ordered before its fence; the CTA barrier then orders
+        # all of them before thread 0's acquire-release count, and the last CTA's release stores
+        # of the flags come after every CTA's count (signals.is_last_cta).
         cute.arch.fence_acq_rel_sys()
         cute.arch.barrier()
-        count = t_end - t_begin
-        if tidx < N and count > 0:
-            signal_arrival(load_i64(peers + tidx * 8) + sig_off + Int64(rank) * 8, Int64(count))
+        if tidx == 0:
+            if is_last_cta(state + STATE_DONE_DISPATCH * 8, grid) != 0:
+                for d in cutlass.range_constexpr(N):
+                    slot = flag_slot(load_i64(peers + d * 8), flags_off, PHASE_DISPATCH, N, rank)
+                    signal_step(slot, call, STATUS_OK, tokens, tag)
         if bidx == 0 and tidx < N:
-            expected = state + tidx * 8  # dispatch rows expected from source tidx so far
-            target = load_i64(expected) + tokens
-            wait_arrivals(own + sig_off + tidx * 8, target, state + 2 * N * 8, error, rank,
-                          PHASE_DISPATCH, tidx, timeout_ns)  # fmt: skip
-            cute.arch.store(gmem_ptr(Int64, expected, 8), target)
-            combine_expected = state + (N + tidx) * 8  # the combine of this step waits for it
-            cute.arch.store(gmem_ptr(Int64, combine_expected, 8),
-                            load_i64(combine_expected) + tokens)  # fmt: skip
+            check_step(flag_slot(own, flags_off, PHASE_DISPATCH, N, tidx), call, tokens, tag,
+                       state, error, rank, PHASE_DISPATCH, tidx, timeout_ns)  # fmt: skip

@@ -1,13 +1,13 @@
 """Device code: MXFP8 quantization of one block of 32 BF16 values, bit-exact with
-comm/mxfp8.py (FACTS.md's recipe)."""
+comm/mxfp8.py (docs/formats.md)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int64, Uint32
-from dep_ep.comm.kernels.ptx import bits_f32, e4m3x2, f32_bits, mul_rn
 
+from dep_ep.comm.kernels.ptx import bits_f32, e4m3x2, f32_bits, mul_rn
 from dep_ep.constants import RCP_448_BITS
 
 BLOCK_WORDS_IN = 16  # 32 bf16 = 16 u32 = 64 bytes

@@ -1,0 +1,32 @@
+"""Two CPU ranks; rank MISSING (argv[1]) never constructs its EpRouted: the other rank must raise
+EpTimeoutError naming the construction and the missing rank within timeout_s + 1 s. Prints one
+RESULT line per rank.
+
+    cd tests && mpiexec -n 2 python -m helpers.missing_rank_case 1
+"""
+
+import sys
+import time
+
+from dep_ep.comm import EpTimeoutError
+from dep_ep.config import EpConfig
+from dep_ep.ep import TINY, EpRouted
+from dep_ep.launch import init_rank_context, new_dep_group
+
+TIMEOUT_S = 2.0
+missing = int(sys.argv[1])
+
+ctx = init_rank_context("cpu", timeout_s=30.0)
+dep = new_dep_group(ctx, ctx.world_size)
+if dep.rank == missing:
+    time.sleep(TIMEOUT_S + 3.0)  # never arrives within the others' timeout
+    print(f"RESULT rank {dep.rank}: missing", flush=True)
+else:
+    start = time.monotonic()
+    try:
+        EpRouted(dep.cpu_group, 4, "cpu", num_experts=TINY.experts, latent=TINY.latent,
+                 topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
+        print(f"RESULT rank {dep.rank}: no error", flush=True)
+    except EpTimeoutError as err:
+        took = time.monotonic() - start
+        print(f"RESULT rank {dep.rank}: EpTimeoutError after {took:.2f}s: {err}", flush=True)

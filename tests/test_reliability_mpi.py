@@ -1,0 +1,283 @@
+"""No silent corruption on CPU ranks: misuse and faults raise a clear error on every rank, and the
+object stays usable for the next good step (docs/reliability.md lists every case)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dep_ep.comm import EpDesyncError, EpPeerError
+from dep_ep.config import EpConfig
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.experts import ExpertsBackend
+
+from helpers.cases import agreed_seed, make_case
+from helpers.collective import collective_assert, expect_raises
+from helpers.reference_check import compare, make_experts
+
+MAX_TOKENS = 16
+T = 6
+
+
+def build(dep, max_tokens=MAX_TOKENS, config=None, **geometry) -> EpRouted:
+    args = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk)
+    args.update(geometry)
+    return EpRouted(dep.cpu_group, max_tokens, "cpu", config=config or EpConfig(timeout_s=30.0),
+                    **args)  # fmt: skip
+
+
+class Step:
+    """One seeded step of every rank: inputs, the float64 reference of this rank's rows."""
+
+    def __init__(self, dep, layer, base: int, tokens: int = T, weight_scale: float = 1.0):
+        self.seed = agreed_seed(dep.cpu_group, base)
+        self.case = make_case(TINY, dep.size, tokens, self.seed)
+        r = dep.rank
+        self.latent, self.ids = self.case.latent[r], self.case.ids[r]
+        self.weights = self.case.weights[r] * weight_scale
+        self.layer, self.dep = layer, dep
+
+    def reference(self, eps: float = 1e-5) -> torch.Tensor:
+        return allgather_reference(
+            self.dep.cpu_group,
+            self.latent,
+            self.ids,
+            self.weights,
+            self.layer.norm_weight(),
+            self.layer.expert,
+            eps=eps,
+        )
+
+    def run(self, routed, experts, **kw) -> torch.Tensor:
+        return routed(self.latent, self.ids, self.weights, self.layer.norm_weight(),
+                      experts=experts, **kw)  # fmt: skip
+
+
+@pytest.fixture
+def layer(dep):
+    return SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 100))
+
+
+def good_step(dep, routed, layer, experts, base: int, label: str, failures: list[str], **kw):
+    """A fresh step that must match the float64 reference (the object is usable)."""
+    step = Step(dep, layer, base)
+    try:
+        out = step.run(routed, experts, **kw)
+    except Exception as err:  # noqa: BLE001 - reported collectively
+        failures.append(f"{label}: {type(err).__name__}: {err}")
+        out = None
+    ref = step.reference()
+    if out is not None:
+        failures += compare(out, ref, label)
+    return step.seed
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("field", ["max_tokens", "topk", "num_experts"])
+def test_construction_arguments_differ(dep, field):
+    """Each rank consistent with itself but not with rank 0: every rank raises the same
+    ValueError naming the field and every rank's value."""
+    odd = dep.rank == dep.size - 1
+    values = {"max_tokens": (8, 16), "topk": (6, 8), "num_experts": (48, 96)}[field]
+    kw = {field: values[1] if odd else values[0]}
+    max_tokens = kw.pop("max_tokens", MAX_TOKENS)
+    failures: list[str] = []
+    err = expect_raises(failures, field, ValueError, "built with different arguments",
+                        lambda: build(dep, max_tokens=max_tokens, **kw))  # fmt: skip
+    if err is not None and not all(f"rank {r}: " in str(err) for r in range(dep.size)):
+        failures.append(f"{field}: {err} does not name every rank's value")
+    if err is not None and field not in str(err):
+        failures.append(f"{field}: {err} does not name the field")
+    collective_assert(dep.cpu_group, failures, seeds=None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_skipped_step_with_tags_is_a_desync_on_every_rank(dep, layer):
+    """The last rank skips step 1; with tags every rank raises EpDesyncError naming the tags, and
+    the next step (tags in step again) is correct."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    seeds = {}
+    with build(dep) as routed:
+        seeds["step0"] = good_step(dep, routed, layer, experts, 0, "step 0", failures, tag=0)
+        skipper = dep.rank == dep.size - 1
+        step = Step(dep, layer, 1)
+        seeds["step1"] = step.seed
+        tag = 2 if skipper else 1  # the skipper is already at step 2
+        err = expect_raises(failures, "skipped step", EpDesyncError, "out of step",
+                            lambda: step.run(routed, experts, tag=tag))  # fmt: skip
+        if err is not None and not ("tag 1" in str(err) and "tag 2" in str(err)):
+            failures.append(f"desync message names no tags: {err}")
+        seeds["step2"] = good_step(dep, routed, layer, experts, 2, "after", failures, tag=3)
+    collective_assert(dep.cpu_group, failures, seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_objects_in_different_order_is_a_desync(dep, layer):
+    """Rank 0 calls A then B, the others B then A: every rank raises EpDesyncError; reset() on
+    both objects brings them back in step."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    a, b = build(dep), build(dep)
+    step = Step(dep, layer, 3)
+    try:
+        first = a if dep.rank == 0 else b
+        expect_raises(failures, "first call", EpDesyncError, "out of step",
+                      lambda: step.run(first, experts))  # fmt: skip
+        a.reset()
+        b.reset()
+        good_step(dep, a, layer, experts, 4, "A after reset", failures)
+        good_step(dep, b, layer, experts, 5, "B after reset", failures)
+    finally:
+        a.close()
+        b.close()
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_split_api_misuse(dep, layer):
+    """receive(T') for another T, a caller overwriting its ids between dispatch and combine,
+    combine without experts under check_expert_rows."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    config = EpConfig(timeout_s=30.0, check_expert_rows=True)
+    with build(dep, config=config) as routed:
+        step = Step(dep, layer, 6)
+        ids = step.ids.clone()
+        rows = routed.dispatch(step.latent, ids, step.weights)
+        expect_raises(failures, "receive(T-1)", ValueError, f"T={T}",
+                      lambda: routed.receive(T - 1))  # fmt: skip
+        if routed.receive().x.shape[0] != dep.size * T:
+            failures.append("receive() does not give the dispatched step's rows")
+        ids.fill_(0)  # the caller reuses its tensor: the library kept a copy
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        out = routed.combine(layer.norm_weight())
+        failures += compare(out, step.reference(), "ids overwritten after dispatch")
+
+        step = Step(dep, layer, 7)
+        routed.dispatch(step.latent, step.ids, step.weights)
+        expect_raises(failures, "combine without experts", ValueError,
+                      "did not write them|rejected their input",
+                      lambda: routed.combine(layer.norm_weight()))  # fmt: skip
+        good_step(dep, routed, layer, experts, 8, "after the unwritten rows", failures)
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+class FailingExperts(ExpertsBackend):
+    """Experts of one rank that raise `error` (KeyboardInterrupt included) in forward."""
+
+    def __init__(self, inner: ExpertsBackend, error: BaseException):
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent, self.error = inner.latent, error
+
+    def forward(self, x, sf, ids, weights, out):
+        raise self.error
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("which", ["one", "all"])
+def test_interrupt_inside_experts(dep, layer, which):
+    """A KeyboardInterrupt inside one rank's experts (or every rank's): that rank raises it, the
+    others EpPeerError, and the next step is correct on every rank."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    bad = which == "all" or dep.rank == 0
+    used = FailingExperts(experts, KeyboardInterrupt()) if bad else experts
+    failures: list[str] = []
+    with build(dep) as routed:
+        step = Step(dep, layer, 9)
+        expected = KeyboardInterrupt if bad else EpPeerError
+        expect_raises(failures, "interrupt", expected, None, lambda: step.run(routed, used))
+        good_step(dep, routed, layer, experts, 10, "after the interrupt", failures)
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("which", ["one", "all"])
+def test_experts_none_and_int_eps(dep, layer, which):
+    """experts=None is a TypeError on its rank (EpPeerError on the others), never an
+    AttributeError or a hang; eps=1 (an int) is accepted."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    bad = which == "all" or dep.rank == dep.size - 1
+    failures: list[str] = []
+    with build(dep) as routed:
+        step = Step(dep, layer, 11)
+        expected, match = (TypeError, "experts is NoneType") if bad else (EpPeerError, None)
+        expect_raises(failures, "experts=None", expected, match,
+                      lambda: step.run(routed, None if bad else experts))  # fmt: skip
+        step = Step(dep, layer, 12)
+        try:
+            out = step.run(routed, experts, eps=1)
+            ref = step.reference(eps=1.0)
+            failures += compare(out, ref, "eps=1")
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"eps=1: {type(err).__name__}: {err}")
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("scale", [1e18, 1e30])
+def test_huge_routing_weights_stay_finite(dep, layer, scale):
+    """Routing weights of 1e18 and 1e30 make sums whose squares overflow fp32: the scaled norm
+    still gives the reference's finite rows."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    with build(dep) as routed:
+        step = Step(dep, layer, 13, weight_scale=scale)
+        out = step.run(routed, experts)
+        if not torch.isfinite(out.float()).all():
+            failures.append(f"weights x{scale:g}: non-finite output rows")
+        failures += compare(out, step.reference(), f"weights x{scale:g}")
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interrupted_exchange_needs_reset(dep, layer, monkeypatch):
+    """An exception inside the exchange itself (here: in the barrier of one rank) leaves the
+    object refusing calls with a message saying to reset(); after reset() on every rank the next
+    step is correct."""
+    import dep_ep.comm.host_transport as host_transport
+
+    barrier = host_transport.bounded_barrier
+    experts = make_experts(layer, dep.rank, dep.size)
+
+    def interrupted(group, rank, phase, timeout_s):
+        barrier(group, rank, phase, timeout_s)  # every rank passes: only this rank is cut short
+        if rank == 0 and phase == "dispatch":
+            raise KeyboardInterrupt
+
+    failures: list[str] = []
+    with build(dep) as routed:
+        step = Step(dep, layer, 14)
+        monkeypatch.setattr(host_transport, "bounded_barrier", interrupted)
+        if dep.rank == 0:
+            expect_raises(failures, "interrupted", KeyboardInterrupt, None,
+                          lambda: routed.dispatch(step.latent, step.ids, step.weights))  # fmt: skip
+            expect_raises(failures, "refused", RuntimeError, "reset\\(\\) on every rank",
+                          lambda: step.run(routed, experts))  # fmt: skip
+        else:
+            routed.dispatch(step.latent, step.ids, step.weights)
+        monkeypatch.setattr(host_transport, "bounded_barrier", barrier)
+        routed.reset()
+        good_step(dep, routed, layer, experts, 15, "after reset", failures)
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_input_fails_every_rank_fast(dep, layer):
+    """One rank's bad input raises on every rank within a second (no timeout is waited out)."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    with build(dep, config=EpConfig(timeout_s=20.0)) as routed:
+        step = Step(dep, layer, 16)
+        bad = dep.rank == 0
+        latent = step.latent.float() if bad else step.latent
+        start = time.monotonic()
+        expect_raises(failures, "bad latent", TypeError if bad else EpPeerError, None,
+                      lambda: routed(latent, step.ids, step.weights, layer.norm_weight(),
+                                     experts=experts))  # fmt: skip
+        took = time.monotonic() - start
+        if took > 1.0:
+            failures.append(f"the error took {took:.2f} s")
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
