@@ -10,7 +10,7 @@ Subpackages, imported one way (each may import those before it and the leaf modu
 
 from dep_ep.comm import EpPeerError, EpTimeoutError
 from dep_ep.config import K3, PRESETS, TINY, EpConfig, MoeGeometry
-from dep_ep.ep import EpRouted, ReceiveRows
+from dep_ep.ep import EpMoeLayer, EpRouted, ReceiveRows
 from dep_ep.experts import DenseExperts, ExpertsBackend, ReferenceExperts, TrtllmExperts
 from dep_ep.launch import DepGroup, RankContext, init_rank_context, new_dep_group, teardown
 from dep_ep.version import __version__
@@ -22,6 +22,7 @@ __all__ = [
     "DenseExperts",
     "DepGroup",
     "EpConfig",
+    "EpMoeLayer",
     "EpPeerError",
     "EpRouted",
     "EpTimeoutError",

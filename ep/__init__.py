@@ -1,6 +1,7 @@
 """The EP facade (EpRouted), geometry presets, the router, and the all-gather reference."""
 
 from dep_ep.ep.allgather_reference import allgather_reference
+from dep_ep.ep.layer import EpMoeLayer
 from dep_ep.ep.routed import EpRouted, ReceiveRows
 from dep_ep.ep.router import route
 from dep_ep.ep.synthetic import SyntheticLayer
@@ -11,6 +12,7 @@ __all__ = [
     "K3",
     "PRESETS",
     "TINY",
+    "EpMoeLayer",
     "EpRouted",
     "MoeGeometry",
     "ReceiveRows",

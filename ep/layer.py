@@ -1,0 +1,392 @@
+"""EpMoeLayer: one Kimi K3 MoE layer of one DEP rank: the router, the latent projections and the
+shared experts around the routed path (EpRouted). Formula: docs/formats.md ("The block's forward
+order"); schedule and memory: docs/layer.md."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from dep_ep.checks import check_eps, check_tokens
+from dep_ep.ep.routed import EpRouted
+from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.situ import situ
+
+# Checkpoint names of the dense tensors after the layer prefix (experts/checkpoint.py,
+# `dense_shapes`; docs/formats.md).
+GATE = "gate.weight"
+BIAS = "gate.e_score_correction_bias"
+DOWN = "routed_expert_down_proj.weight"
+NORM = "routed_expert_norm.weight"
+UP = "routed_expert_up_proj.weight"
+SHARED_GATE = "shared_experts.gate_proj.weight"
+SHARED_UP = "shared_experts.up_proj.weight"
+SHARED_DOWN = "shared_experts.down_proj.weight"
+DENSE_NAMES = (GATE, BIAS, DOWN, NORM, UP, SHARED_GATE, SHARED_UP, SHARED_DOWN)
+
+SCHEDULES = ("overlap", "serial")
+
+# torch.mm(..., out_dtype=) (BF16 inputs, fp32 output) exists on CUDA from torch 2.8.
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _mode(values: list[int]) -> int | None:
+    """The most frequent value (the first of equally frequent ones), None for no values."""
+    return max(values, key=values.count) if values else None
+
+
+def _packed_in_place(parts: list[torch.Tensor], width: int) -> torch.Tensor | None:
+    """A [sum of rows, width] view over `parts` when they are contiguous, consecutive slices of one
+    storage in this order (another layer's `dense` views, for instance); else None."""
+    first = parts[0]
+    base = first.untyped_storage().data_ptr()
+    offset, rows = first.storage_offset(), 0
+    for p in parts:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != base:
+            return None
+        if p.storage_offset() != offset + rows * width:
+            return None
+        rows += p.shape[0]
+    if (offset + rows * width) * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((rows, width), (width, 1), offset)
+
+
+class EpMoeLayer:
+    """One MoE layer of one DEP rank: x bf16 [n, H] -> bf16 [n, H] (docs/formats.md):
+
+        ids, w  = top-K router on x (fp32 logits, sigmoid scores, bias for selection only,
+                  weights renormalised w / (sum + 1e-20), times routed_scaling_factor)
+        latent  = BF16(x @ routed_expert_down_proj^T)                      [n, L]
+        normed  = EpRouted.routed(latent, ids, w, routed_expert_norm)      [n, L] (RMSNorm, eps)
+        shared  = BF16(BF16(SiTU(BF16(x @ gate_s^T), BF16(x @ up_s^T))) @ down_s^T)   [n, H]
+        out     = BF16(normed @ routed_expert_up_proj^T + shared)          (one addmm, fp32 sum)
+
+    dense: the layer's dense tensors by checkpoint name after the layer prefix, as
+      `experts.checkpoint.load_moe_layer(...).dense` returns them: gate.weight bf16 [E, H],
+      gate.e_score_correction_bias fp32 [E], routed_expert_down_proj.weight bf16 [L, H],
+      routed_expert_norm.weight bf16 [L], routed_expert_up_proj.weight bf16 [H, L],
+      shared_experts.{gate,up}_proj.weight bf16 [S, H], shared_experts.down_proj.weight bf16
+      [H, S], all on routed's device. E, L come from `routed`; H and S from the tensors (the value
+      most of them agree on). Names beyond these are ignored.
+    routed: the rank's EpRouted; experts: the ExpertsBackend of the rank's experts (matching
+      routed); topk: K, equal to routed.topk; eps: the latent RMSNorm's eps (finite, > 0);
+      routed_scaling_factor: multiplies the routing weights (finite, > 0; 1.0 for K3).
+    schedule: "overlap" (on CUDA: the router and the shared experts on a side stream beside the
+      projections and the routed path; docs/layer.md) or "serial" (everything on the current
+      stream, in the formula's order). Both run the same GEMMs on the same data, so their results
+      are the same bits; on CPU both run the serial order.
+
+    Memory: the shared gate and up projections and the latent down projection are copied once,
+    at construction, into one packed weight `packed` bf16 [2S + L, H] (rows: shared gate, shared
+    up, latent down; one GEMM computes all three). `dense` holds views of it under their names,
+    and the layer keeps no reference to the caller's three tensors: dropping the caller's dict
+    frees them. When the three already are consecutive slices of one storage in that order (as
+    another EpMoeLayer's `dense` is), they are used in place, without a copy. The other five
+    tensors are kept as given.
+
+    Errors: construction raises ValueError (missing names, shapes, devices, values) or TypeError
+    (types, dtypes) naming the tensor or argument. A call is collective like EpRouted.routed:
+    every rank calls with the same `tokens`; a rank whose input is bad raises ValueError or
+    TypeError and every other rank EpPeerError (CPU: in the same call; CUDA: at its next call),
+    and the layer stays usable.
+    """
+
+    def __init__(
+        self,
+        dense: Mapping[str, torch.Tensor],
+        routed: EpRouted,
+        experts: ExpertsBackend,
+        *,
+        topk: int,
+        eps: float = 1e-5,
+        routed_scaling_factor: float = 1.0,
+        schedule: str = "overlap",
+    ) -> None:
+        fn = "EpMoeLayer"
+        if not isinstance(routed, EpRouted):
+            raise TypeError(f"{fn}: routed is {type(routed).__name__}; expected an EpRouted")
+        self._check_experts(fn, routed, experts)
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk != routed.topk:
+            raise ValueError(f"{fn}: topk={topk!r}; the EpRouted was built for topk={routed.topk}")
+        factor = routed_scaling_factor
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not (math.isfinite(factor) and factor > 0)
+        ):
+            raise ValueError(
+                f"{fn}: routed_scaling_factor={factor!r}; expected a finite number > 0"
+            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"{fn}: schedule={schedule!r}; allowed {SCHEDULES}")
+        self.routed, self.experts, self.topk = routed, experts, topk
+        self.eps = check_eps(fn, eps)
+        self.routed_scaling_factor = float(factor)
+        self.schedule = schedule
+        self.device = routed.device
+        self.num_experts, self.latent = routed.num_experts, routed.latent
+        self.hidden, self.shared_intermediate = self._check_dense(fn, dense)
+
+        S, L = self.shared_intermediate, self.latent
+        parts = [dense[SHARED_GATE], dense[SHARED_UP], dense[DOWN]]
+        packed = _packed_in_place(parts, self.hidden)
+        if packed is None:
+            packed = torch.empty(2 * S + L, self.hidden, dtype=torch.bfloat16, device=self.device)
+            for rows, part in zip((slice(0, S), slice(S, 2 * S), slice(2 * S, None)), parts):
+                packed[rows].copy_(part)
+        # bf16 [2S + L, H]: rows [shared gate (S); shared up (S); latent down (L)].
+        self.packed = packed
+        self.dense = {name: dense[name] for name in DENSE_NAMES}
+        self.dense.update({SHARED_GATE: packed[:S], SHARED_UP: packed[S : 2 * S],
+                           DOWN: packed[2 * S :]})  # fmt: skip
+        self.gate_weight, self.bias = self.dense[GATE], self.dense[BIAS]
+        self.norm_weight, self.up_weight = self.dense[NORM], self.dense[UP]
+        self.shared_down = self.dense[SHARED_DOWN]
+        # The side stream of the overlapped schedule (CUDA only); one per layer.
+        self._side = None
+        if self.device.type == "cuda" and schedule == "overlap":
+            self._side = torch.cuda.Stream(device=self.device)
+
+    # ----------------------------------------------------------------------------- validation
+    @staticmethod
+    def _check_experts(fn: str, routed: EpRouted, experts: object) -> None:
+        if not isinstance(experts, ExpertsBackend):
+            raise TypeError(
+                f"{fn}: experts is {type(experts).__name__}; expected an ExpertsBackend"
+            )
+        mine = (routed.first_expert, routed.experts_per_rank, routed.latent)
+        theirs = (experts.first_expert, experts.num_local_experts, experts.latent)
+        if theirs != mine:
+            raise ValueError(
+                f"{fn}: experts hold first_expert={theirs[0]}, {theirs[1]} experts, latent"
+                f" {theirs[2]}; the EpRouted of rank {routed.rank} expects first_expert={mine[0]},"
+                f" {mine[1]} experts, latent {mine[2]}"
+            )
+
+    def _check_dense(self, fn: str, dense: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """Check every dense tensor; returns (H, S)."""
+        if not isinstance(dense, Mapping):
+            raise TypeError(f"{fn}: dense is {type(dense).__name__}; expected a dict of tensors")
+        missing = [name for name in DENSE_NAMES if name not in dense]
+        if missing:
+            raise ValueError(
+                f"{fn}: dense lacks {', '.join(missing)} (it needs {', '.join(DENSE_NAMES)})"
+            )
+        for name in DENSE_NAMES:
+            if not isinstance(dense[name], torch.Tensor):
+                raise TypeError(
+                    f"{fn}: dense[{name!r}] is {type(dense[name]).__name__}; expected a tensor"
+                )
+        shape = {name: tuple(dense[name].shape) for name in DENSE_NAMES}
+
+        def dim(name: str, axis: int) -> list[int]:
+            return [shape[name][axis]] if len(shape[name]) == 2 else []
+
+        # H and S: the value most tensors agree on, so the one misshapen tensor is named.
+        hidden = _mode(dim(GATE, 1) + dim(DOWN, 1) + dim(UP, 0) + dim(SHARED_GATE, 1)
+                       + dim(SHARED_UP, 1) + dim(SHARED_DOWN, 0))  # fmt: skip
+        inter = _mode(dim(SHARED_GATE, 0) + dim(SHARED_UP, 0) + dim(SHARED_DOWN, 1))
+        E, L, H, S = self.num_experts, self.latent, hidden, inter
+        expected = {
+            GATE: (E, H), BIAS: (E,), DOWN: (L, H), NORM: (L,), UP: (H, L),
+            SHARED_GATE: (S, H), SHARED_UP: (S, H), SHARED_DOWN: (H, S),
+        }  # fmt: skip
+        sizes = f"E={E}, L={L} from routed; H={H}, S={S} from the other tensors"
+        for name in DENSE_NAMES:
+            t, want = dense[name], expected[name]
+            want_dtype = torch.float32 if name == BIAS else torch.bfloat16
+            if t.dtype != want_dtype:
+                raise TypeError(f"{fn}: dense[{name!r}] dtype {t.dtype}; expected {want_dtype}")
+            if shape[name] != want or 0 in want:
+                raise ValueError(
+                    f"{fn}: dense[{name!r}] shape {shape[name]}; expected {want} ({sizes})"
+                )
+            if t.device != self.device:
+                raise ValueError(
+                    f"{fn}: dense[{name!r}] on {t.device}; expected {self.device} (routed's)"
+                )
+        return H, S
+
+    def _check_call(self, fn: str, x: object, tokens: object) -> Exception | None:
+        """The error of a bad call, or None."""
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"{fn}: x is {type(x).__name__}; expected a torch.Tensor")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            return ValueError(f"{fn}: x shape {tuple(x.shape)}; expected (n, {self.hidden}) (n, H)")
+        if x.dtype != torch.bfloat16:
+            return TypeError(f"{fn}: x dtype {x.dtype}; expected torch.bfloat16")
+        if x.device != self.device:
+            return ValueError(f"{fn}: x on {x.device}; expected {self.device}")
+        rows = x.shape[0]
+        if tokens is None and rows == 0:
+            return ValueError(f"{fn}: x has 0 rows and tokens=None; pass tokens= (T >= 1)")
+        if tokens is not None:
+            try:
+                check_tokens(fn, tokens, self.routed.max_tokens)
+            except ValueError as err:
+                return err
+            if rows > tokens:
+                return ValueError(f"{fn}: x has {rows} rows, more than tokens={tokens}")
+        # EpRouted reads its inputs where that costs no host sync (check_values); so does the
+        # layer: a non-finite x would reach the router and give NaN routing weights.
+        if self.routed.check_values and rows and not bool(x.isfinite().all()):
+            row = int((~x.isfinite()).any(dim=1).nonzero()[0])
+            return ValueError(f"{fn}: x holds non-finite values (first in row {row})")
+        return None
+
+    def _reject(self, fn: str, error: BaseException, tag) -> None:
+        """Take part in the step as a rank that rejects its input, then raise `error`: a
+        dispatch that EpRouted refuses (tokens=0, outside 1..max_tokens) joins the step without
+        payload, and every peer raises EpPeerError (CPU: in this call; CUDA: at its next call).
+        Collective, like a call. A dispatch refused this way never leaves a step pending."""
+        on = dict(device=self.device)
+        latent = torch.empty(0, self.latent, dtype=torch.bfloat16, **on)
+        ids = torch.empty(0, self.topk, dtype=torch.int32, **on)
+        weights = torch.empty(0, self.topk, dtype=torch.float32, **on)
+        try:
+            self.routed.dispatch(latent, ids, weights, tokens=0, tag=tag)
+        except (ValueError, TypeError):  # the refusal itself (EpDesyncError etc. propagate)
+            raise error from None
+        raise RuntimeError(f"{fn}: EpRouted.dispatch accepted tokens=0")  # not reached
+
+    # ----------------------------------------------------------------------------- the parts
+    def front(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 [n, 2S + L] = x @ packed^T: the shared gate (columns 0..S-1) and up (S..2S-1)
+        projections and the latent (2S..2S+L-1), one BF16 GEMM with fp32 sums."""
+        return torch.mm(x, self.packed.t())
+
+    def latent_of(self, front: torch.Tensor) -> torch.Tensor:
+        """bf16 [n, L], contiguous (EpRouted takes row-major latents): the front GEMM's latent
+        columns (a copy of n * L * 2 bytes, none for n = 1)."""
+        return front[:, 2 * self.shared_intermediate :].contiguous()
+
+    def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids int32 [n, K], weights fp32 [n, K]) of bf16 x [n, H] (ep/router.py's formula,
+        times routed_scaling_factor)."""
+        ids = torch.empty(x.shape[0], self.topk, dtype=torch.int32, device=x.device)
+        weights = torch.empty(x.shape[0], self.topk, dtype=torch.float32, device=x.device)
+        self._route_into(x, ids, weights)
+        return ids, weights
+
+    def _route_into(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        # fp32 logits: BF16 products are exact in fp32, so a BF16 GEMM with fp32 output (CUDA,
+        # no widened copy of the gate) and an fp32 GEMM differ only in the order of the sums.
+        if x.is_cuda and _MM_OUT_DTYPE:
+            logits = torch.mm(x, self.gate_weight.t(), out_dtype=torch.float32)
+        else:
+            logits = x.float() @ self.gate_weight.float().t()
+        scores = logits.sigmoid_()
+        chosen = torch.topk(scores + self.bias, self.topk, dim=-1).indices
+        picked = scores.gather(1, chosen)
+        torch.div(picked, picked.sum(dim=-1, keepdim=True) + 1e-20, out=weights)
+        if self.routed_scaling_factor != 1.0:
+            weights.mul_(self.routed_scaling_factor)
+        ids.copy_(chosen)
+
+    def shared(self, front: torch.Tensor) -> torch.Tensor:
+        """bf16 [n, H]: the shared experts on the front GEMM's gate and up columns."""
+        out = torch.empty(front.shape[0], self.hidden, dtype=torch.bfloat16, device=front.device)
+        self._shared_into(front, out)
+        return out
+
+    def _shared_into(self, front: torch.Tensor, out: torch.Tensor) -> None:
+        S = self.shared_intermediate
+        act = situ(front[:, :S].float(), front[:, S : 2 * S].float()).to(torch.bfloat16)
+        torch.mm(act, self.shared_down.t(), out=out)
+
+    def routed_path(
+        self,
+        latent: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        tokens: int | None = None,
+        tag: int | None = None,
+    ) -> torch.Tensor:
+        """bf16 [n, L]: EpRouted.routed with this layer's experts, norm weight and eps.
+        Collective."""
+        return self.routed.routed(latent, ids, weights, self.norm_weight, experts=self.experts,
+                                  eps=self.eps, tokens=tokens, tag=tag)  # fmt: skip
+
+    def up(self, normed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """shared += normed @ routed_expert_up_proj^T, in place, one addmm (fp32 sum of the
+        product and `shared`, one rounding to BF16); returns `shared`, bf16 [n, H]."""
+        return shared.addmm_(normed, self.up_weight.t())
+
+    # ----------------------------------------------------------------------------- the call
+    def forward(
+        self, x: torch.Tensor, *, tokens: int | None = None, tag: int | None = None
+    ) -> torch.Tensor:
+        """x bf16 [n, H] (0 <= n <= tokens) -> bf16 [n, H]. tokens: T, the step's token count,
+        the same on every rank (None: n; n = 0 needs tokens >= 1); tag: as EpRouted.dispatch.
+        Collective over routed's group. On CUDA stream-ordered (no host sync unless the EpRouted
+        reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
+        fn = "EpMoeLayer.forward"
+        error = self._check_call(fn, x, tokens)
+        if error is not None:
+            self._reject(fn, error, tag)
+        if self._side is None:
+            return self._forward_serial(fn, x, tokens, tag)
+        return self._forward_overlap(fn, x, tokens, tag)
+
+    __call__ = forward
+
+    def _forward_serial(self, fn, x, tokens, tag) -> torch.Tensor:
+        n, on = x.shape[0], dict(device=self.device)
+        ids = torch.empty(n, self.topk, dtype=torch.int32, **on)
+        weights = torch.empty(n, self.topk, dtype=torch.float32, **on)
+        shared = torch.empty(n, self.hidden, dtype=torch.bfloat16, **on)
+        try:
+            front = self.front(x)
+            self._route_into(x, ids, weights)
+            self._shared_into(front, shared)
+            latent = self.latent_of(front)
+        except BaseException as err:  # every rank must still complete the step
+            self._reject(fn, err, tag)
+        normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
+        return self.up(normed, shared)
+
+    def _forward_overlap(self, fn, x, tokens, tag) -> torch.Tensor:
+        """The serial order's operations on two streams:
+
+            main: front GEMM ------------> latent copy, wait router -> routed path -> wait side, up
+            side: wait main, router  ->  wait front GEMM, shared SiTU, shared down
+
+        Lifetimes without record_stream: the tensors the side stream writes and the main stream
+        reads (ids, weights, shared) are allocated on the main stream before the side stream
+        waits for it, so they belong to the main stream's pool and the side stream writes after
+        every earlier main-stream use of their memory. The side stream's temporaries stay on the
+        side stream. The tensors the side stream reads (x, the front GEMM's output) stay
+        referenced until the main stream has waited for the side stream, before this returns
+        (on error too), so no later main-stream allocation can reuse them while they are read.
+        """
+        main = torch.cuda.current_stream(self.device)
+        side = self._side
+        n, on = x.shape[0], dict(device=self.device)
+        ids = torch.empty(n, self.topk, dtype=torch.int32, **on)
+        weights = torch.empty(n, self.topk, dtype=torch.float32, **on)
+        shared = torch.empty(n, self.hidden, dtype=torch.bfloat16, **on)
+        routed_ready, front_ready = torch.cuda.Event(), torch.cuda.Event()
+        side.wait_stream(main)
+        try:
+            with torch.cuda.stream(side):
+                self._route_into(x, ids, weights)
+                routed_ready.record(side)
+            front = self.front(x)
+            front_ready.record(main)
+            side.wait_event(front_ready)
+            with torch.cuda.stream(side):
+                self._shared_into(front, shared)
+            latent = self.latent_of(front)
+            main.wait_event(routed_ready)
+        except BaseException as err:  # every rank must still complete the step
+            main.wait_stream(side)
+            self._reject(fn, err, tag)
+        try:
+            normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
+        finally:
+            main.wait_stream(side)
+        return self.up(normed, shared)

@@ -1,0 +1,466 @@
+"""EpMoeLayer on 2-4 CPU ranks against a float64 reference of the K3 formula (docs/formats.md),
+written here without the layer's code; the un-normed combine bitwise; expert counts; the
+workspace size; a layer loaded from a checkpoint in the K3 naming; bad inputs on every rank.
+
+Error model of the comparison with the reference (docs/layer.md restates it)
+---------------------------------------------------------------------------
+The reference computes in float64 from the same BF16 inputs and weights. It reproduces two
+roundings of the layer exactly: the latent's BF16 (the down projection's output; the reference
+rounds its float64 product once) and the latent's MXFP8 (ep/allgather_reference.py). The layer
+differs from it by these roundings to BF16 (relative rms of each: helpers.tolerance.BF16 =
+1.66e-3, from the unit roundoff u = 2^-8):
+- routed part r = up(normed): the routed path's six (helpers.tolerance.ROUTED_ROUNDINGS: SiTU
+  activation, expert output, rank partial, rank sum, and the norm's two), rms e_r = 4.06e-3; the
+  up projection's output is not rounded on its own (it is summed into the shared output in fp32
+  by one addmm);
+- shared part s: the front GEMM's gate and up outputs g and u (each rounding enters through
+  SiTU with the gain below), the activation, the down projection's output:
+  e_s^2 = BF16^2 * (gain_g^2 + gain_u^2 + 2);
+- the output: one rounding of r + s, BF16.
+SiTU gains: a relative error d of g changes SiTU(g, u) = f(g) h(u) by f'(g) g h(u) d, so the
+relative L2 gain is gain_g^2 = sum (f'(g) g h(u))^2 / sum (f(g) h(u))^2, and likewise for u;
+the test evaluates them on the reference's own g and u (about 1.1 and 1.0 for N(0, 1) inputs).
+The projections keep relative L2 errors in expectation (random weights), and independent errors
+add in quadrature, so the expected relative L2 error of the output is
+    e^2 = (|r|^2 e_r^2 + |s|^2 e_s^2) / |r + s|^2 + BF16^2,
+with |r|, |s|, |r + s| the reference's norms over the rank's rows. The bound is
+helpers.tolerance.SAFETY (2) times e: about 8e-3 when |r| ~ |s|.
+Neglected: fp32 sums and fp32 transcendental functions (below 1e-5 relative); the router's fp32
+logits (the inputs are redrawn where the float64 top-K margin is below ROUTER_MARGIN, so both
+choose the same experts); an fp32-accumulated latent element that rounds to the other BF16
+neighbour than the float64 one (probability ~1e-4 per element, then at most one e4m3 step of
+that element or one changed block scale: below 3e-3 relative L2 of a rank's rows, added in
+quadrature).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dep_ep.comm.errors import EpPeerError
+from dep_ep.config import MoeGeometry
+from dep_ep.ep import TINY, EpMoeLayer, EpRouted, SyntheticLayer
+from dep_ep.ep.allgather_reference import expert_sums
+from dep_ep.experts import ReferenceExperts
+from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
+
+from helpers.cases import agreed_seed, make_case, real_tokens
+from helpers.collective import collective_assert, expect_raises
+from helpers.reference_check import make_experts
+from helpers.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
+
+MAX_TOKENS = 12
+EPS = 1e-5
+# Smallest float64 gap between the K-th and (K+1)-th of scores + bias that the test accepts: the
+# layer's fp32 logits differ from float64 by ~1e-6 at H = 7168, so both pick the same experts.
+ROUTER_MARGIN = 1e-4
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # docs/formats.md
+ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
+
+GATE, BIAS = "gate.weight", "gate.e_score_correction_bias"
+DOWN, NORM, UP = (
+    "routed_expert_down_proj.weight",
+    "routed_expert_norm.weight",
+    ("routed_expert_up_proj.weight"),
+)
+SHARED_GATE, SHARED_UP = "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"
+SHARED_DOWN = "shared_experts.down_proj.weight"
+
+
+# ---------------------------------------------------------------------------------- inputs
+def make_dense(geometry: MoeGeometry, seed: int) -> dict[str, torch.Tensor]:
+    """The layer's dense tensors (CPU), seeded: projections with rms 1/sqrt(fan_in) (outputs of
+    the size of their inputs), the norm weight around 1, a small selection bias."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in dense_shapes(geometry).items():
+        w = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if name == NORM:
+            w = 1 + 0.1 * w
+        elif name == BIAS:
+            w = 0.01 * w
+        else:
+            w = w / math.sqrt(shape[1])
+        out[name] = w.to(dtype)
+    return out
+
+
+def reference_router(x: torch.Tensor, dense: dict, topk: int, factor: float = 1.0):
+    """float64: (ids int64 [n, K], weights [n, K], margin [n]) of bf16 x [n, H]; margin = the
+    K-th minus the (K+1)-th largest of scores + bias."""
+    scores = torch.sigmoid(x.double() @ dense[GATE].double().T)
+    chosen = (scores + dense[BIAS].double()).topk(min(topk + 1, scores.shape[1]), dim=-1)
+    ids = chosen.indices[:, :topk]
+    margin = (
+        chosen.values[:, topk - 1] - chosen.values[:, -1]
+        if topk < scores.shape[1]
+        else (torch.full((x.shape[0],), math.inf, dtype=torch.float64))
+    )
+    w = scores.gather(1, ids)
+    return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * factor, margin
+
+
+def draw_hidden(geometry: MoeGeometry, dense: dict, counts: list[int], seed: int):
+    """Every rank's x (bf16 [counts[r], H], CPU, N(0, 1)) from one generator; rows whose float64
+    top-K margin is below ROUTER_MARGIN are redrawn."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = []
+    for n in counts:
+        x = torch.randn(n, geometry.hidden, generator=gen).to(torch.bfloat16)
+        for _ in range(100):
+            close = reference_router(x, dense, geometry.topk)[2] < ROUTER_MARGIN
+            if not close.any():
+                break
+            fresh = torch.randn(int(close.sum()), geometry.hidden, generator=gen)
+            x[close] = fresh.to(torch.bfloat16)
+        xs.append(x)
+    return xs
+
+
+def unequal_counts(tokens: int, num_ranks: int) -> list[int]:
+    """Real rows per rank: T on rank 0, fewer on the next ones, none on the last."""
+    counts = [max(tokens - (r * tokens) // num_ranks - r, 1) for r in range(num_ranks)]
+    counts[0], counts[-1] = tokens, 0
+    return counts
+
+
+# ---------------------------------------------------------------------------------- reference
+@dataclass
+class Reference:
+    out: torch.Tensor  # float64 [n, H]
+    routed: torch.Tensor  # float64 [n, H]: up(RMSNorm(routed sum))
+    shared: torch.Tensor  # float64 [n, H]
+    ids: torch.Tensor  # int64 [n, K]
+    gain_g: float  # SiTU's relative L2 gains (module docstring)
+    gain_u: float
+
+
+def situ64(g: torch.Tensor, u: torch.Tensor):
+    """float64 SiTU(g, u) and its relative-error gains (module docstring)."""
+    b, lb = SITU_BETA, SITU_LINEAR_BETA
+    sig, tg, tu = torch.sigmoid(g), torch.tanh(g / b), torch.tanh(u / lb)
+    f, h = b * tg * sig, lb * tu
+    df = (1 - tg * tg) * sig + b * tg * sig * (1 - sig)
+    dh = 1 - tu * tu
+    act = f * h
+    norm = act.square().sum().clamp(min=1e-300)
+    gain_g = float(((df * g * h).square().sum() / norm).sqrt())
+    gain_u = float(((f * dh * u).square().sum() / norm).sqrt())
+    return act, gain_g, gain_u
+
+
+def layer_reference(
+    x: torch.Tensor, dense: dict, expert_weights, topk: int, *, eps=EPS, factor=1.0
+) -> Reference:
+    """The K3 layer in float64 on bf16 x [n, H] (CPU). expert_weights(e) -> (w13, s13, w2, s2)."""
+    d = {name: t.double() for name, t in dense.items()}
+    x64 = x.double()
+    ids, weights, _ = reference_router(x, dense, topk, factor)
+    # The down projection's one rounding to BF16, as the layer's GEMM output; MXFP8 follows.
+    latent = (x64 @ d[DOWN].T).to(torch.bfloat16)
+    if x.shape[0]:
+        sums = expert_sums(latent, ids, weights, expert_weights)
+    else:
+        sums = torch.zeros(0, latent.shape[1], dtype=torch.float64)
+    normed = sums / torch.sqrt(sums.square().mean(dim=-1, keepdim=True) + eps) * d[NORM]
+    routed = normed @ d[UP].T
+    act, gain_g, gain_u = situ64(x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T)
+    shared = act @ d[SHARED_DOWN].T
+    return Reference(routed + shared, routed, shared, ids, gain_g, gain_u)
+
+
+def layer_tolerance(ref: Reference) -> float:
+    """SAFETY times the expected relative L2 error of the rank's output (module docstring)."""
+    e_shared2 = BF16**2 * (ref.gain_g**2 + ref.gain_u**2 + 2)
+    r2, s2 = ref.routed.square().sum(), ref.shared.square().sum()
+    out2 = ref.out.square().sum().clamp(min=1e-300)
+    return SAFETY * math.sqrt(float((r2 * ROUTED_REL**2 + s2 * e_shared2) / out2) + BF16**2)
+
+
+def compare_layer(out: torch.Tensor, ref: Reference, label: str) -> tuple[list[str], float]:
+    """(failures, relative L2) of the layer's bf16 output against the reference."""
+    want_shape = tuple(ref.out.shape)
+    if tuple(out.shape) != want_shape or out.dtype != torch.bfloat16:
+        return [f"{label}: output {out.dtype} {tuple(out.shape)}; expected bf16 {want_shape}"], 0.0
+    if ref.out.numel() == 0:
+        return [], 0.0
+    got = out.cpu().double()
+    if not got.isfinite().all():
+        return [f"{label}: non-finite output"], math.inf
+    rel = float((got - ref.out).norm() / ref.out.norm().clamp(min=1e-300))
+    bound = layer_tolerance(ref)
+    return ([] if rel <= bound else [f"{label}: rel L2 {rel:.3e} > bound {bound:.3e}"]), rel
+
+
+# ---------------------------------------------------------------------------------- fixtures
+@dataclass
+class Rank:
+    dep: object
+    routed: EpRouted
+    synthetic: SyntheticLayer
+    experts: ReferenceExperts
+    seed: int  # of the synthetic experts
+
+
+@pytest.fixture(scope="module")
+def rank(dep):
+    seed = agreed_seed(dep.cpu_group, 300)
+    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
+                      latent=TINY.latent, topk=TINY.topk)  # fmt: skip
+    synthetic = SyntheticLayer(TINY, seed)
+    yield Rank(dep, routed, synthetic, make_experts(synthetic, dep.rank, dep.size), seed)
+    routed.close()
+
+
+def good_call(rank: Rank, layer: EpMoeLayer, dense: dict, seed: int, label: str) -> list[str]:
+    """One call with fresh unequal rows (one rank idle) checked against the reference."""
+    counts = unequal_counts(7, rank.dep.size)
+    x = draw_hidden(TINY, dense, counts, seed)[rank.dep.rank]
+    out = layer(x, tokens=max(counts))
+    ref = layer_reference(x, dense, rank.synthetic.expert, TINY.topk)
+    return compare_layer(out, ref, label)[0]
+
+
+# ---------------------------------------------------------------------------------- tests
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("tokens,factor", [(MAX_TOKENS, 1.0), (5, 2.5), (1, 1.0)])
+def test_layer_matches_reference(dep, rank, tokens, factor):
+    """Unequal rows per rank (the last rank none) padded to T = the most rows; both schedules
+    give the same bits (on CPU both run the serial order); the second layer is built from the
+    first one's dense views and shares its packed weight."""
+    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 1),
+             "x": agreed_seed(dep.cpu_group, 2)}  # fmt: skip
+    dense = make_dense(TINY, seeds["dense"])
+    counts = unequal_counts(tokens, dep.size)
+    x = draw_hidden(TINY, dense, counts, seeds["x"])[dep.rank]
+    overlap = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk,
+                         routed_scaling_factor=factor)  # fmt: skip
+    serial = EpMoeLayer(overlap.dense, rank.routed, rank.experts, topk=TINY.topk,
+                        routed_scaling_factor=factor, schedule="serial")  # fmt: skip
+    out = overlap(x, tokens=tokens)
+    again = serial(x, tokens=tokens)
+    ref = layer_reference(x, dense, rank.synthetic.expert, TINY.topk, factor=factor)
+    failures, rel = compare_layer(out, ref, f"T={tokens} n={counts[dep.rank]} factor={factor}")
+    if not torch.equal(out.view(torch.int16), again.view(torch.int16)):
+        failures.append("schedule='serial' gave other bits than schedule='overlap'")
+    if serial.packed.data_ptr() != overlap.packed.data_ptr():
+        failures.append("a layer built from another layer's dense copied the packed weight")
+    print(f"rank {dep.rank}: n={counts[dep.rank]} rel L2 {rel:.3e}"
+          f" bound {layer_tolerance(ref) if ref.out.numel() else 0:.3e}")  # fmt: skip
+    collective_assert(dep.cpu_group, failures, seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_packed_weight_holds_the_dense_views(dep, rank):
+    seed = agreed_seed(dep.cpu_group, 3)
+    dense = make_dense(TINY, seed)
+    layer = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
+    S, L, H = 2 * TINY.intermediate, TINY.latent, TINY.hidden
+    failures = []
+    if tuple(layer.packed.shape) != (2 * S + L, H):
+        failures.append(f"packed shape {tuple(layer.packed.shape)}; expected {(2 * S + L, H)}")
+    base = layer.packed.untyped_storage().data_ptr()
+    for name in (SHARED_GATE, SHARED_UP, DOWN):
+        view = layer.dense[name]
+        if view.untyped_storage().data_ptr() != base or not torch.equal(view, dense[name]):
+            failures.append(f"dense[{name!r}] is not an equal view of the packed weight")
+    for name in (GATE, BIAS, NORM, UP, SHARED_DOWN):
+        if layer.dense[name] is not dense[name]:
+            failures.append(f"dense[{name!r}] was copied")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unnormed_combine_bitwise(dep, rank):
+    """routed(..., norm_weight=None) with unequal real rows (tokens = T) equals BF16 of the fp32
+    sum, in rank order, of the expert sums the owning ranks left in their receive rows."""
+    n, r, tokens = dep.size, dep.rank, 9
+    seed = agreed_seed(dep.cpu_group, 4)
+    case = make_case(TINY, n, tokens, seed, "ragged")
+    real = real_tokens(tokens, n)[r]
+    before = rank.routed.receive(tokens)
+    before.out.fill_(float("nan"))
+    summed = rank.routed.routed(case.latent[r][:real], case.ids[r][:real],
+                                case.weights[r][:real], None, experts=rank.experts,
+                                tokens=tokens)  # fmt: skip
+    stride = rank.routed.prepare(tokens)
+    mine = rank.routed.receive(tokens).out.float()  # exact; gloo has no bf16
+    outs = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(outs, mine, group=dep.cpu_group)
+    per_rank = TINY.experts // n
+    want = torch.zeros(real, TINY.latent)
+    for d in range(n):  # rank order, fp32
+        owns = ((case.ids[r][:real].long() // per_rank) == d) & (case.ids[r][:real] >= 0)
+        hit = owns.any(dim=1)
+        rows = outs[d][r * stride : r * stride + real]
+        want[hit] += rows[hit]
+    want = want.to(torch.bfloat16)
+    failures = []
+    if tuple(summed.shape) != (real, TINY.latent):
+        failures.append(f"output shape {tuple(summed.shape)}; expected {(real, TINY.latent)}")
+    elif not torch.equal(summed.view(torch.int16), want.view(torch.int16)):
+        differ = int((summed.view(torch.int16) != want.view(torch.int16)).sum())
+        failures.append(f"un-normed combine differs from the rank-ordered sum in {differ} elements")
+    collective_assert(dep.cpu_group, failures, seeds={"experts": rank.seed, "case": seed})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_expert_counts_after_a_layer_call(dep, rank):
+    """expert_counts() after the layer's call = bincount of every rank's reference ids (every
+    rank draws every rank's rows), restricted to this rank's experts."""
+    seeds = {"dense": agreed_seed(dep.cpu_group, 5), "x": agreed_seed(dep.cpu_group, 6)}
+    dense = make_dense(TINY, seeds["dense"])
+    counts = unequal_counts(10, dep.size)
+    xs = draw_hidden(TINY, dense, counts, seeds["x"])
+    layer = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
+    layer(xs[dep.rank], tokens=max(counts))
+    got = rank.routed.expert_counts()
+    ids = torch.cat([reference_router(x, dense, TINY.topk)[0] for x in xs]).flatten()
+    first, local = rank.routed.first_expert, rank.routed.experts_per_rank
+    want = torch.bincount(ids, minlength=TINY.experts)[first : first + local].int()
+    failures = [] if torch.equal(got, want) else [f"counts {got.tolist()} != {want.tolist()}"]
+    collective_assert(dep.cpu_group, failures, seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
+    """workspace_bytes = the symmetric segment (EpLayout.total_bytes; its last region ends inside
+    it) + every tensor the EpRouted object holds (expert output rows, staged ids and weights)."""
+    routed = rank.routed
+    layout = routed.buffers.layout
+    held = sum(t.nbytes for t in vars(routed).values() if isinstance(t, torch.Tensor))
+    flags = routed.buffers.flags
+    segment_end = flags.data_ptr() + flags.nbytes - routed.buffers.base_address
+    want = EpRouted.workspace_bytes(dep.size, MAX_TOKENS, latent=TINY.latent, topk=TINY.topk)
+    failures = []
+    if want != layout.total_bytes + held:
+        failures.append(f"workspace_bytes {want} != segment {layout.total_bytes} + held {held}")
+    if not 0 < segment_end <= layout.total_bytes:
+        failures.append(f"the segment's views end at {segment_end} of {layout.total_bytes} bytes")
+    rows = routed.receive(MAX_TOKENS).out
+    if rows.nbytes != layout.max_rows * TINY.latent * 2:
+        failures.append(f"expert output rows hold {rows.nbytes} bytes at T = max_tokens")
+    collective_assert(dep.cpu_group, failures, seeds=None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_layer_from_k3_named_checkpoint(dep, rank, tmp_path):
+    """A TINY checkpoint in the K3 naming (each rank writes its own file): load_moe_layer's
+    experts and dense tensors make a layer that matches the reference of the written weights."""
+    layer_index, g = 5, TINY
+    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 7),
+             "x": agreed_seed(dep.cpu_group, 8)}  # fmt: skip
+    from safetensors.torch import save_file
+
+    dense, prefix, inter = make_dense(g, seeds["dense"]), layer_prefix(layer_index), g.intermediate
+    tensors = {prefix + name: t for name, t in dense.items()}
+    for e in range(g.experts):
+        w13, s13, w2, s2 = rank.synthetic.expert(e)
+        for w, rows in (("w1", slice(0, inter)), ("w3", slice(inter, None))):
+            tensors[f"{prefix}experts.{e}.{w}.weight_packed"] = w13[rows].contiguous()
+            tensors[f"{prefix}experts.{e}.{w}.weight_scale"] = s13[rows].contiguous()
+        tensors[f"{prefix}experts.{e}.w2.weight_packed"] = w2
+        tensors[f"{prefix}experts.{e}.w2.weight_scale"] = s2
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    first, local = rank.routed.first_expert, rank.routed.experts_per_rank
+    loaded = load_moe_layer(tmp_path, layer_index, g, first_expert=first, num_local_experts=local)
+    experts = ReferenceExperts(loaded.w13, loaded.s13, loaded.w2, loaded.s2, first_expert=first)
+    layer = EpMoeLayer(loaded.dense, rank.routed, experts, topk=g.topk)
+    counts = unequal_counts(MAX_TOKENS, dep.size)
+    x = draw_hidden(g, dense, counts, seeds["x"])[dep.rank]
+    out = layer(x, tokens=MAX_TOKENS)
+    ref = layer_reference(x, dense, rank.synthetic.expert, g.topk)
+    collective_assert(dep.cpu_group, compare_layer(out, ref, "from checkpoint")[0], seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_construction_names_the_tensor(dep, rank):
+    """Local errors, the same on every rank: ValueError (never KeyError) naming a missing tensor;
+    a misshapen tensor named with its shape and the expected one; dtype, device, topk, experts."""
+    seed = agreed_seed(dep.cpu_group, 9)
+    dense = make_dense(TINY, seed)
+    routed, experts, K = rank.routed, rank.experts, TINY.topk
+    failures: list[str] = []
+
+    def build(label, bad, error, match, **kw):
+        expect_raises(failures, label, error, match,
+                      lambda: EpMoeLayer(bad, routed, kw.get("experts", experts),
+                                         topk=kw.get("topk", K)))  # fmt: skip
+
+    missing = {k: v for k, v in dense.items() if k not in (SHARED_UP, NORM)}
+    build("missing", missing, ValueError, r"routed_expert_norm\.weight.*shared_experts\.up_proj")
+    S, H = 2 * TINY.intermediate, TINY.hidden
+    misshapen = {**dense, SHARED_UP: dense[SHARED_UP][:, :-1]}
+    build(
+        "misshapen",
+        misshapen,
+        ValueError,
+        rf"shared_experts\.up_proj\.weight.*\({S}, {H - 1}\).*expected \({S}, {H}\)",
+    )
+    short = {**dense, UP: dense[UP][:-2]}
+    build(
+        "misshapen up",
+        short,
+        ValueError,
+        rf"routed_expert_up_proj\.weight.*\({H - 2}, {TINY.latent}\).*\({H}, {TINY.latent}\)",
+    )
+    build(
+        "dtype",
+        {**dense, BIAS: dense[BIAS].bfloat16()},
+        TypeError,
+        r"gate\.e_score_correction_bias.*torch\.bfloat16.*expected torch\.float32",
+    )
+    build("device", {**dense, GATE: dense[GATE].to("meta")}, ValueError, r"gate\.weight.*meta")
+    build("not a tensor", {**dense, NORM: [1.0]}, TypeError, r"routed_expert_norm\.weight")
+    build("topk", dense, ValueError, rf"topk={K + 1}.*topk={K}", topk=K + 1)
+    other = make_experts(rank.synthetic, (dep.rank + 1) % dep.size, dep.size)
+    build("experts of another rank", dense, ValueError, "first_expert", experts=other)
+    for label, kw in (("eps", dict(eps=0.0)), ("factor", dict(routed_scaling_factor=math.nan)),
+                      ("schedule", dict(schedule="parallel"))):  # fmt: skip
+        expect_raises(failures, label, ValueError, label if label != "factor" else "routed_scal",
+                      lambda kw=kw: EpMoeLayer(dense, routed, experts, topk=K, **kw))  # fmt: skip
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
+    """n > tokens on one rank, tokens > max_tokens (on every rank, then on one), ranks that
+    disagree on tokens, a wrong dtype and non-finite x on one rank: every rank raises in the same
+    call (the bad rank its ValueError/TypeError, the others EpPeerError, or ValueError where every
+    rank sees the fault); after each, a good call matches the reference."""
+    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 10),
+             "x": agreed_seed(dep.cpu_group, 11)}  # fmt: skip
+    dense = make_dense(TINY, seeds["dense"])
+    layer = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
+    r, last, T = dep.rank, dep.size - 1, 6
+    x = draw_hidden(TINY, dense, [T + 1], seeds["x"])[0]
+    nan_x = x[:T].clone()
+    nan_x[2, 7] = float("nan")
+    cases = [
+        # (label, the bad rank or None for every rank, its call, its error, its message)
+        ("n > tokens", 0, lambda: layer(x, tokens=T), ValueError, f"{T + 1} rows.*tokens={T}"),
+        ("tokens > max_tokens everywhere", None, lambda: layer(x[:T], tokens=MAX_TOKENS + 1),
+         ValueError, f"tokens={MAX_TOKENS + 1} outside 1..{MAX_TOKENS}"),
+        ("tokens > max_tokens on one rank", last, lambda: layer(x[:T], tokens=MAX_TOKENS + 1),
+         ValueError, f"tokens={MAX_TOKENS + 1} outside 1..{MAX_TOKENS}"),
+        ("ranks disagree on tokens", None, lambda: layer(x[:T], tokens=T + r),
+         ValueError, "token counts"),
+        ("dtype", last, lambda: layer(x[:T].float(), tokens=T), TypeError, "float32"),
+        ("0 rows, tokens=None", 0, lambda: layer(x[:0]), ValueError, "0 rows and tokens=None"),
+        ("non-finite x", 0, lambda: layer(nan_x, tokens=T), ValueError, "non-finite.*row 2"),
+    ]  # fmt: skip
+    failures: list[str] = []
+    for step, (label, bad, call, error, match) in enumerate(cases):
+        if bad is None or bad == r:
+            expect_raises(failures, label, error, match, call)
+        else:
+            expect_raises(failures, f"{label} (peer)", EpPeerError, None,
+                          lambda: layer(x[:T], tokens=T))  # fmt: skip
+        seeds[f"good call {step}"] = agreed_seed(dep.cpu_group, 20 + step)
+        failures += good_call(rank, layer, dense, seeds[f"good call {step}"], f"after {label}")
+    collective_assert(dep.cpu_group, failures, seeds=seeds)
