@@ -63,11 +63,8 @@ SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # docs/formats.md
 ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
 
 GATE, BIAS = "gate.weight", "gate.e_score_correction_bias"
-DOWN, NORM, UP = (
-    "routed_expert_down_proj.weight",
-    "routed_expert_norm.weight",
-    ("routed_expert_up_proj.weight"),
-)
+DOWN, UP = "routed_expert_down_proj.weight", "routed_expert_up_proj.weight"
+NORM = "routed_expert_norm.weight"
 SHARED_GATE, SHARED_UP = "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"
 SHARED_DOWN = "shared_experts.down_proj.weight"
 
@@ -96,11 +93,9 @@ def reference_router(x: torch.Tensor, dense: dict, topk: int, factor: float = 1.
     scores = torch.sigmoid(x.double() @ dense[GATE].double().T)
     chosen = (scores + dense[BIAS].double()).topk(min(topk + 1, scores.shape[1]), dim=-1)
     ids = chosen.indices[:, :topk]
-    margin = (
-        chosen.values[:, topk - 1] - chosen.values[:, -1]
-        if topk < scores.shape[1]
-        else (torch.full((x.shape[0],), math.inf, dtype=torch.float64))
-    )
+    margin = torch.full((x.shape[0],), math.inf, dtype=torch.float64)  # K = E: no choice
+    if topk < scores.shape[1]:
+        margin = chosen.values[:, topk - 1] - chosen.values[:, topk]
     w = scores.gather(1, ids)
     return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * factor, margin
 
@@ -163,10 +158,9 @@ def layer_reference(
     ids, weights, _ = reference_router(x, dense, topk, factor)
     # The down projection's one rounding to BF16, as the layer's GEMM output; MXFP8 follows.
     latent = (x64 @ d[DOWN].T).to(torch.bfloat16)
-    if x.shape[0]:
+    sums = torch.zeros(0, latent.shape[1], dtype=torch.float64)
+    if x.shape[0]:  # expert_sums needs rows
         sums = expert_sums(latent, ids, weights, expert_weights)
-    else:
-        sums = torch.zeros(0, latent.shape[1], dtype=torch.float64)
     normed = sums / torch.sqrt(sums.square().mean(dim=-1, keepdim=True) + eps) * d[NORM]
     routed = normed @ d[UP].T
     act, gain_g, gain_u = situ64(x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T)
