@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/dep_layer.py            # CPU, tiny preset, 4 ranks
     mpiexec -n 3 python examples/dep_layer.py --steps 20
+    torchrun --nproc-per-node 2 examples/dep_layer.py --layer --steps 2   # the whole MoE layer
 
 Every step draws fresh hidden states, routes them (sigmoid top-K with the bias), gives each rank a
 random number of real tokens padded to the same T with rows of -1 ids, runs dispatch -> experts ->
@@ -9,6 +10,13 @@ combine (+ RMSNorm) through EpRouted, and compares every rank's output with the 
 reference. Rank 0 prints per-phase times (host wall clock with a device sync after each phase,
 max over ranks: not a benchmark; bench/bench_ep.py is) and the worst error. On GPU the path runs
 on NVSHMEM buffers and the CuTeDSL kernels. Exit status 1 if any step fails its check.
+
+--layer runs the whole MoE layer instead (EpMoeLayer: router, latent down projection, routed path,
+up projection, shared experts) on synthetic dense weights: each rank passes a random number of
+real tokens (0 included) with tokens=T, and every output is compared with a float64 evaluation of
+the formula (docs/formats.md) whose routed part is the all-gather reference. Its routing is the
+layer's own router part (the same function the call runs, so near-tied experts cannot make the
+two pick differently); tests/test_layer_mpi.py checks the router against a float64 one.
 """
 
 from __future__ import annotations
@@ -19,14 +27,18 @@ import time
 
 import torch
 import torch.distributed as dist
-from dep_ep.ep import PRESETS, EpRouted, SyntheticLayer, allgather_reference, route
-from dep_ep.experts import ReferenceExperts
+from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, SyntheticLayer, allgather_reference, route
+from dep_ep.experts import ReferenceExperts, situ
+from dep_ep.experts.checkpoint import dense_shapes
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
 from dep_ep.config import EpConfig
 
 # Tolerance of the check (bf16 output against the float64 reference; tests/test_routed_mpi.py).
 MAX_REL_L2 = 8e-3
+# Tolerance of --layer's check: the error model of tests/test_layer_mpi.py expects a relative L2
+# error of about 4.2e-3 for these weights (and bounds it by 2x that); 1e-2 here.
+MAX_LAYER_REL_L2 = 1e-2
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,6 +81,12 @@ def parse_args() -> argparse.Namespace:
         help="seconds any wait may take before EpTimeoutError",
     )
     p.add_argument("--no-check", action="store_true", help="skip the all-gather reference")
+    p.add_argument(
+        "--layer",
+        action="store_true",
+        help="run the whole MoE layer (EpMoeLayer) with synthetic dense weights; default: the"
+        " routed path alone",
+    )
     return p.parse_args()
 
 
@@ -81,6 +99,90 @@ def gpu_stack_present() -> bool:
     except ImportError:
         return False
     return True
+
+
+def synthetic_dense(geometry, layer: SyntheticLayer, seed: int, device) -> dict:
+    """The layer's dense tensors by checkpoint name: the synthetic router and norm weights, and
+    projections with rms 1/sqrt(fan_in) from a seeded generator."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate, bias = layer.router()
+    dense = {"gate.weight": gate, "gate.e_score_correction_bias": bias,
+             "routed_expert_norm.weight": layer.norm_weight()}  # fmt: skip
+    for name, (shape, dtype) in dense_shapes(geometry).items():
+        if name not in dense:
+            w = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
+            dense[name] = w.to(dtype)
+    return dense
+
+
+def layer_reference(group, moe: EpMoeLayer, layer: SyntheticLayer, x, tokens: int):
+    """float64 [n, H]: the formula on x (bf16 [n, H]) with the layer's routing; the routed part
+    from the all-gather reference on the rank's rows padded to T. Collective."""
+    d = {name: t.double() for name, t in moe.dense.items()}
+    n, L, K = x.shape[0], moe.latent, moe.topk
+    ids, weights = moe.router(x)
+    latent = torch.zeros(tokens, L, dtype=torch.bfloat16, device=x.device)
+    latent[:n] = (x.double() @ d["routed_expert_down_proj.weight"].T).to(torch.bfloat16)
+    padded_ids = torch.full((tokens, K), -1, dtype=torch.int32, device=x.device)
+    padded_ids[:n] = ids
+    padded_weights = torch.zeros(tokens, K, device=x.device)
+    padded_weights[:n] = weights
+    normed = allgather_reference(group, latent, padded_ids, padded_weights,
+                                 moe.norm_weight, layer.expert, eps=moe.eps)[:n]  # fmt: skip
+    x64 = x.double()
+    act = situ(x64 @ d["shared_experts.gate_proj.weight"].T,
+               x64 @ d["shared_experts.up_proj.weight"].T)  # fmt: skip
+    return (
+        normed @ d["routed_expert_up_proj.weight"].T + act @ d["shared_experts.down_proj.weight"].T
+    )
+
+
+def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
+    """--layer: the whole MoE layer for args.steps steps; returns the number of failed steps."""
+    dense = synthetic_dense(geometry, layer, args.seed, ctx.device)
+    moe = EpMoeLayer(dense, routed, experts, topk=geometry.topk)
+    gen = torch.Generator().manual_seed(args.seed * 7919 + ctx.rank + 1)
+    T = args.tokens
+    if ctx.rank == 0:
+        print(
+            f"dep_layer --layer: {ctx.world_size} rank(s), DEP groups of {dep.size}, preset"
+            f" {geometry.name}, T={T}, device {ctx.device}, {args.steps} steps"
+        )
+        print(f"{'step':>4} {'real tokens':>14} {'layer ms':>9} {'check ms':>8} {'rel L2 err':>10}"
+              "  result")  # fmt: skip
+    failed = 0
+    for step in range(args.steps):
+        real = int(torch.randint(0, T + 1, (1,), generator=gen))  # 0 real tokens happen
+        x = torch.randn(real, geometry.hidden, generator=gen).to(ctx.device, torch.bfloat16)
+        t0 = time.perf_counter()
+        out = moe(x, tokens=T)
+        routed.synchronize()
+        layer_s = time.perf_counter() - t0
+        error = 0.0
+        t0 = time.perf_counter()
+        if not args.no_check:
+            ref = layer_reference(dep.cpu_group, moe, layer, x, T)
+            if real:
+                diff = (out.double() - ref).norm() / ref.norm().clamp(min=1e-30)
+                error = float(diff) if out.isfinite().all() else float("inf")
+        check_s = time.perf_counter() - t0
+        stats = torch.tensor([layer_s, check_s, error, real], dtype=torch.float64)
+        dist.all_reduce(stats[:3], op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+        reals = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx.world_size)]
+        dist.all_gather(reals, stats[3:4], group=ctx.cpu_group)
+        ok = args.no_check or float(stats[2]) <= MAX_LAYER_REL_L2
+        failed += not ok
+        if ctx.rank == 0:
+            counts = ",".join(str(int(r)) for r in reals)
+            check = "skipped" if args.no_check else ("ok" if ok else "FAILED")
+            print(f"{step:>4} {counts:>14} {1e3 * float(stats[0]):>9.2f}"
+                  f" {1e3 * float(stats[1]):>8.2f} {float(stats[2]):>10.2e}  {check}",
+                  flush=True)  # fmt: skip
+    if ctx.rank == 0:
+        verdict = "check skipped" if args.no_check else f"{failed} of {args.steps} steps failed"
+        print(f"dep_layer --layer: {verdict} (tolerance: relative L2 <= {MAX_LAYER_REL_L2:g};"
+              " times are host wall clock with a sync, max over ranks)")  # fmt: skip
+    return failed
 
 
 def main() -> int:
@@ -105,6 +207,11 @@ def main() -> int:
         dep.cpu_group, max_tokens, ctx.device, num_experts=geometry.experts,
         latent=geometry.latent, topk=geometry.topk, config=EpConfig(timeout_s=args.timeout),
     )  # fmt: skip
+    if args.layer:
+        failed = run_layer(args, ctx, dep, geometry, layer, experts, routed)
+        routed.close()
+        teardown(ctx)
+        return 1 if failed else 0
     gen = torch.Generator().manual_seed(args.seed * 7919 + ctx.rank)
     if ctx.rank == 0:
         print(
