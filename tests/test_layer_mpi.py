@@ -212,10 +212,10 @@ def rank(dep):
 
 
 def good_call(rank: Rank, layer: EpMoeLayer, dense: dict, seed: int, label: str) -> list[str]:
-    """One call with fresh unequal rows (one rank idle) checked against the reference."""
+    """One call (with a step tag) on fresh unequal rows, one rank idle, against the reference."""
     counts = unequal_counts(7, rank.dep.size)
     x = draw_hidden(TINY, dense, counts, seed)[rank.dep.rank]
-    out = layer(x, tokens=max(counts))
+    out = layer(x, tokens=max(counts), tag=seed)  # the same tag on every rank
     ref = layer_reference(x, dense, rank.synthetic.expert, TINY.topk)
     return compare_layer(out, ref, label)[0]
 
