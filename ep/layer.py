@@ -143,7 +143,8 @@ class EpMoeLayer:
         self.dense.update({SHARED_GATE: packed[:S], SHARED_UP: packed[S : 2 * S],
                            DOWN: packed[2 * S :]})  # fmt: skip
         self.gate_weight, self.bias = self.dense[GATE], self.dense[BIAS]
-        self.norm_weight, self.up_weight = self.dense[NORM], self.dense[UP]
+        # EpRouted takes a contiguous norm weight (no copy when it is one already).
+        self.norm_weight, self.up_weight = self.dense[NORM].contiguous(), self.dense[UP]
         self.shared_down = self.dense[SHARED_DOWN]
         # The side stream of the overlapped schedule (CUDA only); one per layer.
         self._side = None
