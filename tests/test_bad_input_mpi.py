@@ -27,7 +27,7 @@ def corrupt(case_name, latent, ids, weights, experts, norm, rank, num_ranks, lay
         big = make_case(TINY, 1, MAX_TOKENS + 1, 5)
         return big.latent[0], big.ids[0], big.weights[0], experts, norm, f"tokens={MAX_TOKENS + 1}"
     if case_name == "tokens_zero":
-        return latent[:0], ids[:0], weights[:0], experts, norm, "tokens=0 outside 1.."
+        return latent[:0], ids[:0], weights[:0], experts, norm, "latent has 0 rows and tokens=None"
     if case_name == "id_high":
         ids = ids.clone()
         ids[2, 1] = E
