@@ -1,13 +1,14 @@
 """A skipped dispatch on CUDA ranks times out, names rank, phase and peer, and the rebuilt buffers
 work: helpers/timeout_case_gpu.py on two fresh ranks of its own (torchrun), launched by group
-rank 0 while the other ranks of the suite wait in the collective assertion."""
+rank 0 while the other ranks of the suite wait in the collective assertion. Not marked `mpi`: it
+runs in the GPU suite under mpirun (every rank takes part; rank 0 launches) and alone, without
+mpirun, as one rank (python -m pytest tests/gpu/test_gpu_timeout.py)."""
 
 import os
 import re
 import subprocess
 import sys
 
-import pytest
 import torch.distributed as dist
 
 from helpers.collective import collective_assert
@@ -45,7 +46,6 @@ def timeout_case_failures() -> list[str]:
     return failures
 
 
-@pytest.mark.mpi(min_size=1)
 def test_skipped_dispatch_times_out_then_rebuild_works(gpu_dep):
     failures = timeout_case_failures() if dist.get_rank(gpu_dep.cpu_group) == 0 else []
     collective_assert(gpu_dep.cpu_group, failures, seeds={"case": 1, "layer": 0})
