@@ -24,6 +24,7 @@ from dep_ep.constants import (
     KIND_TOKENS,
     MAX_RANKS,
     MAX_TOPK,
+    NO_TAG,
     PHASE_NAMES,
     STATE_WORDS,
 )
@@ -208,7 +209,7 @@ class DeviceTransport(Transport):
         torch.cuda.synchronize(self.device)
         bounded_barrier(self.buffers.group, self.rank, "reset-done", self.timeout_s)
 
-    def dispatch(self, latent, ids, weights, *, tokens, rejected, tag):
+    def dispatch(self, latent, ids, weights, *, tokens, rejected, tag=NO_TAG):
         """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device.
         A rejected call takes part without payload (RejectKernel) and then raises `rejected`."""
         self.check()
@@ -223,7 +224,7 @@ class DeviceTransport(Transport):
             self._stream(),
         )  # fmt: skip
 
-    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, tag):
+    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, tag=NO_TAG):
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
         norm_weight bf16 [L] or None (the plain sum); returns bf16 [T, L]. A rejected call
         takes part without payload (RejectKernel) and then raises `rejected`."""

@@ -18,7 +18,7 @@ from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import combine_reduce, combine_write, dispatch_write
 from dep_ep.comm.transport import Transport
 from dep_ep.config import EpConfig
-from dep_ep.constants import STATUS_OK, STATUS_REJECTED
+from dep_ep.constants import NO_TAG, STATUS_OK, STATUS_REJECTED
 
 # Header slot per phase. One slot for both would race: after the dispatch barrier a fast rank may
 # already write its combine status while a slow rank still reads the dispatch statuses. A phase's
@@ -37,13 +37,13 @@ class HostTransport(Transport):
         self.timeout_s = config.timeout_s
         self.seq = 0  # calls of this rank so far; every rank's slot must carry the same
 
-    def dispatch(self, latent, ids, weights, *, tokens, rejected, tag):
+    def dispatch(self, latent, ids, weights, *, tokens, rejected, tag=NO_TAG):
         if rejected is None:
             q, sf = mxfp8_quantize(latent)
             dispatch_write(self.buffers, q, sf, ids, weights, self.experts_per_rank)
         self._agree("dispatch", rejected, tokens, tag)
 
-    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, tag):
+    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, tag=NO_TAG):
         tokens = ids.shape[0]
         if rejected is None:
             combine_write(self.buffers, expert_out, tokens)
@@ -80,7 +80,9 @@ class HostTransport(Transport):
         tags = [int(h[HEADER_TAG]) for h in headers]
         rejected = [r for r, h in enumerate(headers) if int(h[HEADER_STATUS]) != STATUS_OK]
         counts = [int(h[HEADER_TOKENS]) for h in headers]
-        in_step = len(set(calls)) == 1 and len(set(tags)) == 1
+        # A rejecting rank's tag may be the argument it rejected: only the others' must agree.
+        accepted_tags = {t for r, t in enumerate(tags) if r not in rejected}
+        in_step = len(set(calls)) == 1 and len(accepted_tags) <= 1
         if in_step and not rejected and len(set(counts)) == 1:
             return
         # Everyone has read the headers before anyone may start the next call and rewrite them.

@@ -88,25 +88,11 @@ def combine_reduce(
     return rms_norm(total, norm_weight, eps)
 
 
-def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The latent norm of the HF block, in the exact order of the combine kernel.
-
-    h = BF16(total) (as HF's block casts the expert sum); s = 2^(127 - clamp(E, 127, 253)) with E
-    the fp32 biased exponent of max |h| over the row: a power of two, 1 for rows below 2.0, so
-    that (h*s)^2 cannot overflow for any finite h (the squares of a row of 1e20s would). Sum of
-    squares of h*s in fp32: lane l of 32 adds over its chunks l, l+32, ... (8 elements each) in
-    order, then the lanes are reduced by the tree x[i] += x[i + o], o = 16, 8, 4, 2, 1;
-    inv = 1 / sqrt(sumsq / L + (eps*s)*s) (IEEE division and square root);
-    out = BF16(BF16((h*s) * inv) * weight). Scaling by a power of two is exact and commutes with
-    every rounding above, so wherever the unscaled formula does not overflow the two agree bit
-    for bit. total fp32 [T, L] -> bf16 [T, L].
-    """
-    tokens, latent = total.shape
-    h = total.to(torch.bfloat16).float()
-    exponent = (h.abs().amax(dim=1).view(torch.int32) >> 23) & 0xFF
-    exponent = exponent.clamp(NORM_SCALE_MIN_EXP, NORM_SCALE_MAX_EXP)
-    scale = ((254 - exponent) << 23).view(torch.float32).unsqueeze(1)  # fp32 [T, 1]
-    h = h * scale
+def _lane_ordered_sumsq(h: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, 1]: the sum of squares of each row of h fp32 [T, L] in the combine kernel's order
+    (lane l of NORM_LANES adds its NORM_CHUNK-element chunks l, l+32, ... in order; then the
+    tree over the lanes)."""
+    tokens, latent = h.shape
     chunks = latent // NORM_CHUNK
     per_lane = -(-chunks // NORM_LANES)
     padded = torch.zeros(tokens, per_lane * NORM_LANES * NORM_CHUNK, device=h.device)
@@ -121,6 +107,31 @@ def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torc
     while width > 1:
         width //= 2
         lanes = lanes[:, :width] + lanes[:, width : 2 * width]
-    mean = lanes / float(latent)
+    return lanes
+
+
+def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The latent norm of the HF block, in the exact order of the combine kernel.
+
+    h = BF16(total) (as HF's block casts the expert sum); sum of squares in fp32: lane l of 32 adds
+    h*h over its chunks l, l+32, ... (8 elements each) in order, then the lanes are reduced by the
+    tree x[i] += x[i + o], o = 16, 8, 4, 2, 1; inv = 1 / sqrt(sumsq / L + eps) (IEEE division and
+    square root); out = BF16(BF16(h * inv) * weight). A row whose sum of squares overflows (Inf
+    or NaN) is summed again as h*s with s = 2^(127 - clamp(E, 127, 253)), E the fp32 biased
+    exponent of max |h| over the row, and eps*s*s: scaling by a power of two is exact and
+    commutes with every rounding above, so the normalised row is the one the unscaled formula
+    would give without overflow. total fp32 [T, L] -> bf16 [T, L].
+    """
+    tokens, latent = total.shape
+    h = total.to(torch.bfloat16).float()
+    total_sq = _lane_ordered_sumsq(h)
+    exponent = (h.abs().amax(dim=1).view(torch.int32) >> 23) & 0xFF
+    exponent = exponent.clamp(NORM_SCALE_MIN_EXP, NORM_SCALE_MAX_EXP)
+    scale = ((254 - exponent) << 23).view(torch.float32).unsqueeze(1)  # fp32 [T, 1]
+    scale = torch.where(total_sq.isfinite(), torch.ones_like(scale), scale)
+    if not bool((scale == 1).all()):
+        h = h * scale
+        total_sq = _lane_ordered_sumsq(h)
+    mean = total_sq / float(latent)
     inv = torch.ones_like(mean) / torch.sqrt(mean + (eps * scale) * scale)
     return (h * inv).to(torch.bfloat16) * norm_weight

@@ -14,6 +14,7 @@ import torch
 
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.config import EpConfig
+from dep_ep.constants import NO_TAG
 
 
 class Transport(ABC):
@@ -40,7 +41,7 @@ class Transport(ABC):
         *,
         tokens: int,
         rejected: BaseException | None,
-        tag: int,
+        tag: int = NO_TAG,
     ) -> None:
         """Quantize latent bf16 [n, L] (n <= T; a token with no expert is never read) to MXFP8
         once per token and write it, with ids int32 [T, K] (-1 = none) and weights fp32 [T, K],
@@ -57,7 +58,7 @@ class Transport(ABC):
         eps: float,
         *,
         rejected: BaseException | None,
-        tag: int,
+        tag: int = NO_TAG,
     ) -> torch.Tensor:
         """Return expert_out bf16 [N*T, L] rows to their sources, sum each token's rows over ranks
         in fp32 in rank order, RMSNorm with norm_weight bf16 [L] and eps (norm_weight None: the

@@ -8,7 +8,7 @@ Subpackages, imported one way (each may import those before it and the leaf modu
   dep_ep.ep       EpRouted, router, synthetic weights, the all-gather reference
 """
 
-from dep_ep.comm import EpPeerError, EpTimeoutError
+from dep_ep.comm import EpDesyncError, EpPeerError, EpTimeoutError
 from dep_ep.config import K3, PRESETS, TINY, EpConfig, MoeGeometry
 from dep_ep.ep import EpMoeLayer, EpRouted, ReceiveRows
 from dep_ep.experts import DenseExperts, ExpertsBackend, ReferenceExperts, TrtllmExperts
@@ -22,6 +22,7 @@ __all__ = [
     "DenseExperts",
     "DepGroup",
     "EpConfig",
+    "EpDesyncError",
     "EpMoeLayer",
     "EpPeerError",
     "EpRouted",

@@ -15,9 +15,9 @@ MAX_TOPK = 128
 PHASE_DISPATCH, PHASE_COMBINE = 1, 2
 PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
 # Step flags: int64 words per (phase, source rank) in every rank's symmetric allocation:
-# [flag = call << 2 | status, tokens, tag, unused].
+# [flag = call << 2 | status, unused, tokens, tag]; tokens and tag share one 16-byte load.
 FLAG_WORDS = 4
-FLAG_TOKENS, FLAG_TAG = 1, 2
+FLAG_TOKENS, FLAG_TAG = 2, 3
 STATUS_OK, STATUS_REJECTED = 0, 1
 NO_TAG = -(1 << 63)  # the tag word of a call that gave none
 # Device state of one rank (int64 words, device memory, not symmetric).

@@ -239,19 +239,10 @@ class EpMoeLayer:
         return None
 
     def _reject(self, fn: str, error: BaseException, tag) -> None:
-        """Take part in the step as a rank that rejects its input, then raise `error`: a
-        dispatch that EpRouted refuses (tokens=0, outside 1..max_tokens) joins the step without
-        payload, and every peer raises EpPeerError (CPU: in this call; CUDA: at its next call).
-        Collective, like a call. A dispatch refused this way never leaves a step pending."""
-        on = dict(device=self.device)
-        latent = torch.empty(0, self.latent, dtype=torch.bfloat16, **on)
-        ids = torch.empty(0, self.topk, dtype=torch.int32, **on)
-        weights = torch.empty(0, self.topk, dtype=torch.float32, **on)
-        try:
-            self.routed.dispatch(latent, ids, weights, tokens=0, tag=tag)
-        except (ValueError, TypeError):  # the refusal itself (EpDesyncError etc. propagate)
-            raise error from None
-        raise RuntimeError(f"{fn}: EpRouted.dispatch accepted tokens=0")  # not reached
+        """Take part in the step as a rank that rejects its input, then raise `error`
+        (EpRouted.reject_step: every peer raises EpPeerError; CPU: in this call, CUDA: at its
+        next call). Collective, like a call."""
+        self.routed.reject_step(error, tag=tag)
 
     # ----------------------------------------------------------------------------- the parts
     def front(self, x: torch.Tensor) -> torch.Tensor:

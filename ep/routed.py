@@ -54,6 +54,14 @@ class _Step:
     ids: torch.Tensor
 
 
+def _valid_tag(tag: object) -> bool:
+    try:
+        check_tag("", tag)
+    except ValueError:
+        return False
+    return tag is not None
+
+
 # Errors after which every rank's state is as before the call (raised on every rank by design).
 _IN_STEP_ERRORS = (EpPeerError, EpDesyncError, ValueError, TypeError)
 
@@ -334,7 +342,7 @@ class EpRouted:
             )
         except (TypeError, ValueError) as err:
             error, tokens = err, 0
-        wire_tag = NO_TAG if tag is None or error is not None else tag
+        wire_tag = tag if _valid_tag(tag) else NO_TAG  # a rejecting rank's peers need not see it
         staged_ids, staged_weights = self._ids[:tokens], self._weights[:tokens]
         if error is None:
             # Copies, never references: combine reads the ids again and the caller may reuse its
@@ -362,6 +370,23 @@ class EpRouted:
         real rows of the dispatch).
         """
         return self._combine("EpRouted.combine", norm_weight, eps, None)
+
+    def reject_step(self, error: BaseException, *, tag: int | None = None) -> None:
+        """Instead of dispatch, for a rank that cannot take part in this step with inputs (its
+        caller failed before the dispatch): take part in the step's dispatch and combine without
+        payload (no peer waits for this rank; every peer raises EpPeerError: in this call on CPU,
+        at its next call on CUDA), then raise `error`. Collective, like dispatch + combine."""
+        fn = "EpRouted.reject_step"
+        if not isinstance(error, BaseException):
+            raise TypeError(f"{fn}: error is {type(error).__name__}; expected an exception")
+        self._check_usable(fn)
+        if self._step is not None:
+            raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
+        wire_tag = tag if _valid_tag(tag) else NO_TAG
+        empty = self._ids[:0]
+        self._run(fn, lambda: self._transport.dispatch(
+            None, empty, self._weights[:0], tokens=0, rejected=error, tag=wire_tag,
+        ), error)  # fmt: skip
 
     def abort_step(self, error: BaseException) -> None:
         """Instead of combine, after a dispatch whose experts failed on this rank: take part in the

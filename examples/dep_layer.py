@@ -27,15 +27,16 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from dep_ep.config import EpConfig
 from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, SyntheticLayer, allgather_reference, route
 from dep_ep.experts import ReferenceExperts, situ
 from dep_ep.experts.checkpoint import dense_shapes
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
-from dep_ep.config import EpConfig
-
-# Tolerance of the check (bf16 output against the float64 reference; tests/test_routed_mpi.py).
-MAX_REL_L2 = 8e-3
+# Tolerance of the check (bf16 output against the float64 reference): 2 x sqrt(6) x 1.66e-3, six
+# BF16 roundings in quadrature (the error model of tests/helpers/tolerance.py).
+MAX_REL_L2 = 8.13e-3
 # Tolerance of --layer's check: the error model of tests/test_layer_mpi.py expects a relative L2
 # error of about 4.2e-3 for these weights (and bounds it by 2x that); 1e-2 here.
 MAX_LAYER_REL_L2 = 1e-2

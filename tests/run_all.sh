@@ -8,9 +8,6 @@ cd "$(dirname "$0")/.."
 bin=$(dirname "$(command -v python)")
 mpiexec=$(command -v "$bin/mpiexec" || command -v mpiexec || true)
 [ -n "$mpiexec" ] || { echo "run_all.sh: mpiexec not found; pip install -e '.[test]'" >&2; exit 2; }
-# Jupyter's `comm` beside dep_ep (tests/test_namespace.py): a top-level package named like one of
-# dep_ep's folders must not get in the way. -I: the checkout's comm/ folder is not on the path.
-python -I -c "import comm; comm.create_comm" 2>/dev/null || python -m pip install -q comm
 echo "== single-process tests"
 python -m pytest -q -m "not mpi" --ignore=tests/gpu tests
 for n in 2 3 4; do

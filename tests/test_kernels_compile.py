@@ -16,19 +16,20 @@ try:
 except ImportError as err:  # the test extra installs CuTeDSL: missing it is a failure, not a skip
     raise ImportError(f"tests/test_kernels_compile.py needs nvidia-cutlass-dsl: {err}") from err
 
-# A launch signals its step: every CTA fences its payload and counts itself done (acquire-release
-# add at system scope); the last one stores the step flag with release semantics.
-SIGNALS = [r"fence\.acq_rel\.sys", r"atom\.global\.sys\.acq_rel\.add", r"st\.release\.sys\.global"]
+# A launch signals its step: every CTA fences its payload at system scope and counts itself done
+# (acquire-release add at GPU scope: every CTA is on this GPU); the last one stores the step flag
+# with release semantics at system scope, which the peers acquire.
+SIGNALS = [r"fence\.acq_rel\.sys", r"atom\.global\.acq_rel\.add", r"st\.release\.sys\.global"]
 # A bounded wait: acquire loads at system scope against %globaltimer.
 WAITS = [r"ld\.acquire\.sys", r"%globaltimer"]
 REQUIRED = {
     "dispatch": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS,
                  r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"mul\.rn\.f32"],
     "combine": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS,
-                r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync"],
+                r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync", r"bar\.red\.or\.pred"],
     "combine_send": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS],
     "combine_reduce": [r"ld\.global\.v4\.b32", *WAITS, r"sqrt\.rn\.f32", r"div\.rn\.f32",
-                       r"shfl\.sync"],
+                       r"shfl\.sync", r"bar\.red\.or\.pred"],
     # A rank that rejects its input still signals both phases (flags only) and waits, bounded.
     "reject_dispatch": [r"st\.release\.sys\.global", *WAITS],
     "reject_combine": [r"st\.release\.sys\.global", *WAITS],

@@ -281,3 +281,25 @@ def test_bad_input_fails_every_rank_fast(dep, layer):
         if took > 1.0:
             failures.append(f"the error took {took:.2f} s")
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_input_with_tags_keeps_its_error(dep, layer):
+    """With tags, a rank that rejects its input still raises its own error (the others
+    EpPeerError), not a desynchronisation; reject_step takes part without any input."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    with build(dep) as routed:
+        step = Step(dep, layer, 17)
+        bad = dep.rank == 0
+        latent = step.latent.float() if bad else step.latent
+        expect_raises(failures, "bad latent with tag", TypeError if bad else EpPeerError, None,
+                      lambda: routed(latent, step.ids, step.weights, layer.norm_weight(),
+                                     experts=experts, tag=5))  # fmt: skip
+        error = RuntimeError("the caller failed before its dispatch")
+        expect_raises(failures, "reject_step", RuntimeError if bad else EpPeerError,
+                      "before its dispatch" if bad else None,
+                      lambda: routed.reject_step(error, tag=6) if bad
+                      else step.run(routed, experts, tag=6))  # fmt: skip
+        good_step(dep, routed, layer, experts, 18, "after", failures, tag=7)
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)

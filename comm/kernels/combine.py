@@ -9,11 +9,11 @@ Two phases, compiled as one launch (mode "fused") or two (modes "send" then "red
 2. reduce: every CTA waits (acquire) for every rank's combine flag of this call; warp w of CTA b
    then takes tokens t = 8b + w, 8b + w + 8G, ...: the partials of the ranks owning one of the
    token's experts are summed in fp32 in rank order, and, when `normalize` is set, RMSNorm is
-   applied in the exact order of comm/reference.py `rms_norm` (the row scaled by a power of two
-   from its largest magnitude, so that no square overflows; lane l owns the 8-element chunks
-   l, l+32, ...; per-lane sums in chunk and element order; tree 16, 8, 4, 2, 1). When the call
-   failed on any rank (a rank rejected its input, or the ranks disagree on T or the tag: the
-   dispatch or a combine flag says so) every output row is NaN instead.
+   applied in the exact order of comm/reference.py `rms_norm` (lane l owns the 8-element chunks
+   l, l+32, ...; per-lane sums in chunk and element order; tree 16, 8, 4, 2, 1; a row whose
+   squares overflow is summed again scaled by a power of two from its largest magnitude). When
+   the call failed on any rank (a rank rejected its input, or the ranks disagree on T or the
+   tag: the dispatch or a combine flag says so) every output row is NaN instead.
 Fused, the grid must be co-resident (waiting CTAs would otherwise hold the SMs the senders need):
 the host launches at most one CTA per SM. That saves a launch and a flag hop at small T (8.7 us
 against 12.5 us at T = 1, EP = 1) but caps the reduce phase at 8 warps per SM, which costs at
@@ -30,7 +30,16 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from dep_ep.comm.kernels.mxfp8_block import gmem_words
-from dep_ep.comm.kernels.ptx import add_rn, bf16_round, bits_f32, div_rn, mul_rn, sqrt_rn
+from dep_ep.comm.kernels.ptx import (
+    add_rn,
+    barrier_or,
+    bf16_round,
+    bits_f32,
+    div_rn,
+    f32_bits,
+    mul_rn,
+    sqrt_rn,
+)
 from dep_ep.comm.kernels.signals import (
     PHASE_COMBINE,
     STATE_CALL,
@@ -112,6 +121,8 @@ class CombineKernel:
         N = self.num_ranks
         # The dispatch of this call read STATE_CALL = call - 1; the send phase stores `call`.
         call = load_i64(state + STATE_CALL * 8)
+        # What the dispatch of this call found (stream-ordered before this launch).
+        dispatch_failed = load_i64(state + STATE_STEP_STATUS * 8)
         if cutlass.const_expr(self.mode != "reduce"):
             call = call + 1
             self.send(out, recv_ids, peers, partials_off, tokens, rank, tidx, bidx, grid)
@@ -129,11 +140,12 @@ class CombineKernel:
                     store_i64(state + STATE_CALL * 8, call)
         if cutlass.const_expr(self.mode != "send"):
             # Wait for every rank's flag of this call, then reduce (or mark a failed call).
+            kind = Int32(0)
             if tidx < N:
-                check_step(flag_slot(own, flags_off, PHASE_COMBINE, N, tidx), call, tokens, tag,
-                           state, error, rank, PHASE_COMBINE, tidx, timeout_ns)  # fmt: skip
-            cute.arch.barrier()
-            failed = load_i64(state + STATE_STEP_STATUS * 8)
+                kind = check_step(flag_slot(own, flags_off, PHASE_COMBINE, N, tidx), call, tokens,
+                                  tag, state, error, rank, PHASE_COMBINE, tidx, timeout_ns,
+                                  False)  # fmt: skip
+            failed = barrier_or(kind | Int32(dispatch_failed != 0))
             lane = tidx % LANES
             warp = tidx // LANES
             for t in cutlass.range(bidx * WARPS + warp, tokens, grid * WARPS):
@@ -182,9 +194,9 @@ class CombineKernel:
     @cute.jit
     def sum_chunk(self, partials: Int64, tokens: Int32, t: Int32, c: Int32, hits: Uint32, i: int,
                   rH: cute.Tensor, rWords: cute.Tensor, acc: cute.Tensor,
-                  amax: Uint32) -> Uint32:  # fmt: skip
+                  sumsq: Float32) -> Float32:  # fmt: skip
         """Chunk c (8 elements) of token t: rank-ordered fp32 sum of the hit ranks' partials, BF16
-        rounded into rH[8i:8i+8]; returns amax raised to their largest magnitude (fp32 bits)."""
+        rounded into rH[8i:8i+8]; returns sumsq plus their squares, in element order."""
         for j in cutlass.range_constexpr(CHUNK):
             acc[j] = Float32(0.0)
         for d in cutlass.range_constexpr(self.num_ranks):
@@ -195,10 +207,46 @@ class CombineKernel:
                     acc[2 * j] = add_rn(acc[2 * j], _lo(rWords[j]))
                     acc[2 * j + 1] = add_rn(acc[2 * j + 1], _hi(rWords[j]))
         for j in cutlass.range_constexpr(CHUNK):
-            h_bits = bf16_round(acc[j]) << 16
-            rH[i * CHUNK + j] = bits_f32(h_bits)
-            amax = cutlass.max(amax, h_bits & Uint32(0x7FFFFFFF))
-        return amax
+            h = bits_f32(bf16_round(acc[j]) << 16)
+            rH[i * CHUNK + j] = h
+            sumsq = add_rn(sumsq, mul_rn(h, h))
+        return sumsq
+
+    @cute.jit
+    def lane_sumsq(self, rH: cute.Tensor, lane: Int32) -> Float32:
+        """This lane's sum of squares of rH, in chunk and element order (as sum_chunk)."""
+        sumsq = Float32(0.0)
+        for i in cutlass.range_constexpr(self.chunks_per_lane):
+            if lane + LANES * i < self.chunks:
+                for j in cutlass.range_constexpr(CHUNK):
+                    h = rH[i * CHUNK + j]
+                    sumsq = add_rn(sumsq, mul_rn(h, h))
+        return sumsq
+
+    @cute.jit
+    def warp_total(self, sumsq: Float32) -> Float32:
+        """The tree x[i] += x[i + o], o = 16, 8, 4, 2, 1 over the lanes, on every lane."""
+        for step in cutlass.range_constexpr(5):
+            sumsq = add_rn(sumsq, cute.arch.shuffle_sync_down(sumsq, 16 >> step))
+        return cute.arch.shuffle_sync(sumsq, 0)
+
+    @cute.jit
+    def rescale(self, rH: cute.Tensor, eps: Float32, lane: Int32) -> Float32:
+        """The rare path of a row whose squares overflow: multiply rH by the power of two
+        2^(127 - clamp(E, 127, 253)), E the biased exponent of the row's largest magnitude (the
+        max is exact in any order); returns eps times the square of that scale."""
+        amax = Uint32(0)
+        for k in cutlass.range_constexpr(self.chunks_per_lane * CHUNK):
+            amax = cutlass.max(amax, f32_bits(rH[k]) & Uint32(0x7FFFFFFF))
+        for step in cutlass.range_constexpr(5):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 16 >> step))
+        exponent = cutlass.min(cutlass.max((amax >> 23) & Uint32(0xFF),
+                                           Uint32(NORM_SCALE_MIN_EXP)),
+                               Uint32(NORM_SCALE_MAX_EXP))  # fmt: skip
+        scale = bits_f32((Uint32(254) - exponent) << 23)
+        for k in cutlass.range_constexpr(self.chunks_per_lane * CHUNK):
+            rH[k] = mul_rn(rH[k], scale)
+        return mul_rn(mul_rn(eps, scale), scale)
 
     @cute.jit
     def reduce_token(self, ids: Int64, norm_weight: Int64, normed: Int64, partials: Int64,
@@ -211,45 +259,32 @@ class CombineKernel:
         rH = cute.make_rmem_tensor(cute.make_layout(self.chunks_per_lane * CHUNK), Float32)
         rWords = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
         acc = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-        amax = Uint32(0)
+        sumsq = Float32(0.0)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
             c = lane + LANES * i
             if cutlass.const_expr(self.chunks % LANES == 0):  # every lane has chunk i: no guard
-                amax = self.sum_chunk(partials, tokens, t, c, hits, i, rH, rWords, acc, amax)
+                sumsq = self.sum_chunk(partials, tokens, t, c, hits, i, rH, rWords, acc, sumsq)
             else:
                 if c < self.chunks:
-                    amax = self.sum_chunk(partials, tokens, t, c, hits, i, rH, rWords, acc, amax)
-        scale = Float32(1.0)
+                    sumsq = self.sum_chunk(partials, tokens, t, c, hits, i, rH, rWords, acc, sumsq)
         inv = Float32(1.0)
         if normalize != 0:
-            for step in cutlass.range_constexpr(5):  # the max is exact in any order
-                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 16 >> step))
-            exponent = cutlass.min(cutlass.max((amax >> 23) & Uint32(0xFF),
-                                               Uint32(NORM_SCALE_MIN_EXP)),
-                                   Uint32(NORM_SCALE_MAX_EXP))  # fmt: skip
-            scale = bits_f32((Uint32(254) - exponent) << 23)
-            sumsq = Float32(0.0)
-            for i in cutlass.range_constexpr(self.chunks_per_lane):
-                c = lane + LANES * i
-                if c < self.chunks:
-                    for j in cutlass.range_constexpr(CHUNK):
-                        h = mul_rn(rH[i * CHUNK + j], scale)
-                        sumsq = add_rn(sumsq, mul_rn(h, h))
-            for step in cutlass.range_constexpr(5):  # lane 0 ends with the tree of the lane sums
-                sumsq = add_rn(sumsq, cute.arch.shuffle_sync_down(sumsq, 16 >> step))
-            total = cute.arch.shuffle_sync(sumsq, 0)
-            eps_scaled = mul_rn(mul_rn(eps, scale), scale)
-            inv = div_rn(Float32(1.0), sqrt_rn(add_rn(div_rn(total, Float32(L)), eps_scaled)))
+            total = self.warp_total(sumsq)
+            eps_row = eps
+            # Squares that overflow (the total is Inf or NaN; the same on every lane): scale the
+            # row by a power of two and sum again (docs/design.md, "RMSNorm").
+            if (f32_bits(total) & Uint32(0x7F800000)) == Uint32(0x7F800000):
+                eps_row = self.rescale(rH, eps, lane)
+                total = self.warp_total(self.lane_sumsq(rH, lane))
+            inv = div_rn(Float32(1.0), sqrt_rn(add_rn(div_rn(total, Float32(L)), eps_row)))
         for i in cutlass.range_constexpr(self.chunks_per_lane):
             c = lane + LANES * i
             if c < self.chunks:
                 if normalize != 0:
                     cute.autovec_copy(gmem_words(norm_weight + c * CHUNK * 2, 4), rWords)
                     for j in cutlass.range_constexpr(4):
-                        h0 = mul_rn(rH[i * CHUNK + 2 * j], scale)
-                        h1 = mul_rn(rH[i * CHUNK + 2 * j + 1], scale)
-                        y0 = bits_f32(bf16_round(mul_rn(h0, inv)) << 16)
-                        y1 = bits_f32(bf16_round(mul_rn(h1, inv)) << 16)
+                        y0 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j], inv)) << 16)
+                        y1 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j + 1], inv)) << 16)
                         z0 = bf16_round(mul_rn(y0, _lo(rWords[j])))
                         z1 = bf16_round(mul_rn(y1, _hi(rWords[j])))
                         rWords[j] = z0 | (z1 << 16)

@@ -77,6 +77,7 @@ class DispatchKernel:
         N, K, L, NB = self.num_ranks, self.topk, self.latent, self.blocks_per_row
         t_begin, t_end = chunk_begin(tokens, bidx, grid), chunk_end(tokens, bidx, grid)
         rOut = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_OUT), Uint32)
+        call = load_i64(state + STATE_CALL * 8) + 1  # combine stores it when the call is done
         for t in cutlass.range(t_begin, t_end):
             hits = destination_mask(ids, t, K, self.experts_per_rank)  # bit d: goes to rank d
             row = Int64(rank) * tokens + t  # receive row on every destination
@@ -101,7 +102,6 @@ class DispatchKernel:
                     cute.arch.store(gmem_ptr(Int32, base + ids_off + (row * K + k) * 4), mine)
                     if (hits >> d) & 1:
                         cute.arch.store(gmem_ptr(Uint32, base + w_off + (row * K + k) * 4), w)
-        call = load_i64(state + STATE_CALL * 8) + 1  # combine stores it when the call is done
         if bidx == 0 and tidx == 0:
             store_i64(state + STATE_STEP_STATUS * 8, Int64(0))  # read only after the barrier
         # Every thread's payload stores are ordered before its fence; the CTA barrier then orders
@@ -116,4 +116,4 @@ class DispatchKernel:
                     signal_step(slot, call, STATUS_OK, tokens, tag)
         if bidx == 0 and tidx < N:
             check_step(flag_slot(own, flags_off, PHASE_DISPATCH, N, tidx), call, tokens, tag,
-                       state, error, rank, PHASE_DISPATCH, tidx, timeout_ns)  # fmt: skip
+                       state, error, rank, PHASE_DISPATCH, tidx, timeout_ns, True)  # fmt: skip

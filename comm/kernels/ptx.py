@@ -7,7 +7,7 @@ references do, bit for bit.
 
 from __future__ import annotations
 
-from cutlass import Float32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -73,11 +73,22 @@ def e4m3x2(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def barrier_or(flag: Int32, *, loc=None, ip=None) -> Int32:
+    """CTA barrier (barrier 0, every thread) that also ORs `flag` (non-zero) over the CTA: 1 on
+    every thread when any thread passed a non-zero flag, else 0 (bar.red.or.pred)."""
+    text = ("{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p;"
+            " selp.s32 $0, 1, 0, q; }")  # fmt: skip
+    return Int32(llvm.inline_asm(T.i32(), [Int32(flag).ir_value(loc=loc, ip=ip)], text, "=r,r",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))  # fmt: skip
+
+
+@dsl_user_op
 def nanosleep(ns: Uint32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Uint32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
                     has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT)  # fmt: skip
 
 
-__all__ = ["Int64", "add_rn", "bf16_round", "bits_f32", "div_rn", "e4m3x2", "f32_bits", "mul_rn",
-           "nanosleep", "sqrt_rn"]  # fmt: skip
+__all__ = ["Int64", "add_rn", "barrier_or", "bf16_round", "bits_f32", "div_rn", "e4m3x2",
+           "f32_bits", "mul_rn", "nanosleep", "sqrt_rn"]  # fmt: skip

@@ -2,7 +2,7 @@
 record, the destination ranks of a token and the CTAs' contiguous shares of the work.
 
 Step flags (symmetric memory, `FLAG_WORDS` int64 per phase and source rank, in the destination):
-[flag, tokens, tag, unused]. When every CTA of a source's launch has stored its payload and fenced
+[flag, unused, tokens, tag]. When every CTA of a source's launch has stored its payload and fenced
 at system scope, the last CTA to finish (found with a counter in the source's own device state)
 stores the step's tokens and tag into each destination's slot for that source, then the flag
 `call << 2 | status` with release semantics at system scope. A destination waits (acquire,
@@ -53,6 +53,12 @@ def load_i64(addr: Int64) -> Int64:
 
 def load_i32(addr: Int64) -> Int32:
     return cute.arch.load(gmem_ptr(Int32, addr, 4), Int32)
+
+
+def gmem_i64x2(addr: Int64) -> cute.Tensor:
+    """Two int64 at a 16-byte aligned address as a gmem tensor: one vector load or store."""
+    ptr = cute.make_ptr(Int64, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(2))
 
 
 def store_i64(addr: Int64, value: Int64):
@@ -106,13 +112,16 @@ def wait_arrivals(
 def is_last_cta(done: Int64, grid: Int32) -> Int32:
     """Thread 0 of each CTA, after the CTA's payload and its system-scope fence: 1 for the last
     CTA of the launch to get here, which also zeroes the counter for the next launch (launches of
-    one stream never overlap), else 0. Acquire-release at system scope: the last CTA's later
-    release stores are ordered after every CTA's payload."""
-    old = cute.arch.atomic_add(gmem_ptr(Int32, done, 4), Int32(1), sem="acq_rel", scope="sys")
-    last = Int32(0)
-    if old == grid - 1:
-        cute.arch.store(gmem_ptr(Int32, done, 4), Int32(0))
-        last = Int32(1)
+    one stream never overlap), else 0. A one-CTA launch skips the count. The count is an
+    acquire-release atomic at GPU scope (every CTA is on this GPU): it orders every CTA's fenced
+    payload before the last CTA's release stores at system scope, which peers acquire."""
+    last = Int32(1)
+    if grid > 1:
+        old = cute.arch.atomic_add(gmem_ptr(Int32, done, 4), Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(0)
+        if old == grid - 1:
+            cute.arch.store(gmem_ptr(Int32, done, 4), Int32(0))
+            last = Int32(1)
     return last
 
 
@@ -165,32 +174,37 @@ def flag_slot(base: Int64, flags_off: Int64, phase: int, num_ranks: int, source)
 
 @cute.jit
 def check_step(slot: Int64, call: Int64, tokens: Int32, tag: Int64, state: Int64, error: Int64,
-               rank: Int32, phase: int, peer: Int32, timeout_ns: Int64) -> Int32:  # fmt: skip
+               rank: Int32, phase: int, peer: Int32, timeout_ns: Int64,
+               check_payload: cutlass.Constexpr[bool]) -> Int32:  # fmt: skip
     """Wait (bounded) for the flag of `call` in a source's slot and check what it says against
-    this rank's own step: 0 when the source delivered the same call, tokens and tag without
-    rejecting it; otherwise the error kind, recorded (first error wins) and stored in the state's
-    step status (the combine of the call then marks its output instead of using it)."""
+    this rank's own step: 0 when the source delivered the same call (and, with check_payload, the
+    same tokens and tag) without rejecting it; otherwise the error kind, recorded (first error
+    wins) and stored in the state's step status (the combine of the call then marks its output
+    instead of using it). The combine skips the payload check: its T and tag are the dispatch's
+    on every rank, which the dispatch checked (one dependent load less on its critical path)."""
     flag = wait_arrivals(slot, call << 2, state + STATE_ABORT * 8, error, rank, phase, peer,
                          timeout_ns)  # fmt: skip
     kind = Int32(0)
     if flag < 0:
         kind = Int32(KIND_TIMEOUT)
     else:
-        theirs_tokens = load_i64(slot + FLAG_TOKENS * 8)
-        theirs_tag = load_i64(slot + FLAG_TAG * 8)
         if (flag >> 2) != call:
             kind = Int32(KIND_CALL)
             record_error(error, KIND_CALL, Int32(phase), peer, rank, flag >> 2, call, call)
         elif (flag & 3) != STATUS_OK:
             kind = Int32(KIND_REJECTED)
             record_error(error, KIND_REJECTED, Int32(phase), peer, rank, Int64(0), Int64(0), call)
-        elif theirs_tag != tag:
-            kind = Int32(KIND_TAG)
-            record_error(error, KIND_TAG, Int32(phase), peer, rank, theirs_tag, tag, call)
-        elif theirs_tokens != Int64(tokens):
-            kind = Int32(KIND_TOKENS)
-            record_error(error, KIND_TOKENS, Int32(phase), peer, rank, theirs_tokens,
-                         Int64(tokens), call)  # fmt: skip
+        elif cutlass.const_expr(check_payload):
+            rWords = cute.make_rmem_tensor(cute.make_layout(2), Int64)
+            cute.autovec_copy(gmem_i64x2(slot + FLAG_TOKENS * 8), rWords)  # one 16-byte load
+            theirs_tokens, theirs_tag = rWords[0], rWords[1]
+            if theirs_tag != tag:
+                kind = Int32(KIND_TAG)
+                record_error(error, KIND_TAG, Int32(phase), peer, rank, theirs_tag, tag, call)
+            elif theirs_tokens != Int64(tokens):
+                kind = Int32(KIND_TOKENS)
+                record_error(error, KIND_TOKENS, Int32(phase), peer, rank, theirs_tokens,
+                             Int64(tokens), call)  # fmt: skip
     if kind != 0:
         store_i64(state + STATE_STEP_STATUS * 8, Int64(kind))
     return kind

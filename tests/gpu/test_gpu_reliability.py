@@ -1,0 +1,247 @@
+"""GPU: a bad input, a failing expert, differing tags or token counts on one rank raise on every
+rank at its next call or synchronize() (well under timeout_s), and the next good step is correct;
+the overflow-free norm, the plain (un-normed) combine and the server-shaped calls (tokens=,
+expert_counts) against the torch reference."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dep_ep.comm import EpDesyncError, EpPeerError
+from dep_ep.comm.reference import owner_ranks, rms_norm
+from dep_ep.config import EpConfig
+from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.experts import DenseExperts, ExpertsBackend
+
+from helpers.cases import agreed_seed, make_case
+from helpers.collective import collective_assert, expect_raises
+from helpers.reference_check import compare
+
+MAX_TOKENS = 32
+TIMEOUT_S = 20.0  # a waited-out timeout would show as a failure of the 1 s bound below
+FAST_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def routed(gpu_dep):
+    r = EpRouted(
+        gpu_dep.cpu_group,
+        MAX_TOKENS,
+        torch.device("cuda"),
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(timeout_s=TIMEOUT_S),
+    )
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def layer(gpu_dep):
+    return SyntheticLayer(TINY, agreed_seed(gpu_dep.cpu_group, 50))
+
+
+@pytest.fixture(scope="module")
+def experts(gpu_dep, layer):
+    per_rank = TINY.experts // gpu_dep.size
+    first = gpu_dep.rank * per_rank
+    return DenseExperts(*(t.cuda() for t in layer.local(first, per_rank)), first_expert=first)
+
+
+class FailingExperts(ExpertsBackend):
+    def __init__(self, inner: ExpertsBackend):
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out):
+        raise RuntimeError("expert failure injected by the test")
+
+
+def step_inputs(gpu_dep, base: int, tokens: int = 8):
+    seed = agreed_seed(gpu_dep.cpu_group, base)
+    case = make_case(TINY, gpu_dep.size, tokens, seed)
+    r = gpu_dep.rank
+    return seed, case, case.latent[r].cuda(), case.ids[r].cuda(), case.weights[r].cuda()
+
+
+def good_step(gpu_dep, routed, layer, experts, base: int, label: str) -> list[str]:
+    """A step that must match the all-gather reference, and equal itself bit for bit when run
+    again on the same inputs (deterministic)."""
+    seed, case, latent, ids, weights = step_inputs(gpu_dep, base)
+    norm = layer.norm_weight().cuda()
+    try:
+        first = routed(latent, ids, weights, norm, experts=experts, tag=base)
+        again = routed(latent, ids, weights, norm, experts=experts, tag=base + 1)
+        routed.synchronize()
+    except Exception as err:  # noqa: BLE001 - reported collectively
+        return [f"{label} (seed {seed}): {type(err).__name__}: {err}"]
+    r = gpu_dep.rank
+    ref = allgather_reference(gpu_dep.cpu_group, case.latent[r], case.ids[r], case.weights[r],
+                              layer.norm_weight(), layer.expert)  # fmt: skip
+    failures = compare(first.cpu(), ref, f"{label} (seed {seed})")
+    if not torch.equal(first.view(torch.int16), again.view(torch.int16)):
+        failures.append(f"{label} (seed {seed}): a rerun differs")
+    return failures
+
+
+def fails_fast(failures, label, expected, match, routed, call, bad: bool) -> None:
+    """On the bad rank `call()` raises `expected` at once; on the others it returns an all-NaN
+    output and synchronize() raises EpPeerError-like `expected` within FAST_S."""
+    start = time.monotonic()
+    if bad:
+        expect_raises(failures, f"{label} (bad rank)", expected[0], match[0], call)
+        try:
+            routed.synchronize()
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"{label}: synchronize on the bad rank raised {err}")
+    else:
+        out = call()
+        expect_raises(failures, f"{label} (peer)", expected[1], match[1], routed.synchronize)
+        if not out.isnan().all():
+            failures.append(f"{label}: the peer's output of the failed call is not all NaN")
+    took = time.monotonic() - start
+    if took > FAST_S:
+        failures.append(f"{label}: {took:.2f} s to the error (bound {FAST_S} s)")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("which", ["one", "all"])
+def test_bad_input_fails_every_rank_fast(gpu_dep, routed, layer, experts, which):
+    failures: list[str] = []
+    seed, _, latent, ids, weights = step_inputs(gpu_dep, 1)
+    bad = which == "all" or gpu_dep.rank == 0
+    call = lambda: routed(latent.float() if bad else latent, ids, weights,  # noqa: E731
+                          layer.norm_weight().cuda(), experts=experts)  # fmt: skip
+    if which == "all":
+        expect_raises(failures, "all bad", TypeError, "latent dtype", call)
+        try:
+            routed.synchronize()
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"all bad: synchronize raised {err}")
+    else:
+        fails_fast(failures, "bad latent", (TypeError, EpPeerError),
+                   ("latent dtype", "rank 0 rejected its input"), routed, call, bad)  # fmt: skip
+    failures += good_step(gpu_dep, routed, layer, experts, 100, "next good step")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_failing_experts_fail_every_rank_fast(gpu_dep, routed, layer, experts):
+    failures: list[str] = []
+    seed, _, latent, ids, weights = step_inputs(gpu_dep, 2)
+    bad = gpu_dep.rank == gpu_dep.size - 1
+    used = FailingExperts(experts) if bad else experts
+    call = lambda: routed(latent, ids, weights, layer.norm_weight().cuda(),  # noqa: E731
+                          experts=used)  # fmt: skip
+    fails_fast(failures, "expert failure", (RuntimeError, EpPeerError),
+               ("injected", f"rank {gpu_dep.size - 1} rejected"), routed, call, bad)  # fmt: skip
+    failures += good_step(gpu_dep, routed, layer, experts, 200, "next good step")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mismatch", ["tag", "tokens"])
+def test_ranks_out_of_step_raise_on_every_rank(gpu_dep, routed, layer, experts, mismatch):
+    """Differing tags (a skipped step) give EpDesyncError, differing T a ValueError, on every
+    rank at synchronize(); the outputs of that call are NaN; the next step is correct."""
+    failures: list[str] = []
+    odd = gpu_dep.rank == gpu_dep.size - 1
+    tokens = 9 if (odd and mismatch == "tokens") else 8
+    seed, _, latent, ids, weights = step_inputs(gpu_dep, 3, tokens)
+    tag = 7 if (odd and mismatch == "tag") else 6
+    start = time.monotonic()
+    out = routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts, tag=tag)
+    expected, match = {"tag": (EpDesyncError, "out of step"),
+                       "tokens": (ValueError, "different token counts")}[mismatch]  # fmt: skip
+    expect_raises(failures, mismatch, expected, match, routed.synchronize)
+    if not out.isnan().all():
+        failures.append(f"{mismatch}: the output of the call out of step is not all NaN")
+    if time.monotonic() - start > FAST_S:
+        failures.append(f"{mismatch}: {time.monotonic() - start:.2f} s to the error")
+    failures += good_step(gpu_dep, routed, layer, experts, 300, "next good step")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+def combine_bitwise(gpu_dep, routed, tokens: int, scale: float, normed: bool, base: int):
+    """Expert outputs drawn on every rank (times `scale`); the combine must equal the torch
+    reference bit for bit: rms_norm of the rank-ordered fp32 sum, or its BF16 rounding."""
+    n, rank, L = gpu_dep.size, gpu_dep.rank, TINY.latent
+    seed = agreed_seed(gpu_dep.cpu_group, base)
+    case = make_case(TINY, n, tokens, seed)
+    outs = [(torch.randn(n * tokens, L, generator=torch.Generator().manual_seed(seed + d)) * scale)
+            .to(torch.bfloat16) for d in range(n)]  # fmt: skip
+    norm = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(seed))).bfloat16()
+    dist.barrier(gpu_dep.cpu_group)
+    rows = routed.dispatch(case.latent[rank].cuda(), case.ids[rank].cuda(),
+                           case.weights[rank].cuda())  # fmt: skip
+    hit = (rows.ids >= 0).any(dim=1)
+    rows.out.copy_(torch.where(hit.unsqueeze(1), outs[rank].cuda(), float("nan")))
+    got = routed.combine(norm.cuda() if normed else None)
+    routed.synchronize()
+    owners = owner_ranks(case.ids[rank], TINY.experts // n)
+    total = torch.zeros(tokens, L)
+    for d in range(n):
+        mine = (owners == d).any(dim=1).nonzero().squeeze(1)
+        total[mine] += outs[d][rank * tokens + mine].float()
+    want = rms_norm(total, norm, 1e-5) if normed else total.to(torch.bfloat16)
+    label = f"T={tokens} scale={scale:g} normed={normed} (seed {seed})"
+    failures = []
+    if not torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)):
+        differ = int((got.cpu().view(torch.int16) != want.view(torch.int16)).sum())
+        failures.append(f"{label}: differs from the torch reference in {differ} elements")
+    if normed and not torch.isfinite(got).all():
+        failures.append(f"{label}: non-finite normed output")
+    return failures, seed
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("scale,normed", [(1.0, False), (1e20, True), (1e35, True), (1.0, True)])
+def test_combine_bitwise_plain_and_huge(gpu_dep, routed, scale, normed):
+    failures, seed = combine_bitwise(gpu_dep, routed, 11, scale, normed, 4)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_tokens_padding_idle_rank_and_expert_counts(gpu_dep, routed, layer, experts):
+    """Ranks pass n_r real rows (the last rank none) with tokens = max n_r; outputs [n_r, L]
+    match the reference; expert_counts() equals a bincount of every rank's ids."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, 5)
+    tokens = 12
+    case = make_case(TINY, n, tokens, seed)
+    real = [tokens - 3 * s for s in range(n)]
+    if n > 1:
+        real[-1] = 0
+    r = real[rank]
+    latent, ids, weights = (t[:r].cuda() for t in (case.latent[rank], case.ids[rank],
+                                                   case.weights[rank]))  # fmt: skip
+    out = routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts,
+                 tokens=max(real))  # fmt: skip
+    counts = routed.expert_counts()
+    routed.synchronize()
+    failures = []
+    if tuple(out.shape) != (r, TINY.latent):
+        failures.append(f"output shape {tuple(out.shape)}; expected {(r, TINY.latent)}")
+    padded_ids = case.ids[rank].clone()
+    padded_ids[r:] = -1  # the reference takes every rank's T rows; padding rows have no expert
+    ref = allgather_reference(
+        gpu_dep.cpu_group,
+        case.latent[rank],
+        padded_ids,
+        case.weights[rank],
+        layer.norm_weight(),
+        layer.expert,
+    )[:r]
+    failures += compare(out.cpu(), ref, f"real rows {real}")
+    per_rank = TINY.experts // n
+    all_ids = torch.cat([case.ids[s][: real[s]].flatten() for s in range(n)]).long()
+    mine = all_ids[(all_ids // per_rank) == rank] - rank * per_rank
+    want = torch.bincount(mine, minlength=per_rank).int()
+    if not torch.equal(counts.cpu(), want):
+        failures.append(f"expert_counts {counts.cpu().tolist()} != {want.tolist()}")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
