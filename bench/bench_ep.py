@@ -163,7 +163,8 @@ def write_report(out: Path, rows, copies: dict, quant, suffix: str = "") -> None
     date = datetime.date.today().isoformat()
     lines = [
         "# EP=1 benchmark (one GPU, every expert local)", "",
-        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py --out OUTDIR` (one process).",
+        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py --out OUTDIR`"
+        " (one process).",
         f"K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of CUDA-event-timed"
         f" graph replays, {REPS} launches per replay on {REPS} distinct input sets. Copy ceiling"
         " (2 GiB device-to-device copy, read + written bytes, same run, the best of: "
