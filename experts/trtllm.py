@@ -1,8 +1,8 @@
 """TrtllmExperts: FlashInfer's trtllm-gen MXFP4 x MXFP8 routed MoE (Blackwell SM100/103 only).
 
-The call follows docs/formats.md ("FlashInfer trtllm-gen routed MoE"): receive rows go in as
-they are (MXFP8 bytes viewed float8_e4m3fn, E8M0 scale bytes in the linear layout), ids stay
-global with the rank's expert offset, SiTU with gemm1_alpha = 4.0 (gate) and gemm1_beta = 25.0 (linear) per
+The call follows docs/formats.md ("FlashInfer trtllm-gen routed MoE"): receive rows go in as they
+are (MXFP8 bytes viewed float8_e4m3fn, E8M0 scale bytes in the linear layout), ids stay global with
+the rank's expert offset, SiTU with gemm1_alpha = 4.0 (gate) and gemm1_beta = 25.0 (linear) per
 local expert, do_finalize, the caller's output buffer. FlashInfer is imported lazily.
 """
 

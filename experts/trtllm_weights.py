@@ -1,10 +1,10 @@
 """Checkpoint-layout MXFP4 experts -> the weight layout of FlashInfer's trtllm-gen MoE kernels.
 
-docs/formats.md: FC1 rows go [up (w3); gate (w1)] (the checkpoint has [w1; w3]), are reordered
-for the gated GEMM (up and gate rows alternate) and shuffled for the epilogue tile (epilogue_tile_m =
+docs/formats.md: FC1 rows go [up (w3); gate (w1)] (the checkpoint has [w1; w3]), are reordered for
+the gated GEMM (up and gate rows alternate) and shuffled for the epilogue tile (epilogue_tile_m =
 128); FC2 rows are shuffled the same way. Scale rows follow their weight rows and are then
-interleaved into the kernels' 128x4 layout. Every permutation comes from FlashInfer's own
-helpers (flashinfer.utils / flashinfer.fused_moe.core), the same chain as FlashInfer's
+interleaved into the kernels' 128x4 layout. Every permutation comes from FlashInfer's own helpers
+(flashinfer.utils / flashinfer.fused_moe.core), the same chain as FlashInfer's
 `prepare_trtllm_fp4_weights` and `shuffle_matrix_sf_a`, one expert at a time.
 
 The permutations are plain torch and run anywhere; the interleave is FlashInfer's
