@@ -278,6 +278,7 @@ def test_bad_input_fails_every_rank_fast(dep, layer):
                       lambda: routed(latent, step.ids, step.weights, layer.norm_weight(),
                                      experts=experts))  # fmt: skip
         took = time.monotonic() - start
+        print(f"TIME-TO-ERROR bad latent rank {dep.rank}: {took:.4f} s")
         if took > 1.0:
             failures.append(f"the error took {took:.2f} s")
     collective_assert(dep.cpu_group, failures, seeds=step.seed)

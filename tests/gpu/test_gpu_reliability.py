@@ -105,6 +105,7 @@ def fails_fast(failures, label, expected, match, routed, call, bad: bool) -> Non
         if not out.isnan().all():
             failures.append(f"{label}: the peer's output of the failed call is not all NaN")
     took = time.monotonic() - start
+    print(f"TIME-TO-ERROR {label} rank {routed.rank} ({'bad' if bad else 'peer'}): {took:.4f} s")
     if took > FAST_S:
         failures.append(f"{label}: {took:.2f} s to the error (bound {FAST_S} s)")
 
@@ -161,8 +162,10 @@ def test_ranks_out_of_step_raise_on_every_rank(gpu_dep, routed, layer, experts, 
     expect_raises(failures, mismatch, expected, match, routed.synchronize)
     if not out.isnan().all():
         failures.append(f"{mismatch}: the output of the call out of step is not all NaN")
-    if time.monotonic() - start > FAST_S:
-        failures.append(f"{mismatch}: {time.monotonic() - start:.2f} s to the error")
+    took = time.monotonic() - start
+    print(f"TIME-TO-ERROR {mismatch} mismatch rank {routed.rank}: {took:.4f} s")
+    if took > FAST_S:
+        failures.append(f"{mismatch}: {took:.2f} s to the error")
     failures += good_step(gpu_dep, routed, layer, experts, 300, "next good step")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
@@ -244,4 +247,23 @@ def test_tokens_padding_idle_rank_and_expert_counts(gpu_dep, routed, layer, expe
     want = torch.bincount(mine, minlength=per_rank).int()
     if not torch.equal(counts.cpu(), want):
         failures.append(f"expert_counts {counts.cpu().tolist()} != {want.tolist()}")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reject_step_fails_every_rank_fast(gpu_dep, routed, layer, experts):
+    """A rank that cannot even dispatch (its caller failed first) takes part by reject_step."""
+    failures: list[str] = []
+    seed, _, latent, ids, weights = step_inputs(gpu_dep, 6)
+    bad = gpu_dep.rank == 0
+    error = RuntimeError("the caller failed before its dispatch")
+
+    def call():
+        if bad:
+            return routed.reject_step(error, tag=9)
+        return routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts, tag=9)
+
+    fails_fast(failures, "reject_step", (RuntimeError, EpPeerError),
+               ("before its dispatch", "rank 0 rejected its input"), routed, call, bad)  # fmt: skip
+    failures += good_step(gpu_dep, routed, layer, experts, 400, "next good step")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
