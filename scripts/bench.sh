@@ -2,8 +2,9 @@
 # The benchmarks on a machine with CUDA GPUs, one process per GPU; each writes its results page
 # (markdown table + plot) into OUTDIR:
 #   pip install -e '.[gpu,test]' && bash scripts/bench.sh OUTDIR
-# bench_ep (EP=1 on GPU 0), bench_experts (GPU 0), and with >= 2 GPUs the store + flag ping-pong,
-# the NVLink write ceiling, bench_dep on 2, 4, ... and all GPUs, the K3 example on all GPUs.
+# bench_ep (EP=1 on GPU 0), bench_experts, bench_construction and bench_layer (GPU 0), and with
+# >= 2 GPUs the store + flag ping-pong, the NVLink write ceiling, bench_dep and bench_layer on 2,
+# 4, ... and all GPUs, the K3 example on all GPUs.
 # Logs go to OUTDIR/logs; the exit status is non-zero if any run failed.
 set -uo pipefail
 out=${1:?usage: bench.sh OUTDIR}
@@ -17,12 +18,16 @@ status=0
 log() { bash scripts/run_logged.sh "$out" "$@" || status=1; }
 CUDA_VISIBLE_DEVICES=0 log bench_ep1 300 "$py" bench/bench_ep.py --out "$out"
 CUDA_VISIBLE_DEVICES=0 log bench_experts 300 "$py" bench/bench_experts.py --out "$out"
+one="$py -m torch.distributed.run --nproc-per-node 1"
+CUDA_VISIBLE_DEVICES=0 log bench_construction 200 $one bench/bench_construction.py --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_layer1 300 $one bench/bench_layer.py --out "$out"
 if [ "$gpus" -ge 2 ]; then
   run="$py -m torch.distributed.run"
   log pingpong 120 $run --nproc-per-node 2 bench/pingpong.py --out "$out/pingpong.md"
   log nvlink_ceiling 200 $run --nproc-per-node 2 bench/nvlink_ceiling.py --out "$out/nvlink_ceiling.md"
   for n in $(bash scripts/rank_counts.sh "$gpus"); do
     log "bench_dep${n}" 300 $run --nproc-per-node "$n" bench/bench_dep.py --out "$out"
+    log "bench_layer${n}" 300 $run --nproc-per-node "$n" bench/bench_layer.py --out "$out/layer$n"
   done
   log "example_k3_${gpus}gpu" 200 $run --nproc-per-node "$gpus" examples/dep_layer.py --steps 3
 fi
