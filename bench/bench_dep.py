@@ -26,7 +26,7 @@ from pathlib import Path
 import combine_path
 import torch
 import torch.distributed as dist
-from timing import capture, time_us
+from timing import timed_us
 
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
@@ -34,22 +34,6 @@ from dep_ep.launch import init_rank_context, new_dep_group, teardown
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 10
 SAMPLES = 20
-
-
-def timed_us(fn, group, reps: int = REPS, samples: int = SAMPLES) -> tuple[float, str]:
-    """(median us per call, "graph" | "eager"): `fn` captured REPS times in a CUDA graph and
-    replayed, ranks lined up by a host barrier before each sample; eager when capture fails."""
-    try:
-        run, mode = capture(fn, reps).replay, "graph"
-    except RuntimeError:
-        torch.cuda.synchronize()
-        mode = "eager"
-
-        def run():
-            for _ in range(reps):
-                fn()
-
-    return time_us(run, reps, samples, before=lambda: dist.barrier(group)), mode
 
 
 def destinations(ids: torch.Tensor, num_ranks: int) -> torch.Tensor:
@@ -109,11 +93,14 @@ def main() -> int:
             transport.combine(out, ids, norm, 1e-5, rejected=None)
 
         transport.reset()
-        pair_us, _ = timed_us(pair, cpu)
+        pair_us, _ = timed_us(pair, cpu, REPS, SAMPLES)
         routed.synchronize()
         transport.reset()  # dispatch alone advances combine's expectations
         d_us, _ = timed_us(
-            lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), cpu
+            lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None),
+            cpu,
+            REPS,
+            SAMPLES,
         )
         routed.synchronize()
         transport.reset()
@@ -130,9 +117,12 @@ def main() -> int:
             dist.all_gather_into_tensor(g_ids, ids, group=ctx.group)
             dist.all_gather_into_tensor(g_weights, weights, group=ctx.group)
 
-        ag_us, ag_mode = timed_us(allgather, cpu)
-        rs_us, rs_mode = timed_us(
-            lambda: dist.reduce_scatter_tensor(scattered, sums, group=ctx.group), cpu)  # fmt: skip
+        ag_us, ag_mode = timed_us(allgather, cpu, REPS, SAMPLES)
+
+        def reduce_scatter():
+            dist.reduce_scatter_tensor(scattered, sums, group=ctx.group)
+
+        rs_us, rs_mode = timed_us(reduce_scatter, cpu, REPS, SAMPLES)
 
         # Baseline 2: all_to_all_single with our bytes.
         dest = destinations(ids, n)
@@ -148,11 +138,17 @@ def main() -> int:
         out_split = [r * row_bytes for r in recv_rows]
         in_split = [r * row_bytes for r in send_rows]
 
-        a2a_us, a2a_mode = timed_us(lambda: dist.all_to_all_single(
-            a2a_recv, a2a_send, out_split, in_split, group=ctx.group), cpu)  # fmt: skip
-        back_us, back_mode = timed_us(lambda: dist.all_to_all_single(
-            back_recv, back_send, [r * 2 * L for r in send_rows], [r * 2 * L for r in recv_rows],
-            group=ctx.group), cpu)  # fmt: skip
+        back_out = [r * 2 * L for r in send_rows]
+        back_in = [r * 2 * L for r in recv_rows]
+
+        def all_to_all():
+            dist.all_to_all_single(a2a_recv, a2a_send, out_split, in_split, group=ctx.group)
+
+        def all_to_all_back():
+            dist.all_to_all_single(back_recv, back_send, back_out, back_in, group=ctx.group)
+
+        a2a_us, a2a_mode = timed_us(all_to_all, cpu, REPS, SAMPLES)
+        back_us, back_mode = timed_us(all_to_all_back, cpu, REPS, SAMPLES)
 
         # Bytes this rank sends to other ranks.
         remote_rows = sum(r for d, r in enumerate(send_rows) if d != rank)

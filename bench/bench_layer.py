@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from timing import capture, time_us
+from timing import timed_us
 
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpMoeLayer, EpRouted
@@ -67,21 +67,6 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
     norm = 1 + 0.1 * torch.randn(L, generator=gen, device="cuda")
     out["routed_expert_norm.weight"] = norm.to(torch.bfloat16)
     return out
-
-
-def timed_us(fn, group) -> tuple[float, str]:
-    """(median us per call, "graph" | "eager"): `fn` captured REPS times and replayed."""
-    try:
-        run, mode = capture(fn, REPS).replay, "graph"
-    except RuntimeError:
-        torch.cuda.synchronize()
-        mode = "eager"
-
-        def run():
-            for _ in range(REPS):
-                fn()
-
-    return time_us(run, REPS, SAMPLES, before=lambda: dist.barrier(group)), mode
 
 
 def slowest(value: float, group) -> float:
@@ -128,7 +113,7 @@ def main() -> int:
         }
         row, modes = {"tokens": tokens}, set()
         for name, fn in calls.items():
-            us, mode = timed_us(fn, cpu)
+            us, mode = timed_us(fn, cpu, REPS, SAMPLES)
             routed.synchronize()
             row[name] = slowest(us, cpu)
             modes.add(mode)

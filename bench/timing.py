@@ -47,3 +47,22 @@ def time_us(run: Callable[[], object], launches: int, samples: int = 30,
 def replay_us(graph: torch.cuda.CUDAGraph, launches: int, samples: int = 30) -> float:
     """Median microseconds per launch over `samples` timed replays of a graph of `launches`."""
     return time_us(graph.replay, launches, samples)
+
+
+def timed_us(fn: Callable[[], object], group, reps: int, samples: int) -> tuple[float, str]:
+    """(median us per call, "graph" | "eager"): `fn` captured `reps` times in a CUDA graph and
+    replayed, ranks of `group` lined up by a host barrier before each sample; eager when capture
+    fails (e.g. an NCCL collective that cannot be captured)."""
+    import torch.distributed as dist
+
+    try:
+        run, mode = capture(fn, reps).replay, "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        mode = "eager"
+
+        def run():
+            for _ in range(reps):
+                fn()
+
+    return time_us(run, reps, samples, before=lambda: dist.barrier(group)), mode

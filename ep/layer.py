@@ -10,7 +10,7 @@ from typing import Mapping
 import torch
 
 from dep_ep.checks import check_eps, check_tokens
-from dep_ep.ep.routed import EpRouted
+from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.situ import situ
 
@@ -108,7 +108,7 @@ class EpMoeLayer:
         fn = "EpMoeLayer"
         if not isinstance(routed, EpRouted):
             raise TypeError(f"{fn}: routed is {type(routed).__name__}; expected an EpRouted")
-        self._check_experts(fn, routed, experts)
+        check_experts_match(fn, routed, experts)
         if isinstance(topk, bool) or not isinstance(topk, int) or topk != routed.topk:
             raise ValueError(f"{fn}: topk={topk!r}; the EpRouted was built for topk={routed.topk}")
         factor = routed_scaling_factor
@@ -152,21 +152,6 @@ class EpMoeLayer:
             self._side = torch.cuda.Stream(device=self.device)
 
     # ----------------------------------------------------------------------------- validation
-    @staticmethod
-    def _check_experts(fn: str, routed: EpRouted, experts: object) -> None:
-        if not isinstance(experts, ExpertsBackend):
-            raise TypeError(
-                f"{fn}: experts is {type(experts).__name__}; expected an ExpertsBackend"
-            )
-        mine = (routed.first_expert, routed.experts_per_rank, routed.latent)
-        theirs = (experts.first_expert, experts.num_local_experts, experts.latent)
-        if theirs != mine:
-            raise ValueError(
-                f"{fn}: experts hold first_expert={theirs[0]}, {theirs[1]} experts, latent"
-                f" {theirs[2]}; the EpRouted of rank {routed.rank} expects first_expert={mine[0]},"
-                f" {mine[1]} experts, latent {mine[2]}"
-            )
-
     def _check_dense(self, fn: str, dense: Mapping[str, torch.Tensor]) -> tuple[int, int]:
         """Check every dense tensor; returns (H, S)."""
         if not isinstance(dense, Mapping):

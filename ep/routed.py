@@ -54,6 +54,20 @@ class _Step:
     ids: torch.Tensor
 
 
+def check_experts_match(fn: str, routed: EpRouted, experts: object) -> None:
+    """An ExpertsBackend holding exactly the experts `routed`'s rank owns, at its latent width."""
+    if not isinstance(experts, ExpertsBackend):
+        raise TypeError(f"{fn}: experts is {type(experts).__name__}; expected an ExpertsBackend")
+    mine = (routed.first_expert, routed.experts_per_rank, routed.latent)
+    theirs = (experts.first_expert, experts.num_local_experts, experts.latent)
+    if theirs != mine:
+        raise ValueError(
+            f"{fn}: experts hold first_expert={theirs[0]}, {theirs[1]} experts, latent"
+            f" {theirs[2]}; rank {routed.rank} owns experts {mine[0]}..{mine[0] + mine[1] - 1}"
+            f" (first_expert={mine[0]}, {mine[1]} experts) of latent {mine[2]}"
+        )
+
+
 def _valid_tag(tag: object) -> bool:
     try:
         check_tag("", tag)
@@ -245,22 +259,8 @@ class EpRouted:
             check_ids(fn, ids, self.num_experts)
             check_weights_finite(fn, weights, ids)
         if experts is not None or need_experts:
-            self._check_experts(fn, experts)
+            check_experts_match(fn, self, experts)
         return tokens, real
-
-    def _check_experts(self, fn: str, experts: ExpertsBackend) -> None:
-        if not isinstance(experts, ExpertsBackend):
-            raise TypeError(
-                f"{fn}: experts is {type(experts).__name__}; expected an ExpertsBackend"
-            )
-        mine = (self.first_expert, self.experts_per_rank, self.latent)
-        theirs = (experts.first_expert, experts.num_local_experts, experts.latent)
-        if theirs != mine:
-            raise ValueError(
-                f"{fn}: experts hold first_expert={theirs[0]}, {theirs[1]} experts, latent"
-                f" {theirs[2]}; rank {self.rank} owns experts {mine[0]}..{mine[0] + mine[1] - 1}"
-                f" (first_expert={mine[0]}, {mine[1]} experts) of latent {mine[2]}"
-            )
 
     def _check_norm(self, fn: str, norm_weight: torch.Tensor | None, eps: object) -> float:
         if norm_weight is not None:
