@@ -118,30 +118,21 @@ class EpRouted:
         config: EpConfig | None = None,
     ) -> None:
         fn = "EpRouted"
-        config = EpConfig() if config is None else config
-        if not isinstance(config, EpConfig):
-            raise TypeError(f"{fn}: config is {type(config).__name__}; expected an EpConfig")
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-        for name, value in (("num_experts", num_experts), ("latent", latent), ("topk", topk),
-                            ("max_tokens", max_tokens)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{fn}: {name}={value!r}; expected an int")
-        if num_experts < 1 or num_experts % num_ranks:
-            raise ValueError(
-                f"{fn}: num_experts={num_experts} must be a positive multiple of the rank"
-                f" count {num_ranks}"
-            )
-        if not 1 <= topk <= num_experts:
-            raise ValueError(f"{fn}: topk={topk} outside 1..{num_experts} (num_experts)")
-        if max_tokens < 1:
-            raise ValueError(f"{fn}: max_tokens={max_tokens} must be >= 1")
+        error = None
+        try:
+            config = self._check_construction(fn, num_ranks, max_tokens, num_experts, latent,
+                                              topk, config)  # fmt: skip
+            self.device = resolve_device(device)
+        except (TypeError, ValueError, RuntimeError) as err:
+            # Every rank still takes part in the agreement: the others raise EpPeerError.
+            error, config, self.device = err, EpConfig(), torch.device("cpu")
         self.config = config
-        self.device = resolve_device(device)
         fingerprint = {
             "num_ranks": num_ranks, "max_tokens": max_tokens, "num_experts": num_experts,
             "latent": latent, "topk": topk, "device": self.device.type, "version": __version__,
         }  # fmt: skip
-        job = agree_on_construction(fn, group, rank, fingerprint, config.timeout_s)
+        job = agree_on_construction(fn, group, rank, fingerprint, config.timeout_s, error)
         self.num_experts, self.latent, self.topk = num_experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = num_experts // num_ranks
@@ -168,6 +159,27 @@ class EpRouted:
         self._step: _Step | None = None  # the dispatched step awaiting its combine
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
         self._broken: str | None = None  # why calls are refused until reset()
+
+    @staticmethod
+    def _check_construction(fn, num_ranks, max_tokens, num_experts, latent, topk, config):
+        """The constructor's arguments on their own (local); returns the EpConfig."""
+        config = EpConfig() if config is None else config
+        if not isinstance(config, EpConfig):
+            raise TypeError(f"{fn}: config is {type(config).__name__}; expected an EpConfig")
+        for name, value in (("num_experts", num_experts), ("latent", latent), ("topk", topk),
+                            ("max_tokens", max_tokens)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{fn}: {name}={value!r}; expected an int")
+        if num_experts < 1 or num_experts % num_ranks:
+            raise ValueError(
+                f"{fn}: num_experts={num_experts} must be a positive multiple of the rank"
+                f" count {num_ranks}"
+            )
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"{fn}: topk={topk} outside 1..{num_experts} (num_experts)")
+        if max_tokens < 1:
+            raise ValueError(f"{fn}: max_tokens={max_tokens} must be >= 1")
+        return config
 
     # ----------------------------------------------------------------------------- lifetime
     def __enter__(self) -> EpRouted:

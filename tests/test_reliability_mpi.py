@@ -304,3 +304,18 @@ def test_bad_input_with_tags_keeps_its_error(dep, layer):
                       else step.run(routed, experts, tag=6))  # fmt: skip
         good_step(dep, routed, layer, experts, 18, "after", failures, tag=7)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_construction_error_on_one_rank_reaches_every_rank(dep):
+    """A rank whose own arguments are invalid raises its error; the others EpPeerError naming
+    it, at once (no timeout waited out)."""
+    bad = dep.rank == dep.size - 1
+    failures: list[str] = []
+    start = time.monotonic()
+    expected, match = (ValueError, "topk=0") if bad else (EpPeerError, "rejected their arguments")
+    expect_raises(failures, "topk=0 on one rank", expected, match,
+                  lambda: build(dep, topk=0 if bad else TINY.topk))  # fmt: skip
+    if time.monotonic() - start > 5.0:
+        failures.append(f"the error took {time.monotonic() - start:.1f} s")
+    collective_assert(dep.cpu_group, failures, seeds=None)
