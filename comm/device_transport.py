@@ -1,10 +1,11 @@
 """DeviceTransport: dispatch and combine between CUDA ranks over NVSHMEM, with CuTeDSL kernels.
 
 Compiles the kernels once per geometry and process (at construction, before any graph capture; T
-is a runtime argument, so no compile per token count), keeps the device state (expected arrival
-counts per source, the abort word) and the host-mapped error record, and launches on the current
-stream. No host synchronisation and no memset between calls: every launch can be captured in a
-CUDA graph.
+is a runtime argument, so no compile per token count), keeps the device state (the calls done,
+the step status, the launches' CTA counters, the abort word) and the host-mapped error record,
+and launches on the current stream. No host synchronisation and no memset between calls: every
+launch can be captured in a CUDA graph (a call's tag is a launch argument: a graph replays the tag
+it was captured with).
 """
 
 from __future__ import annotations
