@@ -42,7 +42,7 @@ def e4m3_code(y: float) -> int:
 
 
 def reference_block(values: list[float]) -> tuple[list[int], int]:
-    """FACTS.md's recipe, one block of 32 bf16 values (exact Python floats)."""
+    """The recipe of docs/formats.md, one block of 32 bf16 values (exact Python floats)."""
     amax = max(abs(v) for v in values)
     if math.isnan(amax) or math.isinf(amax) or any(math.isnan(v) for v in values):
         scale = 255

@@ -116,7 +116,7 @@ def test_routed_moe_arguments_match_flashinfer_and_facts():
         assert args[name].dtype == torch.float8_e4m3fn
         assert args[name].data_ptr() == source.data_ptr() and args[name].shape == source.shape
     assert args["output"] is out and args["do_finalize"] is True
-    assert int(args["activation_type"]) == 10  # SiTU (FACTS.md)
+    assert int(args["activation_type"]) == 10  # SiTU (docs/formats.md)
     assert int(args["routing_method_type"]) == int(fi.RoutingMethodType.Renormalize)
     assert args["hidden_states_scale_layout"] == fi.SfLayout.layout_linear
     assert args["gemm1_alpha"] is alpha and args["gemm1_beta"] is beta
