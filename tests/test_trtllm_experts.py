@@ -94,7 +94,7 @@ def receive_rows(rows: int = 24, topk: int = TINY.topk):
     return x, sf, ids, weights, out
 
 
-def test_routed_moe_arguments_match_flashinfer_and_facts():
+def test_routed_moe_arguments_match_flashinfer_and_the_contract():
     num_local, inter = 4, TINY.intermediate
     prepared = TrtllmWeights(
         torch.zeros(num_local, 2 * inter, TINY.latent // 2, dtype=torch.uint8),
