@@ -95,7 +95,7 @@ def main() -> int:
         transport.reset()
         pair_us, _ = timed_us(pair, cpu, REPS, SAMPLES)
         routed.synchronize()
-        transport.reset()  # dispatch alone advances combine's expectations
+        transport.reset()  # a dispatch alone leaves its call open
         d_us, _ = timed_us(
             lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None),
             cpu,

@@ -6,8 +6,8 @@ ceiling measured in the same run; the MXFP8 quantize kernel against the torch re
 One process, every expert local (EP=1), K3 geometry (L 3584, K 16, E 896). Times are medians of
 CUDA-event-timed graph replays (each replay runs REPS launches back to back, each launch on its
 own input set, so that a replay's inputs are several times the L2 at large T; the graph is
-replayed many times). Combine cannot run without a dispatch before it (its wait targets advance
-at dispatch), so it is timed as (dispatch + combine) - dispatch. Bytes are the fewest each kernel
+replayed many times). Combine cannot run without a dispatch before it (the dispatch opens the
+call whose flags the combine waits for), so it is timed as (dispatch + combine) - dispatch. Bytes are the fewest each kernel
 must move through device memory at EP=1 (inputs read once, outputs written once); the receive
 rows and partials are one fixed region of the symmetric buffer, as in real use.
 """
@@ -103,7 +103,7 @@ def main() -> int:
         pair = capture(pair, REPS)
         pair_us = replay_us(pair, REPS)
         routed.synchronize()
-        transport.reset()  # dispatch alone advances combine's expectations: reset after it
+        transport.reset()  # a dispatch alone leaves its call open: reset after it
         dispatch = capture(
             lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), REPS
         )

@@ -199,9 +199,10 @@ class DeviceTransport(Transport):
         self.check()
 
     def reset(self) -> None:
-        """Once every rank's queued work is done (first barrier), zero this rank's step flags and
-        device state; the second barrier keeps every rank from launching again before all have
-        zeroed. Also clears a recorded timeout."""
+        """Once every rank's queued work is done (first barrier), zero this rank's step flags,
+        device state and error record; the second barrier keeps every rank from launching again
+        before all have zeroed. For interrupted calls and benchmarks: after a timeout the
+        supported recovery is a new EpRouted (a rank may still be anywhere in the protocol)."""
         torch.cuda.synchronize(self.device)
         bounded_barrier(self.buffers.group, self.rank, "reset", self.timeout_s)
         self.buffers.flags.zero_()

@@ -12,7 +12,7 @@ def allocate_nvshmem(
     group: dist.ProcessGroup, rank: int, num_ranks: int, nbytes: int, device: torch.device
 ) -> list[torch.Tensor]:
     """Collective: uint8 tensors of `nbytes`, entry r = rank r's allocation as this process sees
-    it (entry `rank` is its own). Zero-filled once here (the arrival counters start at 0)."""
+    it (entry `rank` is its own). Zero-filled once here (the step flags start at call 0)."""
     pes = acquire_nvshmem(group, device)
     nvshmem = import_nvshmem()
     try:

@@ -1,9 +1,9 @@
 """The transport interface EpRouted drives: one implementation per kind of symmetric memory.
 
 `HostTransport` (CPU ranks: POSIX shared memory, torch reference writes, a host agreement
-protocol) and `DeviceTransport` (CUDA ranks: NVSHMEM, CuTeDSL kernels, device-side counters) take
-the same calls with the same meaning; EpRouted validates the arguments and never asks which one it
-holds. `open_transport` picks by the buffers' device.
+protocol) and `DeviceTransport` (CUDA ranks: NVSHMEM, CuTeDSL kernels, step flags) take the
+same calls with the same meaning; EpRouted validates the arguments and never asks which one
+it holds. `open_transport` picks by the buffers' device.
 """
 
 from __future__ import annotations

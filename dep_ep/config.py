@@ -48,13 +48,13 @@ DEFAULT_TIMEOUT_S = 60.0
 class EpConfig:
     """Runtime settings of one EpRouted (the geometry is its constructor's arguments).
 
-    timeout_s: bounds every wait of the library (barriers, arrival counters, the construction's
+    timeout_s: bounds every wait of the library (barriers, step flags, the construction's
       exchanges); expiry raises EpTimeoutError naming the rank, the phase and the peers.
       Finite, > 0.
     check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
     combine_split_min_tokens: from this T on the GPU combine runs as two launches (send, then
-      reduce) instead of one; None takes the measured default for the rank count (docs/gpu.md),
+      reduce) instead of one; None takes the measured default for the rank count (docs/perf_notes.md),
       0 forces two launches at every T, a value above max_tokens forces one launch.
     check_expert_rows: a debug mode: dispatch marks the expert output rows, and combine raises
       (on every rank) when a row that holds a local expert id was not written since the dispatch

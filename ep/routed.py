@@ -83,9 +83,9 @@ _IN_STEP_ERRORS = (EpPeerError, EpDesyncError, ValueError, TypeError)
 class EpRouted:
     """The routed-expert path of every MoE layer of one rank: buffers shared by all layers.
 
-    Collective calls (every rank of `group`, same order, same T): construction, `dispatch`,
-    `combine` (or `abort_step`), `routed` (the object is callable: `ep(...)` is `ep.routed(...)`),
-    `reset`, `close`. On CPU each blocks the host and completes before it returns; on CUDA
+    Collective calls (every rank of `group`, same order, same T): construction, `dispatch` (or
+    `reject_step`), `combine` (or `abort_step`), `routed` (the object is callable: `ep(...)` is
+    `ep.routed(...)`), `reset`, `close`. On CPU each blocks the host and completes before it returns; on CUDA
     (NVSHMEM buffers, CuTeDSL kernels) dispatch/combine/routed are stream-ordered, never sync the
     host and can be captured in a CUDA graph; `synchronize()` waits and reports errors. A context
     manager: `with EpRouted(...) as ep:` closes on exit.
@@ -95,8 +95,9 @@ class EpRouted:
     num_experts: E (divisible by the rank count; rank r owns [r*E/N, (r+1)*E/N)); latent: L
     (a multiple of 32); topk: K; config: runtime settings (timeouts, checks, combine path).
     Construction compares every rank's arguments (and device kind and library version) and
-    raises ValueError on every rank naming the fields that differ; a rank that never arrives
-    gives EpTimeoutError within `config.timeout_s`.
+    raises ValueError on every rank naming the fields that differ; a rank whose own arguments are
+    invalid raises its error and every other rank EpPeerError; a rank that never arrives gives
+    EpTimeoutError within `config.timeout_s`.
 
     Calls pair by their order: the i-th dispatch of every rank forms one step. A rank that skips a
     whole step is only seen when the calls carry a `tag` (an int the caller advances, such as
