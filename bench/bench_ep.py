@@ -7,9 +7,10 @@ One process, every expert local (EP=1), K3 geometry (L 3584, K 16, E 896). Times
 CUDA-event-timed graph replays (each replay runs REPS launches back to back, each launch on its
 own input set, so that a replay's inputs are several times the L2 at large T; the graph is
 replayed many times). Combine cannot run without a dispatch before it (the dispatch opens the
-call whose flags the combine waits for), so it is timed as (dispatch + combine) - dispatch. Bytes are the fewest each kernel
-must move through device memory at EP=1 (inputs read once, outputs written once); the receive
-rows and partials are one fixed region of the symmetric buffer, as in real use.
+call whose flags the combine waits for), so it is timed as (dispatch + combine) - dispatch.
+Bytes are the fewest each kernel must move through device memory at EP=1 (inputs read once,
+outputs written once); the receive rows and partials are one fixed region of the symmetric
+buffer, as in real use.
 """
 
 from __future__ import annotations

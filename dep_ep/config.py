@@ -54,8 +54,9 @@ class EpConfig:
     check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
     combine_split_min_tokens: from this T on the GPU combine runs as two launches (send, then
-      reduce) instead of one; None takes the measured default for the rank count (docs/perf_notes.md),
-      0 forces two launches at every T, a value above max_tokens forces one launch.
+      reduce) instead of one; None takes the measured default for the rank count
+      (docs/perf_notes.md), 0 forces two launches at every T, a value above max_tokens forces
+      one launch.
     check_expert_rows: a debug mode: dispatch marks the expert output rows, and combine raises
       (on every rank) when a row that holds a local expert id was not written since the dispatch
       (experts skipped or writing elsewhere). It reads the rows: a host sync on a GPU. Off, such

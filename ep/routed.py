@@ -85,10 +85,10 @@ class EpRouted:
 
     Collective calls (every rank of `group`, same order, same T): construction, `dispatch` (or
     `reject_step`), `combine` (or `abort_step`), `routed` (the object is callable: `ep(...)` is
-    `ep.routed(...)`), `reset`, `close`. On CPU each blocks the host and completes before it returns; on CUDA
-    (NVSHMEM buffers, CuTeDSL kernels) dispatch/combine/routed are stream-ordered, never sync the
-    host and can be captured in a CUDA graph; `synchronize()` waits and reports errors. A context
-    manager: `with EpRouted(...) as ep:` closes on exit.
+    `ep.routed(...)`), `reset`, `close`. On CPU each blocks the host and completes before it
+    returns; on CUDA (NVSHMEM buffers, CuTeDSL kernels) dispatch/combine/routed are
+    stream-ordered, never sync the host and can be captured in a CUDA graph; `synchronize()`
+    waits and reports errors. A context manager: `with EpRouted(...) as ep:` closes on exit.
 
     group: gloo group of the EP ranks (it carries the host barriers, or the NVSHMEM bootstrap);
     max_tokens: the most tokens a rank passes in a step; device: "cpu" or a CUDA device;
