@@ -356,18 +356,21 @@ class EpRouted:
         except (TypeError, ValueError) as err:
             error, tokens = err, 0
         wire_tag = tag if _valid_tag(tag) else NO_TAG  # a rejecting rank's peers need not see it
-        staged_ids, staged_weights = self._ids[:tokens], self._weights[:tokens]
+        staged_ids = self._ids[:tokens]
         if error is None:
-            # Copies, never references: combine reads the ids again and the caller may reuse its
-            # tensors in between; padding rows get -1 ids.
+            # The ids are copied, never referenced: combine reads them again and the caller may
+            # reuse its tensor in between; padding rows get -1 ids. The weights are read by the
+            # dispatch alone: staged only when padding rows must follow the caller's n rows.
             staged_ids[:real].copy_(ids)
-            staged_ids[real:].fill_(-1)
-            staged_weights[:real].copy_(weights)
+            if real < tokens:
+                staged_ids[real:].fill_(-1)
+                self._weights[:real].copy_(weights)
+                weights = self._weights[:tokens]
             if self.config.check_expert_rows:
                 out = self._expert_out[: self.buffers.layout.rows(tokens)]
                 out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
         self._run(fn, lambda: self._transport.dispatch(
-            latent, staged_ids, staged_weights, tokens=tokens, rejected=error, tag=wire_tag,
+            latent, staged_ids, weights, tokens=tokens, rejected=error, tag=wire_tag,
         ), error)  # fmt: skip
         self._step = _Step(tokens, real, wire_tag, staged_ids)
         self._last_tokens = tokens

@@ -161,11 +161,6 @@ def chunk_end(count: Int32, block: Int32, grid: Int32) -> Int32:
     return cutlass.min(chunk_begin(count, block, grid) + (count + grid - 1) // grid, count)
 
 
-def overlap(a0, a1, b0, b1):
-    """Length of [a0, a1) intersected with [b0, b1), at least 0."""
-    return cutlass.max(cutlass.min(a1, b1) - cutlass.max(a0, b0), 0)
-
-
 def flag_slot(base: Int64, flags_off: Int64, phase: int, num_ranks: int, source) -> Int64:
     """Address of the flag slot of (phase, source) in the allocation at `base` (symmetric)."""
     row = (phase - PHASE_DISPATCH) * num_ranks + source
