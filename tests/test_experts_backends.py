@@ -2,10 +2,12 @@
 float64) on the same receive rows, fresh random data each run, output poisoned with NaN.
 
 CPU cases run everywhere; CUDA cases run where a GPU is (single process:
-`python -m pytest -q tests/test_experts_backends.py`), and TrtllmExperts only on SM100/103:
-elsewhere its cases are reported as skipped with the reason."""
+`python -m pytest -q tests/test_experts_backends.py`), TrtllmExperts only on SM100/103 and
+HopperExperts only on SM90: elsewhere their cases are reported as skipped with the reason."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -15,9 +17,10 @@ from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.ep.allgather_reference import expert_sums
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import DenseExperts, ReferenceExperts
+from dep_ep.experts.hopper import HopperExperts
 from dep_ep.experts.trtllm import TrtllmExperts
 
-from helpers.tolerance import EXPERTS_REL_L2, TRTLLM_REL_L2
+from helpers.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2, TRTLLM_REL_L2
 
 K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=64,
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
@@ -35,7 +38,11 @@ BACKENDS = {
     "reference-per-expert": lambda w, first, g: reference_per_expert(w, first),
     "dense": lambda w, first, g: DenseExperts(*w, first_expert=first),
     "trtllm": lambda w, first, g: TrtllmExperts(*w, first_expert=first, num_experts=g.experts),
+    "hopper-humming": lambda w, first, g: HopperExperts(*w, first_expert=first, engine="humming"),
+    "hopper-triton": lambda w, first, g: HopperExperts(*w, first_expert=first, engine="triton"),
 }
+# Backends with hardware needs: their CUDA cases skip elsewhere, naming the reason.
+NEEDS = {"trtllm": TrtllmExperts, **{name: HopperExperts for name in BACKENDS if "hopper" in name}}
 CASES = [
     ("reference", "cpu", TINY),
     ("dense", "cpu", TINY),
@@ -45,9 +52,12 @@ CASES = [
     ("reference-per-expert", "cuda", K3_WIDTHS),
     ("trtllm", "cuda", TINY),
     ("trtllm", "cuda", K3_WIDTHS),
+    ("hopper-humming", "cuda", K3_WIDTHS),
+    ("hopper-triton", "cuda", TINY),
+    ("hopper-triton", "cuda", K3_WIDTHS),
 ]
 # Relative L2 bounds from the error model of the backends' roundings (helpers/tolerance.py).
-TOLERANCE = {"trtllm": TRTLLM_REL_L2}  # FC2 input in MXFP8; every other backend: BF16
+TOLERANCE = {"trtllm": TRTLLM_REL_L2, "hopper-humming": HUMMING_REL_L2}  # FC2 input in MXFP8
 
 
 def receive_rows(g: MoeGeometry, first: int, count: int, rows: int, gen: torch.Generator):
@@ -77,10 +87,15 @@ def receive_rows(g: MoeGeometry, first: int, count: int, rows: int, gen: torch.G
 def test_backend_matches_allgather_reference(name, device, geometry):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device here")
-    if name == "trtllm":
-        reason = TrtllmExperts.unsupported_reason(torch.device(device))
+    if name in NEEDS:
+        backend_type = NEEDS[name]
+        reason = backend_type.unsupported_reason(torch.device(device))
         if reason is not None:
-            pytest.skip(f"TrtllmExperts needs {TrtllmExperts.requires}: {reason}")
+            pytest.skip(f"{backend_type.__name__} needs {backend_type.requires}: {reason}")
+    if name == "hopper-humming" and importlib.util.find_spec("humming") is None:
+        pytest.skip(
+            "HopperExperts(engine='humming') needs humming-kernels: pip install -e '.[gpu]'"
+        )
     seed = int(torch.randint(0, 2**31, (1,)))
     gen = torch.Generator().manual_seed(seed)
     first, count = 8, 8

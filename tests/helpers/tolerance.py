@@ -49,6 +49,13 @@ TRTLLM_ROUNDINGS = {
     "expert output -> BF16": BF16,
     "finalize: weighted sum over the row's local ids -> BF16": BF16,
 }
+# HopperExperts' humming engine: FC1's output in BF16, SiTU's in MXFP8 (the dispatch's recipe).
+HUMMING_ROUNDINGS = {
+    "FC1 output (fp32 sums) -> BF16 (SiTU's input)": BF16,
+    "SiTU activation -> MXFP8 (e4m3 elements, FC2's input)": E4M3,
+    "expert output -> BF16": BF16,
+    "finalize: weighted sum over the row's local ids -> BF16": BF16,
+}
 # The routed path (EpRouted: dispatch -> experts -> combine + RMSNorm), per output token.
 ROUTED_ROUNDINGS = {
     **EXPERT_ROUNDINGS,  # the last one is the rank's partial that combine sends back
@@ -76,6 +83,7 @@ SAFETY = 2.0
 ROUTED_REL_L2 = SAFETY * model_rms(ROUTED_ROUNDINGS)  # 2 * 4.06e-3 = 8.1e-3
 EXPERTS_REL_L2 = SAFETY * model_rms(EXPERT_ROUNDINGS)  # 2 * 2.87e-3 = 5.7e-3
 TRTLLM_REL_L2 = SAFETY * model_rms(TRTLLM_ROUNDINGS)  # 2 * 2.66e-2 = 5.3e-2
+HUMMING_REL_L2 = SAFETY * model_rms(HUMMING_ROUNDINGS)  # 2 * 2.66e-2 = 5.3e-2
 
 # Per element of the routed output, a bound rather than an rms: each rounding errs by at most
 # BF16_UNIT_ROUNDOFF times the value it rounds (to first order). Three of them round the

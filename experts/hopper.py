@@ -1,0 +1,334 @@
+"""HopperExperts: MXFP4 experts on SM90 over device-grouped pairs, in one of two engines.
+
+- "humming" (the default when humming-kernels is installed, `pip install -e '.[gpu]'`):
+  group_pairs -> humming's FC1 (WGMMA, e4m3 rows x MXFP4) -> situ_mxfp8_kernel (SiTU, then MXFP8
+  like the dispatch) -> humming's FC2 -> finalize_kernel (experts/hopper_humming.py).
+- "triton": group_pairs -> fc1_situ_kernel -> fc2_kernel -> finalize_kernel, all ours
+  (experts/hopper_kernels.py), with ReferenceExperts' BF16 numerics.
+
+Both keep the weights at 4 bits and read the receive rows' MXFP8 bytes as they are (humming reads
+the E8M0 scales widened to fp32). No host synchronisation and no launch shape that depends on the
+data: a call can be captured in a CUDA graph with the routed path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dep_ep.comm.mxfp8 import e8m0_to_fp32
+from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.grouping import group_pairs, pair_capacity
+from dep_ep.experts.hopper_humming import HummingGemm, check_scale_spread, route
+from dep_ep.experts.weights import check_expert_weights
+
+MATHS = ("bf16", "fp32")  # experts/hopper_kernels.py
+
+
+@dataclass(frozen=True)
+class HopperTiles:
+    """Block shapes and launch of the triton engine's kernels (experts/hopper_kernels.py has what
+    they mean); the humming engine uses finalize_block_l and num_warps only.
+
+    block_n: pairs per tile (the MMA's N side; >= 16); fc1_block_m: intermediate columns per FC1
+    work item (it reads 2 * fc1_block_m weight rows: gate and up); fc2_block_m: output columns per
+    FC2 work item; *_block_k: K per step (a multiple of 64); finalize_block_l: output columns per
+    finalize program; programs_per_sm: persistent programs per SM; math: one of MATHS.
+    """
+
+    block_n: int = 16
+    fc1_block_m: int = 64
+    fc1_block_k: int = 128
+    fc2_block_m: int = 64
+    fc2_block_k: int = 128
+    finalize_block_l: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 2
+    math: str = "bf16"
+    persistent: bool = True
+
+    def check(self, latent: int, intermediate: int) -> None:
+        """ValueError naming the field unless every block divides its dimension (powers of two)."""
+        if self.math not in MATHS:
+            raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
+        for name, value, dim, least in (
+            ("block_n", self.block_n, None, 16),
+            ("fc1_block_m", self.fc1_block_m, intermediate, 16),
+            ("fc1_block_k", self.fc1_block_k, latent, 2 * SCALE_BLOCK),
+            ("fc2_block_m", self.fc2_block_m, latent, 16),
+            ("fc2_block_k", self.fc2_block_k, intermediate, 2 * SCALE_BLOCK),
+            ("finalize_block_l", self.finalize_block_l, latent, 16),
+        ):
+            if value < least or value & (value - 1) or (dim is not None and dim % value):
+                where = "" if dim is None else f" dividing {dim}"
+                raise ValueError(f"HopperTiles: {name}={value}; expected a power of two >= {least}"
+                                 f"{where}")  # fmt: skip
+        for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages),
+                            ("programs_per_sm", self.programs_per_sm)):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"HopperTiles: {name}={value}; expected >= 1")
+
+
+ENGINES = ("humming", "triton")
+# Expected pairs per local expert from which humming's kernel is chosen for the pair capacity
+# (larger tiles): at K3 on an H200, 56 local experts at T = 32..128 ran 7-19% faster that way,
+# and 448 local experts at T <= 256 (<= 9.2 pairs per expert) 4-30% slower (bench_experts).
+LARGE_TILE_PAIRS = 10
+# situ_mxfp8_kernel: pairs per step and intermediate columns per program.
+SITU_ROWS, SITU_BLOCK_I = 16, 256
+
+
+def default_engine() -> str:
+    """ "humming" when humming-kernels is importable, else "triton"."""
+    return "humming" if importlib.util.find_spec("humming") is not None else "triton"
+
+
+def workspace_bytes(rows: int, topk: int, num_local: int, latent: int, intermediate: int,
+                    engine: str) -> int:  # fmt: skip
+    """Bytes one call allocates (from torch's caching allocator) for R receive rows, at the pair
+    capacity P = R * min(K, E_local): triton: BF16 activations [P, I] and expert outputs [P, L];
+    humming: BF16 FC1 outputs [R * K, 2I], MXFP8 activations [P, I] (+ fp32 scales) and BF16
+    expert outputs [P, L]; both plus the grouping's int tensors."""
+    pairs = pair_capacity(rows, topk, num_local)
+    grouping = rows * topk * 8 * 4
+    if engine == "triton":
+        return pairs * (intermediate + latent) * 2 + grouping
+    act = pairs * (intermediate + intermediate // SCALE_BLOCK * 4)
+    return rows * topk * 2 * intermediate * 2 + act + pairs * latent * 2 + grouping
+
+
+def fused_experts(
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    first_expert: int,
+    x: torch.Tensor,
+    sf: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    tiles: HopperTiles,
+    programs: int,
+) -> torch.Tensor:
+    """The three kernels over the rows (HopperExperts.forward's contract); `programs` persistent
+    programs per GEMM. Runs wherever Triton does, its CPU interpreter included (math="fp32")."""
+    from dep_ep.experts import hopper_kernels as kernels  # triton is imported on first use
+
+    num_local, two_inter, half_latent = w13.shape
+    latent, inter = 2 * half_latent, two_inter // 2
+    rows, topk = ids.shape
+    groups = group_pairs(ids, first_expert, num_local, tiles.block_n)
+    act = torch.empty(groups.pair_capacity, inter, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(groups.pair_capacity, latent, dtype=torch.bfloat16, device=x.device)
+    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    tile_args = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
+    fc1_work = groups.tile_capacity * (inter // tiles.fc1_block_m)
+    fc1_programs = min(programs, fc1_work) if tiles.persistent else fc1_work
+    kernels.fc1_situ_kernel[(max(1, fc1_programs),)](
+        x, sf, w13, s13, act, groups.pair_row, *tile_args,
+        latent, inter, tiles.fc1_block_m, tiles.block_n, tiles.fc1_block_k, tiles.math,
+        tiles.persistent, **launch,
+    )  # fmt: skip
+    fc2_work = groups.tile_capacity * (latent // tiles.fc2_block_m)
+    fc2_programs = min(programs, fc2_work) if tiles.persistent else fc2_work
+    kernels.fc2_kernel[(max(1, fc2_programs),)](
+        act, w2, s2, y, *tile_args,
+        latent, inter, tiles.fc2_block_m, tiles.block_n, tiles.fc2_block_k, tiles.math,
+        tiles.persistent, **launch,
+    )  # fmt: skip
+    if rows:
+        kernels.finalize_kernel[(rows, latent // tiles.finalize_block_l)](
+            y, groups.pair_slot, weights, out, latent, topk, tiles.finalize_block_l,
+            num_warps=tiles.num_warps,
+        )  # fmt: skip
+    return out
+
+
+class HopperExperts(ExpertsBackend):
+    """The rank's MXFP4 experts on an SM90 GPU (experts/weights.py has the checkpoint layout).
+
+    engine "triton": the same numerics as ReferenceExperts up to the order of fp32 sums (MXFP8
+    rows and MXFP4 weights decoded exactly; FC1 with fp32 sums; SiTU in fp32, one rounding to
+    BF16; FC2 with fp32 sums, one rounding to BF16; per row the fp32 sum over k in order of weight
+    * expert output, one rounding to BF16).
+    engine "humming": e4m3 rows times the weights in e4m3 (exact for MXFP4 within an expert's
+    11-binade scale spread, checked at construction) with fp32 sums; FC1's output rounded to BF16;
+    SiTU in fp32 rounded to MXFP8 (e4m3 elements, one scale per 32, the dispatch's recipe); FC2
+    with fp32 sums, one rounding to BF16; the same finalize.
+    Both: no atomics and no split K, so reruns on the same rows are bitwise equal.
+
+    Memory: triton keeps the caller's weights (no copy when contiguous); humming keeps its own
+    re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
+    `workspace_bytes` from torch's caching allocator (inside a graph capture, the graph's pool).
+    The humming engine compiles a kernel the first time a call's pair capacity reaches a new
+    power of two (seconds): make one eager call of each row count before capturing a graph.
+
+    Rows without a local id keep whatever `out` held. A NaN or Inf in a row stays within the
+    outputs of that row's pairs.
+    """
+
+    requires = "an SM90 (Hopper) CUDA GPU and triton (and humming-kernels for engine='humming')"
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        s13: torch.Tensor,
+        w2: torch.Tensor,
+        s2: torch.Tensor,
+        *,
+        first_expert: int,
+        num_experts: int | None = None,
+        engine: str | None = None,
+        tiles: HopperTiles | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        geometry = check_expert_weights(owner, w13, s13, w2, s2, first_expert)
+        self.check_device(geometry.device)
+        if num_experts is not None and not (
+            isinstance(num_experts, int) and num_experts >= first_expert + geometry.num_local
+        ):
+            raise ValueError(
+                f"{owner}: num_experts={num_experts!r}; expected an int >="
+                f" first_expert + local experts = {first_expert + geometry.num_local}"
+            )
+        self.num_experts = num_experts
+        self.engine = default_engine() if engine is None else engine
+        self.activation_format = "mxfp8" if self.engine == "humming" else "bf16"
+        if self.engine not in ENGINES:
+            raise ValueError(f"{owner}: engine={self.engine!r}; expected one of {ENGINES}")
+        self.tiles = tiles or HopperTiles()
+        self.tiles.check(geometry.latent, geometry.intermediate)
+        self.first_expert = int(first_expert)
+        self.num_local_experts = geometry.num_local
+        self.latent, self.intermediate = geometry.latent, geometry.intermediate
+        self.device = geometry.device
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.programs = self.sms * self.tiles.programs_per_sm
+        if self.engine == "humming":
+            if importlib.util.find_spec("humming") is None:
+                raise RuntimeError(f"{owner}: engine='humming' needs humming-kernels:"
+                                   " pip install -e '.[gpu]'")  # fmt: skip
+            check_scale_spread(owner, "s13", s13)
+            check_scale_spread(owner, "s2", s2)
+            # fp32 2^(byte - 127) of every E8M0 byte: humming reads the rows' scales widened.
+            self.e8m0_fp32 = e8m0_to_fp32(torch.arange(256, dtype=torch.uint8, device=self.device))
+            self.fc1 = HummingGemm.prepare(w13.contiguous(), s13.contiguous())
+            self.fc2 = HummingGemm.prepare(w2.contiguous(), s2.contiguous())
+        else:
+            # uint8, the checkpoint layout (contiguous: the kernels index it densely).
+            self.w13, self.s13 = w13.contiguous(), s13.contiguous()
+            self.w2, self.s2 = w2.contiguous(), s2.contiguous()
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"it runs on CUDA GPUs, not {device.type}"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major != 9:
+            return f"its compute capability is {major}.{minor}"
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        return None
+
+    def pair_bound(self, rows: int, topk: int) -> int:
+        """The pair count humming's kernel is chosen for (a power of two >= 16; one compilation
+        each). Only speed depends on it: any count of pairs runs correctly. With num_experts, the
+        expected pairs of R receive rows under uniform routing (K of E experts, E_local here, each
+        row holding at least one local id) when that is below LARGE_TILE_PAIRS per local expert;
+        otherwise (and without num_experts) the capacity R * min(K, E_local), for which humming
+        picks its larger tiles (docs/bench_experts.md has both measured)."""
+        pairs = pair_capacity(rows, topk, self.num_local_experts)
+        if self.num_experts is not None:
+            share = self.num_local_experts / self.num_experts
+            some_local = 1.0 - (1.0 - share) ** topk  # a token holds >= 1 local id
+            expected = math.ceil(rows * topk * share / some_local)
+            if expected < LARGE_TILE_PAIRS * self.num_local_experts:
+                pairs = min(pairs, expected)
+        return 1 << max(4, (max(pairs, 1) - 1).bit_length())
+
+    def workspace_bytes(self, rows: int, topk: int) -> int:
+        """Bytes a call over `rows` receive rows with `topk` ids each allocates (see the class)."""
+        return workspace_bytes(rows, topk, self.num_local_experts, self.latent, self.intermediate,
+                               self.engine)  # fmt: skip
+
+    def _check_rows(self, x, sf, ids, weights, out) -> None:
+        if ids.dim() != 2:
+            raise ValueError(f"HopperExperts.forward: ids shape {tuple(ids.shape)}; expected"
+                             " [R, K]")  # fmt: skip
+        rows, topk = ids.shape
+        expected = {
+            "x": (x, torch.uint8, (rows, self.latent)),
+            "sf": (sf, torch.uint8, (rows, self.latent // SCALE_BLOCK)),
+            "ids": (ids, torch.int32, (rows, topk)),
+            "weights": (weights, torch.float32, (rows, topk)),
+            "out": (out, torch.bfloat16, (rows, self.latent)),
+        }
+        for name, (t, dtype, shape) in expected.items():
+            if t.dtype != dtype or tuple(t.shape) != shape or t.device != self.device:
+                raise ValueError(
+                    f"HopperExperts.forward: {name} is {t.dtype} {tuple(t.shape)} on {t.device};"
+                    f" expected {dtype} {shape} on {self.device}"
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"HopperExperts.forward: {name} must be contiguous")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        sf: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        self._check_rows(x, sf, ids, weights, out)
+        if self.engine == "triton":
+            return fused_experts(self.w13, self.s13, self.w2, self.s2, self.first_expert,
+                                 x, sf, ids, weights, out, self.tiles, self.programs)  # fmt: skip
+        return self._forward_humming(x, sf, ids, weights, out)
+
+    def _forward_humming(self, x, sf, ids, weights, out) -> torch.Tensor:
+        from dep_ep.experts import hopper_kernels as kernels
+
+        rows, topk = ids.shape
+        if rows == 0:
+            return out
+        inter, latent = self.intermediate, self.latent
+        capacity = pair_capacity(rows, topk, self.num_local_experts)
+        bound = self.pair_bound(rows, topk)
+        fc1_groups = group_pairs(ids, self.first_expert, self.num_local_experts,
+                                 self.fc1.block_m(bound))  # fmt: skip
+        fc2_block = self.fc2.block_m(bound)
+        fc2_groups = fc1_groups
+        if fc2_block != fc1_groups.block_n:
+            fc2_groups = group_pairs(ids, self.first_expert, self.num_local_experts, fc2_block)
+        # FC1 reads row id // K of x for pair id = row * K + k and writes row id of gate_up.
+        gate_up = torch.empty(rows * topk, 2 * inter, dtype=torch.bfloat16, device=x.device)
+        self.fc1(x.view(torch.float8_e4m3fn), self.e8m0_fp32[sf.int()],
+                 *route(fc1_groups, fc1_groups.pair_flat, rows * topk), topk, gate_up,
+                 bound)  # fmt: skip
+        act = torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        act_scale = torch.empty(capacity, inter // SCALE_BLOCK, dtype=torch.float32,
+                                device=x.device)  # fmt: skip
+        situ_programs = max(1, min(-(-capacity // SITU_ROWS), 4 * self.sms * SITU_BLOCK_I // inter))
+        kernels.situ_mxfp8_kernel[(situ_programs, inter // SITU_BLOCK_I)](
+            gate_up, fc1_groups.pair_flat, fc1_groups.num_pairs, act, act_scale,
+            inter, SITU_ROWS, SITU_BLOCK_I, num_warps=4,
+        )  # fmt: skip
+        # FC2: pair j reads act row j and writes expert output row j.
+        expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
+        pair_numbers = torch.arange(capacity, dtype=torch.int32, device=x.device)
+        self.fc2(act, act_scale, *route(fc2_groups, pair_numbers, capacity), 1, expert_out,
+                 bound)  # fmt: skip
+        kernels.finalize_kernel[(rows, latent // self.tiles.finalize_block_l)](
+            expert_out, fc1_groups.pair_slot, weights, out, latent, topk,
+            self.tiles.finalize_block_l, num_warps=self.tiles.num_warps,
+        )  # fmt: skip
+        return out

@@ -1,0 +1,124 @@
+"""humming-kernels' SM90 MoE GEMM as HopperExperts' "humming" engine: weights prepared once, routed
+through the tiles of experts/grouping.py (no host synchronisation).
+
+humming (PyPI humming-kernels, pinned in the `gpu` extra) runs an "indexed" MoE GEMM with WGMMA:
+pair p of its sorted id list reads input row id // top_k, multiplies it by expert
+expert_ids[p // block_m]'s weights and writes output row id; ids >= the output rows are padding,
+and the kernel stops at the device scalar num_tokens_padded. Activations are e4m3 with one fp32
+scale per 32 along K (our E8M0 bytes widened: R * L/32 * 4 bytes); MXFP4 weights keep 4 bits, with
+their E8M0 scales folded into the FP4 -> FP8 conversion and one fp32 factor per expert.
+
+That folding holds an expert's scale bytes to a spread of FUSED_SCALE_SPREAD (11) binades: humming
+would shift the codes of blocks more than 11 below the expert's largest scale (losing precision),
+so `check_scale_spread` refuses such weights instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from dep_ep.experts.grouping import PairGroups
+
+# humming 0.1.19 transform.process_fused_e8m0_scale: the largest E8M0 spread per expert that its
+# fused FP4 -> FP8 decode keeps exact with e4m3 activations.
+FUSED_SCALE_SPREAD = 11
+# Stream-K lock words humming's kernels may use (int32, zeroed once, reset by the kernels).
+LOCK_WORDS = 1 << 16
+
+
+def check_scale_spread(owner: str, name: str, scales: torch.Tensor) -> None:
+    """ValueError naming the experts whose E8M0 scale bytes (uint8 [E, rows, K/32]) spread over
+    more than FUSED_SCALE_SPREAD binades (the humming engine would lose precision there)."""
+    flat = scales.reshape(scales.shape[0], -1)
+    spread = (flat.amax(dim=1).int() - flat.amin(dim=1).int()).cpu()
+    bad = (spread > FUSED_SCALE_SPREAD).nonzero().squeeze(1).tolist()
+    if bad:
+        raise ValueError(
+            f"{owner}: {name} of local expert(s) {bad[:8]} spread over"
+            f" {[int(spread[e]) for e in bad[:8]]} binades; the humming engine keeps at most"
+            f" {FUSED_SCALE_SPREAD} exact. Use HopperExperts(..., engine='triton')"
+        )
+
+
+@dataclass
+class HummingGemm:
+    """One MoE GEMM out [M, n] = inputs [M', k] @ W_e^T over num_experts MXFP4 experts (W uint8
+    [E, n, k/2], scales uint8 [E, n, k/32]), prepared once for e4m3 inputs with fp32 per-32
+    scales and BF16 output. The caller's tensors are copied, never changed."""
+
+    config: object
+    tensors: dict
+    locks: torch.Tensor
+    tunings: dict
+
+    @classmethod
+    def prepare(cls, weights: torch.Tensor, scales: torch.Tensor) -> HummingGemm:
+        import humming.transform as transform
+        from humming.schema import HummingInputSchema, HummingWeightSchema
+
+        num_experts, n, half_k = weights.shape
+        weight_schema = HummingWeightSchema(b_dtype="float4e2m1", bs_dtype="float8e8m0",
+                                            weight_scale_group_size=32)  # fmt: skip
+        input_schema = HummingInputSchema(a_dtype="float8e4m3", input_scale_group_size=32)
+        # humming's MXFP4 words (int32, element i in bits 4i..4i+3) are our bytes viewed as int32;
+        # its fused-scale transform rewrites codes in place, hence the copies.
+        tensors = {"weight": weights.clone().view(torch.int32),
+                   "weight_scale": scales.clone().view(torch.float8_e8m0fnu)}  # fmt: skip
+        config = transform.prepare_layer_config(
+            shape_n=n, shape_k=2 * half_k, weight_schema=weight_schema, input_schema=input_schema,
+            num_experts=num_experts, torch_dtype=torch.bfloat16, tensors=tensors,
+            device=weights.device,
+        )  # fmt: skip
+        config, tensors = transform.prepare_fp16_e8m0_scale(config, tensors)
+        tensors = transform.transform_humming_tensors(config, tensors)
+        locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
+        return cls(config, tensors, locks, {})
+
+    def tuning(self, pair_bound: int) -> dict:
+        """humming's kernel choice for up to `pair_bound` pairs (a power of two: one compilation
+        per bound, cached)."""
+        if pair_bound not in self.tunings:
+            from humming.tune import get_heuristics_config
+
+            self.tunings[pair_bound] = get_heuristics_config(
+                self.config, shape_m=pair_bound, gemm_type="indexed",
+                device=self.locks.device,
+            )  # fmt: skip
+        return self.tunings[pair_bound]
+
+    def block_m(self, pair_bound: int) -> int:
+        """Pairs per block of the kernel chosen for `pair_bound` (the grouping's block_n)."""
+        return int(self.tuning(pair_bound)["block_shape"][0])
+
+    def __call__(self, inputs, input_scale, sorted_ids, expert_ids, num_padded, top_k, out,
+                 pair_bound) -> torch.Tensor:  # fmt: skip
+        """out bf16 [M * top_k, n] rows sorted_ids (< M * top_k) = inputs[id // top_k] @ W^T."""
+        from humming.ops import humming_gemm
+
+        return humming_gemm(
+            layer_config=self.config.to_str(),
+            compute_config=json.dumps({"gemm_type": "indexed"}),
+            tuning_config=json.dumps(self.tuning(pair_bound)),
+            inputs=inputs, weight=self.tensors["weight"],
+            weight_scale=self.tensors["weight_scale"],
+            weight_scale_2=self.tensors.get("weight_scale_2"), input_scale=input_scale,
+            outputs=out, top_k=top_k, locks=self.locks, sorted_ids=sorted_ids,
+            expert_ids=expert_ids, num_tokens_padded=num_padded,
+        )  # fmt: skip
+
+
+def route(groups: PairGroups, pair_ids: torch.Tensor, sentinel: int):
+    """humming's indexed routing from the tiles: (sorted_ids int32 [tiles * block_n], expert_ids
+    int32 [tiles], num_tokens_padded int32 scalar). Slot i of tile t holds pair_ids[tile_start[t]
+    + i], or `sentinel` past the tile's pairs; unused tiles lie past num_tokens_padded."""
+    block = groups.block_n
+    within = torch.arange(block, device=pair_ids.device)
+    pair = groups.tile_start.long()[:, None] + within  # [tiles, block]
+    used = within < groups.tile_rows[:, None]
+    picked = pair_ids[pair.clamp(max=pair_ids.shape[0] - 1)]
+    sorted_ids = torch.where(used, picked, sentinel).to(torch.int32).reshape(-1)
+    num_padded = (groups.num_tiles * block).reshape(())
+    return sorted_ids, groups.tile_expert, num_padded

@@ -1,0 +1,86 @@
+"""One HopperExperts kernel case in Triton's CPU interpreter, run in its own process:
+
+    TRITON_INTERPRET=1 python -m helpers.hopper_interpreter_case CASE SEED   (from tests/)
+
+The interpreter must be chosen before triton is imported, hence the separate process. Runs the
+three kernels (math "fp32": the interpreter has no dot_scaled and multiplies BF16 wrongly) on fresh
+random rows at a small geometry, output poisoned with NaN, and compares with the all-gather
+reference's float64 expert sums. Exits 0 and prints "ok ..." when every check holds, else raises.
+
+CASE: "mixed" (rows without a local id, -1 slots, one NaN input row), "hot" (every row's first
+id is the same local expert; the other local experts have no rows), "single" (one row).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.config import MoeGeometry
+from dep_ep.ep.allgather_reference import expert_sums
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts.hopper import HopperTiles, fused_experts
+
+from helpers.tolerance import EXPERTS_REL_L2
+
+GEOMETRY = MoeGeometry("interp", hidden=256, latent=128, experts=24, topk=4, intermediate=64)
+FIRST, COUNT = 8, 6  # this rank's experts 8..13
+# Small blocks so that several tiles, M blocks and K steps run; block_n 16 with 40 rows cuts the
+# hot expert's pairs into three tiles.
+TILES = HopperTiles(block_n=16, fc1_block_m=32, fc1_block_k=64, fc2_block_m=64, fc2_block_k=64,
+                    finalize_block_l=64, math="fp32")  # fmt: skip
+PROGRAMS = 5
+
+
+def rows_for(case: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int32 [R, K], weights fp32 [R, K]) of the case."""
+    g, rows = GEOMETRY, {"mixed": 24, "hot": 40, "single": 1}[case]
+    ids = torch.stack([torch.randperm(g.experts, generator=gen)[: g.topk] for _ in range(rows)])
+    if case == "mixed":
+        ids[::4] = torch.where((ids[::4] >= FIRST) & (ids[::4] < FIRST + COUNT), -1, ids[::4])
+        ids[1::5, -1] = -1
+    elif case == "hot":
+        others = ids[:, 1:]
+        ids[:, 1:] = torch.where((others >= FIRST) & (others < FIRST + COUNT), -1, others)
+        ids[:, 0] = FIRST + 2
+    else:
+        ids[0, 1] = FIRST + COUNT - 1
+        ids[0, 2] = -1
+    return ids.int(), torch.rand(rows, g.topk, generator=gen)
+
+
+def main(case: str, seed: int) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyntheticLayer(GEOMETRY, seed)
+    w13, s13, w2, s2 = layer.local(FIRST, COUNT)
+    ids, weights = rows_for(case, gen)
+    latent = torch.randn(ids.shape[0], GEOMETRY.latent, generator=gen).to(torch.bfloat16)
+    x, sf = mxfp8_quantize(latent)
+    local = (ids >= FIRST) & (ids < FIRST + COUNT)
+    nan_row = int(local.any(dim=1).nonzero()[-1]) if case == "mixed" else None
+    if nan_row is not None:
+        sf[nan_row, 1] = 255  # an E8M0 NaN: the block of elements 32..63 is NaN
+    out = torch.full((ids.shape[0], GEOMETRY.latent), float("nan"), dtype=torch.bfloat16)
+    fused_experts(w13, s13, w2, s2, FIRST, x, sf, ids, weights, out, TILES, PROGRAMS)
+
+    written = local.any(dim=1)
+    assert out[~written].isnan().all(), f"{case} seed {seed}: a row without a local id changed"
+    finite = written.clone()
+    if nan_row is not None:
+        assert out[nan_row].isnan().any(), f"{case} seed {seed}: the NaN row's output is finite"
+        finite[nan_row] = False
+    got = out[finite].double()
+    assert not got.isnan().any(), f"{case} seed {seed}: NaN in a row with a local id"
+    want = expert_sums(latent, torch.where(local, ids, -1), weights, layer.expert)[finite]
+    err = float((got - want).norm() / want.norm())
+    assert err < EXPERTS_REL_L2, f"{case} seed {seed}: relative L2 {err:.2e} > {EXPERTS_REL_L2:.2e}"
+    print(f"ok {case} seed {seed}: {int(finite.sum())} rows, relative L2 {err:.2e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,282 @@
+"""HopperExperts: the device grouping (torch, on CPU here) against a plain loop, the three Triton
+kernels in Triton's CPU interpreter against the float64 reference, the argument checks, and on an
+SM90 GPU the properties the backend promises (bitwise reruns, graph replay equal to eager, edge
+cases). Fresh random data every run; the seed is in every failure message."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.config import K3, MoeGeometry
+from dep_ep.ep.allgather_reference import expert_sums
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
+from dep_ep.experts.grouping import ONE_HOT_MAX, group_pairs, pair_capacity, tile_capacity
+from dep_ep.experts.hopper import HopperExperts, HopperTiles, default_engine
+
+from helpers.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
+
+TESTS = Path(__file__).resolve().parent
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def fresh_seed() -> int:
+    return int(torch.randint(0, 2**31, (1,)))
+
+
+def loop_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int):
+    """The grouping written as loops: (pairs [(row, k)] in pair order, tiles [(expert, start,
+    rows)])."""
+    pairs, tiles = [], []
+    for e in range(num_local):
+        mine = [(r, k) for r in range(ids.shape[0]) for k in range(ids.shape[1])
+                if int(ids[r, k]) == first + e]  # fmt: skip
+        for cut in range(0, len(mine), block_n):
+            tiles.append((e, len(pairs) + cut, min(block_n, len(mine) - cut)))
+        pairs += mine
+    return pairs, tiles
+
+
+def check_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int, seed: int) -> None:
+    """Both ways of ordering (one-hot count, stable sort) against the loop."""
+    for one_hot_max in (ONE_HOT_MAX, 0):
+        check_groups_once(ids, first, num_local, block_n, seed, one_hot_max)
+
+
+def check_groups_once(ids, first: int, num_local: int, block_n: int, seed: int, one_hot_max: int):
+    groups = group_pairs(ids, first, num_local, block_n, one_hot_max)
+    rows, topk = ids.shape
+    pairs, tiles = loop_groups(ids, first, num_local, block_n)
+    where = (f"seed {seed}, R={rows}, K={topk}, E_local={num_local}, block_n={block_n},"
+             f" one_hot_max={one_hot_max}")  # fmt: skip
+    assert groups.pair_capacity == pair_capacity(rows, topk, num_local) >= len(pairs), where
+    assert groups.tile_capacity == tile_capacity(rows, topk, num_local, block_n) >= len(tiles)
+    assert [int(r) for r in groups.pair_row[: len(pairs)]] == [r for r, _ in pairs], where
+    assert groups.pair_flat[: len(pairs)].tolist() == [r * topk + k for r, k in pairs], where
+    assert int(groups.num_pairs) == len(pairs), where
+    want_slot = torch.full((rows * topk,), -1, dtype=torch.int32)
+    for j, (r, k) in enumerate(pairs):
+        want_slot[r * topk + k] = j
+    assert torch.equal(groups.pair_slot, want_slot), where
+    assert int(groups.num_tiles) == len(tiles), where
+    got_tiles = list(zip(groups.tile_expert.tolist(), groups.tile_start.tolist(),
+                         groups.tile_rows.tolist()))[: len(tiles)]  # fmt: skip
+    assert got_tiles == tiles, where
+    unused = slice(len(tiles), None)
+    assert (groups.tile_expert[unused] == num_local).all(), where
+    assert (groups.tile_rows[unused] == 0).all(), where
+    want_counts = [sum(1 for r, k in pairs if int(ids[r, k]) == first + e)
+                   for e in range(num_local)]  # fmt: skip
+    assert groups.expert_pairs.tolist() == want_counts, where
+
+
+@pytest.mark.parametrize("rows,topk,num_local,block_n", [
+    (1, 16, 56, 16), (37, 6, 8, 16), (64, 16, 4, 16), (200, 4, 12, 32), (0, 4, 8, 16)])  # fmt: skip
+def test_group_pairs_matches_loop(rows, topk, num_local, block_n):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    experts, first = 3 * num_local + topk, num_local
+    ids = torch.empty(rows, topk, dtype=torch.int32)
+    for r in range(rows):
+        ids[r] = torch.randperm(experts, generator=gen)[:topk]
+    ids[::3, -1] = -1
+    check_groups(ids, first, num_local, block_n, seed)
+
+
+def test_group_pairs_edges():
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    # No local id at all: no tiles.
+    none = torch.randint(20, 40, (9, 4), generator=gen).int()
+    check_groups(none, 0, 8, 16, seed)
+    assert int(group_pairs(none, 0, 8, 16).num_tiles) == 0
+    # Every row sends its first choice to local expert 3 (a hot expert cut into 5 tiles).
+    hot = torch.full((70, 4), -1, dtype=torch.int32)
+    hot[:, 0] = 3
+    check_groups(hot, 0, 8, 16, seed)
+    assert int(group_pairs(hot, 0, 8, 16).num_tiles) == 5
+    # Every slot local: the pair capacity is reached.
+    full = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(5)]).int()
+    check_groups(full, 0, 8, 16, seed)
+    assert int(group_pairs(full, 0, 8, 16).expert_pairs.sum()) == pair_capacity(5, 4, 8)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.parametrize("case", ["mixed", "hot", "single"])
+def test_kernels_in_triton_interpreter(case):
+    seed = fresh_seed()
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "helpers.hopper_interpreter_case", case, str(seed)],
+        cwd=TESTS, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, f"{case} seed {seed}:\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert run.stdout.startswith(f"ok {case}"), run.stdout
+
+
+def test_tiles_checked():
+    with pytest.raises(ValueError, match="fc1_block_m=48"):
+        HopperTiles(fc1_block_m=48).check(256, 128)
+    with pytest.raises(ValueError, match="finalize_block_l=512; expected a power of two >= 16"
+                                         " dividing 256"):  # fmt: skip
+        HopperTiles(finalize_block_l=512).check(256, 128)
+    with pytest.raises(ValueError, match="math='fp16'"):
+        HopperTiles(math="fp16").check(256, 128)
+    with pytest.raises(ValueError, match="block_n=8"):
+        HopperTiles(block_n=8).check(256, 128)
+    HopperTiles().check(K3.latent, K3.intermediate)
+
+
+def test_refuses_cpu():
+    layer = SyntheticLayer(MoeGeometry("t", hidden=256, latent=128, experts=8, topk=2,
+                                       intermediate=64), 0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu: it runs on CUDA"
+                                           " GPUs, not cpu; it needs an SM90"):  # fmt: skip
+        HopperExperts(*layer.local(0, 2), first_expert=0)
+
+
+# ---- SM90 GPU ----------------------------------------------------------------------------------
+def hopper_here() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device here"
+    return HopperExperts.unsupported_reason(torch.device("cuda"))
+
+
+GPU = pytest.mark.skipif(hopper_here() is not None, reason=f"HopperExperts: {hopper_here()}")
+K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=32,
+                        topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
+# Engine settings under test, with the relative L2 bound of their numerics.
+ENGINES = {
+    "humming": ({"engine": "humming"}, HUMMING_REL_L2),
+    "triton": ({"engine": "triton"}, EXPERTS_REL_L2),
+}
+
+
+def engine(name: str) -> tuple[dict, float]:
+    if name == "humming" and importlib.util.find_spec("humming") is None:
+        pytest.skip("engine 'humming' needs humming-kernels: pip install -e '.[gpu]'")
+    return ENGINES[name]
+
+
+def gpu_case(rows: int, seed: int, options: dict, hot: bool = False):
+    """(backend, layer, latent, x, sf, ids, weights) on the GPU: experts 0..7 of 32 are local."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyntheticLayer(K3_WIDTHS, seed)
+    backend = HopperExperts(*(t.cuda() for t in layer.local(0, 8)), first_expert=0, **options)
+    ids = torch.stack([torch.randperm(32, generator=gen)[:16] for _ in range(rows)]).int()
+    if hot:
+        ids[:, 1:] = torch.where(ids[:, 1:] < 8, -1, ids[:, 1:])
+        ids[:, 0] = 5
+    latent = torch.randn(rows, K3.latent, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(rows, 16, generator=gen)
+    x, sf = mxfp8_quantize(latent)
+    return backend, layer, latent, x.cuda(), sf.cuda(), ids.cuda(), weights.cuda()
+
+
+def poisoned(rows: int) -> torch.Tensor:
+    return torch.full((rows, K3.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@GPU
+@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("rows,hot", [(1, False), (48, False), (40, True)])
+def test_gpu_edges_against_reference(name, rows, hot):
+    options, bound = engine(name)
+    seed = fresh_seed()
+    backend, layer, latent, x, sf, ids, weights = gpu_case(rows, seed, options, hot)
+    ids[0, :] = torch.where(ids[0] < 8, ids[0], -1)  # row 0: local ids and -1 only
+    if rows > 2:
+        ids[1, :] = torch.where(ids[1] < 8, -1, ids[1])  # row 1: no local id
+    out = backend.forward(x, sf, ids, weights, poisoned(rows))
+    local = (ids >= 0) & (ids < 8)
+    written = local.any(dim=1)
+    assert out[~written].isnan().all(), f"{name} seed {seed}: a row without a local id changed"
+    want = expert_sums(latent.cuda(), torch.where(local, ids, -1), weights, layer.expert)
+    got = out[written].double()
+    assert not got.isnan().any(), f"{name} seed {seed}: NaN in a row with a local id"
+    err = float((got - want[written]).norm() / want[written].norm())
+    assert err < bound, f"{name} seed {seed}: relative L2 {err:.2e} > {bound:.2e}"
+
+
+@GPU
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_gpu_nan_rows_stay_in_their_rows(name):
+    options, _ = engine(name)
+    seed = fresh_seed()
+    backend, _, _, x, sf, ids, weights = gpu_case(48, seed, options)
+    local = ((ids >= 0) & (ids < 8)).any(dim=1)
+    rows = local.nonzero().squeeze(1)
+    x[rows[0], 7] = 0x7F  # an e4m3 NaN element
+    sf[rows[1], 2] = 255  # an E8M0 NaN scale
+    out = backend.forward(x, sf, ids, weights, poisoned(48))
+    nan_rows = out[rows[:2]].isnan().any(dim=1)
+    assert nan_rows.all(), (
+        f"{name} seed {seed}: NaN input rows came out finite: {nan_rows.tolist()}"
+    )
+    assert not out[rows[2:]].isnan().any(), f"{name} seed {seed}: a NaN spread to another row"
+
+
+@GPU
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_gpu_bitwise_reruns_and_graph_replay(name):
+    options, _ = engine(name)
+    seed = fresh_seed()
+    backend, _, _, x, sf, ids, weights = gpu_case(64, seed, options)
+    first = backend.forward(x, sf, ids, weights, poisoned(64)).clone()
+    again = backend.forward(x, sf, ids, weights, poisoned(64))
+    assert torch.equal(first.view(torch.int16), again.view(torch.int16)), f"seed {seed}: rerun"
+    out = poisoned(64)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(x, sf, ids, weights, out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(x, sf, ids, weights, out)
+    # New routing and rows in the same buffers: the replay must follow them.
+    _, _, _, x2, sf2, ids2, weights2 = gpu_case(64, seed + 1, {"engine": "triton"})
+    for src, dst in ((x2, x), (sf2, sf), (ids2, ids), (weights2, weights)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    eager = backend.forward(x, sf, ids, weights, poisoned(64))
+    written = ((ids >= 0) & (ids < 8)).any(dim=1)
+    assert torch.equal(out[written].view(torch.int16), eager[written].view(torch.int16)), (
+        f"{name} seed {seed}: graph replay differs from eager"
+    )
+    assert out[~written].isnan().all(), f"{name} seed {seed}: replay wrote a row without local id"
+
+
+@GPU
+def test_gpu_humming_refuses_a_wide_scale_spread():
+    engine("humming")
+    layer = SyntheticLayer(K3_WIDTHS, 0)
+    w13, s13, w2, s2 = (t.cuda() for t in layer.local(0, 4))
+    s13[2, 0, 0] = int(s13[2].max()) - 12
+    with pytest.raises(ValueError, match=r"s13 of local expert\(s\) \[2\] spread over \[1[2-9]\]"):
+        HopperExperts(w13, s13, w2, s2, first_expert=0, engine="humming")
+
+
+def test_default_backend_on_cpu_is_the_reference():
+    assert default_experts_class("cpu") is ReferenceExperts
+
+
+@GPU
+def test_gpu_default_experts_is_hopper():
+    layer = SyntheticLayer(K3_WIDTHS, 0)
+    backend = default_experts(*(t.cuda() for t in layer.local(4, 4)), first_expert=4,
+                              num_experts=32)  # fmt: skip
+    assert type(backend) is HopperExperts, type(backend).__name__
+    assert backend.engine == default_engine() and backend.first_expert == 4
+    # Expected pairs: R x 16 x (4/32) / (1 - (28/32)^16) = 2.27 R; capacity R x min(16, 4).
+    assert backend.pair_bound(12, 16) == 32  # 27.2 expected (< 10 per local expert)
+    assert backend.pair_bound(64, 16) == 256  # 145 expected (>= 40): the capacity, 256
