@@ -11,7 +11,14 @@ Subpackages, imported one way (each may import those before it and the leaf modu
 from dep_ep.comm import EpDesyncError, EpPeerError, EpTimeoutError
 from dep_ep.config import K3, PRESETS, TINY, EpConfig, MoeGeometry
 from dep_ep.ep import EpMoeLayer, EpRouted, ReceiveRows
-from dep_ep.experts import DenseExperts, ExpertsBackend, ReferenceExperts, TrtllmExperts
+from dep_ep.experts import (
+    DenseExperts,
+    ExpertsBackend,
+    HopperExperts,
+    ReferenceExperts,
+    TrtllmExperts,
+    default_experts,
+)
 from dep_ep.launch import DepGroup, RankContext, init_rank_context, new_dep_group, teardown
 from dep_ep.version import __version__
 
@@ -28,12 +35,14 @@ __all__ = [
     "EpRouted",
     "EpTimeoutError",
     "ExpertsBackend",
+    "HopperExperts",
     "MoeGeometry",
     "RankContext",
     "ReceiveRows",
     "ReferenceExperts",
     "TrtllmExperts",
     "__version__",
+    "default_experts",
     "init_rank_context",
     "new_dep_group",
     "teardown",

@@ -25,6 +25,9 @@ class ExpertsBackend(ABC):
     latent: int
     # Human-readable hardware the backend needs, for error messages ("any torch device", ...).
     requires: str = "any torch device"
+    # Format of FC2's input (the SiTU activation): "bf16", or "mxfp8" (e4m3 elements with one
+    # scale per 32), whose rounding dominates the output's error (docs/experts.md).
+    activation_format: str = "bf16"
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:

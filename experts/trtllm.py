@@ -97,6 +97,7 @@ class TrtllmExperts(ExpertsBackend):
     """
 
     requires = "an NVIDIA Blackwell GPU of compute capability 10.x and flashinfer-python"
+    activation_format = "mxfp8"
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:

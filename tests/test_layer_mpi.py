@@ -363,13 +363,18 @@ def test_layer_from_k3_named_checkpoint(dep, rank, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     first, local = rank.routed.first_expert, rank.routed.experts_per_rank
     loaded = load_moe_layer(tmp_path, layer_index, g, first_expert=first, num_local_experts=local)
-    experts = ReferenceExperts(loaded.w13, loaded.s13, loaded.w2, loaded.s2, first_expert=first)
-    layer = EpMoeLayer(loaded.dense, rank.routed, experts, topk=g.topk)
+    # The weights as loaded: the layer builds the device's default backend (the reference on CPU).
+    layer = EpMoeLayer(loaded.dense, rank.routed, (loaded.w13, loaded.s13, loaded.w2, loaded.s2),
+                       topk=g.topk)  # fmt: skip
     counts = unequal_counts(MAX_TOKENS, dep.size)
     x = draw_hidden(g, dense, counts, seeds["x"])[dep.rank]
     out = layer(x, tokens=MAX_TOKENS)
     ref = layer_reference(x, dense, rank.synthetic.expert, g.topk)
-    collective_assert(dep.cpu_group, compare_layer(out, ref, "from checkpoint")[0], seeds=seeds)
+    failures = compare_layer(out, ref, "from checkpoint")[0]
+    if type(layer.experts) is not ReferenceExperts or layer.experts.first_expert != first:
+        built = f"{type(layer.experts).__name__} from {layer.experts.first_expert}"
+        failures.append(f"the layer built {built}; expected ReferenceExperts from {first}")
+    collective_assert(dep.cpu_group, failures, seeds=seeds)
 
 
 @pytest.mark.mpi(min_size=2)
