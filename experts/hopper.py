@@ -75,10 +75,6 @@ class HopperTiles:
 
 
 ENGINES = ("humming", "triton")
-# Expected pairs per local expert from which humming's kernel is chosen for the pair capacity
-# (larger tiles): at K3 on an H200, 56 local experts at T = 32..128 ran 7-19% faster that way,
-# and 448 local experts at T <= 256 (<= 9.2 pairs per expert) 4-30% slower (bench_experts).
-LARGE_TILE_PAIRS = 10
 # situ_mxfp8_kernel: pairs per step and intermediate columns per program.
 SITU_ROWS, SITU_BLOCK_I = 16, 256
 
@@ -240,18 +236,15 @@ class HopperExperts(ExpertsBackend):
 
     def pair_bound(self, rows: int, topk: int) -> int:
         """The pair count humming's kernel is chosen for (a power of two >= 16; one compilation
-        each). Only speed depends on it: any count of pairs runs correctly. With num_experts, the
-        expected pairs of R receive rows under uniform routing (K of E experts, E_local here, each
-        row holding at least one local id) when that is below LARGE_TILE_PAIRS per local expert;
-        otherwise (and without num_experts) the capacity R * min(K, E_local), for which humming
-        picks its larger tiles (docs/bench_experts.md has both measured)."""
+        each). Only speed depends on it: any count of pairs runs correctly. With num_experts,
+        the expected pairs of R receive rows under uniform routing (K of E experts, E_local here,
+        each row holding at least one local id); without it, the capacity R * min(K, E_local)
+        (docs/bench_experts.md measures both)."""
         pairs = pair_capacity(rows, topk, self.num_local_experts)
         if self.num_experts is not None:
             share = self.num_local_experts / self.num_experts
             some_local = 1.0 - (1.0 - share) ** topk  # a token holds >= 1 local id
-            expected = math.ceil(rows * topk * share / some_local)
-            if expected < LARGE_TILE_PAIRS * self.num_local_experts:
-                pairs = min(pairs, expected)
+            pairs = min(pairs, math.ceil(rows * topk * share / some_local))
         return 1 << max(4, (max(pairs, 1) - 1).bit_length())
 
     def workspace_bytes(self, rows: int, topk: int) -> int:

@@ -19,7 +19,7 @@ from dep_ep.config import K3, MoeGeometry
 from dep_ep.ep.allgather_reference import expert_sums
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
-from dep_ep.experts.grouping import ONE_HOT_MAX, group_pairs, pair_capacity, tile_capacity
+from dep_ep.experts.grouping import group_pairs, pair_capacity, tile_capacity
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, default_engine
 
 from helpers.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
@@ -46,17 +46,10 @@ def loop_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int):
 
 
 def check_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int, seed: int) -> None:
-    """Both ways of ordering (one-hot count, stable sort) against the loop."""
-    for one_hot_max in (ONE_HOT_MAX, 0):
-        check_groups_once(ids, first, num_local, block_n, seed, one_hot_max)
-
-
-def check_groups_once(ids, first: int, num_local: int, block_n: int, seed: int, one_hot_max: int):
-    groups = group_pairs(ids, first, num_local, block_n, one_hot_max)
+    groups = group_pairs(ids, first, num_local, block_n)
     rows, topk = ids.shape
     pairs, tiles = loop_groups(ids, first, num_local, block_n)
-    where = (f"seed {seed}, R={rows}, K={topk}, E_local={num_local}, block_n={block_n},"
-             f" one_hot_max={one_hot_max}")  # fmt: skip
+    where = f"seed {seed}, R={rows}, K={topk}, E_local={num_local}, block_n={block_n}"
     assert groups.pair_capacity == pair_capacity(rows, topk, num_local) >= len(pairs), where
     assert groups.tile_capacity == tile_capacity(rows, topk, num_local, block_n) >= len(tiles)
     assert [int(r) for r in groups.pair_row[: len(pairs)]] == [r for r, _ in pairs], where
@@ -278,5 +271,6 @@ def test_gpu_default_experts_is_hopper():
     assert type(backend) is HopperExperts, type(backend).__name__
     assert backend.engine == default_engine() and backend.first_expert == 4
     # Expected pairs: R x 16 x (4/32) / (1 - (28/32)^16) = 2.27 R; capacity R x min(16, 4).
-    assert backend.pair_bound(12, 16) == 32  # 27.2 expected (< 10 per local expert)
-    assert backend.pair_bound(64, 16) == 256  # 145 expected (>= 40): the capacity, 256
+    assert backend.pair_bound(12, 16) == 32  # 27.2 expected
+    assert backend.pair_bound(64, 16) == 256  # 145 expected
+    assert backend.pair_bound(64, 1) == 64  # K = 1: expected 64, the capacity
