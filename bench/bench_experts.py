@@ -1,14 +1,21 @@
-"""ReferenceExperts on one GPU at K3 geometry: 56 and 112 local experts (16 and 8 ranks' worth),
-T = 1..256 tokens per rank, against a per-expert loop baseline, measured in the same run.
+"""Experts backends on one GPU at K3 geometry: HopperExperts against the weight-read floor, beside
+ReferenceExperts, at 56, 112 and 448 local experts (rank 0 of 16, 8 and 2 ranks), T = 1..256 tokens
+per rank, all measured in the same run.
 
-    python bench/bench_experts.py --out docs        # writes docs/bench_experts.md
+    python bench/bench_experts.py --out docs     # writes docs/bench_experts.md and .png
 
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
-random experts of 896, keeping the tokens with at least one of rank 0's experts. Times are
-medians of CUDA-event-timed calls (the backend reads sizes back to the host every call, so it is not
-graph-captured). Floor: the BF16 weights of the experts the rows touch read once, at the copy
-bandwidth measured in the same run (the reference reads its BF16 cache; a fused MXFP4 kernel
-would read a quarter of that).
+random experts of 896, keeping the tokens with at least one of rank 0's experts.
+- HopperExperts (VARIANTS: the humming engine with num_experts, so its kernel is chosen for the
+  expected pairs; the humming engine without it, the kernel for the pair capacity; the triton
+  engine): CUDA-graph replay of `--launches` back-to-back calls on the same rows (a call has no
+  host synchronisation), median of `--samples` replays, per call; one eager call first (humming
+  compiles its kernel for a new pair bound there).
+- ReferenceExperts: eager (it reads sizes back to the host), median of CUDA-event-timed calls;
+  skipped at 448 local experts (its BF16 cache would take 29.6 GB).
+- Floor: the MXFP4 weights and scales of the experts the rows touch (17,547,264 bytes each at K3)
+  read once at the copy bandwidth measured in the same run.
+- diff: relative L2 between each variant and ReferenceExperts on the same rows.
 """
 
 from __future__ import annotations
@@ -19,56 +26,27 @@ import sys
 from pathlib import Path
 
 import torch
-from timing import time_us
+from timing import capture, replay_us, time_us
 
-from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts
-from dep_ep.experts.situ import situ
+from dep_ep.experts.hopper import HopperExperts
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-LOCAL_EXPERTS = [56, 112]
-
-
-def loop_forward(backend: ReferenceExperts, x, sf, ids, weights, out):
-    """The previous ReferenceExperts.forward (one fp32 GEMM pair per touched expert on the
-    widened BF16 cache, a masked update per k): the baseline."""
-    first, count = backend.first_expert, backend.num_local_experts
-    local = (ids >= first) & (ids < first + count)
-    rows = local.any(dim=1).nonzero().squeeze(1)
-    h = mxfp8_dequantize(x[rows], sf[rows]).float()
-    row_ids = ids[rows].long() - first
-    pairs = local[rows].nonzero()
-    pair_expert = row_ids[pairs[:, 0], pairs[:, 1]]
-    expert_out = torch.empty(pairs.shape[0], backend.latent, device=x.device)
-    inter = backend.intermediate
-    for expert in pair_expert.unique().tolist():
-        sel = (pair_expert == expert).nonzero().squeeze(1)
-        gate_up = h[pairs[sel, 0]] @ backend.w13_bf16[expert].float().T
-        act = situ(gate_up[:, :inter], gate_up[:, inter:])
-        o = act.to(torch.bfloat16).float() @ backend.w2_bf16[expert].float().T
-        expert_out[sel] = o.to(torch.bfloat16).float()
-    total = torch.zeros(rows.numel(), backend.latent, device=x.device)
-    row_weights = weights[rows]
-    for k in range(ids.shape[1]):
-        sel = (pairs[:, 1] == k).nonzero().squeeze(1)
-        at = pairs[sel, 0]
-        total[at] += row_weights[at, k].unsqueeze(1) * expert_out[sel]
-    out[rows] = total.to(torch.bfloat16)
-    return out
-
-
-def median_ms(fn, iterations: int) -> float:
-    """Median milliseconds of `fn()` (one call: CUDA events around it, host syncs inside count)."""
-    return time_us(fn, 1, iterations) / 1e3
+LOCAL_EXPERTS = [56, 112, 448]
+REFERENCE_MAX_LOCAL = 112
+# w13 + s13 + w2 + s2 of one K3 expert: 3 * I * L / 2 code bytes + 3 * I * L / 32 scale bytes.
+EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // 32
 
 
 def copy_gbs() -> float:
+    """Device-to-device copy bandwidth of a 1 GiB buffer (read + write bytes per second)."""
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), 10)
-    return 2 * 4 * src.numel() / (ms * 1e-3) / 1e9
+    us = time_us(lambda: dst.copy_(src), 1, 10)
+    return 2 * 4 * src.numel() / (us * 1e-6) / 1e9
 
 
 def receive_rows(ranks: int, tokens: int, local: int, gen: torch.Generator):
@@ -76,76 +54,145 @@ def receive_rows(ranks: int, tokens: int, local: int, gen: torch.Generator):
     total = ranks * tokens
     ids = torch.rand(total, K3.experts, device="cuda", generator=gen).argsort(dim=1)
     ids = ids[:, : K3.topk].int()
-    keep = (ids < local).any(dim=1)
-    ids = ids[keep]
+    ids = ids[(ids < local).any(dim=1)].contiguous()
     latent = torch.randn(ids.shape[0], K3.latent, device="cuda", generator=gen).bfloat16()
     weights = torch.rand(ids.shape[0], K3.topk, device="cuda", generator=gen)
     x, sf = mxfp8_quantize(latent)
     return x, sf, ids, weights
 
 
-def bench_local(local: int, ceiling: float, iterations: int, gen: torch.Generator) -> list:
-    """Report rows for one local expert count (rank 0 of K3.experts // local ranks)."""
+def graph_us(backend, rows, launches: int, samples: int) -> float:
+    """Median us per call of `backend` on `rows`, in graph replay."""
+    out = torch.empty(rows[0].shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+    graph = capture(lambda: backend.forward(*rows, out), launches)
+    return replay_us(graph, launches, samples)
+
+
+# (column, HopperExperts options): every engine setting timed in the run.
+VARIANTS = [
+    ("humming", {"engine": "humming", "num_experts": K3.experts}),
+    ("humming capacity", {"engine": "humming"}),
+    ("triton", {"engine": "triton"}),
+]
+
+
+def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> list[dict]:
     ranks = K3.experts // local
-    expert_bytes = 3 * K3.intermediate * K3.latent * 2  # BF16 cache per expert
-    layer = SyntheticLayer(K3, seed=1, device="cuda")
-    backend = ReferenceExperts(*layer.local(0, local), first_expert=0)
-    rows = []
-    for tokens in TOKENS:
-        x, sf, ids, weights = receive_rows(ranks, tokens, local, gen)
-        out = torch.empty(x.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
-        base = torch.empty_like(out)
-        new_ms = median_ms(lambda: backend.forward(x, sf, ids, weights, out), iterations)
-        old_ms = median_ms(lambda: loop_forward(backend, x, sf, ids, weights, base), iterations)
-        diff = (out.float() - base.float()).norm() / base.float().norm()
-        touched = int(ids[(ids < local)].unique().numel())
-        pairs = int((ids < local).sum())
-        floor_ms = touched * expert_bytes / (ceiling * 1e9) * 1e3
-        rows.append((local, ranks, tokens, x.shape[0], pairs, touched, new_ms, old_ms, floor_ms,
-                     float(diff)))  # fmt: skip
-        print(rows[-1], flush=True)
-    return rows
+    weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
+    variants = {}
+    for name, options in VARIANTS:
+        try:
+            variants[name] = HopperExperts(*weights, first_expert=0, **options)
+        except (RuntimeError, ValueError) as error:  # e.g. humming-kernels not installed
+            print(f"{name}: not measured: {error}", flush=True)
+    reference = None
+    if local <= REFERENCE_MAX_LOCAL:
+        reference = ReferenceExperts(*weights, first_expert=0)
+    results = []
+    for tokens in args.tokens:
+        rows = receive_rows(ranks, tokens, local, gen)
+        ids = rows[2]
+        touched = int(ids[ids < local].unique().numel())
+        result = {
+            "local": local, "ranks": ranks, "tokens": tokens, "rows": ids.shape[0],
+            "pairs": int((ids < local).sum()), "touched": touched,
+            "floor_us": touched * EXPERT_BYTES / (bandwidth * 1e9) * 1e6,
+        }  # fmt: skip
+        outputs = {}
+        for name, backend in variants.items():
+            out = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+            backend.forward(*rows, out)  # eager first: compiles outside the capture
+            outputs[name] = out.clone()
+            result[name] = graph_us(backend, rows, args.launches, args.samples)
+        if reference is not None:
+            want = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+            result["reference"] = time_us(lambda: reference.forward(*rows, want), 1, 10)
+            written = (ids < local).any(dim=1)
+            b = want[written].float()
+            for name, out in outputs.items():
+                result[f"{name} diff"] = float((out[written].float() - b).norm() / b.norm())
+        results.append(result)
+        print(datetime.datetime.now().strftime("%H:%M:%S"), result, flush=True)
+    return results
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs", help="folder for bench_experts.md")
-    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--out", default="docs", help="folder for bench_experts.md and .png")
+    p.add_argument("--local", type=int, nargs="+", default=LOCAL_EXPERTS)
+    p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    p.add_argument("--launches", type=int, default=10, help="calls per captured graph")
+    p.add_argument("--samples", type=int, default=20, help="timed replays (median)")
     args = p.parse_args()
-    ceiling = copy_gbs()
+    bandwidth = copy_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-    for local in LOCAL_EXPERTS:
-        rows += bench_local(local, ceiling, args.iterations, gen)
+    results = []
+    for local in args.local:
+        results += bench_local(local, args, bandwidth, gen)
         torch.cuda.empty_cache()
-    write_report(Path(args.out), rows, ceiling, args.iterations)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(out, results, bandwidth, args)
+    plot(out, results)
     return 0
 
 
-def write_report(out: Path, rows, ceiling: float, iterations: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def write_report(out: Path, results: list[dict], bandwidth: float, args) -> None:
+    names = [name for name, _ in VARIANTS if any(name in r for r in results)]
     lines = [
-        "# ReferenceExperts on one GPU, K3 geometry", "",
+        "# Experts backends on one GPU, K3 geometry", "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today().isoformat()}."
         f" Command: `python bench/bench_experts.py --out OUTDIR` (one process). torch"
-        f" {torch.__version__}.", "",
+        f" {torch.__version__}. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.", "",
         "Rows: rank 0's receive rows when `ranks` ranks each route T tokens (16 distinct random"
         " experts of 896). pairs: (row, local expert) pairs; touched: local experts with rows."
-        f" Medians of {iterations} CUDA-event-timed calls. Baseline: a per-expert loop"
-        " (fp32 GEMMs on widened weights, a masked update per k), same run, same"
-        " rows. Floor: touched experts' BF16 weights (66.1 MB each) read once at the copy"
-        f" bandwidth measured in the same run ({ceiling:.0f} GB/s). rel diff: relative L2"
-        " between the two implementations' outputs (summation order only).", "",
-        "| local experts (ranks) | T | rows | pairs | touched | ReferenceExperts ms |"
-        " per-expert loop ms | speedup | floor ms | % of floor | rel diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f" HopperExperts (engine, math): graph replay of {args.launches} calls, median of"
+        f" {args.samples} replays, per call. ReferenceExperts: eager, median of 10 calls. floor:"
+        " the touched experts' MXFP4 weights and scales (17.5 MB each) read once at the measured"
+        " copy bandwidth; % = floor / time. diff: relative L2 against ReferenceExperts.", "",
+        "| local (ranks) | T | rows | pairs | touched | floor us | "
+        + " | ".join(f"{n} us | {n} %" for n in names)
+        + " | Reference us | " + " | ".join(f"{n} diff" for n in names) + " |",
+        "|" + "---|" * (7 + 2 * len(names) + len(names)),
     ]  # fmt: skip
-    for local, ranks, tokens, nrows, pairs, touched, new_ms, old_ms, floor_ms, diff in rows:
-        lines.append(f"| {local} ({ranks}) | {tokens} | {nrows} | {pairs} | {touched} |"
-                     f" {new_ms:.3f} | {old_ms:.3f} | {old_ms / new_ms:.1f}x | {floor_ms:.3f} |"
-                     f" {100 * floor_ms / new_ms:.0f}% | {diff:.1e} |")  # fmt: skip
+    for r in results:
+        cells = [f"{r['local']} ({r['ranks']})", str(r["tokens"]), str(r["rows"]), str(r["pairs"]),
+                 str(r["touched"]), f"{r['floor_us']:.0f}"]  # fmt: skip
+        for n in names:
+            cells += [f"{r[n]:.0f}", f"{100 * r['floor_us'] / r[n]:.0f}%"] if n in r else ["-", "-"]
+        cells.append(f"{r['reference']:.0f}" if "reference" in r else "-")
+        cells += [f"{r[f'{n} diff']:.1e}" if f"{n} diff" in r else "-" for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     (out / "bench_experts.md").write_text("\n".join(lines))
+
+
+def plot(out: Path, results: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for local in sorted({r["local"] for r in results}):
+        mine = [r for r in results if r["local"] == local]
+        t = [r["tokens"] for r in mine]
+        line = ax.plot(t, [r.get("humming", r["triton"]) for r in mine], "o-",
+                       label=f"HopperExperts, {local}")  # fmt: skip
+        ax.plot(t, [r["floor_us"] for r in mine], "--", color=line[0].get_color(),
+                label=f"weight-read floor, {local}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank (T)")
+    ax.set_ylabel("us per call")
+    ax.set_title(f"K3 experts on one {torch.cuda.get_device_name()} (local experts)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "bench_experts.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import argparse
 import sys
 
 import torch
-from bench_experts import median_ms, receive_rows
+from bench_experts import receive_rows
+from timing import time_us
 from torch.profiler import ProfilerActivity, profile
 
 from dep_ep.ep import K3
@@ -30,7 +31,7 @@ def main() -> int:
     for tokens in args.tokens:
         x, sf, ids, weights = receive_rows(ranks, tokens, args.local, gen)
         out = torch.empty(x.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
-        ms = median_ms(lambda: backend.forward(x, sf, ids, weights, out), 10)
+        ms = time_us(lambda: backend.forward(x, sf, ids, weights, out), 1, 10) / 1e3
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.calls):
                 backend.forward(x, sf, ids, weights, out)
