@@ -37,7 +37,9 @@ class HopperTiles:
     block_n: pairs per tile (the MMA's N side; >= 16); fc1_block_m: intermediate columns per FC1
     work item (it reads 2 * fc1_block_m weight rows: gate and up); fc2_block_m: output columns per
     FC2 work item; *_block_k: K per step (a multiple of 64); finalize_block_l: output columns per
-    finalize program; programs_per_sm: persistent programs per SM; math: one of MATHS.
+    finalize program; programs_per_sm: persistent programs per SM; math: one of MATHS;
+    persistent: each GEMM program walks the work list (True) or one program per work item, the
+    grid covering the work list's capacity (False).
     """
 
     block_n: int = 16
@@ -282,6 +284,8 @@ class HopperExperts(ExpertsBackend):
         out: torch.Tensor,
     ) -> torch.Tensor:
         self._check_rows(x, sf, ids, weights, out)
+        if ids.shape[0] == 0:
+            return out
         if self.engine == "triton":
             return fused_experts(self.w13, self.s13, self.w2, self.s2, self.first_expert,
                                  x, sf, ids, weights, out, self.tiles, self.programs)  # fmt: skip
@@ -291,8 +295,6 @@ class HopperExperts(ExpertsBackend):
         from dep_ep.experts import hopper_kernels as kernels
 
         rows, topk = ids.shape
-        if rows == 0:
-            return out
         inter, latent = self.intermediate, self.latent
         capacity = pair_capacity(rows, topk, self.num_local_experts)
         bound = self.pair_bound(rows, topk)

@@ -1,12 +1,15 @@
-"""Triton kernels of HopperExperts: FC1 with SiTU, FC2, finalize, over tiles from group_pairs.
+"""Triton kernels of HopperExperts over the tiles of group_pairs: the triton engine's FC1 with
+SiTU and FC2, the humming engine's SiTU -> MXFP8, and both engines' finalize.
 
 Swap-AB: the expert's weight rows are the MMA's M side and the tile's pairs (receive rows) its N
-side, so an expert with 1..16 pairs wastes no weight reads on padding; at small T the GEMMs are
-bound by reading the 4-bit weights once. Both GEMM kernels are persistent: a fixed grid walks the
-work list (tile, M block) whose length `num_tiles * M blocks` it reads from device memory, so the
-launch shape never depends on the data (CUDA-graph capturable, one compilation per block shape).
-Work item w takes tile w % num_tiles and M block w // num_tiles: the tiles of one expert run side
-by side and share its weight block through L2.
+side, so an expert with 1..16 pairs reads its weights once and no MMA rows go to padding tokens.
+The GEMM kernels walk a work list (tile, M block) whose length `num_tiles * M blocks` they read
+from device memory, so the launch shape never depends on the data (CUDA-graph capturable, one
+compilation per block shape): PERSISTENT, a fixed grid of programs each takes items pid, pid +
+programs, ...; else one program per item, the grid covering the list's capacity. Work item w
+takes tile w % num_tiles and M block w // num_tiles: the tiles of one expert run side by side
+and share its weight block through L2. On an H200 they reach 15-25% of the weight-read floor
+(docs/bench_experts.md); the decode is not the bound (a bf16x2 PTX decode changed nothing).
 
 Operands, per K block of BLOCK_K:
   weights  uint8 [BLOCK_M, BLOCK_K/2] MXFP4 codes (low nibble = even element), scales uint8
