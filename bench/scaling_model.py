@@ -76,15 +76,14 @@ def main() -> None:
             print(f"{n} | {tokens} | {d:.0f} | {c:.0f} | {d + c:.0f} | {best:.0f}")
     print(
         "\nmemory per rank, MiB: N | max_tokens | EpRouted (symmetric part) | HopperExperts"
-        " humming / triton workspace at T = max_tokens (E_local = 896 / N)"
+        " humming / triton workspace at T = max_tokens"
     )
     for n in [1, *RANKS]:
         for tokens in (256, 1024, 4096):
             routed = EpRouted.workspace_bytes(n, tokens, latent=K3.latent, topk=K3.topk)
             symmetric = EpLayout(n, tokens, K3.latent, K3.topk).total_bytes
-            rows, local = n * tokens, K3.experts // n
             hum, tri = (
-                hopper_workspace_bytes(rows, K3.topk, local, K3.latent, K3.intermediate, engine)
+                hopper_workspace_bytes(n * tokens, K3.topk, K3.latent, K3.intermediate, engine)
                 for engine in ("humming", "triton")
             )
             print(f"{n} | {tokens} | {routed / 2**20:.0f} ({symmetric / 2**20:.0f}) |"

@@ -23,7 +23,7 @@ from dep_ep.comm.mxfp8 import e8m0_to_fp32
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.grouping import group_pairs, pair_capacity
-from dep_ep.experts.hopper_humming import HummingGemm, check_scale_spread, route
+from dep_ep.experts.hopper_humming import HummingGemm, route, scale_spread_error
 from dep_ep.experts.weights import check_expert_weights
 
 MATHS = ("bf16", "fp32")  # experts/hopper_kernels.py
@@ -77,27 +77,39 @@ class HopperTiles:
 
 
 ENGINES = ("humming", "triton")
-# situ_mxfp8_kernel: pairs per step and intermediate columns per program.
-SITU_ROWS, SITU_BLOCK_I = 16, 256
+# group_pairs' tensors per (row, k) slot: int64 key, order and position (and the sort's scratch
+# of about two more), int32 pair lists and slot map.
+GROUPING_BYTES_PER_SLOT = 64
+# situ_mxfp8_kernel: pairs per step, and the most intermediate columns per program.
+SITU_ROWS, SITU_MAX_BLOCK_I = 16, 256
+# The humming engine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
+# 3072 = 6 x 512); humming has run only at K3's widths.
+HUMMING_DEFAULT_MULTIPLE = 512
 
 
-def default_engine() -> str:
-    """ "humming" when humming-kernels is importable, else "triton"."""
-    return "humming" if importlib.util.find_spec("humming") is not None else "triton"
+def default_engine(latent: int, intermediate: int) -> str:
+    """ "humming" when humming-kernels is importable and L and I are multiples of
+    HUMMING_DEFAULT_MULTIPLE, else "triton"."""
+    fits = all(size % HUMMING_DEFAULT_MULTIPLE == 0 for size in (latent, intermediate))
+    return "humming" if fits and importlib.util.find_spec("humming") is not None else "triton"
 
 
-def workspace_bytes(rows: int, topk: int, num_local: int, latent: int, intermediate: int,
-                    engine: str) -> int:  # fmt: skip
-    """Bytes one call allocates (from torch's caching allocator) for R receive rows, at the pair
-    capacity P = R * min(K, E_local): triton: BF16 activations [P, I] and expert outputs [P, L];
-    humming: BF16 FC1 outputs [R * K, 2I], MXFP8 activations [P, I] (+ fp32 scales) and BF16
-    expert outputs [P, L]; both plus the grouping's int tensors."""
-    pairs = pair_capacity(rows, topk, num_local)
-    grouping = rows * topk * 8 * 4
+def workspace_bytes(rows: int, topk: int, latent: int, intermediate: int, engine: str) -> int:
+    """About the bytes one call allocates (from torch's caching allocator) for R receive rows, at
+    the pair capacity P = R * K: the grouping's temporaries (GROUPING_BYTES_PER_SLOT a slot);
+    triton: BF16 activations [P, I] and expert outputs [P, L]; humming: the rows' scales in fp32
+    [R, L/32], BF16 FC1 outputs [R * K, 2I], MXFP8 activations [P, I] with fp32 scales, the two
+    routing lists and BF16 expert outputs [P, L]."""
+    pairs = pair_capacity(rows, topk)
+    grouping = rows * topk * GROUPING_BYTES_PER_SLOT
     if engine == "triton":
-        return pairs * (intermediate + latent) * 2 + grouping
+        return grouping + pairs * (intermediate + latent) * 2
+    scales = rows * (latent // SCALE_BLOCK) * 4
     act = pairs * (intermediate + intermediate // SCALE_BLOCK * 4)
-    return rows * topk * 2 * intermediate * 2 + act + pairs * latent * 2 + grouping
+    routing = 2 * pairs * 4
+    return (
+        grouping + scales + rows * topk * 2 * intermediate * 2 + act + routing + pairs * latent * 2
+    )
 
 
 def fused_experts(
@@ -140,7 +152,7 @@ def fused_experts(
         latent, inter, tiles.fc2_block_m, tiles.block_n, tiles.fc2_block_k, tiles.math,
         tiles.persistent, **launch,
     )  # fmt: skip
-    if rows:
+    if rows:  # forward returns before this for R = 0; a direct call may not
         kernels.finalize_kernel[(rows, latent // tiles.finalize_block_l)](
             y, groups.pair_slot, weights, out, latent, topk, tiles.finalize_block_l,
             num_warps=tiles.num_warps,
@@ -158,8 +170,14 @@ class HopperExperts(ExpertsBackend):
     engine "humming": e4m3 rows times the weights in e4m3 (exact for MXFP4 within an expert's
     11-binade scale spread, checked at construction) with fp32 sums; FC1's output rounded to BF16;
     SiTU in fp32 rounded to MXFP8 (e4m3 elements, one scale per 32, the dispatch's recipe); FC2
-    with fp32 sums, one rounding to BF16; the same finalize.
-    Both: no atomics and no split K, so reruns on the same rows are bitwise equal.
+    with fp32 sums, one rounding to BF16; the same finalize. Unless `deterministic`, humming may
+    pick stream-K kernels, which split K over CTAs and add the BF16 partial outputs (atomically
+    beyond 3 slices): more roundings, and reruns not guaranteed bitwise equal. deterministic=True
+    asks humming for its batch-invariant kernels (no stream-K).
+    engine None: "humming" where `default_engine` picks it (humming-kernels installed, L and I
+    multiples of 512), else "triton".
+    The triton engine and the finalize use no atomics and no split K: with them (and humming with
+    deterministic=True) reruns on the same rows are bitwise equal.
 
     Memory: triton keeps the caller's weights (no copy when contiguous); humming keeps its own
     re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
@@ -183,6 +201,7 @@ class HopperExperts(ExpertsBackend):
         first_expert: int,
         num_experts: int | None = None,
         engine: str | None = None,
+        deterministic: bool = False,
         tiles: HopperTiles | None = None,
     ) -> None:
         owner = type(self).__name__
@@ -196,10 +215,13 @@ class HopperExperts(ExpertsBackend):
                 f" first_expert + local experts = {first_expert + geometry.num_local}"
             )
         self.num_experts = num_experts
-        self.engine = default_engine() if engine is None else engine
-        self.activation_format = "mxfp8" if self.engine == "humming" else "bf16"
+        if engine is None:
+            engine = default_engine(geometry.latent, geometry.intermediate)
+        self.engine = engine
         if self.engine not in ENGINES:
             raise ValueError(f"{owner}: engine={self.engine!r}; expected one of {ENGINES}")
+        self.activation_format = "mxfp8" if self.engine == "humming" else "bf16"
+        self.deterministic = bool(deterministic) or self.engine == "triton"
         self.tiles = tiles or HopperTiles()
         self.tiles.check(geometry.latent, geometry.intermediate)
         self.first_expert = int(first_expert)
@@ -212,12 +234,17 @@ class HopperExperts(ExpertsBackend):
             if importlib.util.find_spec("humming") is None:
                 raise RuntimeError(f"{owner}: engine='humming' needs humming-kernels:"
                                    " pip install -e '.[gpu]'")  # fmt: skip
-            check_scale_spread(owner, "s13", s13)
-            check_scale_spread(owner, "s2", s2)
+            for name, scales in (("s13", s13), ("s2", s2)):
+                error = scale_spread_error(owner, name, scales)
+                if error is not None:
+                    raise ValueError(error)
             # fp32 2^(byte - 127) of every E8M0 byte: humming reads the rows' scales widened.
             self.e8m0_fp32 = e8m0_to_fp32(torch.arange(256, dtype=torch.uint8, device=self.device))
-            self.fc1 = HummingGemm.prepare(w13.contiguous(), s13.contiguous())
-            self.fc2 = HummingGemm.prepare(w2.contiguous(), s2.contiguous())
+            self.fc1 = HummingGemm.prepare(w13.contiguous(), s13.contiguous(), self.deterministic)
+            self.fc2 = HummingGemm.prepare(w2.contiguous(), s2.contiguous(), self.deterministic)
+            # SiTU's column block: the largest power of two <= SITU_MAX_BLOCK_I dividing I (>= 32:
+            # I is a multiple of 32).
+            self.situ_block_i = math.gcd(SITU_MAX_BLOCK_I, geometry.intermediate)
         else:
             # uint8, the checkpoint layout (contiguous: the kernels index it densely).
             self.w13, self.s13 = w13.contiguous(), s13.contiguous()
@@ -240,9 +267,9 @@ class HopperExperts(ExpertsBackend):
         """The pair count humming's kernel is chosen for (a power of two >= 16; one compilation
         each). Only speed depends on it: any count of pairs runs correctly. With num_experts,
         the expected pairs of R receive rows under uniform routing (K of E experts, E_local here,
-        each row holding at least one local id); without it, the capacity R * min(K, E_local)
+        each row holding at least one local id); without it, the capacity R * K
         (docs/bench_experts.md measures both)."""
-        pairs = pair_capacity(rows, topk, self.num_local_experts)
+        pairs = pair_capacity(rows, topk)
         if self.num_experts is not None:
             share = self.num_local_experts / self.num_experts
             some_local = 1.0 - (1.0 - share) ** topk  # a token holds >= 1 local id
@@ -251,10 +278,12 @@ class HopperExperts(ExpertsBackend):
 
     def workspace_bytes(self, rows: int, topk: int) -> int:
         """Bytes a call over `rows` receive rows with `topk` ids each allocates (see the class)."""
-        return workspace_bytes(rows, topk, self.num_local_experts, self.latent, self.intermediate,
+        return workspace_bytes(rows, topk, self.latent, self.intermediate,
                                self.engine)  # fmt: skip
 
     def _check_rows(self, x, sf, ids, weights, out) -> None:
+        """ValueError unless the tensors are forward's (dtypes, shapes [R, ...], device,
+        contiguous)."""
         if ids.dim() != 2:
             raise ValueError(f"HopperExperts.forward: ids shape {tuple(ids.shape)}; expected"
                              " [R, K]")  # fmt: skip
@@ -286,17 +315,21 @@ class HopperExperts(ExpertsBackend):
         self._check_rows(x, sf, ids, weights, out)
         if ids.shape[0] == 0:
             return out
-        if self.engine == "triton":
-            return fused_experts(self.w13, self.s13, self.w2, self.s2, self.first_expert,
-                                 x, sf, ids, weights, out, self.tiles, self.programs)  # fmt: skip
-        return self._forward_humming(x, sf, ids, weights, out)
+        with torch.cuda.device(self.device):  # triton and humming launch on the current device
+            if self.engine == "triton":
+                weights_4bit = (self.w13, self.s13, self.w2, self.s2)
+                return fused_experts(*weights_4bit, self.first_expert, x, sf, ids, weights, out,
+                                     self.tiles, self.programs)  # fmt: skip
+            return self._forward_humming(x, sf, ids, weights, out)
 
     def _forward_humming(self, x, sf, ids, weights, out) -> torch.Tensor:
+        """forward's contract (same tensors) on the humming engine: group, FC1, SiTU -> MXFP8,
+        FC2, finalize; R >= 1."""
         from dep_ep.experts import hopper_kernels as kernels
 
         rows, topk = ids.shape
         inter, latent = self.intermediate, self.latent
-        capacity = pair_capacity(rows, topk, self.num_local_experts)
+        capacity = pair_capacity(rows, topk)
         bound = self.pair_bound(rows, topk)
         fc1_groups = group_pairs(ids, self.first_expert, self.num_local_experts,
                                  self.fc1.block_m(bound))  # fmt: skip
@@ -312,10 +345,11 @@ class HopperExperts(ExpertsBackend):
         act = torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device=x.device)
         act_scale = torch.empty(capacity, inter // SCALE_BLOCK, dtype=torch.float32,
                                 device=x.device)  # fmt: skip
-        situ_programs = max(1, min(-(-capacity // SITU_ROWS), 4 * self.sms * SITU_BLOCK_I // inter))
-        kernels.situ_mxfp8_kernel[(situ_programs, inter // SITU_BLOCK_I)](
+        column_blocks = inter // self.situ_block_i
+        situ_programs = max(1, min(-(-capacity // SITU_ROWS), 4 * self.sms // column_blocks))
+        kernels.situ_mxfp8_kernel[(situ_programs, column_blocks)](
             gate_up, fc1_groups.pair_flat, fc1_groups.num_pairs, act, act_scale,
-            inter, SITU_ROWS, SITU_BLOCK_I, num_warps=4,
+            inter, SITU_ROWS, self.situ_block_i, num_warps=4,
         )  # fmt: skip
         # FC2: pair j reads act row j and writes expert output row j.
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)

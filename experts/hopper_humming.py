@@ -29,18 +29,20 @@ FUSED_SCALE_SPREAD = 11
 LOCK_WORDS = 1 << 16
 
 
-def check_scale_spread(owner: str, name: str, scales: torch.Tensor) -> None:
-    """ValueError naming the experts whose E8M0 scale bytes (uint8 [E, rows, K/32]) spread over
-    more than FUSED_SCALE_SPREAD binades (the humming engine would lose precision there)."""
+def scale_spread_error(owner: str, name: str, scales: torch.Tensor) -> str | None:
+    """None when every expert's E8M0 scale bytes (uint8 [E, rows, K/32]) span at most
+    FUSED_SCALE_SPREAD binades, else the message naming the experts that do not (the humming
+    engine would lose precision there)."""
     flat = scales.reshape(scales.shape[0], -1)
     spread = (flat.amax(dim=1).int() - flat.amin(dim=1).int()).cpu()
     bad = (spread > FUSED_SCALE_SPREAD).nonzero().squeeze(1).tolist()
-    if bad:
-        raise ValueError(
-            f"{owner}: {name} of local expert(s) {bad[:8]} spread over"
-            f" {[int(spread[e]) for e in bad[:8]]} binades; the humming engine keeps at most"
-            f" {FUSED_SCALE_SPREAD} exact. Use HopperExperts(..., engine='triton')"
-        )
+    if not bad:
+        return None
+    return (
+        f"{owner}: {name} of local expert(s) {bad[:8]} spread over"
+        f" {[int(spread[e]) for e in bad[:8]]} binades; the humming engine keeps at most"
+        f" {FUSED_SCALE_SPREAD} exact. Use HopperExperts(..., engine='triton')"
+    )
 
 
 @dataclass
@@ -53,9 +55,12 @@ class HummingGemm:
     tensors: dict
     locks: torch.Tensor
     tunings: dict
+    deterministic: bool
 
     @classmethod
-    def prepare(cls, weights: torch.Tensor, scales: torch.Tensor) -> HummingGemm:
+    def prepare(
+        cls, weights: torch.Tensor, scales: torch.Tensor, deterministic: bool
+    ) -> HummingGemm:
         import humming.transform as transform
         from humming.schema import HummingInputSchema, HummingWeightSchema
 
@@ -75,17 +80,19 @@ class HummingGemm:
         config, tensors = transform.prepare_fp16_e8m0_scale(config, tensors)
         tensors = transform.transform_humming_tensors(config, tensors)
         locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
-        return cls(config, tensors, locks, {})
+        return cls(config, tensors, locks, {}, deterministic)
 
     def tuning(self, pair_bound: int) -> dict:
         """humming's kernel choice for up to `pair_bound` pairs (a power of two: one compilation
-        per bound, cached)."""
+        per bound, cached). deterministic: humming's batch-invariant choice, without stream-K
+        (which splits K over CTAs and adds the BF16 partial outputs, atomically beyond 3 slices:
+        extra roundings, and an order that can change between reruns)."""
         if pair_bound not in self.tunings:
             from humming.tune import get_heuristics_config
 
             self.tunings[pair_bound] = get_heuristics_config(
                 self.config, shape_m=pair_bound, gemm_type="indexed",
-                device=self.locks.device,
+                use_batch_invariant=self.deterministic, device=self.locks.device,
             )  # fmt: skip
         return self.tunings[pair_bound]
 

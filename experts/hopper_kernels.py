@@ -8,7 +8,7 @@ from device memory, so the launch shape never depends on the data (CUDA-graph ca
 compilation per block shape): PERSISTENT, a fixed grid of programs each takes items pid, pid +
 programs, ...; else one program per item, the grid covering the list's capacity. Work item w
 takes tile w % num_tiles and M block w // num_tiles: the tiles of one expert run side by side
-and share its weight block through L2. On an H200 they reach 15-25% of the weight-read floor
+and share its weight block through L2. On an H200 they reach 5-25% of the weight-read floor
 (docs/bench_experts.md); the decode is not the bound (a bf16x2 PTX decode changed nothing).
 
 Operands, per K block of BLOCK_K:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from dep_ep.experts.base import ExpertsBackend
-from dep_ep.experts.hopper import HopperExperts
+from dep_ep.experts.hopper import HopperExperts, default_engine
+from dep_ep.experts.hopper_humming import scale_spread_error
 from dep_ep.experts.reference import ReferenceExperts
 from dep_ep.experts.trtllm import TrtllmExperts
 
@@ -32,8 +35,23 @@ def default_experts(
 ) -> ExpertsBackend:
     """default_experts_class(w13.device) built from the checkpoint layout (experts/weights.py);
     num_experts: the model's total (E), which TrtllmExperts' routing and HopperExperts' kernel
-    choice use."""
+    choice use. HopperExperts takes its default engine, or the triton engine (with a warning
+    naming the experts) for weights whose scale spread the humming engine refuses."""
     backend = default_experts_class(w13.device)
     if backend is ReferenceExperts:
         return ReferenceExperts(w13, s13, w2, s2, first_expert=first_expert)
-    return backend(w13, s13, w2, s2, first_expert=first_expert, num_experts=num_experts)
+    options = {}
+    if (
+        backend is HopperExperts
+        and default_engine(2 * w13.shape[-1], w2.shape[-1] * 2) == "humming"
+    ):
+        spread = [
+            scale_spread_error("default_experts", n, t) for n, t in (("s13", s13), ("s2", s2))
+        ]
+        errors = [e for e in spread if e is not None]
+        if errors:
+            warnings.warn(
+                f"{'; '.join(errors)}: using HopperExperts(engine='triton')", stacklevel=2
+            )
+            options["engine"] = "triton"
+    return backend(w13, s13, w2, s2, first_expert=first_expert, num_experts=num_experts, **options)

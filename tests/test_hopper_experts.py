@@ -21,6 +21,7 @@ from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
 from dep_ep.experts.grouping import group_pairs, pair_capacity, tile_capacity
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, default_engine
+from dep_ep.experts.hopper_humming import route
 
 from helpers.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
 
@@ -50,7 +51,7 @@ def check_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int, se
     rows, topk = ids.shape
     pairs, tiles = loop_groups(ids, first, num_local, block_n)
     where = f"seed {seed}, R={rows}, K={topk}, E_local={num_local}, block_n={block_n}"
-    assert groups.pair_capacity == pair_capacity(rows, topk, num_local) >= len(pairs), where
+    assert groups.pair_capacity == pair_capacity(rows, topk) >= len(pairs), where
     assert groups.tile_capacity == tile_capacity(rows, topk, num_local, block_n) >= len(tiles)
     assert [int(r) for r in groups.pair_row[: len(pairs)]] == [r for r, _ in pairs], where
     assert groups.pair_flat[: len(pairs)].tolist() == [r * topk + k for r, k in pairs], where
@@ -96,10 +97,14 @@ def test_group_pairs_edges():
     hot[:, 0] = 3
     check_groups(hot, 0, 8, 16, seed)
     assert int(group_pairs(hot, 0, 8, 16).num_tiles) == 5
+    # A row repeating a local id (E_local < K): every repeat is a pair, within the capacity.
+    repeats = torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1], [1, 0, -1, 1]], dtype=torch.int32)
+    check_groups(repeats, 0, 2, 16, seed)
+    assert int(group_pairs(repeats, 0, 2, 16).num_pairs) == 11
     # Every slot local: the pair capacity is reached.
     full = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(5)]).int()
     check_groups(full, 0, 8, 16, seed)
-    assert int(group_pairs(full, 0, 8, 16).expert_pairs.sum()) == pair_capacity(5, 4, 8)
+    assert int(group_pairs(full, 0, 8, 16).expert_pairs.sum()) == pair_capacity(5, 4)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
@@ -149,12 +154,15 @@ K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts
 # Engine settings under test, with the relative L2 bound of their numerics.
 ENGINES = {
     "humming": ({"engine": "humming"}, HUMMING_REL_L2),
+    "humming-deterministic": ({"engine": "humming", "deterministic": True}, HUMMING_REL_L2),
     "triton": ({"engine": "triton"}, EXPERTS_REL_L2),
 }
+# The settings that promise bitwise reruns (humming's default may use stream-K).
+DETERMINISTIC = ["humming-deterministic", "triton"]
 
 
 def engine(name: str) -> tuple[dict, float]:
-    if name == "humming" and importlib.util.find_spec("humming") is None:
+    if name.startswith("humming") and importlib.util.find_spec("humming") is None:
         pytest.skip("engine 'humming' needs humming-kernels: pip install -e '.[gpu]'")
     return ENGINES[name]
 
@@ -218,7 +226,7 @@ def test_gpu_nan_rows_stay_in_their_rows(name):
 
 
 @GPU
-@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("name", DETERMINISTIC)
 def test_gpu_bitwise_reruns_and_graph_replay(name):
     options, _ = engine(name)
     seed = fresh_seed()
@@ -263,13 +271,33 @@ def test_default_backend_on_cpu_is_the_reference():
     assert default_experts_class("cpu") is ReferenceExperts
 
 
+def test_default_engine_needs_humming_and_its_sizes():
+    humming = importlib.util.find_spec("humming") is not None
+    assert default_engine(K3.latent, K3.intermediate) == ("humming" if humming else "triton")
+    assert default_engine(256, 128) == "triton"  # TINY: humming has not run at such sizes
+
+
+def test_route_lays_out_humming_blocks():
+    """route(): slot i of tile t holds pair_ids[tile_start + i] or the sentinel; unused tiles and
+    their expert ids lie past num_tokens_padded."""
+    # Experts 0..3 local; pairs: e0 (0,0) (1,2); e1 (2,1); e2 (0,1) (1,0) (1,1) (2,2).
+    ids = torch.tensor([[0, 2, -1], [2, 2, 0], [5, 1, 2]], dtype=torch.int32)
+    groups = group_pairs(ids, 0, 4, 2)
+    sorted_ids, expert_ids, padded = route(groups, groups.pair_flat, 9)
+    assert int(padded) == 2 * 4  # tiles of 2: e0 [2], e1 [1], e2 [2, 2]
+    want = [0, 5, 7, 9, 1, 3, 4, 8]  # flat slots row * 3 + k; 9: padding
+    assert sorted_ids[:8].tolist() == want, sorted_ids.tolist()
+    assert expert_ids[:4].tolist() == [0, 1, 2, 2], expert_ids.tolist()
+
+
 @GPU
 def test_gpu_default_experts_is_hopper():
     layer = SyntheticLayer(K3_WIDTHS, 0)
     backend = default_experts(*(t.cuda() for t in layer.local(4, 4)), first_expert=4,
                               num_experts=32)  # fmt: skip
     assert type(backend) is HopperExperts, type(backend).__name__
-    assert backend.engine == default_engine() and backend.first_expert == 4
+    humming = importlib.util.find_spec("humming") is not None
+    assert backend.engine == ("humming" if humming else "triton") and backend.first_expert == 4
     # Expected pairs: R x 16 x (4/32) / (1 - (28/32)^16) = 2.27 R; capacity R x min(16, 4).
     assert backend.pair_bound(12, 16) == 32  # 27.2 expected
     assert backend.pair_bound(64, 16) == 256  # 145 expected
