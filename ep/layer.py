@@ -73,11 +73,11 @@ class EpMoeLayer:
       [H, S], all on routed's device. E, L come from `routed`; H and S from the tensors (the value
       most of them agree on). Names beyond these are ignored.
     routed: the rank's EpRouted; experts: the ExpertsBackend of the rank's experts (matching
-      routed), or their weights in the checkpoint layout (w13, s13, w2, s2) (experts/weights.py),
-      from which the layer builds `experts.default_experts` (HopperExperts on SM90, TrtllmExperts
-      on SM100/103, ReferenceExperts elsewhere); topk: K, equal to routed.topk; eps: the latent
-      RMSNorm's eps (finite, > 0); routed_scaling_factor: multiplies the routing weights (finite,
-      > 0; 1.0 for K3).
+      routed), or their weights in the checkpoint layout, a tuple or list (w13, s13, w2, s2)
+      (experts/weights.py), from which the layer builds `experts.default_experts` (HopperExperts
+      on SM90, TrtllmExperts on SM100/103, ReferenceExperts elsewhere); topk: K, equal to
+      routed.topk; eps: the latent RMSNorm's eps (finite, > 0); routed_scaling_factor: multiplies
+      the routing weights (finite, > 0; 1.0 for K3).
     schedule: "overlap" (on CUDA: the router and the shared experts on a side stream beside the
       projections and the routed path; docs/layer.md) or "serial" (everything on the current
       stream, in the formula's order). Both run the same GEMMs on the same data, so their results
@@ -102,7 +102,7 @@ class EpMoeLayer:
         self,
         dense: Mapping[str, torch.Tensor],
         routed: EpRouted,
-        experts: ExpertsBackend | tuple[torch.Tensor, ...],
+        experts: ExpertsBackend | tuple[torch.Tensor, ...] | list[torch.Tensor],
         *,
         topk: int,
         eps: float = 1e-5,
@@ -112,11 +112,11 @@ class EpMoeLayer:
         fn = "EpMoeLayer"
         if not isinstance(routed, EpRouted):
             raise TypeError(f"{fn}: routed is {type(routed).__name__}; expected an EpRouted")
-        if isinstance(experts, tuple):
+        if isinstance(experts, (tuple, list)):
             if len(experts) != 4:
                 raise TypeError(
-                    f"{fn}: experts is a tuple of {len(experts)}; expected an ExpertsBackend or"
-                    " the checkpoint layout (w13, s13, w2, s2)"
+                    f"{fn}: experts is a {type(experts).__name__} of {len(experts)}; expected an"
+                    " ExpertsBackend or the checkpoint layout (w13, s13, w2, s2)"
                 )
             experts = default_experts(*experts, first_expert=routed.first_expert,
                                       num_experts=routed.num_experts)  # fmt: skip

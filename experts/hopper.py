@@ -58,6 +58,13 @@ class HopperTiles:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
+        if not isinstance(self.persistent, bool):
+            raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
+        for name in ("block_n", "fc1_block_m", "fc1_block_k", "fc2_block_m", "fc2_block_k",
+                     "finalize_block_l", "num_warps", "num_stages", "programs_per_sm"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"HopperTiles: {name}={value!r}; expected an int")
         for name, value, dim, least in (
             ("block_n", self.block_n, None, 16),
             ("fc1_block_m", self.fc1_block_m, intermediate, 16),
@@ -70,7 +77,9 @@ class HopperTiles:
                 where = "" if dim is None else f" dividing {dim}"
                 raise ValueError(f"HopperTiles: {name}={value}; expected a power of two >= {least}"
                                  f"{where}")  # fmt: skip
-        for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages),
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"HopperTiles: num_warps={self.num_warps}; expected a power of two")
+        for name, value in (("num_stages", self.num_stages),
                             ("programs_per_sm", self.programs_per_sm)):  # fmt: skip
             if value < 1:
                 raise ValueError(f"HopperTiles: {name}={value}; expected >= 1")
@@ -85,6 +94,16 @@ SITU_ROWS, SITU_MAX_BLOCK_I = 16, 256
 # The humming engine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
 # 3072 = 6 x 512); humming has run only at K3's widths.
 HUMMING_DEFAULT_MULTIPLE = 512
+
+
+def check_num_experts(owner: str, num_experts: object, least: int) -> None:
+    """TypeError / ValueError unless num_experts is an int (not a bool) >= least (first_expert +
+    the local experts)."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"{owner}: num_experts={num_experts!r}; expected an int")
+    if num_experts < least:
+        raise ValueError(f"{owner}: num_experts={num_experts}; expected >= first_expert + local"
+                         f" experts = {least}")  # fmt: skip
 
 
 def default_engine(latent: int, intermediate: int) -> str:
@@ -206,24 +225,24 @@ class HopperExperts(ExpertsBackend):
     ) -> None:
         owner = type(self).__name__
         geometry = check_expert_weights(owner, w13, s13, w2, s2, first_expert)
+        # Arguments first, the device last: a mistake shows on any machine.
+        if num_experts is not None:
+            check_num_experts(owner, num_experts, first_expert + geometry.num_local)
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"{owner}: engine={engine!r}; expected None or one of {ENGINES}")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"{owner}: deterministic={deterministic!r}; expected a bool")
+        if tiles is not None and not isinstance(tiles, HopperTiles):
+            raise TypeError(f"{owner}: tiles is {type(tiles).__name__}; expected HopperTiles")
+        self.tiles = tiles or HopperTiles()
+        self.tiles.check(geometry.latent, geometry.intermediate)
         self.check_device(geometry.device)
-        if num_experts is not None and not (
-            isinstance(num_experts, int) and num_experts >= first_expert + geometry.num_local
-        ):
-            raise ValueError(
-                f"{owner}: num_experts={num_experts!r}; expected an int >="
-                f" first_expert + local experts = {first_expert + geometry.num_local}"
-            )
         self.num_experts = num_experts
         if engine is None:
             engine = default_engine(geometry.latent, geometry.intermediate)
         self.engine = engine
-        if self.engine not in ENGINES:
-            raise ValueError(f"{owner}: engine={self.engine!r}; expected one of {ENGINES}")
         self.activation_format = "mxfp8" if self.engine == "humming" else "bf16"
-        self.deterministic = bool(deterministic) or self.engine == "triton"
-        self.tiles = tiles or HopperTiles()
-        self.tiles.check(geometry.latent, geometry.intermediate)
+        self.deterministic = deterministic or self.engine == "triton"
         self.first_expert = int(first_expert)
         self.num_local_experts = geometry.num_local
         self.latent, self.intermediate = geometry.latent, geometry.intermediate
@@ -252,6 +271,7 @@ class HopperExperts(ExpertsBackend):
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
+        device = torch.device(device)
         if device.type != "cuda":
             return f"it runs on CUDA GPUs, not {device.type}"
         if not torch.cuda.is_available():

@@ -7,10 +7,11 @@ import warnings
 import torch
 
 from dep_ep.experts.base import ExpertsBackend
-from dep_ep.experts.hopper import HopperExperts, default_engine
+from dep_ep.experts.hopper import HopperExperts, check_num_experts, default_engine
 from dep_ep.experts.hopper_humming import scale_spread_error
 from dep_ep.experts.reference import ReferenceExperts
 from dep_ep.experts.trtllm import TrtllmExperts
+from dep_ep.experts.weights import check_expert_weights
 
 
 def default_experts_class(device: torch.device | str) -> type[ExpertsBackend]:
@@ -37,13 +38,15 @@ def default_experts(
     num_experts: the model's total (E), which TrtllmExperts' routing and HopperExperts' kernel
     choice use. HopperExperts takes its default engine, or the triton engine (with a warning
     naming the experts) for weights whose scale spread the humming engine refuses."""
-    backend = default_experts_class(w13.device)
+    geometry = check_expert_weights("default_experts", w13, s13, w2, s2, first_expert)
+    check_num_experts("default_experts", num_experts, first_expert + geometry.num_local)
+    backend = default_experts_class(geometry.device)
     if backend is ReferenceExperts:
         return ReferenceExperts(w13, s13, w2, s2, first_expert=first_expert)
     options = {}
     if (
         backend is HopperExperts
-        and default_engine(2 * w13.shape[-1], w2.shape[-1] * 2) == "humming"
+        and default_engine(geometry.latent, geometry.intermediate) == "humming"
     ):
         spread = [
             scale_spread_error("default_experts", n, t) for n, t in (("s13", s13), ("s2", s2))

@@ -101,8 +101,11 @@ class TrtllmExperts(ExpertsBackend):
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
+        device = torch.device(device)
         if device.type != "cuda":
             return f"{device} is not a CUDA device"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
         major, minor = torch.cuda.get_device_capability(device)
         if major != 10:
             return f"its compute capability is {major}.{minor}"

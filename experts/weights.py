@@ -38,8 +38,14 @@ def check_expert_weights(
 
     w13 uint8 [E_local, 2I, L/2]: rows [w1 (gate); w3 (up)], two E2M1 codes per byte (low nibble
     first); s13 uint8 [E_local, 2I, L/32]; w2 uint8 [E_local, L, I/2]; s2 uint8 [E_local, L, I/32]
-    (E8M0 scale bytes); first_expert >= 0 is the global id of local expert 0.
+    (E8M0 scale bytes), E_local >= 1, L and I positive multiples of 32, on one device that holds
+    data (not "meta"); first_expert: an int >= 0, the global id of local expert 0.
     """
+    for name, t in (("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{owner}: {name} is {type(t).__name__}; expected a torch.Tensor")
+    if isinstance(first_expert, bool) or not isinstance(first_expert, int):
+        raise TypeError(f"{owner}: first_expert={first_expert!r}; expected an int")
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             f"{owner}: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be 3-D"
@@ -47,11 +53,13 @@ def check_expert_weights(
         )
     num_local, two_i, half_latent = w13.shape
     latent, intermediate = half_latent * 2, two_i // 2
-    if two_i % 2 or latent % SCALE_BLOCK or intermediate % SCALE_BLOCK:
+    if two_i % 2 or latent % SCALE_BLOCK or intermediate % SCALE_BLOCK or not latent * intermediate:
         raise ValueError(
             f"{owner}: w13 shape {tuple(w13.shape)} gives L={latent}, I={intermediate};"
-            f" both must be multiples of {SCALE_BLOCK}"
+            f" both must be positive multiples of {SCALE_BLOCK}"
         )
+    if num_local < 1:
+        raise ValueError(f"{owner}: w13 shape {tuple(w13.shape)} holds no expert")
     _check(owner, "w13", w13, (num_local, 2 * intermediate, latent // 2))
     _check(owner, "s13", s13, (num_local, 2 * intermediate, latent // SCALE_BLOCK))
     _check(owner, "w2", w2, (num_local, latent, intermediate // 2))
@@ -59,6 +67,8 @@ def check_expert_weights(
     devices = {t.device for t in (w13, s13, w2, s2)}
     if len(devices) != 1:
         raise ValueError(f"{owner}: weights on several devices {sorted(map(str, devices))}")
+    if w13.device.type == "meta":
+        raise ValueError(f"{owner}: the weights are on the meta device (shapes without data)")
     if first_expert < 0:
         raise ValueError(f"{owner}: first_expert={first_expert} must be >= 0")
     return ExpertWeightGeometry(num_local, latent, intermediate, w13.device)

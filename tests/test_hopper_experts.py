@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
-from dep_ep.config import K3, MoeGeometry
+from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.ep.allgather_reference import expert_sums
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
@@ -133,12 +133,60 @@ def test_tiles_checked():
     HopperTiles().check(K3.latent, K3.intermediate)
 
 
-def test_refuses_cpu():
-    layer = SyntheticLayer(MoeGeometry("t", hidden=256, latent=128, experts=8, topk=2,
-                                       intermediate=64), 0)  # fmt: skip
+def test_refuses_cpu_after_checking_arguments():
+    """Argument mistakes show on any machine (checked before the device); valid arguments on CPU
+    get the refusal naming the hardware."""
+    weights = SyntheticLayer(TINY, 0).local(0, 4)
     with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu: it runs on CUDA"
                                            " GPUs, not cpu; it needs an SM90"):  # fmt: skip
-        HopperExperts(*layer.local(0, 2), first_expert=0)
+        HopperExperts(*weights, first_expert=0)
+    bad = [
+        ({"engine": "foo"}, ValueError, "engine='foo'; expected None or one of"),
+        ({"num_experts": 3}, ValueError, "num_experts=3; expected >= first_expert \\+ local"),
+        ({"num_experts": True}, TypeError, "num_experts=True; expected an int"),
+        ({"deterministic": "no"}, TypeError, "deterministic='no'; expected a bool"),
+        ({"tiles": {"block_n": 16}}, TypeError, "tiles is dict; expected HopperTiles"),
+        ({"tiles": HopperTiles(block_n=8)}, ValueError, "block_n=8"),
+        ({"tiles": HopperTiles(num_warps=3)}, ValueError, "num_warps=3; expected a power of two"),
+        ({"tiles": HopperTiles(block_n=16.0)}, TypeError, "block_n=16.0; expected an int"),
+        ({"tiles": HopperTiles(persistent=None)}, TypeError, "persistent=None; expected a bool"),
+    ]
+    for options, error, message in bad:
+        with pytest.raises(error, match=message):
+            HopperExperts(*weights, first_expert=0, **options)
+    with pytest.raises(TypeError, match="first_expert=1.5; expected an int"):
+        HopperExperts(*weights, first_expert=1.5)
+    with pytest.raises(ValueError, match="meta device"):
+        HopperExperts(*(w.to("meta") for w in weights), first_expert=0)
+
+
+def test_default_experts_checks_its_arguments():
+    weights = SyntheticLayer(TINY, 0).local(4, 4)
+    for num_experts, error in (
+        (0, ValueError),
+        (7, ValueError),
+        (True, TypeError),
+        ("x", TypeError),
+    ):
+        with pytest.raises(error, match="default_experts: num_experts="):
+            default_experts(*weights, first_expert=4, num_experts=num_experts)
+    with pytest.raises(TypeError, match="default_experts: w13 is list"):
+        default_experts([1], *weights[1:], first_expert=4, num_experts=48)
+    assert type(default_experts(*weights, first_expert=4, num_experts=8)) is ReferenceExperts
+
+
+def test_group_pairs_checks_its_arguments():
+    ids = torch.tensor([[-1, 0], [1, -1]], dtype=torch.int32)
+    for kwargs, message in (
+        ({"first_expert": -1}, "first_expert=-1"),
+        ({"block_n": 1.5}, "block_n=1.5"),
+        ({"num_local": True}, "num_local=True"),
+    ):
+        args = {"first_expert": 0, "num_local": 2, "block_n": 16, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            group_pairs(ids, **args)
+    with pytest.raises(ValueError, match="ids torch.float32"):
+        group_pairs(ids.float(), 0, 2, 16)
 
 
 # ---- SM90 GPU ----------------------------------------------------------------------------------

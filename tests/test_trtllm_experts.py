@@ -142,6 +142,9 @@ def test_refuses_a_device_below_sm100(monkeypatch):
     message = "TrtllmExperts cannot run on cpu: cpu is not a CUDA device; it needs an NVIDIA"
     with pytest.raises(RuntimeError, match=message):
         TrtllmExperts(*weights, first_expert=0, num_experts=TINY.experts)
+    if not torch.cuda.is_available():  # a CPU-only torch: a reason, not torch's AssertionError
+        assert TrtllmExperts.unsupported_reason("cuda") == "CUDA is not available"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     reason = TrtllmExperts.unsupported_reason(torch.device("cuda", 0))
     assert reason == "its compute capability is 9.0"
