@@ -7,6 +7,16 @@ from abc import ABC, abstractmethod
 import torch
 
 
+def cuda_capability_reason(device: torch.device, major: int) -> str | None:
+    """None when CUDA is available and the CUDA `device` has compute capability major.x, else why
+    not (a CPU-only torch gets a reason, not torch's AssertionError). For `unsupported_reason`s,
+    after their own check that the device is a CUDA one."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    found, minor = torch.cuda.get_device_capability(device)
+    return None if found == major else f"its compute capability is {found}.{minor}"
+
+
 class ExpertsBackend(ABC):
     """Routed experts of one rank: global experts [first_expert, first_expert + num_local_experts).
 

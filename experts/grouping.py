@@ -79,8 +79,9 @@ def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: i
             raise ValueError(f"group_pairs: {name}={value!r}; expected an int >= {least}")
     rows, topk = ids.shape
     device = ids.device
-    local = ids.reshape(-1).long() - first_expert  # [R*K]
-    is_local = (ids.reshape(-1) >= 0) & (local >= 0) & (local < num_local)
+    flat = ids.reshape(-1).long()  # [R*K]
+    local = flat - first_expert
+    is_local = (flat >= 0) & (local >= 0) & (local < num_local)
     key = torch.where(is_local, local, num_local)  # non-local slots sort after every expert
     order = torch.sort(key, stable=True).indices  # pair j is slot order[j]: pairs sort first
     position = torch.empty_like(order)  # slot i is pair position[i]

@@ -21,10 +21,10 @@ import torch
 
 from dep_ep.comm.mxfp8 import e8m0_to_fp32
 from dep_ep.constants import SCALE_BLOCK
-from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.base import ExpertsBackend, cuda_capability_reason
 from dep_ep.experts.grouping import group_pairs, pair_capacity
 from dep_ep.experts.hopper_humming import HummingGemm, route, scale_spread_error
-from dep_ep.experts.weights import check_expert_weights
+from dep_ep.experts.weights import check_expert_weights, check_num_experts
 
 MATHS = ("bf16", "fp32")  # experts/hopper_kernels.py
 
@@ -94,16 +94,6 @@ SITU_ROWS, SITU_MAX_BLOCK_I = 16, 256
 # The humming engine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
 # 3072 = 6 x 512); humming has run only at K3's widths.
 HUMMING_DEFAULT_MULTIPLE = 512
-
-
-def check_num_experts(owner: str, num_experts: object, least: int) -> None:
-    """TypeError / ValueError unless num_experts is an int (not a bool) >= least (first_expert +
-    the local experts)."""
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-        raise TypeError(f"{owner}: num_experts={num_experts!r}; expected an int")
-    if num_experts < least:
-        raise ValueError(f"{owner}: num_experts={num_experts}; expected >= first_expert + local"
-                         f" experts = {least}")  # fmt: skip
 
 
 def default_engine(latent: int, intermediate: int) -> str:
@@ -274,11 +264,9 @@ class HopperExperts(ExpertsBackend):
         device = torch.device(device)
         if device.type != "cuda":
             return f"it runs on CUDA GPUs, not {device.type}"
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        major, minor = torch.cuda.get_device_capability(device)
-        if major != 9:
-            return f"its compute capability is {major}.{minor}"
+        reason = cuda_capability_reason(device, 9)
+        if reason is not None:
+            return reason
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
         return None

@@ -7,11 +7,11 @@ import warnings
 import torch
 
 from dep_ep.experts.base import ExpertsBackend
-from dep_ep.experts.hopper import HopperExperts, check_num_experts, default_engine
+from dep_ep.experts.hopper import HopperExperts, default_engine
 from dep_ep.experts.hopper_humming import scale_spread_error
 from dep_ep.experts.reference import ReferenceExperts
 from dep_ep.experts.trtllm import TrtllmExperts
-from dep_ep.experts.weights import check_expert_weights
+from dep_ep.experts.weights import check_expert_weights, check_num_experts
 
 
 def default_experts_class(device: torch.device | str) -> type[ExpertsBackend]:

@@ -12,7 +12,7 @@ import torch
 
 from dep_ep.checks import check_tensor
 from dep_ep.config import K3
-from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.base import ExpertsBackend, cuda_capability_reason
 from dep_ep.experts.mxfp4 import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
@@ -104,11 +104,9 @@ class TrtllmExperts(ExpertsBackend):
         device = torch.device(device)
         if device.type != "cuda":
             return f"{device} is not a CUDA device"
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        major, minor = torch.cuda.get_device_capability(device)
-        if major != 10:
-            return f"its compute capability is {major}.{minor}"
+        reason = cuda_capability_reason(device, 10)
+        if reason is not None:
+            return reason
         try:
             import_flashinfer()
         except ImportError as err:

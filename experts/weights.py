@@ -72,3 +72,13 @@ def check_expert_weights(
     if first_expert < 0:
         raise ValueError(f"{owner}: first_expert={first_expert} must be >= 0")
     return ExpertWeightGeometry(num_local, latent, intermediate, w13.device)
+
+
+def check_num_experts(owner: str, num_experts: object, least: int) -> None:
+    """TypeError / ValueError unless num_experts is an int (not a bool) >= least (first_expert +
+    the local experts)."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"{owner}: num_experts={num_experts!r}; expected an int")
+    if num_experts < least:
+        raise ValueError(f"{owner}: num_experts={num_experts}; expected >= first_expert + local"
+                         f" experts = {least}")  # fmt: skip
