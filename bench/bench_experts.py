@@ -7,8 +7,9 @@ per rank, all measured in the same run.
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
 random experts of 896, keeping the tokens with at least one of rank 0's experts.
 - HopperExperts (VARIANTS: the humming engine with num_experts, so its kernel is chosen for the
-  expected pairs; the humming engine without it, the kernel for the pair capacity; the triton
-  engine): CUDA-graph replay of `--launches` back-to-back calls on the same rows (a call has no
+  expected pairs, with the torch grouping and with the one-launch grouping kernel; the humming
+  engine without num_experts, the kernel for the pair capacity; the triton engine): CUDA-graph
+  replay of `--launches` back-to-back calls on the same rows (a call has no
   host synchronisation), median of `--samples` replays, per call; one eager call first (humming
   compiles its kernel for a new pair bound there).
 - ReferenceExperts: eager (it reads sizes back to the host), median of CUDA-event-timed calls;
@@ -16,6 +17,8 @@ random experts of 896, keeping the tokens with at least one of rank 0's experts.
 - Floor: the MXFP4 weights and scales of the experts the rows touch (17,547,264 bytes each at K3)
   read once at the copy bandwidth measured in the same run.
 - diff: relative L2 between each variant and ReferenceExperts on the same rows.
+- grouping: the grouping and tile routes alone (block_n 16), group_pairs + tile_routes (torch)
+  and group_and_route (one Triton launch), graph replay like HopperExperts.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts
-from dep_ep.experts.hopper import HopperExperts
+from dep_ep.experts.grouping import group_pairs, tile_routes
+from dep_ep.experts.grouping_kernel import group_and_route
+from dep_ep.experts.hopper import HopperExperts, HopperTiles
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 LOCAL_EXPERTS = [56, 112, 448]
@@ -71,9 +76,20 @@ def graph_us(backend, rows, launches: int, samples: int) -> float:
 # (column, HopperExperts options): every engine setting timed in the run.
 VARIANTS = [
     ("humming", {"engine": "humming", "num_experts": K3.experts}),
+    (
+        "humming, grouping kernel",
+        {"engine": "humming", "num_experts": K3.experts, "tiles": HopperTiles(grouping="triton")},
+    ),
     ("humming capacity", {"engine": "humming"}),
     ("triton", {"engine": "triton"}),
 ]
+
+
+GROUPING_BLOCK_N = 16
+GROUPINGS = {
+    "grouping torch": lambda ids, local: tile_routes(group_pairs(ids, 0, local, GROUPING_BLOCK_N)),
+    "grouping kernel": lambda ids, local: group_and_route(ids, 0, local, GROUPING_BLOCK_N),
+}
 
 
 def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> list[dict]:
@@ -104,6 +120,9 @@ def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> lis
             backend.forward(*rows, out)  # eager first: compiles outside the capture
             outputs[name] = out.clone()
             result[name] = graph_us(backend, rows, args.launches, args.samples)
+        for name, grouping in GROUPINGS.items():  # capture's warm-up call compiles the kernel
+            graph = capture(lambda grouping=grouping: grouping(ids, local), args.launches)
+            result[name] = replay_us(graph, args.launches, args.samples)
         if reference is not None:
             want = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
             result["reference"] = time_us(lambda: reference.forward(*rows, want), 1, 10)
@@ -152,8 +171,9 @@ def write_report(out: Path, results: list[dict], bandwidth: float, args) -> None
         " copy bandwidth; % = floor / time. diff: relative L2 against ReferenceExperts.", "",
         "| local (ranks) | T | rows | pairs | touched | floor us | "
         + " | ".join(f"{n} us | {n} %" for n in names)
-        + " | Reference us | " + " | ".join(f"{n} diff" for n in names) + " |",
-        "|" + "---|" * (7 + 2 * len(names) + len(names)),
+        + " | Reference us | " + " | ".join(f"{n} diff" for n in names)
+        + " | " + " | ".join(f"{n} us" for n in GROUPINGS) + " |",
+        "|" + "---|" * (7 + 2 * len(names) + len(names) + len(GROUPINGS)),
     ]  # fmt: skip
     for r in results:
         cells = [f"{r['local']} ({r['ranks']})", str(r["tokens"]), str(r["rows"]), str(r["pairs"]),
@@ -162,6 +182,7 @@ def write_report(out: Path, results: list[dict], bandwidth: float, args) -> None
             cells += [f"{r[n]:.0f}", f"{100 * r['floor_us'] / r[n]:.0f}%"] if n in r else ["-", "-"]
         cells.append(f"{r['reference']:.0f}" if "reference" in r else "-")
         cells += [f"{r[f'{n} diff']:.1e}" if f"{n} diff" in r else "-" for n in names]
+        cells += [f"{r[n]:.1f}" for n in GROUPINGS]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     (out / "bench_experts.md").write_text("\n".join(lines))

@@ -9,6 +9,12 @@ stable sort of the flattened slots by local expert. Each expert's pairs are cut 
 most `block_n` pairs (the kernels' N side); tile t covers pairs [tile_start[t], tile_start[t] +
 tile_rows[t]) of expert tile_expert[t]. Tiles follow each other in expert order, so the tiles of
 one expert are adjacent in the work list (their weight tiles are read once into L2).
+
+A tile route lays the tiles out at `block_n` slots each (humming's indexed routing): slot i of
+tile t holds a value of pair tile_start[t] + i, or a sentinel past the tile's pairs.
+
+`group_pairs` and `tile_routes` are the torch versions (any device, ~30 launches);
+experts/grouping_kernel.py computes the same tensors in one Triton launch.
 """
 
 from __future__ import annotations
@@ -54,6 +60,22 @@ class PairGroups:
         return self.tile_expert.shape[0]
 
 
+@dataclass(frozen=True)
+class TileRoutes:
+    """The tiles of a PairGroups at block_n slots each; sentinel = R * K (past every slot).
+
+    flat       int32 [tile_capacity * block_n]  slot t * block_n + i: pair_flat of pair
+                                                tile_start[t] + i, or sentinel past tile_rows[t]
+    pair       int32 [tile_capacity * block_n]  the same slots: the pair number, or sentinel
+    num_padded int32 []                         num_tiles * block_n (the slots in use)
+    """
+
+    flat: torch.Tensor
+    pair: torch.Tensor
+    num_padded: torch.Tensor
+    sentinel: int
+
+
 def pair_capacity(rows: int, topk: int) -> int:
     """Most pairs R receive rows can hold: R * K (a row may repeat a local id, so R * min(K,
     E_local) would not bound it; the two agree whenever E_local >= K, as at K3 up to 56 ranks)."""
@@ -66,17 +88,27 @@ def tile_capacity(rows: int, topk: int, num_local: int, block_n: int) -> int:
     return pair_capacity(rows, topk) // block_n + num_local
 
 
+def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
+    """ValueError naming `fn` unless ids is an integer [R, K] tensor and the ints are in range."""
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dim() != 2
+        or ids.dtype not in (torch.int32, torch.int64)
+    ):
+        shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
+        raise ValueError(f"{fn}: ids {shown}; expected int32 [R, K]")
+    for name, value, least in (("first_expert", first_expert, 0), ("num_local", num_local, 1),
+                               ("block_n", block_n, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{fn}: {name}={value!r}; expected an int >= {least}")
+
+
 def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: int) -> PairGroups:
     """Group the local (row, k) slots of ids int32 [R, K] (global ids, -1 = none) by local expert
     (module docstring). Runs on ids' device; no host synchronisation. On an H200 the grouping of
     1.4k slots takes 107 us in graph replay and of 42.7k slots 181 us, most of it the launches of
     its ~30 small kernels."""
-    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"group_pairs: ids {ids.dtype} {tuple(ids.shape)}; expected int32 [R, K]")
-    for name, value, least in (("first_expert", first_expert, 0), ("num_local", num_local, 1),
-                               ("block_n", block_n, 1)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"group_pairs: {name}={value!r}; expected an int >= {least}")
+    check_grouping_args("group_pairs", ids, first_expert, num_local, block_n)
     rows, topk = ids.shape
     device = ids.device
     flat = ids.reshape(-1).long()  # [R*K]
@@ -117,4 +149,26 @@ def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: i
         num_tiles=tiles_through[-1:].to(torch.int32),
         expert_pairs=expert_pairs,
         block_n=block_n,
+    )
+
+
+def tile_routes(groups: PairGroups) -> TileRoutes:
+    """The tile routes of `groups` (class TileRoutes), in torch."""
+    block = groups.block_n
+    sentinel = groups.pair_slot.shape[0]  # R * K
+    within = torch.arange(block, device=groups.pair_flat.device)
+    pair = groups.tile_start.long()[:, None] + within  # [tiles, block]
+    used = within < groups.tile_rows[:, None]
+    safe = pair.clamp(max=max(groups.pair_capacity - 1, 0))
+
+    def lay_out(values: torch.Tensor) -> torch.Tensor:
+        picked = values[safe] if values.numel() else torch.zeros_like(safe)
+        return torch.where(used, picked, sentinel).to(torch.int32).reshape(-1)
+
+    numbers = torch.arange(groups.pair_capacity, dtype=torch.int32, device=within.device)
+    return TileRoutes(
+        flat=lay_out(groups.pair_flat),
+        pair=lay_out(numbers),
+        num_padded=(groups.num_tiles * block).reshape(()),
+        sentinel=sentinel,
     )

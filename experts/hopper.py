@@ -22,11 +22,20 @@ import torch
 from dep_ep.comm.mxfp8 import e8m0_to_fp32
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.base import ExpertsBackend, cuda_capability_reason
-from dep_ep.experts.grouping import group_pairs, pair_capacity
-from dep_ep.experts.hopper_humming import HummingGemm, route, scale_spread_error
+from dep_ep.experts.grouping import (
+    PairGroups,
+    TileRoutes,
+    group_pairs,
+    pair_capacity,
+    tile_routes,
+)
+from dep_ep.experts.hopper_humming import HummingGemm, scale_spread_error
 from dep_ep.experts.weights import check_expert_weights, check_num_experts
 
 MATHS = ("bf16", "fp32")  # experts/hopper_kernels.py
+# "torch": experts/grouping.py's group_pairs and tile_routes (~30 launches; measured on the H200);
+# "triton": experts/grouping_kernel.py, the same tensors in one launch (interpreter-tested on CPU).
+GROUPINGS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,8 @@ class HopperTiles:
     FC2 work item; *_block_k: K per step (a multiple of 64); finalize_block_l: output columns per
     finalize program; programs_per_sm: persistent programs per SM; math: one of MATHS;
     persistent: each GEMM program walks the work list (True) or one program per work item, the
-    grid covering the work list's capacity (False).
+    grid covering the work list's capacity (False); grouping: one of GROUPINGS (both engines),
+    how the rows are grouped by expert (the same tensors either way).
     """
 
     block_n: int = 16
@@ -53,11 +63,15 @@ class HopperTiles:
     programs_per_sm: int = 2
     math: str = "bf16"
     persistent: bool = True
+    grouping: str = "torch"
 
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"HopperTiles: grouping={self.grouping!r}; expected one of"
+                             f" {GROUPINGS}")  # fmt: skip
         if not isinstance(self.persistent, bool):
             raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
         for name in ("block_n", "fc1_block_m", "fc1_block_k", "fc2_block_m", "fc2_block_k",
@@ -121,6 +135,18 @@ def workspace_bytes(rows: int, topk: int, latent: int, intermediate: int, engine
     )
 
 
+def grouped(
+    ids: torch.Tensor, first_expert: int, num_local: int, block_n: int, grouping: str
+) -> tuple[PairGroups, TileRoutes | None]:
+    """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
+    them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches)."""
+    if grouping == "triton":
+        from dep_ep.experts.grouping_kernel import group_and_route  # imports triton
+
+        return group_and_route(ids, first_expert, num_local, block_n)
+    return group_pairs(ids, first_expert, num_local, block_n), None
+
+
 def fused_experts(
     w13: torch.Tensor,
     s13: torch.Tensor,
@@ -142,7 +168,7 @@ def fused_experts(
     num_local, two_inter, half_latent = w13.shape
     latent, inter = 2 * half_latent, two_inter // 2
     rows, topk = ids.shape
-    groups = group_pairs(ids, first_expert, num_local, tiles.block_n)
+    groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping)
     act = torch.empty(groups.pair_capacity, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(groups.pair_capacity, latent, dtype=torch.bfloat16, device=x.device)
     launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
@@ -330,6 +356,11 @@ class HopperExperts(ExpertsBackend):
                                      self.tiles, self.programs)  # fmt: skip
             return self._forward_humming(x, sf, ids, weights, out)
 
+    def _grouped(self, ids: torch.Tensor, block_n: int) -> tuple[PairGroups, TileRoutes]:
+        groups, routes = grouped(ids, self.first_expert, self.num_local_experts, block_n,
+                                 self.tiles.grouping)  # fmt: skip
+        return groups, routes if routes is not None else tile_routes(groups)
+
     def _forward_humming(self, x, sf, ids, weights, out) -> torch.Tensor:
         """forward's contract (same tensors) on the humming engine: group, FC1, SiTU -> MXFP8,
         FC2, finalize; R >= 1."""
@@ -339,16 +370,14 @@ class HopperExperts(ExpertsBackend):
         inter, latent = self.intermediate, self.latent
         capacity = pair_capacity(rows, topk)
         bound = self.pair_bound(rows, topk)
-        fc1_groups = group_pairs(ids, self.first_expert, self.num_local_experts,
-                                 self.fc1.block_m(bound))  # fmt: skip
-        fc2_block = self.fc2.block_m(bound)
-        fc2_groups = fc1_groups
-        if fc2_block != fc1_groups.block_n:
-            fc2_groups = group_pairs(ids, self.first_expert, self.num_local_experts, fc2_block)
+        fc1_groups, fc1_routes = self._grouped(ids, self.fc1.block_m(bound))
+        fc2_groups, fc2_routes = fc1_groups, fc1_routes
+        if self.fc2.block_m(bound) != fc1_groups.block_n:
+            fc2_groups, fc2_routes = self._grouped(ids, self.fc2.block_m(bound))
         # FC1 reads row id // K of x for pair id = row * K + k and writes row id of gate_up.
         gate_up = torch.empty(rows * topk, 2 * inter, dtype=torch.bfloat16, device=x.device)
-        self.fc1(x.view(torch.float8_e4m3fn), self.e8m0_fp32[sf.int()],
-                 *route(fc1_groups, fc1_groups.pair_flat, rows * topk), topk, gate_up,
+        self.fc1(x.view(torch.float8_e4m3fn), self.e8m0_fp32[sf.int()], fc1_routes.flat,
+                 fc1_groups.tile_expert, fc1_routes.num_padded, topk, gate_up,
                  bound)  # fmt: skip
         act = torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device=x.device)
         act_scale = torch.empty(capacity, inter // SCALE_BLOCK, dtype=torch.float32,
@@ -361,9 +390,8 @@ class HopperExperts(ExpertsBackend):
         )  # fmt: skip
         # FC2: pair j reads act row j and writes expert output row j.
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
-        pair_numbers = torch.arange(capacity, dtype=torch.int32, device=x.device)
-        self.fc2(act, act_scale, *route(fc2_groups, pair_numbers, capacity), 1, expert_out,
-                 bound)  # fmt: skip
+        self.fc2(act, act_scale, fc2_routes.pair, fc2_groups.tile_expert, fc2_routes.num_padded,
+                 1, expert_out, bound)  # fmt: skip
         kernels.finalize_kernel[(rows, latent // self.tiles.finalize_block_l)](
             expert_out, fc1_groups.pair_slot, weights, out, latent, topk,
             self.tiles.finalize_block_l, num_warps=self.tiles.num_warps,

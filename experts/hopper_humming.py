@@ -1,5 +1,5 @@
 """humming-kernels' SM90 MoE GEMM as HopperExperts' "humming" engine: weights prepared once, routed
-through the tiles of experts/grouping.py (no host synchronisation).
+through the tile routes of experts/grouping.py (no host synchronisation).
 
 humming (PyPI humming-kernels, pinned in the `gpu` extra) runs an "indexed" MoE GEMM with WGMMA:
 pair p of its sorted id list reads input row id // top_k, multiplies it by expert
@@ -19,8 +19,6 @@ import json
 from dataclasses import dataclass
 
 import torch
-
-from dep_ep.experts.grouping import PairGroups
 
 # humming 0.1.19 transform.process_fused_e8m0_scale: the largest E8M0 spread per expert that its
 # fused FP4 -> FP8 decode keeps exact with e4m3 activations.
@@ -115,17 +113,3 @@ class HummingGemm:
             outputs=out, top_k=top_k, locks=self.locks, sorted_ids=sorted_ids,
             expert_ids=expert_ids, num_tokens_padded=num_padded,
         )  # fmt: skip
-
-
-def route(groups: PairGroups, pair_ids: torch.Tensor, sentinel: int):
-    """humming's indexed routing from the tiles: (sorted_ids int32 [tiles * block_n], expert_ids
-    int32 [tiles], num_tokens_padded int32 scalar). Slot i of tile t holds pair_ids[tile_start[t]
-    + i], or `sentinel` past the tile's pairs; unused tiles lie past num_tokens_padded."""
-    block = groups.block_n
-    within = torch.arange(block, device=pair_ids.device)
-    pair = groups.tile_start.long()[:, None] + within  # [tiles, block]
-    used = within < groups.tile_rows[:, None]
-    picked = pair_ids[pair.clamp(max=pair_ids.shape[0] - 1)]
-    sorted_ids = torch.where(used, picked, sentinel).to(torch.int32).reshape(-1)
-    num_padded = (groups.num_tiles * block).reshape(())
-    return sorted_ids, groups.tile_expert, num_padded

@@ -19,9 +19,8 @@ from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.ep.allgather_reference import expert_sums
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
-from dep_ep.experts.grouping import group_pairs, pair_capacity, tile_capacity
+from dep_ep.experts.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, default_engine
-from dep_ep.experts.hopper_humming import route
 
 from helpers.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
 
@@ -120,6 +119,19 @@ def test_kernels_in_triton_interpreter(case):
     assert run.stdout.startswith(f"ok {case}"), run.stdout
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+def test_grouping_kernel_in_triton_interpreter():
+    """experts/grouping_kernel.py gives group_pairs' and tile_routes' tensors bitwise."""
+    seed = fresh_seed()
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "helpers.grouping_interpreter_case", str(seed)],
+        cwd=TESTS, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, f"seed {seed}:\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert run.stdout.startswith(f"ok seed {seed}"), run.stdout
+
+
 def test_tiles_checked():
     with pytest.raises(ValueError, match="fc1_block_m=48"):
         HopperTiles(fc1_block_m=48).check(256, 128)
@@ -130,6 +142,8 @@ def test_tiles_checked():
         HopperTiles(math="fp16").check(256, 128)
     with pytest.raises(ValueError, match="block_n=8"):
         HopperTiles(block_n=8).check(256, 128)
+    with pytest.raises(ValueError, match="grouping='cuda'"):
+        HopperTiles(grouping="cuda").check(256, 128)
     HopperTiles().check(K3.latent, K3.intermediate)
 
 
@@ -204,9 +218,17 @@ ENGINES = {
     "humming": ({"engine": "humming"}, HUMMING_REL_L2),
     "humming-deterministic": ({"engine": "humming", "deterministic": True}, HUMMING_REL_L2),
     "triton": ({"engine": "triton"}, EXPERTS_REL_L2),
+    "humming-grouping-kernel": (
+        {"engine": "humming", "tiles": HopperTiles(grouping="triton")},
+        HUMMING_REL_L2,
+    ),
+    "triton-grouping-kernel": (
+        {"engine": "triton", "tiles": HopperTiles(grouping="triton")},
+        EXPERTS_REL_L2,
+    ),
 }
 # The settings that promise bitwise reruns (humming's default may use stream-K).
-DETERMINISTIC = ["humming-deterministic", "triton"]
+DETERMINISTIC = ["humming-deterministic", "triton", "triton-grouping-kernel"]
 
 
 def engine(name: str) -> tuple[dict, float]:
@@ -306,6 +328,34 @@ def test_gpu_bitwise_reruns_and_graph_replay(name):
 
 
 @GPU
+@pytest.mark.parametrize("rows,topk,num_local,block_n", [
+    (16, 16, 56, 16), (4096, 16, 56, 16), (1024, 16, 448, 64), (300, 8, 6, 32)])  # fmt: skip
+def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, block_n, monkeypatch):
+    """group_and_route on the GPU against group_pairs + tile_routes on the same ids, bitwise;
+    its outputs start as -7 (torch.empty poisoned during the call)."""
+    from dep_ep.experts.grouping_kernel import group_and_route
+
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    experts = 16 * num_local
+    ids = torch.rand(rows, experts, device="cuda", generator=gen).argsort(dim=1)[:, :topk].int()
+    ids[::5, -1] = -1
+    ids[1::7, 0] = 3  # expert 3 a little hot
+    want = group_pairs(ids, 0, num_local, block_n)
+    want_routes = tile_routes(want)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(-7))
+    got, got_routes = group_and_route(ids, 0, num_local, block_n)
+    monkeypatch.undo()
+    for field in ("pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert", "tile_start",
+                  "tile_rows", "num_tiles", "expert_pairs"):  # fmt: skip
+        assert torch.equal(getattr(got, field), getattr(want, field)), f"seed {seed}: {field}"
+    for field in ("flat", "pair", "num_padded"):
+        a, b = getattr(got_routes, field), getattr(want_routes, field)
+        assert torch.equal(a, b), f"seed {seed}: routes.{field}"
+
+
+@GPU
 def test_gpu_humming_refuses_a_wide_scale_spread():
     engine("humming")
     layer = SyntheticLayer(K3_WIDTHS, 0)
@@ -325,17 +375,19 @@ def test_default_engine_needs_humming_and_its_sizes():
     assert default_engine(256, 128) == "triton"  # TINY: humming has not run at such sizes
 
 
-def test_route_lays_out_humming_blocks():
-    """route(): slot i of tile t holds pair_ids[tile_start + i] or the sentinel; unused tiles and
-    their expert ids lie past num_tokens_padded."""
+def test_tile_routes_lay_out_blocks():
+    """tile_routes(): slot i of tile t holds pair tile_start + i's flat slot (or pair number), or
+    the sentinel R * K; unused tiles lie past num_padded and hold the sentinel."""
     # Experts 0..3 local; pairs: e0 (0,0) (1,2); e1 (2,1); e2 (0,1) (1,0) (1,1) (2,2).
     ids = torch.tensor([[0, 2, -1], [2, 2, 0], [5, 1, 2]], dtype=torch.int32)
     groups = group_pairs(ids, 0, 4, 2)
-    sorted_ids, expert_ids, padded = route(groups, groups.pair_flat, 9)
-    assert int(padded) == 2 * 4  # tiles of 2: e0 [2], e1 [1], e2 [2, 2]
-    want = [0, 5, 7, 9, 1, 3, 4, 8]  # flat slots row * 3 + k; 9: padding
-    assert sorted_ids[:8].tolist() == want, sorted_ids.tolist()
-    assert expert_ids[:4].tolist() == [0, 1, 2, 2], expert_ids.tolist()
+    routes = tile_routes(groups)
+    assert int(routes.num_padded) == 2 * 4 and routes.sentinel == 9  # e0 [2], e1 [1], e2 [2, 2]
+    assert routes.flat[:8].tolist() == [0, 5, 7, 9, 1, 3, 4, 8], routes.flat.tolist()
+    assert routes.pair[:8].tolist() == [0, 1, 2, 9, 3, 4, 5, 6], routes.pair.tolist()
+    assert groups.tile_expert[:4].tolist() == [0, 1, 2, 2], groups.tile_expert.tolist()
+    assert routes.flat.shape[0] == groups.tile_capacity * 2 and (routes.flat[8:] == 9).all()
+    assert (routes.pair[8:] == 9).all()
 
 
 @GPU

@@ -1,0 +1,90 @@
+"""The one-launch grouping kernel in Triton's CPU interpreter against the torch grouping, run in
+its own process (the interpreter must be chosen before triton is imported):
+
+    TRITON_INTERPRET=1 python -m helpers.grouping_interpreter_case SEED   (from tests/)
+
+Every tensor of group_pairs and tile_routes must come out bitwise equal, on fresh random ids of
+several shapes: rows without a local id, -1 slots, a hot expert over many tiles, repeated ids,
+every slot local, no local id, one row, no row, a step boundary (R * K past BLOCK_S), and expert
+counts where num_local + 2 is a power of two. Outputs are poisoned before the call. Exits 0 and
+prints "ok ..." when every case holds, else raises naming the case, the seed and the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from dep_ep.experts.grouping import group_pairs, tile_routes
+
+
+def random_ids(gen: torch.Generator, rows: int, topk: int, experts: int) -> torch.Tensor:
+    """Distinct random ids per row, every third row's last slot -1."""
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(rows)])
+    ids = ids.reshape(rows, topk).int()
+    ids[::3, -1] = -1
+    return ids
+
+
+def cases(gen: torch.Generator):
+    """(name, ids int32 [R, K], first_expert, num_local, block_n)."""
+    yield "mixed", random_ids(gen, 37, 6, 40), 8, 8, 16
+    yield "k3-like", random_ids(gen, 64, 16, 112), 56, 56, 16
+    yield "past-one-step", random_ids(gen, 150, 8, 60), 10, 14, 32  # 1200 slots > BLOCK_S
+    hot = random_ids(gen, 70, 4, 30)
+    hot[:, 0] = 3
+    yield "hot", hot, 0, 6, 16  # expert 3 over five tiles; bins = 8 = num_local + 2
+    yield "repeats", torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1], [1, 0, -1, 1]]).int(), 0, 2, 16
+    every = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(5)]).int()
+    yield "all-local", every, 0, 8, 16
+    yield "none-local", torch.randint(20, 40, (9, 4), generator=gen).int(), 0, 8, 16
+    yield "one-row", random_ids(gen, 1, 16, 896), 0, 448, 64
+    yield "no-row", torch.empty(0, 4, dtype=torch.int32), 0, 8, 16
+
+
+POISON = -7  # what the outputs hold before the call
+
+
+def differ(a: torch.Tensor, b: torch.Tensor) -> str:
+    """The first differing entries of two equal-shape tensors, as text."""
+    bad = (a.reshape(-1) != b.reshape(-1)).nonzero().reshape(-1)[:8].tolist()
+    return ", ".join(f"[{i}] got {a.reshape(-1)[i]} want {b.reshape(-1)[i]}" for i in bad)
+
+
+def main(seed: int) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1")
+    from dep_ep.experts import grouping_kernel
+
+    gen = torch.Generator().manual_seed(seed)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):  # outputs start as garbage the kernel must overwrite
+        return real_empty(*args, **kwargs).fill_(POISON)
+
+    for name, ids, first, num_local, block_n in cases(gen):
+        want = group_pairs(ids, first, num_local, block_n)
+        want_routes = tile_routes(want)
+        torch.empty = poisoned_empty  # group_and_route allocates its outputs with torch.empty
+        try:
+            got, got_routes = grouping_kernel.group_and_route(ids, first, num_local, block_n)
+        finally:
+            torch.empty = real_empty
+        where = f"{name} seed {seed}"
+        for field in ("pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert",
+                      "tile_start", "tile_rows", "num_tiles", "expert_pairs"):  # fmt: skip
+            a, b = getattr(got, field), getattr(want, field)
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {field} {a.dtype}"
+            assert torch.equal(a, b), f"{where}: {field} {differ(a, b)}"
+        for field in ("flat", "pair", "num_padded"):
+            a, b = getattr(got_routes, field), getattr(want_routes, field)
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: routes.{field}"
+            assert torch.equal(a, b), f"{where}: routes.{field} {differ(a, b)}"
+        assert got_routes.sentinel == want_routes.sentinel == ids.numel(), where
+    print(f"ok seed {seed}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
