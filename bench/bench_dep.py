@@ -10,6 +10,11 @@ Baselines, on the NCCL group over the same GPUs:
     token's MXFP8 row + scales + ids + weights to each rank owning one of its experts; BF16 rows
     back). Its split sizes are given to it on the host, a count exchange a real user would pay
     for is not timed.
+Routing (--routing, each at every T): "uniform" (16 distinct random experts a token), "zipf"
+(Zipf-skewed expert popularity, the same popular experts on every rank) and "hot" (expert 0 is
+every token's first choice): dep_ep.ep.synthetic.synthetic_ids. Skew: the busiest rank's receive
+rows over the mean. Receive MB: EpRouted.workspace_bytes of a rank sized for T (what it allocates
+for the rows). Construction: the EpRouted built for the run, slowest rank, kernels compiled in it.
 Times: medians over samples of CUDA-event-timed graph replays (REPS launches per replay; NCCL
 collectives eager when capture fails, marked), the slowest rank's median reported. Combine of
 ours = (dispatch + combine) - dispatch. GB/s per rank: bytes this rank sends to other ranks over
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import time
 from pathlib import Path
 
 import combine_path
@@ -29,6 +35,7 @@ import torch.distributed as dist
 from timing import timed_us
 
 from dep_ep.ep import K3, EpRouted
+from dep_ep.ep.synthetic import ROUTINGS, synthetic_ids
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -62,6 +69,7 @@ def main() -> int:
     p.add_argument("--out", default="docs")
     combine_path.add_option(p)
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
+    p.add_argument("--routing", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
     args = p.parse_args()
     ctx = init_rank_context("cuda", timeout_s=300.0)
     if ctx.backend != "nccl":
@@ -70,8 +78,11 @@ def main() -> int:
     dep = new_dep_group(ctx, n)
     cpu = dep.cpu_group
     config = combine_path.config(args)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
                       topk=K3.topk, config=config)  # fmt: skip
+    construction_s = slowest(time.perf_counter() - start, cpu)
     # The transport alone: a dispatch without its combine (the public calls pair them).
     transport = routed.transport
     suffix = combine_path.suffix(args)
@@ -80,10 +91,9 @@ def main() -> int:
     norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     results = []
-    for tokens in args.tokens:
+    for tokens, routing in [(t, r) for t in args.tokens for r in args.routing]:
         latent = torch.randn(tokens, L, device="cuda", generator=gen).to(torch.bfloat16)
-        ids = torch.rand(tokens, K3.experts, device="cuda", generator=gen).argsort(dim=1)
-        ids = ids[:, :K].int().contiguous()
+        ids = synthetic_ids(tokens, K3.experts, K, routing, gen, "cuda").contiguous()
         weights = torch.rand(tokens, K, device="cuda", generator=gen)
         out = routed.receive(tokens).out
         out.copy_(torch.randn(out.shape, device="cuda", generator=gen).to(torch.bfloat16))
@@ -127,6 +137,9 @@ def main() -> int:
         # Baseline 2: all_to_all_single with our bytes.
         dest = destinations(ids, n)
         send_rows = dest.sum(dim=0).tolist()  # rows to each rank
+        receive_rows = dest.sum(dim=0).to(torch.float64).cpu()
+        dist.all_reduce(receive_rows, group=cpu)  # rows each rank receives
+        skew = float(receive_rows.max() / receive_rows.mean().clamp(min=1e-9))
         recv_rows = torch.tensor(send_rows, dtype=torch.int64)
         all_rows = [torch.empty_like(recv_rows) for _ in range(n)]
         dist.all_gather(all_rows, recv_rows, group=cpu)
@@ -155,7 +168,9 @@ def main() -> int:
         remote_back = sum(r for s, r in enumerate(recv_rows) if s != rank)
         d_bytes, c_bytes = remote_rows * row_bytes, remote_back * 2 * L
         row = dict(
-            tokens=tokens, dispatch=slowest(d_us, cpu), combine=slowest(pair_us - d_us, cpu),
+            tokens=tokens, routing=routing, skew=skew,
+            receive_mb=EpRouted.workspace_bytes(n, tokens, latent=L, topk=K) / 1e6,
+            dispatch=slowest(d_us, cpu), combine=slowest(pair_us - d_us, cpu),
             pair=slowest(pair_us, cpu), allgather=slowest(ag_us, cpu),
             reduce_scatter=slowest(rs_us, cpu), a2a=slowest(a2a_us, cpu),
             a2a_back=slowest(back_us, cpu), d_bytes=mean(d_bytes, cpu), c_bytes=mean(c_bytes, cpu),
@@ -167,30 +182,35 @@ def main() -> int:
                   flush=True)  # fmt: skip
     routed.close()
     if rank == 0:
-        write_report(Path(args.out), results, n, suffix)
+        write_report(Path(args.out), results, n, construction_s, suffix)
     teardown(ctx)
     return 0
 
 
-def write_report(out: Path, results: list[dict], n: int, suffix: str = "") -> None:
+def write_report(out: Path, results: list[dict], n: int, construction_s: float,
+                 suffix: str = "") -> None:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     lines = [
         f"# DEP benchmark, {n} GPUs, one process per GPU", "",
         f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
         f" --nproc-per-node {n} bench/bench_dep.py --out OUTDIR`. K3 geometry (L {K3.latent}, K"
-        f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank).", "",
+        f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank). Construction of the"
+        f" EpRouted (sized for T = {max(r['tokens'] for r in results)}, kernels compiled in it):"
+        f" {construction_s:.2f} s, slowest rank.", "",
         "Medians of CUDA-event-timed graph replays, slowest rank; see bench/bench_dep.py for the"
         " baselines' definitions. GB/s: bytes the rank sends to other ranks / time (mean over"
         " ranks). x: baseline time / ours.", "",
-        "| T | dispatch us | GB/s | combine us | GB/s | all-gather us (x) | reduce-scatter us (x) |"
-        " a2a dispatch us (x) | a2a combine us (x) | NCCL timing |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| T | routing | skew | receive MB | dispatch us | GB/s | combine us | GB/s |"
+        " all-gather us (x) | reduce-scatter us (x) | a2a dispatch us (x) | a2a combine us (x) |"
+        " NCCL timing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in results:
         d, c = r["dispatch"], max(r["combine"], 1e-3)
         lines.append(
-            f"| {r['tokens']} | {d:.1f} | {r['d_bytes'] / d / 1e3:.0f} | {c:.1f} |"
+            f"| {r['tokens']} | {r['routing']} | {r['skew']:.2f} | {r['receive_mb']:.1f} |"
+            f" {d:.1f} | {r['d_bytes'] / d / 1e3:.0f} | {c:.1f} |"
             f" {r['c_bytes'] / c / 1e3:.0f} | {r['allgather']:.1f} ({r['allgather'] / d:.1f}x) |"
             f" {r['reduce_scatter']:.1f} ({r['reduce_scatter'] / c:.1f}x) |"
             f" {r['a2a']:.1f} ({r['a2a'] / d:.1f}x) |"
@@ -212,23 +232,31 @@ def plot(path: Path, results: list[dict], n: int, gpu: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    ts = [r["tokens"] for r in results]
+    routings = list(dict.fromkeys(r["routing"] for r in results))
+    by_routing = {name: [r for r in results if r["routing"] == name] for name in routings}
+    base = by_routing[routings[0]]  # the baselines under the first routing
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     for axis, ours, baselines, title in (
         (a, "dispatch", (("allgather", "all-gather"), ("a2a", "all_to_all_single")), "dispatch"),
         (b, "combine", (("reduce_scatter", "reduce-scatter"), ("a2a_back", "all_to_all_single")),
          "combine"),
     ):  # fmt: skip
-        axis.loglog(ts, [max(r[ours], 1e-2) for r in results], "o-", label=f"ours: {ours}")
+        for name, rows in by_routing.items():
+            axis.loglog([r["tokens"] for r in rows], [max(r[ours], 1e-2) for r in rows], "o-",
+                        label=f"ours: {ours}, {name}")  # fmt: skip
         for key, label in baselines:
-            axis.loglog(ts, [r[key] for r in results], "s--", label=f"NCCL {label}")
+            axis.loglog([r["tokens"] for r in base], [r[key] for r in base], "s--",
+                        label=f"NCCL {label}, {routings[0]}")  # fmt: skip
         axis.set_title(title), axis.set_xlabel("tokens per rank T"), axis.set_ylabel("us")
-        axis.legend(), axis.grid(True, which="both", alpha=0.3)
-    c.semilogx(ts, [r["d_bytes"] / r["dispatch"] / 1e3 for r in results], "o-", label="dispatch")
-    c.semilogx(ts, [r["c_bytes"] / max(r["combine"], 1e-3) / 1e3 for r in results], "s-",
-               label="combine")  # fmt: skip
+        axis.legend(fontsize=7), axis.grid(True, which="both", alpha=0.3)
+    for name, rows in by_routing.items():
+        ts = [r["tokens"] for r in rows]
+        c.semilogx(ts, [r["d_bytes"] / r["dispatch"] / 1e3 for r in rows], "o-",
+                   label=f"dispatch, {name}")  # fmt: skip
+        c.semilogx(ts, [r["c_bytes"] / max(r["combine"], 1e-3) / 1e3 for r in rows], "s-",
+                   label=f"combine, {name}")  # fmt: skip
     c.set_title("ours: GB/s sent to other ranks, per rank"), c.set_xlabel("tokens per rank T")
-    c.legend(), c.grid(True, alpha=0.3)
+    c.legend(fontsize=7), c.grid(True, alpha=0.3)
     fig.suptitle(f"DEP, {n} x {gpu}, K3 geometry, {datetime.date.today().isoformat()}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
