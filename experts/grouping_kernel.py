@@ -12,7 +12,9 @@ bitwise (the tests compare them), in one launch of num_local + 1 programs:
 
 Each program reads ids twice (a histogram pass, then the scatter), BLOCK_S slots a step; nothing
 is shared between programs, so no atomics and no ordering between them. Work per program grows
-with R * K: at K3's T=256 on DEP16 (65,536 slots) each program takes 64 steps a pass.
+with R * K: at K3's T=256 on DEP16 (65,536 slots) each program takes 64 steps a pass. The
+histogram counts the local slots only (masked): Triton lowers it to one shared-memory atomic per
+counted element, and on a DEP16 shard 15 of 16 slots are not local, all in one bin.
 """
 
 from __future__ import annotations
@@ -21,11 +23,22 @@ import torch
 import triton
 import triton.language as tl
 
-from dep_ep.experts.grouping import PairGroups, TileRoutes, pair_capacity, tile_capacity
+from dep_ep.experts.grouping import (
+    PairGroups,
+    TileRoutes,
+    check_grouping_args,
+    pair_capacity,
+    tile_capacity,
+)
 
 BLOCK_S = 1024  # slots a program reads per step
 BLOCK_T = 64  # tiles a program writes per step
 NUM_WARPS = 4
+
+
+def fits(block_n: int) -> bool:
+    """Whether the kernel takes tiles of block_n pairs (a power of two: tl.arange's lanes)."""
+    return block_n >= 1 and block_n & (block_n - 1) == 0
 
 
 @triton.jit
@@ -68,14 +81,13 @@ def group_route_kernel(
     JUNK: tl.constexpr = BINS - 1
     slot = tl.arange(0, BLOCK_S)
 
-    # Pass 1: pairs per expert (and non-local slots), over every slot.
+    # Pass 1: pairs per expert over every slot (the non-local bin and JUNK stay 0).
     counts = tl.zeros((BINS,), dtype=tl.int32)
     for s0 in range(0, num_slots, BLOCK_S):
         key = _keys(ids_ptr, s0 + slot, num_slots, first_expert, num_local, JUNK)
-        counts += tl.histogram(key, BINS)
+        counts += tl.histogram(key, BINS, mask=key < num_local)
     bins = tl.arange(0, BINS)
     is_expert = bins < num_local
-    counts = tl.where(bins <= num_local, counts, 0)
     first_pair = tl.cumsum(counts, 0) - counts  # the non-local bin starts at num_pairs
     tiles = tl.where(is_expert, (counts + BLOCK_N - 1) // BLOCK_N, 0)
     tiles_before = tl.cumsum(tiles, 0) - tiles
@@ -144,10 +156,11 @@ def group_and_route(
 ) -> tuple[PairGroups, TileRoutes]:
     """`group_pairs(ids, ...)` and `tile_routes` of it (experts/grouping.py), bitwise the same
     tensors, from one launch on ids' device (a CUDA GPU, or Triton's CPU interpreter). ids int32
-    [R, K], contiguous."""
-    from dep_ep.experts.grouping import check_grouping_args
-
+    [R, K], contiguous; block_n a power of two (`fits`)."""
     check_grouping_args("group_and_route", ids, first_expert, num_local, block_n)
+    if not fits(block_n):
+        raise ValueError(f"group_and_route: block_n={block_n}; expected a power of two (the"
+                         " kernel's tile lanes); group_pairs takes any block_n")  # fmt: skip
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError(f"group_and_route: ids {ids.dtype}, contiguous={ids.is_contiguous()};"
                          " expected contiguous int32")  # fmt: skip

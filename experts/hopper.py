@@ -103,6 +103,9 @@ ENGINES = ("humming", "triton")
 # group_pairs' tensors per (row, k) slot: int64 key, order and position (and the sort's scratch
 # of about two more), int32 pair lists and slot map.
 GROUPING_BYTES_PER_SLOT = 64
+# tile_routes' tensors per tile slot (about one per pair): int32 flat and pair lists, int64 index
+# and gathered values. The humming engine routes twice when FC1 and FC2 tile differently.
+ROUTE_BYTES_PER_SLOT = 32
 # situ_mxfp8_kernel: pairs per step, and the most intermediate columns per program.
 SITU_ROWS, SITU_MAX_BLOCK_I = 16, 256
 # The humming engine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
@@ -121,15 +124,16 @@ def workspace_bytes(rows: int, topk: int, latent: int, intermediate: int, engine
     """About the bytes one call allocates (from torch's caching allocator) for R receive rows, at
     the pair capacity P = R * K: the grouping's temporaries (GROUPING_BYTES_PER_SLOT a slot);
     triton: BF16 activations [P, I] and expert outputs [P, L]; humming: the rows' scales in fp32
-    [R, L/32], BF16 FC1 outputs [R * K, 2I], MXFP8 activations [P, I] with fp32 scales, the two
-    routing lists and BF16 expert outputs [P, L]."""
+    [R, L/32], BF16 FC1 outputs [R * K, 2I], MXFP8 activations [P, I] with fp32 scales, the
+    tile routes of two groupings (ROUTE_BYTES_PER_SLOT a pair each) and BF16 expert outputs
+    [P, L]."""
     pairs = pair_capacity(rows, topk)
     grouping = rows * topk * GROUPING_BYTES_PER_SLOT
     if engine == "triton":
         return grouping + pairs * (intermediate + latent) * 2
     scales = rows * (latent // SCALE_BLOCK) * 4
     act = pairs * (intermediate + intermediate // SCALE_BLOCK * 4)
-    routing = 2 * pairs * 4
+    routing = 2 * pairs * ROUTE_BYTES_PER_SLOT
     return (
         grouping + scales + rows * topk * 2 * intermediate * 2 + act + routing + pairs * latent * 2
     )
@@ -139,11 +143,14 @@ def grouped(
     ids: torch.Tensor, first_expert: int, num_local: int, block_n: int, grouping: str
 ) -> tuple[PairGroups, TileRoutes | None]:
     """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
-    them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches)."""
+    them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches).
+    "triton" takes block_n a power of two (humming's block sizes and HopperTiles' are); another
+    block_n is grouped in torch, with the same result."""
     if grouping == "triton":
-        from dep_ep.experts.grouping_kernel import group_and_route  # imports triton
+        from dep_ep.experts.grouping_kernel import fits, group_and_route  # imports triton
 
-        return group_and_route(ids, first_expert, num_local, block_n)
+        if fits(block_n):
+            return group_and_route(ids, first_expert, num_local, block_n)
     return group_pairs(ids, first_expert, num_local, block_n), None
 
 

@@ -107,7 +107,7 @@ def test_group_pairs_edges():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
-@pytest.mark.parametrize("case", ["mixed", "hot", "single"])
+@pytest.mark.parametrize("case", ["mixed", "hot", "single", "hot-grouping-kernel"])
 def test_kernels_in_triton_interpreter(case):
     seed = fresh_seed()
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -130,6 +130,22 @@ def test_grouping_kernel_in_triton_interpreter():
     )  # fmt: skip
     assert run.returncode == 0, f"seed {seed}:\n{run.stdout}\n{run.stderr[-3000:]}"
     assert run.stdout.startswith(f"ok seed {seed}"), run.stdout
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+def test_grouping_kernel_takes_power_of_two_tiles_only():
+    """group_and_route refuses block_n = 48 before any launch; `grouped` groups such tiles in
+    torch instead (the same tensors)."""
+    from dep_ep.experts.grouping_kernel import group_and_route
+    from dep_ep.experts.hopper import grouped
+
+    ids = torch.tensor([[0, 2, -1], [2, 2, 0], [5, 1, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_n=48; expected a power of two"):
+        group_and_route(ids, 0, 4, 48)
+    with pytest.raises(ValueError, match="group_and_route: ids torch.float32"):
+        group_and_route(ids.float(), 0, 4, 16)
+    groups, routes = grouped(ids, 0, 4, 48, "triton")
+    assert routes is None and torch.equal(groups.pair_slot, group_pairs(ids, 0, 4, 48).pair_slot)
 
 
 def test_tiles_checked():
@@ -328,31 +344,36 @@ def test_gpu_bitwise_reruns_and_graph_replay(name):
 
 
 @GPU
-@pytest.mark.parametrize("rows,topk,num_local,block_n", [
-    (16, 16, 56, 16), (4096, 16, 56, 16), (1024, 16, 448, 64), (300, 8, 6, 32)])  # fmt: skip
-def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, block_n, monkeypatch):
-    """group_and_route on the GPU against group_pairs + tile_routes on the same ids, bitwise;
-    its outputs start as -7 (torch.empty poisoned during the call)."""
+@pytest.mark.parametrize("rows,topk,num_local,first,block_n", [
+    (16, 16, 56, 56, 16), (4096, 16, 56, 0, 16), (1024, 16, 448, 448, 64), (300, 8, 6, 3, 32),
+    (0, 16, 56, 0, 16)])  # fmt: skip
+def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_n, monkeypatch):
+    """group_and_route on the GPU against group_pairs + tile_routes on the same ids, bitwise,
+    dtypes and shapes included; its outputs start as -7 (torch.empty poisoned during the call).
+    One expert is hot (a third of the rows); -1 slots; ids of other ranks."""
     from dep_ep.experts.grouping_kernel import group_and_route
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    experts = 16 * num_local
+    experts = max(16 * num_local, first + num_local)
     ids = torch.rand(rows, experts, device="cuda", generator=gen).argsort(dim=1)[:, :topk].int()
     ids[::5, -1] = -1
-    ids[1::7, 0] = 3  # expert 3 a little hot
-    want = group_pairs(ids, 0, num_local, block_n)
+    ids[1::3, 0] = first + num_local // 2
+    ids = ids.contiguous()
+    want = group_pairs(ids, first, num_local, block_n)
     want_routes = tile_routes(want)
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(-7))
-    got, got_routes = group_and_route(ids, 0, num_local, block_n)
+    got, got_routes = group_and_route(ids, first, num_local, block_n)
     monkeypatch.undo()
-    for field in ("pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert", "tile_start",
-                  "tile_rows", "num_tiles", "expert_pairs"):  # fmt: skip
-        assert torch.equal(getattr(got, field), getattr(want, field)), f"seed {seed}: {field}"
-    for field in ("flat", "pair", "num_padded"):
-        a, b = getattr(got_routes, field), getattr(want_routes, field)
-        assert torch.equal(a, b), f"seed {seed}: routes.{field}"
+    pairs = [(f, getattr(got, f), getattr(want, f)) for f in (
+        "pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert", "tile_start",
+        "tile_rows", "num_tiles", "expert_pairs")]  # fmt: skip
+    pairs += [(f"routes.{f}", getattr(got_routes, f), getattr(want_routes, f))
+              for f in ("flat", "pair", "num_padded")]  # fmt: skip
+    for field, a, b in pairs:
+        assert a.dtype == b.dtype and a.shape == b.shape, f"seed {seed}: {field} {a.dtype}"
+        assert torch.equal(a, b), f"seed {seed}: {field} differs"
 
 
 @GPU

@@ -5,8 +5,9 @@ its own process (the interpreter must be chosen before triton is imported):
 
 Every tensor of group_pairs and tile_routes must come out bitwise equal, on fresh random ids of
 several shapes: rows without a local id, -1 slots, a hot expert over many tiles, repeated ids,
-every slot local, no local id, one row, no row, a step boundary (R * K past BLOCK_S), and expert
-counts where num_local + 2 is a power of two. Outputs are poisoned before the call. Exits 0 and
+every slot local, no local id, one row, no row, a step boundary (R * K past BLOCK_S), 448 local
+experts over several steps, an expert with more tiles than BLOCK_T, and expert counts where
+num_local + 2 is a power of two. Outputs are poisoned before the call. Exits 0 and
 prints "ok ..." when every case holds, else raises naming the case, the seed and the tensor.
 """
 
@@ -40,7 +41,11 @@ def cases(gen: torch.Generator):
     every = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(5)]).int()
     yield "all-local", every, 0, 8, 16
     yield "none-local", torch.randint(20, 40, (9, 4), generator=gen).int(), 0, 8, 16
-    yield "one-row", random_ids(gen, 1, 16, 896), 0, 448, 64
+    yield "one-row", random_ids(gen, 1, 16, 896), 0, 56, 64
+    yield "448-local", random_ids(gen, 70, 16, 896), 448, 448, 64  # 1,120 slots, 2 steps
+    very_hot = random_ids(gen, 1100, 2, 40)
+    very_hot[:, 0] = 5
+    yield "very-hot", very_hot, 0, 8, 16  # expert 5: 69 tiles, more than one step of BLOCK_T
     yield "no-row", torch.empty(0, 4, dtype=torch.int32), 0, 8, 16
 
 

@@ -8,8 +8,8 @@ random rows at a small geometry, output poisoned with NaN, and compares with the
 reference's float64 expert sums. Exits 0 and prints "ok ..." when every check holds, else raises.
 
 CASE: "mixed" (rows without a local id, -1 slots, one NaN input row), "hot" (every row's first
-id is the same local expert; the other local experts have no rows; grouped by the Triton grouping
-kernel), "single" (one row).
+id is the same local expert; the other local experts have no rows), "single" (one row),
+"hot-grouping-kernel" ("hot" grouped by experts/grouping_kernel.py instead of torch).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ FIRST, COUNT = 8, 6  # this rank's experts 8..13
 TILES = HopperTiles(block_n=16, fc1_block_m=32, fc1_block_k=64, fc2_block_m=64, fc2_block_k=64,
                     finalize_block_l=64, math="fp32")  # fmt: skip
 PROGRAMS = 5
+KERNEL_GROUPING = "-grouping-kernel"  # case suffix: grouped by experts/grouping_kernel.py
 
 
 def rows_for(case: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +58,12 @@ def rows_for(case: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
 def main(case: str, seed: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
+    name, tiles = case, TILES
+    if case.endswith(KERNEL_GROUPING):
+        case, tiles = (
+            case.removesuffix(KERNEL_GROUPING),
+            dataclasses.replace(TILES, grouping="triton"),
+        )
     gen = torch.Generator().manual_seed(seed)
     layer = SyntheticLayer(GEOMETRY, seed)
     w13, s13, w2, s2 = layer.local(FIRST, COUNT)
@@ -68,21 +75,20 @@ def main(case: str, seed: int) -> None:
     if nan_row is not None:
         sf[nan_row, 1] = 255  # an E8M0 NaN: the block of elements 32..63 is NaN
     out = torch.full((ids.shape[0], GEOMETRY.latent), float("nan"), dtype=torch.bfloat16)
-    tiles = dataclasses.replace(TILES, grouping="triton") if case == "hot" else TILES
     fused_experts(w13, s13, w2, s2, FIRST, x, sf, ids, weights, out, tiles, PROGRAMS)
 
     written = local.any(dim=1)
-    assert out[~written].isnan().all(), f"{case} seed {seed}: a row without a local id changed"
+    assert out[~written].isnan().all(), f"{name} seed {seed}: a row without a local id changed"
     finite = written.clone()
     if nan_row is not None:
-        assert out[nan_row].isnan().all(), f"{case} seed {seed}: the NaN row's output is finite"
+        assert out[nan_row].isnan().all(), f"{name} seed {seed}: the NaN row's output is finite"
         finite[nan_row] = False
     got = out[finite].double()
-    assert not got.isnan().any(), f"{case} seed {seed}: NaN in a row with a local id"
+    assert not got.isnan().any(), f"{name} seed {seed}: NaN in a row with a local id"
     want = expert_sums(latent, torch.where(local, ids, -1), weights, layer.expert)[finite]
     err = float((got - want).norm() / want.norm())
-    assert err < EXPERTS_REL_L2, f"{case} seed {seed}: relative L2 {err:.2e} > {EXPERTS_REL_L2:.2e}"
-    print(f"ok {case} seed {seed}: {int(finite.sum())} rows, relative L2 {err:.2e}")
+    assert err < EXPERTS_REL_L2, f"{name} seed {seed}: relative L2 {err:.2e} > {EXPERTS_REL_L2:.2e}"
+    print(f"ok {name} seed {seed}: {int(finite.sum())} rows, relative L2 {err:.2e}")
 
 
 if __name__ == "__main__":
