@@ -1,0 +1,41 @@
+"""The CPU parts of bench/bench_routed_experts.py: reading the peer's log and writing the page."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_routed_experts as bench  # noqa: E402
+
+
+def test_peer_log_rows_by_local_experts(tmp_path):
+    log = tmp_path / "fi.log"
+    rows = [
+        {"T": 1, "local": 448, "layer_us": 202.57, "error": None},
+        {"T": 4, "local": 448, "error": "failed, see logs"},
+        {"T": 16, "local": 224, "layer_us": 900.0, "error": None},
+        {"T": 64, "local": 448, "layer_us": 1973.05, "error": None},
+    ]
+    lines = ["# warming up", "FI_MEGA_X {}"] + [bench.PEER_PREFIX + json.dumps(r) for r in rows]
+    log.write_text("\n".join(lines) + "\n")
+    assert bench.read_peer_log(log, 448) == {1: 202.57, 64: 1973.05}
+    assert bench.read_peer_log(log, 224) == {16: 900.0}
+
+
+def test_report_puts_the_peer_beside_ours(tmp_path):
+    results = [
+        {"tokens": 1, "us": 150.0, "touched": 16, "floor_us": 65.0, "mode": "graph",
+         "finite": True},
+        {"tokens": 4, "us": 400.0, "touched": 62, "floor_us": 250.0, "mode": "graph",
+         "finite": False},
+    ]  # fmt: skip
+    meta = {"n": 2, "local": 448, "bandwidth": 4100.0, "backend": "HopperExperts (humming)",
+            "grouping": "torch", "gpu": "GPU"}  # fmt: skip
+    bench.write_report(tmp_path, results, {1: 202.57}, meta)
+    page = (tmp_path / "bench_routed_experts2.md").read_text()
+    assert "| 1 | 16 | 65 | 150 | 43% | 203 | 32% | 1.35 | graph | yes |" in page, page
+    assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | graph | NO |" in page, page
