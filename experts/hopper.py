@@ -1,14 +1,17 @@
 """HopperExperts: MXFP4 experts on SM90 over device-grouped pairs, in one of two engines.
 
 - "humming" (the default when humming-kernels is installed, `pip install -e '.[gpu]'`):
-  group_pairs -> humming's FC1 (WGMMA, e4m3 rows x MXFP4) -> situ_mxfp8_kernel (SiTU, then MXFP8
-  like the dispatch) -> humming's FC2 -> finalize_kernel (experts/hopper_humming.py).
+  group_pairs and tile_routes -> humming's FC1 (WGMMA, e4m3 rows x MXFP4) -> situ_mxfp8_kernel
+  (SiTU, then MXFP8 like the dispatch) -> humming's FC2 -> finalize_kernel
+  (experts/hopper_humming.py).
 - "triton": group_pairs -> fc1_situ_kernel -> fc2_kernel -> finalize_kernel, all ours
   (experts/hopper_kernels.py), with ReferenceExperts' BF16 numerics.
 
-Both keep the weights at 4 bits and read the receive rows' MXFP8 bytes as they are (humming reads
-the E8M0 scales widened to fp32). No host synchronisation and no launch shape that depends on the
-data: a call can be captured in a CUDA graph with the routed path.
+HopperTiles(grouping="triton") replaces group_pairs (and tile_routes) by one launch of
+experts/grouping_kernel.py, the same tensors. Both engines keep the weights at 4 bits and read
+the receive rows' MXFP8 bytes as they are (humming reads the E8M0 scales widened to fp32). No
+host synchronisation and no launch shape that depends on the data: a call can be captured in a
+CUDA graph with the routed path.
 """
 
 from __future__ import annotations
@@ -144,8 +147,8 @@ def grouped(
 ) -> tuple[PairGroups, TileRoutes | None]:
     """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
     them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches).
-    "triton" takes block_n a power of two (humming's block sizes and HopperTiles' are); another
-    block_n is grouped in torch, with the same result."""
+    "triton" takes block_n a power of two (HopperTiles checks its own); another block_n (from
+    humming's kernel choice) is grouped in torch, with the same result."""
     if grouping == "triton":
         from dep_ep.experts.grouping_kernel import fits, group_and_route  # imports triton
 
