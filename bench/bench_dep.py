@@ -13,8 +13,11 @@ Baselines, on the NCCL group over the same GPUs:
 Routing (--routing, each at every T): "uniform" (16 distinct random experts a token), "zipf"
 (Zipf-skewed expert popularity, the same popular experts on every rank) and "hot" (expert 0 is
 every token's first choice): dep_ep.ep.synthetic.synthetic_ids. Skew: the busiest rank's receive
-rows over the mean. Receive MB: EpRouted.workspace_bytes of a rank sized for T (what it allocates
-for the rows). Construction: the EpRouted built for the run, slowest rank, kernels compiled in it.
+rows over the mean (what dispatch and combine move; ~1 at N = 2, where nearly every token reaches
+both ranks), and its (row, local id) pairs over the mean (the experts' load). Receive MiB:
+EpRouted.workspace_bytes of a rank sized for T (the run's EpRouted is sized for the largest T).
+Construction: the EpRouted built for the run, ranks lined up first, slowest rank, NVSHMEM
+start-up and kernel compilation included.
 Times: medians over samples of CUDA-event-timed graph replays (REPS launches per replay; NCCL
 collectives eager when capture fails, marked), the slowest rank's median reported. Combine of
 ours = (dispatch + combine) - dispatch. GB/s per rank: bytes this rank sends to other ranks over
@@ -79,6 +82,7 @@ def main() -> int:
     cpu = dep.cpu_group
     config = combine_path.config(args)
     torch.cuda.synchronize()
+    dist.barrier(cpu)
     start = time.perf_counter()
     routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
                       topk=K3.topk, config=config)  # fmt: skip
@@ -140,6 +144,10 @@ def main() -> int:
         receive_rows = dest.sum(dim=0).to(torch.float64).cpu()
         dist.all_reduce(receive_rows, group=cpu)  # rows each rank receives
         skew = float(receive_rows.max() / receive_rows.mean().clamp(min=1e-9))
+        owner = ids[ids >= 0].long() // (K3.experts // n)
+        receive_pairs = torch.bincount(owner, minlength=n).to(torch.float64).cpu()
+        dist.all_reduce(receive_pairs, group=cpu)  # (row, id) pairs each rank receives
+        pair_skew = float(receive_pairs.max() / receive_pairs.mean().clamp(min=1e-9))
         recv_rows = torch.tensor(send_rows, dtype=torch.int64)
         all_rows = [torch.empty_like(recv_rows) for _ in range(n)]
         dist.all_gather(all_rows, recv_rows, group=cpu)
@@ -168,8 +176,8 @@ def main() -> int:
         remote_back = sum(r for s, r in enumerate(recv_rows) if s != rank)
         d_bytes, c_bytes = remote_rows * row_bytes, remote_back * 2 * L
         row = dict(
-            tokens=tokens, routing=routing, skew=skew,
-            receive_mb=EpRouted.workspace_bytes(n, tokens, latent=L, topk=K) / 1e6,
+            tokens=tokens, routing=routing, skew=skew, pair_skew=pair_skew,
+            receive_mib=EpRouted.workspace_bytes(n, tokens, latent=L, topk=K) / 2**20,
             dispatch=slowest(d_us, cpu), combine=slowest(pair_us - d_us, cpu),
             pair=slowest(pair_us, cpu), allgather=slowest(ag_us, cpu),
             reduce_scatter=slowest(rs_us, cpu), a2a=slowest(a2a_us, cpu),
@@ -182,26 +190,27 @@ def main() -> int:
                   flush=True)  # fmt: skip
     routed.close()
     if rank == 0:
-        write_report(Path(args.out), results, n, construction_s, suffix)
+        write_report(Path(args.out), results, n, construction_s, suffix, " ".join(sys.argv[1:]))
     teardown(ctx)
     return 0
 
 
 def write_report(out: Path, results: list[dict], n: int, construction_s: float,
-                 suffix: str = "") -> None:  # fmt: skip
+                 suffix: str = "", arguments: str = "--out OUTDIR") -> None:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     lines = [
         f"# DEP benchmark, {n} GPUs, one process per GPU", "",
         f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node {n} bench/bench_dep.py --out OUTDIR`. K3 geometry (L {K3.latent}, K"
+        f" --nproc-per-node {n} bench/bench_dep.py {arguments}`. K3 geometry (L {K3.latent}, K"
         f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank). Construction of the"
         f" EpRouted (sized for T = {max(r['tokens'] for r in results)}, kernels compiled in it):"
-        f" {construction_s:.2f} s, slowest rank.", "",
+        f" {construction_s:.2f} s, slowest rank, ranks lined up first, NVSHMEM start-up and"
+        " kernel compilation included.", "",
         "Medians of CUDA-event-timed graph replays, slowest rank; see bench/bench_dep.py for the"
         " baselines' definitions. GB/s: bytes the rank sends to other ranks / time (mean over"
         " ranks). x: baseline time / ours.", "",
-        "| T | routing | skew | receive MB | dispatch us | GB/s | combine us | GB/s |"
+        "| T | routing | skew rows / pairs | receive MiB | dispatch us | GB/s | combine us | GB/s |"
         " all-gather us (x) | reduce-scatter us (x) | a2a dispatch us (x) | a2a combine us (x) |"
         " NCCL timing |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -209,7 +218,8 @@ def write_report(out: Path, results: list[dict], n: int, construction_s: float,
     for r in results:
         d, c = r["dispatch"], max(r["combine"], 1e-3)
         lines.append(
-            f"| {r['tokens']} | {r['routing']} | {r['skew']:.2f} | {r['receive_mb']:.1f} |"
+            f"| {r['tokens']} | {r['routing']} | {r['skew']:.2f} / {r['pair_skew']:.2f} |"
+            f" {r['receive_mib']:.2f} |"
             f" {d:.1f} | {r['d_bytes'] / d / 1e3:.0f} | {c:.1f} |"
             f" {r['c_bytes'] / c / 1e3:.0f} | {r['allgather']:.1f} ({r['allgather'] / d:.1f}x) |"
             f" {r['reduce_scatter']:.1f} ({r['reduce_scatter'] / c:.1f}x) |"

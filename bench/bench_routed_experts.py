@@ -17,7 +17,8 @@ measured in the run, the largest over ranks.
 
 --peer-log: the stdout of FlashInfer's fused layer benchmark run on the same GPUs in the same
 session, whose result lines read `FI_MEGA {json}` with keys T, local, layer_us (and error): its
-layer time is put beside ours, T by T, in one table and one plot. Ranks sharing one GPU are
+layer time is put beside ours, T by T, in one table and one plot (--peer-ranks: the world size
+it ran at, 2 by default; the file is read before any GPU work). Ranks sharing one GPU are
 time-sliced: refused.
 """
 
@@ -49,15 +50,24 @@ PEER_PREFIX = "FI_MEGA "
 
 
 def read_peer_log(path: Path, local: int) -> dict[int, float]:
-    """{T: layer us} from the `FI_MEGA {json}` lines of `path` with `local` experts per rank and
-    no error; other lines are ignored."""
+    """{T: layer us} from the lines of `path` holding `FI_MEGA {json}` (anywhere in the line: a
+    launcher may prefix it) with `local` experts per rank and no error. A line whose JSON does not
+    parse is skipped with a warning; ValueError when no line matches (a wrong file)."""
     times = {}
-    for line in path.read_text().splitlines():
-        if not line.startswith(PEER_PREFIX):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        at = line.find(PEER_PREFIX)
+        if at < 0:
             continue
-        row = json.loads(line[len(PEER_PREFIX) :])
-        if row.get("error") is None and row.get("local") == local and "layer_us" in row:
+        try:
+            row = json.loads(line[at + len(PEER_PREFIX) :])
+        except json.JSONDecodeError as err:
+            print(f"{path}:{number}: skipped, not JSON ({err})", file=sys.stderr)
+            continue
+        if row.get("error") is None and int(row.get("local", -1)) == local and "layer_us" in row:
             times[int(row["T"])] = float(row["layer_us"])
+    if not times:
+        raise ValueError(f"{path}: no `{PEER_PREFIX.strip()}` line without error at {local} local"
+                         " experts per rank")  # fmt: skip
     return times
 
 
@@ -81,7 +91,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="tokens per rank T")
     p.add_argument("--grouping", choices=GROUPINGS, default=HopperTiles().grouping)
     p.add_argument("--peer-log", type=Path, default=None, help="FlashInfer fused layer's stdout")
+    p.add_argument("--peer-ranks", type=int, default=2, help="the ranks the peer ran on")
     args = p.parse_args()
+    # The peer's log is read before any GPU work, so that a wrong file fails at once.
+    peer = read_peer_log(args.peer_log, K3.experts // args.peer_ranks) if args.peer_log else {}
     ctx = init_rank_context("cuda", timeout_s=300.0)
     if ctx.backend != "nccl":
         raise SystemExit("bench_routed_experts.py: needs one GPU per rank (time-slicing)")
@@ -130,10 +143,13 @@ def main() -> int:
         f" ({experts.engine})" if hasattr(experts, "engine") else ""
     )
     routed.close()
+    if peer and args.peer_ranks != n:
+        peer = {}  # another world size: nothing to compare with
+        print(f"--peer-ranks {args.peer_ranks} != {n} ranks: the peer is left out", file=sys.stderr)
     if rank == 0:
-        peer = read_peer_log(args.peer_log, local) if args.peer_log else {}
         meta = {"n": n, "local": local, "bandwidth": bandwidth, "backend": backend,
-                "grouping": args.grouping, "gpu": torch.cuda.get_device_name()}  # fmt: skip
+                "grouping": args.grouping, "gpu": torch.cuda.get_device_name(),
+                "arguments": " ".join(sys.argv[1:])}  # fmt: skip
         write_report(Path(args.out), results, peer, meta)
     teardown(ctx)
     return 0
@@ -146,8 +162,8 @@ def write_report(out: Path, results: list[dict], peer: dict[int, float], meta: d
     lines = [
         f"# Routed path with experts, {n} GPUs, one process per GPU", "",
         f"GPU: {n} x {meta['gpu']}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node {n} bench/bench_routed_experts.py --out OUTDIR --grouping"
-        f" {meta['grouping']}` (see its docstring). K3 geometry, {meta['local']} local experts per"
+        f" --nproc-per-node {n} bench/bench_routed_experts.py {meta['arguments']}` (see its"
+        " docstring). K3 geometry, {meta['local']} local experts per"
         f" rank, experts backend {meta['backend']}, copy bandwidth {meta['bandwidth']:.0f} GB/s.",
         "",
         "ours: EpRouted.routed (dispatch, experts, combine with RMSNorm), CUDA-graph replay,"

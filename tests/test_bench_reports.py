@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
@@ -20,10 +22,13 @@ def test_peer_log_rows_by_local_experts(tmp_path):
         {"T": 16, "local": 224, "layer_us": 900.0, "error": None},
         {"T": 64, "local": 448, "layer_us": 1973.05, "error": None},
     ]
-    lines = ["# warming up", "FI_MEGA_X {}"] + [bench.PEER_PREFIX + json.dumps(r) for r in rows]
+    lines = ["# warming up", "FI_MEGA {cut", "[rank0]: " + bench.PEER_PREFIX + json.dumps(rows[0])]
+    lines += [bench.PEER_PREFIX + json.dumps(r) for r in rows[1:]]
     log.write_text("\n".join(lines) + "\n")
     assert bench.read_peer_log(log, 448) == {1: 202.57, 64: 1973.05}
     assert bench.read_peer_log(log, 224) == {16: 900.0}
+    with pytest.raises(ValueError, match="no `FI_MEGA` line without error at 112 local"):
+        bench.read_peer_log(log, 112)
 
 
 def test_report_puts_the_peer_beside_ours(tmp_path):
@@ -34,8 +39,9 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
          "finite": False},
     ]  # fmt: skip
     meta = {"n": 2, "local": 448, "bandwidth": 4100.0, "backend": "HopperExperts (humming)",
-            "grouping": "torch", "gpu": "GPU"}  # fmt: skip
+            "grouping": "torch", "gpu": "GPU", "arguments": "--out docs"}  # fmt: skip
     bench.write_report(tmp_path, results, {1: 202.57}, meta)
     page = (tmp_path / "bench_routed_experts2.md").read_text()
     assert "| 1 | 16 | 65 | 150 | 43% | 203 | 32% | 1.35 | graph | yes |" in page, page
     assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | graph | NO |" in page, page
+    assert "bench/bench_routed_experts.py --out docs`" in page, page
