@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -9,9 +10,20 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
 
-import bench_routed_experts as bench  # noqa: E402
+
+def load_script(name: str):
+    """bench/<name>.py as module `name` (the scripts import their neighbours by name, as
+    `python bench/<script>.py` lets them)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+load_script("timing")
+bench = load_script("bench_routed_experts")
 
 
 def test_peer_log_rows_by_local_experts(tmp_path):
