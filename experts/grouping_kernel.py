@@ -1,7 +1,8 @@
 """The grouping of experts/grouping.py and its tile routes in one Triton launch.
 
-`group_pairs` (torch) runs ~30 small kernels: 107 us in graph replay on an H200 for 1.4k slots,
-half of HopperExperts' 228 us at T=1 on a DEP16 shard. This kernel produces the same tensors,
+`group_pairs` (torch) runs ~30 small kernels: 107 us in graph replay on an H200 for the 1.4k
+slots of T=8 on a DEP16 shard, a quarter of HopperExperts' 426 us there (docs/bench_experts.md).
+This kernel produces the same tensors,
 bitwise (the tests compare them), in one launch of num_local + 1 programs:
 
   program e < num_local  expert e: counts every expert's slots (so it knows where its pairs
