@@ -100,6 +100,11 @@ def synthetic_ids(
             raise ValueError(f"synthetic_ids: {name}={value!r}; expected an int >= {least}")
     if topk > num_experts:
         raise ValueError(f"synthetic_ids: topk={topk} > num_experts={num_experts}")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"synthetic_ids: generator is {type(generator).__name__}; expected a"
+                        " torch.Generator (the draws must be reproducible)")  # fmt: skip
+    if isinstance(popularity_seed, bool) or not isinstance(popularity_seed, int):
+        raise TypeError(f"synthetic_ids: popularity_seed={popularity_seed!r}; expected an int")
     if routing == "uniform":
         scores = torch.rand(tokens, num_experts, generator=generator, device=device)
         return scores.argsort(dim=1)[:, :topk].int()

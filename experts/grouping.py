@@ -76,6 +76,9 @@ class TileRoutes:
     sentinel: int
 
 
+INT32_LIMIT = 2**31
+
+
 def pair_capacity(rows: int, topk: int) -> int:
     """Most pairs R receive rows can hold: R * K (a row may repeat a local id, so R * min(K,
     E_local) would not bound it; the two agree whenever E_local >= K, as at K3 up to 56 ranks)."""
@@ -89,18 +92,22 @@ def tile_capacity(rows: int, topk: int, num_local: int, block_n: int) -> int:
 
 
 def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
-    """ValueError naming `fn` unless ids is an integer [R, K] tensor and the ints are in range."""
+    """ValueError naming `fn` unless ids is an integer [R, K] tensor and the ints are in range
+    (first_expert + num_local below 2^31: ids are int32 on the wire)."""
     if (
         not isinstance(ids, torch.Tensor)
         or ids.dim() != 2
         or ids.dtype not in (torch.int32, torch.int64)
     ):
         shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
-        raise ValueError(f"{fn}: ids {shown}; expected int32 [R, K]")
+        raise ValueError(f"{fn}: ids {shown}; expected int32 or int64 [R, K]")
     for name, value, least in (("first_expert", first_expert, 0), ("num_local", num_local, 1),
                                ("block_n", block_n, 1)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{fn}: {name}={value!r}; expected an int >= {least}")
+    if first_expert + num_local > INT32_LIMIT:
+        raise ValueError(f"{fn}: first_expert + num_local = {first_expert + num_local}; expected"
+                         f" at most 2^31 (expert ids are int32)")  # fmt: skip
 
 
 def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: int) -> PairGroups:

@@ -35,11 +35,14 @@ from dep_ep.experts.grouping import (
 BLOCK_S = 1024  # slots a program reads per step
 BLOCK_T = 64  # tiles a program writes per step
 NUM_WARPS = 4
+# Triton's largest block is 2^20 elements: [BLOCK_T, block_n] route slots of the unused tiles.
+MAX_BLOCK_N = (1 << 20) // BLOCK_T
 
 
 def fits(block_n: int) -> bool:
-    """Whether the kernel takes tiles of block_n pairs (a power of two: tl.arange's lanes)."""
-    return block_n >= 1 and block_n & (block_n - 1) == 0
+    """Whether the kernel takes tiles of block_n pairs: a power of two (tl.arange's lanes) up
+    to MAX_BLOCK_N."""
+    return 1 <= block_n <= MAX_BLOCK_N and block_n & (block_n - 1) == 0
 
 
 @triton.jit
@@ -160,8 +163,9 @@ def group_and_route(
     [R, K], contiguous; block_n a power of two (`fits`)."""
     check_grouping_args("group_and_route", ids, first_expert, num_local, block_n)
     if not fits(block_n):
-        raise ValueError(f"group_and_route: block_n={block_n}; expected a power of two (the"
-                         " kernel's tile lanes); group_pairs takes any block_n")  # fmt: skip
+        raise ValueError(f"group_and_route: block_n={block_n}; expected a power of two up to"
+                         f" {MAX_BLOCK_N} (the kernel's tile lanes); group_pairs takes any"
+                         " block_n")  # fmt: skip
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError(f"group_and_route: ids {ids.dtype}, contiguous={ids.is_contiguous()};"
                          " expected contiguous int32")  # fmt: skip

@@ -28,6 +28,7 @@ from dep_ep.experts.base import ExpertsBackend, cuda_capability_reason
 from dep_ep.experts.grouping import (
     PairGroups,
     TileRoutes,
+    check_grouping_args,
     group_pairs,
     pair_capacity,
     tile_routes,
@@ -149,6 +150,9 @@ def grouped(
     them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches).
     "triton" takes block_n a power of two (HopperTiles checks its own); another block_n (from
     humming's kernel choice) is grouped in torch, with the same result."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouped: grouping={grouping!r}; expected one of {GROUPINGS}")
+    check_grouping_args("grouped", ids, first_expert, num_local, block_n)
     if grouping == "triton":
         from dep_ep.experts.grouping_kernel import fits, group_and_route  # imports triton
 

@@ -146,6 +146,14 @@ def test_grouping_kernel_takes_power_of_two_tiles_only():
         group_and_route(ids.float(), 0, 4, 16)
     groups, routes = grouped(ids, 0, 4, 48, "triton")
     assert routes is None and torch.equal(groups.pair_slot, group_pairs(ids, 0, 4, 48).pair_slot)
+    with pytest.raises(ValueError, match="block_n=32768; expected a power of two up to 16384"):
+        group_and_route(ids, 0, 4, 1 << 15)
+    with pytest.raises(ValueError, match="grouped: grouping='Triton'; expected one of"):
+        grouped(ids, 0, 4, 16, "Triton")
+    with pytest.raises(ValueError, match="grouped: block_n=2.0"):
+        grouped(ids, 0, 4, 2.0, "triton")
+    with pytest.raises(ValueError, match="first_expert \\+ num_local = 2147483652; expected at"):
+        group_and_route(ids, 2**31, 4, 16)
 
 
 def test_tiles_checked():

@@ -67,3 +67,7 @@ def test_arguments_checked():
     ):
         with pytest.raises(ValueError, match=message):
             synthetic_ids(*args, gen)
+    with pytest.raises(TypeError, match="generator is NoneType; expected a torch.Generator"):
+        synthetic_ids(4, E, K, "uniform", None)
+    with pytest.raises(TypeError, match="popularity_seed=1.5; expected an int"):
+        synthetic_ids(4, E, K, "zipf", gen, popularity_seed=1.5)
