@@ -3,8 +3,9 @@
 # (markdown table + plot) into OUTDIR:
 #   pip install -e '.[gpu,test]' && bash scripts/bench.sh OUTDIR
 # bench_ep (EP=1 on GPU 0), bench_experts, bench_construction and bench_layer (GPU 0), and with
-# >= 2 GPUs the store + flag ping-pong, the NVLink write ceiling, bench_dep and bench_layer on 2,
-# 4, ... and all GPUs, the K3 example on all GPUs.
+# >= 2 GPUs the store + flag ping-pong, the NVLink write ceiling, bench_dep (three routings),
+# bench_layer and bench_routed_experts (the routed path with real experts) on 2, 4, ... and all
+# GPUs, the K3 example on all GPUs.
 # Logs go to OUTDIR/logs; the exit status is non-zero if any run failed.
 set -uo pipefail
 out=${1:?usage: bench.sh OUTDIR}
@@ -26,8 +27,10 @@ if [ "$gpus" -ge 2 ]; then
   log pingpong 120 $run --nproc-per-node 2 bench/pingpong.py --out "$out/pingpong.md"
   log nvlink_ceiling 200 $run --nproc-per-node 2 bench/nvlink_ceiling.py --out "$out/nvlink_ceiling.md"
   for n in $(bash scripts/rank_counts.sh "$gpus"); do
-    log "bench_dep${n}" 300 $run --nproc-per-node "$n" bench/bench_dep.py --out "$out"
+    log "bench_dep${n}" 600 $run --nproc-per-node "$n" bench/bench_dep.py --out "$out"
     log "bench_layer${n}" 300 $run --nproc-per-node "$n" bench/bench_layer.py --out "$out/layer$n"
+    log "bench_routed_experts${n}" 400 $run --nproc-per-node "$n" bench/bench_routed_experts.py \
+      --out "$out"
   done
   log "example_k3_${gpus}gpu" 200 $run --nproc-per-node "$gpus" examples/dep_layer.py --steps 3
 fi
