@@ -71,6 +71,9 @@ class HopperTiles:
 
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
+        for name, dim in (("latent", latent), ("intermediate", intermediate)):
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                raise ValueError(f"HopperTiles.check: {name}={dim!r}; expected an int >= 1")
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
         if self.grouping not in GROUPINGS:

@@ -168,6 +168,10 @@ def test_tiles_checked():
         HopperTiles(block_n=8).check(256, 128)
     with pytest.raises(ValueError, match="grouping='cuda'"):
         HopperTiles(grouping="cuda").check(256, 128)
+    with pytest.raises(ValueError, match="latent=None; expected an int >= 1"):
+        HopperTiles().check(None, 128)
+    with pytest.raises(ValueError, match="intermediate=-128"):
+        HopperTiles().check(256, -128)
     HopperTiles().check(K3.latent, K3.intermediate)
 
 
