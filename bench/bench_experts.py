@@ -33,7 +33,7 @@ from timing import capture, replay_us, time_us
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
-from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.ep.synthetic import ROUTINGS, SyntheticLayer, synthetic_ids
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.grouping import group_pairs, tile_routes
 from dep_ep.experts.grouping_kernel import group_and_route
@@ -54,11 +54,11 @@ def copy_gbs() -> float:
     return 2 * 4 * src.numel() / (us * 1e-6) / 1e9
 
 
-def receive_rows(ranks: int, tokens: int, local: int, gen: torch.Generator):
-    """(x, sf, ids, weights) of the tokens among ranks * tokens with an id in [0, local)."""
-    total = ranks * tokens
-    ids = torch.rand(total, K3.experts, device="cuda", generator=gen).argsort(dim=1)
-    ids = ids[:, : K3.topk].int()
+def receive_rows(ranks: int, tokens: int, local: int, gen: torch.Generator,
+                 routing: str = "uniform"):  # fmt: skip
+    """(x, sf, ids, weights) of the tokens among ranks * tokens with an id in [0, local), routed
+    by synthetic_ids(routing): under "hot" expert 0, a local one, is every token's first choice."""
+    ids = synthetic_ids(ranks * tokens, K3.experts, K3.topk, routing, gen, "cuda")
     ids = ids[(ids < local).any(dim=1)].contiguous()
     latent = torch.randn(ids.shape[0], K3.latent, device="cuda", generator=gen).bfloat16()
     weights = torch.rand(ids.shape[0], K3.topk, device="cuda", generator=gen)
@@ -105,12 +105,13 @@ def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> lis
     if local <= REFERENCE_MAX_LOCAL:
         reference = ReferenceExperts(*weights, first_expert=0)
     results = []
-    for tokens in args.tokens:
-        rows = receive_rows(ranks, tokens, local, gen)
+    for tokens, routing in [(t, r) for t in args.tokens for r in args.routing]:
+        rows = receive_rows(ranks, tokens, local, gen, routing)
         ids = rows[2]
         touched = int(ids[ids < local].unique().numel())
         result = {
-            "local": local, "ranks": ranks, "tokens": tokens, "rows": ids.shape[0],
+            "local": local, "ranks": ranks, "tokens": tokens, "routing": routing,
+            "rows": ids.shape[0],
             "pairs": int((ids < local).sum()), "touched": touched,
             "floor_us": touched * EXPERT_BYTES / (bandwidth * 1e9) * 1e6,
         }  # fmt: skip
@@ -140,6 +141,9 @@ def main() -> int:
     p.add_argument("--out", default="docs", help="folder for bench_experts.md and .png")
     p.add_argument("--local", type=int, nargs="+", default=LOCAL_EXPERTS)
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    p.add_argument("--routing", nargs="+", default=["uniform"], choices=ROUTINGS,
+                   help="synthetic_ids routings, each at every T (hot: a local expert in every"
+                        " token)")  # fmt: skip
     p.add_argument("--launches", type=int, default=10, help="calls per captured graph")
     p.add_argument("--samples", type=int, default=20, help="timed replays (median)")
     args = p.parse_args()
@@ -161,23 +165,24 @@ def write_report(out: Path, results: list[dict], bandwidth: float, args) -> None
     lines = [
         "# Experts backends on one GPU, K3 geometry", "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today().isoformat()}."
-        f" Command: `python bench/bench_experts.py --out OUTDIR` (one process). torch"
+        f" Command: `python bench/bench_experts.py {' '.join(sys.argv[1:])}` (one process). torch"
         f" {torch.__version__}. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.", "",
-        "Rows: rank 0's receive rows when `ranks` ranks each route T tokens (16 distinct random"
-        " experts of 896). pairs: (row, local expert) pairs; touched: local experts with rows."
+        "Rows: rank 0's receive rows when `ranks` ranks each route T tokens (16 distinct experts"
+        " of 896 by synthetic_ids: uniform; zipf; hot, expert 0 of rank 0 in every token)."
+        " pairs: (row, local expert) pairs; touched: local experts with rows."
         f" HopperExperts (engine, math): graph replay of {args.launches} calls, median of"
         f" {args.samples} replays, per call. ReferenceExperts: eager, median of 10 calls. floor:"
         " the touched experts' MXFP4 weights and scales (17.5 MB each) read once at the measured"
         " copy bandwidth; % = floor / time. diff: relative L2 against ReferenceExperts.", "",
-        "| local (ranks) | T | rows | pairs | touched | floor us | "
+        "| local (ranks) | T | routing | rows | pairs | touched | floor us | "
         + " | ".join(f"{n} us | {n} %" for n in names)
         + " | Reference us | " + " | ".join(f"{n} diff" for n in names)
         + " | " + " | ".join(f"{n} us" for n in GROUPINGS) + " |",
-        "|" + "---|" * (7 + 2 * len(names) + len(names) + len(GROUPINGS)),
+        "|" + "---|" * (8 + 2 * len(names) + len(names) + len(GROUPINGS)),
     ]  # fmt: skip
     for r in results:
-        cells = [f"{r['local']} ({r['ranks']})", str(r["tokens"]), str(r["rows"]), str(r["pairs"]),
-                 str(r["touched"]), f"{r['floor_us']:.0f}"]  # fmt: skip
+        cells = [f"{r['local']} ({r['ranks']})", str(r["tokens"]), r["routing"], str(r["rows"]),
+                 str(r["pairs"]), str(r["touched"]), f"{r['floor_us']:.0f}"]  # fmt: skip
         for n in names:
             cells += [f"{r[n]:.0f}", f"{100 * r['floor_us'] / r[n]:.0f}%"] if n in r else ["-", "-"]
         cells.append(f"{r['reference']:.0f}" if "reference" in r else "-")
@@ -198,13 +203,13 @@ def plot(out: Path, results: list[dict]) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for local in sorted({r["local"] for r in results}):
-        mine = [r for r in results if r["local"] == local]
+    for local, routing in sorted({(r["local"], r["routing"]) for r in results}):
+        mine = [r for r in results if r["local"] == local and r["routing"] == routing]
         t = [r["tokens"] for r in mine]
         line = ax.plot(t, [r.get("humming", r["triton"]) for r in mine], "o-",
-                       label=f"HopperExperts, {local}")  # fmt: skip
+                       label=f"HopperExperts, {local}, {routing}")  # fmt: skip
         ax.plot(t, [r["floor_us"] for r in mine], "--", color=line[0].get_color(),
-                label=f"weight-read floor, {local}")  # fmt: skip
+                label=f"weight-read floor, {local}, {routing}")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank (T)")
