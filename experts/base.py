@@ -6,6 +6,26 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from dep_ep.checks import check_tensor
+from dep_ep.constants import SCALE_BLOCK
+
+
+def check_receive_rows(
+    owner: str, x, sf, ids, weights, out, latent: int, device: torch.device | None = None
+) -> None:
+    """Raise naming `owner`.forward and the argument unless the tensors follow the row contract
+    (ExpertsBackend) with R rows of width `latent` on `device` (None: x's device), contiguous;
+    ids must be int32 here. A wrong dtype or type raises TypeError, a wrong shape, device or
+    layout ValueError."""
+    rows = x.shape[0] if x.dim() == 2 else -1
+    topk = ids.shape[1] if ids.dim() == 2 else -1
+    fn, device = f"{owner}.forward", x.device if device is None else device
+    check_tensor(fn, "x", x, (torch.uint8,), (rows, latent), device)
+    check_tensor(fn, "sf", sf, (torch.uint8,), (rows, latent // SCALE_BLOCK), device)
+    check_tensor(fn, "ids", ids, (torch.int32,), (rows, topk), device)
+    check_tensor(fn, "weights", weights, (torch.float32,), (rows, topk), device)
+    check_tensor(fn, "out", out, (torch.bfloat16,), (rows, latent), device)
+
 
 def cuda_capability_reason(device: torch.device, major: int) -> str | None:
     """None when CUDA is available and the CUDA `device` has compute capability major.x, else why

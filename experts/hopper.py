@@ -24,7 +24,7 @@ import torch
 
 from dep_ep.comm.mxfp8 import e8m0_to_fp32
 from dep_ep.constants import SCALE_BLOCK
-from dep_ep.experts.base import ExpertsBackend, cuda_capability_reason
+from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
 from dep_ep.experts.grouping import (
     PairGroups,
     TileRoutes,
@@ -332,29 +332,6 @@ class HopperExperts(ExpertsBackend):
         return workspace_bytes(rows, topk, self.latent, self.intermediate,
                                self.engine)  # fmt: skip
 
-    def _check_rows(self, x, sf, ids, weights, out) -> None:
-        """ValueError unless the tensors are forward's (dtypes, shapes [R, ...], device,
-        contiguous)."""
-        if ids.dim() != 2:
-            raise ValueError(f"HopperExperts.forward: ids shape {tuple(ids.shape)}; expected"
-                             " [R, K]")  # fmt: skip
-        rows, topk = ids.shape
-        expected = {
-            "x": (x, torch.uint8, (rows, self.latent)),
-            "sf": (sf, torch.uint8, (rows, self.latent // SCALE_BLOCK)),
-            "ids": (ids, torch.int32, (rows, topk)),
-            "weights": (weights, torch.float32, (rows, topk)),
-            "out": (out, torch.bfloat16, (rows, self.latent)),
-        }
-        for name, (t, dtype, shape) in expected.items():
-            if t.dtype != dtype or tuple(t.shape) != shape or t.device != self.device:
-                raise ValueError(
-                    f"HopperExperts.forward: {name} is {t.dtype} {tuple(t.shape)} on {t.device};"
-                    f" expected {dtype} {shape} on {self.device}"
-                )
-            if not t.is_contiguous():
-                raise ValueError(f"HopperExperts.forward: {name} must be contiguous")
-
     def forward(
         self,
         x: torch.Tensor,
@@ -363,7 +340,8 @@ class HopperExperts(ExpertsBackend):
         weights: torch.Tensor,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        self._check_rows(x, sf, ids, weights, out)
+        check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent,
+                           self.device)  # fmt: skip
         if ids.shape[0] == 0:
             return out
         with torch.cuda.device(self.device):  # triton and humming launch on the current device

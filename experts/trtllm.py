@@ -10,26 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from dep_ep.checks import check_tensor
 from dep_ep.config import K3
-from dep_ep.experts.base import ExpertsBackend, cuda_capability_reason
-from dep_ep.experts.mxfp4 import SCALE_BLOCK
+from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
 from dep_ep.experts.weights import check_expert_weights
-
-
-def check_receive_rows(owner: str, x, sf, ids, weights, out, latent: int) -> None:
-    """Raise naming `owner`.forward and the argument unless the tensors follow the row contract
-    (experts/base.py) with R rows of width `latent` on x's device; ids must be int32 here."""
-    rows = x.shape[0] if x.dim() == 2 else -1
-    topk = ids.shape[1] if ids.dim() == 2 else -1
-    fn = f"{owner}.forward"
-    check_tensor(fn, "x", x, (torch.uint8,), (rows, latent), x.device)
-    check_tensor(fn, "sf", sf, (torch.uint8,), (rows, latent // SCALE_BLOCK), x.device)
-    check_tensor(fn, "ids", ids, (torch.int32,), (rows, topk), x.device)
-    check_tensor(fn, "weights", weights, (torch.float32,), (rows, topk), x.device)
-    check_tensor(fn, "out", out, (torch.bfloat16,), (rows, latent), x.device)
 
 
 def routed_moe_arguments(

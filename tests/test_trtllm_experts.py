@@ -12,7 +12,8 @@ import torch
 
 from dep_ep.config import TINY
 from dep_ep.ep.synthetic import SyntheticLayer
-from dep_ep.experts.trtllm import TrtllmExperts, check_receive_rows, routed_moe_arguments
+from dep_ep.experts.base import check_receive_rows
+from dep_ep.experts.trtllm import TrtllmExperts, routed_moe_arguments
 from dep_ep.experts.trtllm_weights import TrtllmWeights, prepare_trtllm_weights
 
 from helpers.scale_layout import deinterleave_128x4, interleave_128x4
@@ -135,6 +136,8 @@ def test_receive_rows_are_checked():
         check_receive_rows("T", x, sf[:, :7], ids, weights, out, TINY.latent)
     with pytest.raises(TypeError, match="T.forward: out dtype torch.float32"):
         check_receive_rows("T", x, sf, ids, weights, out.float(), TINY.latent)
+    with pytest.raises(ValueError, match="T.forward: x on cpu; expected meta"):
+        check_receive_rows("T", x, sf, ids, weights, out, TINY.latent, torch.device("meta"))
 
 
 def test_refuses_a_device_below_sm100(monkeypatch):
