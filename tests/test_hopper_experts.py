@@ -32,6 +32,17 @@ def fresh_seed() -> int:
     return int(torch.randint(0, 2**31, (1,)))
 
 
+def run_in_interpreter(module: str, *args: str, expect: str) -> None:
+    """Run tests/<module> under TRITON_INTERPRET=1 in its own process (the interpreter is chosen
+    before triton is imported); it must exit 0 and print a line starting with `expect`."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", module, *args], cwd=TESTS, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    where = f"{module} {' '.join(args)}"
+    assert run.returncode == 0, f"{where}:\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert run.stdout.startswith(expect), f"{where}: {run.stdout}"
+
+
 def loop_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int):
     """The grouping written as loops: (pairs [(row, k)] in pair order, tiles [(expert, start,
     rows)])."""
@@ -110,26 +121,14 @@ def test_group_pairs_edges():
 @pytest.mark.parametrize("case", ["mixed", "hot", "single", "hot-grouping-kernel"])
 def test_kernels_in_triton_interpreter(case):
     seed = fresh_seed()
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "helpers.hopper_interpreter_case", case, str(seed)],
-        cwd=TESTS, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, f"{case} seed {seed}:\n{run.stdout}\n{run.stderr[-3000:]}"
-    assert run.stdout.startswith(f"ok {case}"), run.stdout
+    run_in_interpreter("helpers.hopper_interpreter_case", case, str(seed), expect=f"ok {case}")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
 def test_grouping_kernel_in_triton_interpreter():
     """experts/grouping_kernel.py gives group_pairs' and tile_routes' tensors bitwise."""
     seed = fresh_seed()
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "helpers.grouping_interpreter_case", str(seed)],
-        cwd=TESTS, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, f"seed {seed}:\n{run.stdout}\n{run.stderr[-3000:]}"
-    assert run.stdout.startswith(f"ok seed {seed}"), run.stdout
+    run_in_interpreter("helpers.grouping_interpreter_case", str(seed), expect=f"ok seed {seed}")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
