@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from timing import time_us, timed_us
+from bench_experts import EXPERT_BYTES, copy_gbs
+from timing import timed_us
 
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpRouted
@@ -44,8 +45,6 @@ from dep_ep.launch import init_rank_context, new_dep_group, teardown
 TOKENS = [1, 4, 16, 64, 128, 256]  # the FlashInfer anchor's token counts
 REPS = 10
 SAMPLES = 20
-# w13 + s13 + w2 + s2 of one K3 expert: 3 * I * L / 2 code bytes + 3 * I * L / 32 scale bytes.
-EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // 32
 PEER_PREFIX = "FI_MEGA "
 
 
@@ -69,14 +68,6 @@ def read_peer_log(path: Path, local: int) -> dict[int, float]:
         raise ValueError(f"{path}: no `{PEER_PREFIX.strip()}` line without error at {local} local"
                          " experts per rank")  # fmt: skip
     return times
-
-
-def copy_gbs() -> float:
-    """Device-to-device copy bandwidth of a 1 GiB buffer (read + write bytes per second)."""
-    src = torch.randn(1 << 28, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), 1, 10)
-    return 2 * 4 * src.numel() / (us * 1e-6) / 1e9
 
 
 def reduce(value: float, group, op) -> float:

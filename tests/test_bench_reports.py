@@ -23,6 +23,7 @@ def load_script(name: str):
 
 
 load_script("timing")
+load_script("bench_experts")
 bench = load_script("bench_routed_experts")
 
 
