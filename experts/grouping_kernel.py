@@ -1,8 +1,7 @@
 """The grouping of experts/grouping.py and its tile routes in one Triton launch.
 
-`group_pairs` (torch) runs ~30 small kernels: 107 us in graph replay on an H200 for the 1.4k
-slots of T=8 on a DEP16 shard, a quarter of HopperExperts' 426 us there (docs/bench_experts.md).
-This kernel produces the same tensors,
+`group_pairs` (torch) runs ~30 small kernels: 120-210 us in graph replay on an H200 for the slots
+of T = 1..256 on a DEP16 shard (docs/bench_experts.md). This kernel produces the same tensors,
 bitwise (the tests compare them), in one launch of num_local + 1 programs:
 
   program e < num_local  expert e: counts every expert's slots (so it knows where its pairs
@@ -11,14 +10,20 @@ bitwise (the tests compare them), in one launch of num_local + 1 programs:
   program num_local      the non-local slots (after the pairs, as the stable sort leaves them),
                          the unused tiles, their route entries and the three device scalars.
 
+The same launch can cut the pairs into tiles of two sizes (`group_and_route_tilings`: humming's
+FC1 and FC2 kernels may tile differently); the pair lists are written once.
+
 Each program reads ids twice (a histogram pass, then the scatter), BLOCK_S slots a step; nothing
 is shared between programs, so no atomics and no ordering between them. Work per program grows
-with R * K: at K3's T=256 on DEP16 (65,536 slots) each program takes 64 steps a pass. The
-histogram counts the local slots only (masked): Triton lowers it to one shared-memory atomic per
-counted element, and on a DEP16 shard 15 of 16 slots are not local, all in one bin.
+with R * K: at K3's T=256 on DEP16 (about 42,000 slots) each program takes 21 steps a pass and
+the launch 73 us; at T=64, 21 us. The histogram counts the local slots only (masked): Triton
+lowers it to one shared-memory atomic per counted element, and on a DEP16 shard 15 of 16 slots
+are not local, all in one bin.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -32,17 +37,21 @@ from dep_ep.experts.grouping import (
     tile_capacity,
 )
 
-BLOCK_S = 1024  # slots a program reads per step
+# Slots a program reads per step, and warps: on an H200 at K3's DEP16 shard, 2048 slots over 8 warps
+# took 5.5 / 11.9 / 20.9 / 72.6 us at T = 8 / 32 / 64 / 256 where 1024 over 4 took 6.3 / 15.2 /
+# 26.1 / 100 (the best of 1024..8192 slots over 4, 8 or 16 warps; graph replay).
+BLOCK_S = 2048
+NUM_WARPS = 8
 BLOCK_T = 64  # tiles a program writes per step
-NUM_WARPS = 4
-# Triton's largest block is 2^20 elements: [BLOCK_T, block_n] route slots of the unused tiles.
+# Triton's largest block is 2^20 elements: [BLOCK_T, LANES] route slots of the unused tiles, LANES
+# the power of two >= block_n (tl.arange's length).
 MAX_BLOCK_N = (1 << 20) // BLOCK_T
 
 
 def fits(block_n: int) -> bool:
-    """Whether the kernel takes tiles of block_n pairs: a power of two (tl.arange's lanes) up
-    to MAX_BLOCK_N."""
-    return 1 <= block_n <= MAX_BLOCK_N and block_n & (block_n - 1) == 0
+    """Whether the kernel takes tiles of block_n pairs: 1..MAX_BLOCK_N (humming's tiles hold
+    8, 16, 24, 32, 40, 48, 56 or 64 pairs)."""
+    return 1 <= block_n <= MAX_BLOCK_N
 
 
 @triton.jit
@@ -57,26 +66,102 @@ def _keys(ids_ptr, offs, num_slots, first_expert, num_local, JUNK: tl.constexpr)
 
 
 @triton.jit
+def _tiling(counts, is_expert, mine, BLOCK_N: tl.constexpr):
+    """(this program's tiles, its first tile, tiles in use) when every expert's pairs are cut
+    into tiles of BLOCK_N."""
+    tiles = tl.where(is_expert, (counts + BLOCK_N - 1) // BLOCK_N, 0)
+    tiles_before = tl.cumsum(tiles, 0) - tiles
+    my_tiles = tl.sum(tl.where(mine, tiles, 0), 0)
+    my_tile0 = tl.sum(tl.where(mine, tiles_before, 0), 0)
+    return my_tiles, my_tile0, tl.sum(tiles, 0)
+
+
+@triton.jit
+def _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """Pair `within` of this program's expert sits in tile my_tile0 + within // BLOCK_N at slot
+    within % BLOCK_N: route index my_tile0 * BLOCK_N + within."""
+    route = my_tile0 * BLOCK_N + within
+    tl.store(route_flat_ptr + route, offs, mask=hit_pair)
+    tl.store(route_pair_ptr + route, pair, mask=hit_pair)
+
+
+@triton.jit
+def _expert_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr, route_pair_ptr,
+                  me, my_count, my_first, my_tiles, my_tile0, num_slots, BLOCK_N: tl.constexpr,
+                  LANES: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """Expert me's tiles, and the route slots of its last tile past its pairs (sentinel)."""
+    pad = my_count + tl.arange(0, LANES)
+    pad_mask = pad < my_tiles * BLOCK_N
+    tl.store(route_flat_ptr + my_tile0 * BLOCK_N + pad, num_slots, mask=pad_mask)
+    tl.store(route_pair_ptr + my_tile0 * BLOCK_N + pad, num_slots, mask=pad_mask)
+    tile = tl.arange(0, BLOCK_T)
+    for j0 in range(0, my_tiles, BLOCK_T):
+        j = j0 + tile
+        used = j < my_tiles
+        tl.store(tile_expert_ptr + my_tile0 + j, tl.zeros_like(j) + me, mask=used)
+        tl.store(tile_start_ptr + my_tile0 + j, my_first + j * BLOCK_N, mask=used)
+        rows = tl.minimum(my_count - j * BLOCK_N, BLOCK_N)
+        tl.store(tile_rows_ptr + my_tile0 + j, rows, mask=used)
+
+
+@triton.jit
+def _unused_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr, route_pair_ptr,
+                  num_tiles_ptr, num_padded_ptr, num_tiles, tile_cap, num_local, num_slots,
+                  BLOCK_N: tl.constexpr, LANES: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """The tiling's device scalars, and its tiles past num_tiles (expert num_local, no rows,
+    routes all sentinel)."""
+    tl.store(num_tiles_ptr, num_tiles)
+    tl.store(num_padded_ptr, num_tiles * BLOCK_N)
+    lane = tl.arange(0, LANES)
+    tile = tl.arange(0, BLOCK_T)
+    for t0 in range(num_tiles, tile_cap, BLOCK_T):
+        t = t0 + tile
+        unused = t < tile_cap
+        tl.store(tile_expert_ptr + t, tl.zeros_like(t) + num_local, mask=unused)
+        tl.store(tile_start_ptr + t, tl.zeros_like(t), mask=unused)
+        tl.store(tile_rows_ptr + t, tl.zeros_like(t), mask=unused)
+        entry = t[:, None] * BLOCK_N + lane[None, :]  # [BLOCK_T, LANES]
+        sentinel = tl.zeros_like(entry) + num_slots
+        in_tile = unused[:, None] & (lane < BLOCK_N)[None, :]
+        tl.store(route_flat_ptr + entry, sentinel, mask=in_tile)
+        tl.store(route_pair_ptr + entry, sentinel, mask=in_tile)
+
+
+@triton.jit
 def group_route_kernel(
     ids_ptr,  # int32 [R*K] global expert ids, -1 = none
     pair_row_ptr,  # int32 [R*K] out
     pair_flat_ptr,  # int32 [R*K] out
     pair_slot_ptr,  # int32 [R*K] out
     num_pairs_ptr,  # int32 [1] out
+    expert_pairs_ptr,  # int64 [num_local] out
+    # Tiling A (tiles of BLOCK_N pairs), then tiling B (BLOCK_N_B; written when TWO_TILINGS):
     tile_expert_ptr,  # int32 [TC] out
     tile_start_ptr,  # int32 [TC] out
     tile_rows_ptr,  # int32 [TC] out
     num_tiles_ptr,  # int32 [1] out
-    expert_pairs_ptr,  # int64 [num_local] out
     route_flat_ptr,  # int32 [TC * BLOCK_N] out: pair_flat of the tile slot's pair, or sentinel
     route_pair_ptr,  # int32 [TC * BLOCK_N] out: the tile slot's pair number, or sentinel
     num_padded_ptr,  # int32 [1] out: num_tiles * BLOCK_N
+    tile_expert_b_ptr,
+    tile_start_b_ptr,
+    tile_rows_b_ptr,
+    num_tiles_b_ptr,
+    route_flat_b_ptr,
+    route_pair_b_ptr,
+    num_padded_b_ptr,
     num_slots,  # R * K (also the routes' sentinel)
     topk,
     first_expert,
     num_local,
-    tile_cap,  # TC
-    BLOCK_N: tl.constexpr,
+    tile_cap,  # TC of tiling A
+    tile_cap_b,  # TC of tiling B
+    BLOCK_N: tl.constexpr,  # pairs per tile of tiling A, any count
+    LANES: tl.constexpr,  # the power of two >= BLOCK_N: one tile's route slots as lanes
+    BLOCK_N_B: tl.constexpr,
+    LANES_B: tl.constexpr,
+    TWO_TILINGS: tl.constexpr,
     BINS: tl.constexpr,  # a power of two >= num_local + 2: experts, the non-local bin, JUNK
     BLOCK_S: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -93,15 +178,12 @@ def group_route_kernel(
     bins = tl.arange(0, BINS)
     is_expert = bins < num_local
     first_pair = tl.cumsum(counts, 0) - counts  # the non-local bin starts at num_pairs
-    tiles = tl.where(is_expert, (counts + BLOCK_N - 1) // BLOCK_N, 0)
-    tiles_before = tl.cumsum(tiles, 0) - tiles
     mine = bins == me
     my_count = tl.sum(tl.where(mine, counts, 0), 0)
     my_first = tl.sum(tl.where(mine, first_pair, 0), 0)
-    my_tiles = tl.sum(tl.where(mine, tiles, 0), 0)
-    my_tile0 = tl.sum(tl.where(mine, tiles_before, 0), 0)
     num_pairs = tl.sum(tl.where(is_expert, counts, 0), 0)
-    num_tiles = tl.sum(tiles, 0)
+    my_tiles, my_tile0, num_tiles = _tiling(counts, is_expert, mine, BLOCK_N)
+    my_tiles_b, my_tile0_b, num_tiles_b = _tiling(counts, is_expert, mine, BLOCK_N_B)
     is_pair = me < num_local
 
     # Pass 2: this bin's slots in (row, k) order -> pair numbers my_first, my_first + 1, ...
@@ -115,44 +197,33 @@ def group_route_kernel(
         tl.store(pair_flat_ptr + pair, offs, mask=hit)
         tl.store(pair_row_ptr + pair, offs // topk, mask=hit)
         tl.store(pair_slot_ptr + offs, tl.where(is_pair, pair, -1), mask=hit)
-        # Pair `within` of expert me sits in tile my_tile0 + within // BLOCK_N at slot
-        # within % BLOCK_N: route index my_tile0 * BLOCK_N + within.
-        route = my_tile0 * BLOCK_N + within
         hit_pair = hit & (key < num_local)  # hit, and this program is an expert's
-        tl.store(route_flat_ptr + route, offs, mask=hit_pair)
-        tl.store(route_pair_ptr + route, pair, mask=hit_pair)
+        _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair,
+                     BLOCK_N)  # fmt: skip
+        if TWO_TILINGS:
+            _route_pairs(route_flat_b_ptr, route_pair_b_ptr, my_tile0_b, within, offs, pair,
+                         hit_pair, BLOCK_N_B)  # fmt: skip
         seen += tl.sum(hit.to(tl.int32), 0)
 
-    lane = tl.arange(0, BLOCK_N)
-    tile = tl.arange(0, BLOCK_T)
     if is_pair:
         tl.store(expert_pairs_ptr + me, my_count.to(tl.int64))
-        # The slots of the last tile past the expert's pairs.
-        pad = my_count + lane
-        pad_mask = pad < my_tiles * BLOCK_N
-        tl.store(route_flat_ptr + my_tile0 * BLOCK_N + pad, num_slots, mask=pad_mask)
-        tl.store(route_pair_ptr + my_tile0 * BLOCK_N + pad, num_slots, mask=pad_mask)
-        for j0 in range(0, my_tiles, BLOCK_T):
-            j = j0 + tile
-            used = j < my_tiles
-            tl.store(tile_expert_ptr + my_tile0 + j, tl.zeros_like(j) + me, mask=used)
-            tl.store(tile_start_ptr + my_tile0 + j, my_first + j * BLOCK_N, mask=used)
-            rows = tl.minimum(my_count - j * BLOCK_N, BLOCK_N)
-            tl.store(tile_rows_ptr + my_tile0 + j, rows, mask=used)
+        _expert_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
+                      route_pair_ptr, me, my_count, my_first, my_tiles, my_tile0, num_slots,
+                      BLOCK_N, LANES, BLOCK_T)  # fmt: skip
+        if TWO_TILINGS:
+            _expert_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr, route_flat_b_ptr,
+                          route_pair_b_ptr, me, my_count, my_first, my_tiles_b, my_tile0_b,
+                          num_slots, BLOCK_N_B, LANES_B, BLOCK_T)  # fmt: skip
     else:
         tl.store(num_pairs_ptr, num_pairs)
-        tl.store(num_tiles_ptr, num_tiles)
-        tl.store(num_padded_ptr, num_tiles * BLOCK_N)
-        for t0 in range(num_tiles, tile_cap, BLOCK_T):
-            t = t0 + tile
-            unused = t < tile_cap
-            tl.store(tile_expert_ptr + t, tl.zeros_like(t) + num_local, mask=unused)
-            tl.store(tile_start_ptr + t, tl.zeros_like(t), mask=unused)
-            tl.store(tile_rows_ptr + t, tl.zeros_like(t), mask=unused)
-            entry = t[:, None] * BLOCK_N + lane[None, :]  # [BLOCK_T, BLOCK_N]
-            sentinel = tl.zeros_like(entry) + num_slots
-            tl.store(route_flat_ptr + entry, sentinel, mask=unused[:, None])
-            tl.store(route_pair_ptr + entry, sentinel, mask=unused[:, None])
+        _unused_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
+                      route_pair_ptr, num_tiles_ptr, num_padded_ptr, num_tiles, tile_cap,
+                      num_local, num_slots, BLOCK_N, LANES, BLOCK_T)  # fmt: skip
+        if TWO_TILINGS:
+            _unused_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr, route_flat_b_ptr,
+                          route_pair_b_ptr, num_tiles_b_ptr, num_padded_b_ptr, num_tiles_b,
+                          tile_cap_b, num_local, num_slots, BLOCK_N_B, LANES_B,
+                          BLOCK_T)  # fmt: skip
 
 
 def group_and_route(
@@ -160,37 +231,62 @@ def group_and_route(
 ) -> tuple[PairGroups, TileRoutes]:
     """`group_pairs(ids, ...)` and `tile_routes` of it (experts/grouping.py), bitwise the same
     tensors, from one launch on ids' device (a CUDA GPU, or Triton's CPU interpreter). ids int32
-    [R, K], contiguous; block_n a power of two (`fits`)."""
-    check_grouping_args("group_and_route", ids, first_expert, num_local, block_n)
-    if not fits(block_n):
-        raise ValueError(f"group_and_route: block_n={block_n}; expected a power of two up to"
-                         f" {MAX_BLOCK_N} (the kernel's tile lanes); group_pairs takes any"
-                         " block_n")  # fmt: skip
+    [R, K], contiguous; block_n 1..MAX_BLOCK_N (`fits`)."""
+    return group_and_route_tilings(ids, first_expert, num_local, (block_n,))[0]
+
+
+def group_and_route_tilings(
+    ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...]
+) -> list[tuple[PairGroups, TileRoutes]]:
+    """`group_and_route` for one or two tile sizes in one launch: [(groups, routes)] per
+    block_n, as group_pairs(ids, ..., block_n) and tile_routes of it would give; the pair
+    tensors (pair_row, pair_flat, num_pairs, pair_slot, expert_pairs) are shared. humming's FC1
+    and FC2 kernels can tile differently (24 and 32 pairs at T=64 on a DEP16 shard): one launch
+    instead of two saves one grouping (21 us there)."""
+    if not isinstance(block_ns, tuple) or len(block_ns) not in (1, 2):
+        raise ValueError(f"group_and_route_tilings: block_ns={block_ns!r}; expected a tuple of"
+                         " one or two tile sizes")  # fmt: skip
+    for block_n in block_ns:
+        check_grouping_args("group_and_route", ids, first_expert, num_local, block_n)
+        if not fits(block_n):
+            raise ValueError(f"group_and_route: block_n={block_n}; expected at most"
+                             f" {MAX_BLOCK_N} (the kernel's tile lanes); group_pairs takes any"
+                             " block_n")  # fmt: skip
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError(f"group_and_route: ids {ids.dtype}, contiguous={ids.is_contiguous()};"
                          " expected contiguous int32")  # fmt: skip
     rows, topk = ids.shape
     slots = pair_capacity(rows, topk)
-    tiles = tile_capacity(rows, topk, num_local, block_n)
     device = ids.device
 
     def int32(n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int32, device=device)
 
-    groups = PairGroups(
+    pairs = PairGroups(
         pair_row=int32(slots), pair_flat=int32(slots), num_pairs=int32(1), pair_slot=int32(slots),
-        tile_expert=int32(tiles), tile_start=int32(tiles), tile_rows=int32(tiles),
-        num_tiles=int32(1), expert_pairs=torch.empty(num_local, dtype=torch.int64, device=device),
-        block_n=block_n,
+        tile_expert=int32(0), tile_start=int32(0), tile_rows=int32(0), num_tiles=int32(0),
+        expert_pairs=torch.empty(num_local, dtype=torch.int64, device=device), block_n=0,
     )  # fmt: skip
-    routes = TileRoutes(flat=int32(tiles * block_n), pair=int32(tiles * block_n),
-                        num_padded=int32(1).reshape(()), sentinel=slots)  # fmt: skip
-    bins = triton.next_power_of_2(num_local + 2)
+    tilings = []
+    for block_n in block_ns:
+        tiles = tile_capacity(rows, topk, num_local, block_n)
+        groups = dataclasses.replace(
+            pairs, tile_expert=int32(tiles), tile_start=int32(tiles), tile_rows=int32(tiles),
+            num_tiles=int32(1), block_n=block_n,
+        )  # fmt: skip
+        routes = TileRoutes(flat=int32(tiles * block_n), pair=int32(tiles * block_n),
+                            num_padded=int32(1).reshape(()), sentinel=slots)  # fmt: skip
+        tilings.append((groups, routes))
+    (a, a_routes), (b, b_routes) = tilings[0], tilings[-1]
     group_route_kernel[(num_local + 1,)](
-        ids, groups.pair_row, groups.pair_flat, groups.pair_slot, groups.num_pairs,
-        groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles,
-        groups.expert_pairs, routes.flat, routes.pair, routes.num_padded,
-        slots, topk, first_expert, num_local, tiles,
-        block_n, bins, BLOCK_S, BLOCK_T, num_warps=NUM_WARPS,
+        ids, a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs,
+        a.tile_expert, a.tile_start, a.tile_rows, a.num_tiles,
+        a_routes.flat, a_routes.pair, a_routes.num_padded,
+        b.tile_expert, b.tile_start, b.tile_rows, b.num_tiles,
+        b_routes.flat, b_routes.pair, b_routes.num_padded,
+        slots, topk, first_expert, num_local, a.tile_capacity, b.tile_capacity,
+        a.block_n, triton.next_power_of_2(a.block_n), b.block_n,
+        triton.next_power_of_2(b.block_n), len(tilings) == 2,
+        triton.next_power_of_2(num_local + 2), BLOCK_S, BLOCK_T, num_warps=NUM_WARPS,
     )  # fmt: skip
-    return groups, routes
+    return tilings

@@ -3,12 +3,14 @@ its own process (the interpreter must be chosen before triton is imported):
 
     TRITON_INTERPRET=1 python -m helpers.grouping_interpreter_case SEED   (from tests/)
 
-Every tensor of group_pairs and tile_routes must come out bitwise equal, on fresh random ids of
+Every tensor of group_pairs and tile_routes must come out bitwise equal, for one tile size and
+for two in one launch (group_and_route_tilings, up to 56 local experts), on fresh random ids of
 several shapes: rows without a local id, -1 slots, a hot expert over many tiles, repeated ids,
 every slot local, no local id, one row, no row, a step boundary (R * K past BLOCK_S), 448 local
-experts over several steps, an expert with more tiles than BLOCK_T, and expert counts where
-num_local + 2 is a power of two. Outputs are poisoned before the call. Exits 0 and
-prints "ok ..." when every case holds, else raises naming the case, the seed and the tensor.
+experts over several steps, an expert with more tiles than BLOCK_T, expert counts where
+num_local + 2 is a power of two, and tiles of humming's sizes that are not powers of two (24, 40,
+48, 56 pairs). Outputs are poisoned before the call. Exits 0 and prints "ok ..." when every case
+holds, else raises naming the case, the seed and the tensor.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def cases(gen: torch.Generator):
     """(name, ids int32 [R, K], first_expert, num_local, block_n)."""
     yield "mixed", random_ids(gen, 37, 6, 40), 8, 8, 16
     yield "k3-like", random_ids(gen, 64, 16, 112), 56, 56, 16
-    yield "past-one-step", random_ids(gen, 150, 8, 60), 10, 14, 32  # 1200 slots > BLOCK_S
+    yield "past-one-step", random_ids(gen, 300, 8, 60), 10, 14, 32  # 2400 slots > BLOCK_S
     hot = random_ids(gen, 70, 4, 30)
     hot[:, 0] = 3
     yield "hot", hot, 0, 6, 16  # expert 3 over five tiles; bins = 8 = num_local + 2
@@ -42,11 +44,15 @@ def cases(gen: torch.Generator):
     yield "all-local", every, 0, 8, 16
     yield "none-local", torch.randint(20, 40, (9, 4), generator=gen).int(), 0, 8, 16
     yield "one-row", random_ids(gen, 1, 16, 896), 0, 56, 64
-    yield "448-local", random_ids(gen, 70, 16, 896), 448, 448, 64  # 1,120 slots, 2 steps
-    very_hot = random_ids(gen, 1100, 2, 40)
+    yield "448-local", random_ids(gen, 140, 16, 896), 448, 448, 64  # 2,240 slots, 2 steps
+    very_hot = random_ids(gen, 1100, 2, 40)  # 2,200 slots, 2 steps
     very_hot[:, 0] = 5
     yield "very-hot", very_hot, 0, 8, 16  # expert 5: 69 tiles, more than one step of BLOCK_T
     yield "no-row", torch.empty(0, 4, dtype=torch.int32), 0, 8, 16
+    yield "tiles-of-24", random_ids(gen, 90, 16, 112), 56, 56, 24
+    yield "tiles-of-56-hot", hot, 0, 6, 56  # expert 3: 70 pairs over two tiles of 56
+    yield "tiles-of-40", random_ids(gen, 64, 16, 896), 448, 448, 40
+    yield "tiles-of-48-very-hot", very_hot, 0, 8, 48  # expert 5: 23 tiles, unused tiles after
 
 
 POISON = -7  # what the outputs hold before the call
@@ -56,6 +62,21 @@ def differ(a: torch.Tensor, b: torch.Tensor) -> str:
     """The first differing entries of two equal-shape tensors, as text."""
     bad = (a.reshape(-1) != b.reshape(-1)).nonzero().reshape(-1)[:8].tolist()
     return ", ".join(f"[{i}] got {a.reshape(-1)[i]} want {b.reshape(-1)[i]}" for i in bad)
+
+
+def check_tiling(where: str, got, got_routes, want, want_routes, slots: int) -> None:
+    """Every tensor of one tiling bitwise equal (dtypes and shapes included)."""
+    for field in ("pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert",
+                  "tile_start", "tile_rows", "num_tiles", "expert_pairs"):  # fmt: skip
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {field} {a.dtype}"
+        assert torch.equal(a, b), f"{where}: {field} {differ(a, b)}"
+    assert got.block_n == want.block_n, where
+    for field in ("flat", "pair", "num_padded"):
+        a, b = getattr(got_routes, field), getattr(want_routes, field)
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: routes.{field}"
+        assert torch.equal(a, b), f"{where}: routes.{field} {differ(a, b)}"
+    assert got_routes.sentinel == want_routes.sentinel == slots, where
 
 
 def main(seed: int) -> None:
@@ -70,24 +91,20 @@ def main(seed: int) -> None:
         return real_empty(*args, **kwargs).fill_(POISON)
 
     for name, ids, first, num_local, block_n in cases(gen):
-        want = group_pairs(ids, first, num_local, block_n)
-        want_routes = tile_routes(want)
-        torch.empty = poisoned_empty  # group_and_route allocates its outputs with torch.empty
-        try:
-            got, got_routes = grouping_kernel.group_and_route(ids, first, num_local, block_n)
-        finally:
-            torch.empty = real_empty
-        where = f"{name} seed {seed}"
-        for field in ("pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert",
-                      "tile_start", "tile_rows", "num_tiles", "expert_pairs"):  # fmt: skip
-            a, b = getattr(got, field), getattr(want, field)
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {field} {a.dtype}"
-            assert torch.equal(a, b), f"{where}: {field} {differ(a, b)}"
-        for field in ("flat", "pair", "num_padded"):
-            a, b = getattr(got_routes, field), getattr(want_routes, field)
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: routes.{field}"
-            assert torch.equal(a, b), f"{where}: routes.{field} {differ(a, b)}"
-        assert got_routes.sentinel == want_routes.sentinel == ids.numel(), where
+        # One tiling, then two in one launch (the second size as humming's FC2 may differ), the
+        # latter where the interpreter's time allows (449 programs take it ~20 s a launch).
+        tilings = [(block_n,)] + ([(block_n, block_n // 2 + 8)] if num_local <= 56 else [])
+        for block_ns in tilings:
+            torch.empty = poisoned_empty  # the kernel's outputs are allocated with torch.empty
+            try:
+                got = grouping_kernel.group_and_route_tilings(ids, first, num_local, block_ns)
+            finally:
+                torch.empty = real_empty
+            assert len(got) == len(block_ns), name
+            for (groups, routes), size in zip(got, block_ns):
+                want = group_pairs(ids, first, num_local, size)
+                where = f"{name} block_ns {block_ns} tiling {size} seed {seed}"
+                check_tiling(where, groups, routes, want, tile_routes(want), ids.numel())
     print(f"ok seed {seed}")
 
 
