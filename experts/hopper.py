@@ -1,15 +1,16 @@
 """HopperExperts: MXFP4 experts on SM90 over device-grouped pairs, in one of two engines.
 
 - "humming" (the default when humming-kernels is installed, `pip install -e '.[gpu]'`):
-  group_pairs and tile_routes -> humming's FC1 (WGMMA, e4m3 rows x MXFP4) -> situ_mxfp8_kernel
-  (SiTU, then MXFP8 like the dispatch) -> humming's FC2 -> finalize_kernel
-  (experts/hopper_humming.py).
-- "triton": group_pairs -> fc1_situ_kernel -> fc2_kernel -> finalize_kernel, all ours
+  the grouping (pairs by expert and their tile routes) -> widen_scales_kernel -> humming's FC1
+  (WGMMA, e4m3 rows x MXFP4) -> situ_mxfp8_kernel (SiTU, then MXFP8 like the dispatch) ->
+  humming's FC2 -> finalize_kernel (experts/hopper_humming.py).
+- "triton": the grouping -> fc1_situ_kernel -> fc2_kernel -> finalize_kernel, all ours
   (experts/hopper_kernels.py), with ReferenceExperts' BF16 numerics.
 
-HopperTiles(grouping="triton") replaces group_pairs (and tile_routes) by one launch of
-experts/grouping_kernel.py, the same tensors. Both engines keep the weights at 4 bits and read
-the receive rows' MXFP8 bytes as they are (humming reads the E8M0 scales widened to fp32). No
+The grouping is one launch of experts/grouping_kernel.py (HopperTiles.grouping "triton", the
+default) or experts/grouping.py's group_pairs and tile_routes in torch ("torch"), the same
+tensors. Both engines keep the weights at 4 bits and read the receive rows' MXFP8 bytes as they
+are (humming reads the E8M0 scales widened to fp32). No
 host synchronisation and no launch shape that depends on the data: a call can be captured in a
 CUDA graph with the routed path.
 """
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dep_ep.comm.mxfp8 import e8m0_to_fp32
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
 from dep_ep.experts.grouping import (
@@ -37,8 +37,9 @@ from dep_ep.experts.hopper_humming import HummingGemm, scale_spread_error
 from dep_ep.experts.weights import check_expert_weights, check_num_experts
 
 MATHS = ("bf16", "fp32")  # experts/hopper_kernels.py
-# "torch": experts/grouping.py's group_pairs and tile_routes (~30 launches; measured on the H200);
-# "triton": experts/grouping_kernel.py, the same tensors in one launch (interpreter-tested on CPU).
+# "triton": experts/grouping_kernel.py in one launch; "torch": experts/grouping.py's group_pairs and
+# tile_routes (~30 launches), the same tensors. On an H200 at K3's DEP16 shard the kernel takes
+# 4-96 us where torch takes 120-208 us (T = 1..256; docs/bench_experts.md).
 GROUPINGS = ("torch", "triton")
 
 
@@ -67,7 +68,7 @@ class HopperTiles:
     programs_per_sm: int = 2
     math: str = "bf16"
     persistent: bool = True
-    grouping: str = "torch"
+    grouping: str = "triton"
 
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
@@ -115,6 +116,8 @@ GROUPING_BYTES_PER_SLOT = 64
 ROUTE_BYTES_PER_SLOT = 32
 # situ_mxfp8_kernel: pairs per step, and the most intermediate columns per program.
 SITU_ROWS, SITU_MAX_BLOCK_I = 16, 256
+# widen_scales_kernel: scale bytes per program.
+WIDEN_BLOCK = 1024
 # The humming engine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
 # 3072 = 6 x 512); humming has run only at K3's widths.
 HUMMING_DEFAULT_MULTIPLE = 512
@@ -125,6 +128,25 @@ def default_engine(latent: int, intermediate: int) -> str:
     HUMMING_DEFAULT_MULTIPLE, else "triton"."""
     fits = all(size % HUMMING_DEFAULT_MULTIPLE == 0 for size in (latent, intermediate))
     return "humming" if fits and importlib.util.find_spec("humming") is not None else "triton"
+
+
+def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) -> int:
+    """The pair count humming's kernels are tuned for (humming's shape_m): the power of two
+    nearest in log2 to the pairs R = rows receive rows are expected to hold, at least 16 (one
+    compilation per value). Only speed depends on it: any count of pairs runs correctly.
+    Expected pairs: with num_experts, under uniform routing (K of E experts, num_local here, each
+    row holding at least one local id); without it, the capacity R * K.
+
+    Nearest rather than the next power of two up: on an H200 at K3's shapes the kernel chosen for
+    the nearest one was the fastest of humming's tunings for 16..65536 pairs, or within 8%, for
+    FC1 and FC2 at T = 1..256 on a DEP16 shard and at T = 16, 256 on a DEP2 shard; the next one
+    up took 1.4x at T = 64 (docs/bench_experts.md, "humming's kernel per pair count")."""
+    pairs = float(pair_capacity(rows, topk))
+    if num_experts is not None:
+        share = num_local / num_experts
+        some_local = 1.0 - (1.0 - share) ** topk  # a token holds >= 1 local id
+        pairs = min(pairs, rows * topk * share / some_local)
+    return 1 << max(4, round(math.log2(max(pairs, 1.0))))
 
 
 def workspace_bytes(rows: int, topk: int, latent: int, intermediate: int, engine: str) -> int:
@@ -151,8 +173,8 @@ def grouped(
 ) -> tuple[PairGroups, TileRoutes | None]:
     """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
     them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches).
-    "triton" takes block_n a power of two (HopperTiles checks its own); another block_n (from
-    humming's kernel choice) is grouped in torch, with the same result."""
+    "triton" takes block_n up to grouping_kernel.MAX_BLOCK_N (16384); a larger one is grouped in
+    torch, with the same result."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouped: grouping={grouping!r}; expected one of {GROUPINGS}")
     check_grouping_args("grouped", ids, first_expert, num_local, block_n)
@@ -162,6 +184,28 @@ def grouped(
         if fits(block_n):
             return group_and_route(ids, first_expert, num_local, block_n)
     return group_pairs(ids, first_expert, num_local, block_n), None
+
+
+def routed_tilings(
+    ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...], grouping: str
+) -> list[tuple[PairGroups, TileRoutes]]:
+    """[(groups, routes)] for each tile size in block_ns (one or two), as group_pairs and
+    tile_routes give them: "triton" in one launch of experts/grouping_kernel.py (when every size
+    fits), "torch" (or a size past the kernel's lanes) in torch, once per size."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"routed_tilings: grouping={grouping!r}; expected one of {GROUPINGS}")
+    for block_n in block_ns:
+        check_grouping_args("routed_tilings", ids, first_expert, num_local, block_n)
+    if grouping == "triton":
+        from dep_ep.experts.grouping_kernel import fits, group_and_route_tilings
+
+        if all(fits(block_n) for block_n in block_ns):
+            return group_and_route_tilings(ids, first_expert, num_local, tuple(block_ns))
+    tilings = []
+    for block_n in block_ns:
+        groups = group_pairs(ids, first_expert, num_local, block_n)
+        tilings.append((groups, tile_routes(groups)))
+    return tilings
 
 
 def fused_experts(
@@ -290,8 +334,6 @@ class HopperExperts(ExpertsBackend):
                 error = scale_spread_error(owner, name, scales)
                 if error is not None:
                     raise ValueError(error)
-            # fp32 2^(byte - 127) of every E8M0 byte: humming reads the rows' scales widened.
-            self.e8m0_fp32 = e8m0_to_fp32(torch.arange(256, dtype=torch.uint8, device=self.device))
             self.fc1 = HummingGemm.prepare(w13.contiguous(), s13.contiguous(), self.deterministic)
             self.fc2 = HummingGemm.prepare(w2.contiguous(), s2.contiguous(), self.deterministic)
             # SiTU's column block: the largest power of two <= SITU_MAX_BLOCK_I dividing I (>= 32:
@@ -314,18 +356,10 @@ class HopperExperts(ExpertsBackend):
             return "triton is not installed"
         return None
 
-    def pair_bound(self, rows: int, topk: int) -> int:
-        """The pair count humming's kernel is chosen for (a power of two >= 16; one compilation
-        each). Only speed depends on it: any count of pairs runs correctly. With num_experts,
-        the expected pairs of R receive rows under uniform routing (K of E experts, E_local here,
-        each row holding at least one local id); without it, the capacity R * K
-        (docs/bench_experts.md measures both)."""
-        pairs = pair_capacity(rows, topk)
-        if self.num_experts is not None:
-            share = self.num_local_experts / self.num_experts
-            some_local = 1.0 - (1.0 - share) ** topk  # a token holds >= 1 local id
-            pairs = min(pairs, math.ceil(rows * topk * share / some_local))
-        return 1 << max(4, (max(pairs, 1) - 1).bit_length())
+    def tuning_pairs(self, rows: int, topk: int) -> int:
+        """The pair count humming's kernels are chosen for on R = rows receive rows:
+        `tuning_pairs(rows, topk, num_local_experts, num_experts)`."""
+        return tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
 
     def workspace_bytes(self, rows: int, topk: int) -> int:
         """Bytes a call over `rows` receive rows with `topk` ids each allocates (see the class)."""
@@ -351,11 +385,6 @@ class HopperExperts(ExpertsBackend):
                                      self.tiles, self.programs)  # fmt: skip
             return self._forward_humming(x, sf, ids, weights, out)
 
-    def _grouped(self, ids: torch.Tensor, block_n: int) -> tuple[PairGroups, TileRoutes]:
-        groups, routes = grouped(ids, self.first_expert, self.num_local_experts, block_n,
-                                 self.tiles.grouping)  # fmt: skip
-        return groups, routes if routes is not None else tile_routes(groups)
-
     def _forward_humming(self, x, sf, ids, weights, out) -> torch.Tensor:
         """forward's contract (same tensors) on the humming engine: group, FC1, SiTU -> MXFP8,
         FC2, finalize; R >= 1."""
@@ -364,16 +393,23 @@ class HopperExperts(ExpertsBackend):
         rows, topk = ids.shape
         inter, latent = self.intermediate, self.latent
         capacity = pair_capacity(rows, topk)
-        bound = self.pair_bound(rows, topk)
-        fc1_groups, fc1_routes = self._grouped(ids, self.fc1.block_m(bound))
-        fc2_groups, fc2_routes = fc1_groups, fc1_routes
-        if self.fc2.block_m(bound) != fc1_groups.block_n:
-            fc2_groups, fc2_routes = self._grouped(ids, self.fc2.block_m(bound))
+        tuned = self.tuning_pairs(rows, topk)
+        # humming's FC1 and FC2 kernels may take tiles of different sizes: one grouping, one or
+        # two tilings.
+        block_ns = tuple(dict.fromkeys((self.fc1.block_m(tuned), self.fc2.block_m(tuned))))
+        tilings = routed_tilings(ids, self.first_expert, self.num_local_experts, block_ns,
+                                 self.tiles.grouping)  # fmt: skip
+        (fc1_groups, fc1_routes), (fc2_groups, fc2_routes) = tilings[0], tilings[-1]
+        # humming reads the rows' scales as fp32 2^(byte - 127).
+        scales = torch.empty(sf.shape, dtype=torch.float32, device=x.device)
+        kernels.widen_scales_kernel[(-(-sf.numel() // WIDEN_BLOCK),)](
+            sf, scales, sf.numel(), WIDEN_BLOCK, num_warps=4,
+        )  # fmt: skip
         # FC1 reads row id // K of x for pair id = row * K + k and writes row id of gate_up.
         gate_up = torch.empty(rows * topk, 2 * inter, dtype=torch.bfloat16, device=x.device)
-        self.fc1(x.view(torch.float8_e4m3fn), self.e8m0_fp32[sf.int()], fc1_routes.flat,
+        self.fc1(x.view(torch.float8_e4m3fn), scales, fc1_routes.flat,
                  fc1_groups.tile_expert, fc1_routes.num_padded, topk, gate_up,
-                 bound)  # fmt: skip
+                 tuned)  # fmt: skip
         act = torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device=x.device)
         act_scale = torch.empty(capacity, inter // SCALE_BLOCK, dtype=torch.float32,
                                 device=x.device)  # fmt: skip
@@ -386,7 +422,7 @@ class HopperExperts(ExpertsBackend):
         # FC2: pair j reads act row j and writes expert output row j.
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
         self.fc2(act, act_scale, fc2_routes.pair, fc2_groups.tile_expert, fc2_routes.num_padded,
-                 1, expert_out, bound)  # fmt: skip
+                 1, expert_out, tuned)  # fmt: skip
         kernels.finalize_kernel[(rows, latent // self.tiles.finalize_block_l)](
             expert_out, fc1_groups.pair_slot, weights, out, latent, topk,
             self.tiles.finalize_block_l, num_warps=self.tiles.num_warps,

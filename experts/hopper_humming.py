@@ -80,33 +80,35 @@ class HummingGemm:
         locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
         return cls(config, tensors, locks, {}, deterministic)
 
-    def tuning(self, pair_bound: int) -> dict:
-        """humming's kernel choice for up to `pair_bound` pairs (a power of two: one compilation
-        per bound, cached). deterministic: humming's batch-invariant choice, without stream-K
+    def tuning(self, pairs: int) -> dict:
+        """humming's kernel choice for `pairs` pairs (hopper.tuning_pairs: one compilation per
+        value, cached). deterministic: humming's batch-invariant choice, without stream-K
         (which splits K over CTAs and adds the BF16 partial outputs, atomically beyond 3 slices:
         extra roundings, and an order that can change between reruns)."""
-        if pair_bound not in self.tunings:
+        if pairs not in self.tunings:
             from humming.tune import get_heuristics_config
 
-            self.tunings[pair_bound] = get_heuristics_config(
-                self.config, shape_m=pair_bound, gemm_type="indexed",
+            self.tunings[pairs] = get_heuristics_config(
+                self.config, shape_m=pairs, gemm_type="indexed",
                 use_batch_invariant=self.deterministic, device=self.locks.device,
             )  # fmt: skip
-        return self.tunings[pair_bound]
+        return self.tunings[pairs]
 
-    def block_m(self, pair_bound: int) -> int:
-        """Pairs per block of the kernel chosen for `pair_bound` (the grouping's block_n)."""
-        return int(self.tuning(pair_bound)["block_shape"][0])
+    def block_m(self, pairs: int) -> int:
+        """Pairs per block of the kernel chosen for `pairs` (the grouping's block_n; humming's
+        SM90 choices hold 8 to 64)."""
+        return int(self.tuning(pairs)["block_shape"][0])
 
     def __call__(self, inputs, input_scale, sorted_ids, expert_ids, num_padded, top_k, out,
-                 pair_bound) -> torch.Tensor:  # fmt: skip
-        """out bf16 [M * top_k, n] rows sorted_ids (< M * top_k) = inputs[id // top_k] @ W^T."""
+                 tuned_pairs) -> torch.Tensor:  # fmt: skip
+        """out bf16 [M * top_k, n] rows sorted_ids (< M * top_k) = inputs[id // top_k] @ W^T, by
+        the kernel chosen for `tuned_pairs` pairs."""
         from humming.ops import humming_gemm
 
         return humming_gemm(
             layer_config=self.config.to_str(),
             compute_config=json.dumps({"gemm_type": "indexed"}),
-            tuning_config=json.dumps(self.tuning(pair_bound)),
+            tuning_config=json.dumps(self.tuning(tuned_pairs)),
             inputs=inputs, weight=self.tensors["weight"],
             weight_scale=self.tensors["weight_scale"],
             weight_scale_2=self.tensors.get("weight_scale_2"), input_scale=input_scale,

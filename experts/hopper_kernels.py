@@ -297,6 +297,17 @@ def _mxfp8_blocks(values, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def widen_scales_kernel(sf_ptr, out_ptr, count, BLOCK: tl.constexpr):
+    """out fp32 [count] = 2^(byte - 127) of the E8M0 bytes sf uint8 [count] (byte 0: 2^-127,
+    255: NaN; comm/mxfp8.e8m0_to_fp32 bit for bit): the per-32 factors humming reads, in one
+    launch where torch's table lookup took two (7.5 us at T=64 on a DEP16 shard)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < count
+    scale = tl.load(sf_ptr + offs, mask=inside, other=0)
+    tl.store(out_ptr + offs, _e8m0_to_fp32(scale), mask=inside)
+
+
+@triton.jit
 def situ_mxfp8_kernel(
     gate_up_ptr, pair_flat_ptr, num_pairs_ptr, act_ptr, act_scale_ptr,
     INTER: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr,

@@ -9,7 +9,7 @@ reference's float64 expert sums. Exits 0 and prints "ok ..." when every check ho
 
 CASE: "mixed" (rows without a local id, -1 slots, one NaN input row), "hot" (every row's first
 id is the same local expert; the other local experts have no rows), "single" (one row),
-"hot-grouping-kernel" ("hot" grouped by experts/grouping_kernel.py instead of torch).
+"hot-grouping-kernel" ("hot" grouped by experts/grouping_kernel.py; the others group in torch).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ FIRST, COUNT = 8, 6  # this rank's experts 8..13
 # Small blocks so that several tiles, M blocks and K steps run; block_n 16 with 40 rows cuts the
 # hot expert's pairs into three tiles.
 TILES = HopperTiles(block_n=16, fc1_block_m=32, fc1_block_k=64, fc2_block_m=64, fc2_block_k=64,
-                    finalize_block_l=64, math="fp32")  # fmt: skip
+                    finalize_block_l=64, math="fp32", grouping="torch")  # fmt: skip
 PROGRAMS = 5
 KERNEL_GROUPING = "-grouping-kernel"  # case suffix: grouped by experts/grouping_kernel.py
 
