@@ -6,12 +6,12 @@ per rank, all measured in the same run.
 
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
 random experts of 896, keeping the tokens with at least one of rank 0's experts.
-- HopperExperts (VARIANTS: the humming engine with num_experts, so its kernel is chosen for the
-  expected pairs, with the torch grouping and with the one-launch grouping kernel; the humming
-  engine without num_experts, the kernel for the pair capacity; the triton engine): CUDA-graph
-  replay of `--launches` back-to-back calls on the same rows (a call has no
+- HopperExperts (VARIANTS: the humming engine with num_experts, so its kernels are chosen for the
+  expected pairs, with the one-launch grouping kernel (the default) and with the torch grouping;
+  the humming engine without num_experts, its kernels chosen for the pair capacity; the triton
+  engine): CUDA-graph replay of `--launches` back-to-back calls on the same rows (a call has no
   host synchronisation), median of `--samples` replays, per call; one eager call first (humming
-  compiles its kernel for a new pair bound there).
+  compiles its kernels for a new pair count there).
 - ReferenceExperts: eager (it reads sizes back to the host), median of CUDA-event-timed calls;
   skipped at 448 local experts (its BF16 cache would take 29.6 GB).
 - Floor: the MXFP4 weights and scales of the experts the rows touch (17,547,264 bytes each at K3)
@@ -77,8 +77,8 @@ def graph_us(backend, rows, launches: int, samples: int) -> float:
 VARIANTS = [
     ("humming", {"engine": "humming", "num_experts": K3.experts}),
     (
-        "humming, grouping kernel",
-        {"engine": "humming", "num_experts": K3.experts, "tiles": HopperTiles(grouping="triton")},
+        "humming, torch grouping",
+        {"engine": "humming", "num_experts": K3.experts, "tiles": HopperTiles(grouping="torch")},
     ),
     ("humming capacity", {"engine": "humming"}),
     ("triton", {"engine": "triton"}),

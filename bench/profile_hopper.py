@@ -1,51 +1,93 @@
-"""Where HopperExperts (humming engine) spends a call at K3 geometry: torch profiler over 5 eager
-calls after one warm-up, GPU kernel time per call, for 56 local experts at T = 8 and 256 and 448
-at T = 16, with the kernel chosen for the expected pairs (num_experts given) and for the capacity.
+"""Where HopperExperts (humming engine, its defaults) spends a call at K3 geometry: torch profiler
+over 5 eager calls after one warm-up call, GPU time per call of each kernel, at 56 local experts
+(rank 0 of 16) for T = 8, 32, 64, 256 and at 448 (rank 0 of 2) for T = 16, 256.
 
-    python bench/profile_hopper.py
+    python bench/profile_hopper.py --out docs     # writes docs/profile_hopper.md
+
+Eager calls: the kernels' GPU times are those of graph replay; the gaps between launches are not
+(bench_experts.py times the call in graph replay). The busy sum counts each kernel once per call.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import sys
+from pathlib import Path
 
 import torch
-from bench_experts import receive_rows
+from bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
 from torch.profiler import ProfilerActivity, profile
 
 from dep_ep.ep import K3
 from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts.hopper import HopperExperts
 
-CASES = [(56, 8), (56, 256), (448, 16)]  # (local experts, T)
+CASES = {56: (8, 32, 64, 256), 448: (16, 256)}  # local experts: T per rank
 CALLS = 5
+KERNEL_NAME_CHARS = 60
+
+
+def profile_case(backend: HopperExperts, rows) -> tuple[float, list[tuple[str, float, int]]]:
+    """(GPU busy us a call, [(kernel, us a call, launches a call)] longest first)."""
+    out = torch.empty(rows[2].shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+    backend.forward(*rows, out)  # compiles humming's kernels for this pair count
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            backend.forward(*rows, out)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels = [(e.key[:KERNEL_NAME_CHARS], e.self_device_time_total / CALLS, e.count // CALLS)
+               for e in sorted(events, key=lambda e: -e.self_device_time_total)]  # fmt: skip
+    return sum(us for _, us, _ in kernels), kernels
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="docs", help="folder for profile_hopper.md")
+    args = p.parse_args()
+    bandwidth = copy_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for local, tokens in CASES:
+    lines = []
+    for local, token_counts in CASES.items():
         weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
-        for num_experts in (K3.experts, None):
-            backend = HopperExperts(*weights, first_expert=0, engine="humming",
-                                    num_experts=num_experts)  # fmt: skip
+        backend = HopperExperts(*weights, first_expert=0, engine="humming",
+                                num_experts=K3.experts)  # fmt: skip
+        for tokens in token_counts:
             rows = receive_rows(K3.experts // local, tokens, local, gen)
-            out = torch.empty(rows[2].shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
-            backend.forward(*rows, out)  # compiles humming's kernel for this pair bound
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(CALLS):
-                    backend.forward(*rows, out)
-                torch.cuda.synchronize()
-            events = prof.key_averages()
-            busy = sum(e.self_device_time_total for e in events) / CALLS
-            bound = backend.pair_bound(rows[2].shape[0], K3.topk)
-            print(f"== local {local} T {tokens} num_experts {num_experts} pair bound {bound}:"
-                  f" GPU busy {busy:.0f} us a call", flush=True)  # fmt: skip
-            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]:
-                print(f"   {e.self_device_time_total / CALLS:8.1f} us  x{e.count // CALLS}"
-                      f"  {e.key[:90]}")  # fmt: skip
-        del weights
+            ids = rows[2]
+            touched = int(ids[(ids >= 0) & (ids < local)].unique().numel())
+            floor = touched * EXPERT_BYTES / (bandwidth * 1e9) * 1e6
+            busy, kernels = profile_case(backend, rows)
+            tuned = backend.tuning_pairs(ids.shape[0], K3.topk)
+            pairs = int(((ids >= 0) & (ids < local)).sum())
+            title = (f"{local} local experts, T = {tokens}: {ids.shape[0]} rows, {pairs} pairs,"
+                     f" kernels for {tuned}")  # fmt: skip
+            busy_line = (
+                f"GPU busy {busy:.0f} us a call; floor {floor:.0f} us ({100 * floor / busy:.0f}%)."
+            )
+            print(title, "|", busy_line, flush=True)
+            lines += [f"\n## {title}", f"\n{busy_line}\n",
+                      "| kernel | us a call | launches | share |", "|---|---|---|---|"]  # fmt: skip
+            lines += [f"| `{name}` | {us:.1f} | {count} | {100 * us / busy:.0f}% |"
+                      for name, us, count in kernels]  # fmt: skip
+        del weights, backend
         torch.cuda.empty_cache()
+    head = [
+        "# Where HopperExperts' call goes (humming engine)",
+        "",
+        f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
+        f" `python bench/profile_hopper.py {' '.join(sys.argv[1:])}`. torch {torch.__version__}."
+        f" Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.",
+        "",
+        f"torch profiler over {CALLS} eager calls after a warm-up call; per call, each kernel's"
+        " GPU time (eager launches: the gaps between kernels are not counted). Rows as in"
+        " bench_experts.md (uniform routing); floor: the touched experts' weights read once.",
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_hopper.md").write_text("\n".join(head + lines) + "\n")
     return 0
 
 
