@@ -200,7 +200,7 @@ def write_report(out: Path, results: list[dict], n: int, construction_s: float,
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     lines = [
-        f"# DEP benchmark, {n} GPUs, one process per GPU", "",
+        f"# DEP benchmark, {n} GPU{'s' if n > 1 else ''}, one process per GPU", "",
         f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
         f" --nproc-per-node {n} bench/bench_dep.py {arguments}`. K3 geometry (L {K3.latent}, K"
         f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank). Construction of the"

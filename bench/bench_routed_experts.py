@@ -151,10 +151,10 @@ def write_report(out: Path, results: list[dict], peer: dict[int, float], meta: d
     out.mkdir(parents=True, exist_ok=True)
     n = meta["n"]
     lines = [
-        f"# Routed path with experts, {n} GPUs, one process per GPU", "",
+        f"# Routed path with experts, {n} GPU{'s' if n > 1 else ''}, one process per GPU", "",
         f"GPU: {n} x {meta['gpu']}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
         f" --nproc-per-node {n} bench/bench_routed_experts.py {meta['arguments']}` (see its"
-        " docstring). K3 geometry, {meta['local']} local experts per"
+        f" docstring). K3 geometry, {meta['local']} local experts per"
         f" rank, experts backend {meta['backend']}, copy bandwidth {meta['bandwidth']:.0f} GB/s.",
         "",
         "ours: EpRouted.routed (dispatch, experts, combine with RMSNorm), CUDA-graph replay,"

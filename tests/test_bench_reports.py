@@ -58,3 +58,4 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
     assert "| 1 | 16 | 65 | 150 | 43% | 203 | 32% | 1.35 | graph | yes |" in page, page
     assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | graph | NO |" in page, page
     assert "bench/bench_routed_experts.py --out docs`" in page, page
+    assert "# Routed path with experts, 2 GPUs," in page and "448 local experts per rank" in page
