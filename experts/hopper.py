@@ -138,9 +138,9 @@ def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) 
     row holding at least one local id); without it, the capacity R * K.
 
     Nearest rather than the next power of two up: on an H200 at K3's shapes the kernel chosen for
-    the nearest one was the fastest of humming's tunings for 16..65536 pairs, or within 8%, for
+    the nearest one was the fastest of humming's tunings for 16..65536 pairs, or within 10%, for
     FC1 and FC2 at T = 1..256 on a DEP16 shard and at T = 16, 256 on a DEP2 shard; the next one
-    up took 1.4x at T = 64 (docs/bench_experts.md, "humming's kernel per pair count")."""
+    up took 1.4x at T = 64 (docs/bench_humming_tuning.md)."""
     pairs = float(pair_capacity(rows, topk))
     if num_experts is not None:
         share = num_local / num_experts

@@ -1,4 +1,5 @@
-"""The CPU parts of bench/bench_routed_experts.py: reading the peer's log and writing the page."""
+"""The CPU parts of the benchmarks: bench_routed_experts.py reading the peer's log and writing its
+page; bench_humming_tuning.py naming humming's distinct kernels."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def load_script(name: str):
 load_script("timing")
 load_script("bench_experts")
 bench = load_script("bench_routed_experts")
+tuning = load_script("bench_humming_tuning")
 
 
 def test_peer_log_rows_by_local_experts(tmp_path):
@@ -59,3 +61,20 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
     assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | graph | NO |" in page, page
     assert "bench/bench_routed_experts.py --out docs`" in page, page
     assert "# Routed path with experts, 2 GPUs," in page and "448 local experts per rank" in page
+
+
+class FakeGemm:
+    """humming's kernel choice by pair count, as HummingGemm.tuning gives it: three kernels."""
+
+    def tuning(self, pairs: int) -> dict:
+        block = 8 if pairs <= 256 else 24 if pairs <= 1024 else 64
+        return {"block_shape": [block, 256, 128], "use_stream_k": pairs <= 1024}
+
+
+def test_humming_kernels_named_by_the_smallest_pair_count_picking_them():
+    kernels = tuning.distinct_tunings(FakeGemm())
+    assert list(kernels) == [16, 512, 2048]
+    assert [k["block_shape"][0] for k in kernels.values()] == [8, 24, 64]
+    assert tuning.column_of(kernels, FakeGemm(), 128) == 16
+    assert tuning.column_of(kernels, FakeGemm(), 1024) == 512
+    assert tuning.column_of(kernels, FakeGemm(), 65536) == 2048

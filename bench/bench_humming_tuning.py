@@ -1,0 +1,135 @@
+"""humming's kernel per pair count: FC1 and FC2 of HopperExperts' humming engine timed alone with
+each kernel humming's heuristic picks for 16, 32, ..., 65536 pairs, at K3 geometry on rank 0's
+receive rows, beside the kernel `tuning_pairs` picks; the measurement behind `tuning_pairs`.
+
+    python bench/bench_humming_tuning.py --out docs     # writes docs/bench_humming_tuning.md
+
+Rows as bench_experts.py's (uniform routing). Each GEMM in CUDA-graph replay of LAUNCHES calls,
+median of SAMPLES replays, per call, on the routes of the grouping for that kernel's tile size;
+FC2 reads random e4m3 activations with unit scales (its time does not depend on their values).
+Tunings that pick the same kernel are timed once, under the smallest pair count picking it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+from bench_experts import receive_rows
+from timing import capture, replay_us
+
+from dep_ep.ep import K3
+from dep_ep.ep.synthetic import SyntheticLayer
+from dep_ep.experts.hopper import HopperExperts, routed_tilings, tuning_pairs
+
+CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T per rank
+TUNINGS = [1 << i for i in range(4, 17)]  # pair counts humming is asked to tune for
+LAUNCHES, SAMPLES = 10, 10
+E4M3 = torch.float8_e4m3fn
+
+
+def distinct_tunings(gemm) -> dict[int, dict]:
+    """{smallest pair count picking it: kernel config} over TUNINGS."""
+    seen = {}
+    for pairs in TUNINGS:
+        seen.setdefault(json.dumps(gemm.tuning(pairs), sort_keys=True), pairs)
+    return {pairs: gemm.tuning(pairs) for pairs in seen.values()}
+
+
+def column_of(kernels: dict[int, dict], gemm, pairs: int) -> int:
+    """The column (key of `kernels`) of the kernel humming picks for `pairs`."""
+    config = gemm.tuning(pairs)
+    return next(column for column, kernel in kernels.items() if kernel == config)
+
+
+def time_gemm(
+    backend: HopperExperts, name: str, kernels: dict[int, dict], rows
+) -> dict[int, float]:
+    """{column: us per call} of GEMM `name` ("fc1" or "fc2") with each of `kernels`."""
+    x, sf, ids, _ = rows
+    count, topk = ids.shape
+    capacity, inter = count * topk, backend.intermediate
+    gemm = getattr(backend, name)
+    if name == "fc1":
+        inputs, input_scale = x.view(E4M3), torch.ones(sf.shape, device="cuda")
+        out = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    else:
+        inputs = torch.randn(capacity, inter, device="cuda").to(E4M3)
+        input_scale = torch.ones(capacity, inter // 32, device="cuda")
+        out = torch.empty(capacity, backend.latent, dtype=torch.bfloat16, device="cuda")
+    times = {}
+    for column in kernels:
+        [(groups, routes)] = routed_tilings(ids, 0, backend.num_local_experts,
+                                            (gemm.block_m(column),), "triton")  # fmt: skip
+        # FC1 reads row id // K for route id = row * K + k; FC2 reads activation row = pair.
+        sorted_ids, top_k = (routes.flat, topk) if name == "fc1" else (routes.pair, 1)
+
+        def call(column=column, groups=groups, routes=routes, sorted_ids=sorted_ids, top_k=top_k):
+            gemm(inputs, input_scale, sorted_ids, groups.tile_expert, routes.num_padded, top_k,
+                 out, column)  # fmt: skip
+
+        times[column] = replay_us(capture(call, LAUNCHES), LAUNCHES, SAMPLES)
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="docs", help="folder for bench_humming_tuning.md")
+    args = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lines = []
+    for local, token_counts in CASES.items():
+        weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
+        backend = HopperExperts(*weights, first_expert=0, engine="humming",
+                                num_experts=K3.experts)  # fmt: skip
+        gemms = {"fc1": backend.fc1, "fc2": backend.fc2}
+        kernels = {name: distinct_tunings(gemm) for name, gemm in gemms.items()}
+        tables = {name: [] for name in gemms}
+        for tokens in token_counts:
+            rows = receive_rows(K3.experts // local, tokens, local, gen)
+            ids = rows[2]
+            chosen = tuning_pairs(ids.shape[0], K3.topk, local, K3.experts)
+            held = int(((ids >= 0) & (ids < local)).sum())
+            for name, gemm in gemms.items():
+                times = time_gemm(backend, name, kernels[name], rows)
+                picked = column_of(kernels[name], gemm, chosen)
+                cells = [f"**{us:.0f}**" if column == picked else f"{us:.0f}"
+                         for column, us in times.items()]  # fmt: skip
+                tables[name].append(f"| {tokens} | {ids.shape[0]} | {held} | {chosen} | "
+                                    + " | ".join(cells) + " |")  # fmt: skip
+                print(local, name, tables[name][-1], flush=True)
+        for name in gemms:
+            lines += [f"\n## {local} local experts: {name.upper()}", "",
+                      "| kernel tuned for (pairs) | block (pairs, N, K) | CTAs per SM | stream-K |",
+                      "|---|---|---|---|"]  # fmt: skip
+            for column, config in kernels[name].items():
+                block = ", ".join(str(v) for v in config["block_shape"])
+                lines.append(f"| {column} | {block} | {config['num_ctas_per_sm']} |"
+                             f" {config['use_stream_k']} |")  # fmt: skip
+            lines += ["", "| T | rows | pairs | tuning_pairs | "
+                      + " | ".join(f"{column} us" for column in kernels[name]) + " |",
+                      "|" + "---|" * (4 + len(kernels[name]))] + tables[name]  # fmt: skip
+        del weights, backend
+        torch.cuda.empty_cache()
+    head = [
+        "# humming's kernel per pair count (HopperExperts' humming engine)", "",
+        f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
+        f" `python bench/bench_humming_tuning.py {' '.join(sys.argv[1:])}`. torch"
+        f" {torch.__version__}.", "",
+        "Each GEMM alone, graph replay, us per call. Columns: the kernels humming's heuristic picks"
+        " when asked to tune for 16, 32, ..., 65536 pairs, each under the smallest count picking"
+        " it; bold: the kernel of `tuning_pairs` for these rows (the power of two nearest the"
+        " expected pairs).",
+    ]  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_humming_tuning.md").write_text("\n".join(head + lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
