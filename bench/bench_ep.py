@@ -32,16 +32,6 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
 
 
-def make_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
-    """(latent bf16 [T, L], ids int32 [T, K] distinct per token, weights fp32 [T, K], expert
-    output rows bf16 [T, L]) on the GPU, random."""
-    latent = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
-    ids = torch.rand(tokens, K3.experts, device="cuda").argsort(dim=1)[:, : K3.topk].int()
-    weights = torch.rand(tokens, K3.topk, device="cuda")
-    out = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
-    return latent, ids, weights, out
-
-
 def copy_ceiling_gbs() -> dict[str, float]:
     """Device-to-device copy of 2 GiB of fp32, (bytes read + bytes written) / time, three ways:
     `copy_` captured in a graph (a memcpy node), the same copy eager, and an elementwise kernel

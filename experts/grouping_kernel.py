@@ -1,6 +1,6 @@
 """The grouping of experts/grouping.py and its tile routes in one Triton launch.
 
-`group_pairs` (torch) runs ~30 small kernels: 120-210 us in graph replay on an H200 for the slots
+`group_pairs` (torch) runs ~30 small kernels: 119-209 us in graph replay on an H200 for the slots
 of T = 1..256 on a DEP16 shard (docs/bench_experts.md). This kernel produces the same tensors,
 bitwise (the tests compare them), in one launch of num_local + 1 programs:
 

@@ -10,9 +10,8 @@
 The grouping is one launch of experts/grouping_kernel.py (HopperTiles.grouping "triton", the
 default) or experts/grouping.py's group_pairs and tile_routes in torch ("torch"), the same
 tensors. Both engines keep the weights at 4 bits and read the receive rows' MXFP8 bytes as they
-are (humming reads the E8M0 scales widened to fp32). No
-host synchronisation and no launch shape that depends on the data: a call can be captured in a
-CUDA graph with the routed path.
+are (humming reads the E8M0 scales widened to fp32). No host synchronisation and no launch shape
+that depends on the data: a call can be captured in a CUDA graph with the routed path.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from dep_ep.experts.weights import check_expert_weights, check_num_experts
 MATHS = ("bf16", "fp32")  # experts/hopper_kernels.py
 # "triton": experts/grouping_kernel.py in one launch; "torch": experts/grouping.py's group_pairs and
 # tile_routes (~30 launches), the same tensors. On an H200 at K3's DEP16 shard the kernel takes
-# 4-96 us where torch takes 120-208 us (T = 1..256; docs/bench_experts.md).
+# 5-74 us where torch takes 119-209 us (T = 1..256, tiles of 16; docs/bench_experts.md).
 GROUPINGS = ("torch", "triton")
 
 
