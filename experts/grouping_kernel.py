@@ -232,29 +232,38 @@ def group_and_route(
     """`group_pairs(ids, ...)` and `tile_routes` of it (experts/grouping.py), bitwise the same
     tensors, from one launch on ids' device (a CUDA GPU, or Triton's CPU interpreter). ids int32
     [R, K], contiguous; block_n 1..MAX_BLOCK_N (`fits`)."""
-    return group_and_route_tilings(ids, first_expert, num_local, (block_n,))[0]
+    return _launch("group_and_route", ids, first_expert, num_local, (block_n,))[0]
 
 
 def group_and_route_tilings(
     ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...]
 ) -> list[tuple[PairGroups, TileRoutes]]:
-    """`group_and_route` for one or two tile sizes in one launch: [(groups, routes)] per
-    block_n, as group_pairs(ids, ..., block_n) and tile_routes of it would give; the pair
+    """`group_and_route` for one or two distinct tile sizes in one launch: [(groups, routes)]
+    per block_n, as group_pairs(ids, ..., block_n) and tile_routes of it would give; the pair
     tensors (pair_row, pair_flat, num_pairs, pair_slot, expert_pairs) are shared. humming's FC1
     and FC2 kernels can tile differently (24 and 32 pairs at T=64 on a DEP16 shard): one launch
     instead of two saves one grouping (21 us there)."""
+    return _launch("group_and_route_tilings", ids, first_expert, num_local, block_ns)
+
+
+def _launch(
+    owner: str, ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...]
+) -> list[tuple[PairGroups, TileRoutes]]:
+    """The checks (ValueError naming `owner`), the outputs and the launch of both functions."""
     if not isinstance(block_ns, tuple) or len(block_ns) not in (1, 2):
-        raise ValueError(f"group_and_route_tilings: block_ns={block_ns!r}; expected a tuple of"
-                         " one or two tile sizes")  # fmt: skip
+        raise ValueError(f"{owner}: block_ns={block_ns!r}; expected a tuple of one or two tile"
+                         " sizes")  # fmt: skip
+    if len(set(block_ns)) != len(block_ns):
+        raise ValueError(f"{owner}: block_ns={block_ns!r}; expected distinct tile sizes (pass an"
+                         " equal size once)")  # fmt: skip
     for block_n in block_ns:
-        check_grouping_args("group_and_route", ids, first_expert, num_local, block_n)
+        check_grouping_args(owner, ids, first_expert, num_local, block_n)
         if not fits(block_n):
-            raise ValueError(f"group_and_route: block_n={block_n}; expected at most"
-                             f" {MAX_BLOCK_N} (the kernel's tile lanes); group_pairs takes any"
-                             " block_n")  # fmt: skip
+            raise ValueError(f"{owner}: block_n={block_n}; expected at most {MAX_BLOCK_N} (the"
+                             " kernel's tile lanes); group_pairs takes any block_n")  # fmt: skip
     if ids.dtype != torch.int32 or not ids.is_contiguous():
-        raise ValueError(f"group_and_route: ids {ids.dtype}, contiguous={ids.is_contiguous()};"
-                         " expected contiguous int32")  # fmt: skip
+        raise ValueError(f"{owner}: ids {ids.dtype}, contiguous={ids.is_contiguous()}; expected"
+                         " contiguous int32")  # fmt: skip
     rows, topk = ids.shape
     slots = pair_capacity(rows, topk)
     device = ids.device

@@ -188,7 +188,7 @@ def grouped(
 def routed_tilings(
     ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...], grouping: str
 ) -> list[tuple[PairGroups, TileRoutes]]:
-    """[(groups, routes)] for each tile size in block_ns (one or two), as group_pairs and
+    """[(groups, routes)] for each tile size in block_ns (one or two, distinct), as group_pairs and
     tile_routes give them: "triton" in one launch of experts/grouping_kernel.py (when every size
     fits), "torch" (or a size past the kernel's lanes) in torch, once per size."""
     if grouping not in GROUPINGS:
@@ -228,6 +228,8 @@ def fused_experts(
     num_local, two_inter, half_latent = w13.shape
     latent, inter = 2 * half_latent, two_inter // 2
     rows, topk = ids.shape
+    # The kernel grouping also writes tile routes, which this engine does not read: about
+    # 8 * (R * K + E_local * block_n) bytes, within workspace_bytes' grouping share.
     groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping)
     act = torch.empty(groups.pair_capacity, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(groups.pair_capacity, latent, dtype=torch.bfloat16, device=x.device)
@@ -277,8 +279,9 @@ class HopperExperts(ExpertsBackend):
     Memory: triton keeps the caller's weights (no copy when contiguous); humming keeps its own
     re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
     `workspace_bytes` from torch's caching allocator (inside a graph capture, the graph's pool).
-    The humming engine compiles a kernel the first time a call's pair capacity reaches a new
-    power of two (seconds): make one eager call of each row count before capturing a graph.
+    The humming engine compiles its kernels the first time a call's `tuning_pairs` (a power of
+    two from the row count) is new (seconds): make one eager call of each row count before
+    capturing a graph.
 
     Rows without a local id keep whatever `out` held. A NaN or Inf in a row stays within the
     outputs of that row's pairs.

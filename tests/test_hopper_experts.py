@@ -64,8 +64,16 @@ def interpreter_loop_gap() -> str | None:
             " checked by test_gpu_grouping_kernel_equals_torch")  # fmt: skip
 
 
+# tests/run_all.sh (the CPU suite, CI) sets it: there the interpreter must run the grouping kernel.
+REQUIRE_INTERPRETER_LOOPS = "DEP_EP_REQUIRE_INTERPRETER_LOOPS"
+
+
 def skip_without_interpreter_loops() -> None:
+    """Skip naming the reason where the interpreter cannot run the grouping kernel; fail instead
+    where REQUIRE_INTERPRETER_LOOPS=1."""
     gap = interpreter_loop_gap()
+    if gap is not None and os.environ.get(REQUIRE_INTERPRETER_LOOPS) == "1":
+        pytest.fail(f"{REQUIRE_INTERPRETER_LOOPS}=1 but {gap}")
     if gap is not None:
         pytest.skip(gap)
 
@@ -193,6 +201,10 @@ def test_grouping_kernel_refuses_bad_arguments():
         group_and_route_tilings(ids, 0, 4, (8, 16, 24))
     with pytest.raises(ValueError, match="block_ns=\\[8\\]; expected a tuple"):
         group_and_route_tilings(ids, 0, 4, [8])
+    with pytest.raises(ValueError, match="tilings: block_ns=\\(24, 24\\); expected distinct"):
+        group_and_route_tilings(ids, 0, 4, (24, 24))
+    with pytest.raises(ValueError, match="group_and_route_tilings: block_n=32768; expected at"):
+        group_and_route_tilings(ids, 0, 4, (16, 1 << 15))
     with pytest.raises(ValueError, match="routed_tilings: block_n=0"):
         routed_tilings(ids, 0, 4, (16, 0), "triton")
     tilings = routed_tilings(ids, 0, 4, (2 * MAX_BLOCK_N, 16), "triton")  # torch: past the lanes
@@ -456,7 +468,7 @@ def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_ns
 
 
 @GPU
-@pytest.mark.parametrize("rows", [1, 666, 4096])
+@pytest.mark.parametrize("rows", [3, 666, 4096])  # >= 3 rows of 112 bytes: every byte value
 def test_gpu_widen_scales_equals_torch(rows):
     """widen_scales_kernel against comm/mxfp8.e8m0_to_fp32, bit for bit, on random E8M0 bytes
     with every byte value present (0: subnormal, 255: NaN); the output starts as NaN."""
@@ -467,7 +479,7 @@ def test_gpu_widen_scales_equals_torch(rows):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     sf = torch.randint(0, 256, (rows, K3.latent // 32), dtype=torch.uint8, device="cuda",
                        generator=gen)  # fmt: skip
-    sf.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device="cuda")[: sf.numel()]
+    sf.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device="cuda")
     out = torch.full(sf.shape, float("nan"), device="cuda")
     widen_scales_kernel[(-(-sf.numel() // WIDEN_BLOCK),)](sf, out, sf.numel(), WIDEN_BLOCK)
     want = e8m0_to_fp32(sf)
