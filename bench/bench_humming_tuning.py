@@ -4,9 +4,10 @@ receive rows, beside the kernel `tuning_pairs` picks; the measurement behind `tu
 
     python bench/bench_humming_tuning.py --out docs     # writes docs/bench_humming_tuning.md
 
-Rows as bench_experts.py's (uniform routing). Each GEMM in CUDA-graph replay of LAUNCHES calls,
-median of SAMPLES replays, per call, on the routes of the grouping for that kernel's tile size;
-FC2 reads random e4m3 activations with unit scales (its time does not depend on their values).
+Rows drawn as bench_experts.py draws them (uniform routing), in a draw of their own. Each GEMM in
+CUDA-graph replay of LAUNCHES calls, median of SAMPLES replays, per call, on the routes of the
+grouping for that kernel's tile size; FC2 reads random e4m3 activations with unit scales (its
+time does not depend on their values).
 Tunings that pick the same kernel are timed once, under the smallest pair count picking it.
 """
 

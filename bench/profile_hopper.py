@@ -82,8 +82,9 @@ def main() -> int:
         f" Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.",
         "",
         f"torch profiler over {CALLS} eager calls after a warm-up call; per call, each kernel's"
-        " GPU time (eager launches: the gaps between kernels are not counted). Rows as in"
-        " bench_experts.md (uniform routing); floor: the touched experts' weights read once.",
+        " GPU time (eager launches: the gaps between kernels are not counted). Rows drawn as"
+        " bench_experts.py draws them (uniform routing), in a draw of their own; floor: the"
+        " touched experts' weights read once.",
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
