@@ -1,0 +1,103 @@
+"""EpRouted with the backend SM90 users get (`default_experts`: HopperExperts, the humming engine
+where humming-kernels is installed) against the all-gather reference at K3's widths: dispatch,
+the experts and combine with RMSNorm end to end, eager and in graph replay. Skips, naming the
+reason, where HopperExperts cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dep_ep.config import EpConfig
+from dep_ep.ep import K3, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference
+from dep_ep.experts import default_experts
+from dep_ep.experts.hopper import HopperExperts
+
+from helpers.cases import agreed_seed, make_case
+from helpers.collective import collective_assert
+from helpers.reference_check import compare_rel_l2
+from helpers.tolerance import EXPERTS_REL_L2, ROUTED_HUMMING_REL_L2, ROUTED_REL_L2
+
+# K3's widths (L 3584, I 3072: where the humming engine is the default) over 32 experts, so that
+# the float64 reference (on the GPU) stays quick: 16 local experts a rank at N = 2, 4 at N = 8.
+K3_32 = MoeGeometry("k3-32", hidden=K3.hidden, latent=K3.latent, experts=32, topk=K3.topk,
+                    intermediate=K3.intermediate)  # fmt: skip
+MAX_TOKENS = 16
+
+
+def hopper_gap() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return HopperExperts.unsupported_reason(torch.device("cuda"))
+
+
+pytestmark = pytest.mark.skipif(hopper_gap() is not None, reason=f"HopperExperts: {hopper_gap()}")
+
+
+@pytest.fixture(scope="module")
+def routed_k3(gpu_dep):
+    if K3_32.experts % gpu_dep.size:
+        pytest.skip(f"{K3_32.experts} experts do not split over {gpu_dep.size} ranks")
+    routed = EpRouted(gpu_dep.cpu_group, MAX_TOKENS, torch.device("cuda"),
+                      num_experts=K3_32.experts, latent=K3_32.latent, topk=K3_32.topk,
+                      config=EpConfig(timeout_s=60.0))  # fmt: skip
+    yield routed
+    routed.close()
+
+
+def bound_of(experts) -> float:
+    """The modelled relative L2 bound of the routed output with this backend's numerics."""
+    if getattr(experts, "activation_format", "bf16") == "mxfp8":
+        return ROUTED_HUMMING_REL_L2
+    return max(ROUTED_REL_L2, EXPERTS_REL_L2)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,routing", [(1, "random"), (MAX_TOKENS, "random"),
+                                            (9, "padded"), (10, "nan")])  # fmt: skip
+def test_routed_with_default_experts_matches_allgather_reference(gpu_dep, routed_k3, tokens,
+                                                                  routing):  # fmt: skip
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, 31)
+    layer = SyntheticLayer(K3_32, seed)
+    per_rank = K3_32.experts // n
+    weights = [t.cuda() for t in layer.local(rank * per_rank, per_rank)]
+    experts = default_experts(*weights, first_expert=rank * per_rank, num_experts=K3_32.experts)
+    failures = []
+    if type(experts) is not HopperExperts:
+        failures.append(f"default_experts gave {type(experts).__name__} on SM90")
+    case = make_case(K3_32, n, tokens, seed, routing)
+    latent, ids, probs = (t.cuda() for t in (case.latent[rank], case.ids[rank],
+                                             case.weights[rank]))  # fmt: skip
+    norm = layer.norm_weight().cuda()
+    out = routed_k3.routed(latent, ids, probs, norm, experts=experts)
+    routed_k3.synchronize()
+    eager = out.cpu()  # out may live in EpRouted's buffers, which the next call reuses
+    ref = allgather_reference(gpu_dep.cpu_group, latent, ids, probs, norm, layer.expert).cpu()
+    label = f"T={tokens} {routing} {type(experts).__name__} {getattr(experts, 'engine', '')}"
+    failures += compare_rel_l2(eager, ref, bound_of(experts), label)
+    # The same call captured in a CUDA graph (after a warm-up on the capture's stream) and
+    # replayed: within the bound too, and bit for bit the eager output where the backend
+    # promises reruns bitwise equal (humming's default may use stream-K).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        routed_k3.routed(latent, ids, probs, norm, experts=experts)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(gpu_dep.cpu_group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = routed_k3.routed(latent, ids, probs, norm, experts=experts)
+    graph.replay()
+    routed_k3.synchronize()
+    replayed = captured.cpu()
+    failures += compare_rel_l2(replayed, ref, bound_of(experts), f"{label}, graph replay")
+    nan = eager.isnan()
+    same = torch.equal(nan, replayed.isnan()) and torch.equal(
+        eager.view(torch.int16)[~nan], replayed.view(torch.int16)[~nan]
+    )
+    if getattr(experts, "deterministic", True) and not same:
+        failures.append(f"{label}: graph replay differs from the eager call")
+    collective_assert(gpu_dep.cpu_group, failures, seeds={"layer and case": seed})
