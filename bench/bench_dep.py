@@ -141,17 +141,16 @@ def main() -> int:
         # Baseline 2: all_to_all_single with our bytes.
         dest = destinations(ids, n)
         send_rows = dest.sum(dim=0).tolist()  # rows to each rank
-        receive_rows = dest.sum(dim=0).to(torch.float64).cpu()
-        dist.all_reduce(receive_rows, group=cpu)  # rows each rank receives
+        recv_rows = torch.tensor(send_rows, dtype=torch.int64)
+        all_rows = [torch.empty_like(recv_rows) for _ in range(n)]
+        dist.all_gather(all_rows, recv_rows, group=cpu)
+        recv_rows = [int(all_rows[s][rank]) for s in range(n)]  # rows each source sends here
+        receive_rows = torch.stack(all_rows).sum(dim=0).double()  # rows each rank receives
         skew = float(receive_rows.max() / receive_rows.mean().clamp(min=1e-9))
         owner = ids[ids >= 0].long() // (K3.experts // n)
         receive_pairs = torch.bincount(owner, minlength=n).to(torch.float64).cpu()
         dist.all_reduce(receive_pairs, group=cpu)  # (row, id) pairs each rank receives
         pair_skew = float(receive_pairs.max() / receive_pairs.mean().clamp(min=1e-9))
-        recv_rows = torch.tensor(send_rows, dtype=torch.int64)
-        all_rows = [torch.empty_like(recv_rows) for _ in range(n)]
-        dist.all_gather(all_rows, recv_rows, group=cpu)
-        recv_rows = [int(all_rows[s][rank]) for s in range(n)]  # rows each source sends here
         a2a_send = torch.empty(sum(send_rows) * row_bytes, dtype=torch.uint8, device="cuda")
         a2a_recv = torch.empty(sum(recv_rows) * row_bytes, dtype=torch.uint8, device="cuda")
         back_send = torch.empty(sum(recv_rows) * 2 * L, dtype=torch.uint8, device="cuda")
