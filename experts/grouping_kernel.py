@@ -1,24 +1,30 @@
-"""The grouping of experts/grouping.py and its tile routes in one Triton launch.
+"""The grouping of experts/grouping.py and its tile routes in one or two Triton launches.
 
 `group_pairs` (torch) runs ~30 small kernels: 119-209 us in graph replay on an H200 for the slots
-of T = 1..256 on a DEP16 shard (docs/bench_experts.md). This kernel produces the same tensors,
-bitwise (the tests compare them), in one launch of num_local + 1 programs:
+of T = 1..256 on a DEP16 shard (docs/bench_experts.md). These kernels produce the same tensors,
+bitwise (the tests compare them). The R * K slots are cut into chunks of BLOCK_S:
 
-  program e < num_local  expert e: counts every expert's slots (so it knows where its pairs
-                         start), then writes its pairs in (row, k) order, its tiles and its
-                         tiles' route entries;
-  program num_local      the non-local slots (after the pairs, as the stable sort leaves them),
-                         the unused tiles, their route entries and the three device scalars.
+  chunk_histogram_kernel  (only when there are two chunks or more) one program per chunk: the
+                          chunk's pairs per local expert, a row of int32 [chunks, BINS];
+  group_route_kernel      a program per (bin, chunk), bin e < num_local an expert, num_local the
+                          non-local slots: from the histogram rows it knows where bin e's pairs
+                          start and how many of them earlier chunks hold, and writes the pairs of
+                          its chunk in (row, k) order. Chunk 0's program of each expert also
+                          writes the expert's tiles and the sentinel routes after its pairs; chunk
+                          0's non-local program writes the unused tiles, their routes and the
+                          three device scalars. The non-local slots follow the pairs, as the
+                          stable sort leaves them.
+
+With one chunk the second kernel counts that chunk itself: one launch. Nothing is shared between
+the programs of a launch: no atomics, no ordering between them; each program reads one chunk of
+ids (the histogram kernel reads every chunk once more). On an H200 at K3's DEP16 shard the pair
+takes 9.2 us at T = 64 and 36 us at T = 256 where one launch whose every program read all the
+slots twice took 20.9 and 73 (docs/bench_experts.md, "Versions").
 
 The same launch can cut the pairs into tiles of two sizes (`group_and_route_tilings`: humming's
-FC1 and FC2 kernels may tile differently); the pair lists are written once.
-
-Each program reads ids twice (a histogram pass, then the scatter), BLOCK_S slots a step; nothing
-is shared between programs, so no atomics and no ordering between them. Work per program grows
-with R * K: at K3's T=256 on DEP16 (about 42,000 slots) each program takes 21 steps a pass and
-the launch 73 us; at T=64, 21 us. The histogram counts the local slots only (masked): Triton
-lowers it to one shared-memory atomic per counted element, and on a DEP16 shard 15 of 16 slots
-are not local, all in one bin.
+FC1 and FC2 kernels may tile differently); the pair lists are written once. The histograms count
+the local slots only (masked): Triton lowers tl.histogram to one shared-memory atomic per counted
+element, and on a DEP16 shard 15 of 16 slots are not local, all in one bin.
 """
 
 from __future__ import annotations
@@ -37,12 +43,15 @@ from dep_ep.experts.grouping import (
     tile_capacity,
 )
 
-# Slots a program reads per step, and warps: on an H200 at K3's DEP16 shard, 2048 slots over 8 warps
-# took 5.5 / 11.9 / 20.9 / 72.6 us at T = 8 / 32 / 64 / 256 where 1024 over 4 took 6.3 / 15.2 /
-# 26.1 / 100 (the best of 1024..8192 slots over 4, 8 or 16 warps; graph replay).
-BLOCK_S = 2048
-NUM_WARPS = 8
+# Slots a chunk, and warps a program: on an H200 at K3's DEP16 shard (tiles of 16) 1024 slots over
+# 4 warps took 5.6 / 7.0 / 9.3 / 17.5 / 36.0 us at T = 8 / 32 / 64 / 128 / 256 where 2048 over 8
+# took 4.8 / 9.7 / 13.0 / 18.6 / 43.6, and 9.7 / 35.0 us at T = 16 / 256 on a DEP2 shard (448
+# local) against 17.6 / 46.7; the fastest or within 25% of the fastest of five shapes (512..4096
+# slots over 4 or 8 warps) at every T (graph replay; docs/bench_hopper_launch.md).
+BLOCK_S = 1024
+NUM_WARPS = 4
 BLOCK_T = 64  # tiles a program writes per step
+HIST_ROWS = 16  # histogram rows (chunks) a program reads per step
 # Triton's largest block is 2^20 elements: [BLOCK_T, LANES] route slots of the unused tiles, LANES
 # the power of two >= block_n (tl.arange's length).
 MAX_BLOCK_N = (1 << 20) // BLOCK_T
@@ -129,8 +138,44 @@ def _unused_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr
 
 
 @triton.jit
+def chunk_histogram_kernel(
+    ids_ptr,  # int32 [R*K] global expert ids, -1 = none
+    hist_ptr,  # int32 [chunks, BINS] out: chunk c's pairs per local expert (other bins 0)
+    num_slots,
+    first_expert,
+    num_local,
+    BINS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    JUNK: tl.constexpr = BINS - 1
+    offs = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+    key = _keys(ids_ptr, offs, num_slots, first_expert, num_local, JUNK)
+    counts = tl.histogram(key, BINS, mask=key < num_local)
+    tl.store(hist_ptr + chunk * BINS + tl.arange(0, BINS), counts)
+
+
+@triton.jit
+def _counts_from_histogram(hist_ptr, num_chunks, chunk, BINS: tl.constexpr,
+                           HIST_ROWS: tl.constexpr):  # fmt: skip
+    """(pairs per bin over every chunk, pairs per bin in the chunks before `chunk`), int32 [BINS]
+    each, from chunk_histogram_kernel's rows."""
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros((BINS,), dtype=tl.int32)
+    before = tl.zeros((BINS,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, HIST_ROWS):
+        c = c0 + tl.arange(0, HIST_ROWS)
+        rows = tl.load(hist_ptr + c[:, None] * BINS + bins[None, :],
+                       mask=(c < num_chunks)[:, None], other=0)  # fmt: skip
+        counts += tl.sum(rows, 0)
+        before += tl.sum(tl.where((c < chunk)[:, None], rows, 0), 0)
+    return counts, before
+
+
+@triton.jit
 def group_route_kernel(
     ids_ptr,  # int32 [R*K] global expert ids, -1 = none
+    hist_ptr,  # int32 [chunks, BINS]: chunk_histogram_kernel's output (read when CHUNKED)
     pair_row_ptr,  # int32 [R*K] out
     pair_flat_ptr,  # int32 [R*K] out
     pair_slot_ptr,  # int32 [R*K] out
@@ -163,67 +208,75 @@ def group_route_kernel(
     LANES_B: tl.constexpr,
     TWO_TILINGS: tl.constexpr,
     BINS: tl.constexpr,  # a power of two >= num_local + 2: experts, the non-local bin, JUNK
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # slots a chunk
+    CHUNKED: tl.constexpr,  # more than one chunk: the counts come from hist_ptr
+    HIST_ROWS: tl.constexpr,  # histogram rows read a step
     BLOCK_T: tl.constexpr,
 ):
     me = tl.program_id(0)  # local expert, or num_local for the non-local slots
+    chunk = tl.program_id(1)
     JUNK: tl.constexpr = BINS - 1
-    slot = tl.arange(0, BLOCK_S)
-
-    # Pass 1: pairs per expert over every slot (the non-local bin and JUNK stay 0).
-    counts = tl.zeros((BINS,), dtype=tl.int32)
-    for s0 in range(0, num_slots, BLOCK_S):
-        key = _keys(ids_ptr, s0 + slot, num_slots, first_expert, num_local, JUNK)
-        counts += tl.histogram(key, BINS, mask=key < num_local)
+    offs = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+    key = _keys(ids_ptr, offs, num_slots, first_expert, num_local, JUNK)
     bins = tl.arange(0, BINS)
     is_expert = bins < num_local
-    first_pair = tl.cumsum(counts, 0) - counts  # the non-local bin starts at num_pairs
     mine = bins == me
+    is_pair = me < num_local
+
+    # Pairs per expert (the non-local bin and JUNK stay 0), and this bin's slots before the chunk.
+    if CHUNKED:
+        counts, before = _counts_from_histogram(hist_ptr, tl.num_programs(1), chunk, BINS,
+                                                HIST_ROWS)  # fmt: skip
+        # Every slot before this chunk is a real one (only the last chunk is partial): the
+        # non-local ones are those the histogram did not count.
+        local_before = tl.sum(tl.where(is_expert, before, 0), 0)
+        seen = tl.where(is_pair, tl.sum(tl.where(mine, before, 0), 0),
+                        chunk * BLOCK_S - local_before)  # fmt: skip
+    else:
+        counts = tl.histogram(key, BINS, mask=key < num_local)
+        seen = 0
+    first_pair = tl.cumsum(counts, 0) - counts  # the non-local bin starts at num_pairs
     my_count = tl.sum(tl.where(mine, counts, 0), 0)
     my_first = tl.sum(tl.where(mine, first_pair, 0), 0)
     num_pairs = tl.sum(tl.where(is_expert, counts, 0), 0)
     my_tiles, my_tile0, num_tiles = _tiling(counts, is_expert, mine, BLOCK_N)
     my_tiles_b, my_tile0_b, num_tiles_b = _tiling(counts, is_expert, mine, BLOCK_N_B)
-    is_pair = me < num_local
 
-    # Pass 2: this bin's slots in (row, k) order -> pair numbers my_first, my_first + 1, ...
-    seen = tl.full((), 0, tl.int32)
-    for s0 in range(0, num_slots, BLOCK_S):
-        offs = s0 + slot
-        key = _keys(ids_ptr, offs, num_slots, first_expert, num_local, JUNK)
-        hit = key == me
-        within = seen + tl.cumsum(hit.to(tl.int32), 0) - 1  # index among this bin's slots
-        pair = my_first + within
-        tl.store(pair_flat_ptr + pair, offs, mask=hit)
-        tl.store(pair_row_ptr + pair, offs // topk, mask=hit)
-        tl.store(pair_slot_ptr + offs, tl.where(is_pair, pair, -1), mask=hit)
-        hit_pair = hit & (key < num_local)  # hit, and this program is an expert's
-        _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair,
-                     BLOCK_N)  # fmt: skip
-        if TWO_TILINGS:
-            _route_pairs(route_flat_b_ptr, route_pair_b_ptr, my_tile0_b, within, offs, pair,
-                         hit_pair, BLOCK_N_B)  # fmt: skip
-        seen += tl.sum(hit.to(tl.int32), 0)
+    # This bin's slots of the chunk in (row, k) order -> pair numbers my_first + seen, ...
+    hit = key == me
+    within = seen + tl.cumsum(hit.to(tl.int32), 0) - 1  # index among this bin's slots
+    pair = my_first + within
+    tl.store(pair_flat_ptr + pair, offs, mask=hit)
+    tl.store(pair_row_ptr + pair, offs // topk, mask=hit)
+    tl.store(pair_slot_ptr + offs, tl.where(is_pair, pair, -1), mask=hit)
+    hit_pair = hit & (key < num_local)  # hit, and this program is an expert's
+    _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair,
+                 BLOCK_N)  # fmt: skip
+    if TWO_TILINGS:
+        _route_pairs(route_flat_b_ptr, route_pair_b_ptr, my_tile0_b, within, offs, pair,
+                     hit_pair, BLOCK_N_B)  # fmt: skip
 
-    if is_pair:
-        tl.store(expert_pairs_ptr + me, my_count.to(tl.int64))
-        _expert_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
-                      route_pair_ptr, me, my_count, my_first, my_tiles, my_tile0, num_slots,
-                      BLOCK_N, LANES, BLOCK_T)  # fmt: skip
-        if TWO_TILINGS:
-            _expert_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr, route_flat_b_ptr,
-                          route_pair_b_ptr, me, my_count, my_first, my_tiles_b, my_tile0_b,
-                          num_slots, BLOCK_N_B, LANES_B, BLOCK_T)  # fmt: skip
-    else:
-        tl.store(num_pairs_ptr, num_pairs)
-        _unused_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
-                      route_pair_ptr, num_tiles_ptr, num_padded_ptr, num_tiles, tile_cap,
-                      num_local, num_slots, BLOCK_N, LANES, BLOCK_T)  # fmt: skip
-        if TWO_TILINGS:
-            _unused_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr, route_flat_b_ptr,
-                          route_pair_b_ptr, num_tiles_b_ptr, num_padded_b_ptr, num_tiles_b,
-                          tile_cap_b, num_local, num_slots, BLOCK_N_B, LANES_B,
-                          BLOCK_T)  # fmt: skip
+    if chunk == 0:
+        if is_pair:
+            tl.store(expert_pairs_ptr + me, my_count.to(tl.int64))
+            _expert_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
+                          route_pair_ptr, me, my_count, my_first, my_tiles, my_tile0, num_slots,
+                          BLOCK_N, LANES, BLOCK_T)  # fmt: skip
+            if TWO_TILINGS:
+                _expert_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr,
+                              route_flat_b_ptr, route_pair_b_ptr, me, my_count, my_first,
+                              my_tiles_b, my_tile0_b, num_slots, BLOCK_N_B, LANES_B,
+                              BLOCK_T)  # fmt: skip
+        else:
+            tl.store(num_pairs_ptr, num_pairs)
+            _unused_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
+                          route_pair_ptr, num_tiles_ptr, num_padded_ptr, num_tiles, tile_cap,
+                          num_local, num_slots, BLOCK_N, LANES, BLOCK_T)  # fmt: skip
+            if TWO_TILINGS:
+                _unused_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr,
+                              route_flat_b_ptr, route_pair_b_ptr, num_tiles_b_ptr,
+                              num_padded_b_ptr, num_tiles_b, tile_cap_b, num_local, num_slots,
+                              BLOCK_N_B, LANES_B, BLOCK_T)  # fmt: skip
 
 
 def group_and_route(
@@ -287,15 +340,22 @@ def _launch(
                             num_padded=int32(1).reshape(()), sentinel=slots)  # fmt: skip
         tilings.append((groups, routes))
     (a, a_routes), (b, b_routes) = tilings[0], tilings[-1]
-    group_route_kernel[(num_local + 1,)](
-        ids, a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs,
+    bins = triton.next_power_of_2(num_local + 2)
+    chunks = max(1, -(-slots // BLOCK_S))
+    hist = torch.empty(chunks, bins, dtype=torch.int32, device=device)
+    if chunks > 1:
+        chunk_histogram_kernel[(chunks,)](
+            ids, hist, slots, first_expert, num_local, bins, BLOCK_S, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    group_route_kernel[(num_local + 1, chunks)](
+        ids, hist, a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs,
         a.tile_expert, a.tile_start, a.tile_rows, a.num_tiles,
         a_routes.flat, a_routes.pair, a_routes.num_padded,
         b.tile_expert, b.tile_start, b.tile_rows, b.num_tiles,
         b_routes.flat, b_routes.pair, b_routes.num_padded,
         slots, topk, first_expert, num_local, a.tile_capacity, b.tile_capacity,
         a.block_n, triton.next_power_of_2(a.block_n), b.block_n,
-        triton.next_power_of_2(b.block_n), len(tilings) == 2,
-        triton.next_power_of_2(num_local + 2), BLOCK_S, BLOCK_T, num_warps=NUM_WARPS,
+        triton.next_power_of_2(b.block_n), len(tilings) == 2, bins, BLOCK_S, chunks > 1,
+        HIST_ROWS, BLOCK_T, num_warps=NUM_WARPS,
     )  # fmt: skip
     return tilings
