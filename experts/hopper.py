@@ -45,12 +45,14 @@ GROUPINGS = ("torch", "triton")
 @dataclass(frozen=True)
 class HopperTiles:
     """Block shapes and launch of the triton engine's kernels (experts/hopper_kernels.py has what
-    they mean); the humming engine uses finalize_block_l and num_warps only.
+    they mean); the humming engine uses finalize_block_l, finalize_warps and grouping only.
 
     block_n: pairs per tile (the MMA's N side; >= 16); fc1_block_m: intermediate columns per FC1
     work item (it reads 2 * fc1_block_m weight rows: gate and up); fc2_block_m: output columns per
-    FC2 work item; *_block_k: K per step (a multiple of 64); finalize_block_l: output columns per
-    finalize program; programs_per_sm: persistent programs per SM; math: one of MATHS;
+    FC2 work item; *_block_k: K per step (a multiple of 64); finalize_block_l: the most output
+    columns per finalize program (it takes the largest power of two <= this dividing L);
+    finalize_warps: warps per finalize program; num_warps, num_stages: the GEMM kernels' launch;
+    programs_per_sm: persistent programs per SM; math: one of MATHS;
     persistent: each GEMM program walks the work list (True) or one program per work item, the
     grid covering the work list's capacity (False); grouping: one of GROUPINGS (both engines),
     how the rows are grouped by expert (the same tensors either way).
@@ -61,7 +63,11 @@ class HopperTiles:
     fc1_block_k: int = 128
     fc2_block_m: int = 64
     fc2_block_k: int = 128
-    finalize_block_l: int = 256
+    # 512 columns over 2 warps (16-byte loads): 4.8 us at T=64 on a DEP16 shard where 256 over 4
+    # took 16.7; the fastest or within 20% of the fastest of six shapes (128..512 columns over 1, 2
+    # or 4 warps) at every T measured (H200, docs/bench_hopper_launch.md).
+    finalize_block_l: int = 512
+    finalize_warps: int = 2
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 2
@@ -82,7 +88,8 @@ class HopperTiles:
         if not isinstance(self.persistent, bool):
             raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
         for name in ("block_n", "fc1_block_m", "fc1_block_k", "fc2_block_m", "fc2_block_k",
-                     "finalize_block_l", "num_warps", "num_stages", "programs_per_sm"):  # fmt: skip
+                     "finalize_block_l", "finalize_warps", "num_warps", "num_stages",
+                     "programs_per_sm"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"HopperTiles: {name}={value!r}; expected an int")
@@ -92,18 +99,25 @@ class HopperTiles:
             ("fc1_block_k", self.fc1_block_k, latent, 2 * SCALE_BLOCK),
             ("fc2_block_m", self.fc2_block_m, latent, 16),
             ("fc2_block_k", self.fc2_block_k, intermediate, 2 * SCALE_BLOCK),
-            ("finalize_block_l", self.finalize_block_l, latent, 16),
+            ("finalize_block_l", self.finalize_block_l, None, 16),
         ):
             if value < least or value & (value - 1) or (dim is not None and dim % value):
                 where = "" if dim is None else f" dividing {dim}"
                 raise ValueError(f"HopperTiles: {name}={value}; expected a power of two >= {least}"
                                  f"{where}")  # fmt: skip
-        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"HopperTiles: num_warps={self.num_warps}; expected a power of two")
+        for name in ("num_warps", "finalize_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"HopperTiles: {name}={value}; expected a power of two")
         for name, value in (("num_stages", self.num_stages),
                             ("programs_per_sm", self.programs_per_sm)):  # fmt: skip
             if value < 1:
                 raise ValueError(f"HopperTiles: {name}={value}; expected >= 1")
+
+    def finalize_columns(self, latent: int) -> int:
+        """Output columns per finalize program at L = latent: the largest power of two <=
+        finalize_block_l dividing L (>= 16 after `check`: fc2_block_m >= 16 divides L)."""
+        return math.gcd(self.finalize_block_l, latent)
 
 
 ENGINES = ("humming", "triton")
@@ -113,8 +127,12 @@ GROUPING_BYTES_PER_SLOT = 64
 # tile_routes' tensors per tile slot (about one per pair): int32 flat and pair lists, int64 index
 # and gathered values. The humming engine routes twice when FC1 and FC2 tile differently.
 ROUTE_BYTES_PER_SLOT = 32
-# situ_mxfp8_kernel: pairs per step, and the most intermediate columns per program.
-SITU_ROWS, SITU_MAX_BLOCK_I = 16, 256
+# situ_mxfp8_kernel: pairs per step, the most intermediate columns per program, and programs per SM
+# (4 warps each). 8 pairs x 256 columns at 16 programs an SM took 9.2 us at T=64 on a DEP16 shard
+# where 16 x 256 at 4 took 12.8 (4.4 / 7.2 / 33.3 against 6.0 / 7.5 / 38.6 at T = 8 / 32 / 256);
+# the fastest or within 12% of the fastest of eight shapes at every T measured (H200,
+# docs/bench_hopper_launch.md).
+SITU_ROWS, SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM = 8, 256, 16
 # widen_scales_kernel: scale bytes per program.
 WIDEN_BLOCK = 1024
 # The humming engine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
@@ -139,7 +157,7 @@ def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) 
     Nearest rather than the next power of two up: on an H200 at K3's shapes the kernel chosen for
     the nearest one was the fastest of humming's tunings for 16..65536 pairs, or within 10%, for
     FC1 and FC2 at T = 1..256 on a DEP16 shard and at T = 16, 256 on a DEP2 shard; the next one
-    up took 1.4x at T = 64 (docs/bench_humming_tuning.md)."""
+    up took 1.3x at T = 64 (docs/bench_humming_tuning.md)."""
     pairs = float(pair_capacity(rows, topk))
     if num_experts is not None:
         share = num_local / num_experts
@@ -250,9 +268,10 @@ def fused_experts(
         tiles.persistent, **launch,
     )  # fmt: skip
     if rows:  # forward returns before this for R = 0; a direct call may not
-        kernels.finalize_kernel[(rows, latent // tiles.finalize_block_l)](
-            y, groups.pair_slot, weights, out, latent, topk, tiles.finalize_block_l,
-            num_warps=tiles.num_warps,
+        columns = tiles.finalize_columns(latent)
+        kernels.finalize_kernel[(rows, latent // columns)](
+            y, groups.pair_slot, weights, out, latent, topk, columns,
+            num_warps=tiles.finalize_warps,
         )  # fmt: skip
     return out
 
@@ -416,7 +435,9 @@ class HopperExperts(ExpertsBackend):
         act_scale = torch.empty(capacity, inter // SCALE_BLOCK, dtype=torch.float32,
                                 device=x.device)  # fmt: skip
         column_blocks = inter // self.situ_block_i
-        situ_programs = max(1, min(-(-capacity // SITU_ROWS), 4 * self.sms // column_blocks))
+        situ_programs = max(
+            1, min(-(-capacity // SITU_ROWS), SITU_PROGRAMS_PER_SM * self.sms // column_blocks)
+        )
         kernels.situ_mxfp8_kernel[(situ_programs, column_blocks)](
             gate_up, fc1_groups.pair_flat, fc1_groups.num_pairs, act, act_scale,
             inter, SITU_ROWS, self.situ_block_i, num_warps=4,
@@ -425,8 +446,9 @@ class HopperExperts(ExpertsBackend):
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
         self.fc2(act, act_scale, fc2_routes.pair, fc2_groups.tile_expert, fc2_routes.num_padded,
                  1, expert_out, tuned)  # fmt: skip
-        kernels.finalize_kernel[(rows, latent // self.tiles.finalize_block_l)](
-            expert_out, fc1_groups.pair_slot, weights, out, latent, topk,
-            self.tiles.finalize_block_l, num_warps=self.tiles.num_warps,
+        columns = self.tiles.finalize_columns(latent)
+        kernels.finalize_kernel[(rows, latent // columns)](
+            expert_out, fc1_groups.pair_slot, weights, out, latent, topk, columns,
+            num_warps=self.tiles.finalize_warps,
         )  # fmt: skip
         return out

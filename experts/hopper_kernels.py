@@ -346,6 +346,9 @@ def finalize_kernel(
     rows with a local id; rows without one are left as they are. Grid (R, L / BLOCK_L).
 
     pair_slot int32 [R, K] (-1: not local), weights fp32 [R, K], y bf16 [pairs, L], out bf16 [R, L].
+    The branch per k skips the loads of non-local slots (15 of 16 on a DEP16 shard): a branch-free
+    variant with masked loads took 1.9x as long at T=64 there (9.2 against 4.8 us, BLOCK_L 512 over
+    2 warps, H200).
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)

@@ -233,9 +233,14 @@ def test_tuning_pairs_is_the_nearest_power_of_two_of_the_expected_pairs():
 def test_tiles_checked():
     with pytest.raises(ValueError, match="fc1_block_m=48"):
         HopperTiles(fc1_block_m=48).check(256, 128)
-    with pytest.raises(ValueError, match="finalize_block_l=512; expected a power of two >= 16"
-                                         " dividing 256"):  # fmt: skip
-        HopperTiles(finalize_block_l=512).check(256, 128)
+    with pytest.raises(ValueError, match="finalize_block_l=24; expected a power of two >= 16"):
+        HopperTiles(finalize_block_l=24).check(256, 128)
+    with pytest.raises(ValueError, match="finalize_warps=3; expected a power of two"):
+        HopperTiles(finalize_warps=3).check(256, 128)
+    with pytest.raises(ValueError, match="num_stages=0; expected >= 1"):
+        HopperTiles(num_stages=0).check(256, 128)
+    assert HopperTiles().finalize_columns(256) == 256  # the default 512 does not divide 256
+    assert HopperTiles().finalize_columns(3584) == 512 and HopperTiles().finalize_columns(48) == 16
     with pytest.raises(ValueError, match="math='fp16'"):
         HopperTiles(math="fp16").check(256, 128)
     with pytest.raises(ValueError, match="block_n=8"):
@@ -484,6 +489,40 @@ def test_gpu_widen_scales_equals_torch(rows):
     widen_scales_kernel[(-(-sf.numel() // WIDEN_BLOCK),)](sf, out, sf.numel(), WIDEN_BLOCK)
     want = e8m0_to_fp32(sf)
     assert torch.equal(out.view(torch.int32), want.view(torch.int32)), f"seed {seed}"
+
+
+@GPU
+@pytest.mark.parametrize("rows", [1, 300, 2048])
+def test_gpu_finalize_equals_torch(rows):
+    """finalize_kernel against torch on values whose weighted sums are exact in fp32 (expert
+    outputs small integers, weights multiples of 1/16), so any order gives the same sum and the
+    BF16 rounding the same bits: each row's local pairs gathered from the right expert output
+    rows with the right weights, bit for bit; rows without a local id keep their NaN."""
+    from dep_ep.experts.hopper_kernels import finalize_kernel
+
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    topk, num_local, latent = 16, 8, K3.latent
+    block_l = HopperTiles().finalize_columns(latent)
+    ids = torch.rand(rows, 32, device="cuda", generator=gen).argsort(dim=1)[:, :topk].int()
+    ids[::4] = torch.where(ids[::4] < num_local, -1, ids[::4])  # every fourth row: none local
+    ids[1::5, 3] = -1
+    groups = group_pairs(ids.contiguous(), 0, num_local, 16)
+    y = torch.randint(-64, 64, (groups.pair_capacity, latent), device="cuda", generator=gen)
+    y = y.to(torch.bfloat16)
+    weights = torch.randint(0, 17, (rows, topk), device="cuda", generator=gen).float() / 16
+    out = torch.full((rows, latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+    finalize_kernel[(rows, latent // block_l)](y, groups.pair_slot.reshape(rows, topk), weights,
+                                               out, latent, topk, block_l)  # fmt: skip
+    slot = groups.pair_slot.reshape(rows, topk).long()
+    local = slot >= 0
+    gathered = y[slot.clamp(min=0)].double() * (weights * local).double()[:, :, None]
+    want = gathered.sum(dim=1).float().bfloat16()
+    written = local.any(dim=1)
+    assert out[~written].isnan().all(), f"seed {seed}: a row without a local id was written"
+    assert torch.equal(out[written].view(torch.int16), want[written].view(torch.int16)), (
+        f"seed {seed}: finalize differs from torch"
+    )
 
 
 @GPU
