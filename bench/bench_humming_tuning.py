@@ -1,20 +1,24 @@
 """humming's kernel per pair count: FC1 and FC2 of HopperExperts' humming engine timed alone with
-each kernel humming's heuristic picks for 16, 32, ..., 65536 pairs, at K3 geometry on rank 0's
+each kernel HummingGemm.tuning picks for 16, 32, ..., 65536 pairs, at K3 geometry on rank 0's
 receive rows, beside the kernel `tuning_pairs` picks; the measurement behind `tuning_pairs`.
 
-    python bench/bench_humming_tuning.py --out docs     # writes docs/bench_humming_tuning.md
+    python bench/bench_humming_tuning.py --variants --out docs   # docs/bench_humming_tuning.md
 
 Rows drawn as bench_experts.py draws them (uniform routing), in a draw of their own. Each GEMM in
 CUDA-graph replay of LAUNCHES calls, median of SAMPLES replays, per call, on the routes of the
 grouping for that kernel's tile size; FC2 reads random e4m3 activations with unit scales (its
 time does not depend on their values).
 Tunings that pick the same kernel are timed once, under the smallest pair count picking it.
+Variants (56 local experts, T = VARIANT_TOKENS): humming's own choices for 512, 1024 and 2048
+pairs (before hopper_humming.TUNING_UPDATES) and each of the first two with 16, 24 or 32 pairs a
+block, stream-K on or off; the measurement behind TUNING_UPDATES.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -28,6 +32,8 @@ from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts.hopper import HopperExperts, routed_tilings, tuning_pairs
 
 CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T per rank
+VARIANT_LOCAL, VARIANT_TOKENS = 56, (16, 32, 64, 128)
+VARIANT_BASES, VARIANT_BLOCKS = (512, 1024, 2048), (16, 24, 32)
 TUNINGS = [1 << i for i in range(4, 17)]  # pair counts humming is asked to tune for
 LAUNCHES, SAMPLES = 10, 10
 E4M3 = torch.float8_e4m3fn
@@ -77,9 +83,66 @@ def time_gemm(
     return times
 
 
+def variant_configs(gemm) -> dict[str, dict]:
+    """{label: config}: humming's own choice for each of VARIANT_BASES and, for all but the last,
+    the same kernel with VARIANT_BLOCKS pairs a block and stream-K on or off (distinct only)."""
+    configs, seen = {}, set()
+    for base_pairs in VARIANT_BASES:
+        base = gemm.heuristic(base_pairs)
+        tried = [(f"humming's {base_pairs}", base)]
+        if base_pairs != VARIANT_BASES[-1]:
+            for block, stream_k in itertools.product(VARIANT_BLOCKS, (True, False)):
+                label = f"{base_pairs}'s, {block} pairs, stream-K {'on' if stream_k else 'off'}"
+                shape = [block, *base["block_shape"][1:]]
+                tried.append((label, {**base, "block_shape": shape, "use_stream_k": stream_k}))
+        for label, config in tried:
+            key = json.dumps(config, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                configs[label] = config
+    return configs
+
+
+def variant_lines(gen: torch.Generator) -> list[str]:
+    """The variants section: per GEMM, a row per variant, a column per T (us, or why not run)."""
+    weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, VARIANT_LOCAL)
+    backend = HopperExperts(*weights, first_expert=0, engine="humming",
+                            num_experts=K3.experts)  # fmt: skip
+    rows = {t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen)
+            for t in VARIANT_TOKENS}  # fmt: skip
+    lines = []
+    for name in ("fc1", "fc2"):
+        gemm = getattr(backend, name)
+        table = []
+        for index, (label, config) in enumerate(variant_configs(gemm).items()):
+            column = -1 - index  # a tuning key no pair count uses
+            gemm.tunings[column] = config
+            cells = []
+            for tokens in VARIANT_TOKENS:
+                try:
+                    times = time_gemm(backend, name, {column: config}, rows[tokens])
+                    cells.append(f"{times[column]:.0f}")
+                except Exception as error:  # humming refuses some shapes (an assertion)
+                    cells.append(f"not built ({type(error).__name__})")
+            block = ", ".join(str(v) for v in config["block_shape"])
+            table.append(f"| {label} | {block} | {config['use_stream_k']} | "
+                         + " | ".join(cells) + " |")  # fmt: skip
+            print(name, table[-1], flush=True)
+        lines += [f"\n## Variants, {VARIANT_LOCAL} local experts: {name.upper()}", "",
+                  "| kernel | block (pairs, N, K) | stream-K | "
+                  + " | ".join(f"T = {t} us" for t in VARIANT_TOKENS) + " |",
+                  "|" + "---|" * (3 + len(VARIANT_TOKENS))] + table  # fmt: skip
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="docs", help="folder for bench_humming_tuning.md")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="also time the variants of humming's kernels (VARIANT_TOKENS)",
+    )
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     lines = []
@@ -116,15 +179,17 @@ def main() -> int:
                       "|" + "---|" * (4 + len(kernels[name]))] + tables[name]  # fmt: skip
         del weights, backend
         torch.cuda.empty_cache()
+    if args.variants:
+        lines += variant_lines(gen)
     head = [
         "# humming's kernel per pair count (HopperExperts' humming engine)", "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
         f" `python bench/bench_humming_tuning.py {' '.join(sys.argv[1:])}`. torch"
         f" {torch.__version__}.", "",
-        "Each GEMM alone, graph replay, us per call. Columns: the kernels humming's heuristic picks"
-        " when asked to tune for 16, 32, ..., 65536 pairs, each under the smallest count picking"
-        " it; bold: the kernel of `tuning_pairs` for these rows (the power of two nearest the"
-        " expected pairs).",
+        "Each GEMM alone, graph replay, us per call. Columns: the kernels HummingGemm.tuning picks"
+        " (humming's heuristic with hopper_humming.TUNING_UPDATES) when asked to tune for 16, 32,"
+        " ..., 65536 pairs, each under the smallest count picking it; bold: the kernel of"
+        " `tuning_pairs` for these rows (the power of two nearest the expected pairs).",
     ]  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

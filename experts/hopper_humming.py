@@ -25,6 +25,13 @@ import torch
 FUSED_SCALE_SPREAD = 11
 # Stream-K lock words humming's kernels may use (int32, zeroed once, reset by the kernels).
 LOCK_WORDS = 1 << 16
+# Changes to humming's heuristic choice per tuned pair count: stream-K off for the kernels of 512
+# and 1024 pairs ([16, 128, 256] and [24 or 32, 256, 128] blocks at K3's shapes). Speed is the
+# same within the run-to-run spread: on an H200 on a DEP16 shard FC1 took 182 / 209, 191 / 202 and
+# 198 / 209 us at T = 32 / 64 without stream-K in three runs, against 190 / 208, 194 / 210 and
+# 190 / 207 with it; FC2 within 3% (the last run: docs/bench_humming_tuning.md, "Variants").
+# Without stream-K each output element is written once: no BF16 partial outputs added.
+TUNING_UPDATES = {512: {"use_stream_k": False}, 1024: {"use_stream_k": False}}
 
 
 def scale_spread_error(owner: str, name: str, scales: torch.Tensor) -> str | None:
@@ -82,17 +89,23 @@ class HummingGemm:
 
     def tuning(self, pairs: int) -> dict:
         """humming's kernel choice for `pairs` pairs (hopper.tuning_pairs: one compilation per
-        value, cached). deterministic: humming's batch-invariant choice, without stream-K
-        (which splits K over CTAs and adds the BF16 partial outputs, atomically beyond 3 slices:
-        extra roundings, and an order that can change between reruns)."""
+        value, cached) with TUNING_UPDATES applied. deterministic: humming's batch-invariant
+        choice, without stream-K (which splits K over CTAs and adds the BF16 partial outputs,
+        atomically beyond 3 slices: extra roundings, and an order that can change between
+        reruns)."""
         if pairs not in self.tunings:
-            from humming.tune import get_heuristics_config
-
-            self.tunings[pairs] = get_heuristics_config(
-                self.config, shape_m=pairs, gemm_type="indexed",
-                use_batch_invariant=self.deterministic, device=self.locks.device,
-            )  # fmt: skip
+            self.tunings[pairs] = {**self.heuristic(pairs), **TUNING_UPDATES.get(pairs, {})}
         return self.tunings[pairs]
+
+    def heuristic(self, pairs: int) -> dict:
+        """humming's own heuristic choice for `pairs` pairs (batch-invariant when deterministic),
+        before TUNING_UPDATES."""
+        from humming.tune import get_heuristics_config
+
+        return get_heuristics_config(
+            self.config, shape_m=pairs, gemm_type="indexed",
+            use_batch_invariant=self.deterministic, device=self.locks.device,
+        )  # fmt: skip
 
     def block_m(self, pairs: int) -> int:
         """Pairs per block of the kernel chosen for `pairs` (the grouping's block_n; humming's

@@ -78,3 +78,20 @@ def test_humming_kernels_named_by_the_smallest_pair_count_picking_them():
     assert tuning.column_of(kernels, FakeGemm(), 128) == 16
     assert tuning.column_of(kernels, FakeGemm(), 1024) == 512
     assert tuning.column_of(kernels, FakeGemm(), 65536) == 2048
+
+
+class FakeHeuristic(FakeGemm):
+    """humming's own choice (HummingGemm.heuristic): FakeGemm's, 24 pairs at 512 and 1024."""
+
+    heuristic = FakeGemm.tuning
+
+
+def test_humming_variants_are_distinct_and_keep_the_bases():
+    variants = tuning.variant_configs(FakeHeuristic())
+    # 512 and 1024 pick the same kernel: its 6 variants (one of them the base) once; 2048 alone.
+    assert list(variants)[0] == "humming's 512" and "humming's 1024" not in variants
+    assert "humming's 2048" in variants and len(variants) == 1 + 5 + 1
+    shapes = {(c["block_shape"][0], c["use_stream_k"]) for c in variants.values()}
+    assert shapes == {(b, s) for b in (16, 24, 32) for s in (True, False)} | {(64, False)}
+    assert "512's, 16 pairs, stream-K off" in variants
+    assert all(c["block_shape"][1:] == [256, 128] for c in variants.values())
