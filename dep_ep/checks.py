@@ -28,6 +28,20 @@ def check_tensor(
     return t
 
 
+VECTOR_ALIGN = 16  # bytes: the GPU kernels move rows in 16-byte vectors
+
+
+def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
+    """A tensor the GPU kernels read in 16-byte vectors must start on a 16-byte boundary (every
+    torch allocation does; a view at an odd offset may not)."""
+    if t.numel() and t.data_ptr() % VECTOR_ALIGN:
+        raise ValueError(
+            f"{fn}: {name} starts at an address that is not a multiple of {VECTOR_ALIGN} bytes"
+            f" (data_ptr() % {VECTOR_ALIGN} = {t.data_ptr() % VECTOR_ALIGN}); pass a tensor of"
+            " its own (.clone())"
+        )
+
+
 def check_tokens(fn: str, tokens: int, max_tokens: int) -> int:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= max_tokens:
         raise ValueError(f"{fn}: tokens={tokens!r} outside 1..{max_tokens} (max_tokens)")

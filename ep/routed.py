@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.checks import (
+    VECTOR_ALIGN,
+    check_aligned,
     check_eps,
     check_ids,
     check_tag,
@@ -265,6 +267,7 @@ class EpRouted:
             raise ValueError(f"{fn}: latent has {real} rows, more than tokens={tokens}")
         check_tag(fn, tag)
         check_tensor(fn, "latent", latent, (torch.bfloat16,), (real, self.latent), self.device)
+        check_aligned(fn, "latent", latent)
         shape = (real, self.topk)
         check_tensor(fn, "ids", ids, (torch.int32, torch.int64), shape, self.device)
         check_tensor(fn, "weights", weights, (torch.float32,), shape, self.device)
@@ -279,6 +282,7 @@ class EpRouted:
         if norm_weight is not None:
             check_tensor(fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,),
                          self.device)  # fmt: skip
+            check_aligned(fn, "norm_weight", norm_weight)
         return check_eps(fn, eps)
 
     def _check_expert_rows(self, fn: str, step: _Step) -> None:
@@ -360,10 +364,12 @@ class EpRouted:
         if error is None:
             # The ids are copied, never referenced: combine reads them again and the caller may
             # reuse its tensor in between; padding rows get -1 ids. The weights are read by the
-            # dispatch alone: staged only when padding rows must follow the caller's n rows.
+            # dispatch alone: staged only when padding rows must follow the caller's n rows, or
+            # when they do not start on the 16-byte boundary the GPU kernel's loads need.
             staged_ids[:real].copy_(ids)
             if real < tokens:
                 staged_ids[real:].fill_(-1)
+            if real < tokens or weights.data_ptr() % VECTOR_ALIGN:
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
             if self.config.check_expert_rows:

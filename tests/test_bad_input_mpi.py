@@ -49,6 +49,16 @@ def corrupt(case_name, latent, ids, weights, experts, norm, rank, num_ranks, lay
         strided = torch.empty(L, T, dtype=torch.bfloat16).t()
         strided.copy_(latent)
         return strided, ids, weights, experts, norm, "latent must be contiguous"
+    if case_name == "latent_misaligned":
+        # A flat buffer viewed from 2 bytes in: contiguous, but not on a 16-byte boundary.
+        flat = torch.empty(T * L + 1, dtype=torch.bfloat16)
+        view = flat[1:].view(T, L)
+        view.copy_(latent)
+        return view, ids, weights, experts, norm, "latent starts at an address that is not a"
+    if case_name == "norm_misaligned":
+        flat = torch.empty(L + 1, dtype=torch.bfloat16)
+        flat[1:].copy_(norm)
+        return latent, ids, weights, experts, flat[1:], "norm_weight starts at an address"
     if case_name == "device":
         return latent.to("meta"), ids, weights, experts, norm, "latent on meta"
     if case_name == "weights_nan":
@@ -64,8 +74,8 @@ def corrupt(case_name, latent, ids, weights, experts, norm, rank, num_ranks, lay
 
 
 CASES = ["tokens_over", "tokens_zero", "id_high", "id_low", "latent_dtype", "latent_width",
-         "ids_dtype", "weights_shape", "noncontiguous", "device", "weights_nan",
-         "foreign_experts", "norm_dtype"]  # fmt: skip
+         "ids_dtype", "weights_shape", "noncontiguous", "latent_misaligned", "norm_misaligned",
+         "device", "weights_nan", "foreign_experts", "norm_dtype"]  # fmt: skip
 
 
 def build(dep, config: EpConfig) -> EpRouted:
