@@ -28,8 +28,19 @@ import torch.distributed as dist
 from cutlass import Int32, Int64
 
 from dep_ep.comm.errors import EpTimeoutError
-from dep_ep.comm.kernels.signals import gmem_ptr, wait_arrivals
+from dep_ep.comm.kernels.launch_args import RankControl
+from dep_ep.comm.kernels.signals import wait_flag
+from dep_ep.comm.kernels.tensors import element_ptr, gmem_tensor
 from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
+from dep_ep.constants import (
+    ERROR_COMPLETE,
+    ERROR_PEER,
+    ERROR_STATUS,
+    ERROR_WORDS,
+    FLAG_CALL,
+    FLAG_WORDS,
+    STATE_WORDS,
+)
 from dep_ep.launch import init_rank_context, teardown
 
 PHASE_PINGPONG = 3
@@ -39,30 +50,48 @@ class PingPongKernel:
     """One CTA of one warp; thread 0 plays `rounds` rounds (see the module docstring)."""
 
     @cute.jit
-    def __call__(self, my_flag: Int64, peer_flag: Int64, base: Int64, rounds: Int32,
-                 initiator: Int32, abort: Int64, error: Int64, rank: Int32, peer: Int32,
-                 timeout_ns: Int64, stream: cuda.CUstream):  # fmt: skip
-        self.kernel(my_flag, peer_flag, base, rounds, initiator, abort, error, rank, peer,
-                    timeout_ns).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)  # fmt: skip
+    def __call__(
+        self,
+        my_slot: Int64,
+        peer_slot: Int64,
+        base: Int64,
+        rounds: Int32,
+        initiator: Int32,
+        control: RankControl,
+        peer: Int32,
+        stream: cuda.CUstream,
+    ):
+        mMine = gmem_tensor(Int64, my_slot, cute.make_layout(FLAG_WORDS))
+        mPeer = gmem_tensor(Int64, peer_slot, cute.make_layout(FLAG_WORDS))
+        self.kernel(mMine, mPeer, base, rounds, initiator, control, peer).launch(
+            grid=[1, 1, 1], block=[32, 1, 1], stream=stream
+        )
 
     @cute.kernel
-    def kernel(self, my_flag: Int64, peer_flag: Int64, base: Int64, rounds: Int32,
-               initiator: Int32, abort: Int64, error: Int64, rank: Int32, peer: Int32,
-               timeout_ns: Int64):  # fmt: skip
+    def kernel(
+        self,
+        mMine: cute.Tensor,
+        mPeer: cute.Tensor,
+        base: Int64,
+        rounds: Int32,
+        initiator: Int32,
+        control: RankControl,
+        peer: Int32,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == 0:
             for i in cutlass.range(rounds):
                 value = base + Int64(i) + 1
                 if initiator != 0:
-                    cute.arch.store(gmem_ptr(Int64, peer_flag, 8), value, sem="release",
-                                    scope="sys")  # fmt: skip
-                    wait_arrivals(my_flag, value, abort, error, rank, PHASE_PINGPONG, peer,
-                                  timeout_ns)  # fmt: skip
+                    cute.arch.store(
+                        element_ptr(mPeer, FLAG_CALL), value, sem="release", scope="sys"
+                    )
+                    wait_flag(mMine, value, control, PHASE_PINGPONG, peer)
                 else:
-                    wait_arrivals(my_flag, value, abort, error, rank, PHASE_PINGPONG, peer,
-                                  timeout_ns)  # fmt: skip
-                    cute.arch.store(gmem_ptr(Int64, peer_flag, 8), value, sem="release",
-                                    scope="sys")  # fmt: skip
+                    wait_flag(mMine, value, control, PHASE_PINGPONG, peer)
+                    cute.arch.store(
+                        element_ptr(mPeer, FLAG_CALL), value, sem="release", scope="sys"
+                    )
 
 
 def main() -> int:
@@ -80,10 +109,25 @@ def main() -> int:
     flags = allocate_nvshmem(group, rank, ctx.world_size, nbytes, ctx.device)
     playing = rank < 2
     same_gpu = ctx.backend == "gloo"  # init_rank_context picks gloo when ranks share a GPU
-    abort = torch.zeros(1, dtype=torch.int64, device=ctx.device)
-    error = torch.zeros(4, dtype=torch.int64).pin_memory()
-    kernel = cute.compile(PingPongKernel(), *([Int64(0)] * 3), Int32(1), Int32(0), Int64(0),
-                          Int64(0), Int32(0), Int32(0), Int64(0), cuda.CUstream(0))  # fmt: skip
+    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=ctx.device)  # its abort word
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int64).pin_memory()
+    control = RankControl(
+        Int64(state.data_ptr()),
+        Int64(error.data_ptr()),
+        Int32(rank),
+        Int64(int(args.timeout_s * 1e9)),
+    )
+    kernel = cute.compile(
+        PingPongKernel(),
+        Int64(0),
+        Int64(0),
+        Int64(0),
+        Int32(1),
+        Int32(0),
+        control,
+        Int32(0),
+        cuda.CUstream(0),
+    )
     peer = 1 - rank if playing else rank
     my_flag, peer_flag = flags[rank].data_ptr(), flags[peer].data_ptr()
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -93,21 +137,25 @@ def main() -> int:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         if playing:
-            kernel(my_flag, peer_flag, base, args.rounds, int(rank == 0), abort.data_ptr(),
-                   error.data_ptr(), rank, peer, int(args.timeout_s * 1e9), stream)  # fmt: skip
+            kernel(my_flag, peer_flag, base, args.rounds, int(rank == 0), control, peer, stream)
         end.record()
         end.synchronize()
-        if int(error[0]) == 2:
-            raise EpTimeoutError(rank, "pingpong", f"rank {int(error[2])}", "flag never came")
+        if int(error[ERROR_STATUS]) == ERROR_COMPLETE:
+            raise EpTimeoutError(
+                rank, "pingpong", f"rank {int(error[ERROR_PEER])}", "flag never came"
+            )
         base += args.rounds
         if launch >= 2:  # two warm-up launches
             times.append(start.elapsed_time(end) * 1e3 / args.rounds)
     dist.barrier(group)
     if rank == 0:
         rtt = statistics.median(times)
-        print(f"round trip {rtt:.2f} us (one way {rtt / 2:.2f} us), {args.rounds} rounds x"
-              f" {args.launches} launches" + (" [ranks share one GPU: time-sliced]"
-                                              if same_gpu else ""), flush=True)  # fmt: skip
+        print(
+            f"round trip {rtt:.2f} us (one way {rtt / 2:.2f} us), {args.rounds} rounds x"
+            f" {args.launches} launches"
+            + (" [ranks share one GPU: time-sliced]" if same_gpu else ""),
+            flush=True,
+        )
         write_report(Path(args.out), rtt, times, args, same_gpu)
     free_nvshmem(flags[rank])
     teardown(ctx)
@@ -117,17 +165,22 @@ def main() -> int:
 def write_report(out: Path, rtt: float, times: list[float], args, same_gpu: bool) -> None:
     gpu = torch.cuda.get_device_name()
     lines = [
-        "# Ping-pong: one NVLink store + flag round trip", "",
+        "# Ping-pong: one NVLink store + flag round trip",
+        "",
         f"GPU: 2 x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
         f" --nproc-per-node 2 bench/pingpong.py --rounds {args.rounds} --launches"
-        f" {args.launches}`.", "",
+        f" {args.launches}`.",
+        "",
         "Release store of a flag into the peer's NVSHMEM memory, acquire spin on the own flag"
-        " (system scope), one thread per GPU; per round: rank 0 -> rank 1 -> rank 0.", "",
-        "| | us |", "|---|---|",
+        " (system scope), one thread per GPU; per round: rank 0 -> rank 1 -> rank 0.",
+        "",
+        "| | us |",
+        "|---|---|",
         f"| round trip (median of {len(times)} launches) | {rtt:.2f} |",
         f"| one way | {rtt / 2:.2f} |",
-        f"| min / max launch | {min(times):.2f} / {max(times):.2f} |", "",
-    ]  # fmt: skip
+        f"| min / max launch | {min(times):.2f} / {max(times):.2f} |",
+        "",
+    ]
     if same_gpu:
         lines += ["Both ranks shared ONE GPU (time-sliced): this is the scheduler, not NVLink.", ""]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,14 +10,28 @@ it was captured with).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError, tag_text
 from dep_ep.comm.host_sync import bounded_barrier
+from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.transport import Transport
 from dep_ep.config import EpConfig
 from dep_ep.constants import (
+    COMBINE_WARPS,
+    CTAS_PER_SM,
+    ERROR_CALL,
+    ERROR_COMPLETE,
+    ERROR_KIND,
+    ERROR_MINE,
+    ERROR_PEER,
+    ERROR_PHASE,
+    ERROR_RANK,
+    ERROR_STATUS,
+    ERROR_THEIRS,
     ERROR_WORDS,
     KIND_REJECTED,
     KIND_TAG,
@@ -31,8 +45,7 @@ from dep_ep.constants import (
 )
 from dep_ep.launch.nvshmem import GPU_EXTRA
 
-CTAS_PER_SM = 8  # dispatch grid: enough 128-thread CTAs to keep loads in flight
-COMBINE_TOKENS_PER_CTA = 8  # combine: one warp per token in the reduce phase, 8 warps
+COMBINE_TOKENS_PER_CTA = COMBINE_WARPS  # combine: one warp per token in the reduce phase
 # From this T on, combine runs as two launches (send, then reduce over T/8 CTAs) instead of one
 # co-resident launch, where that was measured faster (docs/perf_notes.md, v6): at EP=1 from
 # T = 1024 on (T = 4096: 56 against 77 us); at EP=2 the one launch stayed as fast or faster
@@ -40,6 +53,7 @@ COMBINE_TOKENS_PER_CTA = 8  # combine: one warp per token in the reduce phase, 8
 # measured).
 COMBINE_SPLIT_MIN_TOKENS = {1: 1024}  # num_ranks -> T; ranks not listed: never split
 NEVER = 1 << 62
+MAX_INDEX = 1 << 31  # element indices of the kernels' tensors are int32
 
 
 def import_cute():
@@ -52,7 +66,7 @@ def import_cute():
     return cuda, cutlass, cute
 
 
-# (num_ranks, latent, topk, experts_per_rank, kernel name, arch) -> compiled kernel.
+# (num_ranks, latent, topk, experts_per_rank, kernel name, arch, tuning) -> compiled kernel.
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -75,9 +89,11 @@ def compile_kernels(
     arch: str | None = None,
     keep_ptx_dir: str | None = None,
     names: tuple[str, ...] = KERNEL_NAMES,
+    tuning=None,
 ) -> dict:
     """Compile the kernels `names` (of KERNEL_NAMES) for one geometry. `arch` (e.g.
-    "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX.
+    "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX;
+    `tuning` a KernelTuning (None: the default, the measured best: docs/perf_notes.md).
     Returns {name: compiled function}. Compiled kernels are cached in the process per geometry
     and mode, so a second DeviceTransport of the same geometry (a rebuild after a timeout, a test
     fixture) compiles nothing (`compiled_count()` counts the cache's entries)."""
@@ -86,7 +102,10 @@ def compile_kernels(
 
     from dep_ep.comm.kernels.combine import CombineKernel
     from dep_ep.comm.kernels.dispatch import DispatchKernel
+    from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
     from dep_ep.comm.kernels.reject import RejectKernel
+
+    tuning = KernelTuning() if tuning is None else tuning
 
     options = []
     if arch:
@@ -95,27 +114,95 @@ def compile_kernels(
         options += ["--keep-ptx", f"--dump-dir {keep_ptx_dir}"]
     kw = {"options": " ".join(options)} if options else {}
     z, one, stream = Int64(0), Int32(1), cuda.CUstream(0)
+    # Placeholders of the launch arguments: only their types reach the compiled kernel.
+    structs = (SymmetricRegions(*[z] * 8), RankControl(z, z, Int32(0), z), Step(one, z))
     kernels = {}
     for name in names:
-        key = (num_ranks, latent, topk, experts_per_rank, name, arch)
+        key = (num_ranks, latent, topk, experts_per_rank, name, arch, tuning)
         if key in _COMPILED and keep_ptx_dir is None:  # a PTX dump asks for a fresh compile
             kernels[name] = _COMPILED[key]
             continue
         if name == "dispatch":
-            kernel = DispatchKernel(num_ranks, latent, topk, experts_per_rank)
-            # latent..flags_off (12 addresses), tokens, rank, tag, timeout_ns, grid
-            args = (*([z] * 12), one, Int32(0), z, z, one)
+            kernel = DispatchKernel(num_ranks, latent, topk, experts_per_rank, tuning)
+            args = (z, z, z, *structs, one)  # latent, ids, weights, structs, grid
         elif name in COMBINE_MODES:
-            kernel = CombineKernel(num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name])
-            # out..flags_off (11 addresses), eps, normalize, tokens, rank, tag, timeout_ns, grid
-            args = (*([z] * 11), Float32(1e-5), one, one, Int32(0), z, z, one)
+            kernel = CombineKernel(
+                num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name], tuning
+            )
+            # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
+            args = (z, z, z, z, *structs, Float32(1e-5), one, one)
         else:
             kernel = RejectKernel(num_ranks, REJECT_PHASES[name])
-            # peers, own, state, error, flags_off, tokens, rank, tag, timeout_ns
-            args = (*([z] * 5), one, Int32(0), z, z)
+            args = structs
         kernels[name] = cute.compile(kernel, *args, stream, **kw)
         _COMPILED[key] = kernels[name]
     return kernels
+
+
+def check_kernel_limits(layout: EpLayout) -> None:
+    """ValueError unless the GPU kernels can serve `layout`: at most MAX_RANKS ranks (a token's
+    destinations are a 32-bit mask), topk at most MAX_TOPK, and every row tensor indexable in 32
+    bits (the largest, the partials and expert output rows, hold max_rows * L / 2 words)."""
+    if layout.num_ranks > MAX_RANKS or layout.topk > MAX_TOPK:
+        raise ValueError(
+            f"EpRouted: the GPU kernels take at most {MAX_RANKS} ranks and topk {MAX_TOPK};"
+            f" got {layout.num_ranks} ranks, topk {layout.topk}"
+        )
+    words = layout.max_rows * layout.latent // 2
+    if words >= MAX_INDEX:
+        limit = (MAX_INDEX - 1) // (layout.num_ranks * layout.latent // 2)
+        raise ValueError(
+            f"EpRouted: the GPU kernels index at most {MAX_INDEX - 1} words a region; ranks *"
+            f" max_tokens * latent / 2 = {words}: max_tokens must be at most {limit} at"
+            f" {layout.num_ranks} ranks and latent {layout.latent}"
+        )
+
+
+class LaunchParams:
+    """The kernels' launch parameters of one DeviceTransport, in HostParams written in place at
+    each launch (comm/kernels/host_params.py: converting Python arguments cost ~90 us a launch).
+    The regions and the control words are the same at every call; the rest is set per launch."""
+
+    def __init__(
+        self,
+        buffers: EpBuffers,
+        state: torch.Tensor,
+        error: torch.Tensor,
+        rank: int,
+        timeout_ns: int,
+    ):
+        from cutlass import Float32, Int32, Int64
+
+        from dep_ep.comm.kernels.host_params import STREAM, HostParams
+        from dep_ep.comm.kernels.launch_args import RankControl, Step, SymmetricRegions
+
+        offsets = {name: r.offset for name, r in buffers.layout.regions.items()}
+        self.regions = HostParams.of(
+            SymmetricRegions(
+                buffers.peer_addresses.data_ptr(),
+                buffers.base_address,
+                offsets["x"],
+                offsets["sf"],
+                offsets["ids"],
+                offsets["weights"],
+                offsets["partials"],
+                offsets["flags"],
+            )
+        )
+        self.control = HostParams.of(
+            RankControl(state.data_ptr(), error.data_ptr(), rank, timeout_ns)
+        )
+        self.step = HostParams(*(f.type for f in dataclasses.fields(Step)))
+        # Addresses of the call's tensors (dispatch: latent, ids, weights; combine: expert_out,
+        # ids, norm_weight, normed), the combine's eps and normalize flag, the grid, the stream.
+        for name in ("latent", "ids", "weights", "expert_out", "norm_weight", "normed"):
+            setattr(self, name, HostParams(Int64))
+        self.eps, self.normalize, self.grid = (
+            HostParams(Float32),
+            HostParams(Int32),
+            HostParams(Int32),
+        )
+        self.stream = HostParams(STREAM)
 
 
 class DeviceTransport(Transport):
@@ -131,18 +218,13 @@ class DeviceTransport(Transport):
 
     def __init__(self, buffers: EpBuffers, experts_per_rank: int, config: EpConfig):
         layout = buffers.layout
-        if layout.num_ranks > MAX_RANKS or layout.topk > MAX_TOPK:
-            raise ValueError(
-                f"EpRouted: the GPU kernels take at most {MAX_RANKS} ranks and topk {MAX_TOPK};"
-                f" got {layout.num_ranks} ranks, topk {layout.topk}"
-            )
-        self.cuda, _, _ = import_cute()
+        check_kernel_limits(layout)
+        import_cute()  # ImportError with the pip line when CuTeDSL is missing
         self.buffers = buffers
         self.num_ranks, self.rank, self.device = buffers.num_ranks, buffers.rank, buffers.device
         self.experts_per_rank = experts_per_rank
         self.timeout_s = config.timeout_s
         self.timeout_ns = int(config.timeout_s * 1e9)
-        self.offsets = {name: r.offset for name, r in layout.regions.items()}
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=self.device)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -152,32 +234,55 @@ class DeviceTransport(Transport):
             split = COMBINE_SPLIT_MIN_TOKENS.get(self.num_ranks, NEVER)
         # T from which combine takes two launches; their kernels are compiled only when reachable.
         self.combine_split_min_tokens = split if split <= layout.max_tokens else NEVER
+        self.retune(None)
+        self._params = LaunchParams(buffers, self.state, self.error, self.rank, self.timeout_ns)
+
+    def retune(self, tuning) -> None:
+        """Compile (or take from the cache) this geometry's kernels with `tuning` (a KernelTuning;
+        None: the default) and launch those from now on. Local; for benchmarks that compare
+        tunings on one set of buffers. The results do not depend on the tuning."""
+        layout = self.buffers.layout
         names = ("dispatch", "combine", *REJECT_PHASES)
         if self.combine_split_min_tokens < NEVER:
             names += SPLIT_COMBINE
-        self.kernels = compile_kernels(layout.num_ranks, layout.latent, layout.topk,
-                                       experts_per_rank, names=names)  # fmt: skip
-        self.own = buffers.base_address
-        self.peers = buffers.peer_addresses.data_ptr()
+        self.kernels = compile_kernels(
+            layout.num_ranks,
+            layout.latent,
+            layout.topk,
+            self.experts_per_rank,
+            names=names,
+            tuning=tuning,
+        )
 
-    def _stream(self):
-        return self.cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+    def _stream_handle(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def check(self) -> None:
         """Raise the error a kernel recorded (host-mapped memory: no sync). A timeout leaves the
         buffers unusable (EpTimeoutError says to rebuild them); any other error is cleared once
         raised, and the next call runs in step."""
-        if int(self.error[0]) != 2:
+        if int(self.error[ERROR_STATUS]) != ERROR_COMPLETE:
             return
-        phase_id, peer, rank, kind, theirs, mine, call = (int(v) for v in self.error[1:8])
+        phase_id, peer, rank, kind, theirs, mine, call = (
+            int(self.error[i])
+            for i in (
+                ERROR_PHASE,
+                ERROR_PEER,
+                ERROR_RANK,
+                ERROR_KIND,
+                ERROR_THEIRS,
+                ERROR_MINE,
+                ERROR_CALL,
+            )
+        )
         phase = PHASE_NAMES.get(phase_id, str(phase_id))
         if kind == KIND_TIMEOUT:
-            raise EpTimeoutError(rank, phase, f"rank {peer}",
-                                 "recorded by the GPU kernel; rebuild the buffers")  # fmt: skip
+            raise EpTimeoutError(
+                rank, phase, f"rank {peer}", "recorded by the GPU kernel; rebuild the buffers"
+            )
         self.error.zero_()
         where = f"EpRouted (rank {rank}): call {call} ({phase})"
-        after = ("; this rank's output of that call is NaN. This call did not start: call it"
-                 " again")  # fmt: skip
+        after = "; this rank's output of that call is NaN. This call did not start: call it again"
         if kind == KIND_REJECTED:
             raise EpPeerError(f"{where}: rank {peer} rejected its input{after}")
         if kind == KIND_TOKENS:
@@ -215,16 +320,20 @@ class DeviceTransport(Transport):
         """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device.
         A rejected call takes part without payload (RejectKernel) and then raises `rejected`."""
         self.check()
-        o = self.offsets
         if rejected is not None:
             self._reject("reject_dispatch", tag)
             raise rejected
+        p = self._params
         self.kernels["dispatch"](
-            latent.data_ptr(), ids.data_ptr(), weights.data_ptr(), self.peers, self.own,
-            self.state.data_ptr(), self.error.data_ptr(), o["x"], o["sf"], o["ids"], o["weights"],
-            o["flags"], tokens, self.rank, tag, self.timeout_ns, min(tokens, self.max_ctas),
-            self._stream(),
-        )  # fmt: skip
+            p.latent.set(latent.data_ptr()),
+            p.ids.set(ids.data_ptr()),
+            p.weights.set(weights.data_ptr()),
+            p.regions,
+            p.control,
+            p.step.set(tokens, tag),
+            p.grid.set(min(tokens, self.max_ctas)),
+            p.stream.set(self._stream_handle()),
+        )
 
     def combine(self, expert_out, ids, norm_weight, eps, *, rejected, tag=NO_TAG):
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
@@ -234,30 +343,35 @@ class DeviceTransport(Transport):
             self._reject("reject_combine", tag)
             raise rejected
         tokens = ids.shape[0]
-        normed = torch.empty(tokens, self.buffers.layout.latent, dtype=torch.bfloat16,
-                             device=self.device)  # fmt: skip
-        o = self.offsets
-        normalize = 0 if norm_weight is None else 1
-        weight_ptr = 0 if norm_weight is None else norm_weight.data_ptr()
+        normed = torch.empty(
+            tokens, self.buffers.layout.latent, dtype=torch.bfloat16, device=self.device
+        )
+        p = self._params
         args = (
-            expert_out.data_ptr(), self.own + o["ids"], ids.data_ptr(), weight_ptr,
-            normed.data_ptr(), self.peers, self.own, self.state.data_ptr(), self.error.data_ptr(),
-            o["partials"], o["flags"], float(eps), normalize, tokens, self.rank, tag,
-            self.timeout_ns,
-        )  # fmt: skip
+            p.expert_out.set(expert_out.data_ptr()),
+            p.ids.set(ids.data_ptr()),
+            p.norm_weight.set(0 if norm_weight is None else norm_weight.data_ptr()),
+            p.normed.set(normed.data_ptr()),
+            p.regions,
+            p.control,
+            p.step.set(tokens, tag),
+            p.eps.set(float(eps)),
+            p.normalize.set(0 if norm_weight is None else 1),
+        )
+        stream = p.stream.set(self._stream_handle())
         if tokens >= self.combine_split_min_tokens:
             send_grid = min(tokens * self.num_ranks, self.max_ctas)
-            self.kernels["combine_send"](*args, send_grid, self._stream())
+            self.kernels["combine_send"](*args, p.grid.set(send_grid), stream)
             reduce_grid = -(-tokens // COMBINE_TOKENS_PER_CTA)
-            self.kernels["combine_reduce"](*args, reduce_grid, self._stream())
+            self.kernels["combine_reduce"](*args, p.grid.set(reduce_grid), stream)
             return normed
         # The fused kernel waits inside: its grid must be co-resident (<= one CTA per SM).
         wanted = max(tokens * self.num_ranks, -(-tokens // COMBINE_TOKENS_PER_CTA))
-        self.kernels["combine"](*args, min(wanted, self.num_sms), self._stream())
+        self.kernels["combine"](*args, p.grid.set(min(wanted, self.num_sms)), stream)
         return normed
 
     def _reject(self, name: str, tag: int) -> None:
+        p = self._params
         self.kernels[name](
-            self.peers, self.own, self.state.data_ptr(), self.error.data_ptr(),
-            self.offsets["flags"], -1, self.rank, tag, self.timeout_ns, self._stream(),
-        )  # fmt: skip
+            p.regions, p.control, p.step.set(-1, tag), p.stream.set(self._stream_handle())
+        )

@@ -16,8 +16,9 @@ PHASE_DISPATCH, PHASE_COMBINE = 1, 2
 PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
 # Step flags: int64 words per (phase, source rank) in every rank's symmetric allocation:
 # [flag = call << 2 | status, unused, tokens, tag]; tokens and tag share one 16-byte load.
+FLAG_PHASES = 2  # dispatch, then combine: slot (phase - PHASE_DISPATCH, source)
 FLAG_WORDS = 4
-FLAG_TOKENS, FLAG_TAG = 2, 3
+FLAG_CALL, FLAG_TOKENS, FLAG_TAG = 0, 2, 3
 STATUS_OK, STATUS_REJECTED = 0, 1
 NO_TAG = -(1 << 63)  # the tag word of a call that gave none
 # Device state of one rank (int64 words, device memory, not symmetric).
@@ -28,13 +29,25 @@ STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their sen
 STATE_ABORT = 4  # 1 after a timeout: every later wait returns at once
 STATE_WORDS = 8
 # The error record (int64, host-mapped): [status, phase, peer, rank, kind, theirs, mine, call];
-# status 2 = complete. Kinds:
+# status 1 while a kernel writes it, 2 once complete. Kinds:
 ERROR_WORDS = 8
+ERROR_STATUS, ERROR_PHASE, ERROR_PEER, ERROR_RANK = 0, 1, 2, 3
+ERROR_KIND, ERROR_THEIRS, ERROR_MINE, ERROR_CALL = 4, 5, 6, 7
+ERROR_WRITING, ERROR_COMPLETE = 1, 2
 KIND_TIMEOUT, KIND_REJECTED, KIND_TAG, KIND_TOKENS, KIND_CALL = 1, 2, 3, 4, 5
+
+# Launch geometry of the CuTeDSL kernels, read by their host launch code too.
+WARP_LANES = 32
+DISPATCH_THREADS = 128  # 4 warps: one 32-element block per thread and pass
+COMBINE_WARPS = 8  # 256 threads; the reduce phase takes one token per warp
+# Grids that never wait inside (the dispatch, the combine's send launch) take up to this many
+# CTAs an SM; the kernels are compiled for it (launch bounds: at most 64 registers a dispatch
+# thread, 32 a combine-send thread), so the whole grid is one wave.
+CTAS_PER_SM = 8
 
 # The combine kernel normalises one token per warp: lane l owns the 8-element (16-byte) chunks
 # l, l + 32, ... of the row. The torch reference sums squares in the same order (bitwise equal).
-NORM_LANES = 32
+NORM_LANES = WARP_LANES
 NORM_CHUNK = 8
 # The norm scales a row by 2^(127 - clamp(E, 127, 253)), E the biased fp32 exponent of its largest
 # magnitude: exact, 1 below 2.0, and no square can overflow (comm/reference.py rms_norm).

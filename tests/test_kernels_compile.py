@@ -1,6 +1,7 @@
 """The CuTeDSL kernels compile for Hopper (sm_90a) and Blackwell (sm_100a) without a GPU, and the
-PTX holds what the protocol relies on: 16-byte vector stores, system-scope release/acquire,
-bounded waits on %globaltimer, exact-rounding arithmetic, no local-memory spills."""
+PTX holds what the protocol relies on: 16-byte vector stores, system-scope release/acquire with
+one fence per CTA, bounded waits on %globaltimer, exact-rounding arithmetic, programmatic
+dependent launch, no local-memory arrays; the launch parameters marshal as CuTeDSL's own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 try:
     import cutlass  # noqa: F401
 
-    from dep_ep.comm.device_transport import compile_kernels, compiled_count
+    from dep_ep.comm.device_transport import check_kernel_limits, compile_kernels, compiled_count
+    from dep_ep.comm.kernels.launch_args import KernelTuning
 except ImportError as err:  # the test extra installs CuTeDSL: missing it is a failure, not a skip
     raise ImportError(f"tests/test_kernels_compile.py needs nvidia-cutlass-dsl: {err}") from err
 
@@ -22,13 +24,16 @@ except ImportError as err:  # the test extra installs CuTeDSL: missing it is a f
 SIGNALS = [r"fence\.acq_rel\.sys", r"atom\.global\.acq_rel\.add", r"st\.release\.sys\.global"]
 # A bounded wait: acquire loads at system scope against %globaltimer.
 WAITS = [r"ld\.acquire\.sys", r"%globaltimer"]
+# Programmatic dependent launch (KernelTuning.pdl, the default): wait for the grid before, then
+# let the next launch start.
+PDL = [r"griddepcontrol\.wait", r"griddepcontrol\.launch_dependents"]
 REQUIRED = {
-    "dispatch": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS,
+    "dispatch": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS, *PDL,
                  r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"mul\.rn\.f32"],
-    "combine": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS,
+    "combine": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS, *PDL,
                 r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync", r"bar\.red\.or\.pred"],
-    "combine_send": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS],
-    "combine_reduce": [r"ld\.global\.v4\.b32", *WAITS, r"sqrt\.rn\.f32", r"div\.rn\.f32",
+    "combine_send": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *PDL],
+    "combine_reduce": [r"ld\.global\.v4\.b32", *WAITS, *PDL, r"sqrt\.rn\.f32", r"div\.rn\.f32",
                        r"shfl\.sync", r"bar\.red\.or\.pred"],
     # A rank that rejects its input still signals both phases (flags only) and waits, bounded.
     "reject_dispatch": [r"st\.release\.sys\.global", *WAITS],
@@ -37,6 +42,8 @@ REQUIRED = {
 FORBIDDEN = [r"\.local", r"fma\.rn\.f32"]  # spills; a contracted multiply-add breaks bit-exactness
 # The split combine's send launch may take any grid only because it never waits.
 NEVER_WAITS = {"combine_send": [r"ld\.acquire", r"%globaltimer"]}
+# One system-scope fence per CTA, by the signalling thread after the barrier (signal_after_cta).
+ONE_FENCE = ("dispatch", "combine", "combine_send")
 
 
 @pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
@@ -63,6 +70,9 @@ def test_ptx_holds_the_protocol(ptx, kernel):
     assert not missing, f"{kernel} ({arch}) PTX lacks {missing}"
     present = [p for p in FORBIDDEN + NEVER_WAITS.get(kernel, []) if re.search(p, text)]
     assert not present, f"{kernel} ({arch}) PTX holds {present}"
+    if kernel in ONE_FENCE:
+        fences = len(re.findall(r"fence\.acq_rel\.sys", text))
+        assert fences == 1, f"{kernel} ({arch}): {fences} system-scope fences; expected one"
 
 
 def test_compile_cache_per_geometry():
@@ -79,3 +89,83 @@ def test_compile_cache_per_geometry():
     other = compile_kernels(**{**small, "latent": 96})
     assert compiled_count() == before + 2 * len(names), "another geometry was not compiled"
     assert all(other[n] is not first[n] for n in names)
+
+
+def test_tuning_is_part_of_the_cache_key():
+    """Another KernelTuning compiles its own kernels; the same one again compiles nothing."""
+    small = dict(num_ranks=2, latent=64, topk=4, experts_per_rank=3, arch="sm_90a")
+    plain = compile_kernels(**small, names=("dispatch",))
+    other = compile_kernels(**small, names=("dispatch",), tuning=KernelTuning(pdl=False))
+    again = compile_kernels(**small, names=("dispatch",), tuning=KernelTuning())
+    assert other["dispatch"] is not plain["dispatch"] and again["dispatch"] is plain["dispatch"]
+
+
+@pytest.mark.parametrize("field", ["dispatch_blocks_in_flight", "combine_vectors_in_flight"])
+@pytest.mark.parametrize("value", [0, 9, 2.0, True])
+def test_tuning_refuses_bad_values(field, value):
+    with pytest.raises(ValueError, match=f"KernelTuning: {field}="):
+        KernelTuning(**{field: value})
+
+
+def test_kernel_limits():
+    """The GPU transport refuses what its kernels cannot index, naming the bound it needs."""
+    from dep_ep.comm.layout import EpLayout
+
+    check_kernel_limits(EpLayout(16, 4096, 3584, 16))  # K3 at DEP16, 4096 tokens a rank
+    with pytest.raises(ValueError, match="max_tokens must be at most 74898 at 16 ranks"):
+        check_kernel_limits(EpLayout(16, 74899, 3584, 16))
+    with pytest.raises(ValueError, match="at most 32 ranks"):
+        check_kernel_limits(EpLayout(33, 8, 64, 4))
+
+
+@pytest.mark.parametrize("kernel", ["dispatch", "combine", "reject_dispatch"])
+def test_host_params_marshal_like_cutedsl(kernel):
+    """HostParams hand a compiled kernel the same parameter bytes as CuTeDSL's own conversion of
+    typed arguments (the JitArgument protocol, read at launch): every parameter, in order."""
+    import ctypes
+
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32, Int64
+
+    from dep_ep.comm.kernels.host_params import STREAM, HostParams
+    from dep_ep.comm.kernels.launch_args import RankControl, Step, SymmetricRegions
+
+    compiled = compile_kernels(2, 64, 4, 3, arch="sm_90a", names=(kernel,))[kernel]
+    regions = [0x7F0000001000 + 256 * i for i in range(8)]
+    control, step, stream = (
+        [0x7F0000009000, 0x7F000000A000, 1, 20 * 10**9],
+        [37, -(2**62)],
+        0x7F000000ABC0,
+    )
+    typed = [SymmetricRegions(*map(Int64, regions)),
+             RankControl(Int64(control[0]), Int64(control[1]), Int32(1), Int64(control[3])),
+             Step(Int32(step[0]), Int64(step[1]))]  # fmt: skip
+    prepared = [HostParams.of(SymmetricRegions(*regions)), HostParams.of(RankControl(*control)),
+                HostParams(Int32, Int64).set(*step)]  # fmt: skip
+    sizes = [8] * 8 + [8, 8, 4, 8] + [4, 8]
+    if kernel == "dispatch":  # latent, ids, weights, structs, grid
+        head = [0x7F00000B0000, 0x7F00000C0000, 0x7F00000D0000]
+        typed = [*map(Int64, head), *typed, Int32(99)]
+        prepared = [*(HostParams(Int64).set(a) for a in head), *prepared,
+                    HostParams(Int32).set(99)]  # fmt: skip
+        sizes = [8, 8, 8] + sizes + [4]
+    elif kernel == "combine":  # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
+        head = [0x7F00000B0000, 0x7F00000C0000, 0, 0x7F00000E0000]
+        typed = [*map(Int64, head), *typed, Float32(1e-5), Int32(1), Int32(7)]
+        prepared = [*(HostParams(Int64).set(a) for a in head), *prepared,
+                    HostParams(Float32).set(1e-5), HostParams(Int32).set(1),
+                    HostParams(Int32).set(7)]  # fmt: skip
+        sizes = [8] * 4 + sizes + [4, 4, 4]
+    typed.append(cuda.CUstream(stream))
+    prepared.append(HostParams(STREAM).set(stream))
+    sizes.append(8)
+    binder = compiled.execution_args
+    want, _ = binder.generate_execution_args(tuple(typed), {})
+    got, _ = binder.generate_execution_args(tuple(prepared), {})
+    assert len(want) == len(got) == len(sizes), (len(want), len(got), len(sizes))
+
+    def target(pointer, size: int) -> bytes:  # CuTeDSL hands c_void_p or plain addresses
+        return ctypes.string_at(getattr(pointer, "value", pointer), size)
+
+    for i, (w, g, size) in enumerate(zip(want, got, sizes)):
+        assert target(w, size) == target(g, size), f"{kernel}: parameter {i} differs"

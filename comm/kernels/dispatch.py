@@ -7,113 +7,229 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
+from cutlass.memory import SmemAllocator
 
-from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_OUT, gmem_words, quantize_block
+from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
+from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_IN, BLOCK_WORDS_OUT, quantize_block
 from dep_ep.comm.kernels.signals import (
-    PHASE_DISPATCH,
-    STATE_CALL,
-    STATE_DONE_DISPATCH,
-    STATE_STEP_STATUS,
-    STATUS_OK,
     check_step,
     chunk_begin,
     chunk_end,
-    destination_mask,
     flag_slot,
-    gmem_ptr,
-    is_last_cta,
-    load_i32,
-    load_i64,
-    signal_step,
-    store_i64,
-)  # fmt: skip
-from dep_ep.constants import MAX_RANKS, SCALE_BLOCK
+    id_vector,
+    signal_after_cta,
+)
+from dep_ep.comm.kernels.tensors import (
+    BF16_PER_WORD,
+    MAX_L1_CARVEOUT,
+    gmem_tensor,
+    peer_base,
+    receive_regions,
+    row_major,
+    state_words,
+    vectors,
+)
+from dep_ep.constants import (
+    CTAS_PER_SM,
+    DISPATCH_THREADS,
+    MAX_RANKS,
+    PHASE_DISPATCH,
+    SCALE_BLOCK,
+    STATE_CALL,
+    STATE_DONE_DISPATCH,
+    STATE_STEP_STATUS,
+    WARP_LANES,
+)
+
+WARPS = DISPATCH_THREADS // WARP_LANES
+PASS_TOKENS = WARPS  # tokens a CTA takes at a time: one per warp for the ids and weights
 
 
 class DispatchKernel:
     """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank. T is runtime.
 
-    Grid: CTAs take contiguous chunks of tokens; a CTA's threads quantize one token's L/32 blocks
-    (one block of 32 per thread at a time) and store each block to every destination rank that owns
-    one of the token's experts (16-byte stores); threads < K write the ids row to every rank (-1
-    for experts it does not own) and the weights to the ranks the token goes to. After its tokens,
-    each CTA fences at system scope; the last CTA to finish stores this source's step flag (call,
-    T, tag) into every destination. CTA 0 then waits for every source's flag of this call and
-    checks its T and tag (signals.py); a mismatch or a rejecting source is recorded, never waited
-    out.
+    Grid: CTAs take contiguous chunks of tokens, PASS_TOKENS at a time. In a pass, warp w takes
+    token w of the pass: it finds the token's destination ranks (one load of the ids per lane,
+    then a warp OR) and stores the ids row into every rank (-1 for the experts a rank does not
+    own) and the weights row into the ranks the token goes to, in 16-byte vectors when K is a
+    multiple of 4; lane 0 leaves the destinations in shared memory. After a CTA barrier every
+    thread takes (token, block) items of the pass, `blocks_in_flight` at a time: it loads the
+    blocks, quantizes each to MXFP8 and stores its 32 bytes (two 16-byte stores) and scale byte
+    into every destination. After its tokens the CTA signals (`signal_after_cta`: one fence, the
+    last CTA stores this source's step flag (call, T, tag) into every rank); CTA 0 then waits for
+    every source's flag of this call and checks its T and tag. A mismatch or a rejecting source
+    is recorded, never waited out.
+
+    With `tuning.pdl` (programmatic dependent launch) the kernel waits for the kernels before it
+    (griddepcontrol.wait) before it reads anything, and lets the next kernel start its launch
+    right away (griddepcontrol.launch_dependents); a dependent kernel still waits for this grid
+    to complete before it reads.
     """
 
-    def __init__(self, num_ranks: int, latent: int, topk: int, experts_per_rank: int,
-                 threads: int = 128):  # fmt: skip
-        assert (
-            1 <= num_ranks <= MAX_RANKS
-            and latent % SCALE_BLOCK == 0
-            and threads >= max(num_ranks, topk)
-        )
+    def __init__(
+        self, num_ranks: int, latent: int, topk: int, experts_per_rank: int, tuning: KernelTuning
+    ):
+        assert 1 <= num_ranks <= MAX_RANKS and latent % SCALE_BLOCK == 0
         self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
-        self.experts_per_rank, self.threads = experts_per_rank, threads
+        self.pdl, self.blocks_in_flight = tuning.pdl, tuning.dispatch_blocks_in_flight
+        self.experts_per_rank = experts_per_rank
         self.blocks_per_row = latent // SCALE_BLOCK
+        self.id_vector = id_vector(topk)
+        self.id_groups = topk // self.id_vector  # id vectors per row
 
     @cute.jit
     def __call__(
-        self, latent: Int64, ids: Int64, weights: Int64, peers: Int64, own: Int64, state: Int64,
-        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, flags_off: Int64,
-        tokens: Int32, rank: Int32, tag: Int64, timeout_ns: Int64, grid: Int32,
+        self,
+        latent: Int64,
+        ids: Int64,
+        weights: Int64,
+        regions: SymmetricRegions,
+        control: RankControl,
+        step: Step,
+        grid: Int32,
         stream: cuda.CUstream,
-    ):  # fmt: skip
-        self.kernel(latent, ids, weights, peers, own, state, error, x_off, sf_off, ids_off, w_off,
-                    flags_off, tokens, rank, tag, timeout_ns).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)  # fmt: skip
+    ):
+        """latent: bf16 [T, L] (rows of tokens without an expert are never read); ids: int32
+        [T, K] (-1 = none), weights: fp32 [T, K], both 16-byte aligned."""
+        T, L, K = step.tokens, self.latent, self.topk
+        mLatent = gmem_tensor(Uint32, latent, row_major(T, L // BF16_PER_WORD))
+        mIds = gmem_tensor(Int32, ids, row_major(T, K))
+        mWeights = gmem_tensor(Uint32, weights, row_major(T, K))
+        self.kernel(mLatent, mIds, mWeights, regions, control, step).launch(
+            grid=[grid, 1, 1],
+            block=[DISPATCH_THREADS, 1, 1],
+            max_number_threads=[DISPATCH_THREADS, 1, 1],
+            min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=MAX_L1_CARVEOUT,
+            stream=stream,
+            use_pdl=self.pdl,
+        )
 
     @cute.kernel
     def kernel(
-        self, latent: Int64, ids: Int64, weights: Int64, peers: Int64, own: Int64, state: Int64,
-        error: Int64, x_off: Int64, sf_off: Int64, ids_off: Int64, w_off: Int64, flags_off: Int64,
-        tokens: Int32, rank: Int32, tag: Int64, timeout_ns: Int64,
-    ):  # fmt: skip
+        self,
+        mLatent: cute.Tensor,
+        mIds: cute.Tensor,
+        mWeights: cute.Tensor,
+        regions: SymmetricRegions,
+        control: RankControl,
+        step: Step,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        N, K, L, NB = self.num_ranks, self.topk, self.latent, self.blocks_per_row
-        t_begin, t_end = chunk_begin(tokens, bidx, grid), chunk_end(tokens, bidx, grid)
+        N, L, K, NB = self.num_ranks, self.latent, self.topk, self.blocks_per_row
+        T = step.tokens
+        rows = T * N
+        warp, lane = tidx // WARP_LANES, tidx % WARP_LANES
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        smem = SmemAllocator()
+        sHits = smem.allocate_tensor(Uint32, cute.make_layout(PASS_TOKENS), byte_alignment=16)
+        gLatent = vectors(mLatent, BLOCK_WORDS_IN)  # ((1, 16), (T, NB)): one block each
+        rIn = cute.make_rmem_tensor(
+            cute.make_layout((self.blocks_in_flight, BLOCK_WORDS_IN), stride=(BLOCK_WORDS_IN, 1)),
+            Uint32,
+        )
         rOut = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_OUT), Uint32)
-        call = load_i64(state + STATE_CALL * 8) + 1  # combine stores it when the call is done
-        for t in cutlass.range(t_begin, t_end):
-            hits = destination_mask(ids, t, K, self.experts_per_rank)  # bit d: goes to rank d
-            row = Int64(rank) * tokens + t  # receive row on every destination
-            if hits != 0:  # a token with no expert (padding) is never read: it may not exist
-                for b in cutlass.range(tidx, NB, self.threads):
-                    scale = quantize_block(latent + (Int64(t) * NB + b) * 64, rOut)
-                    for d in cutlass.range_constexpr(N):
-                        if (hits >> d) & 1:
-                            base = load_i64(peers + d * 8)
-                            dst = gmem_words(base + x_off + row * L + b * 32, BLOCK_WORDS_OUT)
-                            cute.autovec_copy(rOut, dst)
-                            cute.arch.store(gmem_ptr(Uint8, base + sf_off + row * NB + b, 1),
-                                            Uint8(scale))  # fmt: skip
-            for k in cutlass.range(tidx, K, self.threads):
-                e = load_i32(ids + (Int64(t) * K + k) * 4)
-                w = cute.arch.load(gmem_ptr(Uint32, weights + (Int64(t) * K + k) * 4), Uint32)
-                for d in cutlass.range_constexpr(N):
-                    base = load_i64(peers + d * 8)
-                    mine = Int32(-1)
-                    if e >= 0 and e // self.experts_per_rank == d:
-                        mine = e
-                    cute.arch.store(gmem_ptr(Int32, base + ids_off + (row * K + k) * 4), mine)
-                    if (hits >> d) & 1:
-                        cute.arch.store(gmem_ptr(Uint32, base + w_off + (row * K + k) * 4), w)
+        mState = state_words(control)
+        call = mState[STATE_CALL] + 1  # combine stores it when the call is done
+        t_begin, t_end = chunk_begin(T, bidx, grid), chunk_end(T, bidx, grid)
+        for t0 in cutlass.range(t_begin, t_end, PASS_TOKENS):
+            if t0 + warp < t_end:  # the whole warp: send_ids reduces over its lanes
+                hits = self.send_ids(mIds, mWeights, t0 + warp, lane, regions, control.rank, T)
+                if lane == 0:
+                    sHits[warp] = hits
+            cute.arch.barrier()
+            items = cutlass.min(t_end - t0, PASS_TOKENS) * NB
+            for first in cutlass.range(tidx, items, DISPATCH_THREADS * self.blocks_in_flight):
+                for u in cutlass.range_constexpr(self.blocks_in_flight):
+                    item = first + u * DISPATCH_THREADS
+                    if item < items:
+                        # A token with no expert (padding) is never read: its row may not exist.
+                        if sHits[item // NB] != 0:
+                            cute.autovec_copy(
+                                gLatent[(0, None), (t0 + item // NB, item % NB)], rIn[u, None]
+                            )
+                for u in cutlass.range_constexpr(self.blocks_in_flight):
+                    item = first + u * DISPATCH_THREADS
+                    if item < items:
+                        hits = sHits[item // NB]
+                        if hits != 0:
+                            scale = quantize_block(rIn[u, None], rOut)
+                            row = control.rank * T + t0 + item // NB  # receive row, every rank
+                            for d in cutlass.range_constexpr(N):
+                                if (hits >> d) & 1:
+                                    # The base is loaded where it is used (an L1 hit): kept for
+                                    # every rank across the loop it took 40 more registers at
+                                    # N = 8 and cost the grid its one wave.
+                                    dst = receive_regions(
+                                        peer_base(regions, d, N), regions, rows, L, K, N
+                                    )
+                                    gX = vectors(dst.x, BLOCK_WORDS_OUT)
+                                    cute.autovec_copy(rOut, gX[(0, None), (row, item % NB)])
+                                    dst.sf[row, item % NB] = Uint8(scale)
+            cute.arch.barrier()  # sHits is rewritten by the next pass
         if bidx == 0 and tidx == 0:
-            store_i64(state + STATE_STEP_STATUS * 8, Int64(0))  # read only after the barrier
-        # Every thread's payload stores are ordered before its fence; the CTA barrier then orders
-        # all of them before thread 0's acquire-release count, and the last CTA's release stores
-        # of the flags come after every CTA's count (signals.is_last_cta).
-        cute.arch.fence_acq_rel_sys()
-        cute.arch.barrier()
-        if tidx == 0:
-            if is_last_cta(state + STATE_DONE_DISPATCH * 8, grid) != 0:
-                for d in cutlass.range_constexpr(N):
-                    slot = flag_slot(load_i64(peers + d * 8), flags_off, PHASE_DISPATCH, N, rank)
-                    signal_step(slot, call, STATUS_OK, tokens, tag)
+            mState[STATE_STEP_STATUS] = Int64(0)  # read only after the barrier below
+        signal_after_cta(
+            regions, control, step, call, PHASE_DISPATCH, STATE_DONE_DISPATCH, N, tidx, grid
+        )
         if bidx == 0 and tidx < N:
-            check_step(flag_slot(own, flags_off, PHASE_DISPATCH, N, tidx), call, tokens, tag,
-                       state, error, rank, PHASE_DISPATCH, tidx, timeout_ns, True)  # fmt: skip
+            own = receive_regions(regions.own, regions, rows, L, K, N)
+            check_step(
+                flag_slot(own.flags, PHASE_DISPATCH, tidx),
+                call,
+                step,
+                control,
+                PHASE_DISPATCH,
+                tidx,
+                True,
+            )
+
+    @cute.jit
+    def send_ids(
+        self,
+        mIds: cute.Tensor,
+        mWeights: cute.Tensor,
+        t: Int32,
+        lane: Int32,
+        regions: SymmetricRegions,
+        rank: Int32,
+        tokens: Int32,
+    ) -> Uint32:
+        """One warp, token t: store its ids row into every rank (-1 for the experts a rank
+        does not own) and its weights row into the ranks it goes to; return (on every lane) the
+        mask of those ranks. Lane q takes (destination, id vector) pairs q, q + 32, ..."""
+        N, L, K = self.num_ranks, self.latent, self.topk
+        V, G = self.id_vector, self.id_groups
+        gIds, gWeights = vectors(mIds, V), vectors(mWeights, V)  # ((1, V), (T, K / V))
+        rIds = cute.make_rmem_tensor(cute.make_layout(V), Int32)
+        rWeights = cute.make_rmem_tensor(cute.make_layout(V), Uint32)
+        rMine = cute.make_rmem_tensor(cute.make_layout(V), Int32)
+        hits = Uint32(0)
+        for p in cutlass.range_constexpr((G + WARP_LANES - 1) // WARP_LANES):
+            g = lane + WARP_LANES * p
+            if g < G:
+                cute.autovec_copy(gIds[(0, None), (t, g)], rIds)
+                for i in cutlass.range_constexpr(V):
+                    if rIds[i] >= 0:
+                        hits = hits | (Uint32(1) << Uint32(rIds[i] // self.experts_per_rank))
+        hits = cute.arch.warp_redux_sync(hits, "or")
+        row = rank * tokens + t
+        for p in cutlass.range_constexpr((N * G + WARP_LANES - 1) // WARP_LANES):
+            q = lane + WARP_LANES * p
+            if q < N * G:
+                d, g = q // G, q % G
+                cute.autovec_copy(gIds[(0, None), (t, g)], rIds)
+                for i in cutlass.range_constexpr(V):
+                    rMine[i] = Int32(-1)
+                    if rIds[i] >= 0 and rIds[i] // self.experts_per_rank == d:
+                        rMine[i] = rIds[i]
+                dst = receive_regions(peer_base(regions, d, N), regions, tokens * N, L, K, N)
+                cute.autovec_copy(rMine, vectors(dst.ids, V)[(0, None), (row, g)])
+                if (hits >> Uint32(d)) & 1:
+                    cute.autovec_copy(gWeights[(0, None), (t, g)], rWeights)
+                    cute.autovec_copy(rWeights, vectors(dst.weights, V)[(0, None), (row, g)])
+        return hits

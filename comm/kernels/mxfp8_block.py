@@ -1,35 +1,30 @@
-"""Device code: MXFP8 quantization of one block of 32 BF16 values, bit-exact with
-comm/mxfp8.py (docs/formats.md)."""
+"""Device code: MXFP8 quantization of one block of 32 BF16 values, bit-exact with comm/mxfp8.py
+(docs/formats.md)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int64, Uint32
+from cutlass import Uint32
 
 from dep_ep.comm.kernels.ptx import bits_f32, e4m3x2, f32_bits, mul_rn
-from dep_ep.constants import RCP_448_BITS
+from dep_ep.comm.kernels.tensors import BF16_PER_WORD, E4M3_PER_WORD
+from dep_ep.constants import RCP_448_BITS, SCALE_BLOCK
 
-BLOCK_WORDS_IN = 16  # 32 bf16 = 16 u32 = 64 bytes
-BLOCK_WORDS_OUT = 8  # 32 e4m3 = 8 u32 = 32 bytes
-
-
-def gmem_words(addr: Int64, words: int) -> cute.Tensor:
-    """A gmem tensor of `words` u32 at a 16-byte aligned address: vector loads and stores."""
-    ptr = cute.make_ptr(Uint32, addr, cute.AddressSpace.gmem, assumed_align=16)
-    return cute.make_tensor(ptr, cute.make_layout(words))
+BLOCK_WORDS_IN = SCALE_BLOCK // BF16_PER_WORD  # 32 bf16 = 16 words = 64 bytes
+BLOCK_WORDS_OUT = SCALE_BLOCK // E4M3_PER_WORD  # 32 e4m3 = 8 words = 32 bytes
+E8M0_NAN = 255  # the scale byte of a block holding a NaN (and the top of the saturation)
 
 
 @cute.jit
-def quantize_block(src_addr: Int64, rOut: cute.Tensor) -> Uint32:
-    """Quantize the 32 BF16 values at `src_addr` (64 bytes, 16-byte aligned) into rOut (rmem,
-    8 u32 = 32 e4m3 bytes in element order) and return the E8M0 scale byte.
+def quantize_block(rIn: cute.Tensor, rOut: cute.Tensor) -> Uint32:
+    """Quantize one block: rIn (rmem, BLOCK_WORDS_IN words = 32 BF16 in element order, the low
+    half of each word first) into rOut (rmem, BLOCK_WORDS_OUT words = 32 e4m3 bytes in element
+    order); returns the E8M0 scale byte.
 
     amax is taken on the integer bit patterns of |x| (monotonic for non-negative floats), so a NaN
     in the block makes amax a NaN and the scale 255, as torch.amax does on the reference side.
     """
-    rIn = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_IN), Uint32)
-    cute.autovec_copy(gmem_words(src_addr, BLOCK_WORDS_IN), rIn)
     amax_bits = Uint32(0)
     for i in cutlass.range_constexpr(BLOCK_WORDS_IN):
         lo = (rIn[i] << 16) & Uint32(0x7FFFFFFF)
@@ -41,7 +36,7 @@ def quantize_block(src_addr: Int64, rOut: cute.Tensor) -> Uint32:
     scale = exponent
     if mantissa != 0 and exponent != 254 and not (exponent == 0 and mantissa <= 0x400000):
         scale = exponent + 1
-    scale = cutlass.min(scale, Uint32(255))
+    scale = cutlass.min(scale, Uint32(E8M0_NAN))
     inv_bits = Uint32(0)
     if scale > 0 and scale < 254:
         inv_bits = (Uint32(254) - scale) << 23

@@ -26,20 +26,23 @@ def _asm(result_type, args, text: str, constraints: str, *, loc=None, ip=None):
 
 @dsl_user_op
 def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [Float32(a), Float32(b)], "mul.rn.f32 $0, $1, $2;", "=f,f,f",
-                        loc=loc, ip=ip))  # fmt: skip
+    return Float32(
+        _asm(T.f32(), [Float32(a), Float32(b)], "mul.rn.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
+    )
 
 
 @dsl_user_op
 def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [Float32(a), Float32(b)], "add.rn.f32 $0, $1, $2;", "=f,f,f",
-                        loc=loc, ip=ip))  # fmt: skip
+    return Float32(
+        _asm(T.f32(), [Float32(a), Float32(b)], "add.rn.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
+    )
 
 
 @dsl_user_op
 def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [Float32(a), Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f",
-                        loc=loc, ip=ip))  # fmt: skip
+    return Float32(
+        _asm(T.f32(), [Float32(a), Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
+    )
 
 
 @dsl_user_op
@@ -76,19 +79,45 @@ def e4m3x2(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Uint32:
 def barrier_or(flag: Int32, *, loc=None, ip=None) -> Int32:
     """CTA barrier (barrier 0, every thread) that also ORs `flag` (non-zero) over the CTA: 1 on
     every thread when any thread passed a non-zero flag, else 0 (bar.red.or.pred)."""
-    text = ("{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p;"
-            " selp.s32 $0, 1, 0, q; }")  # fmt: skip
-    return Int32(llvm.inline_asm(T.i32(), [Int32(flag).ir_value(loc=loc, ip=ip)], text, "=r,r",
-                                 has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT))  # fmt: skip
+    text = (
+        "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }"
+    )
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(flag).ir_value(loc=loc, ip=ip)],
+            text,
+            "=r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 @dsl_user_op
 def nanosleep(ns: Uint32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(None, [Uint32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)  # fmt: skip
+    llvm.inline_asm(
+        None,
+        [Uint32(ns).ir_value(loc=loc, ip=ip)],
+        "nanosleep.u32 $0;",
+        "r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
-__all__ = ["Int64", "add_rn", "barrier_or", "bf16_round", "bits_f32", "div_rn", "e4m3x2",
-           "f32_bits", "mul_rn", "nanosleep", "sqrt_rn"]  # fmt: skip
+__all__ = [
+    "Int64",
+    "add_rn",
+    "barrier_or",
+    "bf16_round",
+    "bits_f32",
+    "div_rn",
+    "e4m3x2",
+    "f32_bits",
+    "mul_rn",
+    "nanosleep",
+    "sqrt_rn",
+]

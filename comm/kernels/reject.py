@@ -14,58 +14,63 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
-from dep_ep.comm.kernels.signals import (
+from dep_ep.comm.kernels.launch_args import RankControl, Step, SymmetricRegions
+from dep_ep.comm.kernels.signals import flag_slot, signal_step, wait_flag
+from dep_ep.comm.kernels.tensors import flag_slots, peer_base, state_words
+from dep_ep.constants import (
+    MAX_RANKS,
     PHASE_COMBINE,
     PHASE_DISPATCH,
-    STATE_ABORT,
     STATE_CALL,
     STATUS_REJECTED,
-    flag_slot,
-    load_i64,
-    signal_step,
-    store_i64,
-    wait_arrivals,
+    WARP_LANES,
 )
-from dep_ep.constants import MAX_RANKS
 
-LANES = 32  # one warp; thread s signals and waits for rank s
 PHASES = ("dispatch", "combine")
 
 
 class RejectKernel:
     """Static geometry: num_ranks N (<= 32); `phase` is where the call was rejected: "dispatch"
-    (signals both phases) or "combine" (the dispatch went through; signals the combine)."""
+    (signals both phases) or "combine" (the dispatch went through; signals the combine). One
+    warp: thread s signals and waits for rank s."""
 
     def __init__(self, num_ranks: int, phase: str):
         assert 1 <= num_ranks <= MAX_RANKS and phase in PHASES
         self.num_ranks, self.phase = num_ranks, phase
 
     @cute.jit
-    def __call__(self, peers: Int64, own: Int64, state: Int64, error: Int64, flags_off: Int64,
-                 tokens: Int32, rank: Int32, tag: Int64, timeout_ns: Int64,
-                 stream: cuda.CUstream):  # fmt: skip
-        self.kernel(peers, own, state, error, flags_off, tokens, rank, tag, timeout_ns).launch(
-            grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream
+    def __call__(
+        self, regions: SymmetricRegions, control: RankControl, step: Step, stream: cuda.CUstream
+    ):
+        self.kernel(regions, control, step).launch(
+            grid=[1, 1, 1], block=[WARP_LANES, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, peers: Int64, own: Int64, state: Int64, error: Int64, flags_off: Int64,
-               tokens: Int32, rank: Int32, tag: Int64, timeout_ns: Int64):  # fmt: skip
+    def kernel(self, regions: SymmetricRegions, control: RankControl, step: Step):
         tidx, _, _ = cute.arch.thread_idx()
         N = self.num_ranks
-        call = load_i64(state + STATE_CALL * 8) + 1
+        mState = state_words(control)
+        call = mState[STATE_CALL] + 1
         if tidx < N:
-            peer = load_i64(peers + tidx * 8)
+            mPeerFlags = flag_slots(peer_base(regions, tidx, N), regions, N)
             if cutlass.const_expr(self.phase == "dispatch"):
-                signal_step(flag_slot(peer, flags_off, PHASE_DISPATCH, N, rank), call,
-                            STATUS_REJECTED, tokens, tag)  # fmt: skip
-            signal_step(flag_slot(peer, flags_off, PHASE_COMBINE, N, rank), call,
-                        STATUS_REJECTED, tokens, tag)  # fmt: skip
-            wait_arrivals(flag_slot(own, flags_off, PHASE_COMBINE, N, tidx), call << 2,
-                          state + STATE_ABORT * 8, error, rank, PHASE_COMBINE, tidx,
-                          timeout_ns)  # fmt: skip
+                signal_step(
+                    flag_slot(mPeerFlags, PHASE_DISPATCH, control.rank), call, STATUS_REJECTED, step
+                )
+            signal_step(
+                flag_slot(mPeerFlags, PHASE_COMBINE, control.rank), call, STATUS_REJECTED, step
+            )
+            mOwnFlags = flag_slots(regions.own, regions, N)
+            wait_flag(
+                flag_slot(mOwnFlags, PHASE_COMBINE, tidx),
+                call << 2,
+                control,
+                PHASE_COMBINE,
+                Int32(tidx),
+            )
         cute.arch.barrier()
         if tidx == 0:
-            store_i64(state + STATE_CALL * 8, call)
+            mState[STATE_CALL] = call
