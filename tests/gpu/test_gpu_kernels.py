@@ -93,26 +93,74 @@ def poison_receive(routed):
     torch.cuda.synchronize()
 
 
+def dispatch_rows_failures(gpu_dep, routed, geometry, tokens, routing, misaligned=False):
+    """Dispatch provenance-encoded rows into poisoned buffers and check this rank's receive rows
+    bit for bit against the row contract (helpers.dispatch_rows). `misaligned`: the weights
+    start 4 bytes past a 16-byte boundary (EpRouted stages them for the kernel's vector loads).
+    Returns (failures, seed)."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, tokens)
+    case = make_case(geometry, n, tokens, seed, routing)
+    weights = [provenance_weights(s, tokens, geometry.topk) for s in range(n)]
+    poison_receive(routed)
+    dist.barrier(gpu_dep.cpu_group)
+    latent, ids, _ = on_gpu(case, rank)
+    mine = weights[rank].cuda()
+    if misaligned:
+        flat = torch.empty(mine.numel() + 1, device="cuda")
+        flat[1:].copy_(mine.flatten())
+        mine = flat[1:].view(mine.shape)
+    rows = routed.dispatch(latent, ids, mine)
+    routed.synchronize()
+    cpu_rows = type(rows)(*(t.cpu() for t in (rows.x, rows.sf, rows.ids, rows.weights, rows.out)))
+    failures = check_rows(cpu_rows, case, weights, rank, n, tokens, geometry)
+    rows.out.zero_()
+    routed.combine(torch.ones(geometry.latent, dtype=torch.bfloat16, device="cuda"))
+    routed.synchronize()
+    return failures, seed
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("tokens,routing", [
     (1, "random"), (7, "random"), (MAX_TOKENS, "random"), (13, "skewed"), (12, "padded"),
     (5, "same"),
 ])  # fmt: skip
 def test_dispatch_rows_bitwise(gpu_dep, routed, tokens, routing):
-    n, rank = gpu_dep.size, gpu_dep.rank
-    seed = agreed_seed(gpu_dep.cpu_group, tokens)
-    case = make_case(TINY, n, tokens, seed, routing)
-    weights = [provenance_weights(s, tokens) for s in range(n)]
-    poison_receive(routed)
-    dist.barrier(gpu_dep.cpu_group)
-    latent, ids, _ = on_gpu(case, rank)
-    rows = routed.dispatch(latent, ids, weights[rank].cuda())
-    routed.synchronize()
-    cpu_rows = type(rows)(*(t.cpu() for t in (rows.x, rows.sf, rows.ids, rows.weights, rows.out)))
-    failures = check_rows(cpu_rows, case, weights, rank, n, tokens)
-    rows.out.zero_()
-    routed.combine(torch.ones(TINY.latent, dtype=torch.bfloat16, device="cuda"))
-    routed.synchronize()
+    failures, seed = dispatch_rows_failures(gpu_dep, routed, TINY, tokens, routing)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+# K3's row widths (latent 3584, topk 16: ids and weights move in 16-byte vectors) over few experts.
+WIDE = MoeGeometry("wide", hidden=512, latent=3584, experts=64, topk=16, intermediate=128)
+
+
+def many_passes_tokens() -> int:
+    """A T at which the kernels' pass loops run more than once and end on a partial pass: more
+    than PASS_TOKENS tokens per dispatch CTA (a grid of at most CTAS_PER_SM CTAs an SM), and so
+    more than 32 rows per CTA of the one-launch combine's send (one CTA an SM) on 2 ranks."""
+    from dep_ep.comm.kernels.dispatch import PASS_TOKENS
+    from dep_ep.constants import CTAS_PER_SM
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return PASS_TOKENS * CTAS_PER_SM * sms + 5
+
+
+@pytest.fixture(scope="module")
+def routed_wide(gpu_dep):
+    """WIDE, sized for many_passes_tokens(), the default combine path."""
+    r = build(gpu_dep, WIDE, many_passes_tokens())
+    yield r
+    r.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,routing,misaligned", [
+    (1, "random", False), (37, "padded", False), (29, "random", True), ("many", "random", False),
+    ("many", "padded", False),
+])  # fmt: skip
+def test_dispatch_rows_bitwise_wide(gpu_dep, routed_wide, tokens, routing, misaligned):
+    tokens = many_passes_tokens() if tokens == "many" else tokens
+    failures, seed = dispatch_rows_failures(gpu_dep, routed_wide, WIDE, tokens, routing, misaligned)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
@@ -204,6 +252,24 @@ def test_combine_bitwise(gpu_dep, routed_path, combine_path, tokens, routing):
 def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd, combine_path):
     failures, seed = check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded")
     failures += path_failures(routed_odd, combine_path)
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.fixture(scope="module")
+def routed_wide_path(gpu_dep, combine_path):
+    """WIDE, sized for many_passes_tokens(), on the combine path `combine_path`."""
+    tokens = many_passes_tokens()
+    r = build(gpu_dep, WIDE, tokens, path_config(combine_path, tokens))
+    yield r
+    r.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,routing", [(1, "random"), ("many", "padded"), ("many", "nan")])
+def test_combine_bitwise_wide(gpu_dep, routed_wide_path, combine_path, tokens, routing):
+    tokens = many_passes_tokens() if tokens == "many" else tokens
+    failures, seed = check_combine_bitwise(gpu_dep, routed_wide_path, WIDE, tokens, routing)
+    failures += path_failures(routed_wide_path, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 

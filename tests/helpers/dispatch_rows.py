@@ -6,22 +6,28 @@ from __future__ import annotations
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
-from dep_ep.config import TINY
+from dep_ep.config import TINY, MoeGeometry
+
+# A weight is source * SOURCE_STEP + t + k / 32: exact in fp32 for T < SOURCE_STEP, K <= 32 and
+# up to 16 sources (every value below 2^18, whose fp32 spacing is 1/64).
+SOURCE_STEP = 10_000
 
 
-def provenance_weights(source: int, tokens: int) -> torch.Tensor:
-    """fp32 [T, K] = source*1000 + t + k/16: a misplaced row says where it came from."""
+def provenance_weights(source: int, tokens: int, topk: int = TINY.topk) -> torch.Tensor:
+    """fp32 [T, K] = source * SOURCE_STEP + t + k/32: a misplaced row says where it came from."""
+    assert tokens < SOURCE_STEP and topk <= 32 and source < 16
     t = torch.arange(tokens, dtype=torch.float32).unsqueeze(1)
-    k = torch.arange(TINY.topk, dtype=torch.float32).unsqueeze(0)
-    return source * 1000 + t + k / 16
+    k = torch.arange(topk, dtype=torch.float32).unsqueeze(0)
+    return source * SOURCE_STEP + t + k / 32
 
 
-def check_rows(rows, case, weights, rank, num_ranks, tokens) -> list[str]:
+def check_rows(rows, case, weights, rank, num_ranks, tokens, geometry: MoeGeometry = TINY):
     """This rank's receive rows (CPU tensors) against the row contract computed here from the
     case: row s*T + t holds source s's token t with the ids of other ranks' experts replaced by
-    -1, and, when one id is local, the token's MXFP8 bytes, scales and weights. Returns failures."""
-    per_rank = TINY.experts // num_ranks
-    shape = (num_ranks * tokens, TINY.topk)
+    -1, and, when one id is local, the token's MXFP8 bytes, scales and weights. Returns the
+    failures (a list of str)."""
+    per_rank = geometry.experts // num_ranks
+    shape = (num_ranks * tokens, geometry.topk)
     if tuple(rows.ids.shape) != shape:
         return [f"receive ids shape {tuple(rows.ids.shape)}; expected {shape}"]
     failures = []
@@ -44,6 +50,6 @@ def check_rows(rows, case, weights, rank, num_ranks, tokens) -> list[str]:
                 failures.append(f"{where}: scale bytes differ")
             if not torch.equal(rows.weights[row], weights[source][t]):
                 got = float(rows.weights[row, 0])
-                failures.append(f"{where}: weights came from source {int(got // 1000)}, token"
-                                f" {int(got % 1000)}")  # fmt: skip
+                failures.append(f"{where}: weights came from source {int(got // SOURCE_STEP)},"
+                                f" token {int(got % SOURCE_STEP)}")  # fmt: skip
     return failures
