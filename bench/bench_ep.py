@@ -10,7 +10,10 @@ replayed many times). Combine cannot run without a dispatch before it (the dispa
 call whose flags the combine waits for), so it is timed as (dispatch + combine) - dispatch.
 Bytes are the fewest each kernel must move through device memory at EP=1 (inputs read once,
 outputs written once); the receive rows and partials are one fixed region of the symmetric
-buffer, as in real use.
+buffer, as in real use. `--tunings` times the same steps with other kernel tunings
+(KernelTuning: programmatic dependent launch, loads in flight) on the same buffers; "eager pair"
+is the host's view of one dispatch + combine launched without a graph (100 pairs back to back,
+then a synchronize: launch overhead included).
 """
 
 from __future__ import annotations
@@ -18,18 +21,29 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import time
 from pathlib import Path
 
 import combine_path
 import torch
 from timing import capture, replay_us, time_us
 
+from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
+EAGER_PAIRS = 100
+# Kernel tunings the page can compare (the results do not depend on them).
+TUNINGS = {
+    "default": {},
+    "no-pdl": {"pdl": False},
+    "blocks-1": {"dispatch_blocks_in_flight": 1},
+    "vectors-1": {"combine_vectors_in_flight": 1},
+    "vectors-4": {"combine_vectors_in_flight": 4},
+}
 
 
 def copy_ceiling_gbs() -> dict[str, float]:
@@ -63,6 +77,8 @@ def main() -> int:
     p.add_argument("--out", default="docs", help="folder for bench_ep1.md and bench_ep1.png")
     combine_path.add_option(p)
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS, help="token counts T")
+    p.add_argument("--tunings", nargs="+", choices=sorted(TUNINGS), default=["default"],
+                   help="kernel tunings to time, the first one in the main table")  # fmt: skip
     args = p.parse_args()
     ctx = init_rank_context("cuda")
     if ctx.world_size != 1:
@@ -77,45 +93,64 @@ def main() -> int:
     copies = copy_ceiling_gbs()
     print("copy GB/s:", {k: round(v) for k, v in copies.items()}, flush=True)
     norm = torch.ones(K3.latent, dtype=torch.bfloat16, device="cuda")
-    rows = []
-    for tokens in args.tokens:
-        latent = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(K3.experts, device="cuda")[: K3.topk]
-                           for _ in range(tokens)]).int()  # fmt: skip
-        weights = torch.rand(tokens, K3.topk, device="cuda")
-        out = routed.receive(tokens).out
-        out.copy_(torch.randn_like(out, dtype=torch.float32).to(torch.bfloat16))
-
-        def pair():
-            transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
-            transport.combine(out, ids, norm, 1e-5, rejected=None)
-
-        transport.reset()
-        pair = capture(pair, REPS)
-        pair_us = replay_us(pair, REPS)
-        routed.synchronize()
-        transport.reset()  # a dispatch alone leaves its call open: reset after it
-        dispatch = capture(
-            lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), REPS
-        )
-        d_us = replay_us(dispatch, REPS)
-        routed.synchronize()
-        transport.reset()
-        c_us = pair_us - d_us
+    inputs = {tokens: make_inputs(routed, tokens) for tokens in args.tokens}
+    rows, tuned = [], {}
+    for name in args.tunings:
+        transport.retune(KernelTuning(**TUNINGS[name]))
+        tuned[name] = [time_step(transport, routed, tokens, *inputs[tokens], norm)
+                       for tokens in args.tokens]  # fmt: skip
+    transport.retune(None)
+    for tokens, (d_us, c_us, pair_us, eager_us) in zip(args.tokens, tuned[args.tunings[0]]):
+        latent = inputs[tokens][0]
         q_graph = capture(lambda: mxfp8_quantize(latent), 5)
         torch_q_us = replay_us(q_graph, 5, 10)
         d_bytes, c_bytes = bytes_moved(tokens)
-        rows.append((tokens, d_us, c_us, pair_us, d_bytes, c_bytes, torch_q_us))
-        print(
-            f"T={tokens:5d} dispatch {d_us:8.2f} us combine {c_us:8.2f} us pair {pair_us:8.2f}"
-            f" us  torch quantize {torch_q_us:8.2f} us",
-            flush=True,
-        )
+        rows.append((tokens, d_us, c_us, pair_us, d_bytes, c_bytes, torch_q_us, eager_us))
     quant = quantize_speedup(max_tokens)
     routed.close()
-    write_report(Path(args.out), rows, copies, quant, suffix)
+    write_report(Path(args.out), rows, copies, quant, suffix, tuned, args.tokens)
     teardown(ctx)
     return 0
+
+
+def make_inputs(routed: EpRouted, tokens: int):
+    """(latent, ids, weights) of one step, fresh random data; the receive rows' `out` filled."""
+    latent = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(K3.experts, device="cuda")[: K3.topk]
+                       for _ in range(tokens)]).int()  # fmt: skip
+    weights = torch.rand(tokens, K3.topk, device="cuda")
+    out = routed.receive(tokens).out
+    out.copy_(torch.randn_like(out, dtype=torch.float32).to(torch.bfloat16))
+    return latent, ids, weights
+
+
+def time_step(transport, routed, tokens, latent, ids, weights, norm):
+    """(dispatch us, combine us, pair us, eager pair us) of one T on the transport's kernels."""
+    out = routed.receive(tokens).out
+
+    def pair():
+        transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
+        transport.combine(out, ids, norm, 1e-5, rejected=None)
+
+    transport.reset()
+    pair_us = replay_us(capture(pair, REPS), REPS)
+    routed.synchronize()
+    transport.reset()
+    start = time.perf_counter()
+    for _ in range(EAGER_PAIRS):
+        pair()
+    routed.synchronize()
+    eager_us = (time.perf_counter() - start) * 1e6 / EAGER_PAIRS
+    transport.reset()  # a dispatch alone leaves its call open: reset after it
+    dispatch = capture(
+        lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), REPS
+    )
+    d_us = replay_us(dispatch, REPS)
+    routed.synchronize()
+    transport.reset()
+    print(f"T={tokens:5d} dispatch {d_us:8.2f} us combine {pair_us - d_us:8.2f} us pair"
+          f" {pair_us:8.2f} us  eager pair {eager_us:8.2f} us", flush=True)  # fmt: skip
+    return d_us, pair_us - d_us, pair_us, eager_us
 
 
 def quantize_speedup(tokens: int) -> tuple[int, float, float]:
@@ -147,14 +182,14 @@ def quantize_speedup(tokens: int) -> tuple[int, float, float]:
     )
 
 
-def write_report(out: Path, rows, copies: dict, quant, suffix: str = "") -> None:
+def write_report(out: Path, rows, copies: dict, quant, suffix: str, tuned: dict, tokens) -> None:
     ceiling = max(copies.values())
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     lines = [
         "# EP=1 benchmark (one GPU, every expert local)", "",
-        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py --out OUTDIR`"
+        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py {' '.join(sys.argv[1:])}`"
         " (one process).",
         f"K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of CUDA-event-timed"
         f" graph replays, {REPS} launches per replay on {REPS} distinct input sets. Copy ceiling"
@@ -164,21 +199,32 @@ def write_report(out: Path, rows, copies: dict, quant, suffix: str = "") -> None
         "combine = (dispatch + combine) - dispatch, as combine cannot run without its dispatch.",
         "GB/s = fewest bytes the kernel must move at EP=1 / time; % = of the copy ceiling.", "",
         "| T | dispatch us | dispatch GB/s | % ceiling | combine us | combine GB/s | % ceiling |"
-        " dispatch+combine us | torch MXFP8 quantize us |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " dispatch+combine us | eager pair us | torch MXFP8 quantize us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
-    for tokens, d_us, c_us, pair_us, d_bytes, c_bytes, tq in rows:
+    for t, d_us, c_us, pair_us, d_bytes, c_bytes, tq, eager_us in rows:
         d_gbs, c_gbs = d_bytes / d_us / 1e3, c_bytes / max(c_us, 1e-3) / 1e3
-        lines.append(f"| {tokens} | {d_us:.2f} | {d_gbs:.0f} | {100 * d_gbs / ceiling:.0f}% |"
+        lines.append(f"| {t} | {d_us:.2f} | {d_gbs:.0f} | {100 * d_gbs / ceiling:.0f}% |"
                      f" {c_us:.2f} | {c_gbs:.0f} | {100 * c_gbs / ceiling:.0f}% | {pair_us:.2f} |"
-                     f" {tq:.1f} |")  # fmt: skip
-    tokens, k_us, t_us = quant
+                     f" {eager_us:.2f} | {tq:.1f} |")  # fmt: skip
+    quant_tokens, k_us, t_us = quant
     lines += [
         "",
-        f"MXFP8 quantization of [{tokens}, {K3.latent}] BF16: kernel {k_us:.1f} us, torch"
+        f"MXFP8 quantization of [{quant_tokens}, {K3.latent}] BF16: kernel {k_us:.1f} us, torch"
         f" reference {t_us:.1f} us: **{t_us / k_us:.1f}x** (bit-identical outputs checked).",
         "",
     ]
+    if len(tuned) > 1:
+        names = list(tuned)
+        lines += [
+            "## Kernel tunings, same run (dispatch / combine / pair, us)", "",
+            ", ".join(f"{n}: {TUNINGS[n] or 'KernelTuning()'}" for n in names), "",
+            "| T | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+        ]  # fmt: skip
+        for i, t in enumerate(tokens):
+            cells = [" / ".join(f"{v:.2f}" for v in tuned[n][i][:3]) for n in names]
+            lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        lines.append("")
     if suffix:
         lines.insert(3, combine_path.forced_line(suffix))
     (out / f"bench_ep1{suffix}.md").write_text("\n".join(lines))
