@@ -58,6 +58,7 @@ from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
     MAX_L1_CARVEOUT,
     VECTOR_WORDS,
+    ReceiveRegions,
     gmem_tensor,
     peer_base,
     receive_regions,
@@ -224,7 +225,7 @@ class CombineKernel:
     def send(
         self,
         mOut: cute.Tensor,
-        own,
+        own: ReceiveRegions,
         regions: SymmetricRegions,
         rank: Int32,
         tokens: Int32,
