@@ -28,12 +28,16 @@ class RankRegions:
     def __init__(self, segment: torch.Tensor, layout: EpLayout) -> None:
         self._segment = segment
         self._layout = layout
-        self._regions = layout.regions
+        # Each region typed and shaped at capacity, once: a call then takes one slice of it (the
+        # three view ops a region took per call were most of an eager step's host time).
+        self._full = {name: self._typed(region) for name, region in layout.regions.items()}
+
+    def _typed(self, region: Region) -> torch.Tensor:
+        raw = self._segment[region.offset : region.offset + region.nbytes]
+        return raw.view(region.dtype).view(region.shape)
 
     def _view(self, name: str, rows: int | None) -> torch.Tensor:
-        region: Region = self._regions[name]
-        full = self._segment[region.offset : region.offset + region.nbytes]
-        full = full.view(region.dtype).view(region.shape)
+        full = self._full[name]
         if rows is None:
             return full
         if not 0 <= rows <= self._layout.max_rows:
@@ -154,6 +158,7 @@ class EpBuffers(RankRegions):
         if self._closed:
             return
         own, self._segment = self._segment, torch.empty(0, dtype=torch.uint8)
+        self._full = {}
         self.peers = []
         self._closed = True
         if self.device.type == "cuda":

@@ -156,6 +156,7 @@ class EpRouted:
         on = dict(device=self.device)
         self._expert_out = torch.empty(self.buffers.layout.max_rows, latent, dtype=torch.bfloat16,
                                        **on)  # fmt: skip
+        self._rows_of: dict[int, ReceiveRows] = {}  # T -> the step's views (EpRouted._rows)
         # Staged ids and weights of the step: padded to T with -1 ids, owned by this object.
         self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
         self._weights = torch.empty(max_tokens, topk, dtype=torch.float32, **on)
@@ -216,7 +217,8 @@ class EpRouted:
     def receive(self, tokens: int | None = None) -> ReceiveRows:
         """This rank's receive rows of the dispatched step (valid until its combine), or, with no
         dispatch pending, the views for a step of `tokens` tokens (for callers that prepare the
-        expert output rows before the dispatch). Local."""
+        expert output rows before the dispatch). Local. Every call for the same T returns the
+        same view objects (read and write through them; do not resize them)."""
         fn = "EpRouted.receive"
         self._check_usable(fn)
         step = self._step
@@ -231,10 +233,16 @@ class EpRouted:
         return self._rows(step.tokens)
 
     def _rows(self, tokens: int) -> ReceiveRows:
-        rows = self.buffers.layout.rows(tokens)
-        b = self.buffers
-        return ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows),
-                           self._expert_out[:rows])  # fmt: skip
+        """The views of a step of T tokens, made once per T (each call of a step took them twice:
+        their slicing was most of EpRouted's own host time per eager step)."""
+        views = self._rows_of.get(tokens)
+        if views is None:
+            rows = self.buffers.layout.rows(tokens)
+            b = self.buffers
+            views = ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows),
+                                self._expert_out[:rows])  # fmt: skip
+            self._rows_of[tokens] = views
+        return views
 
     def expert_counts(self) -> torch.Tensor:
         """int32 [E_local] on the device: the (token, k) pairs this rank received per local expert
@@ -489,4 +497,5 @@ class EpRouted:
         """Release the buffers. Collective by contract; idempotent."""
         if not self.buffers.closed:
             self.buffers.close()
+        self._rows_of.clear()
         self._step = None
