@@ -18,6 +18,7 @@ from dep_ep.comm.kernels.signals import (
     flag_slot,
     id_vector,
     signal_after_cta,
+    token_destinations,
 )
 from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
@@ -208,15 +209,7 @@ class DispatchKernel:
         rIds = cute.make_rmem_tensor(cute.make_layout(V), Int32)
         rWeights = cute.make_rmem_tensor(cute.make_layout(V), Uint32)
         rMine = cute.make_rmem_tensor(cute.make_layout(V), Int32)
-        hits = Uint32(0)
-        for p in cutlass.range_constexpr((G + WARP_LANES - 1) // WARP_LANES):
-            g = lane + WARP_LANES * p
-            if g < G:
-                cute.autovec_copy(gIds[(0, None), (t, g)], rIds)
-                for i in cutlass.range_constexpr(V):
-                    if rIds[i] >= 0:
-                        hits = hits | (Uint32(1) << Uint32(rIds[i] // self.experts_per_rank))
-        hits = cute.arch.warp_redux_sync(hits, "or")
+        hits = token_destinations(mIds, t, lane, K, self.experts_per_rank)
         row = rank * tokens + t
         for p in cutlass.range_constexpr((N * G + WARP_LANES - 1) // WARP_LANES):
             q = lane + WARP_LANES * p
