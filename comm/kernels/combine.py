@@ -359,8 +359,12 @@ class CombineKernel:
         2^(127 - clamp(E, 127, 253)), E the biased exponent of the row's largest magnitude (the
         max is exact in any order); returns eps times the square of that scale."""
         amax = Uint32(0)
-        for k in cutlass.range_constexpr(self.chunks_per_lane * CHUNK):
-            amax = cutlass.max(amax, f32_bits(rH[k]) & Uint32(0x7FFFFFFF))
+        for i in cutlass.range_constexpr(self.chunks_per_lane):
+            # A lane's last chunk may not exist (L not a multiple of 256): its registers were
+            # never written and must not reach the max.
+            if lane + LANES * i < self.chunks:
+                for j in cutlass.range_constexpr(CHUNK):
+                    amax = cutlass.max(amax, f32_bits(rH[i * CHUNK + j]) & Uint32(0x7FFFFFFF))
         for step in cutlass.range_constexpr(5):
             amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 16 >> step))
         exponent = cutlass.min(
@@ -388,7 +392,7 @@ class CombineKernel:
         """One warp: token t's rank-ordered fp32 sum of partials, rounded to BF16, then (when
         `normalize`) RMSNorm with norm_weight, to `normed`."""
         L = self.latent
-        hits = token_destinations(mIds, t, lane, self.topk, self.experts_per_rank)
+        hits = token_destinations(mIds, t, lane, self.topk, self.experts_per_rank, self.num_ranks)
         rH = cute.make_rmem_tensor(cute.make_layout(self.chunks_per_lane * CHUNK), Float32)
         rWords = cute.make_rmem_tensor(cute.make_layout(VECTOR_WORDS), Uint32)
         acc = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)

@@ -209,7 +209,7 @@ class DispatchKernel:
         rIds = cute.make_rmem_tensor(cute.make_layout(V), Int32)
         rWeights = cute.make_rmem_tensor(cute.make_layout(V), Uint32)
         rMine = cute.make_rmem_tensor(cute.make_layout(V), Int32)
-        hits = token_destinations(mIds, t, lane, K, self.experts_per_rank)
+        hits = token_destinations(mIds, t, lane, K, self.experts_per_rank, N)
         row = rank * tokens + t
         for p in cutlass.range_constexpr((N * G + WARP_LANES - 1) // WARP_LANES):
             q = lane + WARP_LANES * p

@@ -136,8 +136,10 @@ def signal_step(mSlot: cute.Tensor, call: Int64, status: int, step: Step):
 @cute.jit
 def is_last_cta(control: RankControl, counter: int, grid: Int32) -> Int32:
     """Thread 0 of each CTA, after the CTA's payload and fence: 1 for the last CTA of the launch
-    to get here, which also zeroes the counter (state word `counter`) for the next launch
-    (launches of one stream never overlap), else 0. A one-CTA launch skips the count. The count
+    to get here, which also zeroes the counter (state word `counter`) for the next launch, else
+    0. Two launches never count at once: with programmatic dependent launch the next one may
+    start early, but it touches the counter only after its griddepcontrol.wait, when this launch
+    has completed. A one-CTA launch skips the count. The count
     is an acquire-release atomic at GPU scope (every CTA is on this GPU): it orders every CTA's
     fenced payload before the last CTA's release stores at system scope, which peers acquire."""
     last = Int32(1)
@@ -200,11 +202,14 @@ def token_destinations(
     lane: Int32,
     topk: cutlass.Constexpr[int],
     experts_per_rank: cutlass.Constexpr[int],
+    num_ranks: cutlass.Constexpr[int],
 ) -> Uint32:
     """One warp, every lane gets the result: bit d set when token t of mIds (int32 [T, topk],
-    16-byte aligned rows; -1 = none) has an expert on rank d (ranks own `experts_per_rank`
-    consecutive experts). Lane j reads ids [jV, (j+1)V) in one load (V = id_vector(topk)), then
-    the lanes OR their bits (redux.sync): one load per lane instead of topk."""
+    16-byte aligned rows; -1 = none) has an expert on rank d < num_ranks (ranks own
+    `experts_per_rank` consecutive experts; an id past the last rank's, which only an unchecked
+    caller passes, selects no rank, as -1). Lane j reads ids [jV, (j+1)V) in one load
+    (V = id_vector(topk)), then the lanes OR their bits (redux.sync): one load per lane instead
+    of topk."""
     V = id_vector(topk)
     groups = topk // V
     gIds = vectors(mIds, V)  # ((1, V), (T, topk / V))
@@ -215,7 +220,7 @@ def token_destinations(
         if g < groups:
             cute.autovec_copy(gIds[(0, None), (t, g)], rIds)
             for i in cutlass.range_constexpr(V):
-                if rIds[i] >= 0:
+                if rIds[i] >= 0 and rIds[i] < num_ranks * experts_per_rank:
                     hits = hits | (Uint32(1) << Uint32(rIds[i] // experts_per_rank))
     return cute.arch.warp_redux_sync(hits, "or")
 

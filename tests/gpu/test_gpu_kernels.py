@@ -206,14 +206,15 @@ def routed_odd(gpu_dep, combine_path):
     r.close()
 
 
-def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing) -> tuple[list[str], int]:
-    """Expert outputs drawn from (seed, rank) on every rank; combine must equal the torch
-    reference (rank-ordered fp32 sum + rms_norm) bit for bit. Returns (failures, seed)."""
+def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing, scale=1.0):
+    """Expert outputs drawn from (seed, rank) on every rank, times `scale` (1e30: every row's
+    squares overflow fp32, the norm's rescaled path); combine must equal the torch reference
+    (rank-ordered fp32 sum + rms_norm) bit for bit. Returns (failures, seed)."""
     n, rank = gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 7)
     case = make_case(geometry, n, tokens, seed, routing)
-    outs = [torch.randn(n * tokens, geometry.latent,
-                        generator=torch.Generator().manual_seed(seed + d)).to(torch.bfloat16)
+    gens = [torch.Generator().manual_seed(seed + d) for d in range(n)]
+    outs = [(torch.randn(n * tokens, geometry.latent, generator=gens[d]) * scale).to(torch.bfloat16)
             for d in range(n)]  # fmt: skip
     if routing == "nan":
         outs[0][3, 5] = float("nan")
@@ -249,8 +250,11 @@ def test_combine_bitwise(gpu_dep, routed_path, combine_path, tokens, routing):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd, combine_path):
-    failures, seed = check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded")
+@pytest.mark.parametrize("scale", [1.0, 1e30])
+def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd, combine_path, scale):
+    """A lane's last chunk is missing (L = 2080); at 1e30 every row takes the overflow-safe
+    norm, whose largest magnitude must come from the chunks the lane holds."""
+    failures, seed = check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded", scale)
     failures += path_failures(routed_odd, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
