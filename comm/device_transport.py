@@ -142,19 +142,22 @@ def compile_kernels(
 def check_kernel_limits(layout: EpLayout) -> None:
     """ValueError unless the GPU kernels can serve `layout`: at most MAX_RANKS ranks (a token's
     destinations are a 32-bit mask), topk at most MAX_TOPK, and every row tensor indexable in 32
-    bits (the largest, the partials and expert output rows, hold max_rows * L / 2 words)."""
+    bits (the widest rows: the partials and expert outputs, L / 2 words, or the ids and weights,
+    K words, when K is larger)."""
     if layout.num_ranks > MAX_RANKS or layout.topk > MAX_TOPK:
         raise ValueError(
             f"EpRouted: the GPU kernels take at most {MAX_RANKS} ranks and topk {MAX_TOPK};"
             f" got {layout.num_ranks} ranks, topk {layout.topk}"
         )
-    words = layout.max_rows * layout.latent // 2
+    row_words = max(layout.latent // 2, layout.topk)
+    words = layout.max_rows * row_words
     if words >= MAX_INDEX:
-        limit = (MAX_INDEX - 1) // (layout.num_ranks * layout.latent // 2)
+        limit = (MAX_INDEX - 1) // (layout.num_ranks * row_words)
         raise ValueError(
             f"EpRouted: the GPU kernels index at most {MAX_INDEX - 1} words a region; ranks *"
-            f" max_tokens * latent / 2 = {words}: max_tokens must be at most {limit} at"
-            f" {layout.num_ranks} ranks and latent {layout.latent}"
+            f" max_tokens * {row_words} words a row = {words}: max_tokens must be at most"
+            f" {limit} at {layout.num_ranks} ranks, latent {layout.latent} and topk"
+            f" {layout.topk}"
         )
 
 

@@ -50,7 +50,7 @@ class EpConfig:
 
     timeout_s: bounds every wait of the library (barriers, step flags, the construction's
       exchanges); expiry raises EpTimeoutError naming the rank, the phase and the peers.
-      Finite, > 0.
+      Above 0 and below 1e9 (the kernels hold it in int64 nanoseconds).
     check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
     combine_split_min_tokens: from this T on the GPU combine runs as two launches (send, then
@@ -71,7 +71,7 @@ class EpConfig:
     def __post_init__(self) -> None:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
-            raise ValueError(f"EpConfig: timeout_s={t!r}; expected a finite number of seconds > 0")
+            raise ValueError(f"EpConfig: timeout_s={t!r}; expected seconds above 0 and below 1e9")
         if not isinstance(self.check_expert_rows, bool):
             raise TypeError(
                 f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected a bool"

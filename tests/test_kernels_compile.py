@@ -114,6 +114,10 @@ def test_kernel_limits():
     check_kernel_limits(EpLayout(16, 4096, 3584, 16))  # K3 at DEP16, 4096 tokens a rank
     with pytest.raises(ValueError, match="max_tokens must be at most 74898 at 16 ranks"):
         check_kernel_limits(EpLayout(16, 74899, 3584, 16))
+    # A narrow latent with a wide topk: the ids and weights rows are the widest.
+    check_kernel_limits(EpLayout(32, 524_287, 64, 128))
+    with pytest.raises(ValueError, match="max_tokens must be at most 524287 at 32 ranks"):
+        check_kernel_limits(EpLayout(32, 524_288, 64, 128))
     with pytest.raises(ValueError, match="at most 32 ranks"):
         check_kernel_limits(EpLayout(33, 8, 64, 4))
 

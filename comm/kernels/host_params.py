@@ -9,8 +9,11 @@ HostParams stands in for one parameter (a number, a stream) or one launch struct
 order), at call time only: compile with the typed values (Int64, the dataclasses of
 launch_args.py).
 
-Mutable and not thread-safe: one per call site. The launch copies the values when it is issued
-(a CUDA graph captures them then), so the next write cannot change a launch already made.
+Mutable and not thread-safe. DeviceTransport keeps one set (LaunchParams) that its launches
+share, each written right before its own launch from the one thread that drives the transport
+(the transport is not thread-safe either: its calls are collective and ordered). The launch
+copies the values when it is issued (a CUDA graph captures them then), so the next write cannot
+change a launch already made.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ class HostParams:
     def of(cls, struct) -> HostParams:
         """The fields of a launch struct (a dataclass instance of launch_args.py), holding its
         values: for a struct that is the same at every call."""
-        params = cls(*(f.type for f in dataclasses.fields(struct)))
-        return params.set(*(int(getattr(struct, f.name)) for f in dataclasses.fields(struct)))
+        fields = dataclasses.fields(struct)
+        params = cls(*(f.type for f in fields))
+        cast = {Int32: int, Int64: int, Float32: float}
+        return params.set(*(cast[f.type](getattr(struct, f.name)) for f in fields))
 
     def set(self, *values) -> HostParams:
         """Write the values (as many as the types, in order); returns self for the call."""
