@@ -139,9 +139,9 @@ def is_last_cta(control: RankControl, counter: int, grid: Int32) -> Int32:
     to get here, which also zeroes the counter (state word `counter`) for the next launch, else
     0. Two launches never count at once: with programmatic dependent launch the next one may
     start early, but it touches the counter only after its griddepcontrol.wait, when this launch
-    has completed. A one-CTA launch skips the count. The count
-    is an acquire-release atomic at GPU scope (every CTA is on this GPU): it orders every CTA's
-    fenced payload before the last CTA's release stores at system scope, which peers acquire."""
+    has completed. A one-CTA launch skips the count. The count is an acquire-release atomic at
+    GPU scope (every CTA is on this GPU): it orders every CTA's fenced payload before the last
+    CTA's release stores at system scope, which peers acquire."""
     last = Int32(1)
     if grid > 1:
         mState = state_words(control)
