@@ -1,8 +1,13 @@
-"""Multi-GPU benchmark, one process per GPU: our dispatch and combine against the baselines every
-user has, side by side in one run, K3 geometry.
+"""Multi-GPU benchmark, one process per GPU: our dispatch and combine against the strongest peer we
+can run and the baselines every user has, side by side in one run, K3 geometry.
 
     torchrun --nproc-per-node 8 bench/bench_dep.py --out docs     # docs/bench_dep{N}.md
 
+Peer (--peer; "auto": when FlashInfer imports): FlashInfer's NVLink one-sided MoE all-to-all
+through its public API, same payload (MXFP8 rows, scales, ids, weights; BF16 rows back), same
+timing (bench/peer_one_sided.py says what it moves and how it is built). Ours: the transport's
+dispatch (which quantizes the BF16 latents to MXFP8 itself) and combine (fixed-order sum and the
+fused RMSNorm); the peer's combine sums without a norm.
 Baselines, on the NCCL group over the same GPUs:
   allgather: vLLM's default: all-gather of the BF16 latents [T, L] plus ids and weights (the
     dispatch side), reduce-scatter of the BF16 expert sums [N*T, L] (the combine side);
@@ -15,13 +20,16 @@ Routing (--routing, each at every T): "uniform" (16 distinct random experts a to
 every token's first choice): dep_ep.ep.synthetic.synthetic_ids. Skew: the busiest rank's receive
 rows over the mean (what dispatch and combine move; ~1 at N = 2, where nearly every token reaches
 both ranks), and its (row, local id) pairs over the mean (the experts' load). Receive MiB:
-EpRouted.workspace_bytes of a rank sized for T (the run's EpRouted is sized for the largest T).
-Construction: the EpRouted built for the run, ranks lined up first, slowest rank, NVSHMEM
-start-up and kernel compilation included.
-Times: medians over samples of CUDA-event-timed graph replays (REPS launches per replay; NCCL
-collectives eager when capture fails, marked), the slowest rank's median reported. Combine of
-ours = (dispatch + combine) - dispatch. GB/s per rank: bytes this rank sends to other ranks over
-NVLink / time (mean over ranks). Ranks sharing one GPU are time-sliced: the script refuses them.
+EpRouted.workspace_bytes of a rank sized for T (the run's EpRouted is sized for the largest T);
+the peer's workspace is sized for the largest T. Construction: the EpRouted built for the run,
+ranks lined up first, slowest rank, NVSHMEM start-up and kernel compilation included; the peer's:
+import, JIT build or load, construction.
+Times: ours and the peer's by timing.pair_timed_us (pair: graph replays of REPS back-to-back
+pairs; dispatch, combine: events around each call in a second graph), the NCCL baselines by
+timing.timed_us (graph replays of REPS calls; eager when capture fails, marked); medians over
+SAMPLES, the slowest rank's median reported. GB/s per rank: bytes this rank sends to other ranks
+over NVLink / time (mean over ranks). Ranks sharing one GPU are time-sliced: the script refuses
+them.
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ import time
 from pathlib import Path
 
 import combine_path
+import peer_one_sided
 import torch
 import torch.distributed as dist
-from timing import timed_us
+from timing import pair_timed_us, timed_us
 
 from dep_ep.ep import K3, EpRouted
 from dep_ep.ep.synthetic import ROUTINGS, synthetic_ids
@@ -67,12 +76,48 @@ def mean(value: float, group) -> float:
     return float(t) / dist.get_world_size(group)
 
 
+def make_peer(args, ctx, cpu, n: int):
+    """(the peer or None, the report's line on why not). Collective over `cpu`."""
+    if args.peer == "none":
+        return None, "Peer: not run (`--peer none`)."
+    peer, why_not = peer_one_sided.OneSidedPeer.create(
+        cpu, ctx.rank, n, ctx.device, max(args.tokens), latent=K3.latent, topk=K3.topk,
+        experts=K3.experts, timeout_s=args.peer_timeout_s, handles=args.peer_handles,
+    )  # fmt: skip
+    if peer is None and args.peer == "flashinfer":
+        raise SystemExit(f"bench_dep.py: rank {ctx.rank}: the peer cannot run: {why_not}")
+    if ctx.rank == 0:
+        print(f"peer: {peer.path if peer else why_not}", flush=True)
+    return peer, f"Peer: {peer_one_sided.NAME} not run: {why_not}."
+
+
+def peer_line(peer, cpu) -> str:
+    """The report's line on the peer that ran. Collective over `cpu`."""
+    import flashinfer
+
+    construction = slowest(peer.construction_s, cpu)
+    return (f"Peer: {peer_one_sided.NAME} (flashinfer {flashinfer.__version__},"
+            f" NVLinkOneSidedAlltoAll: {peer.path}); its workspace {peer.workspace_mib:.1f} MiB"
+            f" per rank (sized for the largest T); import, JIT build or load and construction"
+            f" {construction:.2f} s, slowest rank.")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="docs")
     combine_path.add_option(p)
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
     p.add_argument("--routing", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
+    p.add_argument("--peer", choices=("auto", "flashinfer", "none"), default="auto",
+                   help="time FlashInfer's one-sided all-to-all beside ours (auto: when it imports;"
+                   " flashinfer: fail when it cannot run)")  # fmt: skip
+    p.add_argument(
+        "--peer-handles",
+        choices=peer_one_sided.HANDLES,
+        default="posix",
+        help="the peer's memory handles (bench/peer_one_sided.py)",
+    )
+    p.add_argument("--peer-timeout-s", type=int, default=30, help="the peer's wait bound, seconds")
     args = p.parse_args()
     ctx = init_rank_context("cuda", timeout_s=300.0)
     if ctx.backend != "nccl":
@@ -87,8 +132,9 @@ def main() -> int:
     routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
                       topk=K3.topk, config=config)  # fmt: skip
     construction_s = slowest(time.perf_counter() - start, cpu)
-    # The transport alone: a dispatch without its combine (the public calls pair them).
+    # The transport alone: a dispatch and its combine, no experts between.
     transport = routed.transport
+    peer, peer_note = make_peer(args, ctx, cpu, n)
     suffix = combine_path.suffix(args)
     L, K = K3.latent, K3.topk
     row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
@@ -102,22 +148,20 @@ def main() -> int:
         out = routed.receive(tokens).out
         out.copy_(torch.randn(out.shape, device="cuda", generator=gen).to(torch.bfloat16))
 
-        def pair():
-            transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
-            transport.combine(out, ids, norm, 1e-5, rejected=None)
-
         transport.reset()
-        pair_us, _ = timed_us(pair, cpu, REPS, SAMPLES)
-        routed.synchronize()
-        transport.reset()  # a dispatch alone leaves its call open
-        d_us, _ = timed_us(
+        pair_us, d_us, c_us = pair_timed_us(
             lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None),
-            cpu,
-            REPS,
-            SAMPLES,
-        )
+            lambda: transport.combine(out, ids, norm, 1e-5, rejected=None),
+            cpu, REPS, SAMPLES,
+        )  # fmt: skip
         routed.synchronize()
         transport.reset()
+        peer_us = (None, None, None)
+        if peer is not None:
+            step = peer.step(latent, ids, weights)
+            peer_us = pair_timed_us(lambda: peer.dispatch(step), lambda: peer.combine(step),
+                                    cpu, REPS, SAMPLES)  # fmt: skip
+            torch.cuda.synchronize()
 
         # Baseline 1: all-gather + reduce-scatter (BF16 latents, as vLLM's default).
         g_latent = torch.empty(n * tokens, L, dtype=torch.bfloat16, device="cuda")
@@ -177,27 +221,47 @@ def main() -> int:
         row = dict(
             tokens=tokens, routing=routing, skew=skew, pair_skew=pair_skew,
             receive_mib=EpRouted.workspace_bytes(n, tokens, latent=L, topk=K) / 2**20,
-            dispatch=slowest(d_us, cpu), combine=slowest(pair_us - d_us, cpu),
-            pair=slowest(pair_us, cpu), allgather=slowest(ag_us, cpu),
-            reduce_scatter=slowest(rs_us, cpu), a2a=slowest(a2a_us, cpu),
-            a2a_back=slowest(back_us, cpu), d_bytes=mean(d_bytes, cpu), c_bytes=mean(c_bytes, cpu),
+            dispatch=slowest(d_us, cpu), combine=slowest(c_us, cpu), pair=slowest(pair_us, cpu),
+            allgather=slowest(ag_us, cpu), reduce_scatter=slowest(rs_us, cpu),
+            a2a=slowest(a2a_us, cpu), a2a_back=slowest(back_us, cpu),
+            d_bytes=mean(d_bytes, cpu), c_bytes=mean(c_bytes, cpu),
             modes="/".join(sorted({ag_mode, rs_mode, a2a_mode, back_mode})),
         )  # fmt: skip
+        if peer is not None:
+            row.update(peer_pair=slowest(peer_us[0], cpu), peer_dispatch=slowest(peer_us[1], cpu),
+                       peer_combine=slowest(peer_us[2], cpu))  # fmt: skip
         results.append(row)
         if rank == 0:
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
                   flush=True)  # fmt: skip
+    if peer is not None:
+        torch.cuda.synchronize()
+        dist.barrier(cpu)  # every rank done with the peer's workspace
+        peer_note = peer_line(peer, cpu)
+        peer.close()
     routed.close()
     if rank == 0:
-        write_report(Path(args.out), results, n, construction_s, suffix, " ".join(sys.argv[1:]))
+        write_report(Path(args.out), results, n, construction_s, suffix, " ".join(sys.argv[1:]),
+                     peer_note)  # fmt: skip
     teardown(ctx)
     return 0
 
 
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _gbps(nbytes: float, us: float | None) -> str:
+    return "-" if us is None else f"{nbytes / max(us, 1e-3) / 1e3:.0f}"
+
+
 def write_report(out: Path, results: list[dict], n: int, construction_s: float,
-                 suffix: str = "", arguments: str = "--out OUTDIR") -> None:  # fmt: skip
+                 suffix: str = "", arguments: str = "--out OUTDIR",
+                 peer_note: str = "Peer: not run.", gpu: str | None = None) -> None:  # fmt: skip
+    """docs-style page bench_dep{n}{suffix}.md (and .png) in `out`: ours beside the peer (its
+    columns "-" where it did not run), then beside the NCCL baselines."""
     out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name()
+    gpu = gpu or torch.cuda.get_device_name()
     lines = [
         f"# DEP benchmark, {n} GPU{'s' if n > 1 else ''}, one process per GPU", "",
         f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
@@ -206,21 +270,38 @@ def write_report(out: Path, results: list[dict], n: int, construction_s: float,
         f" EpRouted (sized for T = {max(r['tokens'] for r in results)}, kernels compiled in it):"
         f" {construction_s:.2f} s, slowest rank, ranks lined up first, NVSHMEM start-up and"
         " kernel compilation included.", "",
-        "Medians of CUDA-event-timed graph replays, slowest rank; see bench/bench_dep.py for the"
-        " baselines' definitions. GB/s: bytes the rank sends to other ranks / time (mean over"
-        " ranks). x: baseline time / ours.", "",
-        "| T | routing | skew rows / pairs | receive MiB | dispatch us | GB/s | combine us | GB/s |"
-        " all-gather us (x) | reduce-scatter us (x) | a2a dispatch us (x) | a2a combine us (x) |"
-        " NCCL timing |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        peer_note, "",
+        "Medians over graph replays, slowest rank (bench/bench_dep.py: methods and the"
+        " baselines' definitions). Pair: back-to-back dispatch + combine pairs, no events"
+        " between; dispatch, combine: events around each call (which cut the programmatic"
+        " overlap). GB/s: bytes the rank sends to other ranks / time (mean over ranks).", "",
+        "| T | routing | skew rows / pairs | receive MiB | dispatch us ours / peer |"
+        " combine us ours / peer | pair us ours / peer | peer pair / ours |"
+        " dispatch GB/s ours / peer | combine GB/s ours / peer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in results:
-        d, c = r["dispatch"], max(r["combine"], 1e-3)
+        pd, pc, pp = r.get("peer_dispatch"), r.get("peer_combine"), r.get("peer_pair")
+        ratio = "-" if pp is None else f"{pp / r['pair']:.2f}"
         lines.append(
             f"| {r['tokens']} | {r['routing']} | {r['skew']:.2f} / {r['pair_skew']:.2f} |"
-            f" {r['receive_mib']:.2f} |"
-            f" {d:.1f} | {r['d_bytes'] / d / 1e3:.0f} | {c:.1f} |"
-            f" {r['c_bytes'] / c / 1e3:.0f} | {r['allgather']:.1f} ({r['allgather'] / d:.1f}x) |"
+            f" {r['receive_mib']:.2f} | {_us(r['dispatch'])} / {_us(pd)} |"
+            f" {_us(r['combine'])} / {_us(pc)} | {_us(r['pair'])} / {_us(pp)} | {ratio} |"
+            f" {_gbps(r['d_bytes'], r['dispatch'])} / {_gbps(r['d_bytes'], pd)} |"
+            f" {_gbps(r['c_bytes'], r['combine'])} / {_gbps(r['c_bytes'], pc)} |"
+        )  # fmt: skip
+    lines += [
+        "", "NCCL baselines, same run (x: baseline time / ours; dispatch side against our"
+        " dispatch, combine side against our combine):", "",
+        "| T | routing | all-gather us (x) | reduce-scatter us (x) | a2a dispatch us (x) |"
+        " a2a combine us (x) | NCCL timing |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in results:
+        d, c = max(r["dispatch"], 1e-3), max(r["combine"], 1e-3)
+        lines.append(
+            f"| {r['tokens']} | {r['routing']} |"
+            f" {r['allgather']:.1f} ({r['allgather'] / d:.1f}x) |"
             f" {r['reduce_scatter']:.1f} ({r['reduce_scatter'] / c:.1f}x) |"
             f" {r['a2a']:.1f} ({r['a2a'] / d:.1f}x) |"
             f" {r['a2a_back']:.1f} ({r['a2a_back'] / c:.1f}x) | {r['modes']} |"
@@ -233,7 +314,8 @@ def write_report(out: Path, results: list[dict], n: int, construction_s: float,
 
 
 def plot(path: Path, results: list[dict], n: int, gpu: str) -> None:
-    """Times against T (ours and the baselines, dispatch and combine side), and ours in GB/s."""
+    """Times against T: the pair, dispatch and combine (ours per routing, the peer and the NCCL
+    baselines under the first routing), and ours and the peer's in GB/s."""
     try:
         import matplotlib
 
@@ -243,28 +325,40 @@ def plot(path: Path, results: list[dict], n: int, gpu: str) -> None:
         return
     routings = list(dict.fromkeys(r["routing"] for r in results))
     by_routing = {name: [r for r in results if r["routing"] == name] for name in routings}
-    base = by_routing[routings[0]]  # the baselines under the first routing
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
-    for axis, ours, baselines, title in (
-        (a, "dispatch", (("allgather", "all-gather"), ("a2a", "all_to_all_single")), "dispatch"),
-        (b, "combine", (("reduce_scatter", "reduce-scatter"), ("a2a_back", "all_to_all_single")),
-         "combine"),
-    ):  # fmt: skip
+    base = by_routing[routings[0]]  # the peer and the baselines under the first routing
+    peer = [r for r in base if r.get("peer_pair") is not None]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    panels = (
+        ("pair", ()),
+        ("dispatch", (("allgather", "all-gather"), ("a2a", "all_to_all_single"))),
+        ("combine", (("reduce_scatter", "reduce-scatter"), ("a2a_back", "all_to_all_single"))),
+    )
+    for axis, (ours, baselines) in zip(axes, panels):
         for name, rows in by_routing.items():
             axis.loglog([r["tokens"] for r in rows], [max(r[ours], 1e-2) for r in rows], "o-",
-                        label=f"ours: {ours}, {name}")  # fmt: skip
+                        label=f"ours, {name}")  # fmt: skip
+        if peer:
+            axis.loglog([r["tokens"] for r in peer], [r[f"peer_{ours}"] for r in peer], "^-",
+                        label=f"{peer_one_sided.NAME}, {routings[0]}")  # fmt: skip
         for key, label in baselines:
             axis.loglog([r["tokens"] for r in base], [r[key] for r in base], "s--",
                         label=f"NCCL {label}, {routings[0]}")  # fmt: skip
-        axis.set_title(title), axis.set_xlabel("tokens per rank T"), axis.set_ylabel("us")
+        axis.set_title(ours), axis.set_xlabel("tokens per rank T"), axis.set_ylabel("us")
         axis.legend(fontsize=7), axis.grid(True, which="both", alpha=0.3)
+    c = axes[3]
     for name, rows in by_routing.items():
         ts = [r["tokens"] for r in rows]
-        c.semilogx(ts, [r["d_bytes"] / r["dispatch"] / 1e3 for r in rows], "o-",
-                   label=f"dispatch, {name}")  # fmt: skip
+        c.semilogx(ts, [r["d_bytes"] / max(r["dispatch"], 1e-3) / 1e3 for r in rows], "o-",
+                   label=f"ours dispatch, {name}")  # fmt: skip
         c.semilogx(ts, [r["c_bytes"] / max(r["combine"], 1e-3) / 1e3 for r in rows], "s-",
-                   label=f"combine, {name}")  # fmt: skip
-    c.set_title("ours: GB/s sent to other ranks, per rank"), c.set_xlabel("tokens per rank T")
+                   label=f"ours combine, {name}")  # fmt: skip
+    if peer:
+        ts = [r["tokens"] for r in peer]
+        c.semilogx(ts, [r["d_bytes"] / r["peer_dispatch"] / 1e3 for r in peer], "^--",
+                   label=f"peer dispatch, {routings[0]}")  # fmt: skip
+        c.semilogx(ts, [r["c_bytes"] / r["peer_combine"] / 1e3 for r in peer], "v--",
+                   label=f"peer combine, {routings[0]}")  # fmt: skip
+    c.set_title("GB/s sent to other ranks, per rank"), c.set_xlabel("tokens per rank T")
     c.legend(fontsize=7), c.grid(True, alpha=0.3)
     fig.suptitle(f"DEP, {n} x {gpu}, K3 geometry, {datetime.date.today().isoformat()}")
     fig.tight_layout()

@@ -66,3 +66,51 @@ def timed_us(fn: Callable[[], object], group, reps: int, samples: int) -> tuple[
                 fn()
 
     return time_us(run, reps, samples, before=lambda: dist.barrier(group)), mode
+
+
+def pair_timed_us(first: Callable[[], object], second: Callable[[], object], group, reps: int,
+                  samples: int) -> tuple[float, float, float]:  # fmt: skip
+    """(pair, first, second) median microseconds of `first(); second()` repeated `reps` times in
+    a CUDA graph (dispatch then combine: one must follow the other), ranks of `group` lined up by
+    a host barrier before each sample.
+
+    pair: a graph of `reps` back-to-back pairs, its replay time over `reps` (what a model step
+    pays: launch overlap and programmatic dependent launch included). first, second: a second
+    graph of the same pairs with an event recorded before, between and after the calls of each
+    pair, means over pairs 2..reps (pair 1 absorbs the ranks' launch skew); an event node between
+    two kernels cuts their programmatic overlap, so first + second may exceed pair.
+    """
+    import torch.distributed as dist
+
+    if reps < 2:
+        raise ValueError(f"pair_timed_us: reps must be at least 2 (pair 1 is left out), got {reps}")
+
+    def run_pairs():
+        for _ in range(reps):
+            first()
+            second()
+
+    pair = time_us(capture(run_pairs, 1).replay, reps, samples, before=lambda: dist.barrier(group))
+    events = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(2 * reps + 1)]
+    for event in events:  # the event handles exist before the capture records them
+        event.record()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            events[2 * i].record()
+            first()
+            events[2 * i + 1].record()
+            second()
+        events[2 * reps].record()
+    firsts, seconds = [], []
+    for sample in range(samples + 3):
+        dist.barrier(group)
+        graph.replay()
+        torch.cuda.synchronize()
+        if sample < 3:  # warm-up replays
+            continue
+        spans = [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(2 * reps)]
+        firsts.append(statistics.fmean(spans[2:][0::2]))
+        seconds.append(statistics.fmean(spans[2:][1::2]))
+    return pair, statistics.median(firsts), statistics.median(seconds)

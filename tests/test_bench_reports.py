@@ -1,5 +1,6 @@
 """The CPU parts of the benchmarks: bench_routed_experts.py reading the peer's log and writing its
-page; bench_humming_tuning.py naming humming's distinct kernels."""
+page; bench_dep.py's page with and without its peer; bench_humming_tuning.py naming humming's
+distinct kernels; timing.pair_timed_us's argument check."""
 
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ def load_script(name: str):
     return module
 
 
-load_script("timing")
+timing = load_script("timing")
 load_script("bench_experts")
 bench = load_script("bench_routed_experts")
 tuning = load_script("bench_humming_tuning")
+load_script("combine_path")
+load_script("peer_one_sided")
+bench_dep = load_script("bench_dep")
 
 
 def test_peer_log_rows_by_local_experts(tmp_path):
@@ -61,6 +65,34 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
     assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | graph | NO |" in page, page
     assert "bench/bench_routed_experts.py --out docs`" in page, page
     assert "# Routed path with experts, 2 GPUs," in page and "448 local experts per rank" in page
+
+
+def dep_row(tokens: int, peer: bool) -> dict:
+    row = dict(tokens=tokens, routing="uniform", skew=1.0, pair_skew=1.02, receive_mib=0.5,
+               dispatch=10.0, combine=20.0, pair=28.0, allgather=12.0, reduce_scatter=30.0,
+               a2a=15.0, a2a_back=40.0, d_bytes=2.0e6, c_bytes=4.0e6, modes="graph")  # fmt: skip
+    if peer:
+        row.update(peer_dispatch=8.0, peer_combine=25.0, peer_pair=35.0)
+    return row
+
+
+def test_dep_report_puts_the_peer_beside_ours(tmp_path):
+    note = "Peer: FlashInfer one-sided (flashinfer 0.7.4, ...); its workspace 301.0 MiB per rank"
+    bench_dep.write_report(tmp_path, [dep_row(1, True), dep_row(16, False)], 2, 3.5,
+                           arguments="--out docs", peer_note=note, gpu="GPU")  # fmt: skip
+    page = (tmp_path / "bench_dep2.md").read_text()
+    # dispatch 2 MB in 10 us = 200 GB/s (peer 8 us: 250); combine 4 MB in 20 us = 200 (peer 160)
+    assert ("| 1 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / 8.0 | 20.0 / 25.0 | 28.0 / 35.0 | 1.25 |"
+            " 200 / 250 | 200 / 160 |") in page, page  # fmt: skip
+    assert "| 16 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / - | 20.0 / - | 28.0 / - | - |" in page
+    assert "| 1 | uniform | 12.0 (1.2x) | 30.0 (1.5x) | 15.0 (1.5x) | 40.0 (2.0x) | graph |" in page
+    assert note in page and "bench/bench_dep.py --out docs`" in page
+    assert "# DEP benchmark, 2 GPUs, one process per GPU" in page
+
+
+def test_pair_timing_needs_two_pairs():
+    with pytest.raises(ValueError, match="reps must be at least 2"):
+        timing.pair_timed_us(lambda: None, lambda: None, None, 1, 5)
 
 
 class FakeGemm:
