@@ -234,10 +234,29 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing, scale=1.0)
         mine = (owners == d).any(dim=1).nonzero().squeeze(1)
         total[mine] += outs[d][rank * tokens + mine].float()
     want = rms_norm(total, norm, 1e-5)
-    if bits_equal(normed.cpu(), want):
+    got = normed.cpu()
+    if bits_equal(got, want):
         return [], seed
-    differ = int((normed.cpu().view(torch.int16) != want.view(torch.int16)).sum())
-    return [f"L={geometry.latent} T={tokens} {routing}: combine differs in {differ} elements"], seed
+    where = f"L={geometry.latent} T={tokens} {routing}"
+    return [f"{where}: combine differs: {describe_rows(got, want, owners)}"], seed
+
+
+def describe_rows(got: torch.Tensor, want: torch.Tensor, owners: torch.Tensor) -> str:
+    """The rows where bf16 [T, L] `got` and `want` differ (any NaN equal to any NaN): how many,
+    and for the first few the token, its owner ranks, the differing elements (NaN in got / in
+    want) and the first differing column."""
+    nan_got, nan_want = got.isnan(), want.isnan()
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (nan_got & nan_want)
+    rows = (~same).any(dim=1).nonzero().squeeze(1).tolist()
+    parts = []
+    for t in rows[:6]:
+        cols = (~same[t]).nonzero().squeeze(1)
+        ranks = sorted(set(owners[t][owners[t] >= 0].tolist()))
+        c = int(cols[0])
+        parts.append(f"token {t} (ranks {ranks}): {cols.numel()} elements, NaN got"
+                     f" {int(nan_got[t].sum())} / want {int(nan_want[t].sum())}, first column"
+                     f" {c}: {float(got[t, c])} vs {float(want[t, c])}")  # fmt: skip
+    return f"{len(rows)} rows; " + "; ".join(parts)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -3,6 +3,7 @@ the same generator (so each can compute any reference locally) and keeps its own
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,10 @@ def real_tokens(tokens: int, num_ranks: int) -> list[int]:
 
 def agreed_seed(group: dist.ProcessGroup, base: int) -> int:
     """`base` plus a fresh random offset drawn by group rank 0 and broadcast: every rank builds the
-    same case, and every run a new one."""
-    t = torch.tensor([base + int(torch.randint(0, 10**6, (1,)))])
+    same case, and every run a new one. EP_TEST_SEED_OFFSET=N fixes the offset (to replay a
+    failure: its message names the seed, base + offset)."""
+    fixed = os.environ.get("EP_TEST_SEED_OFFSET")
+    offset = int(fixed) if fixed else int(torch.randint(0, 10**6, (1,)))
+    t = torch.tensor([base + offset])
     dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
     return int(t)
