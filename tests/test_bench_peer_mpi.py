@@ -17,7 +17,8 @@ peer_one_sided = load_script("peer_one_sided")
 def fake_flashinfer(monkeypatch, jit):
     """A `flashinfer` package with the two modules create() imports first; `jit()` is its JIT
     build."""
-    names = ["flashinfer", "flashinfer.comm", "flashinfer.comm.mnnvl"]
+    names = ["flashinfer", "flashinfer.comm", "flashinfer.comm.mnnvl", "flashinfer.fused_moe",
+             "flashinfer.fused_moe.api", "flashinfer.moe_ep"]  # fmt: skip
     kernels = "flashinfer.moe_ep.backends.split.comm.nvlink_one_sided.kernels"
     parts = kernels.split(".")
     names += [".".join(parts[: i + 1]) for i in range(1, len(parts))]
@@ -27,6 +28,8 @@ def fake_flashinfer(monkeypatch, jit):
         if parent:  # `import a.b.c as m` looks the child up on its parent
             setattr(sys.modules[parent], child, sys.modules[name])
     sys.modules[kernels].get_nvlink_one_sided_alltoall_module = jit
+    sys.modules["flashinfer.fused_moe.api"].QuantFormat = types.SimpleNamespace(MXFP8="mxfp8")
+    # flashinfer.moe_ep holds no BootstrapConfig: construction fails with an ImportError.
 
 
 def create(dep):
@@ -56,7 +59,8 @@ def test_construction_failure_on_every_rank_names_it(dep, monkeypatch):
     fake_flashinfer(monkeypatch, lambda: None)  # JIT fine; the flashinfer.moe_ep import fails
     peer, why_not = create(dep)
     assert peer is None
-    assert why_not.startswith("create_communication: ModuleNotFoundError"), why_not
+    want = "create_communication: ImportError: cannot import name 'BootstrapConfig'"
+    assert why_not.startswith(want), why_not
 
 
 @pytest.mark.mpi(min_size=2)
