@@ -15,8 +15,8 @@ peer_one_sided = load_script("peer_one_sided")
 
 
 def fake_flashinfer(monkeypatch, jit):
-    """A `flashinfer` package with the two modules create() imports first; `jit()` is its JIT
-    build."""
+    """A `flashinfer` package holding the modules create() imports, in sys.modules for the test:
+    `jit()` is its JIT build; construction finds no BootstrapConfig."""
     names = ["flashinfer", "flashinfer.comm", "flashinfer.comm.mnnvl", "flashinfer.fused_moe",
              "flashinfer.fused_moe.api", "flashinfer.moe_ep"]  # fmt: skip
     kernels = "flashinfer.moe_ep.backends.split.comm.nvlink_one_sided.kernels"
