@@ -77,7 +77,7 @@ def mean(value: float, group) -> float:
 
 
 def make_peer(args, ctx, cpu, n: int):
-    """(the peer or None, the report's line on why not). Collective over `cpu`."""
+    """(the peer, None) or (None, the report's line on why not). Collective over `cpu`."""
     if args.peer == "none":
         return None, "Peer: not run (`--peer none`)."
     peer, why_not = peer_one_sided.OneSidedPeer.create(
@@ -88,7 +88,7 @@ def make_peer(args, ctx, cpu, n: int):
         raise SystemExit(f"bench_dep.py: rank {ctx.rank}: the peer cannot run: {why_not}")
     if ctx.rank == 0:
         print(f"peer: {peer.path if peer else why_not}", flush=True)
-    return peer, f"Peer: {peer_one_sided.NAME} not run: {why_not}."
+    return peer, None if peer else f"Peer: {peer_one_sided.NAME} not run: {why_not}."
 
 
 def peer_line(peer, cpu) -> str:
