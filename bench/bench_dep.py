@@ -17,8 +17,8 @@ Baselines, on the NCCL group over the same GPUs:
     for is not timed.
 Routing (--routing, each at every T): "uniform" (16 distinct random experts a token), "zipf"
 (Zipf-skewed expert popularity, the same popular experts on every rank) and "hot" (expert 0 is
-every token's first choice): dep_ep.ep.synthetic.synthetic_ids. Skew: the busiest rank's receive
-rows over the mean (what dispatch and combine move; ~1 at N = 2, where nearly every token reaches
+every token's first choice): dep_ep.testing.synthetic_ids. Skew: the busiest rank's receive rows
+over the mean (what dispatch and combine move; ~1 at N = 2, where nearly every token reaches
 both ranks), and its (row, local id) pairs over the mean (the experts' load). Receive MiB:
 EpRouted.workspace_bytes of a rank sized for T (the run's EpRouted is sized for the largest T);
 the peer's workspace is sized for the largest T. Construction: the EpRouted built for the run,
@@ -47,8 +47,8 @@ import torch.distributed as dist
 from timing import pair_timed_us, timed_us
 
 from dep_ep.ep import K3, EpRouted
-from dep_ep.ep.synthetic import ROUTINGS, synthetic_ids
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 10

@@ -28,8 +28,8 @@ from bench_experts import receive_rows
 from timing import capture, replay_us
 
 from dep_ep.ep import K3
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts.hopper import HopperExperts, routed_tilings, tuning_pairs
+from dep_ep.testing.synthetic import SyntheticLayer
 
 CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T per rank
 VARIANT_LOCAL, VARIANT_TOKENS = 56, (16, 32, 64, 128)

@@ -37,10 +37,10 @@ from timing import timed_us
 
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpRouted
-from dep_ep.ep.synthetic import SyntheticLayer, synthetic_ids
 from dep_ep.experts import default_experts
 from dep_ep.experts.hopper import GROUPINGS, HopperExperts, HopperTiles
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from dep_ep.testing.synthetic import SyntheticLayer, synthetic_ids
 
 TOKENS = [1, 4, 16, 64, 128, 256]  # the FlashInfer anchor's token counts
 REPS = 10

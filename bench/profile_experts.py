@@ -15,8 +15,8 @@ from timing import time_us
 from torch.profiler import ProfilerActivity, profile
 
 from dep_ep.ep import K3
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts
+from dep_ep.testing.synthetic import SyntheticLayer
 
 
 def main() -> int:

@@ -20,8 +20,8 @@ from bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
 from torch.profiler import ProfilerActivity, profile
 
 from dep_ep.ep import K3
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts.hopper import HopperExperts
+from dep_ep.testing.synthetic import SyntheticLayer
 
 CASES = {56: (8, 32, 64, 256), 448: (16, 256)}  # local experts: T per rank
 CALLS = 5

@@ -5,7 +5,9 @@ Subpackages, imported one way (each may import those before it and the leaf modu
   dep_ep.launch   environment -> rank context, DEP groups, NVSHMEM bootstrap
   dep_ep.comm     layout, symmetric buffers, MXFP8, the host and device transports
   dep_ep.experts  routed-expert backends, MXFP4 formats, checkpoint loading
-  dep_ep.ep       EpRouted, router, synthetic weights, the all-gather reference
+  dep_ep.ep       EpRouted, EpMoeLayer, the router
+and beside them dep_ep.testing (the all-gather reference, synthetic weights and routing, the
+tolerance model), which no library module imports.
 """
 
 from dep_ep.comm import EpDesyncError, EpPeerError, EpTimeoutError

@@ -29,20 +29,17 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.config import EpConfig
-from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, SyntheticLayer, allgather_reference, route
+from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, route
 from dep_ep.experts import default_experts, situ
 from dep_ep.experts.checkpoint import dense_shapes
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.tolerance import LAYER_REL_L2_BY_ACTIVATION, ROUTED_REL_L2_BY_ACTIVATION
 
-# Tolerance of the check (bf16 output against the float64 reference), by the experts backend's
-# activation format: "bf16": 2 x sqrt(6) x 1.66e-3, six BF16 roundings in quadrature (the error
-# model of tests/helpers/tolerance.py); "mxfp8" (FC2's input in e4m3, 2.65e-2 rms): 2 x
-# sqrt(2.65e-2^2 + 5 x 1.66e-3^2).
-MAX_REL_L2 = {"bf16": 8.13e-3, "mxfp8": 5.4e-2}
-# Tolerance of --layer's check: the error model of tests/test_layer_mpi.py expects a relative L2
-# error of about 4.2e-3 for these weights with BF16 activations (and bounds it by 2x that); 1e-2
-# here; with MXFP8 activations the routed path's bound.
-MAX_LAYER_REL_L2 = {"bf16": 1e-2, "mxfp8": 5.4e-2}
+# Tolerances of the checks against the float64 reference, by the experts backend's activation
+# format (the error model of dep_ep.testing.tolerance).
+MAX_REL_L2 = ROUTED_REL_L2_BY_ACTIVATION
+MAX_LAYER_REL_L2 = LAYER_REL_L2_BY_ACTIVATION
 
 
 def parse_args() -> argparse.Namespace:

@@ -9,12 +9,14 @@ import torch
 
 from dep_ep.comm import EpPeerError
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import ReferenceExperts
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert, expect_raises
-from helpers.reference_check import compare, make_experts
+from helpers.reference_check import make_experts
 
 MAX_TOKENS = 24
 T = 6

@@ -1,4 +1,4 @@
-"""Every experts backend against the plain all-gather reference (ep/allgather_reference.py,
+"""Every experts backend against the plain all-gather reference (testing/allgather_reference.py,
 float64) on the same receive rows, fresh random data each run, output poisoned with NaN.
 
 CPU cases run everywhere; CUDA cases run where a GPU is (single process:
@@ -14,13 +14,12 @@ import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
-from dep_ep.ep.allgather_reference import expert_sums
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.experts.hopper import HopperExperts
 from dep_ep.experts.trtllm import TrtllmExperts
-
-from helpers.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2, TRTLLM_REL_L2
+from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.synthetic import SyntheticLayer
+from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2, TRTLLM_REL_L2
 
 K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=64,
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
@@ -56,7 +55,7 @@ CASES = [
     ("hopper-triton", "cuda", TINY),
     ("hopper-triton", "cuda", K3_WIDTHS),
 ]
-# Relative L2 bounds from the error model of the backends' roundings (helpers/tolerance.py).
+# Relative L2 bounds from the error model of the backends' roundings (testing/tolerance.py).
 TOLERANCE = {"trtllm": TRTLLM_REL_L2, "hopper-humming": HUMMING_REL_L2}  # FC2 input in MXFP8
 
 

@@ -17,13 +17,12 @@ import torch
 
 from dep_ep.comm.mxfp8 import e8m0_to_fp32, mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
-from dep_ep.ep.allgather_reference import expert_sums
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
 from dep_ep.experts.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, default_engine, tuning_pairs
-
-from helpers.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
+from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.synthetic import SyntheticLayer
+from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
 
 TESTS = Path(__file__).resolve().parent
 HAVE_TRITON = importlib.util.find_spec("triton") is not None

@@ -6,10 +6,10 @@ Error model of the comparison with the reference (docs/layer.md restates it)
 ---------------------------------------------------------------------------
 The reference computes in float64 from the same BF16 inputs and weights. It reproduces two
 roundings of the layer exactly: the latent's BF16 (the down projection's output; the reference
-rounds its float64 product once) and the latent's MXFP8 (ep/allgather_reference.py). The layer
-differs from it by these roundings to BF16 (relative rms of each: helpers.tolerance.BF16 =
+rounds its float64 product once) and the latent's MXFP8 (testing/allgather_reference.py). The layer
+differs from it by these roundings to BF16 (relative rms of each: dep_ep.testing.tolerance.BF16 =
 1.66e-3, from the unit roundoff u = 2^-8):
-- routed part r = up(normed): the routed path's six (helpers.tolerance.ROUTED_ROUNDINGS: SiTU
+- routed part r = up(normed): the routed path's six (dep_ep.testing.tolerance.ROUTED_ROUNDINGS: SiTU
   activation, expert output, rank partial, rank sum, and the norm's two), rms e_r = 4.06e-3; the
   up projection's output is not rounded on its own (it is summed into the shared output in fp32
   by one addmm);
@@ -24,7 +24,7 @@ The projections keep relative L2 errors in expectation (random weights), and ind
 add in quadrature, so the expected relative L2 error of the output is
     e^2 = (|r|^2 e_r^2 + |s|^2 e_s^2) / |r + s|^2 + BF16^2,
 with |r|, |s|, |r + s| the reference's norms over the rank's rows. The bound is
-helpers.tolerance.SAFETY (2) times e: about 8e-3 when |r| ~ |s|.
+dep_ep.testing.tolerance.SAFETY (2) times e: about 8e-3 when |r| ~ |s|.
 Neglected: fp32 sums and fp32 transcendental functions (below 1e-5 relative); the router's fp32
 logits (the inputs are redrawn where the float64 top-K margin is below ROUTER_MARGIN, so both
 choose the same experts); an fp32-accumulated latent element that rounds to the other BF16
@@ -44,15 +44,16 @@ import torch.distributed as dist
 
 from dep_ep.comm.errors import EpPeerError
 from dep_ep.config import MoeGeometry
-from dep_ep.ep import TINY, EpMoeLayer, EpRouted, SyntheticLayer
-from dep_ep.ep.allgather_reference import expert_sums
+from dep_ep.ep import TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
+from dep_ep.testing import SyntheticLayer
+from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 from helpers.cases import agreed_seed, make_case, real_tokens
 from helpers.collective import collective_assert, expect_raises
 from helpers.reference_check import make_experts
-from helpers.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 MAX_TOKENS = 12
 EPS = 1e-5

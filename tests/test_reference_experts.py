@@ -8,8 +8,8 @@ import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import TINY
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts import DenseExperts, ReferenceExperts
+from dep_ep.testing.synthetic import SyntheticLayer
 
 FIRST, COUNT = 12, 12  # rank 1 of 4 under TINY
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer
+from dep_ep.ep import TINY, EpRouted
+from dep_ep.testing import SyntheticLayer
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert, expect_raises

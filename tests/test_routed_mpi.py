@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.ep import TINY, EpRouted
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert
-from helpers.reference_check import check_ragged, compare, make_experts
+from helpers.reference_check import check_ragged, make_experts
 
 MAX_TOKENS = 24
 

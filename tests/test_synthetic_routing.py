@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dep_ep.ep.synthetic import ROUTINGS, synthetic_ids
+from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
 
 E, K, T = 896, 16, 4096
 

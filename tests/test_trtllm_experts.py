@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dep_ep.config import TINY
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts.base import check_receive_rows
 from dep_ep.experts.trtllm import TrtllmExperts, routed_moe_arguments
 from dep_ep.experts.trtllm_weights import TrtllmWeights, prepare_trtllm_weights
+from dep_ep.testing.synthetic import SyntheticLayer
 
 from helpers.scale_layout import deinterleave_128x4, interleave_128x4
 

@@ -10,14 +10,15 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.config import EpConfig
-from dep_ep.ep import K3, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference
+from dep_ep.ep import K3, EpRouted, MoeGeometry
 from dep_ep.experts import default_experts
 from dep_ep.experts.hopper import HopperExperts
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare_rel_l2
+from dep_ep.testing.tolerance import EXPERTS_REL_L2, ROUTED_HUMMING_REL_L2, ROUTED_REL_L2
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert
-from helpers.reference_check import compare_rel_l2
-from helpers.tolerance import EXPERTS_REL_L2, ROUTED_HUMMING_REL_L2, ROUTED_REL_L2
 
 # K3's widths (L 3584, I 3072: where the humming engine is the default) over 32 experts, so that
 # the float64 reference (on the GPU) stays quick: 16 local experts a rank at N = 2, 4 at N = 8.

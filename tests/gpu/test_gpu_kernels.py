@@ -13,14 +13,16 @@ import torch.distributed as dist
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import owner_ranks, rms_norm
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, MoeGeometry, SyntheticLayer, allgather_reference
+from dep_ep.ep import TINY, EpRouted, MoeGeometry
 from dep_ep.experts import DenseExperts, ReferenceExperts
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert
 from helpers.dispatch_rows import check_rows, provenance_weights
 from helpers.mxfp8_blocks import edge_blocks
-from helpers.reference_check import check_ragged, compare
+from helpers.reference_check import check_ragged
 
 MAX_TOKENS = 64
 REPLAYS = int(os.environ.get("EP_TEST_REPLAYS", "1000"))

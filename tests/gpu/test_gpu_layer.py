@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.config import EpConfig, MoeGeometry
-from dep_ep.ep import K3, TINY, EpMoeLayer, EpRouted, SyntheticLayer
-from dep_ep.ep.allgather_reference import expert_sums
+from dep_ep.ep import K3, TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes
+from dep_ep.testing import SyntheticLayer
+from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert
-from helpers.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 MAX_TOKENS = 64
 EPS = 1e-5

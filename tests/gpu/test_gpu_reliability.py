@@ -14,12 +14,13 @@ import torch.distributed as dist
 from dep_ep.comm import EpDesyncError, EpPeerError
 from dep_ep.comm.reference import owner_ranks, rms_norm
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import DenseExperts, ExpertsBackend
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert, expect_raises
-from helpers.reference_check import compare
 
 MAX_TOKENS = 32
 TIMEOUT_S = 20.0  # a waited-out timeout would show as a failure of the 1 s bound below

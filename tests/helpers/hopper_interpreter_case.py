@@ -22,11 +22,10 @@ import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import MoeGeometry
-from dep_ep.ep.allgather_reference import expert_sums
-from dep_ep.ep.synthetic import SyntheticLayer
 from dep_ep.experts.hopper import HopperTiles, fused_experts
-
-from helpers.tolerance import EXPERTS_REL_L2
+from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.synthetic import SyntheticLayer
+from dep_ep.testing.tolerance import EXPERTS_REL_L2
 
 GEOMETRY = MoeGeometry("interp", hidden=256, latent=128, experts=24, topk=4, intermediate=64)
 FIRST, COUNT = 8, 6  # this rank's experts 8..13

@@ -10,9 +10,10 @@ import torch
 
 from dep_ep.comm import EpTimeoutError
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer
+from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import ReferenceExperts
 from dep_ep.launch import init_rank_context, new_dep_group
+from dep_ep.testing import SyntheticLayer
 
 TIMEOUT_S = 3.0
 

@@ -11,12 +11,13 @@ import time
 
 from dep_ep.comm import EpTimeoutError
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted, SyntheticLayer, allgather_reference
+from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import ReferenceExperts
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare
 
 from helpers.cases import make_case
-from helpers.reference_check import compare
 
 TIMEOUT_S = 2.0
 

@@ -1,0 +1,18 @@
+"""The yardsticks the library is measured with, kept out of the library proper (nothing under
+dep_ep.launch, comm, experts or ep imports this package): the all-gather reference of the routed
+path, deterministic synthetic weights and routing, and the tolerance model with its checks.
+Tests, benchmarks and examples import them from here."""
+
+from dep_ep.testing.allgather_reference import allgather_reference, expert_sums
+from dep_ep.testing.compare import compare, compare_rel_l2
+from dep_ep.testing.synthetic import ROUTINGS, SyntheticLayer, synthetic_ids
+
+__all__ = [
+    "ROUTINGS",
+    "SyntheticLayer",
+    "allgather_reference",
+    "compare",
+    "compare_rel_l2",
+    "expert_sums",
+    "synthetic_ids",
+]
