@@ -3,7 +3,7 @@ dep_ep.launch, comm, experts or ep imports this package): the all-gather referen
 path, deterministic synthetic weights and routing, and the tolerance model with its checks.
 Tests, benchmarks and examples import them from here."""
 
-from dep_ep.testing.allgather_reference import allgather_reference, expert_sums
+from dep_ep.testing.allgather_reference import allgather_reference, expert_sums, routed_reference
 from dep_ep.testing.compare import compare, compare_rel_l2
 from dep_ep.testing.synthetic import ROUTINGS, SyntheticLayer, synthetic_ids
 
@@ -14,5 +14,6 @@ __all__ = [
     "compare",
     "compare_rel_l2",
     "expert_sums",
+    "routed_reference",
     "synthetic_ids",
 ]

@@ -91,6 +91,29 @@ def expert_sums(
     return total
 
 
+def routed_reference(
+    latent: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    norm_weight: torch.Tensor,
+    expert_weights: Callable[[int], tuple[torch.Tensor, ...]],
+    *,
+    eps: float = 1e-5,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+) -> torch.Tensor:
+    """The expected routed output of these tokens, float64 [T, L], computed locally (a token's
+    output depends on that token alone): for tests that must not run a collective, such as one
+    checking a recovery while the ranks are out of step.
+
+    latent bf16 [T, L], ids [T, K] (-1 = none), weights fp32 [T, K]; norm_weight bf16 [L];
+    expert_weights(e) -> (w13, s13, w2, s2) of global expert e in checkpoint layout.
+    """
+    total = expert_sums(latent, ids, weights, expert_weights, beta=beta, linear_beta=linear_beta)
+    rms = torch.sqrt((total * total).mean(dim=-1, keepdim=True) + eps)
+    return total / rms * norm_weight.to(latent.device).double()
+
+
 def allgather_reference(
     group: dist.ProcessGroup,
     latent: torch.Tensor,
@@ -104,7 +127,8 @@ def allgather_reference(
     linear_beta: float = 25.0,
 ) -> torch.Tensor:
     """This rank's expected routed output, float64 [T, L] on latent's device (the gather runs on
-    CPU tensors, the arithmetic on the device). Collective over `group` (gloo).
+    CPU tensors, the arithmetic on the device). Collective over `group` (gloo): every rank's
+    tokens are gathered, this rank's rows computed from the gathered copy (`routed_reference`).
 
     latent bf16 [T, L], ids [T, K] (-1 = none), weights fp32 [T, K] as this rank passes them;
     expert_weights(e) -> (w13, s13, w2, s2) of global expert e in checkpoint layout.
@@ -114,7 +138,13 @@ def allgather_reference(
     all_ids = _gather(group, ids.cpu().long())
     all_weights = _gather(group, weights.cpu().double())
     mine = slice(rank * tokens, (rank + 1) * tokens)
-    total = expert_sums(all_latent[mine].to(device), all_ids[mine], all_weights[mine],
-                        expert_weights, beta=beta, linear_beta=linear_beta)  # fmt: skip
-    rms = torch.sqrt((total * total).mean(dim=-1, keepdim=True) + eps)
-    return total / rms * norm_weight.to(device).double()
+    return routed_reference(
+        all_latent[mine].to(device),
+        all_ids[mine],
+        all_weights[mine],
+        norm_weight,
+        expert_weights,
+        eps=eps,
+        beta=beta,
+        linear_beta=linear_beta,
+    )
