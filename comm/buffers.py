@@ -7,18 +7,35 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dep_ep.comm.agreement import agree_on_construction
+from dep_ep.comm.agreement import Agreement, agree_on_construction
 from dep_ep.comm.layout import EpLayout, Region
 from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
 from dep_ep.comm.shm import allocate_shm
 
 
-def resolve_device(device: torch.device | str) -> torch.device:
-    """A torch.device with an index for CUDA ("cuda" -> the current device), so comparisons hold."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+def resolve_device(fn: str, device: object) -> torch.device:
+    """The torch.device `device` names, in the form tensors report theirs: "cpu" for any CPU
+    spelling ("cpu:0" included), "cuda:<index>" for CUDA ("cuda" -> the current device).
+    ValueError for a device this process cannot use (CUDA in a torch without it, an index past
+    the devices, another kind); TypeError for what is not a device."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"{fn}: device={device!r}; expected a torch.device or a string")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"{fn}: device={device!r} is not a device ({err})") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"{fn}: device={device}; allowed: cpu, cuda")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{fn}: device={device}, but this torch has no usable CUDA device")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(
+            f"{fn}: device={device}; this process sees {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return torch.device("cuda", index)
 
 
 class RankRegions:
@@ -48,12 +65,6 @@ class RankRegions:
     def base_address(self) -> int:
         """Address of the allocation's first byte in this process (regions at layout offsets)."""
         return self._segment.data_ptr()
-
-    @property
-    def header(self) -> torch.Tensor:
-        """int64 [2, 4]: the CPU host protocol's control block, one slot per phase (dispatch,
-        combine): [seq, tokens, status, tag]."""
-        return self._view("header", None)
 
     def x(self, rows: int) -> torch.Tensor:
         """uint8 [rows, L]: MXFP8 e4m3 bytes."""
@@ -94,9 +105,11 @@ class EpBuffers(RankRegions):
     the same GPU) and `peer_addresses` holds their base addresses for the kernels.
     ranks: group size; rank: this process's rank in `group`.
     max_tokens: tokens per rank per step, at most; latent: L (multiple of 32); topk: K.
-    timeout_s bounds every wait of the construction. job: a tag the ranks agreed on for naming the
-    shared-memory files (EpRouted passes its own); None runs the agreement here, which also
-    checks that every rank asks for the same layout and device kind.
+    timeout_s bounds every wait of the construction. agreement: what the ranks agreed on at
+    construction (EpRouted passes its own: the object's id, which names the shared-memory files,
+    and its host barriers); None runs the agreement here, which also checks that every rank asks
+    for the same layout and device kind. `barriers` (comm/host_channel.py) carries the object's
+    host barriers from then on (the CPU transport's steps, reset).
     """
 
     def __init__(
@@ -110,30 +123,24 @@ class EpBuffers(RankRegions):
         latent: int,
         topk: int,
         timeout_s: float = 60.0,
-        job: str | None = None,
+        agreement: Agreement | None = None,
     ) -> None:
-        device = resolve_device(device)
+        device = resolve_device("EpBuffers", device)
         if dist.get_world_size(group) != ranks or dist.get_rank(group) != rank:
             raise ValueError(
                 f"EpBuffers: ranks={ranks} rank={rank}, but the group has"
                 f" {dist.get_world_size(group)} ranks and this process is {dist.get_rank(group)}"
             )
         layout = EpLayout(ranks, max_tokens, latent, topk)
-        if job is None:  # EpRouted agrees on more and passes its tag; standalone buffers agree here
+        if agreement is None:  # EpRouted agrees on more and passes its own
             fingerprint = {"layout": layout, "device": device.type}
-            job = agree_on_construction("EpBuffers", group, rank, fingerprint, timeout_s)
-        if device.type == "cpu":
-            if dist.get_backend(group) != "gloo":
-                raise ValueError(
-                    f"EpBuffers: CPU buffers need a gloo group, got {dist.get_backend(group)}"
-                )
-            segments = allocate_shm(
-                group, rank, ranks, layout.total_bytes, job=job, timeout_s=timeout_s
-            )
-        elif device.type == "cuda":
-            segments = allocate_nvshmem(group, rank, ranks, layout.total_bytes, device)
-        else:
-            raise ValueError(f"EpBuffers: device={device}; allowed: cpu, cuda")
+            agreement = agree_on_construction("EpBuffers", group, fingerprint, timeout_s)
+        self.barriers = agreement.barriers
+        try:
+            segments = self._allocate(group, rank, ranks, layout, device, agreement, timeout_s)
+        except BaseException:
+            self.barriers.close()
+            raise
         super().__init__(segments[rank], layout)
         self.group, self.rank, self.num_ranks = group, rank, ranks
         self.device, self.layout, self.timeout_s = device, layout, timeout_s
@@ -142,6 +149,19 @@ class EpBuffers(RankRegions):
         self.peer_addresses = torch.tensor([seg.data_ptr() for seg in segments], dtype=torch.int64,
                                            device=device)  # fmt: skip
         self._closed = False
+
+    @staticmethod
+    def _allocate(group, rank, ranks, layout, device, agreement, timeout_s):
+        """Every rank's segment of `layout.total_bytes`, as this process maps it."""
+        if device.type == "cpu":
+            if dist.get_backend(group) != "gloo":
+                raise ValueError(
+                    f"EpBuffers: CPU buffers need a gloo group, got {dist.get_backend(group)}"
+                )
+            return allocate_shm(agreement.barriers, rank, ranks, layout.total_bytes,
+                                job=agreement.job, timeout_s=timeout_s)  # fmt: skip
+        return allocate_nvshmem(agreement.barriers, rank, ranks, layout.total_bytes, device,
+                                timeout_s)  # fmt: skip
 
     def _view(self, name: str, rows: int | None) -> torch.Tensor:
         if self._closed:
@@ -161,5 +181,6 @@ class EpBuffers(RankRegions):
         self._full = {}
         self.peers = []
         self._closed = True
+        self.barriers.close()
         if self.device.type == "cuda":
             free_nvshmem(own)

@@ -11,20 +11,38 @@ it was captured with).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
 from dep_ep.comm.buffers import EpBuffers
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError, tag_text
-from dep_ep.comm.host_sync import bounded_barrier
+from dep_ep.comm.errors import (
+    RECOVERY_RESET,
+    EpDesyncError,
+    EpPeerError,
+    EpPeerLostError,
+    EpTimeoutError,
+    ranks_text,
+    tag_text,
+)
 from dep_ep.comm.layout import EpLayout
-from dep_ep.comm.transport import Transport
+from dep_ep.comm.peer_watch import PeerWatch
+from dep_ep.comm.transport import (
+    CAUSE_EXPERTS,
+    CAUSE_INPUT,
+    EXPERT_CAUSES,
+    Transport,
+)
 from dep_ep.config import EpConfig
 from dep_ep.constants import (
+    ABORT_PEER_LOST,
+    ABORT_RESET,
     COMBINE_WARPS,
     CTAS_PER_SM,
+    ERROR_ABORT,
     ERROR_CALL,
     ERROR_COMPLETE,
+    ERROR_KERNEL_WORDS,
     ERROR_KIND,
     ERROR_MINE,
     ERROR_PEER,
@@ -33,6 +51,7 @@ from dep_ep.constants import (
     ERROR_STATUS,
     ERROR_THEIRS,
     ERROR_WORDS,
+    KIND_ABORTED,
     KIND_REJECTED,
     KIND_TAG,
     KIND_TIMEOUT,
@@ -41,7 +60,10 @@ from dep_ep.constants import (
     MAX_TOPK,
     NO_TAG,
     PHASE_NAMES,
+    STATE_STEP_STATUS,
     STATE_WORDS,
+    STATUS_FAILED,
+    STATUS_REJECTED,
 )
 from dep_ep.launch.nvshmem import GPU_EXTRA
 
@@ -54,6 +76,10 @@ COMBINE_TOKENS_PER_CTA = COMBINE_WARPS  # combine: one warp per token in the red
 COMBINE_SPLIT_MIN_TOKENS = {1: 1024}  # num_ranks -> T; ranks not listed: never split
 NEVER = 1 << 62
 MAX_INDEX = 1 << 31  # element indices of the kernels' tensors are int32
+# synchronize(): spin on the stream's event this long, then sleep between looks (a kernel's step
+# takes microseconds; a blocked wait beyond this is waiting for something slow), and look at the
+# peers' processes this often.
+SYNC_SPIN_S, SYNC_SLEEP_S, SYNC_WATCH_S = 1e-3, 2e-4, 0.05
 
 
 def import_cute():
@@ -76,8 +102,13 @@ def compiled_count() -> int:
 
 
 COMBINE_MODES = {"combine": "fused", "combine_send": "send", "combine_reduce": "reduce"}
-REJECT_PHASES = {"reject_dispatch": "dispatch", "reject_combine": "combine"}
-KERNEL_NAMES = ("dispatch", *COMBINE_MODES, *REJECT_PHASES)
+# RejectKernel variants: (phase where the call failed, the flags' status).
+REJECT_KERNELS = {
+    "reject_dispatch": ("dispatch", STATUS_REJECTED),
+    "reject_combine": ("combine", STATUS_REJECTED),
+    "fail_combine": ("combine", STATUS_FAILED),
+}
+KERNEL_NAMES = ("dispatch", *COMBINE_MODES, *REJECT_KERNELS)
 SPLIT_COMBINE = ("combine_send", "combine_reduce")
 
 
@@ -132,7 +163,7 @@ def compile_kernels(
             # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
             args = (z, z, z, z, *structs, Float32(1e-5), one, one)
         else:
-            kernel = RejectKernel(num_ranks, REJECT_PHASES[name])
+            kernel = RejectKernel(num_ranks, *REJECT_KERNELS[name])
             args = structs
         kernels[name] = cute.compile(kernel, *args, stream, **kw)
         _COMPILED[key] = kernels[name]
@@ -215,7 +246,8 @@ class DeviceTransport(Transport):
     Device state (int64 [STATE_WORDS], this rank only): the calls done, the current call's step
     status, the CTA counters of the running launches, the abort word (comm/kernels/signals.py).
     The error record (int64 [ERROR_WORDS], host-mapped): the first error a kernel met, read by
-    `check()` without a device sync.
+    `check()` without a device sync, and the host's abort request (a PeerWatch thread sets it
+    when a peer's process is gone; reset() sets it so that waits end at once).
     """
 
     completes_on_return = False
@@ -240,13 +272,15 @@ class DeviceTransport(Transport):
         self.combine_split_min_tokens = split if split <= layout.max_tokens else NEVER
         self.retune(None)
         self._params = LaunchParams(buffers, self.state, self.error, self.rank, self.timeout_ns)
+        self.barriers = buffers.barriers
+        self.watch = PeerWatch(self.barriers.channel, self.error, config.peer_watch_s)
 
     def retune(self, tuning) -> None:
         """Compile (or take from the cache) this geometry's kernels with `tuning` (a KernelTuning;
         None: the default) and launch those from now on. Local; for benchmarks that compare
         tunings on one set of buffers. The results do not depend on the tuning."""
         layout = self.buffers.layout
-        names = ("dispatch", "combine", *REJECT_PHASES)
+        names = ("dispatch", "combine", *REJECT_KERNELS)
         if self.combine_split_min_tokens < NEVER:
             names += SPLIT_COMBINE
         self.kernels = compile_kernels(
@@ -262,9 +296,11 @@ class DeviceTransport(Transport):
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def check(self) -> None:
-        """Raise the error a kernel recorded (host-mapped memory: no sync). A timeout leaves the
-        buffers unusable (EpTimeoutError says to rebuild them); any other error is cleared once
-        raised, and the next call runs in step."""
+        """Raise the error a kernel recorded (host-mapped memory: no sync). A timeout or an abort
+        stays (every later call raises it) until reset(), or for a lost peer until the object is
+        closed; any other error is cleared once raised, and the next call runs in step."""
+        if self.watch.lost:
+            self._raise_lost("poll")
         if int(self.error[ERROR_STATUS]) != ERROR_COMPLETE:
             return
         phase_id, peer, rank, kind, theirs, mine, call = (
@@ -282,13 +318,23 @@ class DeviceTransport(Transport):
         phase = PHASE_NAMES.get(phase_id, str(phase_id))
         if kind == KIND_TIMEOUT:
             raise EpTimeoutError(
-                rank, phase, f"rank {peer}", "recorded by the GPU kernel; rebuild the buffers"
+                rank, phase, f"rank {peer}",
+                "recorded by the GPU kernel; call reset() on every rank",
+            )  # fmt: skip
+        if kind == KIND_ABORTED:
+            if theirs == ABORT_PEER_LOST:
+                self._raise_lost(phase)
+            raise EpDesyncError(
+                f"EpRouted (rank {rank}): a wait of {phase} for rank {peer} ended because reset()"
+                " ran; call reset() on every rank",
+                RECOVERY_RESET,
             )
-        self.error.zero_()
+        self.error[:ERROR_KERNEL_WORDS].zero_()
         where = f"EpRouted (rank {rank}): call {call} ({phase})"
         after = "; this rank's output of that call is NaN. This call did not start: call it again"
         if kind == KIND_REJECTED:
-            raise EpPeerError(f"{where}: rank {peer} rejected its input{after}")
+            cause = CAUSE_EXPERTS if theirs == STATUS_FAILED else CAUSE_INPUT
+            raise EpPeerError(f"{where}: rank {peer} {cause}{after}")
         if kind == KIND_TOKENS:
             raise ValueError(
                 f"{where}: ranks passed different token counts (rank {peer}: {theirs}, this rank:"
@@ -296,31 +342,72 @@ class DeviceTransport(Transport):
             )
         if kind == KIND_TAG:
             raise EpDesyncError(
-                f"{where}: the ranks are out of step: rank {peer} ran tag {tag_text(theirs)} where"
-                f" this rank ran tag {tag_text(mine)}{after}"
+                f"{where}: the ranks are out of step: rank {peer} ran {tag_text(theirs)} where"
+                f" this rank ran {tag_text(mine)}{after}"
             )
         raise EpDesyncError(
             f"{where}: the ranks are out of step: rank {peer} was at call {theirs}{after}"
         )
 
+    def _raise_lost(self, phase: str) -> None:
+        raise EpPeerLostError(
+            self.rank, phase, ranks_text(self.watch.lost),
+            "the process exited; this rank's waits for it were ended (outputs since are NaN)",
+        )  # fmt: skip
+
+    def poll(self) -> None:
+        """Look at the peers' processes once, then `check()`. Non-blocking, no device sync;
+        refused during a CUDA graph capture (it would run once, at capture, not per replay)."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "EpRouted.poll: called while a CUDA graph is being captured; call it after each"
+                " replay, outside the capture"
+            )
+        self.watch.check_now()
+        self.check()
+
     def synchronize(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        """Wait for this rank's current stream, watching the peers meanwhile (a peer found gone
+        ends the waits, so this returns), then `check()`. The wait polls the stream rather than
+        blocking inside CUDA, so a signal (SIGINT) takes effect within a millisecond."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        spin_until = time.monotonic() + SYNC_SPIN_S
+        next_look = time.monotonic() + SYNC_WATCH_S
+        while not done.query():
+            now = time.monotonic()
+            if now >= next_look:
+                self.watch.check_now()
+                next_look = now + SYNC_WATCH_S
+            if now >= spin_until:
+                time.sleep(SYNC_SLEEP_S)
         self.check()
 
     def reset(self) -> None:
-        """Once every rank's queued work is done (first barrier), zero this rank's step flags,
-        device state and error record; the second barrier keeps every rank from launching again
-        before all have zeroed. For interrupted calls and benchmarks: after a timeout the
-        supported recovery is a new EpRouted (a rank may still be anywhere in the protocol)."""
+        """Ask this rank's kernels to end their waits (the abort request), let its queued work
+        finish, then agree with every rank on a new epoch of the host barriers (every rank's
+        kernels are done then), zero this rank's step flags, device state and error record, and
+        meet once more so that no rank launches before every rank has zeroed. After a timeout,
+        a rejection or an interrupted call, the next call is in step; after a lost peer,
+        EpPeerLostError (the object must be closed)."""
+        self.error[ERROR_ABORT] = ABORT_RESET
         torch.cuda.synchronize(self.device)
-        bounded_barrier(self.buffers.group, self.rank, "reset", self.timeout_s)
+        self.barriers.reset(self.timeout_s)
         self.buffers.flags.zero_()
         self.state.zero_()
         self.error.zero_()
         torch.cuda.synchronize(self.device)
-        bounded_barrier(self.buffers.group, self.rank, "reset-done", self.timeout_s)
+        self.barriers.exchange("reset-done", {}, self.timeout_s)
 
-    def dispatch(self, latent, ids, weights, *, tokens, rejected, tag=NO_TAG):
+    def close(self) -> None:
+        self.watch.stop()
+
+    def step_ok(self) -> torch.Tensor:
+        """bool [] on the device, stream-ordered: the last call passed every check on this rank
+        (its outputs are the sums, not NaN)."""
+        return self.state[STATE_STEP_STATUS] == 0
+
+    def dispatch(self, latent, ids, weights, *, tokens, rejected, cause=CAUSE_INPUT, tag=NO_TAG):
         """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device.
         A rejected call takes part without payload (RejectKernel) and then raises `rejected`."""
         self.check()
@@ -339,12 +426,14 @@ class DeviceTransport(Transport):
             p.stream.set(self._stream_handle()),
         )
 
-    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, tag=NO_TAG):
+    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, cause=CAUSE_INPUT,
+                tag=NO_TAG):  # fmt: skip
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
         norm_weight bf16 [L] or None (the plain sum); returns bf16 [T, L]. A rejected call
-        takes part without payload (RejectKernel) and then raises `rejected`."""
+        takes part without payload (RejectKernel; its peers see STATUS_FAILED when the cause is
+        the experts) and then raises `rejected`."""
         if rejected is not None:
-            self._reject("reject_combine", tag)
+            self._reject("fail_combine" if cause in EXPERT_CAUSES else "reject_combine", tag)
             raise rejected
         tokens = ids.shape[0]
         normed = torch.empty(

@@ -1,21 +1,41 @@
-"""Errors raised by the communication layer."""
+"""Errors of the communication layer. Each says what happened and what to do next; `recovery`
+says the same for code: "none" (the ranks are in step, the next call is good), "reset" (call
+reset() on every rank, then the next call is good) or "rebuild" (a rank is gone: close the
+EpRouted; the job's processes must be restarted)."""
 
 from __future__ import annotations
 
-from dep_ep.constants import NO_TAG
+from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, NO_TAG
+
+RECOVERY_NONE, RECOVERY_RESET, RECOVERY_REBUILD = "none", "reset", "rebuild"
 
 
 def tag_text(tag: int) -> str:
-    """A step tag as error messages show it ("none" for a call that gave none)."""
-    return "none" if tag == NO_TAG else str(tag)
+    """A step tag as error messages show it: "no tag" for a call that gave none, "layer i call
+    s" for an EpMoeLayer's own tag, else "tag <n>"."""
+    if tag == NO_TAG:
+        return "no tag"
+    if LAYER_TAG_BASE <= tag < 0:
+        offset = tag - LAYER_TAG_BASE
+        index = offset & ((1 << LAYER_INDEX_BITS) - 1)
+        return f"layer {index} call {offset >> LAYER_INDEX_BITS}"
+    return f"tag {tag}"
 
 
-class EpTimeoutError(RuntimeError):
+class EpError(RuntimeError):
+    """Base of the library's protocol errors (every rank that takes part raises one)."""
+
+    recovery = RECOVERY_NONE
+
+
+class EpTimeoutError(EpError):
     """A bounded wait expired: names the rank that waited, the phase and the peer(s) it waited for.
 
-    After this error the buffers (and, on CPU, the process group) are in an unknown state: close
-    them and build new ones; do not call dispatch/combine on them again.
+    The ranks' states are unknown afterwards (a peer may still be inside the call): call reset()
+    on every rank before the next step.
     """
+
+    recovery = RECOVERY_RESET
 
     def __init__(self, rank: int, phase: str, peers: str, detail: str = "") -> None:
         self.rank, self.phase, self.peers = rank, phase, peers
@@ -23,14 +43,40 @@ class EpTimeoutError(RuntimeError):
         super().__init__(msg + (f" ({detail})" if detail else ""))
 
 
-class EpDesyncError(RuntimeError):
+class EpDesyncError(EpError):
     """The ranks are out of step: in the same call they passed different tags (one rank skipped
-    a step, or ran the layers in another order), or their calls did not pair (two EpRouted used
-    in a different order on different ranks). Names the ranks and what each ran."""
+    a step, or ran the layers in another order), or they are in different calls (another phase,
+    another EpRouted, a reset on one rank). Names the ranks and what each ran. `recovery` is
+    "none" when every rank saw the same mismatch in the same call, "reset" otherwise."""
+
+    def __init__(self, message: str, recovery: str = RECOVERY_NONE) -> None:
+        super().__init__(message)
+        self.recovery = recovery
 
 
-class EpPeerError(RuntimeError):
-    """Another rank of the group rejected its input for this call; no rank used the exchanged rows.
+class EpPeerError(EpError):
+    """Another rank failed this call (it rejected its input, or its experts failed); no rank used
+    the exchanged rows. Names the rank, what failed and, on CPU ranks, its error.
 
-    The rank that rejected its input raises the ValueError/TypeError naming the argument instead.
+    The rank that failed raises its own error (ValueError/TypeError naming the argument, or the
+    experts' exception) instead.
     """
+
+
+class EpPeerLostError(EpError):
+    """A rank of the group is gone (its process exited or was killed, or the rendezvous store it
+    hosted is unreachable): names the rank that noticed, the phase and the lost rank. Nothing of
+    the group can complete any more: close the EpRouted; the job's processes must be restarted.
+    """
+
+    recovery = RECOVERY_REBUILD
+
+    def __init__(self, rank: int, phase: str, lost: str, detail: str = "") -> None:
+        self.rank, self.phase, self.lost = rank, phase, lost
+        msg = f"rank {rank}: lost {lost} (seen in phase '{phase}')"
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+def ranks_text(ranks) -> str:
+    """Ranks as messages name them: "rank 1", "rank 0, rank 1"."""
+    return ", ".join(f"rank {r}" for r in ranks)

@@ -9,9 +9,6 @@ import torch
 from dep_ep.constants import FLAG_WORDS, SCALE_BLOCK
 
 ALIGN_BYTES = 256  # every region starts on this boundary (16-byte vector stores, TMA-friendly)
-HEADER_WORDS = 8  # int64 words of the per-rank control block: one slot per host-protocol phase
-HEADER_SLOT_WORDS = 4  # a phase's slot: [seq, tokens, status, tag]
-HEADER_SEQ, HEADER_TOKENS, HEADER_STATUS, HEADER_TAG = 0, 1, 2, 3
 
 
 def _align(n: int) -> int:
@@ -40,7 +37,6 @@ class EpLayout:
 
     Receive row `s * stride(T) + t` on rank d holds token t of source rank s (the row contract of
     docs/design.md). Regions, each sized for `max_rows = num_ranks * max_tokens` rows:
-      header   int64 [2, 4]               CPU host protocol: per phase [seq, tokens, status, tag]
       x        uint8 [max_rows, latent]   MXFP8 e4m3 bytes of the dispatched latent
       sf       uint8 [max_rows, latent/32] E8M0 scale bytes, linear layout
       ids      int32 [max_rows, topk]     global expert ids this rank owns, -1 elsewhere
@@ -79,7 +75,6 @@ class EpLayout:
     def regions(self) -> dict[str, Region]:
         rows, L, K = self.max_rows, self.latent, self.topk
         specs = (
-            ("header", (HEADER_WORDS // HEADER_SLOT_WORDS, HEADER_SLOT_WORDS), torch.int64),
             ("x", (rows, L), torch.uint8),
             ("sf", (rows, L // SCALE_BLOCK), torch.uint8),
             ("ids", (rows, K), torch.int32),

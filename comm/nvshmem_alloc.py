@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.launch.nvshmem import acquire_nvshmem, import_nvshmem, release_nvshmem
 
 
 def allocate_nvshmem(
-    group: dist.ProcessGroup, rank: int, num_ranks: int, nbytes: int, device: torch.device
+    barriers: ObjectBarriers,
+    rank: int,
+    num_ranks: int,
+    nbytes: int,
+    device: torch.device,
+    timeout_s: float,
 ) -> list[torch.Tensor]:
     """Collective: uint8 tensors of `nbytes`, entry r = rank r's allocation as this process sees
-    it (entry `rank` is its own). Zero-filled once here (the step flags start at call 0)."""
-    pes = acquire_nvshmem(group, device)
+    it (entry `rank` is its own). Zero-filled once here (the step flags start at call 0). The
+    bootstrap's unique id travels in one of the object's host barriers (bounded by
+    `timeout_s`)."""
+
+    def share(uid: bytes | None) -> bytes:
+        payload = {"uid": None if uid is None else uid.hex()}
+        messages = barriers.exchange("nvshmem-bootstrap", payload, timeout_s)
+        return bytes.fromhex(messages[0]["uid"] or "")
+
+    pes = acquire_nvshmem(barriers.channel.group, device, share)
     nvshmem = import_nvshmem()
     try:
         own = nvshmem.tensor((nbytes,), dtype=torch.uint8)

@@ -16,15 +16,25 @@ from dep_ep.comm.buffers import EpBuffers
 from dep_ep.config import EpConfig
 from dep_ep.constants import NO_TAG
 
+# Why a rank failed a call, as its peers' EpPeerError says it ("rank 2 <cause>: <its error>").
+CAUSE_INPUT = "rejected its input"
+CAUSE_EXPERTS = "failed in its experts"
+CAUSE_REJECT_STEP = "called reject_step"
+CAUSE_ABORT_STEP = "called abort_step"
+# The causes the device transport tells apart in its step flags (STATUS_FAILED: the experts);
+# the others travel as STATUS_REJECTED.
+EXPERT_CAUSES = (CAUSE_EXPERTS, CAUSE_ABORT_STEP)
+
 
 class Transport(ABC):
     """Moves one step's rows between the ranks of one EpBuffers.
 
     Every call is collective (every rank, same order). `rejected` is this rank's error for the
     call (its input failed validation, or its experts failed), or None: the call still takes
-    part without payload, so that no peer waits for it, and then raises `rejected`. The peers
-    raise EpPeerError: in the same call on the host transport, at their next call (or
-    `synchronize()`) on the device transport, whose outputs of the failed call are NaN.
+    part without payload, so that no peer waits for it, and then raises `rejected`; `cause` (one
+    of the CAUSE_* texts) says which. The peers raise EpPeerError naming the rank and the cause:
+    in the same call on the host transport, at their next call, `poll()` or `synchronize()` on
+    the device transport, whose outputs of the failed call are NaN.
     """
 
     buffers: EpBuffers
@@ -41,6 +51,7 @@ class Transport(ABC):
         *,
         tokens: int,
         rejected: BaseException | None,
+        cause: str = CAUSE_INPUT,
         tag: int = NO_TAG,
     ) -> None:
         """Quantize latent bf16 [n, L] (n <= T; a token with no expert is never read) to MXFP8
@@ -58,6 +69,7 @@ class Transport(ABC):
         eps: float,
         *,
         rejected: BaseException | None,
+        cause: str = CAUSE_INPUT,
         tag: int = NO_TAG,
     ) -> torch.Tensor:
         """Return expert_out bf16 [N*T, L] rows to their sources, sum each token's rows over ranks
@@ -67,16 +79,26 @@ class Transport(ABC):
 
     @abstractmethod
     def check(self) -> None:
-        """Raise the error a failed earlier call left behind (EpTimeoutError), without waiting."""
+        """Raise the error a failed earlier call left behind, without waiting."""
+
+    @abstractmethod
+    def poll(self) -> None:
+        """`check()`, and raise EpPeerLostError for a rank this process can watch that has
+        exited. Non-blocking; outside any CUDA graph capture."""
 
     @abstractmethod
     def synchronize(self) -> None:
-        """Wait for this rank's queued work, then `check()`."""
+        """Wait for this rank's queued work, then `poll()`."""
 
     @abstractmethod
     def reset(self) -> None:
-        """Collective, blocks the host: restart the step pairing of every rank from zero (only
-        when no call of this group is queued or running). Benchmarks that time one phase alone."""
+        """Collective, blocks the host: every rank leaves whatever call it was in and starts
+        afresh (a new epoch of the host barriers; on GPU also zeroed step flags and state), so
+        that nothing a failed call left can be taken for a later call's."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop what the transport runs beside the calls (local)."""
 
 
 def open_transport(buffers: EpBuffers, experts_per_rank: int, config: EpConfig) -> Transport:

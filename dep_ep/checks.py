@@ -1,9 +1,56 @@
-"""Argument validation for EpRouted: every message names the call, the argument, the value and
-what is allowed."""
+"""Argument validation for EpRouted and EpMoeLayer: every message names the call, the argument,
+the value and what is allowed. Integers and reals of any kind are accepted where the kind is
+right (Python, numpy and 0-dim torch numbers: `numbers.Integral`, `numbers.Real`); a bool is
+never a number here."""
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
+
+VECTOR_ALIGN = 16  # bytes: the GPU kernels move rows in 16-byte vectors
+
+# The largest routing weight magnitude a value check accepts. The combine's output of a token is
+# finite when the BF16 sum h = sum_k w_k o_k over its K <= MAX_TOPK = 2^7 expert outputs o_k is
+# below BF16's largest finite value, about 2^128 (the overflow-safe norm then normalises any
+# finite h: comm/reference.py rms_norm). With |w_k| <= 2^64 that holds for every expert output
+# below 2^(128 - 64 - 7) = 2^57 (1.4e17) in magnitude, far beyond what experts give; weights of
+# 5e37 overflow h already for outputs of order 10 (NaN rows). Router weights are at most the
+# routed scaling factor (2.5 in DeepSeek-V3, 1 in Kimi K3).
+WEIGHT_MAX = 2.0**64
+
+
+def check_int(fn: str, name: str, value: object) -> int:
+    """`value` as a Python int when it is an integer of any kind (not a bool), else TypeError."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not (value.is_floating_point() or value.is_complex()):
+            if value.dtype != torch.bool:
+                return int(value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise TypeError(f"{fn}: {name}={value!r}; expected an int")
+
+
+def check_real(fn: str, name: str, value: object) -> float:
+    """`value` as a Python float when it is a real number of any kind (not a bool), else
+    TypeError. Finiteness is the caller's rule."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
+            return float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{fn}: {name}={value!r}; expected a real number")
+
+
+def check_positive_int(fn: str, name: str, value: object, multiple_of: int = 1) -> int:
+    """An int >= 1 (and a multiple of `multiple_of`), returned as a Python int."""
+    n = check_int(fn, name, value)
+    if n < 1 or n % multiple_of:
+        rule = ">= 1" if multiple_of == 1 else f"a positive multiple of {multiple_of}"
+        raise ValueError(f"{fn}: {name}={n}; expected {rule}")
+    return n
 
 
 def check_tensor(
@@ -28,9 +75,6 @@ def check_tensor(
     return t
 
 
-VECTOR_ALIGN = 16  # bytes: the GPU kernels move rows in 16-byte vectors
-
-
 def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
     """A tensor the GPU kernels read in 16-byte vectors must start on a 16-byte boundary (every
     torch allocation does; a view at an odd offset may not)."""
@@ -42,27 +86,36 @@ def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_tokens(fn: str, tokens: int, max_tokens: int) -> int:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= max_tokens:
-        raise ValueError(f"{fn}: tokens={tokens!r} outside 1..{max_tokens} (max_tokens)")
-    return tokens
+def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
+    """T as a Python int in 1..max_tokens: TypeError for what is not an int, else ValueError."""
+    t = check_int(fn, "tokens", tokens)
+    if not 1 <= t <= max_tokens:
+        raise ValueError(f"{fn}: tokens={t} outside 1..{max_tokens} (max_tokens)")
+    return t
 
 
 def check_eps(fn: str, eps: object) -> float:
-    """A finite number > 0 (int or float), returned as a float."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+    """A finite real > 0, returned as a float."""
+    value = check_real(fn, "eps", eps)
+    if not 0 < value < math.inf:
         raise ValueError(f"{fn}: eps={eps!r}; expected a finite number > 0")
-    return float(eps)
+    return value
 
 
 TAG_MIN, TAG_MAX = -(2**63) + 1, 2**63 - 1  # -2**63 means "no tag" on the wire
 
 
-def check_tag(fn: str, tag: object) -> None:
+def check_tag(fn: str, tag: object) -> int | None:
+    """None, or the tag as a Python int in TAG_MIN..TAG_MAX (ValueError otherwise)."""
     if tag is None:
-        return
-    if isinstance(tag, bool) or not isinstance(tag, int) or not TAG_MIN <= tag <= TAG_MAX:
+        return None
+    try:
+        value = check_int(fn, "tag", tag)
+    except TypeError:
+        value = None
+    if value is None or not TAG_MIN <= value <= TAG_MAX:
         raise ValueError(f"{fn}: tag={tag!r}; expected None or an int in {TAG_MIN}..{TAG_MAX}")
+    return value
 
 
 def check_ids(fn: str, ids: torch.Tensor, num_experts: int) -> None:
@@ -75,12 +128,16 @@ def check_ids(fn: str, ids: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"{fn}: ids hold {bad}; allowed -1 (no expert) or 0..{num_experts - 1}")
 
 
-def check_weights_finite(fn: str, weights: torch.Tensor, ids: torch.Tensor) -> None:
-    """Routing weights of real (id != -1) selections must be finite."""
-    bad = (~torch.isfinite(weights)) & (ids >= 0)
+def check_weights(fn: str, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    """Routing weights of real (id != -1) selections must be finite and at most WEIGHT_MAX in
+    magnitude (reads the tensors: a host sync on GPU)."""
+    bad = ~(weights.abs() <= WEIGHT_MAX) & (ids >= 0)
     if bool(bad.any()):
         token, k = (int(v) for v in bad.nonzero()[0])
+        value = float(weights[token, k])
+        rule = "finite" if not math.isfinite(value) else "at most 2^64 in magnitude"
         raise ValueError(
-            f"{fn}: weights[{token}, {k}]={float(weights[token, k])} is not finite for expert"
-            f" {int(ids[token, k])}; routing weights must be finite"
+            f"{fn}: weights[{token}, {k}]={value} for expert {int(ids[token, k])}; routing"
+            f" weights must be {rule} (|w| <= 2^64 keeps every token's sum of weight * expert"
+            " output finite: dep_ep.checks.WEIGHT_MAX)"
         )

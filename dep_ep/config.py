@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from dep_ep.constants import SCALE_BLOCK
@@ -42,6 +43,8 @@ PRESETS = {g.name: g for g in (K3, TINY)}
 
 
 DEFAULT_TIMEOUT_S = 60.0
+# A dead peer's waits end within this (plus HOST_ABORT_POLL_NS); ten reads of /proc a second.
+DEFAULT_PEER_WATCH_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -61,27 +64,48 @@ class EpConfig:
       (on every rank) when a row that holds a local expert id was not written since the dispatch
       (experts skipped or writing elsewhere). It reads the rows: a host sync on a GPU. Off, such
       a combine returns sums of whatever the rows hold (the previous call's, for instance).
+    peer_watch_s: on CUDA ranks, how often a thread looks at the peers' processes (those on this
+      host) and, when one is gone, ends the kernels' waits for it (comm/peer_watch.py); None: no
+      thread (a dead peer is then seen by poll(), synchronize() or the kernels' timeout).
+    count_experts: every dispatch counts the (token, k) pairs this rank received per local
+      expert, for EpRouted.expert_counts(). The count is taken right after the dispatch (one
+      scatter-add on the device, stream-ordered): after the combine a peer's next dispatch may
+      already be overwriting the receive rows.
     """
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_values: bool | None = None
     combine_split_min_tokens: int | None = None
     check_expert_rows: bool = False
+    peer_watch_s: float | None = DEFAULT_PEER_WATCH_S
+    count_experts: bool = False
 
     def __post_init__(self) -> None:
         t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < t < 1e9:
             raise ValueError(f"EpConfig: timeout_s={t!r}; expected seconds above 0 and below 1e9")
+        object.__setattr__(self, "timeout_s", float(t))
         if not isinstance(self.check_expert_rows, bool):
             raise TypeError(
                 f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected a bool"
             )
+        if not isinstance(self.count_experts, bool):
+            raise TypeError(f"EpConfig: count_experts={self.count_experts!r}; expected a bool")
         if self.check_values not in (None, True, False):
             raise TypeError(f"EpConfig: check_values={self.check_values!r}; expected bool or None")
+        watch = self.peer_watch_s
+        if watch is not None and (
+            isinstance(watch, bool)
+            or not isinstance(watch, numbers.Real)
+            or not 0 < watch < float("inf")
+        ):
+            raise ValueError(f"EpConfig: peer_watch_s={watch!r}; expected None or seconds > 0")
         split = self.combine_split_min_tokens
         if split is not None and (
-            isinstance(split, bool) or not isinstance(split, int) or split < 0
+            isinstance(split, bool) or not isinstance(split, numbers.Integral) or split < 0
         ):
             raise ValueError(
                 f"EpConfig: combine_split_min_tokens={split!r}; expected None or an int >= 0"
             )
+        if split is not None:
+            object.__setattr__(self, "combine_split_min_tokens", int(split))

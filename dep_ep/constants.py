@@ -19,8 +19,14 @@ PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
 FLAG_PHASES = 2  # dispatch, then combine: slot (phase - PHASE_DISPATCH, source)
 FLAG_WORDS = 4
 FLAG_CALL, FLAG_TOKENS, FLAG_TAG = 0, 2, 3
-STATUS_OK, STATUS_REJECTED = 0, 1
+# A flag's status: the source took part with its payload, rejected its input (or called
+# reject_step), or failed in its experts (or called abort_step).
+STATUS_OK, STATUS_REJECTED, STATUS_FAILED = 0, 1, 2
 NO_TAG = -(1 << 63)  # the tag word of a call that gave none
+# EpMoeLayer's own tags (a call given no tag=): LAYER_TAG_BASE + (step << LAYER_INDEX_BITS) +
+# layer index, negative and apart from NO_TAG; error messages show them as "layer i call s".
+LAYER_INDEX_BITS = 16
+LAYER_TAG_BASE = -(1 << 62)
 # Device state of one rank (int64 words, device memory, not symmetric).
 STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c
 STATE_STEP_STATUS = 1  # 0, or the error kind a kernel of the current call met
@@ -28,13 +34,22 @@ STATE_DONE_DISPATCH = 2  # CTAs of the running dispatch launch done with their p
 STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their sends (int32)
 STATE_ABORT = 4  # 1 after a timeout: every later wait returns at once
 STATE_WORDS = 8
-# The error record (int64, host-mapped): [status, phase, peer, rank, kind, theirs, mine, call];
-# status 1 while a kernel writes it, 2 once complete. Kinds:
-ERROR_WORDS = 8
+# The error record (int64, host-mapped): [status, phase, peer, rank, kind, theirs, mine, call]
+# written by the kernels (status 1 while a kernel writes it, 2 once complete), then the abort
+# request the host writes (0, or an ABORT_* reason): a wait that has lasted HOST_ABORT_POLL_NS
+# reads it and ends. Kinds:
+ERROR_WORDS = 16
 ERROR_STATUS, ERROR_PHASE, ERROR_PEER, ERROR_RANK = 0, 1, 2, 3
 ERROR_KIND, ERROR_THEIRS, ERROR_MINE, ERROR_CALL = 4, 5, 6, 7
+ERROR_KERNEL_WORDS = 8  # the words above: the host clears these, never the abort request
+ERROR_ABORT = 8
 ERROR_WRITING, ERROR_COMPLETE = 1, 2
-KIND_TIMEOUT, KIND_REJECTED, KIND_TAG, KIND_TOKENS, KIND_CALL = 1, 2, 3, 4, 5
+KIND_TIMEOUT, KIND_REJECTED, KIND_TAG, KIND_TOKENS, KIND_CALL, KIND_ABORTED = 1, 2, 3, 4, 5, 6
+# Why the host asked the kernels' waits to end: a peer's process is gone, or reset() is running.
+ABORT_PEER_LOST, ABORT_RESET = 1, 2
+# A wait reads the host's abort request only after it has waited this long: the read crosses
+# PCIe (about a microsecond), and a flag that comes within this needs no abort.
+HOST_ABORT_POLL_NS = 20_000
 
 # Launch geometry of the CuTeDSL kernels, read by their host launch code too.
 WARP_LANES = 32

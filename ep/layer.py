@@ -9,7 +9,8 @@ from typing import Mapping
 
 import torch
 
-from dep_ep.checks import check_eps, check_tokens
+from dep_ep.checks import check_eps, check_int, check_real, check_tokens
+from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.select import default_experts
@@ -28,6 +29,14 @@ SHARED_DOWN = "shared_experts.down_proj.weight"
 DENSE_NAMES = (GATE, BIAS, DOWN, NORM, UP, SHARED_GATE, SHARED_UP, SHARED_DOWN)
 
 SCHEDULES = ("overlap", "serial")
+MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1
+
+
+def layer_tag(index: int, step: int) -> int:
+    """The tag of an EpMoeLayer's call given no tag=: its layer index and its own call count,
+    so that layers called in other orders on different ranks raise EpDesyncError everywhere."""
+    return LAYER_TAG_BASE + (step << LAYER_INDEX_BITS) + index
+
 
 # torch.mm(..., out_dtype=) (BF16 inputs, fp32 output) exists on CUDA from torch 2.8.
 _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
@@ -82,6 +91,14 @@ class EpMoeLayer:
       projections and the routed path; docs/layer.md) or "serial" (everything on the current
       stream, in the formula's order). Both run the same GEMMs on the same data, so their results
       are the same bits; on CPU both run the serial order.
+    layer_index: the layer's number in the model (0..65535), which its calls' tags carry; None:
+      the first number no other live layer of `routed` holds (construction order). Ranks must
+      give a layer the same index: build the layers in the same order, or pass the model's.
+
+    Tags: a call given no tag= carries (layer_index, the layer's call count) as its tag, so a
+    layer called where another layer is called on another rank raises EpDesyncError on every
+    rank (EpRouted.reset() restarts the counts). Under CUDA-graph replay the tag is the one the
+    graph was captured with: ranks that capture the same graphs in the same order agree.
 
     Memory: the shared gate and up projections and the latent down projection are copied once,
     at construction, into one packed weight `packed` bf16 [2S + L, H] (rows: shared gate, shared
@@ -108,6 +125,7 @@ class EpMoeLayer:
         eps: float = 1e-5,
         routed_scaling_factor: float = 1.0,
         schedule: str = "overlap",
+        layer_index: int | None = None,
     ) -> None:
         fn = "EpMoeLayer"
         if not isinstance(routed, EpRouted):
@@ -121,26 +139,29 @@ class EpMoeLayer:
             experts = default_experts(*experts, first_expert=routed.first_expert,
                                       num_experts=routed.num_experts)  # fmt: skip
         check_experts_match(fn, routed, experts)
-        if isinstance(topk, bool) or not isinstance(topk, int) or topk != routed.topk:
+        if check_int(fn, "topk", topk) != routed.topk:
             raise ValueError(f"{fn}: topk={topk!r}; the EpRouted was built for topk={routed.topk}")
-        factor = routed_scaling_factor
-        if (
-            isinstance(factor, bool)
-            or not isinstance(factor, (int, float))
-            or not (math.isfinite(factor) and factor > 0)
-        ):
+        factor = check_real(fn, "routed_scaling_factor", routed_scaling_factor)
+        if not (math.isfinite(factor) and factor > 0):
             raise ValueError(
                 f"{fn}: routed_scaling_factor={factor!r}; expected a finite number > 0"
             )
         if schedule not in SCHEDULES:
             raise ValueError(f"{fn}: schedule={schedule!r}; allowed {SCHEDULES}")
-        self.routed, self.experts, self.topk = routed, experts, topk
+        if layer_index is not None:
+            layer_index = check_int(fn, "layer_index", layer_index)
+            if not 0 <= layer_index <= MAX_LAYER_INDEX:
+                raise ValueError(f"{fn}: layer_index={layer_index} outside 0..{MAX_LAYER_INDEX}")
+        self.routed, self.experts, self.topk = routed, experts, routed.topk
         self.eps = check_eps(fn, eps)
-        self.routed_scaling_factor = float(factor)
+        self.routed_scaling_factor = factor
         self.schedule = schedule
         self.device = routed.device
         self.num_experts, self.latent = routed.num_experts, routed.latent
         self.hidden, self.shared_intermediate = self._check_dense(fn, dense)
+        # Inference only: a model's nn.Parameters are taken without their autograd (the layer's
+        # GEMMs write into given outputs, which autograd refuses for tensors that need grad).
+        dense = {name: dense[name].detach() for name in DENSE_NAMES}
 
         S, L = self.shared_intermediate, self.latent
         parts = [dense[SHARED_GATE], dense[SHARED_UP], dense[DOWN]]
@@ -162,6 +183,13 @@ class EpMoeLayer:
         self._side = None
         if self.device.type == "cuda" and schedule == "overlap":
             self._side = torch.cuda.Stream(device=self.device)
+        self.layer_index = routed.register_layer(self, layer_index)
+        self._calls = 0  # calls so far: the tag of the next call given no tag=
+
+    def restart_steps(self) -> None:
+        """Restart the call count the layer's own tags carry (EpRouted.reset does, on every
+        rank)."""
+        self._calls = 0
 
     # ----------------------------------------------------------------------------- validation
     def _check_dense(self, fn: str, dense: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -314,6 +342,9 @@ class EpMoeLayer:
         Collective over routed's group. On CUDA stream-ordered (no host sync unless the EpRouted
         reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
+        if tag is None:
+            tag = layer_tag(self.layer_index, self._calls)
+        self._calls += 1
         error = self._check_call(fn, x, tokens)
         if error is not None:
             self._reject(fn, error, tag)
@@ -333,10 +364,29 @@ class EpMoeLayer:
             self._route_into(x, ids, weights)
             self._shared_into(front, shared)
             latent = self.latent_of(front)
+            error = self._check_overflow(fn, x, latent, weights)
         except BaseException as err:  # every rank must still complete the step
             self._reject(fn, err, tag)
+        if error is not None:
+            self._reject(fn, error, tag)
         normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
         return self.up(normed, shared)
+
+    def _check_overflow(self, fn, x, latent, weights) -> ValueError | None:
+        """Where values are read (check_values): a finite x whose projections overflow (a latent
+        or a routing weight that is not finite) is the caller's x, named as such; unchecked it
+        would give NaN rows."""
+        if not self.routed.check_values or x.shape[0] == 0:
+            return None
+        bad = ~(latent.isfinite().all(dim=1) & weights.isfinite().all(dim=1))
+        if not bool(bad.any()):
+            return None
+        row = int(bad.nonzero()[0])
+        return ValueError(
+            f"{fn}: x row {row} (largest |x| {float(x[row].float().abs().max()):.3g}) overflows"
+            " the layer's projections (its latent or routing weights are not finite); scale the"
+            " layer's input"
+        )
 
     def _forward_overlap(self, fn, x, tokens, tag) -> torch.Tensor:
         """The serial order's operations on two streams:
@@ -371,9 +421,13 @@ class EpMoeLayer:
                 self._shared_into(front, shared)
             latent = self.latent_of(front)
             main.wait_event(routed_ready)
+            error = self._check_overflow(fn, x, latent, weights)
         except BaseException as err:  # every rank must still complete the step
             main.wait_stream(side)
             self._reject(fn, err, tag)
+        if error is not None:
+            main.wait_stream(side)
+            self._reject(fn, error, tag)
         try:
             normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
         finally:

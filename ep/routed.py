@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -12,18 +13,31 @@ from dep_ep.checks import (
     check_aligned,
     check_eps,
     check_ids,
+    check_int,
+    check_positive_int,
     check_tag,
     check_tensor,
     check_tokens,
-    check_weights_finite,
+    check_weights,
 )
 from dep_ep.comm.agreement import agree_on_construction
 from dep_ep.comm.buffers import EpBuffers, resolve_device
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
+from dep_ep.comm.errors import (
+    RECOVERY_NONE,
+    RECOVERY_REBUILD,
+    EpError,
+    EpPeerLostError,
+)
 from dep_ep.comm.layout import EpLayout
-from dep_ep.comm.transport import Transport, open_transport
+from dep_ep.comm.transport import (
+    CAUSE_ABORT_STEP,
+    CAUSE_EXPERTS,
+    CAUSE_INPUT,
+    CAUSE_REJECT_STEP,
+    open_transport,
+)
 from dep_ep.config import EpConfig
-from dep_ep.constants import NO_TAG
+from dep_ep.constants import NO_TAG, SCALE_BLOCK
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
 
@@ -70,16 +84,28 @@ def check_experts_match(fn: str, routed: EpRouted, experts: object) -> None:
         )
 
 
-def _valid_tag(tag: object) -> bool:
+def _wire_tag(tag: object) -> int:
+    """The tag a call sends: the caller's when it is valid, else NO_TAG (a rank that rejects its
+    tag sends none; its peers need not see the bad value)."""
     try:
-        check_tag("", tag)
+        value = check_tag("", tag)
     except ValueError:
-        return False
-    return tag is not None
+        return NO_TAG
+    return NO_TAG if value is None else value
 
 
-# Errors after which every rank's state is as before the call (raised on every rank by design).
-_IN_STEP_ERRORS = (EpPeerError, EpDesyncError, ValueError, TypeError)
+def _as_exception(fn: str, error: object) -> BaseException:
+    """The exception `reject_step` or `abort_step` raises for `error`: an exception, or an
+    exception class (as `raise` takes one), else a TypeError saying so (the step still fails on
+    every rank: the caller meant to fail it)."""
+    if isinstance(error, BaseException):
+        return error
+    if isinstance(error, type) and issubclass(error, BaseException):
+        try:
+            return error()
+        except Exception as err:  # noqa: BLE001 - a class that needs arguments
+            return TypeError(f"{fn}: could not instantiate {error.__name__}: {err}")
+    return TypeError(f"{fn}: error is {type(error).__name__} ({error!r}); expected an exception")
 
 
 class EpRouted:
@@ -89,24 +115,29 @@ class EpRouted:
     `reject_step`), `combine` (or `abort_step`), `routed` (the object is callable: `ep(...)` is
     `ep.routed(...)`), `reset`, `close`. On CPU each blocks the host and completes before it
     returns; on CUDA (NVSHMEM buffers, CuTeDSL kernels) dispatch/combine/routed are
-    stream-ordered, never sync the host and can be captured in a CUDA graph; `synchronize()`
-    waits and reports errors. A context manager: `with EpRouted(...) as ep:` closes on exit.
+    stream-ordered, never sync the host and can be captured in a CUDA graph; `poll()` (no sync)
+    and `synchronize()` report what the kernels recorded. A context manager: `with EpRouted(...)
+    as ep:` closes on exit.
 
-    group: gloo group of the EP ranks (it carries the host barriers, or the NVSHMEM bootstrap);
-    max_tokens: the most tokens a rank passes in a step; device: "cpu" or a CUDA device;
-    num_experts: E (divisible by the rank count; rank r owns [r*E/N, (r+1)*E/N)); latent: L
-    (a multiple of 32); topk: K; config: runtime settings (timeouts, checks, combine path).
-    Construction compares every rank's arguments (and device kind and library version) and
-    raises ValueError on every rank naming the fields that differ; a rank whose own arguments are
-    invalid raises its error and every other rank EpPeerError; a rank that never arrives gives
-    EpTimeoutError within `config.timeout_s`.
+    group: gloo group of the EP ranks (its rendezvous store carries the host barriers; the group's
+    own connections carry nothing of ours); max_tokens: the most tokens a rank passes in a step;
+    device: "cpu" or a CUDA device; num_experts: E (divisible by the rank count; rank r owns
+    [r*E/N, (r+1)*E/N)); latent: L (a multiple of 32); topk: K; config: runtime settings
+    (timeouts, checks, combine path, the peer watch). Integers of any kind (numpy, 0-dim torch)
+    are taken. Construction compares every rank's arguments (and device kind and library
+    version) and raises ValueError on every rank naming the fields that differ; a rank whose own
+    arguments are invalid raises its error and every other rank EpPeerError; a rank that never
+    arrives gives EpTimeoutError within `config.timeout_s`.
 
     Calls pair by their order: the i-th dispatch of every rank forms one step. A rank that skips a
     whole step is only seen when the calls carry a `tag` (an int the caller advances, such as
-    step * layers + layer): ranks whose tags differ raise EpDesyncError. Errors (docs/design.md,
-    "Errors"): a call whose input one rank rejects raises on every rank (ValueError/TypeError on
-    the rejecting rank, EpPeerError elsewhere: in the same call on CPU, at the next call or
-    `synchronize()` on CUDA, whose outputs of that call are NaN); the buffers stay usable.
+    step * layers + layer; EpMoeLayer tags its calls by itself): ranks whose tags differ raise
+    EpDesyncError. Errors (docs/design.md, "Errors"; each EpError's `recovery` says what to do):
+    a call whose input one rank rejects raises on every rank (ValueError/TypeError on the
+    rejecting rank, EpPeerError elsewhere: in the same call on CPU, at the next call, `poll()` or
+    `synchronize()` on CUDA, whose outputs of that call are NaN); the buffers stay usable. After
+    a timeout, a desync between calls or an interrupted call, every call raises until `reset()`
+    on every rank; after a lost peer (EpPeerLostError) only `close()` is left.
     """
 
     def __init__(
@@ -124,10 +155,11 @@ class EpRouted:
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         error = None
         try:
-            config = self._check_construction(fn, num_ranks, max_tokens, num_experts, latent,
-                                              topk, config)  # fmt: skip
-            self.device = resolve_device(device)
-        except (TypeError, ValueError, RuntimeError) as err:
+            config, max_tokens, num_experts, latent, topk = self._check_construction(
+                fn, num_ranks, max_tokens, num_experts, latent, topk, config
+            )
+            self.device = resolve_device(fn, device)
+        except (TypeError, ValueError) as err:
             # Every rank still takes part in the agreement: the others raise EpPeerError.
             error, config, self.device = err, EpConfig(), torch.device("cpu")
         self.config = config
@@ -135,26 +167,26 @@ class EpRouted:
             "num_ranks": num_ranks, "max_tokens": max_tokens, "num_experts": num_experts,
             "latent": latent, "topk": topk, "device": self.device.type, "version": __version__,
         }  # fmt: skip
-        job = agree_on_construction(fn, group, rank, fingerprint, config.timeout_s, error)
+        agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
         self.num_experts, self.latent, self.topk = num_experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = num_experts // num_ranks
         self.first_expert = rank * self.experts_per_rank
-        self.buffers = EpBuffers(
+        self._buffers = EpBuffers(
             group, num_ranks, rank, max_tokens, self.device,
-            latent=latent, topk=topk, timeout_s=config.timeout_s, job=job,
+            latent=latent, topk=topk, timeout_s=config.timeout_s, agreement=agreement,
         )  # fmt: skip
         try:
-            self._transport = open_transport(self.buffers, self.experts_per_rank, config)
+            self._transport = open_transport(self._buffers, self.experts_per_rank, config)
         except BaseException:
-            self.buffers.close()
+            self._buffers.close()
             raise
-        # Value checks (ids range, finite weights) read the tensors: free where calls complete on
+        # Value checks (ids range, weights) read the tensors: free where calls complete on
         # return, a host sync where they are stream-ordered.
         check = config.check_values
         self.check_values = self._transport.completes_on_return if check is None else check
         on = dict(device=self.device)
-        self._expert_out = torch.empty(self.buffers.layout.max_rows, latent, dtype=torch.bfloat16,
+        self._expert_out = torch.empty(self._buffers.layout.max_rows, latent, dtype=torch.bfloat16,
                                        **on)  # fmt: skip
         self._rows_of: dict[int, ReceiveRows] = {}  # T -> the step's views (EpRouted._rows)
         # Staged ids and weights of the step: padded to T with -1 ids, owned by this object.
@@ -162,18 +194,26 @@ class EpRouted:
         self._weights = torch.empty(max_tokens, topk, dtype=torch.float32, **on)
         self._step: _Step | None = None  # the dispatched step awaiting its combine
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
+        self._step_failure: str | None = None  # why the last step failed on this rank
         self._broken: str | None = None  # why calls are refused until reset()
+        self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
+        self._counts = None  # int32 [E_local]: the last dispatch's pairs per local expert
+        if config.count_experts:
+            self._counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, **on)
+        self._layers: weakref.WeakSet = weakref.WeakSet()  # EpMoeLayers tagging their calls
+        self._layer_indices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     @staticmethod
     def _check_construction(fn, num_ranks, max_tokens, num_experts, latent, topk, config):
-        """The constructor's arguments on their own (local); returns the EpConfig."""
+        """The constructor's arguments on their own (local); returns (config, max_tokens,
+        num_experts, latent, topk) as EpConfig and Python ints."""
         config = EpConfig() if config is None else config
         if not isinstance(config, EpConfig):
             raise TypeError(f"{fn}: config is {type(config).__name__}; expected an EpConfig")
-        for name, value in (("num_experts", num_experts), ("latent", latent), ("topk", topk),
-                            ("max_tokens", max_tokens)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{fn}: {name}={value!r}; expected an int")
+        num_experts = check_int(fn, "num_experts", num_experts)
+        latent = check_positive_int(fn, "latent", latent, SCALE_BLOCK)
+        topk = check_int(fn, "topk", topk)
+        max_tokens = check_int(fn, "max_tokens", max_tokens)
         if num_experts < 1 or num_experts % num_ranks:
             raise ValueError(
                 f"{fn}: num_experts={num_experts} must be a positive multiple of the rank"
@@ -183,7 +223,7 @@ class EpRouted:
             raise ValueError(f"{fn}: topk={topk} outside 1..{num_experts} (num_experts)")
         if max_tokens < 1:
             raise ValueError(f"{fn}: max_tokens={max_tokens} must be >= 1")
-        return config
+        return config, max_tokens, num_experts, latent, topk
 
     # ----------------------------------------------------------------------------- lifetime
     def __enter__(self) -> EpRouted:
@@ -193,26 +233,50 @@ class EpRouted:
         self.close()
 
     @property
-    def transport(self) -> Transport:
-        """The transport under this EpRouted (HostTransport or DeviceTransport). For benchmarks
-        that time one phase alone: its calls skip validation and the dispatch/combine pairing."""
-        return self._transport
+    def closed(self) -> bool:
+        return self._buffers.closed
+
+    @property
+    def layout(self) -> EpLayout:
+        """The geometry of this rank's symmetric allocation (row counts, region offsets)."""
+        return self._buffers.layout
 
     @staticmethod
     def workspace_bytes(num_ranks: int, max_tokens: int, *, latent: int, topk: int) -> int:
         """Bytes of the buffers one rank's EpRouted allocates on its device for the rows: the
         symmetric allocation (EpLayout), the expert output rows and the staged ids and weights
-        (a few hundred bytes of control words besides). Local, no allocation."""
+        (a few hundred bytes of control words besides). Local, no allocation. Integers of any
+        kind; TypeError for anything else, ValueError for values out of range."""
+        fn = "EpRouted.workspace_bytes"
+        num_ranks = check_positive_int(fn, "num_ranks", num_ranks)
+        max_tokens = check_positive_int(fn, "max_tokens", max_tokens)
+        latent = check_positive_int(fn, "latent", latent, SCALE_BLOCK)
+        topk = check_positive_int(fn, "topk", topk)
         layout = EpLayout(num_ranks, max_tokens, latent, topk)
         expert_out = layout.max_rows * latent * torch.bfloat16.itemsize
         staged = max_tokens * topk * (torch.int32.itemsize + torch.float32.itemsize)
         return layout.total_bytes + expert_out + staged
 
+    def register_layer(self, layer: object, index: int | None = None) -> int:
+        """Record an EpMoeLayer that tags its calls: returns its layer index, `index` or, for
+        None, the first index no live layer of this EpRouted holds (construction order). Local:
+        ranks that build their layers in the same order get the same indices, and a call of
+        another layer's index on another rank raises EpDesyncError on every rank."""
+        if index is None:
+            index = 0
+            while index in self._layer_indices:
+                index += 1
+        elif index in self._layer_indices:
+            raise ValueError(f"EpMoeLayer: layer_index={index} is taken by another layer")
+        self._layer_indices[index] = layer
+        self._layers.add(layer)
+        return index
+
     # ----------------------------------------------------------------------------- geometry
     def prepare(self, tokens: int) -> int:
         """Check `tokens` and get ready for steps of that size; returns stride(T). Local, cheap."""
-        check_tokens("EpRouted.prepare", tokens, self.max_tokens)
-        return self.buffers.layout.stride(tokens)
+        tokens = check_tokens("EpRouted.prepare", tokens, self.max_tokens)
+        return self._buffers.layout.stride(tokens)
 
     def receive(self, tokens: int | None = None) -> ReceiveRows:
         """This rank's receive rows of the dispatched step (valid until its combine), or, with no
@@ -237,26 +301,46 @@ class EpRouted:
         their slicing was most of EpRouted's own host time per eager step)."""
         views = self._rows_of.get(tokens)
         if views is None:
-            rows = self.buffers.layout.rows(tokens)
-            b = self.buffers
+            b = self._buffers
+            rows = b.layout.rows(tokens)
             views = ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows),
                                 self._expert_out[:rows])  # fmt: skip
             self._rows_of[tokens] = views
         return views
 
     def expert_counts(self) -> torch.Tensor:
-        """int32 [E_local] on the device: the (token, k) pairs this rank received per local expert
-        in the last dispatch (for expert-load balancing). Stream-ordered, no host sync."""
+        """int32 [E_local] on the device, a new tensor: the (token, k) pairs this rank received
+        per local expert in the last dispatch (for expert-load balancing), counted right after
+        that dispatch (EpConfig.count_experts must be on). Stream-ordered, no host sync. After a
+        step that failed on this rank (any error it raised) it raises RuntimeError: its rows are
+        not one step's. On CUDA a dispatch that failed on a peer only, not known on the host yet,
+        counts zero for every expert (the failure itself comes from poll())."""
         fn = "EpRouted.expert_counts"
         self._check_usable(fn)
+        if self._counts is None:
+            raise RuntimeError(
+                f"{fn}: build the EpRouted with EpConfig(count_experts=True): the counts are taken"
+                " at each dispatch, before a peer's next dispatch overwrites the receive rows"
+            )
         if self._last_tokens is None:
             raise RuntimeError(f"{fn}: no dispatch yet")
-        ids = self.buffers.ids(self.buffers.layout.rows(self._last_tokens))
-        local = ids.long() - self.first_expert
-        mine = ids >= 0
-        counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, device=self.device)
-        counts.scatter_add_(0, local.clamp(min=0).flatten(), mine.flatten().int())
-        return counts
+        if self._step_failure is not None:
+            raise RuntimeError(
+                f"{fn}: the last step failed ({self._step_failure}); its receive rows are not one"
+                " step's, so there are no counts for it"
+            )
+        return self._counts.clone()
+
+    def _count_experts(self, tokens: int) -> None:
+        """self._counts = this rank's received (row, k) pairs per local expert in the dispatch
+        just made (zeros where the device transport saw the dispatch fail)."""
+        ids = self._buffers.ids(self._buffers.layout.rows(tokens))
+        local = (ids.long() - self.first_expert).clamp(min=0).flatten()
+        self._counts.zero_()
+        self._counts.scatter_add_(0, local, (ids >= 0).flatten().int())
+        step_ok = getattr(self._transport, "step_ok", None)
+        if step_ok is not None:
+            self._counts.mul_(step_ok())
 
     # ----------------------------------------------------------------------------- validation
     def _check_inputs(self, fn, latent, ids, weights, experts, need_experts, tokens, tag):
@@ -270,7 +354,7 @@ class EpRouted:
             if real == 0:
                 raise ValueError(f"{fn}: latent has 0 rows and tokens=None; pass tokens= (T)")
             tokens = real
-        check_tokens(fn, tokens, self.max_tokens)
+        tokens = check_tokens(fn, tokens, self.max_tokens)
         if real > tokens:
             raise ValueError(f"{fn}: latent has {real} rows, more than tokens={tokens}")
         check_tag(fn, tag)
@@ -281,7 +365,7 @@ class EpRouted:
         check_tensor(fn, "weights", weights, (torch.float32,), shape, self.device)
         if self.check_values:
             check_ids(fn, ids, self.num_experts)
-            check_weights_finite(fn, weights, ids)
+            check_weights(fn, weights, ids)
         if experts is not None or need_experts:
             check_experts_match(fn, self, experts)
         return tokens, real
@@ -305,25 +389,31 @@ class EpRouted:
             )
 
     def _check_usable(self, fn: str) -> None:
-        if self.buffers.closed:
+        if self._buffers.closed:
             raise RuntimeError(f"{fn}: this EpRouted was closed")
+        if self._lost is not None:
+            lost = self._lost
+            raise EpPeerLostError(
+                self.rank, fn, lost.lost, f"seen in phase '{lost.phase}'; close() this EpRouted"
+            )
         if self._broken is not None:
             raise RuntimeError(f"{fn}: {self._broken}")
 
     def _run(self, fn: str, call, rejected: BaseException | None):
-        """Run a transport call; mark the object unusable when the call was cut short in a way
-        that leaves the ranks' state unknown."""
+        """Run a transport call; mark the object unusable until reset() (or for good) when the
+        call was cut short in a way that leaves the ranks' states unknown."""
         try:
             return call()
         except BaseException as err:
-            if err is rejected or isinstance(err, _IN_STEP_ERRORS):
+            self._step_failure = f"{type(err).__name__} in {fn}"
+            if err is rejected:
                 raise
-            if isinstance(err, EpTimeoutError):
-                self._broken = (
-                    f"an earlier call timed out ({err}); close() this EpRouted and build a new"
-                    " one on every rank"
-                )
-            else:
+            recovery = getattr(err, "recovery", None)
+            if isinstance(err, EpError) and recovery == RECOVERY_REBUILD:
+                self._lost = err
+            elif isinstance(err, EpError) and recovery != RECOVERY_NONE:
+                self._broken = f"an earlier call failed ({err}); call reset() on every rank"
+            elif not isinstance(err, (EpError, ValueError, TypeError)):
                 self._broken = (
                     f"an earlier {fn} was interrupted ({type(err).__name__}) inside the exchange;"
                     " call reset() on every rank (collective) before the next step"
@@ -343,11 +433,12 @@ class EpRouted:
     ) -> ReceiveRows:
         """Quantize each token to MXFP8 once and deliver it to every rank owning one of its experts.
 
-        latent bf16 [n, L]; ids int32|int64 [n, K] global expert ids, -1 = none; weights fp32
-        [n, K]. tokens: T, the step's token count, the same on every rank (None: n); rows
-        n..T-1 are padding (no expert). tag: an int identifying the step, or None (see the class
-        docstring). Collective; on CPU it blocks until every rank has delivered. Returns this
-        rank's receive rows. `experts`, when given, is validated with the inputs.
+        latent bf16 [n, L]; ids int32|int64 [n, K] global expert ids, -1 = none (int64 ids outside
+        -1..E-1 select no expert when the values are not checked); weights fp32 [n, K]. tokens: T,
+        the step's token count, the same on every rank (None: n); rows n..T-1 are padding (no
+        expert). tag: an int identifying the step, or None (see the class docstring).
+        Collective; on CPU it blocks until every rank has delivered. Returns this rank's receive
+        rows. `experts`, when given, is validated with the inputs.
         """
         return self._dispatch(
             "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag
@@ -360,6 +451,7 @@ class EpRouted:
                 f"{fn}: the previous dispatch was not combined yet; call combine (or abort_step)"
                 " on every rank first"
             )
+        self._step_failure = None
         error, real = None, 0
         try:
             tokens, real = self._check_inputs(
@@ -367,13 +459,17 @@ class EpRouted:
             )
         except (TypeError, ValueError) as err:
             error, tokens = err, 0
-        wire_tag = tag if _valid_tag(tag) else NO_TAG  # a rejecting rank's peers need not see it
+        wire_tag = _wire_tag(tag)
         staged_ids = self._ids[:tokens]
         if error is None:
             # The ids are copied, never referenced: combine reads them again and the caller may
-            # reuse its tensor in between; padding rows get -1 ids. The weights are read by the
+            # reuse its tensor in between; padding rows get -1 ids. int64 ids outside int32 would
+            # wrap in the copy (2**32 + 3 becomes expert 3): clamped to -1..E first, and E, like
+            # any id past the last rank's experts, selects no rank. The weights are read by the
             # dispatch alone: staged only when padding rows must follow the caller's n rows, or
             # when they do not start on the 16-byte boundary the GPU kernel's loads need.
+            if ids.dtype == torch.int64:
+                ids = ids.clamp(-1, self.num_experts)
             staged_ids[:real].copy_(ids)
             if real < tokens:
                 staged_ids[real:].fill_(-1)
@@ -381,13 +477,16 @@ class EpRouted:
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
             if self.config.check_expert_rows:
-                out = self._expert_out[: self.buffers.layout.rows(tokens)]
+                out = self._expert_out[: self._buffers.layout.rows(tokens)]
                 out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
         self._run(fn, lambda: self._transport.dispatch(
-            latent, staged_ids, weights, tokens=tokens, rejected=error, tag=wire_tag,
+            latent, staged_ids, weights, tokens=tokens, rejected=error, cause=CAUSE_INPUT,
+            tag=wire_tag,
         ), error)  # fmt: skip
         self._step = _Step(tokens, real, wire_tag, staged_ids)
         self._last_tokens = tokens
+        if self._counts is not None:
+            self._count_experts(tokens)
         return self._rows(tokens)
 
     def combine(self, norm_weight: torch.Tensor | None, *, eps: float = 1e-5) -> torch.Tensor:
@@ -399,36 +498,37 @@ class EpRouted:
         Collective; on CPU it blocks until every rank has delivered. Returns bf16 [n, L] (the
         real rows of the dispatch).
         """
-        return self._combine("EpRouted.combine", norm_weight, eps, None)
+        return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT)
 
     def reject_step(self, error: BaseException, *, tag: int | None = None) -> None:
         """Instead of dispatch, for a rank that cannot take part in this step with inputs (its
         caller failed before the dispatch): take part in the step's dispatch and combine without
         payload (no peer waits for this rank; every peer raises EpPeerError: in this call on CPU,
-        at its next call on CUDA), then raise `error`. Collective, like dispatch + combine."""
+        at its next call on CUDA), then raise `error`. An exception class is instantiated (as
+        `raise` does); anything else fails the step with a TypeError saying so. Collective, like
+        dispatch + combine."""
         fn = "EpRouted.reject_step"
-        if not isinstance(error, BaseException):
-            raise TypeError(f"{fn}: error is {type(error).__name__}; expected an exception")
+        error = _as_exception(fn, error)
         self._check_usable(fn)
         if self._step is not None:
             raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
-        wire_tag = tag if _valid_tag(tag) else NO_TAG
+        self._step_failure = f"{type(error).__name__} in {fn}"
         empty = self._ids[:0]
         self._run(fn, lambda: self._transport.dispatch(
-            None, empty, self._weights[:0], tokens=0, rejected=error, tag=wire_tag,
+            None, empty, self._weights[:0], tokens=0, rejected=error, cause=CAUSE_REJECT_STEP,
+            tag=_wire_tag(tag),
         ), error)  # fmt: skip
 
     def abort_step(self, error: BaseException) -> None:
         """Instead of combine, after a dispatch whose experts failed on this rank: take part in the
         step's combine without payload (no peer waits for this rank; every peer raises
         EpPeerError: in this call on CPU, at its next call on CUDA, where its output of the step
-        is NaN), then raise `error`. Collective, like combine."""
-        if not isinstance(error, BaseException):
-            raise TypeError(f"EpRouted.abort_step: error is {type(error).__name__}; expected an"
-                            " exception")  # fmt: skip
-        self._combine("EpRouted.abort_step", None, 1e-5, error)
+        is NaN), then raise `error`. An exception class is instantiated (as `raise` does);
+        anything else fails the step with a TypeError saying so. Collective, like combine."""
+        fn = "EpRouted.abort_step"
+        self._combine(fn, None, 1e-5, _as_exception(fn, error), CAUSE_ABORT_STEP)
 
-    def _combine(self, fn, norm_weight, eps, error) -> torch.Tensor:
+    def _combine(self, fn, norm_weight, eps, error, cause) -> torch.Tensor:
         self._check_usable(fn)
         step = self._step
         if step is None:
@@ -440,10 +540,12 @@ class EpRouted:
                 if self.config.check_expert_rows:
                     self._check_expert_rows(fn, step)
             except (TypeError, ValueError) as err:
-                error = err
+                error, cause = err, CAUSE_INPUT
+        if error is not None:
+            self._step_failure = f"{type(error).__name__} in {fn}"
         out = self._rows(step.tokens).out
         normed = self._run(fn, lambda: self._transport.combine(
-            out, step.ids, norm_weight, eps, rejected=error, tag=step.tag,
+            out, step.ids, norm_weight, eps, rejected=error, cause=cause, tag=step.tag,
         ), error)  # fmt: skip
         return normed[: step.real]
 
@@ -463,7 +565,8 @@ class EpRouted:
         RMSNorm(sum over the token's experts of weight * expert(latent)) (norm_weight None: the
         plain sum). Arguments as `dispatch` and `combine`. Collective. An exception inside the
         experts (KeyboardInterrupt included) still completes the step on every rank (this rank
-        aborts it) and is then raised."""
+        aborts it; its peers' EpPeerError names the experts and, on CPU, the error) and is then
+        raised."""
         fn = "EpRouted.routed"
         # experts=None is caught by the dispatch's validation, which every rank takes part in.
         rows = self._dispatch(fn, latent, ids, weights, experts, True, tokens, tag)
@@ -472,30 +575,51 @@ class EpRouted:
             experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
         except BaseException as err:  # every rank must still complete the step
             error = err
-        return self._combine(fn, norm_weight, eps, error)
+        return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS)
 
     __call__ = routed
 
+    def poll(self) -> None:
+        """Raise what went wrong since the last poll, without waiting: on CUDA the first error a
+        kernel recorded in any step since (a peer's rejection or failed experts, differing tags
+        or token counts, a timeout: naming the call, the phase, this rank and the peer), on both
+        a peer whose process is gone (EpPeerLostError). Non-blocking, no device sync; not inside
+        a CUDA graph capture. A server replaying CUDA graphs calls it once per engine step: the
+        outputs of a failed step are NaN rows, and nothing else reports it."""
+        fn = "EpRouted.poll"
+        self._check_usable(fn)
+        self._run(fn, self._transport.poll, None)
+
     def synchronize(self) -> None:
-        """Wait for this rank's queued work and raise what a kernel recorded (EpTimeoutError,
-        EpPeerError, EpDesyncError, ValueError for differing T). On CPU every call completes
-        before it returns and this only checks the state."""
+        """Wait for this rank's queued work and raise what a kernel recorded (as `poll()`). On
+        CPU every call completes before it returns and this only checks the state."""
         self._check_usable("EpRouted.synchronize")
         self._run("EpRouted.synchronize", self._transport.synchronize, None)
 
     def reset(self) -> None:
-        """Collective, blocks the host: bring every rank back to a clean state after an
-        interrupted call (drops a pending dispatch, restarts the step pairing). Every rank must
-        call it, with no call of this group queued or running."""
-        if self.buffers.closed:
-            raise RuntimeError("EpRouted.reset: this EpRouted was closed")
-        self._transport.reset()
+        """Collective, blocks the host: bring every rank back to a clean state after a failed or
+        interrupted call (a timeout, a desync between calls, an interrupt): every rank leaves
+        whatever call it was in, the host barriers start a new epoch (no message or flag of an
+        earlier call can match a later one), a pending dispatch is dropped and the layers'
+        step counts restart. Every rank calls it, with no call of this group queued on its
+        stream. A rank whose peer waits in a call sees that peer raise EpDesyncError (its
+        message says to reset() too). After a lost peer it raises EpPeerLostError."""
+        fn = "EpRouted.reset"
+        if self._buffers.closed:
+            raise RuntimeError(f"{fn}: this EpRouted was closed")
+        if self._lost is not None:
+            self._check_usable(fn)
+        self._run(fn, self._transport.reset, None)
         self._step = None
+        self._step_failure = "reset() since"
         self._broken = None
+        for layer in list(self._layers):
+            layer.restart_steps()
 
     def close(self) -> None:
         """Release the buffers. Collective by contract; idempotent."""
-        if not self.buffers.closed:
-            self.buffers.close()
+        if not self._buffers.closed:
+            self._transport.close()
+            self._buffers.close()
         self._rows_of.clear()
         self._step = None

@@ -1,8 +1,11 @@
-"""NVSHMEM bootstrap over a torch.distributed group (unique id broadcast), reused when the host
-process initialised NVSHMEM itself; finalized only when we initialised it and the last user is gone.
+"""NVSHMEM bootstrap from a unique id group rank 0 draws and the caller shares, reused when the
+host process initialised NVSHMEM itself; finalized only when we initialised it and the last user
+is gone.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,18 +36,27 @@ def _device(index: int):
     return dev
 
 
-def acquire_nvshmem(group: dist.ProcessGroup, device: torch.device) -> list[int]:
+def acquire_nvshmem(
+    group: dist.ProcessGroup, device: torch.device, share: Callable[[bytes | None], bytes]
+) -> list[int]:
     """Make NVSHMEM usable by this process; returns the NVSHMEM PE of every rank of `group`.
 
-    Collective over `group` when NVSHMEM is not initialised yet: group rank 0 draws a unique id,
-    broadcasts it over `group` (gloo), and every rank initialises with PE = its group rank. When the
-    host already initialised NVSHMEM, PEs are taken as world ranks (the host's job must span the
-    world with PE = world rank). Pair every call with `release_nvshmem`.
+    Collective over `group`: group rank 0 draws a unique id, `share(its bytes)` on rank 0 and
+    `share(None)` on the others return rank 0's bytes on every rank (the caller's bounded host
+    barrier), and every rank initialises with PE = its group rank. Every rank calls `share`, even
+    when NVSHMEM is initialised already. When the host initialised NVSHMEM, PEs are taken as world
+    ranks (the host's job must span the world with PE = world rank). Pair every call with
+    `release_nvshmem`.
     """
     nvshmem = import_nvshmem()
     import numpy as np
 
-    if int(nvshmem.init_status()) >= 2:  # initialised (by us or by the host)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    initialised = int(nvshmem.init_status()) >= 2  # by us or by the host
+    uid = None if initialised else nvshmem.get_unique_id(empty=rank != 0)
+    raw = None if uid is None else uid._data.view(np.int8)
+    shared = share(raw.tobytes() if raw is not None and rank == 0 else None)
+    if initialised:
         if _state["created"]:
             pes = list(range(dist.get_world_size(group)))
         else:
@@ -56,12 +68,12 @@ def acquire_nvshmem(group: dist.ProcessGroup, device: torch.device) -> list[int]
             pes = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
         _state["users"] += 1
         return pes
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    uid = nvshmem.get_unique_id(empty=rank != 0)
-    raw = uid._data.view(np.int8)
-    box = torch.from_numpy(raw.copy())
-    dist.broadcast(box, src=dist.get_global_rank(group, 0), group=group)
-    raw[:] = box.numpy()
+    if len(shared) != raw.nbytes:
+        raise RuntimeError(
+            "acquire_nvshmem: group rank 0 has NVSHMEM initialised already and this rank does not;"
+            " initialise it on every rank of the group or on none"
+        )
+    raw[:] = np.frombuffer(shared, dtype=np.int8)
     nvshmem.init(device=_device(device.index), uid=uid, rank=rank, nranks=size,
                  initializer_method="uid")  # fmt: skip
     _state["created"] = True

@@ -173,16 +173,17 @@ def test_slow_reader_is_not_confused_by_the_next_phase(dep, monkeypatch):
     input: rank 0 must still see the dispatch as accepted, and every rank must raise in combine."""
     import time
 
-    import dep_ep.comm.host_transport as transport_module
+    from dep_ep.comm.host_channel import ObjectBarriers
 
-    barrier = transport_module.bounded_barrier
+    exchange = ObjectBarriers.exchange
 
-    def slow_after_dispatch(group, rank, phase, timeout_s):
-        barrier(group, rank, phase, timeout_s)
-        if rank == 0 and phase == "dispatch":
+    def slow_after_dispatch(self, phase, payload, timeout_s):
+        messages = exchange(self, phase, payload, timeout_s)
+        if self.channel.rank == 0 and phase == "dispatch":
             time.sleep(0.5)
+        return messages
 
-    monkeypatch.setattr(transport_module, "bounded_barrier", slow_after_dispatch)
+    monkeypatch.setattr(ObjectBarriers, "exchange", slow_after_dispatch)
     seeds = {"layer": agreed_seed(dep.cpu_group, 0)}
     layer = SyntheticLayer(TINY, seeds["layer"])
     routed = build(dep, EpConfig(timeout_s=10.0))

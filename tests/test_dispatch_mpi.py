@@ -29,7 +29,7 @@ def test_dispatch_rows_bitwise(dep, tokens, routing):
     routed = EpRouted(group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent,
                       topk=TINY.topk)  # fmt: skip
     try:
-        b = routed.buffers
+        b = routed._buffers
         b.ids(b.layout.max_rows).fill_(POISON_ID)
         b.x(b.layout.max_rows).fill_(0xFF)
         dist.barrier(group)  # every rank poisoned its rows before anyone writes

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm.errors import EpPeerError
-from dep_ep.config import MoeGeometry
+from dep_ep.config import EpConfig, MoeGeometry
 from dep_ep.ep import TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
@@ -206,7 +206,8 @@ class Rank:
 def rank(dep):
     seed = agreed_seed(dep.cpu_group, 300)
     routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
-                      latent=TINY.latent, topk=TINY.topk)  # fmt: skip
+                      latent=TINY.latent, topk=TINY.topk,
+                      config=EpConfig(count_experts=True))  # fmt: skip
     synthetic = SyntheticLayer(TINY, seed)
     yield Rank(dep, routed, synthetic, make_experts(synthetic, dep.rank, dep.size), seed)
     routed.close()
@@ -327,10 +328,10 @@ def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
     """workspace_bytes = the symmetric segment (EpLayout.total_bytes; its last region ends inside
     it) + every tensor the EpRouted object holds (expert output rows, staged ids and weights)."""
     routed = rank.routed
-    layout = routed.buffers.layout
+    layout = routed._buffers.layout
     held = sum(t.nbytes for t in vars(routed).values() if isinstance(t, torch.Tensor))
-    flags = routed.buffers.flags
-    segment_end = flags.data_ptr() + flags.nbytes - routed.buffers.base_address
+    flags = routed._buffers.flags
+    segment_end = flags.data_ptr() + flags.nbytes - routed._buffers.base_address
     want = EpRouted.workspace_bytes(dep.size, MAX_TOKENS, latent=TINY.latent, topk=TINY.topk)
     failures = []
     if want != layout.total_bytes + held:

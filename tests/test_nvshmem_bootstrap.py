@@ -47,6 +47,15 @@ def group(monkeypatch):
     dist.destroy_process_group()
 
 
+def share_alone(uid):
+    """The unique-id sharing of a one-rank group: rank 0's bytes come back (every rank calls)."""
+    share_alone.calls.append(uid)
+    return uid if uid is not None else b""
+
+
+share_alone.calls = []
+
+
 def install(monkeypatch, fake):
     package = types.ModuleType("nvshmem")
     package.core = fake
@@ -59,9 +68,12 @@ def test_initialises_from_a_unique_id_and_finalizes_its_own(monkeypatch, group):
     install(monkeypatch, fake)
     import torch
 
-    assert boot.acquire_nvshmem(group, torch.device("cuda", 0)) == [0]
-    assert boot.acquire_nvshmem(group, torch.device("cuda", 0)) == [0]  # second user: reuse
+    share_alone.calls.clear()
+    assert boot.acquire_nvshmem(group, torch.device("cuda", 0), share_alone) == [0]
+    assert boot.acquire_nvshmem(group, torch.device("cuda", 0), share_alone) == [0]  # reuse
     assert fake.calls == [("uid", False), ("init", 0, 1, "uid")]
+    # Every call shares (a collective on every rank): the id's bytes, then None once initialised.
+    assert [len(c) if c is not None else None for c in share_alone.calls] == [128, None]
     boot.release_nvshmem()
     assert ("finalize",) not in fake.calls  # one user left
     boot.release_nvshmem()
@@ -73,7 +85,7 @@ def test_reuses_the_hosts_nvshmem_and_leaves_it(monkeypatch, group):
     install(monkeypatch, fake)
     import torch
 
-    assert boot.acquire_nvshmem(group, torch.device("cuda", 0)) == [0]
+    assert boot.acquire_nvshmem(group, torch.device("cuda", 0), share_alone) == [0]
     boot.release_nvshmem()
     assert fake.calls == []  # no init, no finalize
 
@@ -83,7 +95,7 @@ def test_refuses_a_host_nvshmem_of_another_size(monkeypatch, group):
     import torch
 
     with pytest.raises(RuntimeError, match="4 PEs"):
-        boot.acquire_nvshmem(group, torch.device("cuda", 0))
+        boot.acquire_nvshmem(group, torch.device("cuda", 0), share_alone)
 
 
 def test_missing_packages_name_the_pip_line(monkeypatch):

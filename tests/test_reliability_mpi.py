@@ -239,20 +239,21 @@ def test_interrupted_exchange_needs_reset(dep, layer, monkeypatch):
     """An exception inside the exchange itself (here: in the barrier of one rank) leaves the
     object refusing calls with a message saying to reset(); after reset() on every rank the next
     step is correct."""
-    import dep_ep.comm.host_transport as host_transport
+    from dep_ep.comm.host_channel import ObjectBarriers
 
-    barrier = host_transport.bounded_barrier
+    exchange = ObjectBarriers.exchange
     experts = make_experts(layer, dep.rank, dep.size)
 
-    def interrupted(group, rank, phase, timeout_s):
-        barrier(group, rank, phase, timeout_s)  # every rank passes: only this rank is cut short
-        if rank == 0 and phase == "dispatch":
-            raise KeyboardInterrupt
+    def interrupted(self, phase, payload, timeout_s):
+        messages = exchange(self, phase, payload, timeout_s)  # every rank passes it
+        if self.channel.rank == 0 and phase == "dispatch":
+            raise KeyboardInterrupt  # only this rank is cut short
+        return messages
 
     failures: list[str] = []
     with build(dep) as routed:
         step = Step(dep, layer, 14)
-        monkeypatch.setattr(host_transport, "bounded_barrier", interrupted)
+        monkeypatch.setattr(ObjectBarriers, "exchange", interrupted)
         if dep.rank == 0:
             expect_raises(failures, "interrupted", KeyboardInterrupt, None,
                           lambda: routed.dispatch(step.latent, step.ids, step.weights))  # fmt: skip
@@ -260,7 +261,7 @@ def test_interrupted_exchange_needs_reset(dep, layer, monkeypatch):
                           lambda: step.run(routed, experts))  # fmt: skip
         else:
             routed.dispatch(step.latent, step.ids, step.weights)
-        monkeypatch.setattr(host_transport, "bounded_barrier", barrier)
+        monkeypatch.setattr(ObjectBarriers, "exchange", exchange)
         routed.reset()
         good_step(dep, routed, layer, experts, 15, "after reset", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)

@@ -38,12 +38,12 @@ def test_context_manager_closes_on_exit(dep):
     norm = layer.norm_weight()
     failures = []
     with build(dep) as ep:
-        if ep.buffers.closed:
+        if ep.closed:
             failures.append("closed inside the with block")
         out = ep(*args, norm, experts=experts)
         if out.shape != (5, TINY.latent) or not out.isfinite().all():
             failures.append(f"inside the block: output {tuple(out.shape)} {out.flatten()[:4]}")
-    if not ep.buffers.closed:
+    if not ep.closed:
         failures.append("not closed after the with block")
     calls = {
         "ep(...)": lambda: ep(*args, norm, experts=experts),
@@ -63,7 +63,7 @@ def test_context_manager_closes_on_exit(dep):
         pass
     else:
         failures.append("the with block swallowed the exception")
-    if not inner.buffers.closed:
+    if not inner.closed:
         failures.append("not closed after an exception in the with block")
     collective_assert(dep.cpu_group, failures, seeds=seeds)
 

@@ -31,7 +31,7 @@ class Harness:
         tokens, r = case.latent[0].shape[0], self.dep.rank
         rows = self.routed.receive(tokens)
         rows.out.fill_(float("nan"))  # rows the experts do not write must not reach combine
-        self.routed.buffers.partials(self.routed.buffers.layout.max_rows).fill_(float("nan"))
+        self.routed._buffers.partials(self.routed._buffers.layout.max_rows).fill_(float("nan"))
         return self.routed.routed(case.latent[r], case.ids[r], case.weights[r],
                                   layer.norm_weight(), experts=experts)  # fmt: skip
 

@@ -2,10 +2,11 @@
 
 A rank that rejects its dispatch input (or whose experts failed before the combine) still takes
 part in the call, so that no peer waits out its timeout: thread s < N stores this rank's flag
-with the status "rejected" into rank s (the dispatch flag and the combine flag for a rejected
-dispatch; the combine flag alone for a rejected combine), then waits (bounded) for rank s's
-combine flag of the same call, so that this rank's next call cannot overwrite rows or flags a
-peer still reads. The peers record the rejection and mark their outputs (combine.py); the call
+with a failure status into rank s (STATUS_REJECTED: the dispatch flag and the combine flag for
+a rejected dispatch, the combine flag alone for a rejected combine; STATUS_FAILED: the combine
+flag of a call whose experts failed), then waits (bounded) for rank s's combine flag of the
+same call, so that this rank's next call cannot overwrite rows or flags a peer still reads.
+The peers record the rejection (with its status) and mark their outputs (combine.py); the call
 then counts as done on every rank and the next one is in step.
 """
 
@@ -24,6 +25,7 @@ from dep_ep.constants import (
     PHASE_COMBINE,
     PHASE_DISPATCH,
     STATE_CALL,
+    STATUS_FAILED,
     STATUS_REJECTED,
     WARP_LANES,
 )
@@ -33,12 +35,14 @@ PHASES = ("dispatch", "combine")
 
 class RejectKernel:
     """Static geometry: num_ranks N (<= 32); `phase` is where the call was rejected: "dispatch"
-    (signals both phases) or "combine" (the dispatch went through; signals the combine). One
+    (signals both phases) or "combine" (the dispatch went through; signals the combine);
+    `status` the flags' status (STATUS_REJECTED, or STATUS_FAILED for failed experts). One
     warp: thread s signals and waits for rank s."""
 
-    def __init__(self, num_ranks: int, phase: str):
+    def __init__(self, num_ranks: int, phase: str, status: int = STATUS_REJECTED):
         assert 1 <= num_ranks <= MAX_RANKS and phase in PHASES
-        self.num_ranks, self.phase = num_ranks, phase
+        assert status in (STATUS_REJECTED, STATUS_FAILED)
+        self.num_ranks, self.phase, self.status = num_ranks, phase, status
 
     @cute.jit
     def __call__(
@@ -60,9 +64,7 @@ class RejectKernel:
                 signal_step(
                     flag_slot(mPeerFlags, PHASE_DISPATCH, control.rank), call, STATUS_REJECTED, step
                 )
-            signal_step(
-                flag_slot(mPeerFlags, PHASE_COMBINE, control.rank), call, STATUS_REJECTED, step
-            )
+            signal_step(flag_slot(mPeerFlags, PHASE_COMBINE, control.rank), call, self.status, step)
             mOwnFlags = flag_slots(regions.own, regions, N)
             wait_flag(
                 flag_slot(mOwnFlags, PHASE_COMBINE, tidx),

@@ -11,9 +11,12 @@ only grows (the device state keeps it), so nothing is reset between calls and a 
 replay the launches.
 
 The error record (host-mapped int64 [ERROR_WORDS]): [status, phase, peer, rank, kind, theirs,
-mine, call]; status 0 = fine, ERROR_WRITING, then ERROR_COMPLETE. The first error wins. A
-timeout also sets the state's abort word, which makes every later wait return at once (the
-buffers must be rebuilt); the other kinds leave the protocol in step and the next call is good.
+mine, call]; status 0 = fine, ERROR_WRITING, then ERROR_COMPLETE. The first error wins. Word
+ERROR_ABORT is the host's: a reason (constants.ABORT_*) when it wants every wait to end (a peer's
+process is gone, reset() runs). A wait that has lasted HOST_ABORT_POLL_NS reads it on every spin
+and ends with KIND_ABORTED; a flag that comes sooner costs no read over PCIe. A timeout or an
+abort also sets the state's abort word, which makes every later wait return at once (until
+reset() zeroes the state); the other kinds leave the protocol in step and the next call is good.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dep_ep.comm.kernels.tensors import (
     vectors,
 )
 from dep_ep.constants import (
+    ERROR_ABORT,
     ERROR_CALL,
     ERROR_COMPLETE,
     ERROR_KIND,
@@ -46,6 +50,8 @@ from dep_ep.constants import (
     FLAG_CALL,
     FLAG_TAG,
     FLAG_TOKENS,
+    HOST_ABORT_POLL_NS,
+    KIND_ABORTED,
     KIND_CALL,
     KIND_REJECTED,
     KIND_TAG,
@@ -101,23 +107,36 @@ def wait_flag(
     mSlot: cute.Tensor, target: Int64, control: RankControl, phase: int, peer: Int32
 ) -> Int64:
     """Spin (acquire, system scope) until the slot's flag word reaches `target`, at most
-    `control.timeout_ns`; return the value seen. On expiry set the abort word, record a timeout
-    of (phase, peer) and return -1; after an abort return -1 at once."""
+    `control.timeout_ns`; return the value seen. On expiry, or when the host asks for an abort
+    (its word read once the wait has lasted HOST_ABORT_POLL_NS), set the state's abort word,
+    record a timeout (or an abort, with the host's reason as `theirs`) of (phase, peer) and
+    return -1; after an abort return -1 at once."""
     mState = state_words(control)
+    abort_request = element_ptr(error_words(control), ERROR_ABORT)
     flag = element_ptr(mSlot, FLAG_CALL)
     seen = Int64(-1)
     if mState[STATE_ABORT] == 0:
         start = cute.arch.globaltimer()
         seen = cute.arch.load(flag, Int64, sem="acquire", scope="sys")
-        expired = Int32(0)
-        while seen < target and expired == 0:
-            if cute.arch.globaltimer() - start > control.timeout_ns:
-                expired = Int32(1)
+        stop = Int32(0)  # KIND_TIMEOUT or KIND_ABORTED once the wait ends without the flag
+        reason = Int64(0)
+        while seen < target and stop == 0:
+            waited = cute.arch.globaltimer() - start
+            if waited > control.timeout_ns:
+                stop = Int32(KIND_TIMEOUT)
             else:
-                seen = cute.arch.load(flag, Int64, sem="acquire", scope="sys")
-        if expired != 0:
+                if waited > HOST_ABORT_POLL_NS:
+                    reason = cute.arch.load(abort_request, Int64, sem="relaxed", scope="sys")
+                if reason != 0:
+                    stop = Int32(KIND_ABORTED)
+                else:
+                    seen = cute.arch.load(flag, Int64, sem="acquire", scope="sys")
+        if stop != 0:
             mState[STATE_ABORT] = Int64(1)
-            record_error(control, KIND_TIMEOUT, Int32(phase), peer, seen, target, Int64(0))
+            if stop == KIND_TIMEOUT:
+                record_error(control, KIND_TIMEOUT, Int32(phase), peer, seen, target, Int64(0))
+            else:
+                record_error(control, KIND_ABORTED, Int32(phase), peer, reason, target, Int64(0))
             seen = Int64(-1)
     return seen
 
@@ -262,8 +281,8 @@ def check_step(
             kind = Int32(KIND_CALL)
             record_error(control, KIND_CALL, Int32(phase), peer, flag >> 2, call, call)
         elif (flag & 3) != STATUS_OK:
-            kind = Int32(KIND_REJECTED)
-            record_error(control, KIND_REJECTED, Int32(phase), peer, Int64(0), Int64(0), call)
+            kind = Int32(KIND_REJECTED)  # theirs: the status (rejected input or failed experts)
+            record_error(control, KIND_REJECTED, Int32(phase), peer, flag & 3, Int64(0), call)
         elif cutlass.const_expr(check_payload):
             rWords = cute.make_rmem_tensor(cute.make_layout(2), Int64)
             cute.autovec_copy(cute.local_tile(mSlot, (2,), (FLAG_TOKENS // 2,)), rWords)

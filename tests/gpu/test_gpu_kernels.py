@@ -85,7 +85,7 @@ def test_quantize_kernel_bit_exact(gpu_dep):
 
 
 def poison_receive(routed):
-    b = routed.buffers
+    b = routed._buffers
     rows = b.layout.max_rows
     b.x(rows).fill_(0xFF)
     b.sf(rows).fill_(0xEE)
@@ -184,7 +184,7 @@ def path_config(path: str, max_tokens: int) -> EpConfig:
 
 def path_failures(routed, path: str) -> list[str]:
     """The transport takes the path asked for: the split kernels exist exactly for "split"."""
-    transport = routed.transport
+    transport = routed._transport
     split = "combine_send" in transport.kernels and "combine_reduce" in transport.kernels
     threshold = transport.combine_split_min_tokens
     if (path == "split") != split or (path == "split") != (threshold == 0):

@@ -36,7 +36,7 @@ def routed(gpu_dep):
         num_experts=TINY.experts,
         latent=TINY.latent,
         topk=TINY.topk,
-        config=EpConfig(timeout_s=TIMEOUT_S),
+        config=EpConfig(timeout_s=TIMEOUT_S, count_experts=True),
     )
     yield r
     r.close()

@@ -1,5 +1,7 @@
-"""Two CPU ranks, rank 1 skips a dispatch: both ranks must raise EpTimeoutError naming the rank,
-the phase and the peer, within the configured timeout. Prints one RESULT line per rank.
+"""Two CPU ranks, rank 1 skips a dispatch: rank 0 must raise EpTimeoutError naming the rank, the
+phase and the peer, within the configured timeout, then closes its EpRouted; rank 1, calling
+late, must raise an error naming rank 0 (it closed the EpRouted, or is gone), never a result.
+Prints one RESULT line per rank.
 
     cd tests && mpiexec -n 2 python -m helpers.timeout_case_cpu
 """
@@ -8,7 +10,7 @@ import time
 
 import torch
 
-from dep_ep.comm import EpTimeoutError
+from dep_ep.comm.errors import EpError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import ReferenceExperts
@@ -34,7 +36,7 @@ start = time.monotonic()
 try:
     routed.routed(latent, ids, weights, layer.norm_weight(), experts=experts)
     print(f"RESULT rank {dep.rank}: no error", flush=True)
-except EpTimeoutError as err:
+except EpError as err:
     took = time.monotonic() - start
-    print(f"RESULT rank {dep.rank}: EpTimeoutError after {took:.1f}s: {err}", flush=True)
+    print(f"RESULT rank {dep.rank}: {type(err).__name__} after {took:.1f}s: {err}", flush=True)
 routed.close()

@@ -1,0 +1,340 @@
+"""Host barriers between the ranks of one process group, keyed so that no message can stand for
+another (docs/design.md, "Host protocol", restates this with the error table).
+
+Every host-side agreement of the library (construction, the CPU transport's dispatch and combine,
+the shared-memory setup, the NVSHMEM bootstrap, reset) is a barrier of one *object*: each rank
+publishes one message, a small JSON dict holding the phase and what the ranks agree on, under
+
+    dep-ep/<generation>/<object>/<epoch>.<count>/<rank>
+
+in the group's store (launch/store.py), and waits until the message of every rank exists under
+the same (object, epoch, count). <object> is the id an EpRouted's construction agreed on, or
+"construction" for the group's constructions; <count> numbers the object's barriers, <epoch> its
+resets; <generation> numbers the channels the store has seen for this group (a store can outlive
+a process group: torchrun's agent keeps one across restarts).
+
+Why a stale or foreign message is never taken for the one awaited:
+- A barrier reads only the keys of its own (object, epoch, count). A message of another object,
+  of another barrier, or of an epoch before a reset lies under another key. The phase travels
+  in the message and must be the same on every rank: a rank at the same count in another phase
+  is a desync, never a partner.
+- A rank writes each key once: its count only grows within an epoch, and a reset takes every
+  rank to an epoch no key was written in. So a key holds the message of its barrier or nothing.
+- A rank deletes its message of barrier c - 1 once it has passed barrier c: passing c means that
+  every rank published c, which each does only after it has read every message of c - 1.
+Why a wait for a partner that will not come ends at once:
+- Each rank also publishes where it is (`where/<rank>`: the barrier it entered last). A waiting
+  rank reads the positions of the ranks it lacks and raises EpDesyncError when one waits where
+  this rank will not go (a barrier of another object this rank has not entered, a reset, a
+  construction): the two would wait for each other until the deadline.
+- It checks the processes of those ranks (comm/liveness.py): EpPeerLostError for one that is
+  gone, and for a store that stops answering.
+- At the deadline it raises EpTimeoutError naming the ranks whose message is missing. It waits
+  by polling (non-blocking store reads and short sleeps), never inside a blocking store call,
+  so a signal (SIGINT, SIGTERM) takes effect within milliseconds and the store stays usable
+  after any timeout.
+Ordering: a rank writes its payload (shared-memory rows) before it publishes, and its peers read
+the rows after they found its message; the store's socket round trips order the two (the
+kernel's socket locks give happens-before from the writer's send to the reader's receive).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch.distributed as dist
+
+from dep_ep.comm.errors import (
+    RECOVERY_RESET,
+    EpDesyncError,
+    EpPeerLostError,
+    EpTimeoutError,
+    ranks_text,
+)
+from dep_ep.comm.liveness import ProcessIdentity
+from dep_ep.launch.store import group_name, group_store
+
+# A barrier polls the store (a `check` round trip, ~50 us on one host) back to back for
+# POLL_SPIN_S, then sleeps between polls, doubling from POLL_SLEEP_MIN_S to POLL_SLEEP_MAX_S; it
+# looks at the missing ranks' positions and processes every WAIT_SLICE_S. A signal takes effect
+# at the next poll; a desync or a dead peer is seen within WAIT_SLICE_S.
+POLL_SPIN_S, POLL_SLEEP_MIN_S, POLL_SLEEP_MAX_S = 2e-3, 5e-5, 2e-3
+WAIT_SLICE_S = 0.02
+# Bound of a store call that should answer at once (a set, a read of keys that exist): only a
+# store that stopped answering takes this long.
+STORE_CALL_S = 30.0
+RESET_POLL_S = 0.002  # a reset polls the peers' reset rounds this often (resets are rare)
+# After the store stops answering, how long to look for the rank whose death closed it: a killed
+# process closes its sockets before /proc shows it as exited.
+LOST_STORE_GRACE_S = 0.5
+CONSTRUCTION = "construction"
+
+
+class GroupChannel:
+    """The barriers of every object on one process group, in this process (one per group:
+    `GroupChannel.of(group)`). Holds the store connection, this rank's position in every live
+    object (for telling a peer that waits elsewhere) and, after the first construction, every
+    rank's process identity."""
+
+    _channels: dict[object, GroupChannel] = {}
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> GroupChannel:
+        channel = cls._channels.get(group)
+        if channel is None:
+            channel = cls._channels[group] = GroupChannel(group)
+        return channel
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.name = group_name(group)
+        self.store = None
+        self.prefix = ""
+        if self.size > 1:
+            self.store = group_store(group, STORE_CALL_S)
+            generation = self.store.add(f"dep-ep/generation/{self.rank}", 1)
+            self.prefix = f"dep-ep/{generation}/"
+        self.objects: dict[str, ObjectBarriers] = {}  # live objects of this rank, by id
+        # Closed objects, by id: where this rank left them (a peer's position there is stale
+        # when it is before that; a barrier this rank never entered waits for ever).
+        self.closed: dict[str, ObjectBarriers] = {}
+        self.identities: list[ProcessIdentity] | None = None  # every rank's, once agreed
+        self.checkable: list[bool] = [False] * self.size
+        self.constructions = ObjectBarriers(self, CONSTRUCTION, "the group's constructions")
+
+    def learn_identities(self, identities: list[ProcessIdentity]) -> None:
+        """Every rank's process (from a construction exchange): which of them this rank can
+        watch (same host, same pid namespace)."""
+        self.identities = identities
+        self.checkable = [
+            r != self.rank and identity.checkable() for r, identity in enumerate(identities)
+        ]
+
+    def gone(self, ranks) -> list[int]:
+        """The ranks among `ranks` whose process this rank can watch and has exited."""
+        if self.identities is None:
+            return []
+        return [r for r in ranks if self.checkable[r] and not self.identities[r].alive()]
+
+    def key(self, *parts) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def lost(self, phase: str, err: BaseException | None = None) -> EpPeerLostError:
+        """The error for a store that stopped answering (err) or a peer found gone: names the
+        dead rank when one of the watchable ranks has exited within LOST_STORE_GRACE_S."""
+        deadline = time.monotonic() + (LOST_STORE_GRACE_S if err is not None else 0.0)
+        while True:
+            dead = self.gone(range(self.size))
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(RESET_POLL_S)
+        if dead:
+            return EpPeerLostError(self.rank, phase, ranks_text(dead), "the process exited")
+        detail = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err else ""
+        return EpPeerLostError(
+            self.rank, phase, "the rendezvous store (group rank 0's process or the launcher)",
+            f"it stopped answering ({detail})",
+        )  # fmt: skip
+
+
+class ObjectBarriers:
+    """The barriers of one object on a group: `exchange` (one barrier with a payload), `reset`
+    (every rank to a new epoch), `close`. Driven from one thread, in the same order on every
+    rank, as the object's collective calls are."""
+
+    def __init__(self, channel: GroupChannel, obj: str, label: str) -> None:
+        self.channel, self.obj, self.label = channel, obj, label
+        self.epoch, self.count, self.reset_round = 0, 0, 0
+        self._published: str | None = None  # this rank's key of the last barrier it passed
+        channel.objects[obj] = self
+
+    # ------------------------------------------------------------------------ positions
+    def _set_where(self, store, phase: str, **position) -> None:
+        where = json.dumps({"obj": self.obj, "phase": phase, **position})
+        store.set(self.channel.key("where", self.channel.rank), where)
+
+    def _blocking(self, peer_where: dict) -> str | None:
+        """Why a peer at `peer_where` will not reach this object's current barrier, or None."""
+        ch, obj = self.channel, peer_where.get("obj")
+        phase = peer_where.get("phase")
+        target = ch.objects.get(obj) or ch.closed.get(obj)
+        if target is None:
+            return f"waits in {phase} of an EpRouted this rank never built"
+        gone = " (closed on this rank)" if obj in ch.closed else ""
+        if phase == "closed":
+            return None  # it left another object: its next barrier is still to come
+        if phase == "reset":
+            if peer_where["round"] > target.reset_round:
+                return f"is in reset() of {target.label}{gone}"
+            return None  # a reset this rank took part in too: it has left it
+        position = (peer_where["epoch"], peer_where["count"])
+        if target is self:
+            ahead = (self.epoch, self.count + 1)  # it passed this barrier and entered the next
+            return None if position <= ahead else f"is at barrier {position} of {self.label}"
+        if position >= (target.epoch, target.count):
+            return f"waits in {phase} of {target.label}{gone}, which this rank has not reached"
+        return None
+
+    def _check_waiting(self, store, missing: list[int], phase: str) -> None:
+        """Raise when a rank whose message is missing will not come (module docstring)."""
+        ch = self.channel
+        dead = ch.gone(missing)
+        if dead:
+            raise ch.lost(phase)
+        keys = [ch.key("where", r) for r in missing]
+        if not store.check(keys):
+            return
+        for r, raw in zip(missing, store.multi_get(keys)):
+            where = json.loads(raw)
+            if where.get("obj") == self.obj and where.get("phase") == "closed":
+                raise EpPeerLostError(
+                    ch.rank, phase, f"rank {r}", f"it closed {self.label}; close it here too"
+                )
+            why = self._blocking(where)
+            if why is not None:
+                raise EpDesyncError(
+                    f"rank {ch.rank} in {phase} of {self.label}: rank {r} {why}; the ranks call"
+                    " their EpRouted (or their layers) in different orders, or one rank reset:"
+                    " call reset() on every rank",
+                    RECOVERY_RESET,
+                )
+
+    # ------------------------------------------------------------------------ barriers
+    def exchange(self, phase: str, payload: dict, timeout_s: float) -> list[dict]:
+        """Collective over the group: publish this rank's `payload` (JSON-serialisable) for this
+        object's next barrier, wait (at most `timeout_s`) for every rank's, and return them in
+        rank order, each with its "phase". Raises EpDesyncError when the ranks are in different
+        phases or a missing rank waits elsewhere (recovery "reset"), EpPeerLostError, and
+        EpTimeoutError naming the missing ranks. The barrier counts as passed on every rank that
+        returns or raises EpDesyncError for differing phases."""
+        ch = self.channel
+        message = dict(payload, phase=phase)
+        if ch.size == 1:
+            self.count += 1
+            return [message]
+        store, me = ch.store, ch.rank
+        keys = [ch.key(self.obj, f"{self.epoch}.{self.count}", r) for r in range(ch.size)]
+        try:
+            self._set_where(store, phase, epoch=self.epoch, count=self.count)
+            store.set(keys[me], json.dumps(message))
+            values = self._wait_all(store, keys, phase, timeout_s)
+            if self._published is not None:
+                store.delete_key(self._published)
+        except (EpDesyncError, EpTimeoutError, EpPeerLostError):
+            raise
+        except dist.DistError as err:
+            raise ch.lost(phase, err) from None
+        self._published = keys[me]
+        self.count += 1
+        messages = [json.loads(v) for v in values]
+        phases = [m["phase"] for m in messages]
+        if len(set(phases)) > 1:
+            ranks = "; ".join(f"rank {r}: {p}" for r, p in enumerate(phases))
+            raise EpDesyncError(
+                f"rank {me}: the ranks are in different calls of {self.label} ({ranks}): a rank"
+                " skipped a call; call reset() on every rank",
+                RECOVERY_RESET,
+            )
+        return messages
+
+    def _wait_all(self, store, keys: list[str], phase: str, timeout_s: float) -> list[bytes]:
+        """Every rank's message, once all exist. Polls with `check` (a store `wait` that times
+        out logs a warning in torch's C++ layer each time): back to back for POLL_SPIN_S, then
+        with sleeps growing to POLL_SLEEP_MAX_S; the peers are looked at every WAIT_SLICE_S."""
+        start = time.monotonic()
+        deadline, next_look, sleep = start + timeout_s, start + WAIT_SLICE_S, 0.0
+        while not store.check(keys):
+            now = time.monotonic()
+            if now >= next_look:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                if missing:
+                    self._check_waiting(store, missing, phase)
+                    if now >= deadline:
+                        raise EpTimeoutError(
+                            self.channel.rank, phase, f"rank(s) {', '.join(map(str, missing))}",
+                            f"no message within {timeout_s:g} s",
+                        )  # fmt: skip
+                next_look = now + WAIT_SLICE_S
+            if now - start > POLL_SPIN_S:
+                sleep = min(POLL_SLEEP_MAX_S, max(POLL_SLEEP_MIN_S, 2 * sleep))
+                time.sleep(sleep)
+        return store.multi_get(keys)
+
+    def reset(self, timeout_s: float) -> None:
+        """Collective over the group: every rank leaves whatever barrier of this object it was
+        in and starts a new epoch (count 0), the same on every rank. Each rank raises its reset
+        round to its previous round + 1 and waits until every rank's round reaches it; the new
+        epoch is the largest round (a rank whose earlier reset failed catches up). Raises
+        EpTimeoutError naming the ranks that did not call reset(), EpPeerLostError, and
+        EpDesyncError when a rank resets another object at the same time."""
+        ch = self.channel
+        target = self.reset_round + 1
+        if ch.size == 1:
+            self.epoch, self.count, self.reset_round = target, 0, target
+            return
+        store, me = ch.store, ch.rank
+        round_keys = [ch.key(self.obj, "reset", r) for r in range(ch.size)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._set_where(store, "reset", round=target)
+            mine = store.add(round_keys[me], 0)
+            store.add(round_keys[me], target - mine)
+            while True:
+                rounds = [store.add(k, 0) for k in round_keys]
+                missing = [r for r, n in enumerate(rounds) if n < target]
+                if not missing:
+                    break
+                if ch.gone(missing):
+                    raise ch.lost("reset")
+                self._check_resetting(store, missing)
+                if time.monotonic() >= deadline:
+                    raise EpTimeoutError(
+                        me, "reset", f"rank(s) {', '.join(map(str, missing))}",
+                        f"they did not call reset() within {timeout_s:g} s",
+                    )  # fmt: skip
+                time.sleep(RESET_POLL_S)
+            epoch = max(rounds)
+            if epoch > target:
+                store.add(round_keys[me], epoch - target)
+            if self._published is not None:
+                store.delete_key(self._published)
+        except (EpDesyncError, EpTimeoutError, EpPeerLostError):
+            raise
+        except dist.DistError as err:
+            raise ch.lost("reset", err) from None
+        self._published = None
+        self.epoch, self.count, self.reset_round = epoch, 0, epoch
+
+    def _check_resetting(self, store, missing: list[int]) -> None:
+        """While this rank resets: a missing rank that resets another object waits for this rank
+        there while this rank waits for it here."""
+        ch = self.channel
+        keys = [ch.key("where", r) for r in missing]
+        if not store.check(keys):
+            return
+        for r, raw in zip(missing, store.multi_get(keys)):
+            where = json.loads(raw)
+            other = ch.objects.get(where.get("obj"))
+            if where.get("phase") == "reset" and other is not self and other is not None:
+                if where["round"] > other.reset_round:
+                    raise EpDesyncError(
+                        f"rank {ch.rank} in reset() of {self.label}: rank {r} is in reset() of"
+                        f" {other.label}; reset the EpRouted of a group in the same order on"
+                        " every rank",
+                        RECOVERY_RESET,
+                    )
+
+    def close(self) -> None:
+        """This rank leaves the object (local): a peer still waiting in one of its barriers
+        raises EpPeerLostError naming this rank at its next look."""
+        ch = self.channel
+        if ch.objects.get(self.obj) is self:
+            del ch.objects[self.obj]
+            ch.closed[self.obj] = self
+            if ch.size > 1:
+                try:
+                    self._set_where(ch.store, "closed")
+                except dist.DistError:
+                    pass  # the store is gone: the peers learn that from it
