@@ -1,0 +1,208 @@
+"""GPU recovery (2 or more processes, which may share one GPU): an interrupt inside one rank's
+dispatch, then reset() on every rank, which ends the kernels still waiting (no timeout waited
+out) and makes the next steps equal to the reference; a kernel error under CUDA-graph replay
+(graphs captured with tags or token counts that differ across ranks), which poll() raises on
+every rank naming the call, the phase, the rank and the peer while the replay's rows are NaN;
+and (test_gpu_dead_peer.py) a peer that dies.
+
+Before the abort request and poll() (main at 6f889cd): a reset() after the interrupt waited for
+the stuck combine kernel's 20 s timeout, and a replayed step with differing tags raised nothing
+(EpRouted had no poll(); check() ran only inside an eager dispatch)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dep_ep.comm import EpDesyncError
+from dep_ep.comm.device_transport import DeviceTransport
+from dep_ep.config import TINY, EpConfig
+from dep_ep.ep import EpRouted
+from dep_ep.experts import DenseExperts
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare
+
+from helpers.cases import agreed_seed, make_case
+from helpers.collective import collective_assert, expect_raises
+
+MAX_TOKENS = 16
+T = 8
+TIMEOUT_S = 20.0  # a kernel that waited this out would fail the reset's bound below
+RESET_S = 3.0  # reset() while a peer's kernel is stuck: the abort request ends it at once
+
+
+def build(dep) -> EpRouted:
+    return EpRouted(
+        dep.cpu_group,
+        MAX_TOKENS,
+        "cuda",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(timeout_s=TIMEOUT_S),
+    )
+
+
+def dense_experts(layer, rank, n):
+    per_rank = TINY.experts // n
+    weights = [t.cuda() for t in layer.local(rank * per_rank, per_rank)]
+    return DenseExperts(*weights, first_expert=rank * per_rank)
+
+
+def good_step(dep, routed, layer, experts, seed, label) -> list[str]:
+    """A step on fresh rows (every rank in step) against the all-gather reference."""
+    case = make_case(TINY, dep.size, T, seed)
+    r = dep.rank
+    args = [t.cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+    out = routed(*args, layer.norm_weight().cuda(), experts=experts)
+    routed.synchronize()
+    ref = allgather_reference(
+        dep.cpu_group,
+        case.latent[r],
+        case.ids[r],
+        case.weights[r],
+        layer.norm_weight(),
+        layer.expert,
+    )
+    return compare(out.cpu(), ref, label)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("launched", [True, False], ids=["after-launch", "before-launch"])
+def test_interrupt_in_dispatch_then_reset(gpu_dep, monkeypatch, launched):
+    """KeyboardInterrupt inside rank 0's dispatch (after its kernel launch, or before it), while
+    the other ranks' kernels of the step wait for rank 0; then reset() on every rank returns
+    within RESET_S (the waiting kernels are ended, not timed out) and three fresh steps match
+    the reference."""
+    seed = agreed_seed(gpu_dep.cpu_group, 500)
+    layer = SyntheticLayer(TINY, seed)
+    experts = dense_experts(layer, gpu_dep.rank, gpu_dep.size)
+    failures: list[str] = []
+    routed = build(gpu_dep)
+    try:
+        failures += good_step(gpu_dep, routed, layer, experts, seed + 1, "before")
+        case = make_case(TINY, gpu_dep.size, T, seed + 2)
+        r = gpu_dep.rank
+        args = [t.cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+        norm = layer.norm_weight().cuda()
+        if r == 0:
+            real = DeviceTransport.dispatch
+
+            def interrupted(self, *a, **kw):
+                if launched:
+                    real(self, *a, **kw)
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(DeviceTransport, "dispatch", interrupted)
+            expect_raises(
+                failures,
+                "interrupted dispatch",
+                KeyboardInterrupt,
+                None,
+                lambda: routed(*args, norm, experts=experts),
+            )
+            monkeypatch.undo()
+        else:
+            routed(*args, norm, experts=experts)  # its kernels now wait for rank 0
+        start = time.monotonic()
+        try:
+            routed.reset()
+        except Exception as err:  # noqa: BLE001 - reported collectively
+            failures.append(f"reset(): {type(err).__name__}: {err}")
+        took = time.monotonic() - start
+        if took > RESET_S:
+            failures.append(f"reset() took {took:.1f} s (a kernel waited out its timeout)")
+        for i in range(3):
+            failures += good_step(gpu_dep, routed, layer, experts, seed + 10 + i, f"after {i}")
+    finally:
+        routed.close()
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+def capture(routed, args, norm, experts, tag):
+    """routed(...) captured in a CUDA graph after one eager warm-up on the capture stream;
+    returns (graph, its output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        routed(*args, norm, experts=experts, tag=tag)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    routed.poll()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed(*args, norm, experts=experts, tag=tag)
+    return graph, out
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differs", ["tag", "tokens"])
+def test_poll_raises_a_kernel_error_under_graph_replay(gpu_dep, differs):
+    """Graphs captured with a tag (or T) that differs on the last rank: a replay's rows are NaN
+    on every rank and poll() (after a plain CUDA sync, no call of ours in between) raises on
+    every rank, naming the call, the phase, the rank and a peer; then poll() is clean, and a
+    graph captured in step replays rows bit-equal to eager calls. poll() inside a capture is a
+    RuntimeError."""
+    seed = agreed_seed(gpu_dep.cpu_group, 510)
+    layer = SyntheticLayer(TINY, seed)
+    n, r = gpu_dep.size, gpu_dep.rank
+    experts = dense_experts(layer, r, n)
+    norm = layer.norm_weight().cuda()
+    odd = r == n - 1
+    failures: list[str] = []
+    routed = build(gpu_dep)
+    try:
+        tokens = T + 1 if (odd and differs == "tokens") else T
+        case = make_case(TINY, n, T + 1, seed + 1)
+        args = [t[:tokens].cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+        tag = 7 + (1 if odd and differs == "tag" else 0)
+        graph, out = capture(routed, args, norm, experts, tag if differs == "tag" else 7)
+        dist.barrier(gpu_dep.cpu_group)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not out.isnan().all():
+            failures.append("the failed replay's rows are not all NaN")
+        expected = EpDesyncError if differs == "tag" else ValueError
+        err = expect_raises(failures, "poll after the replay", expected, "call", routed.poll)
+        if err is not None and not all(w in str(err) for w in ("dispatch", f"rank {r}")):
+            failures.append(f"poll's error lacks the phase or the rank: {err}")
+        expect_raises(
+            failures,
+            "poll inside a capture",
+            RuntimeError,
+            "captured",
+            lambda: _poll_in_capture(routed),
+        )
+        routed.poll()  # cleared
+        dist.barrier(gpu_dep.cpu_group)
+        same = [t[:T].cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+        graph2, out2 = capture(routed, same, norm, experts, 9)
+        dist.barrier(gpu_dep.cpu_group)
+        for _ in range(3):
+            graph2.replay()
+        torch.cuda.synchronize()
+        routed.poll()
+        replayed = out2.clone()
+        eager = routed(*same, norm, experts=experts, tag=11)
+        routed.synchronize()
+        if not torch.equal(replayed.view(torch.int16), eager.view(torch.int16)):
+            failures.append("the in-step replay differs from an eager call")
+    except Exception as err:  # noqa: BLE001 - reported collectively
+        failures.append(f"{type(err).__name__}: {err}")
+    finally:
+        routed.close()
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+def _poll_in_capture(routed):
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            routed.poll()
+        finally:
+            graph.capture_end()

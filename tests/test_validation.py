@@ -1,0 +1,66 @@
+"""Argument validation that needs no rank: integers and reals of any kind (Python, numpy, 0-dim
+torch) are accepted where the kind is right, and everything else is a TypeError or ValueError
+naming the call, the argument and the rule.
+
+Before these checks (main at 6f889cd): `EpRouted.workspace_bytes` returned 23960.0 for a float
+`max_tokens`, nan for NaN, a number for True and for inf."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dep_ep.checks import check_eps, check_int, check_tokens
+from dep_ep.ep import EpRouted
+
+
+def workspace(**kw):
+    args = dict(num_ranks=2, max_tokens=8, latent=256, topk=6)
+    args.update(kw)
+    num_ranks, max_tokens = args.pop("num_ranks"), args.pop("max_tokens")
+    return EpRouted.workspace_bytes(num_ranks, max_tokens, **args)
+
+
+@pytest.mark.parametrize("field", ["num_ranks", "max_tokens", "latent", "topk"])
+@pytest.mark.parametrize("value", [8.0, math.nan, math.inf, True, "8", None])
+def test_workspace_bytes_refuses_what_is_not_an_int(field, value):
+    with pytest.raises(TypeError, match=f"EpRouted.workspace_bytes: {field}="):
+        workspace(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["num_ranks", "max_tokens", "latent", "topk"])
+def test_workspace_bytes_refuses_values_out_of_range(field):
+    with pytest.raises(ValueError, match=f"EpRouted.workspace_bytes: {field}=0"):
+        workspace(**{field: 0})
+    with pytest.raises(ValueError, match="latent=100"):
+        workspace(latent=100)  # not a multiple of 32
+
+
+def test_workspace_bytes_takes_numpy_and_torch_integers():
+    want = workspace()
+    assert isinstance(want, int) and want > 0
+    assert workspace(max_tokens=np.int64(8), latent=np.int32(256)) == want
+    assert workspace(topk=torch.tensor(6)) == want
+
+
+def test_check_int_and_tokens():
+    assert check_int("f", "n", np.int64(3)) == 3 and type(check_int("f", "n", np.int64(3))) is int
+    for bad in (3.0, True, np.float64(3.0), torch.tensor(3.0), torch.tensor([3]), "3"):
+        with pytest.raises(TypeError, match="f: n="):
+            check_int("f", "n", bad)
+    assert check_tokens("f", np.int16(4), 8) == 4
+    with pytest.raises(TypeError, match="tokens=4.0; expected an int"):
+        check_tokens("f", 4.0, 8)
+    with pytest.raises(ValueError, match="tokens=9 outside 1..8"):
+        check_tokens("f", 9, 8)
+
+
+def test_check_eps_takes_reals():
+    assert check_eps("f", np.float32(1e-5)) == pytest.approx(1e-5)
+    assert check_eps("f", 1) == 1.0 and check_eps("f", torch.tensor(1e-6)) == pytest.approx(1e-6)
+    for bad in (0.0, -1e-5, math.inf, math.nan, True, "1e-5", torch.tensor([1e-5])):
+        with pytest.raises((TypeError, ValueError), match="f: eps="):
+            check_eps("f", bad)

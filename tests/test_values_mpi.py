@@ -1,0 +1,179 @@
+"""Values at the edges of what EpRouted and EpMoeLayer accept (CPU ranks, 2-4 under mpiexec):
+routing weights past the bound the combine can sum, int64 ids past int32, numpy scalars,
+normalised devices, nn.Parameter weights, an x whose router logits overflow. Each is a clear
+error on every rank or the correct result.
+
+Each test says in its docstring how it failed on the code before these checks (main at
+6f889cd, run once with this file as it is)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dep_ep.comm.errors import EpPeerError
+from dep_ep.config import TINY, EpConfig
+from dep_ep.ep import EpMoeLayer, EpRouted
+from dep_ep.experts.checkpoint import dense_shapes
+from dep_ep.testing import SyntheticLayer
+from dep_ep.testing.compare import compare
+
+from helpers.cases import agreed_seed
+from helpers.collective import collective_assert, expect_raises
+from helpers.recovery import Batches
+
+MAX_TOKENS = 16
+T = 6
+
+
+def build(dep, config=None, **kw) -> EpRouted:
+    args = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk, max_tokens=MAX_TOKENS)
+    args.update(kw)
+    max_tokens, device = args.pop("max_tokens"), args.pop("device", "cpu")
+    config = config or EpConfig(timeout_s=10.0)
+    return EpRouted(dep.cpu_group, max_tokens, device, config=config, **args)
+
+
+@pytest.fixture
+def layer(dep):
+    return SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 400))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_routing_weights_past_the_bound_are_refused(dep, layer):
+    """Weights scaled by 5e37 (|w| up to ~5e37, past the 2^64 bound): ValueError on the rank that
+    passes them naming the bound, EpPeerError on the others. Scaled by 1e18 (inside): finite rows
+    equal to the reference. Before: the 5e37 call returned NaN rows and no error."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 410), T)
+    failures: list[str] = []
+    norm = layer.norm_weight()
+    with build(dep) as routed:
+        latent, ids, weights = batches.inputs(0)
+        out = routed(latent, ids, weights * 1e18, norm, experts=batches.experts)
+        ref = batches.reference(0)  # RMSNorm is scale invariant: the weights' scale drops out
+        failures += compare(out, ref, "weights x 1e18")
+        bad = dep.rank == 0
+        scaled = weights * (5e37 if bad else 1.0)
+        expected, match = (ValueError, "2\\^64") if bad else (EpPeerError, None)
+        expect_raises(
+            failures,
+            "weights x 5e37",
+            expected,
+            match,
+            lambda: routed(latent, ids, scaled, norm, experts=batches.experts),
+        )
+        failures += compare(batches.run(routed, 1), batches.reference(1), "the next batch")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_int64_ids_past_int32_select_no_expert(dep, layer):
+    """With check_values=False (the CUDA default) int64 ids of 2**31, 2**32 + 3 and -2**40 select
+    no expert, as -1 does: the output equals the reference with those ids -1. Before: 2**32 + 3
+    was truncated to expert 3 by the int32 staging (wrong rows, no error)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 420), T)
+    failures: list[str] = []
+    with build(dep, config=EpConfig(timeout_s=10.0, check_values=False)) as routed:
+        latent, ids, weights = batches.inputs(0)
+        wide = ids.long()
+        wide[0, 0], wide[1, 1], wide[2, 2] = 2**31, 2**32 + 3, -(2**40)
+        cleared = ids.clone()
+        cleared[0, 0] = cleared[1, 1] = cleared[2, 2] = -1
+        out = routed(latent, wide, weights, layer.norm_weight(), experts=batches.experts)
+        ref = Batches.reference_of(layer, latent, cleared, weights)
+        failures += compare(out, ref, "int64 ids past int32")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_numpy_scalars_and_device_spellings(dep, layer):
+    """numpy integers for max_tokens, topk, num_experts and tokens, a numpy float eps and
+    device="cpu:0" are accepted and give the reference's rows; tokens=6.0 is a TypeError naming
+    the int it wants. Before: np.int64 tokens read "outside 1..16", np.int64 topk "built for
+    topk=6", eps=np.float32 was refused, and "cpu:0" constructed but every call failed."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 430), T)
+    failures: list[str] = []
+    norm = layer.norm_weight()
+    try:
+        routed = build(
+            dep,
+            max_tokens=np.int64(MAX_TOKENS),
+            topk=np.int64(TINY.topk),
+            num_experts=np.int32(TINY.experts),
+            device="cpu:0",
+        )
+    except Exception as err:  # noqa: BLE001 - reported collectively
+        failures.append(f"construction: {type(err).__name__}: {err}")
+        routed = build(dep)
+    with routed:
+        latent, ids, weights = batches.inputs(0)
+        try:
+            out = routed(
+                latent,
+                ids,
+                weights,
+                norm,
+                experts=batches.experts,
+                tokens=np.int64(T),
+                eps=np.float32(1e-5),
+            )
+            failures += compare(out, batches.reference(0), "numpy tokens and eps")
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"numpy tokens and eps: {type(err).__name__}: {err}")
+        expect_raises(
+            failures,
+            "tokens=6.0",
+            TypeError,
+            "int",
+            lambda: routed(latent, ids, weights, norm, experts=batches.experts, tokens=float(T)),
+        )
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+def dense_weights(seed: int, parameters: bool = False) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    dense = {}
+    for name, (shape, dtype) in dense_shapes(TINY).items():
+        t = (torch.randn(shape, generator=gen) / shape[-1] ** 0.5).to(dtype)
+        dense[name] = torch.nn.Parameter(t) if parameters else t
+    return dense
+
+
+@pytest.mark.mpi(min_size=2)
+def test_layer_takes_parameters_and_names_an_overflowing_x(dep, layer):
+    """EpMoeLayer built from nn.Parameter dense weights (as a model holds them) gives the bits of
+    the same layer built from plain tensors. A finite x whose projections overflow (a row of
+    3.3e38, near BF16's largest) raises ValueError naming x on that rank (EpPeerError on the
+    others), not an internal tensor; the next call is finite.
+    Before: torch's "out=... don't support automatic differentiation" error, and for the huge x
+    "EpRouted.routed: weights[2, 0]=nan is not finite", naming an internal tensor."""
+    seed = agreed_seed(dep.cpu_group, 440)
+    failures: list[str] = []
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    x = x.to(torch.bfloat16)
+    with build(dep) as routed:
+        plain = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        want = plain(x)
+        try:
+            params = EpMoeLayer(
+                dense_weights(seed, parameters=True), routed, experts, topk=TINY.topk
+            )
+            got = params(x)
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                failures.append("nn.Parameter weights: other bits than plain tensors")
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"nn.Parameter weights: {type(err).__name__}: {err}")
+            routed.reset()
+        huge = x.clone()
+        if dep.rank == 0:
+            huge[2] = 3.3e38
+        expected, match = (ValueError, "x row 2") if dep.rank == 0 else (EpPeerError, None)
+        err = expect_raises(failures, "x of 3.3e38", expected, match, lambda: plain(huge))
+        if dep.rank == 0 and err is not None and "weights[" in str(err):
+            failures.append(f"the error names an internal tensor: {err}")
+        again = plain(x)
+        if not again.isfinite().all():
+            failures.append("the call after the overflowing x is not finite")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
