@@ -177,16 +177,21 @@ class ObjectBarriers:
             return f"waits in {phase} of {target.label}{gone}, which this rank has not reached"
         return None
 
-    def _check_waiting(self, store, missing: list[int], phase: str) -> None:
-        """Raise when a rank whose message is missing will not come (module docstring)."""
+    def _check_waiting(self, store, keys: list[str], missing: list[int], phase: str) -> None:
+        """Raise when a rank whose message (under `keys`, by rank) is missing will not come
+        (module docstring). A position read says something only while the rank's message is
+        still missing after the read: a rank may publish here and move on in between, and
+        a rank that has moved on has published here first."""
         ch = self.channel
         dead = ch.gone(missing)
         if dead:
             raise ch.lost(phase)
-        keys = [ch.key("where", r) for r in missing]
-        if not store.check(keys):
+        wheres = [ch.key("where", r) for r in missing]
+        if not store.check(wheres):
             return
-        for r, raw in zip(missing, store.multi_get(keys)):
+        for r, raw in zip(missing, store.multi_get(wheres)):
+            if store.check([keys[r]]):
+                continue  # it published after all
             where = json.loads(raw)
             if where.get("obj") == self.obj and where.get("phase") == "closed":
                 raise EpPeerLostError(
@@ -195,9 +200,9 @@ class ObjectBarriers:
             why = self._blocking(where)
             if why is not None:
                 raise EpDesyncError(
-                    f"rank {ch.rank} in {phase} of {self.label}: rank {r} {why}; the ranks call"
-                    " their EpRouted (or their layers) in different orders, or one rank reset:"
-                    " call reset() on every rank",
+                    f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
+                    f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
+                    " orders, or one rank reset); call reset() on every rank",
                     RECOVERY_RESET,
                 )
 
@@ -250,7 +255,7 @@ class ObjectBarriers:
             if now >= next_look:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 if missing:
-                    self._check_waiting(store, missing, phase)
+                    self._check_waiting(store, keys, missing, phase)
                     if now >= deadline:
                         raise EpTimeoutError(
                             self.channel.rank, phase, f"rank(s) {', '.join(map(str, missing))}",
@@ -288,7 +293,7 @@ class ObjectBarriers:
                     break
                 if ch.gone(missing):
                     raise ch.lost("reset")
-                self._check_resetting(store, missing)
+                self._check_resetting(store, round_keys, target, missing)
                 if time.monotonic() >= deadline:
                     raise EpTimeoutError(
                         me, "reset", f"rank(s) {', '.join(map(str, missing))}",
@@ -307,14 +312,17 @@ class ObjectBarriers:
         self._published = None
         self.epoch, self.count, self.reset_round = epoch, 0, epoch
 
-    def _check_resetting(self, store, missing: list[int]) -> None:
+    def _check_resetting(self, store, round_keys, target: int, missing: list[int]) -> None:
         """While this rank resets: a missing rank that resets another object waits for this rank
-        there while this rank waits for it here."""
+        there while this rank waits for it here (its round read again after its position: it
+        may have passed this reset and moved on in between)."""
         ch = self.channel
-        keys = [ch.key("where", r) for r in missing]
-        if not store.check(keys):
+        wheres = [ch.key("where", r) for r in missing]
+        if not store.check(wheres):
             return
-        for r, raw in zip(missing, store.multi_get(keys)):
+        for r, raw in zip(missing, store.multi_get(wheres)):
+            if store.add(round_keys[r], 0) >= target:
+                continue
             where = json.loads(raw)
             other = ch.objects.get(where.get("obj"))
             if where.get("phase") == "reset" and other is not self and other is not None:

@@ -134,10 +134,14 @@ def check_weights(fn: str, weights: torch.Tensor, ids: torch.Tensor) -> None:
     bad = ~(weights.abs() <= WEIGHT_MAX) & (ids >= 0)
     if bool(bad.any()):
         token, k = (int(v) for v in bad.nonzero()[0])
-        value = float(weights[token, k])
-        rule = "finite" if not math.isfinite(value) else "at most 2^64 in magnitude"
+        value, expert = float(weights[token, k]), int(ids[token, k])
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{fn}: weights[{token}, {k}]={value} is not finite for expert {expert}; routing"
+                " weights must be finite"
+            )
         raise ValueError(
-            f"{fn}: weights[{token}, {k}]={value} for expert {int(ids[token, k])}; routing"
-            f" weights must be {rule} (|w| <= 2^64 keeps every token's sum of weight * expert"
-            " output finite: dep_ep.checks.WEIGHT_MAX)"
+            f"{fn}: weights[{token}, {k}]={value} for expert {expert} exceeds 2^64 in magnitude;"
+            " |w| <= 2^64 keeps every token's sum of weight * expert output finite"
+            " (dep_ep.checks.WEIGHT_MAX)"
         )

@@ -161,7 +161,10 @@ class EpMoeLayer:
         self.hidden, self.shared_intermediate = self._check_dense(fn, dense)
         # Inference only: a model's nn.Parameters are taken without their autograd (the layer's
         # GEMMs write into given outputs, which autograd refuses for tensors that need grad).
-        dense = {name: dense[name].detach() for name in DENSE_NAMES}
+        dense = {
+            name: dense[name].detach() if dense[name].requires_grad else dense[name]
+            for name in DENSE_NAMES
+        }
 
         S, L = self.shared_intermediate, self.latent
         parts = [dense[SHARED_GATE], dense[SHARED_UP], dense[DOWN]]

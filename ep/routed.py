@@ -245,8 +245,9 @@ class EpRouted:
     def workspace_bytes(num_ranks: int, max_tokens: int, *, latent: int, topk: int) -> int:
         """Bytes of the buffers one rank's EpRouted allocates on its device for the rows: the
         symmetric allocation (EpLayout), the expert output rows and the staged ids and weights
-        (a few hundred bytes of control words besides). Local, no allocation. Integers of any
-        kind; TypeError for anything else, ValueError for values out of range."""
+        (a few hundred bytes of control words, and the expert counts, besides). Local, no
+        allocation. Integers of any kind; TypeError for anything else, ValueError for values
+        out of range."""
         fn = "EpRouted.workspace_bytes"
         num_ranks = check_positive_int(fn, "num_ranks", num_ranks)
         max_tokens = check_positive_int(fn, "max_tokens", max_tokens)
