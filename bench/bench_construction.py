@@ -2,7 +2,7 @@
 compiled), a second one of the same geometry (kernels from the in-process cache), and one with the
 cache emptied first (what every construction cost before the cache).
 
-    python bench/bench_construction.py --out OUTDIR      # writes OUTDIR/bench_construction.md
+    python -m bench.bench_construction --out OUTDIR      # writes OUTDIR/bench_construction.md
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> int:
             "# EpRouted construction time", "",
             f"GPU: {dep.size} x {torch.cuda.get_device_name()}. Date:"
             f" {datetime.date.today().isoformat()}. Command: `torchrun --nproc-per-node"
-            f" {dep.size} bench/bench_construction.py --out OUTDIR`. K3 geometry, max_tokens"
+            f" {dep.size} -m bench.bench_construction --out OUTDIR`. K3 geometry, max_tokens"
             f" {MAX_TOKENS}, {dep.size} rank(s). Host wall clock of the constructor (agreement,"
             " NVSHMEM allocation, kernel compilation).", "",
             "| construction | seconds |", "|---|---|",

@@ -1,7 +1,7 @@
 """Multi-GPU benchmark, one process per GPU: our dispatch and combine against the strongest peer we
 can run and the baselines every user has, side by side in one run, K3 geometry.
 
-    torchrun --nproc-per-node 8 bench/bench_dep.py --out docs     # docs/bench_dep{N}.md
+    torchrun --nproc-per-node 8 -m bench.bench_dep --out docs     # docs/bench_dep{N}.md
 
 Peer (--peer; "auto": when FlashInfer imports): FlashInfer's NVLink one-sided MoE all-to-all
 through its public API, same payload (MXFP8 rows, scales, ids, weights; BF16 rows back), same
@@ -40,12 +40,11 @@ import sys
 import time
 from pathlib import Path
 
-import combine_path
-import peer_one_sided
 import torch
 import torch.distributed as dist
-from timing import pair_timed_us, timed_us
 
+from bench import combine_path, peer_one_sided
+from bench.timing import pair_timed_us, timed_us
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
@@ -265,7 +264,7 @@ def write_report(out: Path, results: list[dict], n: int, construction_s: float,
     lines = [
         f"# DEP benchmark, {n} GPU{'s' if n > 1 else ''}, one process per GPU", "",
         f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node {n} bench/bench_dep.py {arguments}`. K3 geometry (L {K3.latent}, K"
+        f" --nproc-per-node {n} -m bench.bench_dep {arguments}`. K3 geometry (L {K3.latent}, K"
         f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank). Construction of the"
         f" EpRouted (sized for T = {max(r['tokens'] for r in results)}, kernels compiled in it):"
         f" {construction_s:.2f} s, slowest rank, ranks lined up first, NVSHMEM start-up and"

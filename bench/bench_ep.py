@@ -1,7 +1,7 @@
 """EP=1 benchmark on one GPU: dispatch, combine and the pair, against the device-to-device copy
 ceiling measured in the same run; the MXFP8 quantize kernel against the torch reference.
 
-    python bench/bench_ep.py --out docs            # writes docs/bench_ep1.md and docs/bench_ep1.png
+    python -m bench.bench_ep --out docs            # writes docs/bench_ep1.md and docs/bench_ep1.png
 
 One process, every expert local (EP=1), K3 geometry (L 3584, K 16, E 896). Times are medians of
 CUDA-event-timed graph replays (each replay runs REPS launches back to back, each launch on its
@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import combine_path
 import torch
-from timing import capture, replay_us, time_us
 
+from bench import combine_path
+from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3, EpRouted
@@ -189,7 +189,7 @@ def write_report(out: Path, rows, copies: dict, quant, suffix: str, tuned: dict,
     date = datetime.date.today().isoformat()
     lines = [
         "# EP=1 benchmark (one GPU, every expert local)", "",
-        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py {' '.join(sys.argv[1:])}`"
+        f"GPU: {gpu}. Date: {date}. Command: `python -m bench.bench_ep {' '.join(sys.argv[1:])}`"
         " (one process).",
         f"K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of CUDA-event-timed"
         f" graph replays, {REPS} launches per replay on {REPS} distinct input sets. Copy ceiling"

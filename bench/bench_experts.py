@@ -2,7 +2,7 @@
 ReferenceExperts, at 56, 112 and 448 local experts (rank 0 of 16, 8 and 2 ranks), T = 1..256 tokens
 per rank, all measured in the same run.
 
-    python bench/bench_experts.py --out docs     # writes docs/bench_experts.md and .png
+    python -m bench.bench_experts --out docs     # writes docs/bench_experts.md and .png
 
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
 random experts of 896, keeping the tokens with at least one of rank 0's experts.
@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 
 import torch
-from timing import capture, replay_us, time_us
 
+from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
@@ -165,7 +165,7 @@ def write_report(out: Path, results: list[dict], bandwidth: float, args) -> None
     lines = [
         "# Experts backends on one GPU, K3 geometry", "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today().isoformat()}."
-        f" Command: `python bench/bench_experts.py {' '.join(sys.argv[1:])}` (one process). torch"
+        f" Command: `python -m bench.bench_experts {' '.join(sys.argv[1:])}` (one process). torch"
         f" {torch.__version__}. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.", "",
         "Rows: rank 0's receive rows when `ranks` ranks each route T tokens (16 distinct experts"
         " of 896 by synthetic_ids: uniform; zipf; hot, expert 0 of rank 0 in every token)."

@@ -3,7 +3,7 @@ receive rows: the grouping (experts/grouping_kernel.py: slots a chunk, warps), t
 (output columns a program, warps) and SiTU -> MXFP8 (pairs a step, programs per SM, columns,
 warps); the measurement behind BLOCK_S / NUM_WARPS, HopperTiles.finalize_* and SITU_*.
 
-    python bench/bench_hopper_launch.py --out docs     # writes docs/bench_hopper_launch.md
+    python -m bench.bench_hopper_launch --out docs     # writes docs/bench_hopper_launch.md
 
 Rows drawn as bench_experts.py draws them (uniform routing). Each kernel alone in CUDA-graph
 replay of LAUNCHES calls, median of SAMPLES replays, per call. The grouping cuts tiles of 16
@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_experts import receive_rows
-from timing import capture, replay_us
 
+from bench.bench_experts import receive_rows
+from bench.timing import capture, replay_us
 from dep_ep.ep import K3
 from dep_ep.experts import grouping_kernel
 from dep_ep.experts import hopper_kernels as kernels
@@ -153,7 +153,7 @@ def main() -> int:
     lines = [
         "# Launch shapes of HopperExperts' grouping, finalize and SiTU kernels", "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
-        f" `python bench/bench_hopper_launch.py {' '.join(sys.argv[1:])}`. torch"
+        f" `python -m bench.bench_hopper_launch {' '.join(sys.argv[1:])}`. torch"
         f" {torch.__version__}.", "",
         "Each kernel alone, graph replay, us per call; rows drawn as bench_experts.py draws them"
         " (uniform routing), rank 0 of 896 / local ranks. Bold: the library's shape; every"

@@ -2,7 +2,7 @@
 each kernel HummingGemm.tuning picks for 16, 32, ..., 65536 pairs, at K3 geometry on rank 0's
 receive rows, beside the kernel `tuning_pairs` picks; the measurement behind `tuning_pairs`.
 
-    python bench/bench_humming_tuning.py --variants --out docs   # docs/bench_humming_tuning.md
+    python -m bench.bench_humming_tuning --variants --out docs   # docs/bench_humming_tuning.md
 
 Rows drawn as bench_experts.py draws them (uniform routing), in a draw of their own. Each GEMM in
 CUDA-graph replay of LAUNCHES calls, median of SAMPLES replays, per call, on the routes of the
@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_experts import receive_rows
-from timing import capture, replay_us
 
+from bench.bench_experts import receive_rows
+from bench.timing import capture, replay_us
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts, routed_tilings, tuning_pairs
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -184,7 +184,7 @@ def main() -> int:
     head = [
         "# humming's kernel per pair count (HopperExperts' humming engine)", "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
-        f" `python bench/bench_humming_tuning.py {' '.join(sys.argv[1:])}`. torch"
+        f" `python -m bench.bench_humming_tuning {' '.join(sys.argv[1:])}`. torch"
         f" {torch.__version__}.", "",
         "Each GEMM alone, graph replay, us per call. Columns: the kernels HummingGemm.tuning picks"
         " (humming's heuristic with hopper_humming.TUNING_UPDATES) when asked to tune for 16, 32,"

@@ -1,7 +1,7 @@
 """K3 MoE layer benchmark, one process per GPU: EpMoeLayer's parts and the whole layer, the
 overlapped schedule against the serial order, in one run.
 
-    torchrun --nproc-per-node N bench/bench_layer.py --out OUTDIR   # OUTDIR/bench_layer.md, .png
+    torchrun --nproc-per-node N -m bench.bench_layer --out OUTDIR   # OUTDIR/bench_layer.md, .png
 
 Geometry: K3 (H 7168, L 3584, S 6144, E 896, K 16), seeded random dense weights (BF16, 0.38 GB
 a rank). Experts: a stand-in backend that writes zeros into the expert output rows
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from timing import timed_us
 
+from bench.timing import timed_us
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpMoeLayer, EpRouted
 from dep_ep.experts import ExpertsBackend
@@ -137,7 +137,7 @@ def write_report(out: Path, results: list[dict], n: int) -> None:
     lines = [
         f"# K3 MoE layer, {n} GPU(s), one process per GPU: overlapped schedule against serial", "",
         f"GPU: {n} x {gpu}. Date: {date}. Command: `torchrun --nproc-per-node {n}"
-        " bench/bench_layer.py --out OUTDIR`. K3 geometry (H 7168, L 3584, S 6144, E 896,"
+        " -m bench.bench_layer --out OUTDIR`. K3 geometry (H 7168, L 3584, S 6144, E 896,"
         f" K 16, {K3.experts // n} experts per rank), random dense weights.", "",
         "Experts: a stand-in that writes zeros into the expert output rows (no expert GEMMs): the"
         " routed column is dispatch + combine (+ RMSNorm) + that memset. The point is the"

@@ -2,7 +2,7 @@
 the device's default experts) -> combine with RMSNorm, K3 geometry, against the MXFP4 weight-read
 floor, beside FlashInfer's fused MoE-EP layer when its log is given.
 
-    torchrun --nproc-per-node N bench/bench_routed_experts.py --out OUTDIR [--peer-log FILE]
+    torchrun --nproc-per-node N -m bench.bench_routed_experts --out OUTDIR [--peer-log FILE]
     # OUTDIR/bench_routed_experts{N}.md, .png
 
 Weights: SyntheticLayer(K3) experts, this rank's 896 / N (448 at N = 2). Experts backend: on
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_experts import EXPERT_BYTES, copy_gbs
-from timing import timed_us
 
+from bench.bench_experts import EXPERT_BYTES, copy_gbs
+from bench.timing import timed_us
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpRouted
 from dep_ep.experts import default_experts
@@ -153,7 +153,7 @@ def write_report(out: Path, results: list[dict], peer: dict[int, float], meta: d
     lines = [
         f"# Routed path with experts, {n} GPU{'s' if n > 1 else ''}, one process per GPU", "",
         f"GPU: {n} x {meta['gpu']}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node {n} bench/bench_routed_experts.py {meta['arguments']}` (see its"
+        f" --nproc-per-node {n} -m bench.bench_routed_experts {meta['arguments']}` (see its"
         f" docstring). K3 geometry, {meta['local']} local experts per"
         f" rank, experts backend {meta['backend']}, copy bandwidth {meta['bandwidth']:.0f} GB/s.",
         "",

@@ -2,7 +2,7 @@
 the peer's NVSHMEM memory, one way and both ways at once, at the sizes our dispatch and combine
 move. The floor the EP=2 benchmark is read against.
 
-    torchrun --nproc-per-node 2 bench/nvlink_ceiling.py --out docs/nvlink_ceiling.md
+    torchrun --nproc-per-node 2 -m bench.nvlink_ceiling --out docs/nvlink_ceiling.md
 
 Kernel: `torch.mul(src, 1, out=peer_view)` (an elementwise kernel whose stores go over NVLink);
 copy engine: `peer_view.copy_(src)`. Both captured in a CUDA graph (REPS per replay) and timed with
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from timing import capture, time_us
 
+from bench.timing import capture, time_us
 from dep_ep.comm.nvshmem_alloc import allocate_nvshmem, free_nvshmem
 from dep_ep.launch import init_rank_context, teardown
 
@@ -71,7 +71,7 @@ def write_report(out: Path, rows) -> None:
     lines = [
         "# NVLink write ceiling, two GPUs", "",
         f"GPU: 2 x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        " --nproc-per-node 2 bench/nvlink_ceiling.py`. Stores from GPU r into GPU 1-r's NVSHMEM"
+        " --nproc-per-node 2 -m bench.nvlink_ceiling`. Stores from GPU r into GPU 1-r's NVSHMEM"
         " memory; medians of graph replays (slowest rank); GB/s per writing rank.", "",
         "| MB | writer | direction | us | GB/s |", "|---|---|---|---|---|",
     ]  # fmt: skip

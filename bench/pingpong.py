@@ -1,6 +1,6 @@
 """Two-GPU ping-pong: the latency floor of one NVLink store + flag round trip.
 
-    torchrun --nproc-per-node 2 bench/pingpong.py --out docs/pingpong.md
+    torchrun --nproc-per-node 2 -m bench.pingpong --out docs/pingpong.md
     (or mpirun -n 2 ...; with more ranks, ranks 0 and 1 play and the others idle)
 
 One thread on each of the two GPUs; the flags are int64 words in NVSHMEM symmetric memory.
@@ -168,7 +168,7 @@ def write_report(out: Path, rtt: float, times: list[float], args, same_gpu: bool
         "# Ping-pong: one NVLink store + flag round trip",
         "",
         f"GPU: 2 x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node 2 bench/pingpong.py --rounds {args.rounds} --launches"
+        f" --nproc-per-node 2 -m bench.pingpong --rounds {args.rounds} --launches"
         f" {args.launches}`.",
         "",
         "Release store of a flag into the peer's NVSHMEM memory, acquire spin on the own flag"

@@ -1,7 +1,7 @@
 """Where ReferenceExperts spends a call at K3 geometry: torch profiler over a few calls, one line
 per CUDA kernel and per host-side op, for one local expert count and T.
 
-    python bench/profile_experts.py --local 56 --tokens 1 256
+    python -m bench.profile_experts --local 56 --tokens 1 256
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import argparse
 import sys
 
 import torch
-from bench_experts import receive_rows
-from timing import time_us
 from torch.profiler import ProfilerActivity, profile
 
+from bench.bench_experts import receive_rows
+from bench.timing import time_us
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
 from dep_ep.testing.synthetic import SyntheticLayer

@@ -2,7 +2,7 @@
 over 5 eager calls after one warm-up call, GPU time per call of each kernel, at 56 local experts
 (rank 0 of 16) for T = 8, 32, 64, 256 and at 448 (rank 0 of 2) for T = 16, 256.
 
-    python bench/profile_hopper.py --out docs     # writes docs/profile_hopper.md
+    python -m bench.profile_hopper --out docs     # writes docs/profile_hopper.md
 
 Eager calls: the kernels' GPU times are those of graph replay; the gaps between launches are not
 (bench_experts.py times the call in graph replay). The busy sum counts each kernel once per call.
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
 from torch.profiler import ProfilerActivity, profile
 
+from bench.bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -78,7 +78,7 @@ def main() -> int:
         "# Where HopperExperts' call goes (humming engine)",
         "",
         f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
-        f" `python bench/profile_hopper.py {' '.join(sys.argv[1:])}`. torch {torch.__version__}."
+        f" `python -m bench.profile_hopper {' '.join(sys.argv[1:])}`. torch {torch.__version__}."
         f" Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.",
         "",
         f"torch profiler over {CALLS} eager calls after a warm-up call; per call, each kernel's"

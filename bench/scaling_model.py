@@ -1,7 +1,7 @@
 """The per-step scaling model of dispatch and combine (docs/scaling.md): predictions for N ranks
 from the EP=2 measurements, checked against them, and the receive memory per rank. CPU only.
 
-    python bench/scaling_model.py            # prints the tables of docs/scaling.md
+    python -m bench.scaling_model            # prints the tables of docs/scaling.md
 
 Model, per rank and step of T tokens per rank (K3: L = 3584, K = 16, E = 896):
     t(N, T) = t_small + V(N, T) / B

@@ -1,7 +1,7 @@
 """Hopper trial of FlashInfer's SM90 `cutlass_fused_moe` (BF16 activations x MXFP4 weights, SiTU):
 can its JIT module be built within the device machine's limits, and how long would it take?
 
-    python bench/try_cutlass_sm90.py --deadline 360 --out cutlass_sm90_build.json
+    python -m bench.try_cutlass_sm90 --deadline 360 --out cutlass_sm90_build.json
 
 Generates the module's sources with FlashInfer's own JIT spec (`gen_cutlass_fused_moe_sm90_module`),
 writes its ninja file, runs ninja with every CPU for at most `--deadline` seconds, then reads

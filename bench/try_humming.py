@@ -1,7 +1,7 @@
 """Trial of humming-kernels 0.1.19's SM90 MoE GEMMs on our MXFP8 rows x MXFP4 experts at K3
 geometry, as rank 0 of 896 / local ranks receives them:
 
-    python bench/try_humming.py --out DIR [--local 56 112] [--tokens 1 2 4 ... 256]
+    python -m bench.try_humming --out DIR [--local 56 112] [--tokens 1 2 4 ... 256]
 
 Per (local experts, T): FC1 = x @ w13^T for every (row, local expert) pair, reading the rows in
 place through humming's "indexed" MoE GEMM (vLLM-style sorted pair ids, top_k = 16); humming's
@@ -27,8 +27,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from timing import capture, time_us
 
+from bench.timing import capture, time_us
 from dep_ep.comm.mxfp8 import e8m0_to_fp32, mxfp8_dequantize, mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.experts.mxfp4 import mxfp4_dequantize
@@ -254,7 +254,7 @@ def main() -> int:
 def report(rows: list, args, version: str) -> str:
     lines = ["# humming-kernels SM90 MoE GEMMs on our MXFP8 x MXFP4 data, K3 geometry", "",
              f"{torch.cuda.get_device_name()}, {datetime.date.today().isoformat()}, humming"
-             f" {version}, torch {torch.__version__}; `python bench/try_humming.py` (its docstring"
+             f" {version}, torch {torch.__version__}; `python -m bench.try_humming` (its docstring"
              " says what is measured). pairs: (row, local expert) pairs; touched: local experts"
              f" with rows. Medians of {args.samples} samples. total = fc1 + fc2; act (humming's"
              " SiTU kernel, separate) is not in total. Floor: touched x 17,547,264 B at 4.3 TB/s;"

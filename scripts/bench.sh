@@ -17,19 +17,19 @@ gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -ge 1 ] || { echo "bench.sh: no CUDA GPU" >&2; exit 2; }
 status=0
 log() { bash scripts/run_logged.sh "$out" "$@" || status=1; }
-CUDA_VISIBLE_DEVICES=0 log bench_ep1 300 "$py" bench/bench_ep.py --out "$out"
-CUDA_VISIBLE_DEVICES=0 log bench_experts 300 "$py" bench/bench_experts.py --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_ep1 300 "$py" -m bench.bench_ep --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_experts 300 "$py" -m bench.bench_experts --out "$out"
 one="$py -m torch.distributed.run --nproc-per-node 1"
-CUDA_VISIBLE_DEVICES=0 log bench_construction 200 $one bench/bench_construction.py --out "$out"
-CUDA_VISIBLE_DEVICES=0 log bench_layer1 300 $one bench/bench_layer.py --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_construction 200 $one -m bench.bench_construction --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_layer1 300 $one -m bench.bench_layer --out "$out"
 if [ "$gpus" -ge 2 ]; then
   run="$py -m torch.distributed.run"
-  log pingpong 120 $run --nproc-per-node 2 bench/pingpong.py --out "$out/pingpong.md"
-  log nvlink_ceiling 200 $run --nproc-per-node 2 bench/nvlink_ceiling.py --out "$out/nvlink_ceiling.md"
+  log pingpong 120 $run --nproc-per-node 2 -m bench.pingpong --out "$out/pingpong.md"
+  log nvlink_ceiling 200 $run --nproc-per-node 2 -m bench.nvlink_ceiling --out "$out/nvlink_ceiling.md"
   for n in $(bash scripts/rank_counts.sh "$gpus"); do
-    log "bench_dep${n}" 600 $run --nproc-per-node "$n" bench/bench_dep.py --out "$out"
-    log "bench_layer${n}" 300 $run --nproc-per-node "$n" bench/bench_layer.py --out "$out/layer$n"
-    log "bench_routed_experts${n}" 400 $run --nproc-per-node "$n" bench/bench_routed_experts.py \
+    log "bench_dep${n}" 600 $run --nproc-per-node "$n" -m bench.bench_dep --out "$out"
+    log "bench_layer${n}" 300 $run --nproc-per-node "$n" -m bench.bench_layer --out "$out/layer$n"
+    log "bench_routed_experts${n}" 400 $run --nproc-per-node "$n" -m bench.bench_routed_experts \
       --out "$out"
   done
   log "example_k3_${gpus}gpu" 200 $run --nproc-per-node "$gpus" examples/dep_layer.py --steps 3

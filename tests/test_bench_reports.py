@@ -4,33 +4,13 @@ distinct kernels; timing.pair_timed_us's argument check."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load_script(name: str):
-    """bench/<name>.py as module `name` (the scripts import their neighbours by name, as
-    `python bench/<script>.py` lets them)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-timing = load_script("timing")
-load_script("bench_experts")
-bench = load_script("bench_routed_experts")
-tuning = load_script("bench_humming_tuning")
-load_script("combine_path")
-load_script("peer_one_sided")
-bench_dep = load_script("bench_dep")
+from bench import bench_dep, timing
+from bench import bench_humming_tuning as tuning
+from bench import bench_routed_experts as routed_experts
 
 
 def test_peer_log_rows_by_local_experts(tmp_path):
@@ -41,13 +21,14 @@ def test_peer_log_rows_by_local_experts(tmp_path):
         {"T": 16, "local": 224, "layer_us": 900.0, "error": None},
         {"T": 64, "local": 448, "layer_us": 1973.05, "error": None},
     ]
-    lines = ["# warming up", "FI_MEGA {cut", "[rank0]: " + bench.PEER_PREFIX + json.dumps(rows[0])]
-    lines += [bench.PEER_PREFIX + json.dumps(r) for r in rows[1:]]
+    prefix = routed_experts.PEER_PREFIX
+    lines = ["# warming up", "FI_MEGA {cut", "[rank0]: " + prefix + json.dumps(rows[0])]
+    lines += [prefix + json.dumps(r) for r in rows[1:]]
     log.write_text("\n".join(lines) + "\n")
-    assert bench.read_peer_log(log, 448) == {1: 202.57, 64: 1973.05}
-    assert bench.read_peer_log(log, 224) == {16: 900.0}
+    assert routed_experts.read_peer_log(log, 448) == {1: 202.57, 64: 1973.05}
+    assert routed_experts.read_peer_log(log, 224) == {16: 900.0}
     with pytest.raises(ValueError, match="no `FI_MEGA` line without error at 112 local"):
-        bench.read_peer_log(log, 112)
+        routed_experts.read_peer_log(log, 112)
 
 
 def test_report_puts_the_peer_beside_ours(tmp_path):
@@ -59,11 +40,11 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
     ]  # fmt: skip
     meta = {"n": 2, "local": 448, "bandwidth": 4100.0, "backend": "HopperExperts (humming)",
             "grouping": "torch", "gpu": "GPU", "arguments": "--out docs"}  # fmt: skip
-    bench.write_report(tmp_path, results, {1: 202.57}, meta)
+    routed_experts.write_report(tmp_path, results, {1: 202.57}, meta)
     page = (tmp_path / "bench_routed_experts2.md").read_text()
     assert "| 1 | 16 | 65 | 150 | 43% | 203 | 32% | 1.35 | graph | yes |" in page, page
     assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | graph | NO |" in page, page
-    assert "bench/bench_routed_experts.py --out docs`" in page, page
+    assert "-m bench.bench_routed_experts --out docs`" in page, page
     assert "# Routed path with experts, 2 GPUs," in page and "448 local experts per rank" in page
 
 
@@ -86,7 +67,7 @@ def test_dep_report_puts_the_peer_beside_ours(tmp_path):
             " 200 / 250 | 200 / 160 |") in page, page  # fmt: skip
     assert "| 16 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / - | 20.0 / - | 28.0 / - | - |" in page
     assert "| 1 | uniform | 12.0 (1.2x) | 30.0 (1.5x) | 15.0 (1.5x) | 40.0 (2.0x) | graph |" in page
-    assert note in page and "bench/bench_dep.py --out docs`" in page
+    assert note in page and "-m bench.bench_dep --out docs`" in page
     assert "# DEP benchmark, 2 GPUs, one process per GPU" in page
 
 
