@@ -8,7 +8,7 @@ Model, per rank and step of T tokens per rank (K3: L = 3584, K = 16, E = 896):
     V(N, T) = T * R(N) * b,  R(N) = (N - 1) * (1 - q(N)),  q(N) = C(E - E/N, K) / C(E, K)
 R(N): the expected other ranks a token goes to (q: no expert of the token on a given other rank);
 b: bytes per token and destination (dispatch 3,824: x 3,584, scales 112, ids and weights 128;
-combine 7,168: one BF16 row). t_small and B are fitted to the EP=2 table of docs/bench_dep2.md
+combine 7,168: one BF16 row). t_small and B are fitted to the EP=2 table of docs/results/bench_dep2.md
 (2026-11-29): t_small = the mean time at T <= 16, B = V(2, 4096) / (t(2, 4096) - t_small).
 """
 
@@ -22,13 +22,13 @@ from dep_ep.ep import EpRouted
 from dep_ep.experts.hopper import workspace_bytes as hopper_workspace_bytes
 
 BYTES = {"dispatch": K3.latent + K3.latent // 32 + K3.topk * 8, "combine": K3.latent * 2}
-# docs/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
+# docs/results/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
 EP2 = {
     1: (6.5, 11.3), 2: (8.2, 11.1), 4: (8.5, 10.4), 8: (8.8, 12.3), 16: (9.4, 12.0),
     32: (9.6, 12.9), 64: (10.4, 15.4), 128: (11.4, 16.5), 256: (14.3, 17.9),
     1024: (27.5, 42.7), 4096: (76.2, 129.4),
 }  # fmt: skip
-# docs/nvlink_ceiling.md: kernel stores both ways at once, 16 MB and 64 MB (GB/s).
+# docs/results/nvlink_ceiling.md: kernel stores both ways at once, 16 MB and 64 MB (GB/s).
 CEILING_GBS = 345.0
 TOKENS = [1, 16, 128, 256, 1024, 4096]
 RANKS = [2, 8, 16]
