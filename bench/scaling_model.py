@@ -8,14 +8,16 @@ Model, per rank and step of T tokens per rank (K3: L = 3584, K = 16, E = 896):
     V(N, T) = T * R(N) * b,  R(N) = (N - 1) * (1 - q(N)),  q(N) = C(E - E/N, K) / C(E, K)
 R(N): the expected other ranks a token goes to (q: no expert of the token on a given other rank);
 b: bytes per token and destination (dispatch 3,824: x 3,584, scales 112, ids and weights 128;
-combine 7,168: one BF16 row). t_small and B are fitted to the EP=2 table of docs/results/bench_dep2.md
-(2026-11-29): t_small = the mean time at T <= 16, B = V(2, 4096) / (t(2, 4096) - t_small).
+combine 7,168: one BF16 row). t_small and B are fitted to the EP=2 table of
+docs/results/bench_dep2.md (2026-11-29): t_small = the mean time at T <= 16,
+B = V(2, 4096) / (t(2, 4096) - t_small).
 """
 
 from __future__ import annotations
 
 import math
 
+from bench import cli
 from dep_ep.comm.layout import EpLayout
 from dep_ep.config import K3
 from dep_ep.ep import EpRouted
@@ -57,6 +59,7 @@ def predict(n: int, tokens: int, phase: int, bandwidth_gbs: float | None = None)
 
 
 def main() -> None:
+    cli.parser(__doc__).parse_args()  # --help only: the model's inputs are the constants above
     for phase, name in enumerate(("dispatch", "combine")):
         t_small, bandwidth = fit(phase)
         print(f"{name}: t_small {t_small:.1f} us, B {bandwidth:.0f} GB/s")

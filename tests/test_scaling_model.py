@@ -18,7 +18,7 @@ def test_model_meets_ep2_and_prints_its_tables():
             predicted = scaling_model.predict(2, tokens, phase)
             assert abs(predicted - measured[phase]) <= 2.5, (tokens, phase, predicted, measured)
     assert abs(scaling_model.other_ranks(16) - 9.71) < 0.01  # docs/scaling.md's R(16)
-    run = subprocess.run([sys.executable, "-m", "bench.scaling_model"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    command = [sys.executable, "-m", "bench.scaling_model"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "16 | 4096 | 668 | 1157 | 1824 | 1286" in run.stdout, run.stdout
