@@ -21,7 +21,10 @@ from bench import bench_routed_experts as routed_experts
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every module of the package, found on disk so that a new one is covered without listing it.
-MODULES = sorted(f"bench.{path.stem}" for path in (ROOT / "bench").glob("*.py"))
+MODULES = sorted(
+    "bench" if path.stem == "__init__" else f"bench.{path.stem}"
+    for path in (ROOT / "bench").glob("*.py")
+)
 
 
 def torchrun(ranks: int, module: str, *arguments: str) -> report.Run:
