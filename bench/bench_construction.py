@@ -1,19 +1,18 @@
-"""Construction time of EpRouted at K3 geometry, one process: the first construction (kernels
-compiled), a second one of the same geometry (kernels from the in-process cache), and one with the
-cache emptied first (what every construction cost before the cache).
+"""Construction time of EpRouted at K3 geometry: the first construction (kernels compiled), a
+second one of the same geometry (kernels from the in-process cache), and one with the cache
+emptied first (what every construction cost before the cache).
 
-    python bench/bench_construction.py --out OUTDIR      # writes OUTDIR/bench_construction.md
+    torchrun --nproc-per-node 1 -m bench.bench_construction   # docs/results/bench_construction.md
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import time
 from pathlib import Path
 
 import torch
 
+from bench import cli, report
 from dep_ep.comm import device_transport
 from dep_ep.config import K3
 from dep_ep.ep import EpRouted
@@ -23,6 +22,7 @@ MAX_TOKENS = 256
 
 
 def construct_s(group, device) -> float:
+    """Host wall-clock seconds of one EpRouted construction (closed after)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     routed = EpRouted(group, MAX_TOKENS, device, num_experts=K3.experts, latent=K3.latent,
@@ -33,9 +33,7 @@ def construct_s(group, device) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=".")
-    args = p.parse_args()
+    args = cli.parser(__doc__, page="bench_construction.md").parse_args()
     ctx = init_rank_context("cuda")
     dep = new_dep_group(ctx, ctx.world_size)
     runs = [("first (compiles)", construct_s(dep.cpu_group, ctx.device))]
@@ -43,22 +41,24 @@ def main() -> int:
     device_transport._COMPILED.clear()
     runs.append(("cache emptied first (compiles again)", construct_s(dep.cpu_group, ctx.device)))
     if dep.rank == 0:
-        lines = [
-            "# EpRouted construction time", "",
-            f"GPU: {dep.size} x {torch.cuda.get_device_name()}. Date:"
-            f" {datetime.date.today().isoformat()}. Command: `torchrun --nproc-per-node"
-            f" {dep.size} bench/bench_construction.py --out OUTDIR`. K3 geometry, max_tokens"
-            f" {MAX_TOKENS}, {dep.size} rank(s). Host wall clock of the constructor (agreement,"
-            " NVSHMEM allocation, kernel compilation).", "",
-            "| construction | seconds |", "|---|---|",
-            *(f"| {name} | {s:.2f} |" for name, s in runs), "",
-        ]  # fmt: skip
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_construction.md").write_text("\n".join(lines))
-        print("\n".join(lines))
+        print(write_report(args.out, runs, dep.size).read_text())
     teardown(ctx)
     return 0
+
+
+def write_report(
+    out: Path, runs: list[tuple[str, float]], ranks: int, run: report.Run | None = None
+) -> Path:
+    """OUTDIR/bench_construction.md from (construction, seconds) pairs."""
+    run = run or report.Run.this_process(ranks)
+    summary = report.summary(__doc__)
+    page = report.Page(out / "bench_construction.md", "EpRouted construction time", summary, run)
+    page.text(
+        f"K3 geometry, max_tokens {MAX_TOKENS}, {ranks} rank(s). Host wall clock of the"
+        " constructor (agreement, NVSHMEM allocation, kernel compilation).",
+    )
+    page.table(["construction", "seconds"], [(name, f"{s:.2f}") for name, s in runs])
+    return page.write()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Multi-GPU benchmark, one process per GPU: our dispatch and combine against the strongest peer we
 can run and the baselines every user has, side by side in one run, K3 geometry.
 
-    torchrun --nproc-per-node 8 bench/bench_dep.py --out docs     # docs/bench_dep{N}.md
+    torchrun --nproc-per-node 8 -m bench.bench_dep   # docs/results/bench_dep8.md and .png
 
 Peer (--peer; "auto": when FlashInfer imports): FlashInfer's NVLink one-sided MoE all-to-all
 through its public API, same payload (MXFP8 rows, scales, ids, weights; BF16 rows back), same
@@ -24,28 +24,26 @@ EpRouted.workspace_bytes of a rank sized for T (the run's EpRouted is sized for 
 the peer's workspace is sized for the largest T. Construction: the EpRouted built for the run,
 ranks lined up first, slowest rank, NVSHMEM start-up and kernel compilation included; the peer's:
 import, JIT build or load, construction.
-Times: ours and the peer's by timing.pair_timed_us (pair: graph replays of REPS back-to-back
+Times: ours and the peer's by timing.pair_timed_us (pair: graph replays of --reps back-to-back
 pairs; dispatch, combine: events around each call in a second graph), the NCCL baselines by
-timing.timed_us (graph replays of REPS calls; eager when capture fails, marked); medians over
-SAMPLES, the slowest rank's median reported. GB/s per rank: bytes this rank sends to other ranks
+timing.timed_us (graph replays of --reps calls; eager when capture fails, marked); medians over
+--samples, the slowest rank's median reported. GB/s per rank: bytes this rank sends to other ranks
 over NVLink / time (mean over ranks). Ranks sharing one GPU are time-sliced: the script refuses
 them.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
 
-import combine_path
-import peer_one_sided
 import torch
 import torch.distributed as dist
-from timing import pair_timed_us, timed_us
 
+from bench import cli, combine_path, peer_one_sided, report
+from bench.ranks import mean, slowest
+from bench.timing import pair_timed_us, timed_us
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
@@ -64,18 +62,6 @@ def destinations(ids: torch.Tensor, num_ranks: int) -> torch.Tensor:
     return hits[:, :num_ranks]
 
 
-def slowest(value: float, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
-
-
-def mean(value: float, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return float(t) / dist.get_world_size(group)
-
-
 def make_peer(args, ctx, cpu, n: int):
     """(the peer, None) or (None, the report's line on why not). Collective over `cpu`."""
     if args.peer == "none":
@@ -85,7 +71,7 @@ def make_peer(args, ctx, cpu, n: int):
         experts=K3.experts, timeout_s=args.peer_timeout_s, handles=args.peer_handles,
     )  # fmt: skip
     if peer is None and args.peer == "flashinfer":
-        raise SystemExit(f"bench_dep.py: rank {ctx.rank}: the peer cannot run: {why_not}")
+        raise SystemExit(f"bench.bench_dep: rank {ctx.rank}: the peer cannot run: {why_not}")
     if ctx.rank == 0:
         print(f"peer: {peer.path if peer else why_not}", flush=True)
     return peer, None if peer else f"Peer: {peer_one_sided.NAME} not run: {why_not}."
@@ -103,11 +89,9 @@ def peer_line(peer, cpu) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="docs")
-    combine_path.add_option(p)
-    p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
-    p.add_argument("--routing", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
+    page = "bench_dep{N}.md and .png (N: the ranks)"
+    timing = (REPS, SAMPLES)
+    p = cli.parser(__doc__, page=page, tokens=TOKENS, routing=ROUTINGS, timing=timing, combine=True)
     p.add_argument("--peer", choices=("auto", "flashinfer", "none"), default="auto",
                    help="time FlashInfer's one-sided all-to-all beside ours (auto: when it imports;"
                    " flashinfer: fail when it cannot run)")  # fmt: skip
@@ -121,7 +105,7 @@ def main() -> int:
     args = p.parse_args()
     ctx = init_rank_context("cuda", timeout_s=300.0)
     if ctx.backend != "nccl":
-        raise SystemExit("bench_dep.py: needs one GPU per rank (ranks sharing a GPU time-slice)")
+        raise SystemExit("bench.bench_dep: needs one GPU per rank (ranks sharing a GPU time-slice)")
     n, rank = ctx.world_size, ctx.rank
     dep = new_dep_group(ctx, n)
     cpu = dep.cpu_group
@@ -152,7 +136,7 @@ def main() -> int:
         pair_us, d_us, c_us = pair_timed_us(
             lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None),
             lambda: transport.combine(out, ids, norm, 1e-5, rejected=None),
-            cpu, REPS, SAMPLES,
+            cpu, args.reps, args.samples,
         )  # fmt: skip
         routed.synchronize()
         transport.reset()
@@ -160,7 +144,7 @@ def main() -> int:
         if peer is not None:
             step = peer.step(latent, ids, weights)
             peer_us = pair_timed_us(lambda: peer.dispatch(step), lambda: peer.combine(step),
-                                    cpu, REPS, SAMPLES)  # fmt: skip
+                                    cpu, args.reps, args.samples)  # fmt: skip
             torch.cuda.synchronize()
 
         # Baseline 1: all-gather + reduce-scatter (BF16 latents, as vLLM's default).
@@ -175,12 +159,12 @@ def main() -> int:
             dist.all_gather_into_tensor(g_ids, ids, group=ctx.group)
             dist.all_gather_into_tensor(g_weights, weights, group=ctx.group)
 
-        ag_us, ag_mode = timed_us(allgather, cpu, REPS, SAMPLES)
+        ag_us, ag_mode = timed_us(allgather, cpu, args.reps, args.samples)
 
         def reduce_scatter():
             dist.reduce_scatter_tensor(scattered, sums, group=ctx.group)
 
-        rs_us, rs_mode = timed_us(reduce_scatter, cpu, REPS, SAMPLES)
+        rs_us, rs_mode = timed_us(reduce_scatter, cpu, args.reps, args.samples)
 
         # Baseline 2: all_to_all_single with our bytes.
         dest = destinations(ids, n)
@@ -211,8 +195,8 @@ def main() -> int:
         def all_to_all_back():
             dist.all_to_all_single(back_recv, back_send, back_out, back_in, group=ctx.group)
 
-        a2a_us, a2a_mode = timed_us(all_to_all, cpu, REPS, SAMPLES)
-        back_us, back_mode = timed_us(all_to_all_back, cpu, REPS, SAMPLES)
+        a2a_us, a2a_mode = timed_us(all_to_all, cpu, args.reps, args.samples)
+        back_us, back_mode = timed_us(all_to_all_back, cpu, args.reps, args.samples)
 
         # Bytes this rank sends to other ranks.
         remote_rows = sum(r for d, r in enumerate(send_rows) if d != rank)
@@ -241,8 +225,7 @@ def main() -> int:
         peer.close()
     routed.close()
     if rank == 0:
-        write_report(Path(args.out), results, n, construction_s, suffix, " ".join(sys.argv[1:]),
-                     peer_note)  # fmt: skip
+        write_report(args.out, results, n, construction_s, suffix, peer_note)
     teardown(ctx)
     return 0
 
@@ -255,114 +238,131 @@ def _gbps(nbytes: float, us: float | None) -> str:
     return "-" if us is None else f"{nbytes / max(us, 1e-3) / 1e3:.0f}"
 
 
-def write_report(out: Path, results: list[dict], n: int, construction_s: float,
-                 suffix: str = "", arguments: str = "--out OUTDIR",
-                 peer_note: str = "Peer: not run.", gpu: str | None = None) -> None:  # fmt: skip
-    """docs-style page bench_dep{n}{suffix}.md (and .png) in `out`: ours beside the peer (its
-    columns "-" where it did not run), then beside the NCCL baselines."""
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = gpu or torch.cuda.get_device_name()
-    lines = [
-        f"# DEP benchmark, {n} GPU{'s' if n > 1 else ''}, one process per GPU", "",
-        f"GPU: {n} x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node {n} bench/bench_dep.py {arguments}`. K3 geometry (L {K3.latent}, K"
-        f" {K3.topk}, E {K3.experts}, {K3.experts // n} experts per rank). Construction of the"
-        f" EpRouted (sized for T = {max(r['tokens'] for r in results)}, kernels compiled in it):"
-        f" {construction_s:.2f} s, slowest rank, ranks lined up first, NVSHMEM start-up and"
-        " kernel compilation included.", "",
-        peer_note, "",
-        "Medians over graph replays, slowest rank (bench/bench_dep.py: methods and the"
-        " baselines' definitions). Pair: back-to-back dispatch + combine pairs, no events"
-        " between; dispatch, combine: events around each call (which cut the programmatic"
-        " overlap). GB/s: bytes the rank sends to other ranks / time (mean over ranks).", "",
-        "| T | routing | skew rows / pairs | receive MiB | dispatch us ours / peer |"
-        " combine us ours / peer | pair us ours / peer | peer pair / ours |"
-        " dispatch GB/s ours / peer | combine GB/s ours / peer |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+def write_report(
+    out: Path,
+    results: list[dict],
+    n: int,
+    construction_s: float,
+    suffix: str = "",
+    peer_note: str = "Peer: not run.",
+    run: report.Run | None = None,
+) -> Path:
+    """OUTDIR/bench_dep{n}{suffix}.md (and .png): ours beside the peer (its columns "-" where it
+    did not run), then beside the NCCL baselines."""
+    run = run or report.Run.this_process(n)
+    title = f"DEP benchmark, {n} GPU{'s' if n > 1 else ''}, one process per GPU"
+    page = report.Page(out / f"bench_dep{n}{suffix}.md", title, report.summary(__doc__), run)
+    if suffix:
+        page.text(combine_path.forced_line(suffix))
+    page.text(
+        f"K3 geometry (L {K3.latent}, K {K3.topk}, E {K3.experts}, {K3.experts // n} experts per"
+        f" rank). Construction of the EpRouted (sized for T = {max(r['tokens'] for r in results)},"
+        f" kernels compiled in it): {construction_s:.2f} s, slowest rank, ranks lined up first,"
+        " NVSHMEM start-up and kernel compilation included.",
+    )
+    page.text(peer_note)
+    page.text(
+        "Medians over graph replays, slowest rank (bench/bench_dep.py: methods and the baselines'"
+        " definitions). Pair: back-to-back dispatch + combine pairs, no events between; dispatch,"
+        " combine: events around each call (which cut the programmatic overlap). GB/s: bytes the"
+        " rank sends to other ranks / time (mean over ranks).",
+    )
+    columns = (
+        "T | routing | skew rows / pairs | receive MiB | dispatch us ours / peer"
+        " | combine us ours / peer | pair us ours / peer | peer pair / ours"
+        " | dispatch GB/s ours / peer | combine GB/s ours / peer"
+    )
+    rows = []
     for r in results:
         pd, pc, pp = r.get("peer_dispatch"), r.get("peer_combine"), r.get("peer_pair")
-        ratio = "-" if pp is None else f"{pp / r['pair']:.2f}"
-        lines.append(
-            f"| {r['tokens']} | {r['routing']} | {r['skew']:.2f} / {r['pair_skew']:.2f} |"
-            f" {r['receive_mib']:.2f} | {_us(r['dispatch'])} / {_us(pd)} |"
-            f" {_us(r['combine'])} / {_us(pc)} | {_us(r['pair'])} / {_us(pp)} | {ratio} |"
-            f" {_gbps(r['d_bytes'], r['dispatch'])} / {_gbps(r['d_bytes'], pd)} |"
-            f" {_gbps(r['c_bytes'], r['combine'])} / {_gbps(r['c_bytes'], pc)} |"
-        )  # fmt: skip
-    lines += [
-        "", "NCCL baselines, same run (x: baseline time / ours; dispatch side against our"
-        " dispatch, combine side against our combine):", "",
-        "| T | routing | all-gather us (x) | reduce-scatter us (x) | a2a dispatch us (x) |"
-        " a2a combine us (x) | NCCL timing |",
-        "|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+        rows.append(
+            [
+                r["tokens"],
+                r["routing"],
+                f"{r['skew']:.2f} / {r['pair_skew']:.2f}",
+                f"{r['receive_mib']:.2f}",
+                f"{_us(r['dispatch'])} / {_us(pd)}",
+                f"{_us(r['combine'])} / {_us(pc)}",
+                f"{_us(r['pair'])} / {_us(pp)}",
+                "-" if pp is None else f"{pp / r['pair']:.2f}",
+                f"{_gbps(r['d_bytes'], r['dispatch'])} / {_gbps(r['d_bytes'], pd)}",
+                f"{_gbps(r['c_bytes'], r['combine'])} / {_gbps(r['c_bytes'], pc)}",
+            ]
+        )
+    page.table(columns.split(" | "), rows)
+    page.text(
+        "NCCL baselines, same run (x: baseline time / ours; dispatch side against our dispatch,"
+        " combine side against our combine):",
+    )
+    columns = (
+        "T | routing | all-gather us (x) | reduce-scatter us (x) | a2a dispatch us (x)"
+        " | a2a combine us (x) | NCCL timing"
+    )
+    rows = []
     for r in results:
         d, c = max(r["dispatch"], 1e-3), max(r["combine"], 1e-3)
-        lines.append(
-            f"| {r['tokens']} | {r['routing']} |"
-            f" {r['allgather']:.1f} ({r['allgather'] / d:.1f}x) |"
-            f" {r['reduce_scatter']:.1f} ({r['reduce_scatter'] / c:.1f}x) |"
-            f" {r['a2a']:.1f} ({r['a2a'] / d:.1f}x) |"
-            f" {r['a2a_back']:.1f} ({r['a2a_back'] / c:.1f}x) | {r['modes']} |"
+        rows.append(
+            [
+                r["tokens"],
+                r["routing"],
+                f"{r['allgather']:.1f} ({r['allgather'] / d:.1f}x)",
+                f"{r['reduce_scatter']:.1f} ({r['reduce_scatter'] / c:.1f}x)",
+                f"{r['a2a']:.1f} ({r['a2a'] / d:.1f}x)",
+                f"{r['a2a_back']:.1f} ({r['a2a_back'] / c:.1f}x)",
+                r["modes"],
+            ]
         )
-    lines.append("")
-    if suffix:
-        lines.insert(3, combine_path.forced_line(suffix))
-    (out / f"bench_dep{n}{suffix}.md").write_text("\n".join(lines))
-    plot(out / f"bench_dep{n}{suffix}.png", results, n, gpu)
+    page.table(columns.split(" | "), rows)
+    page.plot(figure(results, f"DEP, {run.hardware}, K3 geometry, {run.date}"))
+    return page.write()
 
 
-def plot(path: Path, results: list[dict], n: int, gpu: str) -> None:
+# The time panels: ours (a key of a result row), the NCCL baselines beside it (key, label).
+TIME_PANELS = (
+    ("pair", ()),
+    ("dispatch", (("allgather", "all-gather"), ("a2a", "all_to_all_single"))),
+    ("combine", (("reduce_scatter", "reduce-scatter"), ("a2a_back", "all_to_all_single"))),
+)
+
+
+def figure(results: list[dict], title: str) -> report.Figure:
     """Times against T: the pair, dispatch and combine (ours per routing, the peer and the NCCL
     baselines under the first routing), and ours and the peer's in GB/s."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
     routings = list(dict.fromkeys(r["routing"] for r in results))
     by_routing = {name: [r for r in results if r["routing"] == name] for name in routings}
-    base = by_routing[routings[0]]  # the peer and the baselines under the first routing
+    first = routings[0]
+    base = by_routing[first]  # the peer and the baselines under the first routing
     peer = [r for r in base if r.get("peer_pair") is not None]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-    panels = (
-        ("pair", ()),
-        ("dispatch", (("allgather", "all-gather"), ("a2a", "all_to_all_single"))),
-        ("combine", (("reduce_scatter", "reduce-scatter"), ("a2a_back", "all_to_all_single"))),
-    )
-    for axis, (ours, baselines) in zip(axes, panels):
-        for name, rows in by_routing.items():
-            axis.loglog([r["tokens"] for r in rows], [max(r[ours], 1e-2) for r in rows], "o-",
-                        label=f"ours, {name}")  # fmt: skip
+
+    def line(label: str, rows: list[dict], value, style: str = "o-") -> report.Series:
+        """`value(row)` of each of `rows` against its T."""
+        return report.Series(label, [r["tokens"] for r in rows], [value(r) for r in rows], style)
+
+    def rate(nbytes: str, us: str):
+        return lambda r: r[nbytes] / max(r[us], 1e-3) / 1e3
+
+    panels = []
+    for ours, baselines in TIME_PANELS:
+        series = [
+            line(f"ours, {name}", rows, lambda r: max(r[ours], 1e-2))
+            for name, rows in by_routing.items()
+        ]
         if peer:
-            axis.loglog([r["tokens"] for r in peer], [r[f"peer_{ours}"] for r in peer], "^-",
-                        label=f"{peer_one_sided.NAME}, {routings[0]}")  # fmt: skip
+            label = f"{peer_one_sided.NAME}, {first}"
+            series.append(line(label, peer, lambda r: r[f"peer_{ours}"], "^-"))
         for key, label in baselines:
-            axis.loglog([r["tokens"] for r in base], [r[key] for r in base], "s--",
-                        label=f"NCCL {label}, {routings[0]}")  # fmt: skip
-        axis.set_title(ours), axis.set_xlabel("tokens per rank T"), axis.set_ylabel("us")
-        axis.legend(fontsize=7), axis.grid(True, which="both", alpha=0.3)
-    c = axes[3]
+            series.append(line(f"NCCL {label}, {first}", base, lambda r: r[key], "s--"))
+        panels.append(report.Panel("tokens per rank T", "us", series, title=ours, y_log=10))
+    rates = []
     for name, rows in by_routing.items():
-        ts = [r["tokens"] for r in rows]
-        c.semilogx(ts, [r["d_bytes"] / max(r["dispatch"], 1e-3) / 1e3 for r in rows], "o-",
-                   label=f"ours dispatch, {name}")  # fmt: skip
-        c.semilogx(ts, [r["c_bytes"] / max(r["combine"], 1e-3) / 1e3 for r in rows], "s-",
-                   label=f"ours combine, {name}")  # fmt: skip
+        rates.append(line(f"ours dispatch, {name}", rows, rate("d_bytes", "dispatch")))
+        rates.append(line(f"ours combine, {name}", rows, rate("c_bytes", "combine"), "s-"))
     if peer:
-        ts = [r["tokens"] for r in peer]
-        c.semilogx(ts, [r["d_bytes"] / r["peer_dispatch"] / 1e3 for r in peer], "^--",
-                   label=f"peer dispatch, {routings[0]}")  # fmt: skip
-        c.semilogx(ts, [r["c_bytes"] / r["peer_combine"] / 1e3 for r in peer], "v--",
-                   label=f"peer combine, {routings[0]}")  # fmt: skip
-    c.set_title("GB/s sent to other ranks, per rank"), c.set_xlabel("tokens per rank T")
-    c.legend(fontsize=7), c.grid(True, alpha=0.3)
-    fig.suptitle(f"DEP, {n} x {gpu}, K3 geometry, {datetime.date.today().isoformat()}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        rates.append(line(f"peer dispatch, {first}", peer, rate("d_bytes", "peer_dispatch"), "^--"))
+        rates.append(line(f"peer combine, {first}", peer, rate("c_bytes", "peer_combine"), "v--"))
+    title_rates = "GB/s sent to other ranks, per rank"
+    panels.append(report.Panel("tokens per rank T", "GB/s", rates, title=title_rates))
+    return report.Figure(title, panels)
 
 
 if __name__ == "__main__":

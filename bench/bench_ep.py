@@ -1,13 +1,13 @@
 """EP=1 benchmark on one GPU: dispatch, combine and the pair, against the device-to-device copy
 ceiling measured in the same run; the MXFP8 quantize kernel against the torch reference.
 
-    python bench/bench_ep.py --out docs            # writes docs/bench_ep1.md and docs/bench_ep1.png
+    python -m bench.bench_ep      # writes docs/results/bench_ep1.md and .png (--out: elsewhere)
 
 One process, every expert local (EP=1), K3 geometry (L 3584, K 16, E 896). Times are medians of
-CUDA-event-timed graph replays (each replay runs REPS launches back to back, each launch on its
-own input set, so that a replay's inputs are several times the L2 at large T; the graph is
-replayed many times). Combine cannot run without a dispatch before it (the dispatch opens the
-call whose flags the combine waits for), so it is timed as (dispatch + combine) - dispatch.
+CUDA-event-timed graph replays (each replay runs --reps launches back to back on the same
+inputs; the median of --samples replays). Combine cannot run without a dispatch before it (the
+dispatch opens the call whose flags the combine waits for), so it is timed as (dispatch +
+combine) - dispatch.
 Bytes are the fewest each kernel must move through device memory at EP=1 (inputs read once,
 outputs written once); the receive rows and partials are one fixed region of the symmetric
 buffer, as in real use. `--tunings` times the same steps with other kernel tunings
@@ -18,16 +18,14 @@ then a synchronize: launch overhead included).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
 
-import combine_path
 import torch
-from timing import capture, replay_us, time_us
 
+from bench import cli, combine_path, report
+from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3, EpRouted
@@ -35,6 +33,7 @@ from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
+SAMPLES = 30  # timed replays per step (median)
 EAGER_PAIRS = 100
 # Kernel tunings the page can compare (the results do not depend on them).
 TUNINGS = {
@@ -73,16 +72,14 @@ def bytes_moved(tokens: int) -> tuple[int, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="docs", help="folder for bench_ep1.md and bench_ep1.png")
-    combine_path.add_option(p)
-    p.add_argument("--tokens", type=int, nargs="*", default=TOKENS, help="token counts T")
+    page = "bench_ep1.md and bench_ep1.png"
+    p = cli.parser(__doc__, page=page, tokens=TOKENS, timing=(REPS, SAMPLES), combine=True)
     p.add_argument("--tunings", nargs="+", choices=sorted(TUNINGS), default=["default"],
                    help="kernel tunings to time, the first one in the main table")  # fmt: skip
     args = p.parse_args()
     ctx = init_rank_context("cuda")
     if ctx.world_size != 1:
-        raise SystemExit("bench_ep.py: run one process (EP=1); several processes share time")
+        raise SystemExit("bench.bench_ep: run one process (EP=1); several processes share time")
     dep = new_dep_group(ctx, 1)
     max_tokens = max(args.tokens)
     routed = EpRouted(dep.cpu_group, max_tokens, "cuda", num_experts=K3.experts,
@@ -97,8 +94,8 @@ def main() -> int:
     rows, tuned = [], {}
     for name in args.tunings:
         transport.retune(KernelTuning(**TUNINGS[name]))
-        tuned[name] = [time_step(transport, routed, tokens, *inputs[tokens], norm)
-                       for tokens in args.tokens]  # fmt: skip
+        steps = [(tokens, *inputs[tokens], norm, args.reps, args.samples) for tokens in args.tokens]
+        tuned[name] = [time_step(transport, routed, *step) for step in steps]
     transport.retune(None)
     for tokens, (d_us, c_us, pair_us, eager_us) in zip(args.tokens, tuned[args.tunings[0]]):
         latent = inputs[tokens][0]
@@ -108,7 +105,7 @@ def main() -> int:
         rows.append((tokens, d_us, c_us, pair_us, d_bytes, c_bytes, torch_q_us, eager_us))
     quant = quantize_speedup(max_tokens)
     routed.close()
-    write_report(Path(args.out), rows, copies, quant, suffix, tuned, args.tokens)
+    write_report(args.out, rows, copies, quant, suffix, tuned, args.tokens, args.reps)
     teardown(ctx)
     return 0
 
@@ -124,8 +121,9 @@ def make_inputs(routed: EpRouted, tokens: int):
     return latent, ids, weights
 
 
-def time_step(transport, routed, tokens, latent, ids, weights, norm):
-    """(dispatch us, combine us, pair us, eager pair us) of one T on the transport's kernels."""
+def time_step(transport, routed, tokens, latent, ids, weights, norm, reps: int, samples: int):
+    """(dispatch us, combine us, pair us, eager pair us) of one T on the transport's kernels:
+    graph replays of `reps` launches, medians of `samples` replays."""
     out = routed.receive(tokens).out
 
     def pair():
@@ -133,7 +131,7 @@ def time_step(transport, routed, tokens, latent, ids, weights, norm):
         transport.combine(out, ids, norm, 1e-5, rejected=None)
 
     transport.reset()
-    pair_us = replay_us(capture(pair, REPS), REPS)
+    pair_us = replay_us(capture(pair, reps), reps, samples)
     routed.synchronize()
     transport.reset()
     start = time.perf_counter()
@@ -143,9 +141,9 @@ def time_step(transport, routed, tokens, latent, ids, weights, norm):
     eager_us = (time.perf_counter() - start) * 1e6 / EAGER_PAIRS
     transport.reset()  # a dispatch alone leaves its call open: reset after it
     dispatch = capture(
-        lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), REPS
+        lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None), reps
     )
-    d_us = replay_us(dispatch, REPS)
+    d_us = replay_us(dispatch, reps, samples)
     routed.synchronize()
     transport.reset()
     print(f"T={tokens:5d} dispatch {d_us:8.2f} us combine {pair_us - d_us:8.2f} us pair"
@@ -182,71 +180,102 @@ def quantize_speedup(tokens: int) -> tuple[int, float, float]:
     )
 
 
-def write_report(out: Path, rows, copies: dict, quant, suffix: str, tuned: dict, tokens) -> None:
+def write_report(
+    out: Path,
+    rows,
+    copies: dict,
+    quant,
+    suffix: str,
+    tuned: dict,
+    tokens,
+    reps: int,
+    run: report.Run | None = None,
+) -> Path:
+    """OUTDIR/bench_ep1{suffix}.md and .png from the rows of `main` (us, bytes per T)."""
+    run = run or report.Run.this_process()
     ceiling = max(copies.values())
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    lines = [
-        "# EP=1 benchmark (one GPU, every expert local)", "",
-        f"GPU: {gpu}. Date: {date}. Command: `python bench/bench_ep.py {' '.join(sys.argv[1:])}`"
-        " (one process).",
-        f"K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of CUDA-event-timed"
-        f" graph replays, {REPS} launches per replay on {REPS} distinct input sets. Copy ceiling"
-        " (2 GiB device-to-device copy, read + written bytes, same run, the best of: "
-        + ", ".join(f"{k} {v:.0f}" for k, v in copies.items())
-        + f" GB/s): **{ceiling:.0f} GB/s**.", "",
+    title = "EP=1 benchmark (one GPU, every expert local)"
+    page = report.Page(out / f"bench_ep1{suffix}.md", title, report.summary(__doc__), run)
+    if suffix:
+        page.text(combine_path.forced_line(suffix))
+    copy_ways = ", ".join(f"{k} {v:.0f}" for k, v in copies.items())
+    page.text(
+        f"One process. K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of"
+        f" CUDA-event-timed graph replays, {reps} launches per replay on the same inputs. Copy"
+        " ceiling (2 GiB device-to-device copy, read + written bytes, same run, the best of:"
+        f" {copy_ways} GB/s): **{ceiling:.0f} GB/s**.",
+    )
+    page.text(
         "combine = (dispatch + combine) - dispatch, as combine cannot run without its dispatch.",
-        "GB/s = fewest bytes the kernel must move at EP=1 / time; % = of the copy ceiling.", "",
-        "| T | dispatch us | dispatch GB/s | % ceiling | combine us | combine GB/s | % ceiling |"
-        " dispatch+combine us | eager pair us | torch MXFP8 quantize us |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+        "GB/s = fewest bytes the kernel must move at EP=1 / time; % = of the copy ceiling.",
+    )
+    columns = [
+        "T",
+        "dispatch us",
+        "dispatch GB/s",
+        "% ceiling",
+        "combine us",
+        "combine GB/s",
+        "% ceiling",
+        "dispatch+combine us",
+        "eager pair us",
+        "torch MXFP8 quantize us",
+    ]
+    cells = []
     for t, d_us, c_us, pair_us, d_bytes, c_bytes, tq, eager_us in rows:
         d_gbs, c_gbs = d_bytes / d_us / 1e3, c_bytes / max(c_us, 1e-3) / 1e3
-        lines.append(f"| {t} | {d_us:.2f} | {d_gbs:.0f} | {100 * d_gbs / ceiling:.0f}% |"
-                     f" {c_us:.2f} | {c_gbs:.0f} | {100 * c_gbs / ceiling:.0f}% | {pair_us:.2f} |"
-                     f" {eager_us:.2f} | {tq:.1f} |")  # fmt: skip
+        cells.append(
+            [
+                t,
+                f"{d_us:.2f}",
+                f"{d_gbs:.0f}",
+                f"{100 * d_gbs / ceiling:.0f}%",
+                f"{c_us:.2f}",
+                f"{c_gbs:.0f}",
+                f"{100 * c_gbs / ceiling:.0f}%",
+                f"{pair_us:.2f}",
+                f"{eager_us:.2f}",
+                f"{tq:.1f}",
+            ]
+        )
+    page.table(columns, cells)
     quant_tokens, k_us, t_us = quant
-    lines += [
-        "",
+    page.text(
         f"MXFP8 quantization of [{quant_tokens}, {K3.latent}] BF16: kernel {k_us:.1f} us, torch"
         f" reference {t_us:.1f} us: **{t_us / k_us:.1f}x** (bit-identical outputs checked).",
-        "",
-    ]
+    )
     if len(tuned) > 1:
         names = list(tuned)
-        lines += [
-            "## Kernel tunings, same run (dispatch / combine / pair, us)", "",
-            ", ".join(f"{n}: {TUNINGS[n] or 'KernelTuning()'}" for n in names), "",
-            "| T | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
-        ]  # fmt: skip
-        for i, t in enumerate(tokens):
-            cells = [" / ".join(f"{v:.2f}" for v in tuned[n][i][:3]) for n in names]
-            lines.append(f"| {t} | " + " | ".join(cells) + " |")
-        lines.append("")
-    if suffix:
-        lines.insert(3, combine_path.forced_line(suffix))
-    (out / f"bench_ep1{suffix}.md").write_text("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+        page.section("Kernel tunings, same run (dispatch / combine / pair, us)")
+        page.text(", ".join(f"{n}: {TUNINGS[n] or 'KernelTuning()'}" for n in names))
+        page.table(
+            ["T", *names],
+            [
+                [t] + [" / ".join(f"{v:.2f}" for v in tuned[n][i][:3]) for n in names]
+                for i, t in enumerate(tokens)
+            ],
+        )
     ts = [r[0] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.loglog(ts, [r[1] for r in rows], "o-", label="dispatch")
-    a.loglog(ts, [max(r[2], 1e-2) for r in rows], "s-", label="combine")
-    a.set_xlabel("tokens T"), a.set_ylabel("us"), a.legend(), a.grid(True, which="both", alpha=0.3)
-    b.semilogx(ts, [r[4] / r[1] / 1e3 for r in rows], "o-", label="dispatch")
-    b.semilogx(ts, [r[5] / max(r[2], 1e-3) / 1e3 for r in rows], "s-", label="combine")
-    b.axhline(ceiling, color="k", ls="--", label="copy ceiling")
-    b.set_xlabel("tokens T"), b.set_ylabel("GB/s"), b.legend(), b.grid(True, alpha=0.3)
-    fig.suptitle(f"EP=1, K3 geometry, {gpu}, {date}")
-    fig.tight_layout()
-    fig.savefig(out / f"bench_ep1{suffix}.png", dpi=110)
+    times = report.Panel(
+        "tokens T",
+        "us",
+        y_log=10,
+        series=[
+            report.Series("dispatch", ts, [r[1] for r in rows], "o-"),
+            report.Series("combine", ts, [max(r[2], 1e-2) for r in rows], "s-"),
+        ],
+    )
+    rates = report.Panel(
+        "tokens T",
+        "GB/s",
+        reference=(ceiling, "copy ceiling"),
+        series=[
+            report.Series("dispatch", ts, [r[4] / r[1] / 1e3 for r in rows], "o-"),
+            report.Series("combine", ts, [r[5] / max(r[2], 1e-3) / 1e3 for r in rows], "s-"),
+        ],
+    )
+    page.plot(report.Figure(f"EP=1, K3 geometry, {run.hardware}, {run.date}", [times, rates]))
+    return page.write()
 
 
 if __name__ == "__main__":

@@ -2,14 +2,14 @@
 ReferenceExperts, at 56, 112 and 448 local experts (rank 0 of 16, 8 and 2 ranks), T = 1..256 tokens
 per rank, all measured in the same run.
 
-    python bench/bench_experts.py --out docs     # writes docs/bench_experts.md and .png
+    python -m bench.bench_experts     # writes docs/results/bench_experts.md and .png
 
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
 random experts of 896, keeping the tokens with at least one of rank 0's experts.
 - HopperExperts (VARIANTS: the humming engine with num_experts, so its kernels are chosen for the
   expected pairs, with the one-launch grouping kernel (the default) and with the torch grouping;
   the humming engine without num_experts, its kernels chosen for the pair capacity; the triton
-  engine): CUDA-graph replay of `--launches` back-to-back calls on the same rows (a call has no
+  engine): CUDA-graph replay of `--reps` back-to-back calls on the same rows (a call has no
   host synchronisation), median of `--samples` replays, per call; one eager call first (humming
   compiles its kernels for a new pair count there).
 - ReferenceExperts: eager (it reads sizes back to the host), median of CUDA-event-timed calls;
@@ -23,25 +23,27 @@ random experts of 896, keeping the tokens with at least one of rank 0's experts.
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import math
 import sys
 from pathlib import Path
 
 import torch
-from timing import capture, replay_us, time_us
 
+from bench import cli, report
+from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.grouping import group_pairs, tile_routes
 from dep_ep.experts.grouping_kernel import group_and_route
 from dep_ep.experts.hopper import HopperExperts, HopperTiles
-from dep_ep.testing.synthetic import ROUTINGS, SyntheticLayer, synthetic_ids
+from dep_ep.testing.synthetic import SyntheticLayer, synthetic_ids
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 LOCAL_EXPERTS = [56, 112, 448]
 REFERENCE_MAX_LOCAL = 112
+REPS, SAMPLES = 10, 20  # calls per captured graph, timed replays (median)
 # w13 + s13 + w2 + s2 of one K3 expert: 3 * I * L / 2 code bytes + 3 * I * L / 32 scale bytes.
 EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // 32
 
@@ -120,10 +122,10 @@ def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> lis
             out = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
             backend.forward(*rows, out)  # eager first: compiles outside the capture
             outputs[name] = out.clone()
-            result[name] = graph_us(backend, rows, args.launches, args.samples)
+            result[name] = graph_us(backend, rows, args.reps, args.samples)
         for name, grouping in GROUPINGS.items():  # capture's warm-up call compiles the kernel
-            graph = capture(lambda grouping=grouping: grouping(ids, local), args.launches)
-            result[name] = replay_us(graph, args.launches, args.samples)
+            graph = capture(lambda grouping=grouping: grouping(ids, local), args.reps)
+            result[name] = replay_us(graph, args.reps, args.samples)
         if reference is not None:
             want = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
             result["reference"] = time_us(lambda: reference.forward(*rows, want), 1, 10)
@@ -137,15 +139,20 @@ def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> lis
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs", help="folder for bench_experts.md and .png")
-    p.add_argument("--local", type=int, nargs="+", default=LOCAL_EXPERTS)
-    p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
-    p.add_argument("--routing", nargs="+", default=["uniform"], choices=ROUTINGS,
-                   help="synthetic_ids routings, each at every T (hot: a local expert in every"
-                        " token)")  # fmt: skip
-    p.add_argument("--launches", type=int, default=10, help="calls per captured graph")
-    p.add_argument("--samples", type=int, default=20, help="timed replays (median)")
+    p = cli.parser(
+        __doc__,
+        page="bench_experts.md and .png",
+        tokens=TOKENS,
+        routing=["uniform"],
+        timing=(REPS, SAMPLES),
+    )
+    p.add_argument(
+        "--local",
+        type=int,
+        nargs="+",
+        default=LOCAL_EXPERTS,
+        help="local experts of rank 0, each a case (896 / local ranks)",
+    )
     args = p.parse_args()
     bandwidth = copy_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -153,72 +160,66 @@ def main() -> int:
     for local in args.local:
         results += bench_local(local, args, bandwidth, gen)
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_report(out, results, bandwidth, args)
-    plot(out, results)
+    write_report(args.out, results, bandwidth, args.reps, args.samples)
     return 0
 
 
-def write_report(out: Path, results: list[dict], bandwidth: float, args) -> None:
+def write_report(
+    out: Path,
+    results: list[dict],
+    bandwidth: float,
+    reps: int,
+    samples: int,
+    run: report.Run | None = None,
+) -> Path:
+    """OUTDIR/bench_experts.md and .png from the rows of `bench_local`."""
+    run = run or report.Run.this_process()
     names = [name for name, _ in VARIANTS if any(name in r for r in results)]
-    lines = [
-        "# Experts backends on one GPU, K3 geometry", "",
-        f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today().isoformat()}."
-        f" Command: `python bench/bench_experts.py {' '.join(sys.argv[1:])}` (one process). torch"
-        f" {torch.__version__}. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.", "",
+    title = "Experts backends on one GPU, K3 geometry"
+    page = report.Page(out / "bench_experts.md", title, report.summary(__doc__), run)
+    page.text(
+        f"One process. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.",
         "Rows: rank 0's receive rows when `ranks` ranks each route T tokens (16 distinct experts"
-        " of 896 by synthetic_ids: uniform; zipf; hot, expert 0 of rank 0 in every token)."
-        " pairs: (row, local expert) pairs; touched: local experts with rows."
-        f" HopperExperts (engine, math): graph replay of {args.launches} calls, median of"
-        f" {args.samples} replays, per call. ReferenceExperts: eager, median of 10 calls. floor:"
-        " the touched experts' MXFP4 weights and scales (17.5 MB each) read once at the measured"
-        " copy bandwidth; % = floor / time. diff: relative L2 against ReferenceExperts.", "",
-        "| local (ranks) | T | routing | rows | pairs | touched | floor us | "
-        + " | ".join(f"{n} us | {n} %" for n in names)
-        + " | Reference us | " + " | ".join(f"{n} diff" for n in names)
-        + " | " + " | ".join(f"{n} us" for n in GROUPINGS) + " |",
-        "|" + "---|" * (8 + 2 * len(names) + len(names) + len(GROUPINGS)),
-    ]  # fmt: skip
+        " of 896 by synthetic_ids: uniform; zipf; hot, expert 0 of rank 0 in every token).",
+        "pairs: (row, local expert) pairs; touched: local experts with rows.",
+        f"HopperExperts (engine, math): graph replay of {reps} calls, median of {samples}"
+        " replays, per call. ReferenceExperts: eager, median of 10 calls. floor: the touched"
+        " experts' MXFP4 weights and scales (17.5 MB each) read once at the measured copy"
+        " bandwidth; % = floor / time. diff: relative L2 against ReferenceExperts.",
+    )
+    columns = ["local (ranks)", "T", "routing", "rows", "pairs", "touched", "floor us"]
+    columns += [f"{n} {unit}" for n in names for unit in ("us", "%")]
+    columns += ["Reference us", *(f"{n} diff" for n in names), *(f"{n} us" for n in GROUPINGS)]
+    rows = []
     for r in results:
-        cells = [f"{r['local']} ({r['ranks']})", str(r["tokens"]), r["routing"], str(r["rows"]),
-                 str(r["pairs"]), str(r["touched"]), f"{r['floor_us']:.0f}"]  # fmt: skip
+        cells = [
+            f"{r['local']} ({r['ranks']})",
+            r["tokens"],
+            r["routing"],
+            r["rows"],
+            r["pairs"],
+            r["touched"],
+            f"{r['floor_us']:.0f}",
+        ]
         for n in names:
             cells += [f"{r[n]:.0f}", f"{100 * r['floor_us'] / r[n]:.0f}%"] if n in r else ["-", "-"]
         cells.append(f"{r['reference']:.0f}" if "reference" in r else "-")
         cells += [f"{r[f'{n} diff']:.1e}" if f"{n} diff" in r else "-" for n in names]
         cells += [f"{r[n]:.1f}" for n in GROUPINGS]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    (out / "bench_experts.md").write_text("\n".join(lines))
-
-
-def plot(out: Path, results: list[dict]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+        rows.append(cells)
+    page.table(columns, rows)
+    series = []
     for local, routing in sorted({(r["local"], r["routing"]) for r in results}):
         mine = [r for r in results if r["local"] == local and r["routing"] == routing]
         t = [r["tokens"] for r in mine]
-        line = ax.plot(t, [r.get("humming", r["triton"]) for r in mine], "o-",
-                       label=f"HopperExperts, {local}, {routing}")  # fmt: skip
-        ax.plot(t, [r["floor_us"] for r in mine], "--", color=line[0].get_color(),
-                label=f"weight-read floor, {local}, {routing}")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per rank (T)")
-    ax.set_ylabel("us per call")
-    ax.set_title(f"K3 experts on one {torch.cuda.get_device_name()} (local experts)")
-    ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "bench_experts.png", dpi=120)
+        us = [r.get("humming", r.get("triton", math.nan)) for r in mine]  # nan: not measured
+        series.append(report.Series(f"HopperExperts, {local}, {routing}", t, us))
+        floor = [r["floor_us"] for r in mine]
+        label = f"weight-read floor, {local}, {routing}"
+        series.append(report.Series(label, t, floor, "--", color_of_previous=True))
+    panel = report.Panel("tokens per rank (T)", "us per call", series, x_log=2, y_log=10)
+    page.plot(report.Figure(f"K3 experts on {run.hardware} (local experts)", [panel]))
+    return page.write()
 
 
 if __name__ == "__main__":

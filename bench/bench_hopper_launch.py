@@ -3,26 +3,26 @@ receive rows: the grouping (experts/grouping_kernel.py: slots a chunk, warps), t
 (output columns a program, warps) and SiTU -> MXFP8 (pairs a step, programs per SM, columns,
 warps); the measurement behind BLOCK_S / NUM_WARPS, HopperTiles.finalize_* and SITU_*.
 
-    python bench/bench_hopper_launch.py --out docs     # writes docs/bench_hopper_launch.md
+    python -m bench.bench_hopper_launch     # writes docs/results/bench_hopper_launch.md
 
 Rows drawn as bench_experts.py draws them (uniform routing). Each kernel alone in CUDA-graph
-replay of LAUNCHES calls, median of SAMPLES replays, per call. The grouping cuts tiles of 16
+replay of --reps calls, median of --samples replays, per call. The grouping cuts tiles of 16
 pairs (one tiling); the finalize reads random BF16 expert outputs, SiTU random BF16 FC1 outputs.
 Every shape's outputs must equal the first shape's, bit for bit (the run stops otherwise).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import sys
 from pathlib import Path
 
 import torch
-from bench_experts import receive_rows
-from timing import capture, replay_us
 
+from bench import cli, report
+from bench.bench_experts import receive_rows
+from bench.timing import capture, replay_us
 from dep_ep.ep import K3
 from dep_ep.experts import grouping_kernel
 from dep_ep.experts import hopper_kernels as kernels
@@ -35,18 +35,13 @@ SITU = [  # (pairs a step, programs per SM, columns, warps)
     (16, 4, 256, 4), (16, 8, 256, 4), (16, 16, 256, 4), (16, 32, 256, 4), (8, 16, 256, 4),
     (32, 16, 256, 8), (16, 16, 512, 8), (16, 32, 128, 4),
 ]  # fmt: skip
-LAUNCHES, SAMPLES = 20, 15
+REPS, SAMPLES = 20, 15  # calls per captured graph, timed replays (median)
 BLOCK_N = 16
 
 
-def timed(call) -> float:
-    """us per call of `call` in graph replay."""
-    return replay_us(capture(call, LAUNCHES), LAUNCHES, SAMPLES)
-
-
-def grouping_times(ids: torch.Tensor, local: int) -> dict[str, float]:
-    """{shape: us} of group_and_route with each GROUPING shape (module constants set per shape);
-    each shape's tensors equal the first's."""
+def grouping_times(ids: torch.Tensor, local: int, timed) -> dict[str, float]:
+    """{shape: us} of group_and_route with each GROUPING shape (module constants set per shape),
+    `timed(call)` the us per call; each shape's tensors equal the first's."""
     saved = grouping_kernel.BLOCK_S, grouping_kernel.NUM_WARPS
     times, first = {}, None
     try:
@@ -67,7 +62,7 @@ def grouping_times(ids: torch.Tensor, local: int) -> dict[str, float]:
     return times
 
 
-def finalize_times(y, pair_slot, weights, rows: int) -> dict[str, float]:
+def finalize_times(y, pair_slot, weights, rows: int, timed) -> dict[str, float]:
     """{shape: us} of finalize_kernel with each FINALIZE shape; outputs bitwise equal."""
     times, first = {}, None
     for columns, warps in FINALIZE:
@@ -86,7 +81,7 @@ def finalize_times(y, pair_slot, weights, rows: int) -> dict[str, float]:
     return times
 
 
-def situ_times(gate_up, groups, sms: int) -> dict[str, float]:
+def situ_times(gate_up, groups, sms: int, timed) -> dict[str, float]:
     """{shape: us} of situ_mxfp8_kernel with each SITU shape, launched as HopperExperts launches
     it; the MXFP8 activations of the pairs bitwise equal."""
     inter, capacity = K3.intermediate, gate_up.shape[0]
@@ -113,23 +108,32 @@ def situ_times(gate_up, groups, sms: int) -> dict[str, float]:
     return times
 
 
-def table(title: str, legend: str, results: list[dict], key: str, default: str) -> list[str]:
+def add_table(
+    page: report.Page, title: str, legend: str, results: list[dict], key: str, default: str
+) -> None:
+    """A section of `page`: us per call of each shape in results[i][key] (bold: `default`, the
+    library's shape), a row per case, the fastest marked."""
+    page.section(title)
+    page.text(legend)
     shapes = list(results[0][key])
-    lines = [f"\n## {title}", "", legend, "",
-             "| local | T | rows | " + " | ".join(
-                 f"**{s}** us" if s == default else f"{s} us" for s in shapes) + " |",
-             "|" + "---|" * (3 + len(shapes))]  # fmt: skip
+    columns = ["local", "T", "rows"] + [
+        f"**{s}** us" if s == default else f"{s} us" for s in shapes
+    ]
+    rows = []
     for r in results:
         best = min(r[key].values())
         cells = [f"{us:.1f}" + (" (best)" if us == best else "") for us in r[key].values()]
-        lines.append(f"| {r['local']} | {r['tokens']} | {r['rows']} | " + " | ".join(cells) + " |")
-    return lines
+        rows.append([r["local"], r["tokens"], r["rows"], *cells])
+    page.table(columns, rows)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs", help="folder for bench_hopper_launch.md")
-    args = p.parse_args()
+    args = cli.parser(__doc__, page="bench_hopper_launch.md", timing=(REPS, SAMPLES)).parse_args()
+
+    def timed(call) -> float:
+        """us per call of `call` in graph replay."""
+        return replay_us(capture(call, args.reps), args.reps, args.samples)
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
@@ -141,37 +145,56 @@ def main() -> int:
         gate_up = torch.randn(capacity, 2 * K3.intermediate, device="cuda", generator=gen)
         result = {
             "local": local, "tokens": tokens, "rows": rows,
-            "grouping": grouping_times(ids, local),
-            "finalize": finalize_times(y, groups.pair_slot, weights, rows),
-            "situ": situ_times(gate_up.bfloat16(), groups, sms),
+            "grouping": grouping_times(ids, local, timed),
+            "finalize": finalize_times(y, groups.pair_slot, weights, rows, timed),
+            "situ": situ_times(gate_up.bfloat16(), groups, sms, timed),
         }  # fmt: skip
         results.append(result)
         print(datetime.datetime.now().strftime("%H:%M:%S"), result, flush=True)
+    write_report(args.out, results)
+    return 0
+
+
+def write_report(out: Path, results: list[dict], run: report.Run | None = None) -> Path:
+    """OUTDIR/bench_hopper_launch.md from the cases of `main`."""
+    run = run or report.Run.this_process()
     tiles = HopperTiles()
     columns = math.gcd(SITU_MAX_BLOCK_I, K3.intermediate)  # HopperExperts.situ_block_i
     situ_default = f"{SITU_ROWS}/{SITU_PROGRAMS_PER_SM}/{columns}/4"
-    lines = [
-        "# Launch shapes of HopperExperts' grouping, finalize and SiTU kernels", "",
-        f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
-        f" `python bench/bench_hopper_launch.py {' '.join(sys.argv[1:])}`. torch"
-        f" {torch.__version__}.", "",
+    title = "Launch shapes of HopperExperts' grouping, finalize and SiTU kernels"
+    page = report.Page(out / "bench_hopper_launch.md", title, report.summary(__doc__), run)
+    page.text(
         "Each kernel alone, graph replay, us per call; rows drawn as bench_experts.py draws them"
         " (uniform routing), rank 0 of 896 / local ranks. Bold: the library's shape; every"
         " shape's outputs equal the first's bit for bit.",
-    ]  # fmt: skip
-    lines += table("Grouping (slots a chunk / warps)", "group_and_route, tiles of 16 pairs.",
-                   results, "grouping",
-                   f"{grouping_kernel.BLOCK_S}/{grouping_kernel.NUM_WARPS}")  # fmt: skip
-    lines += table("Finalize (columns a program / warps)", "finalize_kernel over every row.",
-                   results, "finalize",
-                   f"{tiles.finalize_columns(K3.latent)}/{tiles.finalize_warps}")  # fmt: skip
-    lines += table("SiTU -> MXFP8 (pairs a step / programs per SM / columns / warps)",
-                   "situ_mxfp8_kernel over the pairs.", results, "situ",
-                   situ_default)  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_hopper_launch.md").write_text("\n".join(lines) + "\n")
-    return 0
+    )
+    grouping = f"{grouping_kernel.BLOCK_S}/{grouping_kernel.NUM_WARPS}"
+    add_table(
+        page,
+        "Grouping (slots a chunk / warps)",
+        "group_and_route, tiles of 16 pairs.",
+        results,
+        "grouping",
+        grouping,
+    )
+    finalize = f"{tiles.finalize_columns(K3.latent)}/{tiles.finalize_warps}"
+    add_table(
+        page,
+        "Finalize (columns a program / warps)",
+        "finalize_kernel over every row.",
+        results,
+        "finalize",
+        finalize,
+    )
+    add_table(
+        page,
+        "SiTU -> MXFP8 (pairs a step / programs per SM / columns / warps)",
+        "situ_mxfp8_kernel over the pairs.",
+        results,
+        "situ",
+        situ_default,
+    )
+    return page.write()
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 each kernel HummingGemm.tuning picks for 16, 32, ..., 65536 pairs, at K3 geometry on rank 0's
 receive rows, beside the kernel `tuning_pairs` picks; the measurement behind `tuning_pairs`.
 
-    python bench/bench_humming_tuning.py --variants --out docs   # docs/bench_humming_tuning.md
+    python -m bench.bench_humming_tuning --variants   # docs/results/bench_humming_tuning.md
 
 Rows drawn as bench_experts.py draws them (uniform routing), in a draw of their own. Each GEMM in
-CUDA-graph replay of LAUNCHES calls, median of SAMPLES replays, per call, on the routes of the
+CUDA-graph replay of --reps calls, median of --samples replays, per call, on the routes of the
 grouping for that kernel's tile size; FC2 reads random e4m3 activations with unit scales (its
 time does not depend on their values).
 Tunings that pick the same kernel are timed once, under the smallest pair count picking it.
@@ -16,17 +16,15 @@ block, stream-K on or off; the measurement behind TUNING_UPDATES.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import itertools
 import json
 import sys
-from pathlib import Path
 
 import torch
-from bench_experts import receive_rows
-from timing import capture, replay_us
 
+from bench import cli, report
+from bench.bench_experts import receive_rows
+from bench.timing import capture, replay_us
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts, routed_tilings, tuning_pairs
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -35,7 +33,7 @@ CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T p
 VARIANT_LOCAL, VARIANT_TOKENS = 56, (16, 32, 64, 128)
 VARIANT_BASES, VARIANT_BLOCKS = (512, 1024, 2048), (16, 24, 32)
 TUNINGS = [1 << i for i in range(4, 17)]  # pair counts humming is asked to tune for
-LAUNCHES, SAMPLES = 10, 10
+REPS, SAMPLES = 10, 10  # calls per captured graph, timed replays (median)
 E4M3 = torch.float8_e4m3fn
 
 
@@ -54,9 +52,10 @@ def column_of(kernels: dict[int, dict], gemm, pairs: int) -> int:
 
 
 def time_gemm(
-    backend: HopperExperts, name: str, kernels: dict[int, dict], rows
+    backend: HopperExperts, name: str, kernels: dict[int, dict], rows, timing: tuple[int, int]
 ) -> dict[int, float]:
-    """{column: us per call} of GEMM `name` ("fc1" or "fc2") with each of `kernels`."""
+    """{column: us per call} of GEMM `name` ("fc1" or "fc2") with each of `kernels`; timing:
+    (calls per captured graph, timed replays)."""
     x, sf, ids, _ = rows
     count, topk = ids.shape
     capacity, inter = count * topk, backend.intermediate
@@ -79,7 +78,8 @@ def time_gemm(
             gemm(inputs, input_scale, sorted_ids, groups.tile_expert, routes.num_padded, top_k,
                  out, column)  # fmt: skip
 
-        times[column] = replay_us(capture(call, LAUNCHES), LAUNCHES, SAMPLES)
+        reps, samples = timing
+        times[column] = replay_us(capture(call, reps), reps, samples)
     return times
 
 
@@ -103,14 +103,14 @@ def variant_configs(gemm) -> dict[str, dict]:
     return configs
 
 
-def variant_lines(gen: torch.Generator) -> list[str]:
-    """The variants section: per GEMM, a row per variant, a column per T (us, or why not run)."""
+def add_variants(page: report.Page, gen: torch.Generator, timing: tuple[int, int]) -> None:
+    """The variants' sections of `page`: per GEMM, a row per variant, a column per T (us, or why
+    not run)."""
     weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, VARIANT_LOCAL)
     backend = HopperExperts(*weights, first_expert=0, engine="humming",
                             num_experts=K3.experts)  # fmt: skip
     rows = {t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen)
             for t in VARIANT_TOKENS}  # fmt: skip
-    lines = []
     for name in ("fc1", "fc2"):
         gemm = getattr(backend, name)
         table = []
@@ -120,32 +120,42 @@ def variant_lines(gen: torch.Generator) -> list[str]:
             cells = []
             for tokens in VARIANT_TOKENS:
                 try:
-                    times = time_gemm(backend, name, {column: config}, rows[tokens])
+                    times = time_gemm(backend, name, {column: config}, rows[tokens], timing)
                     cells.append(f"{times[column]:.0f}")
                 except Exception as error:  # humming refuses some shapes (an assertion)
                     cells.append(f"not built ({type(error).__name__})")
             block = ", ".join(str(v) for v in config["block_shape"])
-            table.append(f"| {label} | {block} | {config['use_stream_k']} | "
-                         + " | ".join(cells) + " |")  # fmt: skip
+            table.append([label, block, config["use_stream_k"], *cells])
             print(name, table[-1], flush=True)
-        lines += [f"\n## Variants, {VARIANT_LOCAL} local experts: {name.upper()}", "",
-                  "| kernel | block (pairs, N, K) | stream-K | "
-                  + " | ".join(f"T = {t} us" for t in VARIANT_TOKENS) + " |",
-                  "|" + "---|" * (3 + len(VARIANT_TOKENS))] + table  # fmt: skip
-    return lines
+        page.section(f"Variants, {VARIANT_LOCAL} local experts: {name.upper()}")
+        columns = ["kernel", "block (pairs, N, K)", "stream-K"]
+        page.table(columns + [f"T = {t} us" for t in VARIANT_TOKENS], table)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs", help="folder for bench_humming_tuning.md")
+    timing = (REPS, SAMPLES)
+    p = cli.parser(__doc__, page="bench_humming_tuning.md", timing=timing)
     p.add_argument(
         "--variants",
         action="store_true",
         help="also time the variants of humming's kernels (VARIANT_TOKENS)",
     )
     args = p.parse_args()
+    timing = (args.reps, args.samples)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    lines = []
+    title = "humming's kernel per pair count (HopperExperts' humming engine)"
+    page = report.Page(
+        args.out / "bench_humming_tuning.md",
+        title,
+        report.summary(__doc__),
+        report.Run.this_process(),
+    )
+    page.text(
+        "Each GEMM alone, graph replay, us per call. Columns: the kernels HummingGemm.tuning picks"
+        " (humming's heuristic with hopper_humming.TUNING_UPDATES) when asked to tune for 16, 32,"
+        " ..., 65536 pairs, each under the smallest count picking it; bold: the kernel of"
+        " `tuning_pairs` for these rows (the power of two nearest the expected pairs).",
+    )
     for local, token_counts in CASES.items():
         weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
         backend = HopperExperts(*weights, first_expert=0, engine="humming",
@@ -159,41 +169,34 @@ def main() -> int:
             chosen = tuning_pairs(ids.shape[0], K3.topk, local, K3.experts)
             held = int(((ids >= 0) & (ids < local)).sum())
             for name, gemm in gemms.items():
-                times = time_gemm(backend, name, kernels[name], rows)
+                times = time_gemm(backend, name, kernels[name], rows, timing)
                 picked = column_of(kernels[name], gemm, chosen)
                 cells = [f"**{us:.0f}**" if column == picked else f"{us:.0f}"
                          for column, us in times.items()]  # fmt: skip
-                tables[name].append(f"| {tokens} | {ids.shape[0]} | {held} | {chosen} | "
-                                    + " | ".join(cells) + " |")  # fmt: skip
+                tables[name].append([tokens, ids.shape[0], held, chosen, *cells])
                 print(local, name, tables[name][-1], flush=True)
         for name in gemms:
-            lines += [f"\n## {local} local experts: {name.upper()}", "",
-                      "| kernel tuned for (pairs) | block (pairs, N, K) | CTAs per SM | stream-K |",
-                      "|---|---|---|---|"]  # fmt: skip
-            for column, config in kernels[name].items():
-                block = ", ".join(str(v) for v in config["block_shape"])
-                lines.append(f"| {column} | {block} | {config['num_ctas_per_sm']} |"
-                             f" {config['use_stream_k']} |")  # fmt: skip
-            lines += ["", "| T | rows | pairs | tuning_pairs | "
-                      + " | ".join(f"{column} us" for column in kernels[name]) + " |",
-                      "|" + "---|" * (4 + len(kernels[name]))] + tables[name]  # fmt: skip
+            page.section(f"{local} local experts: {name.upper()}")
+            columns = ["kernel tuned for (pairs)", "block (pairs, N, K)", "CTAs per SM", "stream-K"]
+            page.table(
+                columns,
+                [
+                    [
+                        column,
+                        ", ".join(str(v) for v in config["block_shape"]),
+                        config["num_ctas_per_sm"],
+                        config["use_stream_k"],
+                    ]
+                    for column, config in kernels[name].items()
+                ],
+            )
+            columns = ["T", "rows", "pairs", "tuning_pairs"]
+            page.table(columns + [f"{column} us" for column in kernels[name]], tables[name])
         del weights, backend
         torch.cuda.empty_cache()
     if args.variants:
-        lines += variant_lines(gen)
-    head = [
-        "# humming's kernel per pair count (HopperExperts' humming engine)", "",
-        f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
-        f" `python bench/bench_humming_tuning.py {' '.join(sys.argv[1:])}`. torch"
-        f" {torch.__version__}.", "",
-        "Each GEMM alone, graph replay, us per call. Columns: the kernels HummingGemm.tuning picks"
-        " (humming's heuristic with hopper_humming.TUNING_UPDATES) when asked to tune for 16, 32,"
-        " ..., 65536 pairs, each under the smallest count picking it; bold: the kernel of"
-        " `tuning_pairs` for these rows (the power of two nearest the expected pairs).",
-    ]  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_humming_tuning.md").write_text("\n".join(head + lines) + "\n")
+        add_variants(page, gen, timing)
+    page.write()
     return 0
 
 

@@ -1,7 +1,7 @@
 """K3 MoE layer benchmark, one process per GPU: EpMoeLayer's parts and the whole layer, the
 overlapped schedule against the serial order, in one run.
 
-    torchrun --nproc-per-node N bench/bench_layer.py --out OUTDIR   # OUTDIR/bench_layer.md, .png
+    torchrun --nproc-per-node N -m bench.bench_layer --out OUTDIR   # OUTDIR/bench_layer.md, .png
 
 Geometry: K3 (H 7168, L 3584, S 6144, E 896, K 16), seeded random dense weights (BF16, 0.38 GB
 a rank). Experts: a stand-in backend that writes zeros into the expert output rows
@@ -12,23 +12,22 @@ GEMM over the shared gate/up and the latent down projection, plus the latent's c
 (fp32 GEMM, sigmoid, top-K, weights), shared (SiTU + shared down projection), routed (EpRouted
 with ZeroExperts), up (the up projection added into the shared output, one addmm). Wholes: the
 layer with schedule="serial" and with schedule="overlap". hidden = serial - overlap; the side
-stream's work is router + shared. Times: medians over samples of CUDA-event-timed graph replays
-(REPS calls per replay; eager when capture fails, marked), ranks lined up by a host barrier before
+stream's work is router + shared. Times: medians over --samples of CUDA-event-timed graph replays
+(--reps calls per replay; eager when capture fails, marked), ranks lined up by a host barrier before
 each sample, the slowest rank's median reported. Ranks sharing one GPU are time-sliced: refused.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import math
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from timing import timed_us
 
+from bench import cli, report
+from bench.ranks import slowest
+from bench.timing import timed_us
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpMoeLayer, EpRouted
 from dep_ep.experts import ExpertsBackend
@@ -69,20 +68,14 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def slowest(value: float, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
-
-
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="docs", help="folder for bench_layer.md and bench_layer.png")
-    p.add_argument("--tokens", type=int, nargs="*", default=TOKENS, help="tokens per rank T")
-    args = p.parse_args()
+    page = "bench_layer.md and bench_layer.png"
+    args = cli.parser(__doc__, page=page, tokens=TOKENS, timing=(REPS, SAMPLES)).parse_args()
     ctx = init_rank_context("cuda", timeout_s=300.0)
     if ctx.backend != "nccl":
-        raise SystemExit("bench_layer.py: needs one GPU per rank (ranks sharing a GPU time-slice)")
+        raise SystemExit(
+            "bench.bench_layer: needs one GPU per rank (ranks sharing a GPU time-slice)"
+        )
     n, rank = ctx.world_size, ctx.rank
     dep = new_dep_group(ctx, n)
     cpu = dep.cpu_group
@@ -113,7 +106,7 @@ def main() -> int:
         }
         row, modes = {"tokens": tokens}, set()
         for name, fn in calls.items():
-            us, mode = timed_us(fn, cpu, REPS, SAMPLES)
+            us, mode = timed_us(fn, cpu, args.reps, args.samples)
             routed.synchronize()
             row[name] = slowest(us, cpu)
             modes.add(mode)
@@ -125,72 +118,64 @@ def main() -> int:
                   flush=True)  # fmt: skip
     routed.close()
     if rank == 0:
-        write_report(Path(args.out), results, n)
+        write_report(args.out, results, n)
     teardown(ctx)
     return 0
 
 
-def write_report(out: Path, results: list[dict], n: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    lines = [
-        f"# K3 MoE layer, {n} GPU(s), one process per GPU: overlapped schedule against serial", "",
-        f"GPU: {n} x {gpu}. Date: {date}. Command: `torchrun --nproc-per-node {n}"
-        " bench/bench_layer.py --out OUTDIR`. K3 geometry (H 7168, L 3584, S 6144, E 896,"
-        f" K 16, {K3.experts // n} experts per rank), random dense weights.", "",
+def write_report(out: Path, results: list[dict], n: int, run: report.Run | None = None) -> Path:
+    """OUTDIR/bench_layer.md and .png from the rows of `main` (us per part and whole)."""
+    run = run or report.Run.this_process(n)
+    title = f"K3 MoE layer, {n} GPU(s), one process per GPU: overlapped schedule against serial"
+    page = report.Page(out / "bench_layer.md", title, report.summary(__doc__), run)
+    page.text(
+        f"K3 geometry (H 7168, L 3584, S 6144, E 896, K 16, {K3.experts // n} experts per rank),"
+        " random dense weights.",
+    )
+    page.text(
         "Experts: a stand-in that writes zeros into the expert output rows (no expert GEMMs): the"
         " routed column is dispatch + combine (+ RMSNorm) + that memset. The point is the"
         " schedule around the routed path. Times: us, medians of CUDA-event-timed graph replays,"
         " slowest rank. hidden = serial - overlap; side = router + shared (the side stream's"
         " work); % hidden = hidden / side. bitwise: the two schedules' outputs equal bit for bit.",
-        "",
-        "| T | front | router | shared | routed | up | serial | overlap | hidden | % hidden |"
-        " bitwise | timing |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    )
+    columns = ["T", *PARTS, *"serial | overlap | hidden | % hidden | bitwise | timing".split(" | ")]
+    rows = []
     for r in results:
         hidden = r["serial"] - r["overlap"]
         side = r["router"] + r["shared"]
-        parts = " | ".join(f"{r[name]:.1f}" for name in PARTS)
-        lines.append(
-            f"| {r['tokens']} | {parts} | {r['serial']:.1f} | {r['overlap']:.1f} | {hidden:.1f} |"
-            f" {100 * hidden / side:.0f}% | {'yes' if r['bitwise'] else 'NO'} | {r['modes']} |"
+        parts = [f"{r[name]:.1f}" for name in PARTS]
+        rows.append(
+            [
+                r["tokens"],
+                *parts,
+                f"{r['serial']:.1f}",
+                f"{r['overlap']:.1f}",
+                f"{hidden:.1f}",
+                f"{100 * hidden / side:.0f}%",
+                "yes" if r["bitwise"] else "NO",
+                r["modes"],
+            ]
         )
-    lines.append("")
-    plotted = plot(out / "bench_layer.png", results, n, gpu, date)
-    lines.append("![parts and wholes against T](bench_layer.png)" if plotted else
-                 "No plot: matplotlib is not importable here.")  # fmt: skip
-    lines.append("")
-    (out / "bench_layer.md").write_text("\n".join(lines))
-
-
-def plot(path: Path, results: list[dict], n: int, gpu: str, date: str) -> bool:
-    """Parts and wholes against T, and the hidden share; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    page.table(columns, rows)
     ts = [r["tokens"] for r in results]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    for name in PARTS:
-        a.semilogx(ts, [r[name] for r in results], "o--", label=name)
-    for name in ("serial", "overlap"):
-        a.semilogx(ts, [r[name] for r in results], "s-", linewidth=2, label=f"layer, {name}")
-    a.set_xlabel("tokens per rank T"), a.set_ylabel("us"), a.set_title("parts and the layer")
-    a.legend(fontsize=8), a.grid(True, which="both", alpha=0.3)
+    parts = [report.Series(name, ts, [r[name] for r in results], "o--") for name in PARTS]
+    parts += [
+        report.Series(f"layer, {name}", ts, [r[name] for r in results], "s-", bold=True)
+        for name in ("serial", "overlap")
+    ]
     hidden = [r["serial"] - r["overlap"] for r in results]
-    b.semilogx(ts, hidden, "o-", label="hidden us (serial - overlap)")
-    b.semilogx(ts, [r["router"] + r["shared"] for r in results], "s--", label="side-stream work us")
-    b.set_xlabel("tokens per rank T"), b.set_ylabel("us"), b.set_title("what the overlap hides")
-    b.legend(fontsize=8), b.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"K3 MoE layer, {n} x {gpu}, zero-cost experts, {date}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+    side = [r["router"] + r["shared"] for r in results]
+    hides = [
+        report.Series("hidden us (serial - overlap)", ts, hidden),
+        report.Series("side-stream work us", ts, side, "s--"),
+    ]
+    panels = [
+        report.Panel("tokens per rank T", "us", parts, title="parts and the layer"),
+        report.Panel("tokens per rank T", "us", hides, title="what the overlap hides"),
+    ]
+    page.plot(report.Figure(f"K3 MoE layer, {run.hardware}, zero-cost experts, {run.date}", panels))
+    return page.write()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def suffix(args: argparse.Namespace) -> str:
 
 
 def forced_line(suffix: str) -> str:
-    """The report line saying which path was forced (for a non-empty suffix)."""
+    """The report's sentence saying which path was forced (for a non-empty suffix)."""
     forced = suffix[len("_split") :]
     return (f"Combine path forced: `--combine-split-min-tokens {forced}` (0: two launches at every"
-            " T; huge: one launch at every T).\n")  # fmt: skip
+            " T; huge: one launch at every T).")  # fmt: skip

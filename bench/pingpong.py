@@ -1,6 +1,6 @@
 """Two-GPU ping-pong: the latency floor of one NVLink store + flag round trip.
 
-    torchrun --nproc-per-node 2 bench/pingpong.py --out docs/pingpong.md
+    torchrun --nproc-per-node 2 -m bench.pingpong     # writes docs/results/pingpong.md
     (or mpirun -n 2 ...; with more ranks, ranks 0 and 1 play and the others idle)
 
 One thread on each of the two GPUs; the flags are int64 words in NVSHMEM symmetric memory.
@@ -14,8 +14,6 @@ measure the scheduler, not NVLink (the script says so when it sees it).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch
 import torch.distributed as dist
 from cutlass import Int32, Int64
 
+from bench import cli, report
 from dep_ep.comm.errors import EpTimeoutError
 from dep_ep.comm.kernels.launch_args import RankControl
 from dep_ep.comm.kernels.signals import wait_flag
@@ -95,16 +94,15 @@ class PingPongKernel:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs/pingpong.md")
+    p = cli.parser(__doc__, page="pingpong.md")
     p.add_argument("--rounds", type=int, default=1000, help="round trips per launch")
-    p.add_argument("--launches", type=int, default=30)
-    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--launches", type=int, default=30, help="timed launches (median)")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="a flag's wait bound, seconds")
     args = p.parse_args()
     ctx = init_rank_context("cuda", timeout_s=120.0)
     group, rank = ctx.cpu_group, ctx.rank
     if ctx.world_size < 2:
-        raise SystemExit("pingpong: needs 2 ranks (torchrun --nproc-per-node 2)")
+        raise SystemExit("bench.pingpong: needs 2 ranks (torchrun --nproc-per-node 2)")
     nbytes = 256
     flags = allocate_nvshmem(group, rank, ctx.world_size, nbytes, ctx.device)
     playing = rank < 2
@@ -156,35 +154,34 @@ def main() -> int:
             + (" [ranks share one GPU: time-sliced]" if same_gpu else ""),
             flush=True,
         )
-        write_report(Path(args.out), rtt, times, args, same_gpu)
+        write_report(args.out, rtt, times, same_gpu)
     free_nvshmem(flags[rank])
     teardown(ctx)
     return 0
 
 
-def write_report(out: Path, rtt: float, times: list[float], args, same_gpu: bool) -> None:
-    gpu = torch.cuda.get_device_name()
-    lines = [
-        "# Ping-pong: one NVLink store + flag round trip",
-        "",
-        f"GPU: 2 x {gpu}. Date: {datetime.date.today().isoformat()}. Command: `torchrun"
-        f" --nproc-per-node 2 bench/pingpong.py --rounds {args.rounds} --launches"
-        f" {args.launches}`.",
-        "",
+def write_report(
+    out: Path, rtt: float, times: list[float], same_gpu: bool, run: report.Run | None = None
+) -> Path:
+    """OUTDIR/pingpong.md: the median round trip `rtt` and the per-launch `times` (us a round)."""
+    run = run or report.Run.this_process(2)
+    title = "Ping-pong: one NVLink store + flag round trip"
+    page = report.Page(out / "pingpong.md", title, report.summary(__doc__), run)
+    page.text(
         "Release store of a flag into the peer's NVSHMEM memory, acquire spin on the own flag"
         " (system scope), one thread per GPU; per round: rank 0 -> rank 1 -> rank 0.",
-        "",
-        "| | us |",
-        "|---|---|",
-        f"| round trip (median of {len(times)} launches) | {rtt:.2f} |",
-        f"| one way | {rtt / 2:.2f} |",
-        f"| min / max launch | {min(times):.2f} / {max(times):.2f} |",
-        "",
-    ]
+    )
+    page.table(
+        ["", "us"],
+        [
+            (f"round trip (median of {len(times)} launches)", f"{rtt:.2f}"),
+            ("one way", f"{rtt / 2:.2f}"),
+            ("min / max launch", f"{min(times):.2f} / {max(times):.2f}"),
+        ],
+    )
     if same_gpu:
-        lines += ["Both ranks shared ONE GPU (time-sliced): this is the scheduler, not NVLink.", ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
+        page.text("Both ranks shared ONE GPU (time-sliced): this is the scheduler, not NVLink.")
+    return page.write()
 
 
 if __name__ == "__main__":

@@ -1,29 +1,29 @@
 """Where ReferenceExperts spends a call at K3 geometry: torch profiler over a few calls, one line
-per CUDA kernel and per host-side op, for one local expert count and T.
+per CUDA kernel and per host-side op, for one local expert count and T. It prints the tables (no
+results page).
 
-    python bench/profile_experts.py --local 56 --tokens 1 256
+    python -m bench.profile_experts --local 56 --tokens 1 256
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
-from bench_experts import receive_rows
-from timing import time_us
 from torch.profiler import ProfilerActivity, profile
 
+from bench import cli
+from bench.bench_experts import receive_rows
+from bench.timing import time_us
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
 from dep_ep.testing.synthetic import SyntheticLayer
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--local", type=int, default=56)
-    p.add_argument("--tokens", type=int, nargs="*", default=[1, 256])
-    p.add_argument("--calls", type=int, default=5)
+    p = cli.parser(__doc__, tokens=[1, 256])
+    p.add_argument("--local", type=int, default=56, help="local experts of rank 0 (of 896)")
+    p.add_argument("--calls", type=int, default=5, help="calls profiled per T")
     args = p.parse_args()
     ranks = K3.experts // args.local
     backend = ReferenceExperts(*SyntheticLayer(K3, 1, "cuda").local(0, args.local), first_expert=0)

@@ -2,7 +2,7 @@
 over 5 eager calls after one warm-up call, GPU time per call of each kernel, at 56 local experts
 (rank 0 of 16) for T = 8, 32, 64, 256 and at 448 (rank 0 of 2) for T = 16, 256.
 
-    python bench/profile_hopper.py --out docs     # writes docs/profile_hopper.md
+    python -m bench.profile_hopper     # writes docs/results/profile_hopper.md
 
 Eager calls: the kernels' GPU times are those of graph replay; the gaps between launches are not
 (bench_experts.py times the call in graph replay). The busy sum counts each kernel once per call.
@@ -10,15 +10,13 @@ Eager calls: the kernels' GPU times are those of graph replay; the gaps between 
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
-from pathlib import Path
 
 import torch
-from bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
 from torch.profiler import ProfilerActivity, profile
 
+from bench import cli, report
+from bench.bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -44,12 +42,20 @@ def profile_case(backend: HopperExperts, rows) -> tuple[float, list[tuple[str, f
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs", help="folder for profile_hopper.md")
-    args = p.parse_args()
+    args = cli.parser(__doc__, page="profile_hopper.md").parse_args()
     bandwidth = copy_gbs()
+    title = "Where HopperExperts' call goes (humming engine)"
+    page = report.Page(
+        args.out / "profile_hopper.md", title, report.summary(__doc__), report.Run.this_process()
+    )
+    page.text(
+        f"Copy bandwidth measured in the run: {bandwidth:.0f} GB/s. torch profiler over {CALLS}"
+        " eager calls after a warm-up call; per call, each kernel's GPU time (eager launches: the"
+        " gaps between kernels are not counted). Rows drawn as bench_experts.py draws them"
+        " (uniform routing), in a draw of their own; floor: the touched experts' weights read"
+        " once.",
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
-    lines = []
     for local, token_counts in CASES.items():
         weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
         backend = HopperExperts(*weights, first_expert=0, engine="humming",
@@ -68,27 +74,16 @@ def main() -> int:
                 f"GPU busy {busy:.0f} us a call; floor {floor:.0f} us ({100 * floor / busy:.0f}%)."
             )
             print(title, "|", busy_line, flush=True)
-            lines += [f"\n## {title}", f"\n{busy_line}\n",
-                      "| kernel | us a call | launches | share |", "|---|---|---|---|"]  # fmt: skip
-            lines += [f"| `{name}` | {us:.1f} | {count} | {100 * us / busy:.0f}% |"
-                      for name, us, count in kernels]  # fmt: skip
+            page.section(title)
+            page.text(busy_line)
+            cells = [
+                (f"`{name}`", f"{us:.1f}", count, f"{100 * us / busy:.0f}%")
+                for name, us, count in kernels
+            ]
+            page.table(["kernel", "us a call", "launches", "share"], cells)
         del weights, backend
         torch.cuda.empty_cache()
-    head = [
-        "# Where HopperExperts' call goes (humming engine)",
-        "",
-        f"GPU: {torch.cuda.get_device_name()}. Date: {datetime.date.today()}. Command:"
-        f" `python bench/profile_hopper.py {' '.join(sys.argv[1:])}`. torch {torch.__version__}."
-        f" Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.",
-        "",
-        f"torch profiler over {CALLS} eager calls after a warm-up call; per call, each kernel's"
-        " GPU time (eager launches: the gaps between kernels are not counted). Rows drawn as"
-        " bench_experts.py draws them (uniform routing), in a draw of their own; floor: the"
-        " touched experts' weights read once.",
-    ]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_hopper.md").write_text("\n".join(head + lines) + "\n")
+    page.write()
     return 0
 
 

@@ -1,34 +1,36 @@
 """The per-step scaling model of dispatch and combine (docs/scaling.md): predictions for N ranks
 from the EP=2 measurements, checked against them, and the receive memory per rank. CPU only.
 
-    python bench/scaling_model.py            # prints the tables of docs/scaling.md
+    python -m bench.scaling_model            # prints the tables of docs/scaling.md
 
 Model, per rank and step of T tokens per rank (K3: L = 3584, K = 16, E = 896):
     t(N, T) = t_small + V(N, T) / B
     V(N, T) = T * R(N) * b,  R(N) = (N - 1) * (1 - q(N)),  q(N) = C(E - E/N, K) / C(E, K)
 R(N): the expected other ranks a token goes to (q: no expert of the token on a given other rank);
 b: bytes per token and destination (dispatch 3,824: x 3,584, scales 112, ids and weights 128;
-combine 7,168: one BF16 row). t_small and B are fitted to the EP=2 table of docs/bench_dep2.md
-(2026-11-29): t_small = the mean time at T <= 16, B = V(2, 4096) / (t(2, 4096) - t_small).
+combine 7,168: one BF16 row). t_small and B are fitted to the EP=2 table of
+docs/results/bench_dep2.md (2026-11-29): t_small = the mean time at T <= 16,
+B = V(2, 4096) / (t(2, 4096) - t_small).
 """
 
 from __future__ import annotations
 
 import math
 
+from bench import cli
 from dep_ep.comm.layout import EpLayout
 from dep_ep.config import K3
 from dep_ep.ep import EpRouted
 from dep_ep.experts.hopper import workspace_bytes as hopper_workspace_bytes
 
 BYTES = {"dispatch": K3.latent + K3.latent // 32 + K3.topk * 8, "combine": K3.latent * 2}
-# docs/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
+# docs/results/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
 EP2 = {
     1: (6.5, 11.3), 2: (8.2, 11.1), 4: (8.5, 10.4), 8: (8.8, 12.3), 16: (9.4, 12.0),
     32: (9.6, 12.9), 64: (10.4, 15.4), 128: (11.4, 16.5), 256: (14.3, 17.9),
     1024: (27.5, 42.7), 4096: (76.2, 129.4),
 }  # fmt: skip
-# docs/nvlink_ceiling.md: kernel stores both ways at once, 16 MB and 64 MB (GB/s).
+# docs/results/nvlink_ceiling.md: kernel stores both ways at once, 16 MB and 64 MB (GB/s).
 CEILING_GBS = 345.0
 TOKENS = [1, 16, 128, 256, 1024, 4096]
 RANKS = [2, 8, 16]
@@ -57,6 +59,7 @@ def predict(n: int, tokens: int, phase: int, bandwidth_gbs: float | None = None)
 
 
 def main() -> None:
+    cli.parser(__doc__).parse_args()  # --help only: the model's inputs are the constants above
     for phase, name in enumerate(("dispatch", "combine")):
         t_small, bandwidth = fit(phase)
         print(f"{name}: t_small {t_small:.1f} us, B {bandwidth:.0f} GB/s")

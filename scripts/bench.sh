@@ -1,6 +1,7 @@
 #!/bin/bash
-# The benchmarks on a machine with CUDA GPUs, one process per GPU; each writes its results page
-# (markdown table + plot) into OUTDIR:
+# The benchmarks on a machine with CUDA GPUs, one process per GPU, each run from the repository
+# root as the module bench.<name>; each writes its results page (bench/report.py: tables, a plot)
+# into OUTDIR (docs/results holds the published pages: OUTDIR=docs/results rewrites them):
 #   pip install -e '.[gpu,test]' && bash scripts/bench.sh OUTDIR
 # bench_ep (EP=1 on GPU 0), bench_experts, bench_construction and bench_layer (GPU 0), and with
 # >= 2 GPUs the store + flag ping-pong, the NVLink write ceiling, bench_dep (three routings),
@@ -17,19 +18,19 @@ gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -ge 1 ] || { echo "bench.sh: no CUDA GPU" >&2; exit 2; }
 status=0
 log() { bash scripts/run_logged.sh "$out" "$@" || status=1; }
-CUDA_VISIBLE_DEVICES=0 log bench_ep1 300 "$py" bench/bench_ep.py --out "$out"
-CUDA_VISIBLE_DEVICES=0 log bench_experts 300 "$py" bench/bench_experts.py --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_ep1 300 "$py" -m bench.bench_ep --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_experts 300 "$py" -m bench.bench_experts --out "$out"
 one="$py -m torch.distributed.run --nproc-per-node 1"
-CUDA_VISIBLE_DEVICES=0 log bench_construction 200 $one bench/bench_construction.py --out "$out"
-CUDA_VISIBLE_DEVICES=0 log bench_layer1 300 $one bench/bench_layer.py --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_construction 200 $one -m bench.bench_construction --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_layer1 300 $one -m bench.bench_layer --out "$out"
 if [ "$gpus" -ge 2 ]; then
   run="$py -m torch.distributed.run"
-  log pingpong 120 $run --nproc-per-node 2 bench/pingpong.py --out "$out/pingpong.md"
-  log nvlink_ceiling 200 $run --nproc-per-node 2 bench/nvlink_ceiling.py --out "$out/nvlink_ceiling.md"
+  log pingpong 120 $run --nproc-per-node 2 -m bench.pingpong --out "$out"
+  log nvlink_ceiling 200 $run --nproc-per-node 2 -m bench.nvlink_ceiling --out "$out"
   for n in $(bash scripts/rank_counts.sh "$gpus"); do
-    log "bench_dep${n}" 600 $run --nproc-per-node "$n" bench/bench_dep.py --out "$out"
-    log "bench_layer${n}" 300 $run --nproc-per-node "$n" bench/bench_layer.py --out "$out/layer$n"
-    log "bench_routed_experts${n}" 400 $run --nproc-per-node "$n" bench/bench_routed_experts.py \
+    log "bench_dep${n}" 600 $run --nproc-per-node "$n" -m bench.bench_dep --out "$out"
+    log "bench_layer${n}" 300 $run --nproc-per-node "$n" -m bench.bench_layer --out "$out/layer$n"
+    log "bench_routed_experts${n}" 400 $run --nproc-per-node "$n" -m bench.bench_routed_experts \
       --out "$out"
   done
   log "example_k3_${gpus}gpu" 200 $run --nproc-per-node "$gpus" examples/dep_layer.py --steps 3

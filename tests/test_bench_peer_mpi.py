@@ -9,9 +9,7 @@ import types
 import pytest
 import torch
 
-from test_bench_reports import load_script
-
-peer_one_sided = load_script("peer_one_sided")
+from bench import peer_one_sided
 
 
 def fake_flashinfer(monkeypatch, jit):

@@ -1,36 +1,106 @@
-"""The CPU parts of the benchmarks: bench_routed_experts.py reading the peer's log and writing its
-page; bench_dep.py's page with and without its peer; bench_humming_tuning.py naming humming's
-distinct kernels; timing.pair_timed_us's argument check."""
+"""The CPU parts of the benchmarks: every bench module imports and every benchmark's --help runs;
+a page through bench/report.py (header, table, a plot or the line saying it is missing) and the
+command it names; bench_routed_experts reading the peer's log and writing its page; bench_dep's
+page with and without its peer; bench_humming_tuning naming humming's distinct kernels;
+timing.pair_timed_us's argument check."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench import bench_dep, report, timing
+from bench import bench_humming_tuning as tuning
+from bench import bench_routed_experts as routed_experts
+
+ROOT = Path(__file__).resolve().parent.parent
+# Every module of the package, found on disk so that a new one is covered without listing it.
+MODULES = sorted(
+    "bench" if path.stem == "__init__" else f"bench.{path.stem}"
+    for path in (ROOT / "bench").glob("*.py")
+)
 
 
-def load_script(name: str):
-    """bench/<name>.py as module `name` (the scripts import their neighbours by name, as
-    `python bench/<script>.py` lets them)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def torchrun(ranks: int, module: str, *arguments: str) -> report.Run:
+    """The Run of `module` under torchrun with `ranks` processes on one node (fixed hardware,
+    software and date)."""
+    environ = {"RANK": "0", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks)}
+    command = report.command_line(["-", *arguments], environ, module)
+    return report.Run(command, f"{ranks} x GPU", "Python 3, torch 2", "2026-12-02")
 
 
-timing = load_script("timing")
-load_script("bench_experts")
-bench = load_script("bench_routed_experts")
-tuning = load_script("bench_humming_tuning")
-load_script("combine_path")
-load_script("peer_one_sided")
-bench_dep = load_script("bench_dep")
+@pytest.mark.parametrize("module", MODULES)
+def test_every_bench_module_imports_and_its_help_runs(module, monkeypatch, capsys):
+    loaded = importlib.import_module(module)
+    if not hasattr(loaded, "main"):
+        return  # a part the benchmarks share, no command line
+    # As `python -m <module> --help` runs it, in this process.
+    monkeypatch.setitem(sys.modules, "__main__", loaded)
+    monkeypatch.setattr(sys, "argv", [loaded.__file__, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        loaded.main()
+    assert exit_.value.code == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith(f"usage: python -m {module} "), module
+
+
+def test_help_runs_from_the_repository_root():
+    command = [sys.executable, "-m", "bench.bench_dep", "--help"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "--out OUT" in run.stdout and "default: docs/results" in run.stdout, run.stdout
+
+
+def test_command_names_the_launcher_module_and_arguments(monkeypatch):
+    line = report.command_line(["-", "--out", "docs/results"], {}, "bench.bench_ep")
+    assert line == "python -m bench.bench_ep --out docs/results"
+    environ = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    environ["CUDA_VISIBLE_DEVICES"] = "0,1"
+    line = report.command_line(["-", "--tokens", "1", "4"], environ, "bench.bench_dep")
+    want = "CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 4 -m bench.bench_dep --tokens 1 4"
+    assert line == want, line
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a file, no -m
+    environ = {"PMI_RANK": "0", "PMI_SIZE": "2"}
+    line = report.command_line(["bench/x.py", "--peer-log", "a b.log"], environ)
+    assert line == "mpiexec -n 2 python bench/x.py --peer-log 'a b.log'", line
+
+
+def test_page_has_its_header_a_table_and_says_when_its_plot_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    run = torchrun(2, "bench.bench_x", "--out", str(tmp_path))
+    purpose = report.summary("What it is for,\n  on two lines.\n\nMore.")
+    page = report.Page(tmp_path / "results" / "bench_x2.md", "A benchmark", purpose, run)
+    page.table(["T", "us"], [(1, "2.5"), (16, "3.0")])
+    series = [report.Series("ours", [1, 16], [2.5, 3.0])]
+    assert not page.plot(report.Figure("us against T", [report.Panel("T", "us", series)]))
+    text = page.write().read_text()
+    assert text.startswith("# A benchmark\n\nWhat it is for, on two lines.\n\n"), text
+    assert f"- Command: `torchrun --nproc-per-node 2 -m bench.bench_x --out {tmp_path}`" in text
+    assert "- Hardware: 2 x GPU\n- Software: Python 3, torch 2\n- Date: 2026-12-02\n" in text
+    assert "| T | us |\n|---|---|\n| 1 | 2.5 |\n| 16 | 3.0 |\n" in text, text
+    assert "No plot: matplotlib was not importable" in text
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["bench_x2.md"]
+
+
+def test_plot_is_drawn_beside_the_page_and_shown_on_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    page = report.Page(tmp_path / "bench_x1.md", "A benchmark", "For.", torchrun(1, "bench.x"))
+    floor = report.Series("floor", [1, 16], [1.0, 2.0], "--", color_of_previous=True)
+    series = [report.Series("ours", [1, 16], [2.5, 3.0]), floor]
+    panels = [report.Panel("T", "us", series, x_log=2, y_log=10, reference=(2.0, "ceiling"))]
+    assert page.plot(report.Figure("us against T", panels))
+    assert "![us against T](bench_x1.png)" in page.write().read_text()
+    assert (tmp_path / "bench_x1.png").stat().st_size > 0
+
+
+def test_a_table_row_of_the_wrong_width_is_refused():
+    with pytest.raises(ValueError, match="a row of 1 cells under 2 columns"):
+        report.table(["T", "us"], [(1,)])
 
 
 def test_peer_log_rows_by_local_experts(tmp_path):
@@ -41,13 +111,14 @@ def test_peer_log_rows_by_local_experts(tmp_path):
         {"T": 16, "local": 224, "layer_us": 900.0, "error": None},
         {"T": 64, "local": 448, "layer_us": 1973.05, "error": None},
     ]
-    lines = ["# warming up", "FI_MEGA {cut", "[rank0]: " + bench.PEER_PREFIX + json.dumps(rows[0])]
-    lines += [bench.PEER_PREFIX + json.dumps(r) for r in rows[1:]]
+    prefix = routed_experts.PEER_PREFIX
+    lines = ["# warming up", "FI_MEGA {cut", "[rank0]: " + prefix + json.dumps(rows[0])]
+    lines += [prefix + json.dumps(r) for r in rows[1:]]
     log.write_text("\n".join(lines) + "\n")
-    assert bench.read_peer_log(log, 448) == {1: 202.57, 64: 1973.05}
-    assert bench.read_peer_log(log, 224) == {16: 900.0}
+    assert routed_experts.read_peer_log(log, 448) == {1: 202.57, 64: 1973.05}
+    assert routed_experts.read_peer_log(log, 224) == {16: 900.0}
     with pytest.raises(ValueError, match="no `FI_MEGA` line without error at 112 local"):
-        bench.read_peer_log(log, 112)
+        routed_experts.read_peer_log(log, 112)
 
 
 def test_report_puts_the_peer_beside_ours(tmp_path):
@@ -58,12 +129,13 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
          "finite": False},
     ]  # fmt: skip
     meta = {"n": 2, "local": 448, "bandwidth": 4100.0, "backend": "HopperExperts (humming)",
-            "grouping": "torch", "gpu": "GPU", "arguments": "--out docs"}  # fmt: skip
-    bench.write_report(tmp_path, results, {1: 202.57}, meta)
+            "grouping": "torch"}  # fmt: skip
+    run = torchrun(2, "bench.bench_routed_experts", "--out", "docs")
+    routed_experts.write_report(tmp_path, results, {1: 202.57}, meta, run)
     page = (tmp_path / "bench_routed_experts2.md").read_text()
     assert "| 1 | 16 | 65 | 150 | 43% | 203 | 32% | 1.35 | graph | yes |" in page, page
     assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | graph | NO |" in page, page
-    assert "bench/bench_routed_experts.py --out docs`" in page, page
+    assert "torchrun --nproc-per-node 2 -m bench.bench_routed_experts --out docs`" in page, page
     assert "# Routed path with experts, 2 GPUs," in page and "448 local experts per rank" in page
 
 
@@ -78,15 +150,16 @@ def dep_row(tokens: int, peer: bool) -> dict:
 
 def test_dep_report_puts_the_peer_beside_ours(tmp_path):
     note = "Peer: FlashInfer one-sided (flashinfer 0.7.4, ...); its workspace 301.0 MiB per rank"
+    run = torchrun(2, "bench.bench_dep", "--out", "docs")
     bench_dep.write_report(tmp_path, [dep_row(1, True), dep_row(16, False)], 2, 3.5,
-                           arguments="--out docs", peer_note=note, gpu="GPU")  # fmt: skip
+                           peer_note=note, run=run)  # fmt: skip
     page = (tmp_path / "bench_dep2.md").read_text()
     # dispatch 2 MB in 10 us = 200 GB/s (peer 8 us: 250); combine 4 MB in 20 us = 200 (peer 160)
     assert ("| 1 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / 8.0 | 20.0 / 25.0 | 28.0 / 35.0 | 1.25 |"
             " 200 / 250 | 200 / 160 |") in page, page  # fmt: skip
     assert "| 16 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / - | 20.0 / - | 28.0 / - | - |" in page
     assert "| 1 | uniform | 12.0 (1.2x) | 30.0 (1.5x) | 15.0 (1.5x) | 40.0 (2.0x) | graph |" in page
-    assert note in page and "bench/bench_dep.py --out docs`" in page
+    assert note in page and "torchrun --nproc-per-node 2 -m bench.bench_dep --out docs`" in page
     assert "# DEP benchmark, 2 GPUs, one process per GPU" in page
 
 

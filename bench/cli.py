@@ -1,0 +1,71 @@
+"""The command-line options the benchmarks share, added by `parser`: the folder a results page
+goes to, the token counts, the routings, the timing's calls per sample and samples, and the forced
+combine path. Each benchmark asks for the ones it takes (with its own defaults) and adds its own
+options to the parser it gets."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import combine_path
+from bench.report import main_module
+from dep_ep.testing.synthetic import ROUTINGS
+
+# Relative to the repository root, where the benchmarks run (`python -m bench.<name>`).
+RESULTS = Path("docs/results")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The benchmark's docstring as written, then each option with its default (where it has one:
+    a None default's meaning is in the option's help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parser(
+    doc: str,
+    *,
+    page: str | None = None,
+    tokens: Sequence[int] | None = None,
+    routing: Sequence[str] | None = None,
+    timing: tuple[int, int] | None = None,
+    combine: bool = False,
+) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark whose docstring is `doc` (the help's description).
+
+    page: the names of what the benchmark writes, for the help ("bench_ep1.md and .png"): adds
+        --out, the folder (Path, default RESULTS).
+    tokens: the default token counts: adds --tokens (ints, tokens per rank T).
+    routing: the default routings: adds --routing (synthetic_ids' patterns, each at every T).
+    timing: the defaults (calls per sample, samples): adds --reps (calls captured in one CUDA
+        graph and timed as one sample) and --samples (timed samples, the median reported).
+    combine: adds --combine-split-min-tokens (bench.combine_path: the forced combine path).
+    """
+    module = main_module()
+    p = argparse.ArgumentParser(
+        prog=f"python -m {module}" if module else None,
+        description=doc,
+        formatter_class=HelpFormatter,
+    )
+    if page is not None:
+        p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for {page}")
+    if tokens is not None:
+        text = "tokens per rank T, one step each"
+        p.add_argument("--tokens", type=int, nargs="+", default=list(tokens), help=text)
+    if routing is not None:
+        text = "synthetic_ids routings, each at every T"
+        p.add_argument("--routing", nargs="+", choices=ROUTINGS, default=list(routing), help=text)
+    if timing is not None:
+        reps, samples = timing
+        text = "calls captured in one CUDA graph, timed as one sample"
+        p.add_argument("--reps", type=int, default=reps, help=text)
+        text = "timed samples, the median reported"
+        p.add_argument("--samples", type=int, default=samples, help=text)
+    if combine:
+        combine_path.add_option(p)
+    return p
