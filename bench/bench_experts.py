@@ -34,9 +34,9 @@ from timing import capture, replay_us, time_us
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
-from dep_ep.experts.grouping import group_pairs, tile_routes
-from dep_ep.experts.grouping_kernel import group_and_route
 from dep_ep.experts.hopper import HopperExperts, HopperTiles
+from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
+from dep_ep.experts.hopper.grouping_kernel import group_and_route
 from dep_ep.testing.synthetic import ROUTINGS, SyntheticLayer, synthetic_ids
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]

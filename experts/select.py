@@ -7,10 +7,10 @@ import warnings
 import torch
 
 from dep_ep.experts.base import ExpertsBackend
-from dep_ep.experts.hopper import HopperExperts, default_engine
-from dep_ep.experts.hopper_humming import scale_spread_error
-from dep_ep.experts.reference import ReferenceExperts
-from dep_ep.experts.trtllm import TrtllmExperts
+from dep_ep.experts.hopper.hopper_experts import HopperExperts, default_engine
+from dep_ep.experts.hopper.humming_gemm import scale_spread_error
+from dep_ep.experts.reference.reference_experts import ReferenceExperts
+from dep_ep.experts.trtllm.trtllm_experts import TrtllmExperts
 from dep_ep.experts.weights import check_expert_weights, check_num_experts
 
 

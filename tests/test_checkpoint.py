@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from dep_ep.config import TINY
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import INDEX_FILE, dense_shapes, layer_prefix, load_moe_layer
-from dep_ep.experts.trtllm_weights import prepare_trtllm_weights
+from dep_ep.experts.trtllm.weights import prepare_trtllm_weights
 from dep_ep.testing.synthetic import SyntheticLayer
 
 from helpers.scale_layout import interleave_128x4

@@ -18,8 +18,8 @@ import torch
 from dep_ep.comm.mxfp8 import e8m0_to_fp32, mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
-from dep_ep.experts.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, default_engine, tuning_pairs
+from dep_ep.experts.hopper.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
@@ -179,12 +179,12 @@ def test_widen_scales_in_triton_interpreter():
 def test_grouping_kernel_refuses_bad_arguments():
     """group_and_route refuses tiles past its lanes and ids it cannot read before any launch;
     `grouped` groups such tiles in torch instead (the same tensors)."""
-    from dep_ep.experts.grouping_kernel import (
+    from dep_ep.experts.hopper import grouped, routed_tilings
+    from dep_ep.experts.hopper.grouping_kernel import (
         MAX_BLOCK_N,
         group_and_route,
         group_and_route_tilings,
     )
-    from dep_ep.experts.hopper import grouped, routed_tilings
 
     ids = torch.tensor([[0, 2, -1], [2, 2, 0], [5, 1, 2]], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_n=32768; expected at most 16384"):
@@ -443,7 +443,7 @@ def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_ns
     """group_and_route_tilings on the GPU against group_pairs + tile_routes per tile size on the
     same ids, bitwise, dtypes and shapes included; its outputs start as -7 (torch.empty poisoned
     during the call). One expert is hot (a third of the rows); -1 slots; ids of other ranks."""
-    from dep_ep.experts.grouping_kernel import group_and_route_tilings
+    from dep_ep.experts.hopper.grouping_kernel import group_and_route_tilings
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -477,7 +477,7 @@ def test_gpu_widen_scales_equals_torch(rows):
     """widen_scales_kernel against comm/mxfp8.e8m0_to_fp32, bit for bit, on random E8M0 bytes
     with every byte value present (0: subnormal, 255: NaN); the output starts as NaN."""
     from dep_ep.experts.hopper import WIDEN_BLOCK
-    from dep_ep.experts.hopper_kernels import widen_scales_kernel
+    from dep_ep.experts.hopper.kernels import widen_scales_kernel
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -497,7 +497,7 @@ def test_gpu_finalize_equals_torch(rows):
     outputs small integers, weights multiples of 1/16), so any order gives the same sum and the
     BF16 rounding the same bits: each row's local pairs gathered from the right expert output
     rows with the right weights, bit for bit; rows without a local id keep their NaN."""
-    from dep_ep.experts.hopper_kernels import finalize_kernel
+    from dep_ep.experts.hopper.kernels import finalize_kernel
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)

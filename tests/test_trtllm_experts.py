@@ -13,7 +13,7 @@ import torch
 from dep_ep.config import TINY
 from dep_ep.experts.base import check_receive_rows
 from dep_ep.experts.trtllm import TrtllmExperts, routed_moe_arguments
-from dep_ep.experts.trtllm_weights import TrtllmWeights, prepare_trtllm_weights
+from dep_ep.experts.trtllm.weights import TrtllmWeights, prepare_trtllm_weights
 from dep_ep.testing.synthetic import SyntheticLayer
 
 from helpers.scale_layout import deinterleave_128x4, interleave_128x4
@@ -164,7 +164,7 @@ def test_rejects_experts_beyond_the_model():
 def test_missing_flashinfer_names_the_install(monkeypatch):
     import importlib
 
-    from dep_ep.experts import trtllm_weights
+    from dep_ep.experts.trtllm import weights as trtllm_weights
 
     real = importlib.import_module
 

@@ -22,7 +22,7 @@ def main(seed: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
     from dep_ep.experts.hopper import WIDEN_BLOCK
-    from dep_ep.experts.hopper_kernels import widen_scales_kernel
+    from dep_ep.experts.hopper.kernels import widen_scales_kernel
 
     gen = torch.Generator().manual_seed(seed)
     sf = torch.randint(0, 256, (37, 112), dtype=torch.uint8, generator=gen)

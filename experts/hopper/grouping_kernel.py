@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dep_ep.experts.grouping import (
+from dep_ep.experts.hopper.grouping import (
     PairGroups,
     TileRoutes,
     check_grouping_args,

@@ -13,7 +13,7 @@ import torch
 from dep_ep.config import K3
 from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
-from dep_ep.experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
+from dep_ep.experts.trtllm.weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
 from dep_ep.experts.weights import check_expert_weights
 
 

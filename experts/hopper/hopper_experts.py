@@ -24,7 +24,7 @@ import torch
 
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
-from dep_ep.experts.grouping import (
+from dep_ep.experts.hopper.grouping import (
     PairGroups,
     TileRoutes,
     check_grouping_args,
@@ -32,7 +32,7 @@ from dep_ep.experts.grouping import (
     pair_capacity,
     tile_routes,
 )
-from dep_ep.experts.hopper_humming import HummingGemm, scale_spread_error
+from dep_ep.experts.hopper.humming_gemm import HummingGemm, scale_spread_error
 from dep_ep.experts.weights import check_expert_weights, check_num_experts
 
 MATHS = ("bf16", "fp32")  # experts/hopper_kernels.py
@@ -196,7 +196,7 @@ def grouped(
         raise ValueError(f"grouped: grouping={grouping!r}; expected one of {GROUPINGS}")
     check_grouping_args("grouped", ids, first_expert, num_local, block_n)
     if grouping == "triton":
-        from dep_ep.experts.grouping_kernel import fits, group_and_route  # imports triton
+        from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route  # imports triton
 
         if fits(block_n):
             return group_and_route(ids, first_expert, num_local, block_n)
@@ -214,7 +214,7 @@ def routed_tilings(
     for block_n in block_ns:
         check_grouping_args("routed_tilings", ids, first_expert, num_local, block_n)
     if grouping == "triton":
-        from dep_ep.experts.grouping_kernel import fits, group_and_route_tilings
+        from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route_tilings
 
         if all(fits(block_n) for block_n in block_ns):
             return group_and_route_tilings(ids, first_expert, num_local, tuple(block_ns))
@@ -241,7 +241,7 @@ def fused_experts(
 ) -> torch.Tensor:
     """The three kernels over the rows (HopperExperts.forward's contract); `programs` persistent
     programs per GEMM. Runs wherever Triton does, its CPU interpreter included (math="fp32")."""
-    from dep_ep.experts import hopper_kernels as kernels  # triton is imported on first use
+    from dep_ep.experts.hopper import kernels  # triton is imported on first use
 
     num_local, two_inter, half_latent = w13.shape
     latent, inter = 2 * half_latent, two_inter // 2
@@ -409,7 +409,7 @@ class HopperExperts(ExpertsBackend):
     def _forward_humming(self, x, sf, ids, weights, out) -> torch.Tensor:
         """forward's contract (same tensors) on the humming engine: group, FC1, SiTU -> MXFP8,
         FC2, finalize; R >= 1."""
-        from dep_ep.experts import hopper_kernels as kernels
+        from dep_ep.experts.hopper import kernels
 
         rows, topk = ids.shape
         inter, latent = self.intermediate, self.latent

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_dequantize
-from dep_ep.experts.reference import ReferenceExperts
+from dep_ep.experts.reference.reference_experts import ReferenceExperts
 from dep_ep.experts.situ import situ
 
 
