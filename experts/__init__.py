@@ -8,9 +8,11 @@ from dep_ep.experts.reference.dense_experts import DenseExperts
 from dep_ep.experts.select import default_experts, default_experts_class
 from dep_ep.experts.situ import situ
 from dep_ep.experts.trtllm import TrtllmExperts
+from dep_ep.experts.weights import ExpertWeights
 
 __all__ = [
     "DenseExperts",
+    "ExpertWeights",
     "ExpertsBackend",
     "HopperExperts",
     "HopperTiles",
