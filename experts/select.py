@@ -8,10 +8,12 @@ import torch
 
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.hopper.hopper_experts import HopperExperts, default_engine
+from dep_ep.experts.hopper.humming_engine import HummingEngine
 from dep_ep.experts.hopper.humming_gemm import scale_spread_error
+from dep_ep.experts.hopper.triton_engine import TritonEngine
 from dep_ep.experts.reference.reference_experts import ReferenceExperts
 from dep_ep.experts.trtllm.trtllm_experts import TrtllmExperts
-from dep_ep.experts.weights import check_expert_weights, check_num_experts
+from dep_ep.experts.weights import ExpertWeights, check_expert_weights, check_num_experts
 
 
 def default_experts_class(device: torch.device | str) -> type[ExpertsBackend]:
@@ -43,18 +45,18 @@ def default_experts(
     backend = default_experts_class(geometry.device)
     if backend is ReferenceExperts:
         return ReferenceExperts(w13, s13, w2, s2, first_expert=first_expert)
-    options = {}
-    if (
-        backend is HopperExperts
-        and default_engine(geometry.latent, geometry.intermediate) == "humming"
-    ):
+    if backend is TrtllmExperts:
+        return TrtllmExperts(w13, s13, w2, s2, first_expert=first_expert, num_experts=num_experts)
+    weights = ExpertWeights(w13, s13, w2, s2, first_expert=first_expert, num_experts=num_experts)
+    engine = default_engine(geometry.latent, geometry.intermediate)
+    if isinstance(engine, HummingEngine):
         spread = [
             scale_spread_error("default_experts", n, t) for n, t in (("s13", s13), ("s2", s2))
         ]
         errors = [e for e in spread if e is not None]
         if errors:
             warnings.warn(
-                f"{'; '.join(errors)}: using HopperExperts(engine='triton')", stacklevel=2
+                f"{'; '.join(errors)}: using HopperExperts(engine=TritonEngine())", stacklevel=2
             )
-            options["engine"] = "triton"
-    return backend(w13, s13, w2, s2, first_expert=first_expert, num_experts=num_experts, **options)
+            engine = TritonEngine(tiles=engine.tiles)
+    return HopperExperts(weights, engine=engine)

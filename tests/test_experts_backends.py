@@ -14,8 +14,8 @@ import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
-from dep_ep.experts import DenseExperts, ReferenceExperts
-from dep_ep.experts.hopper import HopperExperts
+from dep_ep.experts import DenseExperts, ExpertWeights, ReferenceExperts
+from dep_ep.experts.hopper import HopperExperts, HummingEngine, TritonEngine
 from dep_ep.experts.trtllm import TrtllmExperts
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -37,8 +37,12 @@ BACKENDS = {
     "reference-per-expert": lambda w, first, g: reference_per_expert(w, first),
     "dense": lambda w, first, g: DenseExperts(*w, first_expert=first),
     "trtllm": lambda w, first, g: TrtllmExperts(*w, first_expert=first, num_experts=g.experts),
-    "hopper-humming": lambda w, first, g: HopperExperts(*w, first_expert=first, engine="humming"),
-    "hopper-triton": lambda w, first, g: HopperExperts(*w, first_expert=first, engine="triton"),
+    "hopper-humming": lambda w, first, g: HopperExperts(
+        ExpertWeights(*w, first_expert=first, num_experts=g.experts), engine=HummingEngine()
+    ),
+    "hopper-triton": lambda w, first, g: HopperExperts(
+        ExpertWeights(*w, first_expert=first, num_experts=g.experts), engine=TritonEngine()
+    ),
 }
 # Backends with hardware needs: their CUDA cases skip elsewhere, naming the reason.
 NEEDS = {"trtllm": TrtllmExperts, **{name: HopperExperts for name in BACKENDS if "hopper" in name}}
@@ -93,7 +97,7 @@ def test_backend_matches_allgather_reference(name, device, geometry):
             pytest.skip(f"{backend_type.__name__} needs {backend_type.requires}: {reason}")
     if name == "hopper-humming" and importlib.util.find_spec("humming") is None:
         pytest.skip(
-            "HopperExperts(engine='humming') needs humming-kernels: pip install -e '.[gpu]'"
+            "HopperExperts(engine=HummingEngine()) needs humming-kernels: pip install -e '.[gpu]'"
         )
     seed = int(torch.randint(0, 2**31, (1,)))
     gen = torch.Generator().manual_seed(seed)
