@@ -33,7 +33,7 @@ from timing import capture, replay_us, time_us
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
-from dep_ep.experts import ExpertWeights, ReferenceExperts
+from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, HummingEngine, TritonEngine
 from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
 from dep_ep.experts.hopper.grouping_kernel import group_and_route
@@ -91,17 +91,16 @@ GROUPINGS = {
 
 def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> list[dict]:
     ranks = K3.experts // local
-    weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
+    weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, local)
     variants = {}
     for name, engine in VARIANTS:
         try:
-            experts = ExpertWeights(*weights, first_expert=0, num_experts=K3.experts)
-            variants[name] = HopperExperts(experts, engine=engine)
+            variants[name] = HopperExperts(weights, engine=engine)
         except (RuntimeError, ValueError) as error:  # e.g. humming-kernels not installed
             print(f"{name}: not measured: {error}", flush=True)
     reference = None
     if local <= REFERENCE_MAX_LOCAL:
-        reference = ReferenceExperts(*weights, first_expert=0)
+        reference = ReferenceExperts(weights)
     results = []
     for tokens, routing in [(t, r) for t in args.tokens for r in args.routing]:
         rows = receive_rows(ranks, tokens, local, gen, routing)

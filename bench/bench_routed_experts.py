@@ -101,8 +101,7 @@ def main() -> int:
         engine = default_engine(K3.latent, K3.intermediate, tiles=tiles)
         experts = HopperExperts(weights_4bit, engine=engine)
     else:  # not SM90: the device's default backend (--grouping does not apply)
-        experts = default_experts(*weights_4bit.tensors, first_expert=routed.first_expert,
-                                  num_experts=K3.experts)  # fmt: skip
+        experts = default_experts(weights_4bit)
     norm = SyntheticLayer(K3, seed=1, device="cuda").norm_weight()
     bandwidth = reduce(copy_gbs(), cpu, dist.ReduceOp.MIN)
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)

@@ -167,3 +167,24 @@ def test_each_bad_input_names_the_field_and_the_rule(label, changes, error, mess
     with pytest.raises(error, match=message) as raised:
         build(**changes)
     assert str(raised.value).startswith("ExpertWeights: "), (label, str(raised.value))
+
+
+def test_every_backend_takes_only_expert_weights():
+    """The four tensors, or anything else, are refused with a TypeError naming the backend
+    before any device check (so on any machine)."""
+    from dep_ep.experts import (
+        DenseExperts,
+        HopperExperts,
+        ReferenceExperts,
+        TrtllmExperts,
+        default_experts,
+    )
+    from dep_ep.experts.trtllm import prepare_trtllm_weights
+
+    four = tuple(tensors().values())
+    backends = (ReferenceExperts, DenseExperts, HopperExperts, TrtllmExperts)
+    for build in (*backends, default_experts, prepare_trtllm_weights):
+        for bad in (four, list(four), None, {"w13": four[0]}):
+            message = f"{build.__name__}: weights is {type(bad).__name__}; expected an ExpertW"
+            with pytest.raises(TypeError, match=message):
+                build(bad)

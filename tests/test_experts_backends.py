@@ -25,24 +25,21 @@ K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
 
 
-def reference_per_expert(weights, first: int) -> ReferenceExperts:
+def reference_per_expert(weights: ExpertWeights) -> ReferenceExperts:
     """ReferenceExperts with FC1 forced to one GEMM per expert (CUDA otherwise batches it)."""
-    backend = ReferenceExperts(*weights, first_expert=first)
+    backend = ReferenceExperts(weights)
     backend.batched_fc1_max_padding = 0.0
     return backend
 
 
+# Each builds its backend from the ExpertWeights of the case (the geometry's E experts).
 BACKENDS = {
-    "reference": lambda w, first, g: ReferenceExperts(*w, first_expert=first),
-    "reference-per-expert": lambda w, first, g: reference_per_expert(w, first),
-    "dense": lambda w, first, g: DenseExperts(*w, first_expert=first),
-    "trtllm": lambda w, first, g: TrtllmExperts(*w, first_expert=first, num_experts=g.experts),
-    "hopper-humming": lambda w, first, g: HopperExperts(
-        ExpertWeights(*w, first_expert=first, num_experts=g.experts), engine=HummingEngine()
-    ),
-    "hopper-triton": lambda w, first, g: HopperExperts(
-        ExpertWeights(*w, first_expert=first, num_experts=g.experts), engine=TritonEngine()
-    ),
+    "reference": ReferenceExperts,
+    "reference-per-expert": reference_per_expert,
+    "dense": DenseExperts,
+    "trtllm": TrtllmExperts,
+    "hopper-humming": lambda weights: HopperExperts(weights, engine=HummingEngine()),
+    "hopper-triton": lambda weights: HopperExperts(weights, engine=TritonEngine()),
 }
 # Backends with hardware needs: their CUDA cases skip elsewhere, naming the reason.
 NEEDS = {"trtllm": TrtllmExperts, **{name: HopperExperts for name in BACKENDS if "hopper" in name}}
@@ -103,8 +100,7 @@ def test_backend_matches_allgather_reference(name, device, geometry):
     gen = torch.Generator().manual_seed(seed)
     first, count = 8, 8
     layer = SyntheticLayer(geometry, seed)
-    weights_local = tuple(t.to(device) for t in layer.local(first, count))
-    backend = BACKENDS[name](weights_local, first, geometry)
+    backend = BACKENDS[name](layer.local_weights(first, count).to(device))
     latent, ids, weights = (t.to(device) for t in receive_rows(geometry, first, count, 64, gen))
     x, sf = mxfp8_quantize(latent)
     out = torch.full((64, geometry.latent), float("nan"), dtype=torch.bfloat16, device=device)

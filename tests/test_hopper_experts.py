@@ -317,18 +317,11 @@ def test_engines_check_their_options():
 
 
 def test_default_experts_checks_its_arguments():
-    weights = SyntheticLayer(TINY, 0).local(4, 4)
-    for num_experts, error in (
-        (0, ValueError),
-        (7, ValueError),
-        (True, TypeError),
-        ("x", TypeError),
-    ):
-        with pytest.raises(error, match="default_experts: num_experts="):
-            default_experts(*weights, first_expert=4, num_experts=num_experts)
-    with pytest.raises(TypeError, match="default_experts: w13 is list"):
-        default_experts([1], *weights[1:], first_expert=4, num_experts=48)
-    assert type(default_experts(*weights, first_expert=4, num_experts=8)) is ReferenceExperts
+    weights = SyntheticLayer(TINY, 0).local_weights(4, 4)
+    with pytest.raises(TypeError, match="default_experts: weights is tuple; expected an Expert"):
+        default_experts(weights.tensors)
+    backend = default_experts(weights)
+    assert type(backend) is ReferenceExperts and backend.first_expert == 4
 
 
 def test_group_pairs_checks_its_arguments():
@@ -596,8 +589,7 @@ def test_tile_routes_lay_out_blocks():
 @GPU
 def test_gpu_default_experts_is_hopper():
     layer = SyntheticLayer(K3_WIDTHS, 0)
-    backend = default_experts(*(t.cuda() for t in layer.local(4, 4)), first_expert=4,
-                              num_experts=32)  # fmt: skip
+    backend = default_experts(layer.local_weights(4, 4).to("cuda"))
     assert type(backend) is HopperExperts, type(backend).__name__
     humming = importlib.util.find_spec("humming") is not None
     assert type(backend.engine) is (HummingEngine if humming else TritonEngine)
