@@ -209,8 +209,8 @@ def routed_tilings(
     ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...], grouping: str
 ) -> list[tuple[PairGroups, TileRoutes]]:
     """[(groups, routes)] for each tile size in block_ns (one or two, distinct), as group_pairs and
-    tile_routes give them: "triton" in one launch of experts/grouping_kernel.py (when every size
-    fits), "torch" (or a size past the kernel's lanes) in torch, once per size."""
+    tile_routes give them: "triton" in one launch of experts/hopper/grouping_kernel.py (when every
+    size fits), "torch" (or a size past the kernel's lanes) in torch, once per size."""
     if grouping not in GROUPINGS:
         raise ValueError(f"routed_tilings: grouping={grouping!r}; expected one of {GROUPINGS}")
     for block_n in block_ns:

@@ -14,8 +14,8 @@ MATHS = ("bf16", "fp32")  # experts/hopper/kernels.py
 
 @dataclass(frozen=True)
 class HopperTiles:
-    """Block shapes and launch of the triton engine's kernels (experts/hopper_kernels.py has what
-    they mean); the humming engine uses finalize_block_l, finalize_warps and grouping only.
+    """Block shapes and launch of the triton engine's kernels (experts/hopper/kernels.py has what
+    they mean); HummingEngine uses finalize_block_l, finalize_warps and grouping only.
 
     block_n: pairs per tile (the MMA's N side; >= 16); fc1_block_m: intermediate columns per FC1
     work item (it reads 2 * fc1_block_m weight rows: gate and up); fc2_block_m: output columns per
