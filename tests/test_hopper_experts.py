@@ -274,14 +274,23 @@ def test_refuses_cpu_after_checking_arguments():
     bad = [
         ("triton", TypeError, "HopperExperts: engine is str; expected None or a HopperEngine"),
         (TritonEngine(tiles=HopperTiles(block_n=8)), ValueError, "block_n=8"),
-        (HummingEngine(tiles=HopperTiles(num_warps=3)), ValueError,
-         "num_warps=3; expected a power of two"),
+        (
+            HummingEngine(tiles=HopperTiles(num_warps=3)),
+            ValueError,
+            "num_warps=3; expected a power of two",
+        ),
         (TritonEngine(tiles=HopperTiles(block_n=16.0)), TypeError, "block_n=16.0; expected an int"),
-        (TritonEngine(tiles=HopperTiles(persistent=None)), TypeError,
-         "persistent=None; expected a bool"),
-        (TritonEngine(tiles=HopperTiles(fc1_block_m=256)), ValueError,
-         "fc1_block_m=256; expected a power of two >= 16 dividing 128"),  # TINY's I
-    ]  # fmt: skip
+        (
+            TritonEngine(tiles=HopperTiles(persistent=None)),
+            TypeError,
+            "persistent=None; expected a bool",
+        ),
+        (
+            TritonEngine(tiles=HopperTiles(fc1_block_m=256)),
+            ValueError,
+            "fc1_block_m=256; expected a power of two >= 16 dividing 128",
+        ),  # TINY's I
+    ]
     for engine, error, message in bad:
         with pytest.raises(error, match=message):
             HopperExperts(weights, engine=engine)
@@ -292,15 +301,27 @@ def test_refuses_cpu_after_checking_arguments():
 def test_engines_check_their_options():
     """An engine's options are checked when it is made, on any machine."""
     for make, error, message in (
-        (lambda: HummingEngine(deterministic="no"), TypeError,
-         "HummingEngine: deterministic='no'; expected a bool"),
-        (lambda: HummingEngine(tune_for_capacity=1), TypeError,
-         "HummingEngine: tune_for_capacity=1; expected a bool"),
-        (lambda: HummingEngine(tiles={"block_n": 16}), TypeError,
-         "HummingEngine: tiles is dict; expected HopperTiles"),
-        (lambda: TritonEngine(tiles=None), TypeError,
-         "TritonEngine: tiles is NoneType; expected HopperTiles"),
-    ):  # fmt: skip
+        (
+            lambda: HummingEngine(deterministic="no"),
+            TypeError,
+            "HummingEngine: deterministic='no'; expected a bool",
+        ),
+        (
+            lambda: HummingEngine(tune_for_capacity=1),
+            TypeError,
+            "HummingEngine: tune_for_capacity=1; expected a bool",
+        ),
+        (
+            lambda: HummingEngine(tiles={"block_n": 16}),
+            TypeError,
+            "HummingEngine: tiles is dict; expected HopperTiles",
+        ),
+        (
+            lambda: TritonEngine(tiles=None),
+            TypeError,
+            "TritonEngine: tiles is NoneType; expected HopperTiles",
+        ),
+    ):
         with pytest.raises(error, match=message):
             make()
     assert (str(HummingEngine()), str(TritonEngine())) == ("humming", "triton")

@@ -424,8 +424,8 @@ def test_bad_construction_names_the_tensor(dep, rank):
     per_rank = TINY.experts // dep.size
     mine = rank.synthetic.local_weights(dep.rank * per_rank, per_rank)
     bigger = dataclasses.replace(mine, num_experts=2 * TINY.experts)
-    build("weights of another model", dense, ValueError, "num_experts=96; the EpRouted was built"
-          " for num_experts=48", experts=bigger)  # fmt: skip
+    message = "num_experts=96; the EpRouted was built for num_experts=48"
+    build("weights of another model", dense, ValueError, message, experts=bigger)
     for label, kw in (("eps", dict(eps=0.0)), ("factor", dict(routed_scaling_factor=math.nan)),
                       ("schedule", dict(schedule="parallel"))):  # fmt: skip
         expect_raises(failures, label, ValueError, label if label != "factor" else "routed_scal",
