@@ -6,11 +6,11 @@ per rank, all measured in the same run.
 
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
 random experts of 896, keeping the tokens with at least one of rank 0's experts.
-- HopperExperts (VARIANTS: the humming engine with num_experts, so its kernels are chosen for the
-  expected pairs, with the one-launch grouping kernel (the default) and with the torch grouping;
-  the humming engine without num_experts, its kernels chosen for the pair capacity; the triton
-  engine): CUDA-graph replay of `--reps` back-to-back calls on the same rows (a call has no
-  host synchronisation), median of `--samples` replays, per call; one eager call first (humming
+- HopperExperts (VARIANTS: HummingEngine, its kernels chosen for the pairs expected from
+  num_experts, with the one-launch grouping kernel (the default) and with the torch grouping;
+  HummingEngine(tune_for_capacity=True), its kernels chosen for the pair capacity; TritonEngine):
+  CUDA-graph replay of `--reps` back-to-back calls on the same rows (a call has no host
+  synchronisation), median of `--samples` replays, per call; one eager call first (humming
   compiles its kernels for a new pair count there).
 - ReferenceExperts: eager (it reads sizes back to the host), median of CUDA-event-timed calls;
   skipped at 448 local experts (its BF16 cache would take 29.6 GB).
@@ -35,9 +35,9 @@ from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
-from dep_ep.experts.grouping import group_pairs, tile_routes
-from dep_ep.experts.grouping_kernel import group_and_route
-from dep_ep.experts.hopper import HopperExperts, HopperTiles
+from dep_ep.experts.hopper import HopperExperts, HopperTiles, HummingEngine, TritonEngine
+from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
+from dep_ep.experts.hopper.grouping_kernel import group_and_route
 from dep_ep.testing.synthetic import SyntheticLayer, synthetic_ids
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -75,15 +75,12 @@ def graph_us(backend, rows, launches: int, samples: int) -> float:
     return replay_us(graph, launches, samples)
 
 
-# (column, HopperExperts options): every engine setting timed in the run.
+# (column, HopperExperts engine): every engine setting timed in the run.
 VARIANTS = [
-    ("humming", {"engine": "humming", "num_experts": K3.experts}),
-    (
-        "humming, torch grouping",
-        {"engine": "humming", "num_experts": K3.experts, "tiles": HopperTiles(grouping="torch")},
-    ),
-    ("humming capacity", {"engine": "humming"}),
-    ("triton", {"engine": "triton"}),
+    ("humming", HummingEngine()),
+    ("humming, torch grouping", HummingEngine(tiles=HopperTiles(grouping="torch"))),
+    ("humming capacity", HummingEngine(tune_for_capacity=True)),
+    ("triton", TritonEngine()),
 ]
 
 
@@ -96,16 +93,16 @@ GROUPINGS = {
 
 def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> list[dict]:
     ranks = K3.experts // local
-    weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
+    weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, local)
     variants = {}
-    for name, options in VARIANTS:
+    for name, engine in VARIANTS:
         try:
-            variants[name] = HopperExperts(*weights, first_expert=0, **options)
+            variants[name] = HopperExperts(weights, engine=engine)
         except (RuntimeError, ValueError) as error:  # e.g. humming-kernels not installed
             print(f"{name}: not measured: {error}", flush=True)
     reference = None
     if local <= REFERENCE_MAX_LOCAL:
-        reference = ReferenceExperts(*weights, first_expert=0)
+        reference = ReferenceExperts(weights)
     results = []
     for tokens, routing in [(t, r) for t in args.tokens for r in args.routing]:
         rows = receive_rows(ranks, tokens, local, gen, routing)

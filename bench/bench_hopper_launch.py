@@ -24,9 +24,8 @@ from bench import cli, report
 from bench.bench_experts import receive_rows
 from bench.timing import capture, replay_us
 from dep_ep.ep import K3
-from dep_ep.experts import grouping_kernel
-from dep_ep.experts import hopper_kernels as kernels
-from dep_ep.experts.hopper import SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM, SITU_ROWS, HopperTiles
+from dep_ep.experts.hopper import HopperTiles, grouping_kernel, kernels
+from dep_ep.experts.hopper.humming_engine import SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM, SITU_ROWS
 
 CASES = [(56, 8), (56, 32), (56, 64), (56, 128), (56, 256), (448, 16), (448, 256)]  # (local, T)
 GROUPING = [(512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8)]  # (slots a chunk, warps)

@@ -26,7 +26,7 @@ from bench import cli, report
 from bench.bench_experts import receive_rows
 from bench.timing import capture, replay_us
 from dep_ep.ep import K3
-from dep_ep.experts.hopper import HopperExperts, routed_tilings, tuning_pairs
+from dep_ep.experts.hopper import HopperExperts, HummingEngine, routed_tilings, tuning_pairs
 from dep_ep.testing.synthetic import SyntheticLayer
 
 CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T per rank
@@ -59,7 +59,7 @@ def time_gemm(
     x, sf, ids, _ = rows
     count, topk = ids.shape
     capacity, inter = count * topk, backend.intermediate
-    gemm = getattr(backend, name)
+    gemm = getattr(backend.prepared, name)
     if name == "fc1":
         inputs, input_scale = x.view(E4M3), torch.ones(sf.shape, device="cuda")
         out = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
@@ -106,13 +106,12 @@ def variant_configs(gemm) -> dict[str, dict]:
 def add_variants(page: report.Page, gen: torch.Generator, timing: tuple[int, int]) -> None:
     """The variants' sections of `page`: per GEMM, a row per variant, a column per T (us, or why
     not run)."""
-    weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, VARIANT_LOCAL)
-    backend = HopperExperts(*weights, first_expert=0, engine="humming",
-                            num_experts=K3.experts)  # fmt: skip
+    weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, VARIANT_LOCAL)
+    backend = HopperExperts(weights, engine=HummingEngine())
     rows = {t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen)
             for t in VARIANT_TOKENS}  # fmt: skip
     for name in ("fc1", "fc2"):
-        gemm = getattr(backend, name)
+        gemm = getattr(backend.prepared, name)
         table = []
         for index, (label, config) in enumerate(variant_configs(gemm).items()):
             column = -1 - index  # a tuning key no pair count uses
@@ -157,10 +156,9 @@ def main() -> int:
         " `tuning_pairs` for these rows (the power of two nearest the expected pairs).",
     )
     for local, token_counts in CASES.items():
-        weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
-        backend = HopperExperts(*weights, first_expert=0, engine="humming",
-                                num_experts=K3.experts)  # fmt: skip
-        gemms = {"fc1": backend.fc1, "fc2": backend.fc2}
+        weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, local)
+        backend = HopperExperts(weights, engine=HummingEngine())
+        gemms = {"fc1": backend.prepared.fc1, "fc2": backend.prepared.fc2}
         kernels = {name: distinct_tunings(gemm) for name, gemm in gemms.items()}
         tables = {name: [] for name in gemms}
         for tokens in token_counts:

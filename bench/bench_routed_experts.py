@@ -38,7 +38,7 @@ from bench.timing import timed_us
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpRouted
 from dep_ep.experts import default_experts
-from dep_ep.experts.hopper import GROUPINGS, HopperExperts, HopperTiles
+from dep_ep.experts.hopper import GROUPINGS, HopperExperts, HopperTiles, default_engine
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing.synthetic import SyntheticLayer, synthetic_ids
 
@@ -87,14 +87,14 @@ def main() -> int:
     routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
                       topk=K3.topk, config=EpConfig(timeout_s=60.0))  # fmt: skip
     local = routed.experts_per_rank
-    weights_4bit = SyntheticLayer(K3, seed=1, device="cuda").local(routed.first_expert, local)
+    synthetic = SyntheticLayer(K3, seed=1, device="cuda")
+    weights_4bit = synthetic.local_weights(routed.first_expert, local)
     if HopperExperts.unsupported_reason(ctx.device) is None:
-        experts = HopperExperts(*weights_4bit, first_expert=routed.first_expert,
-                                num_experts=K3.experts,
-                                tiles=HopperTiles(grouping=args.grouping))  # fmt: skip
+        tiles = HopperTiles(grouping=args.grouping)
+        engine = default_engine(K3.latent, K3.intermediate, tiles=tiles)
+        experts = HopperExperts(weights_4bit, engine=engine)
     else:  # not SM90: the device's default backend (--grouping does not apply)
-        experts = default_experts(*weights_4bit, first_expert=routed.first_expert,
-                                  num_experts=K3.experts)  # fmt: skip
+        experts = default_experts(weights_4bit)
     norm = SyntheticLayer(K3, seed=1, device="cuda").norm_weight()
     bandwidth = all_reduced(copy_gbs(), cpu, dist.ReduceOp.MIN)
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)

@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=5, help="calls profiled per T")
     args = p.parse_args()
     ranks = K3.experts // args.local
-    backend = ReferenceExperts(*SyntheticLayer(K3, 1, "cuda").local(0, args.local), first_expert=0)
+    backend = ReferenceExperts(SyntheticLayer(K3, 1, "cuda").local_weights(0, args.local))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for tokens in args.tokens:
         x, sf, ids, weights = receive_rows(ranks, tokens, args.local, gen)

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench import cli, report
 from bench.bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
 from dep_ep.ep import K3
-from dep_ep.experts.hopper import HopperExperts
+from dep_ep.experts.hopper import HopperExperts, HummingEngine
 from dep_ep.testing.synthetic import SyntheticLayer
 
 CASES = {56: (8, 32, 64, 256), 448: (16, 256)}  # local experts: T per rank
@@ -57,9 +57,8 @@ def main() -> int:
     )
     gen = torch.Generator(device="cuda").manual_seed(0)
     for local, token_counts in CASES.items():
-        weights = SyntheticLayer(K3, seed=1, device="cuda").local(0, local)
-        backend = HopperExperts(*weights, first_expert=0, engine="humming",
-                                num_experts=K3.experts)  # fmt: skip
+        weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, local)
+        backend = HopperExperts(weights, engine=HummingEngine())
         for tokens in token_counts:
             rows = receive_rows(K3.experts // local, tokens, local, gen)
             ids = rows[2]

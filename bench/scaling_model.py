@@ -21,7 +21,7 @@ from bench import cli
 from dep_ep.comm.layout import EpLayout
 from dep_ep.config import K3
 from dep_ep.ep import EpRouted
-from dep_ep.experts.hopper import workspace_bytes as hopper_workspace_bytes
+from dep_ep.experts.hopper import HummingEngine, TritonEngine
 
 BYTES = {"dispatch": K3.latent + K3.latent // 32 + K3.topk * 8, "combine": K3.latent * 2}
 # docs/results/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
@@ -86,8 +86,8 @@ def main() -> None:
             routed = EpRouted.workspace_bytes(n, tokens, latent=K3.latent, topk=K3.topk)
             symmetric = EpLayout(n, tokens, K3.latent, K3.topk).total_bytes
             hum, tri = (
-                hopper_workspace_bytes(n * tokens, K3.topk, K3.latent, K3.intermediate, engine)
-                for engine in ("humming", "triton")
+                engine.workspace_bytes(n * tokens, K3.topk, K3.latent, K3.intermediate)
+                for engine in (HummingEngine(), TritonEngine())
             )
             print(f"{n} | {tokens} | {routed / 2**20:.0f} ({symmetric / 2**20:.0f}) |"
                   f" {hum / 2**20:.0f} / {tri / 2**20:.0f}")  # fmt: skip

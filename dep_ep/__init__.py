@@ -16,6 +16,7 @@ from dep_ep.ep import EpMoeLayer, EpRouted, ReceiveRows
 from dep_ep.experts import (
     DenseExperts,
     ExpertsBackend,
+    ExpertWeights,
     HopperExperts,
     ReferenceExperts,
     TrtllmExperts,
@@ -36,6 +37,7 @@ __all__ = [
     "EpPeerError",
     "EpRouted",
     "EpTimeoutError",
+    "ExpertWeights",
     "ExpertsBackend",
     "HopperExperts",
     "MoeGeometry",

@@ -15,6 +15,7 @@ from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.select import default_experts
 from dep_ep.experts.situ import situ
+from dep_ep.experts.weights import ExpertWeights
 
 # Checkpoint names of the dense tensors after the layer prefix (experts/checkpoint.py,
 # `dense_shapes`; docs/formats.md).
@@ -82,9 +83,11 @@ class EpMoeLayer:
       [H, S], all on routed's device. E, L come from `routed`; H and S from the tensors (the value
       most of them agree on). Names beyond these are ignored.
     routed: the rank's EpRouted; experts: the ExpertsBackend of the rank's experts (matching
-      routed), or their weights in the checkpoint layout, a tuple or list (w13, s13, w2, s2)
-      (experts/weights.py), from which the layer builds `experts.default_experts` (HopperExperts
-      on SM90, TrtllmExperts on SM100/103, ReferenceExperts elsewhere); topk: K, equal to
+      routed), or their weights: an ExpertWeights (of routed's num_experts), or the checkpoint
+      layout as a tuple or list (w13, s13, w2, s2) (experts/weights.py; first_expert and
+      num_experts from routed), from which the layer builds `experts.default_experts`
+      (HopperExperts on SM90, TrtllmExperts on SM100/103, ReferenceExperts elsewhere); topk: K,
+      equal to
       routed.topk; eps: the latent RMSNorm's eps (finite, > 0); routed_scaling_factor: multiplies
       the routing weights (finite, > 0; 1.0 for K3).
     schedule: "overlap" (on CUDA: the router and the shared experts on a side stream beside the
@@ -119,7 +122,7 @@ class EpMoeLayer:
         self,
         dense: Mapping[str, torch.Tensor],
         routed: EpRouted,
-        experts: ExpertsBackend | tuple[torch.Tensor, ...] | list[torch.Tensor],
+        experts: ExpertsBackend | ExpertWeights | tuple[torch.Tensor, ...] | list[torch.Tensor],
         *,
         topk: int,
         eps: float = 1e-5,
@@ -134,10 +137,17 @@ class EpMoeLayer:
             if len(experts) != 4:
                 raise TypeError(
                     f"{fn}: experts is a {type(experts).__name__} of {len(experts)}; expected an"
-                    " ExpertsBackend or the checkpoint layout (w13, s13, w2, s2)"
+                    " ExpertsBackend, an ExpertWeights or the checkpoint layout (w13, s13, w2, s2)"
                 )
-            experts = default_experts(*experts, first_expert=routed.first_expert,
-                                      num_experts=routed.num_experts)  # fmt: skip
+            first, total = routed.first_expert, routed.num_experts
+            experts = ExpertWeights(*experts, first_expert=first, num_experts=total)
+        if isinstance(experts, ExpertWeights):
+            if experts.num_experts != routed.num_experts:
+                raise ValueError(
+                    f"{fn}: experts hold num_experts={experts.num_experts}; the EpRouted was"
+                    f" built for num_experts={routed.num_experts}"
+                )
+            experts = default_experts(experts)
         check_experts_match(fn, routed, experts)
         if check_int(fn, "topk", topk) != routed.topk:
             raise ValueError(f"{fn}: topk={topk!r}; the EpRouted was built for topk={routed.topk}")

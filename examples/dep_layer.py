@@ -202,9 +202,7 @@ def main() -> int:
     per_rank = geometry.experts // dep.size
     layer = SyntheticLayer(geometry, args.seed + dep.index, ctx.device)
     # The device's best backend: HopperExperts on SM90, TrtllmExperts on SM100, else the reference.
-    experts = default_experts(*layer.local(dep.rank * per_rank, per_rank),
-                              first_expert=dep.rank * per_rank,
-                              num_experts=geometry.experts)  # fmt: skip
+    experts = default_experts(layer.local_weights(dep.rank * per_rank, per_rank))
     if ctx.rank == 0:
         engine = getattr(experts, "engine", None)
         print(f"dep_layer: experts backend {type(experts).__name__}"

@@ -8,6 +8,7 @@ import torch
 
 from dep_ep.checks import check_tensor
 from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.weights import ExpertWeights, expect_expert_weights
 
 
 def check_receive_rows(
@@ -58,6 +59,18 @@ class ExpertsBackend(ABC):
     # Format of FC2's input (the SiTU activation): "bf16", or "mxfp8" (e4m3 elements with one
     # scale per 32), whose rounding dominates the output's error (docs/experts.md).
     activation_format: str = "bf16"
+
+    def _take_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """TypeError naming the backend unless `weights` is an ExpertWeights; else take its
+        geometry as the backend's (first_expert, num_local_experts, latent, and beside the
+        contract num_experts, intermediate, device) and return it. The tensors are not kept:
+        each backend keeps what it prepares from them."""
+        expect_expert_weights(type(self).__name__, weights)
+        self.first_expert, self.num_local_experts = weights.first_expert, weights.num_local_experts
+        self.num_experts = weights.num_experts
+        self.latent, self.intermediate = weights.latent, weights.intermediate
+        self.device = weights.device
+        return weights
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dep_ep.config import MoeGeometry
+from dep_ep.experts.weights import ExpertWeights
 
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_PIP = "pip install safetensors"
@@ -54,19 +55,15 @@ def expert_shapes(g: MoeGeometry, expert: int) -> dict[str, tuple[tuple[int, ...
 
 @dataclass
 class MoeLayerWeights:
-    """One rank's part of one MoE layer, in the layouts the backends take.
+    """One rank's part of one MoE layer, in the layouts the backends and EpMoeLayer take.
 
-    w13 uint8 [E_local, 2I, L/2] rows [w1 (gate); w3 (up)], s13 uint8 [E_local, 2I, L/32],
-    w2 uint8 [E_local, L, I/2], s2 uint8 [E_local, L, I/32] (checkpoint layout: ReferenceExperts
-    and TrtllmExperts take these as they are); first_expert: global id of local expert 0;
-    dense: the layer's dense tensors by name (see dense_shapes).
+    experts: the rank's experts as an ExpertWeights (experts/weights.py: w13 rows [w1 (gate);
+    w3 (up)], s13, w2, s2 in the checkpoint layout, first_expert, num_experts = the geometry's E),
+    which every backend takes as it is; dense: the layer's dense tensors by name (see
+    dense_shapes).
     """
 
-    first_expert: int
-    w13: torch.Tensor
-    s13: torch.Tensor
-    w2: torch.Tensor
-    s2: torch.Tensor
+    experts: ExpertWeights
     dense: dict[str, torch.Tensor]
 
 
@@ -135,9 +132,10 @@ def load_moe_layer(
     device: torch.device | str = "cpu",
     dense: bool = True,
 ) -> MoeLayerWeights:
-    """Read MoE layer `layer`: experts [first_expert, first_expert + num_local_experts) and (when
-    `dense`) the layer's dense weights, onto `device`. Blocks the host; reads only those tensors.
-    Raises KeyError naming a missing tensor, ValueError naming a tensor of the wrong shape/dtype."""
+    """Read MoE layer `layer`: experts [first_expert, first_expert + num_local_experts) of the
+    geometry's E (an ExpertWeights) and (when `dense`) the layer's dense weights, onto `device`.
+    Blocks the host; reads only those tensors. Raises KeyError naming a missing tensor,
+    ValueError naming a tensor of the wrong shape/dtype."""
     if (
         first_expert < 0
         or num_local_experts < 1
@@ -165,4 +163,5 @@ def load_moe_layer(
     finally:
         reader.close()
     stack = [torch.stack(ts).to(device) for ts in (w13, s13, w2, s2)]
-    return MoeLayerWeights(first_expert, *stack, dense=dense_weights)
+    experts = ExpertWeights(*stack, first_expert=first_expert, num_experts=geometry.experts)
+    return MoeLayerWeights(experts, dense=dense_weights)

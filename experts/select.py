@@ -1,4 +1,4 @@
-"""The experts backend a device runs best, built from the checkpoint-layout weights."""
+"""The experts backend a device runs best, built from an ExpertWeights."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import warnings
 import torch
 
 from dep_ep.experts.base import ExpertsBackend
-from dep_ep.experts.hopper import HopperExperts, default_engine
-from dep_ep.experts.hopper_humming import scale_spread_error
-from dep_ep.experts.reference import ReferenceExperts
-from dep_ep.experts.trtllm import TrtllmExperts
-from dep_ep.experts.weights import check_expert_weights, check_num_experts
+from dep_ep.experts.hopper.engine import HopperEngine
+from dep_ep.experts.hopper.hopper_experts import HopperExperts, default_engine
+from dep_ep.experts.hopper.humming_engine import HummingEngine
+from dep_ep.experts.hopper.humming_gemm import scale_spread_error
+from dep_ep.experts.hopper.triton_engine import TritonEngine
+from dep_ep.experts.reference.reference_experts import ReferenceExperts
+from dep_ep.experts.trtllm.trtllm_experts import TrtllmExperts
+from dep_ep.experts.weights import ExpertWeights, expect_expert_weights
 
 
 def default_experts_class(device: torch.device | str) -> type[ExpertsBackend]:
@@ -25,36 +28,27 @@ def default_experts_class(device: torch.device | str) -> type[ExpertsBackend]:
     return ReferenceExperts
 
 
-def default_experts(
-    w13: torch.Tensor,
-    s13: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    *,
-    first_expert: int,
-    num_experts: int,
-) -> ExpertsBackend:
-    """default_experts_class(w13.device) built from the checkpoint layout (experts/weights.py);
-    num_experts: the model's total (E), which TrtllmExperts' routing and HopperExperts' kernel
-    choice use. HopperExperts takes its default engine, or the triton engine (with a warning
-    naming the experts) for weights whose scale spread the humming engine refuses."""
-    geometry = check_expert_weights("default_experts", w13, s13, w2, s2, first_expert)
-    check_num_experts("default_experts", num_experts, first_expert + geometry.num_local)
-    backend = default_experts_class(geometry.device)
-    if backend is ReferenceExperts:
-        return ReferenceExperts(w13, s13, w2, s2, first_expert=first_expert)
-    options = {}
-    if (
-        backend is HopperExperts
-        and default_engine(geometry.latent, geometry.intermediate) == "humming"
-    ):
-        spread = [
-            scale_spread_error("default_experts", n, t) for n, t in (("s13", s13), ("s2", s2))
-        ]
-        errors = [e for e in spread if e is not None]
-        if errors:
-            warnings.warn(
-                f"{'; '.join(errors)}: using HopperExperts(engine='triton')", stacklevel=2
-            )
-            options["engine"] = "triton"
-    return backend(w13, s13, w2, s2, first_expert=first_expert, num_experts=num_experts, **options)
+def default_hopper_engine(weights: ExpertWeights) -> HopperEngine:
+    """`default_engine(L, I)`, or TritonEngine (with a warning naming the experts) for weights
+    whose scale spread HummingEngine refuses (docs/experts.md)."""
+    engine = default_engine(weights.latent, weights.intermediate)
+    if not isinstance(engine, HummingEngine):
+        return engine
+    scales = {"s13": weights.s13, "s2": weights.s2}
+    spread = [scale_spread_error("default_experts", name, t) for name, t in scales.items()]
+    errors = [e for e in spread if e is not None]
+    if not errors:
+        return engine
+    warnings.warn(f"{'; '.join(errors)}: using HopperExperts(engine=TritonEngine())", stacklevel=3)
+    return TritonEngine(tiles=engine.tiles)
+
+
+def default_experts(weights: ExpertWeights) -> ExpertsBackend:
+    """default_experts_class(weights.device) built from `weights` (TrtllmExperts' routing and
+    HopperExperts' kernel choice read its num_experts). HopperExperts takes `default_hopper_engine`:
+    its default engine, or the triton engine for weights the humming engine refuses."""
+    expect_expert_weights("default_experts", weights)
+    backend = default_experts_class(weights.device)
+    if backend is HopperExperts:
+        return HopperExperts(weights, engine=default_hopper_engine(weights))
+    return backend(weights)

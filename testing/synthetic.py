@@ -9,6 +9,7 @@ import math
 import torch
 
 from dep_ep.config import SCALE_BLOCK, MoeGeometry
+from dep_ep.experts.weights import ExpertWeights
 
 _E2M1_RMS = math.sqrt(8.5625)  # rms of the E2M1 magnitudes over uniformly random codes
 
@@ -29,7 +30,8 @@ class SyntheticLayer:
     """Random MXFP4 experts (checkpoint layout), router and norm weights of one MoE layer.
 
     expert(e) -> (w13 uint8 [2I, L/2], s13 uint8 [2I, L/32], w2 uint8 [L, I/2], s2 uint8
-    [L, I/32]); local(first, count) stacks experts [first, first+count) along a new dim 0.
+    [L, I/32]); local(first, count) stacks experts [first, first+count) along a new dim 0;
+    local_weights(first, count) is that as the ExpertWeights the backends take.
     """
 
     def __init__(self, geometry: MoeGeometry, seed: int, device: torch.device | str = "cpu"):
@@ -58,6 +60,14 @@ class SyntheticLayer:
     def local(self, first: int, count: int) -> tuple[torch.Tensor, ...]:
         parts = [self.expert(e) for e in range(first, first + count)]
         return tuple(torch.stack(ts) for ts in zip(*parts))
+
+    def local_weights(self, first: int, count: int) -> ExpertWeights:
+        """`local(first, count)` as an ExpertWeights of the geometry's E experts, on the layer's
+        device (`.to(device)` moves it)."""
+        w13, s13, w2, s2 = self.local(first, count)
+        return ExpertWeights(
+            w13, s13, w2, s2, first_expert=first, num_experts=self.geometry.experts
+        )
 
     def norm_weight(self) -> torch.Tensor:
         """bf16 [L] around 1."""

@@ -10,7 +10,7 @@ import torch
 from dep_ep.comm import EpPeerError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
-from dep_ep.experts import ReferenceExperts
+from dep_ep.experts import ExpertWeights
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.compare import compare
 
@@ -159,10 +159,12 @@ def test_construction_errors(dep):
                       lambda: EpRouted(dep.cpu_group, max_tokens, "cpu", **args))  # fmt: skip
     expect_raises(
         failures,
-        "ReferenceExperts(first_expert=-3)",
+        "ExpertWeights(first_expert=-3)",
         ValueError,
         "first_expert",
-        lambda: ReferenceExperts(*SyntheticLayer(TINY, 0).local(0, 1), first_expert=-3),
+        lambda: ExpertWeights(
+            *SyntheticLayer(TINY, 0).local(0, 1), first_expert=-3, num_experts=TINY.experts
+        ),
     )
     collective_assert(dep.cpu_group, failures, seeds=None)
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from dep_ep.config import TINY
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import INDEX_FILE, dense_shapes, layer_prefix, load_moe_layer
-from dep_ep.experts.trtllm_weights import prepare_trtllm_weights
+from dep_ep.experts.trtllm.weights import prepare_trtllm_weights
 from dep_ep.testing.synthetic import SyntheticLayer
 
 from helpers.scale_layout import interleave_128x4
@@ -65,17 +65,17 @@ def test_loads_own_experts_and_dense(tmp_path, layer, sharded):
     first, count = 12, 12  # rank 1 of 4
     loaded = load_moe_layer(tmp_path, LAYER, TINY, first_expert=first, num_local_experts=count)
     want = layer.local(first, count)
-    for got, expect in zip((loaded.w13, loaded.s13, loaded.w2, loaded.s2), want):
+    for got, expect in zip(loaded.experts.tensors, want):
         assert torch.equal(got, expect)
+    assert (loaded.experts.first_expert, loaded.experts.num_experts) == (first, TINY.experts)
     for name in dense_shapes(TINY):
         assert torch.equal(loaded.dense[name], tensors[layer_prefix(LAYER) + name]), name
-    experts = ReferenceExperts(loaded.w13, loaded.s13, loaded.w2, loaded.s2, first_expert=first)
+    experts = ReferenceExperts(loaded.experts)
     assert (experts.first_expert, experts.num_local_experts) == (first, count)
-    # The same tensors feed TrtllmExperts' preparation (its interleave modelled on CPU).
-    prepared = prepare_trtllm_weights(loaded.w13, loaded.s13, loaded.w2, loaded.s2,
-                                      interleave=interleave_128x4)  # fmt: skip
-    assert prepared.gemm1_weights.shape == loaded.w13.shape
-    assert prepared.gemm2_weights_scale.shape == loaded.s2.shape
+    # The same weights feed TrtllmExperts' preparation (its interleave modelled on CPU).
+    prepared = prepare_trtllm_weights(loaded.experts, interleave=interleave_128x4)
+    assert prepared.gemm1_weights.shape == loaded.experts.w13.shape
+    assert prepared.gemm2_weights_scale.shape == loaded.experts.s2.shape
 
 
 def test_missing_tensor_is_named(tmp_path, layer):

@@ -14,8 +14,8 @@ import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
-from dep_ep.experts import DenseExperts, ReferenceExperts
-from dep_ep.experts.hopper import HopperExperts
+from dep_ep.experts import DenseExperts, ExpertWeights, ReferenceExperts
+from dep_ep.experts.hopper import HopperExperts, HummingEngine, TritonEngine
 from dep_ep.experts.trtllm import TrtllmExperts
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -25,20 +25,21 @@ K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
 
 
-def reference_per_expert(weights, first: int) -> ReferenceExperts:
+def reference_per_expert(weights: ExpertWeights) -> ReferenceExperts:
     """ReferenceExperts with FC1 forced to one GEMM per expert (CUDA otherwise batches it)."""
-    backend = ReferenceExperts(*weights, first_expert=first)
+    backend = ReferenceExperts(weights)
     backend.batched_fc1_max_padding = 0.0
     return backend
 
 
+# Each builds its backend from the ExpertWeights of the case (the geometry's E experts).
 BACKENDS = {
-    "reference": lambda w, first, g: ReferenceExperts(*w, first_expert=first),
-    "reference-per-expert": lambda w, first, g: reference_per_expert(w, first),
-    "dense": lambda w, first, g: DenseExperts(*w, first_expert=first),
-    "trtllm": lambda w, first, g: TrtllmExperts(*w, first_expert=first, num_experts=g.experts),
-    "hopper-humming": lambda w, first, g: HopperExperts(*w, first_expert=first, engine="humming"),
-    "hopper-triton": lambda w, first, g: HopperExperts(*w, first_expert=first, engine="triton"),
+    "reference": ReferenceExperts,
+    "reference-per-expert": reference_per_expert,
+    "dense": DenseExperts,
+    "trtllm": TrtllmExperts,
+    "hopper-humming": lambda weights: HopperExperts(weights, engine=HummingEngine()),
+    "hopper-triton": lambda weights: HopperExperts(weights, engine=TritonEngine()),
 }
 # Backends with hardware needs: their CUDA cases skip elsewhere, naming the reason.
 NEEDS = {"trtllm": TrtllmExperts, **{name: HopperExperts for name in BACKENDS if "hopper" in name}}
@@ -93,14 +94,13 @@ def test_backend_matches_allgather_reference(name, device, geometry):
             pytest.skip(f"{backend_type.__name__} needs {backend_type.requires}: {reason}")
     if name == "hopper-humming" and importlib.util.find_spec("humming") is None:
         pytest.skip(
-            "HopperExperts(engine='humming') needs humming-kernels: pip install -e '.[gpu]'"
+            "HopperExperts(engine=HummingEngine()) needs humming-kernels: pip install -e '.[gpu]'"
         )
     seed = int(torch.randint(0, 2**31, (1,)))
     gen = torch.Generator().manual_seed(seed)
     first, count = 8, 8
     layer = SyntheticLayer(geometry, seed)
-    weights_local = tuple(t.to(device) for t in layer.local(first, count))
-    backend = BACKENDS[name](weights_local, first, geometry)
+    backend = BACKENDS[name](layer.local_weights(first, count).to(device))
     latent, ids, weights = (t.to(device) for t in receive_rows(geometry, first, count, 64, gen))
     x, sf = mxfp8_quantize(latent)
     out = torch.full((64, geometry.latent), float("nan"), dtype=torch.bfloat16, device=device)

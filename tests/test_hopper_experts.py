@@ -18,8 +18,16 @@ import torch
 from dep_ep.comm.mxfp8 import e8m0_to_fp32, mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
-from dep_ep.experts.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
-from dep_ep.experts.hopper import HopperExperts, HopperTiles, default_engine, tuning_pairs
+from dep_ep.experts.hopper import (
+    HopperEngine,
+    HopperExperts,
+    HopperTiles,
+    HummingEngine,
+    TritonEngine,
+    default_engine,
+    tuning_pairs,
+)
+from dep_ep.experts.hopper.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
@@ -162,7 +170,7 @@ def test_kernels_in_triton_interpreter(case):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
 def test_grouping_kernel_in_triton_interpreter():
-    """experts/grouping_kernel.py gives group_pairs' and tile_routes' tensors bitwise."""
+    """experts/hopper/grouping_kernel.py gives group_pairs' and tile_routes' tensors bitwise."""
     skip_without_interpreter_loops()
     seed = fresh_seed()
     run_in_interpreter("helpers.grouping_interpreter_case", str(seed), expect=f"ok seed {seed}")
@@ -179,12 +187,12 @@ def test_widen_scales_in_triton_interpreter():
 def test_grouping_kernel_refuses_bad_arguments():
     """group_and_route refuses tiles past its lanes and ids it cannot read before any launch;
     `grouped` groups such tiles in torch instead (the same tensors)."""
-    from dep_ep.experts.grouping_kernel import (
+    from dep_ep.experts.hopper.grouping import grouped, routed_tilings
+    from dep_ep.experts.hopper.grouping_kernel import (
         MAX_BLOCK_N,
         group_and_route,
         group_and_route_tilings,
     )
-    from dep_ep.experts.hopper import grouped, routed_tilings
 
     ids = torch.tensor([[0, 2, -1], [2, 2, 0], [5, 1, 2]], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_n=32768; expected at most 16384"):
@@ -256,43 +264,85 @@ def test_tiles_checked():
 def test_refuses_cpu_after_checking_arguments():
     """Argument mistakes show on any machine (checked before the device); valid arguments on CPU
     get the refusal naming the hardware."""
-    weights = SyntheticLayer(TINY, 0).local(0, 4)
+    weights = SyntheticLayer(TINY, 0).local_weights(0, 4)
     with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu: it runs on CUDA"
                                            " GPUs, not cpu; it needs an SM90"):  # fmt: skip
-        HopperExperts(*weights, first_expert=0)
+        HopperExperts(weights)
+    for engine in (TritonEngine(), HummingEngine(deterministic=True, tune_for_capacity=True)):
+        with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
+            HopperExperts(weights, engine=engine)
     bad = [
-        ({"engine": "foo"}, ValueError, "engine='foo'; expected None or one of"),
-        ({"num_experts": 3}, ValueError, "num_experts=3; expected >= first_expert \\+ local"),
-        ({"num_experts": True}, TypeError, "num_experts=True; expected an int"),
-        ({"deterministic": "no"}, TypeError, "deterministic='no'; expected a bool"),
-        ({"tiles": {"block_n": 16}}, TypeError, "tiles is dict; expected HopperTiles"),
-        ({"tiles": HopperTiles(block_n=8)}, ValueError, "block_n=8"),
-        ({"tiles": HopperTiles(num_warps=3)}, ValueError, "num_warps=3; expected a power of two"),
-        ({"tiles": HopperTiles(block_n=16.0)}, TypeError, "block_n=16.0; expected an int"),
-        ({"tiles": HopperTiles(persistent=None)}, TypeError, "persistent=None; expected a bool"),
+        ("triton", TypeError, "HopperExperts: engine is str; expected None or a HopperEngine"),
+        (TritonEngine(tiles=HopperTiles(block_n=8)), ValueError, "block_n=8"),
+        (
+            HummingEngine(tiles=HopperTiles(num_warps=3)),
+            ValueError,
+            "num_warps=3; expected a power of two",
+        ),
+        (TritonEngine(tiles=HopperTiles(block_n=16.0)), TypeError, "block_n=16.0; expected an int"),
+        (
+            TritonEngine(tiles=HopperTiles(persistent=None)),
+            TypeError,
+            "persistent=None; expected a bool",
+        ),
+        (
+            TritonEngine(tiles=HopperTiles(fc1_block_m=256)),
+            ValueError,
+            "fc1_block_m=256; expected a power of two >= 16 dividing 128",
+        ),  # TINY's I
     ]
-    for options, error, message in bad:
+    for engine, error, message in bad:
         with pytest.raises(error, match=message):
-            HopperExperts(*weights, first_expert=0, **options)
-    with pytest.raises(TypeError, match="first_expert=1.5; expected an int"):
-        HopperExperts(*weights, first_expert=1.5)
-    with pytest.raises(ValueError, match="meta device"):
-        HopperExperts(*(w.to("meta") for w in weights), first_expert=0)
+            HopperExperts(weights, engine=engine)
+    with pytest.raises(TypeError, match="HopperExperts: weights is tuple; expected an ExpertW"):
+        HopperExperts(SyntheticLayer(TINY, 0).local(0, 4))
+
+
+def test_engines_check_their_options():
+    """An engine's options are checked when it is made, on any machine."""
+    for make, error, message in (
+        (
+            lambda: HummingEngine(deterministic="no"),
+            TypeError,
+            "HummingEngine: deterministic='no'; expected a bool",
+        ),
+        (
+            lambda: HummingEngine(tune_for_capacity=1),
+            TypeError,
+            "HummingEngine: tune_for_capacity=1; expected a bool",
+        ),
+        (
+            lambda: HummingEngine(tiles={"block_n": 16}),
+            TypeError,
+            "HummingEngine: tiles is dict; expected HopperTiles",
+        ),
+        (
+            lambda: TritonEngine(tiles=None),
+            TypeError,
+            "TritonEngine: tiles is NoneType; expected HopperTiles",
+        ),
+    ):
+        with pytest.raises(error, match=message):
+            make()
+    assert (str(HummingEngine()), str(TritonEngine())) == ("humming", "triton")
+    assert (HummingEngine.activation_format, TritonEngine.activation_format) == ("mxfp8", "bf16")
+    assert TritonEngine().deterministic and not HummingEngine().deterministic
+    assert HummingEngine(deterministic=True).deterministic
+    # The tuned pair count: the uniform-routing expectation, or the capacity R * K.
+    assert HummingEngine().tuning_pairs(100, 16, 56, 896) == tuning_pairs(100, 16, 56, 896) == 128
+    assert HummingEngine(tune_for_capacity=True).tuning_pairs(100, 16, 56, 896) == 2048
+    # Workspace: the same formulas as before the engines were classes (docs/experts.md: 189 MB
+    # for humming at R = 512, K = 16, K3's widths).
+    assert round(HummingEngine().workspace_bytes(512, 16, K3.latent, K3.intermediate) / 1e6) == 189
+    assert TritonEngine().workspace_bytes(2, 3, 64, 32) == 2 * 3 * 64 + 6 * (32 + 64) * 2
 
 
 def test_default_experts_checks_its_arguments():
-    weights = SyntheticLayer(TINY, 0).local(4, 4)
-    for num_experts, error in (
-        (0, ValueError),
-        (7, ValueError),
-        (True, TypeError),
-        ("x", TypeError),
-    ):
-        with pytest.raises(error, match="default_experts: num_experts="):
-            default_experts(*weights, first_expert=4, num_experts=num_experts)
-    with pytest.raises(TypeError, match="default_experts: w13 is list"):
-        default_experts([1], *weights[1:], first_expert=4, num_experts=48)
-    assert type(default_experts(*weights, first_expert=4, num_experts=8)) is ReferenceExperts
+    weights = SyntheticLayer(TINY, 0).local_weights(4, 4)
+    with pytest.raises(TypeError, match="default_experts: weights is tuple; expected an Expert"):
+        default_experts(weights.tensors)
+    backend = default_experts(weights)
+    assert type(backend) is ReferenceExperts and backend.first_expert == 4
 
 
 def test_group_pairs_checks_its_arguments():
@@ -321,33 +371,28 @@ K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts
                         topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
 # Engine settings under test, with the relative L2 bound of their numerics.
 ENGINES = {
-    "humming": ({"engine": "humming"}, HUMMING_REL_L2),
-    "humming-deterministic": ({"engine": "humming", "deterministic": True}, HUMMING_REL_L2),
-    "triton": ({"engine": "triton"}, EXPERTS_REL_L2),
-    "humming-grouping-torch": (
-        {"engine": "humming", "tiles": HopperTiles(grouping="torch")},
-        HUMMING_REL_L2,
-    ),
-    "triton-grouping-torch": (
-        {"engine": "triton", "tiles": HopperTiles(grouping="torch")},
-        EXPERTS_REL_L2,
-    ),
+    "humming": (HummingEngine(), HUMMING_REL_L2),
+    "humming-deterministic": (HummingEngine(deterministic=True), HUMMING_REL_L2),
+    "humming-capacity": (HummingEngine(tune_for_capacity=True), HUMMING_REL_L2),
+    "triton": (TritonEngine(), EXPERTS_REL_L2),
+    "humming-grouping-torch": (HummingEngine(tiles=HopperTiles(grouping="torch")), HUMMING_REL_L2),
+    "triton-grouping-torch": (TritonEngine(tiles=HopperTiles(grouping="torch")), EXPERTS_REL_L2),
 }
 # The settings that promise bitwise reruns (humming's default may use stream-K).
 DETERMINISTIC = ["humming-deterministic", "triton", "triton-grouping-torch"]
 
 
-def engine(name: str) -> tuple[dict, float]:
+def engine(name: str) -> tuple[HopperEngine, float]:
     if name.startswith("humming") and importlib.util.find_spec("humming") is None:
         pytest.skip("engine 'humming' needs humming-kernels: pip install -e '.[gpu]'")
     return ENGINES[name]
 
 
-def gpu_case(rows: int, seed: int, options: dict, hot: bool = False):
+def gpu_case(rows: int, seed: int, engine: HopperEngine, hot: bool = False):
     """(backend, layer, latent, x, sf, ids, weights) on the GPU: experts 0..7 of 32 are local."""
     gen = torch.Generator().manual_seed(seed)
     layer = SyntheticLayer(K3_WIDTHS, seed)
-    backend = HopperExperts(*(t.cuda() for t in layer.local(0, 8)), first_expert=0, **options)
+    backend = HopperExperts(layer.local_weights(0, 8).to("cuda"), engine=engine)
     ids = torch.stack([torch.randperm(32, generator=gen)[:16] for _ in range(rows)]).int()
     if hot:
         ids[:, 1:] = torch.where(ids[:, 1:] < 8, -1, ids[:, 1:])
@@ -366,9 +411,9 @@ def poisoned(rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(ENGINES))
 @pytest.mark.parametrize("rows,hot", [(1, False), (48, False), (40, True)])
 def test_gpu_edges_against_reference(name, rows, hot):
-    options, bound = engine(name)
+    setting, bound = engine(name)
     seed = fresh_seed()
-    backend, layer, latent, x, sf, ids, weights = gpu_case(rows, seed, options, hot)
+    backend, layer, latent, x, sf, ids, weights = gpu_case(rows, seed, setting, hot)
     ids[0, :] = torch.where(ids[0] < 8, ids[0], -1)  # row 0: local ids and -1 only
     if rows > 2:
         ids[1, :] = torch.where(ids[1] < 8, -1, ids[1])  # row 1: no local id
@@ -386,9 +431,9 @@ def test_gpu_edges_against_reference(name, rows, hot):
 @GPU
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_gpu_nan_rows_stay_in_their_rows(name):
-    options, _ = engine(name)
+    setting, _ = engine(name)
     seed = fresh_seed()
-    backend, _, _, x, sf, ids, weights = gpu_case(48, seed, options)
+    backend, _, _, x, sf, ids, weights = gpu_case(48, seed, setting)
     local = ((ids >= 0) & (ids < 8)).any(dim=1)
     rows = local.nonzero().squeeze(1)
     x[rows[0], 7] = 0x7F  # an e4m3 NaN element
@@ -404,9 +449,9 @@ def test_gpu_nan_rows_stay_in_their_rows(name):
 @GPU
 @pytest.mark.parametrize("name", DETERMINISTIC)
 def test_gpu_bitwise_reruns_and_graph_replay(name):
-    options, _ = engine(name)
+    setting, _ = engine(name)
     seed = fresh_seed()
-    backend, _, _, x, sf, ids, weights = gpu_case(64, seed, options)
+    backend, _, _, x, sf, ids, weights = gpu_case(64, seed, setting)
     first = backend.forward(x, sf, ids, weights, poisoned(64)).clone()
     again = backend.forward(x, sf, ids, weights, poisoned(64))
     assert torch.equal(first.view(torch.int16), again.view(torch.int16)), f"seed {seed}: rerun"
@@ -420,7 +465,7 @@ def test_gpu_bitwise_reruns_and_graph_replay(name):
     with torch.cuda.graph(graph):
         backend.forward(x, sf, ids, weights, out)
     # New routing and rows in the same buffers: the replay must follow them.
-    _, _, _, x2, sf2, ids2, weights2 = gpu_case(64, seed + 1, {"engine": "triton"})
+    _, _, _, x2, sf2, ids2, weights2 = gpu_case(64, seed + 1, TritonEngine())
     for src, dst in ((x2, x), (sf2, sf), (ids2, ids), (weights2, weights)):
         dst.copy_(src)
     out.fill_(float("nan"))
@@ -443,7 +488,7 @@ def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_ns
     """group_and_route_tilings on the GPU against group_pairs + tile_routes per tile size on the
     same ids, bitwise, dtypes and shapes included; its outputs start as -7 (torch.empty poisoned
     during the call). One expert is hot (a third of the rows); -1 slots; ids of other ranks."""
-    from dep_ep.experts.grouping_kernel import group_and_route_tilings
+    from dep_ep.experts.hopper.grouping_kernel import group_and_route_tilings
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -476,8 +521,8 @@ def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_ns
 def test_gpu_widen_scales_equals_torch(rows):
     """widen_scales_kernel against comm/mxfp8.e8m0_to_fp32, bit for bit, on random E8M0 bytes
     with every byte value present (0: subnormal, 255: NaN); the output starts as NaN."""
-    from dep_ep.experts.hopper import WIDEN_BLOCK
-    from dep_ep.experts.hopper_kernels import widen_scales_kernel
+    from dep_ep.experts.hopper.humming_engine import WIDEN_BLOCK
+    from dep_ep.experts.hopper.kernels import widen_scales_kernel
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -497,7 +542,7 @@ def test_gpu_finalize_equals_torch(rows):
     outputs small integers, weights multiples of 1/16), so any order gives the same sum and the
     BF16 rounding the same bits: each row's local pairs gathered from the right expert output
     rows with the right weights, bit for bit; rows without a local id keep their NaN."""
-    from dep_ep.experts.hopper_kernels import finalize_kernel
+    from dep_ep.experts.hopper.kernels import finalize_kernel
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -528,10 +573,10 @@ def test_gpu_finalize_equals_torch(rows):
 def test_gpu_humming_refuses_a_wide_scale_spread():
     engine("humming")
     layer = SyntheticLayer(K3_WIDTHS, 0)
-    w13, s13, w2, s2 = (t.cuda() for t in layer.local(0, 4))
-    s13[2, 0, 0] = int(s13[2].max()) - 12
+    weights = layer.local_weights(0, 4).to("cuda")
+    weights.s13[2, 0, 0] = int(weights.s13[2].max()) - 12
     with pytest.raises(ValueError, match=r"s13 of local expert\(s\) \[2\] spread over \[1[2-9]\]"):
-        HopperExperts(w13, s13, w2, s2, first_expert=0, engine="humming")
+        HopperExperts(weights, engine=HummingEngine())
 
 
 def test_default_backend_on_cpu_is_the_reference():
@@ -540,8 +585,11 @@ def test_default_backend_on_cpu_is_the_reference():
 
 def test_default_engine_needs_humming_and_its_sizes():
     humming = importlib.util.find_spec("humming") is not None
-    assert default_engine(K3.latent, K3.intermediate) == ("humming" if humming else "triton")
-    assert default_engine(256, 128) == "triton"  # TINY: humming has not run at such sizes
+    want = HummingEngine if humming else TritonEngine
+    assert type(default_engine(K3.latent, K3.intermediate)) is want
+    assert type(default_engine(256, 128)) is TritonEngine  # TINY: humming has not run at such sizes
+    torch_grouping = HopperTiles(grouping="torch")
+    assert default_engine(256, 128, tiles=torch_grouping) == TritonEngine(tiles=torch_grouping)
 
 
 def test_tile_routes_lay_out_blocks():
@@ -562,11 +610,11 @@ def test_tile_routes_lay_out_blocks():
 @GPU
 def test_gpu_default_experts_is_hopper():
     layer = SyntheticLayer(K3_WIDTHS, 0)
-    backend = default_experts(*(t.cuda() for t in layer.local(4, 4)), first_expert=4,
-                              num_experts=32)  # fmt: skip
+    backend = default_experts(layer.local_weights(4, 4).to("cuda"))
     assert type(backend) is HopperExperts, type(backend).__name__
     humming = importlib.util.find_spec("humming") is not None
-    assert backend.engine == ("humming" if humming else "triton") and backend.first_expert == 4
+    assert type(backend.engine) is (HummingEngine if humming else TritonEngine)
+    assert backend.first_expert == 4 and backend.num_experts == 32
     # Expected pairs: R x 16 x (4/32) / (1 - (28/32)^16) = 2.27 R; capacity R x min(16, 4).
     assert backend.tuning_pairs(12, 16) == 32  # 27.2 expected
     assert backend.tuning_pairs(64, 16) == 128  # 145 expected

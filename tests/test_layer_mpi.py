@@ -35,6 +35,7 @@ quadrature).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -367,9 +368,9 @@ def test_layer_from_k3_named_checkpoint(dep, rank, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     first, local = rank.routed.first_expert, rank.routed.experts_per_rank
     loaded = load_moe_layer(tmp_path, layer_index, g, first_expert=first, num_local_experts=local)
-    # The weights as loaded: the layer builds the device's default backend (the reference on CPU).
-    layer = EpMoeLayer(loaded.dense, rank.routed, (loaded.w13, loaded.s13, loaded.w2, loaded.s2),
-                       topk=g.topk)  # fmt: skip
+    # The weights as loaded, as the tuple (w13, s13, w2, s2): the layer builds the device's
+    # default backend from them (the reference on CPU).
+    layer = EpMoeLayer(loaded.dense, rank.routed, loaded.experts.tensors, topk=g.topk)
     counts = unequal_counts(MAX_TOKENS, dep.size)
     x = draw_hidden(g, dense, counts, seeds["x"])[dep.rank]
     out = layer(x, tokens=MAX_TOKENS)
@@ -423,6 +424,11 @@ def test_bad_construction_names_the_tensor(dep, rank):
     build("topk", dense, ValueError, rf"topk={K + 1}.*topk={K}", topk=K + 1)
     other = make_experts(rank.synthetic, (dep.rank + 1) % dep.size, dep.size)
     build("experts of another rank", dense, ValueError, "first_expert", experts=other)
+    per_rank = TINY.experts // dep.size
+    mine = rank.synthetic.local_weights(dep.rank * per_rank, per_rank)
+    bigger = dataclasses.replace(mine, num_experts=2 * TINY.experts)
+    message = "num_experts=96; the EpRouted was built for num_experts=48"
+    build("weights of another model", dense, ValueError, message, experts=bigger)
     for label, kw in (("eps", dict(eps=0.0)), ("factor", dict(routed_scaling_factor=math.nan)),
                       ("schedule", dict(schedule="parallel"))):  # fmt: skip
         expect_raises(failures, label, ValueError, label if label != "factor" else "routed_scal",

@@ -201,7 +201,7 @@ def test_wheel_holds_dep_ep_alone(tmp_path):
     assert len(tops) == 2, sorted(tops)
     for required in ("dep_ep/comm/kernels/combine.py", "dep_ep/ep/routed.py",
                      "dep_ep/constants.py", "dep_ep/launch/env.py",
-                     "dep_ep/experts/reference.py"):  # fmt: skip
+                     "dep_ep/experts/reference/reference_experts.py"):  # fmt: skip
         assert required in names, f"{wheel.name} lacks {required}"
     run([*pip, "install", "-q", "--no-deps", "--target", str(target), str(wheel)], tmp_path, 120)
     probe = ("import dep_ep, dep_ep.comm, dep_ep.experts, dep_ep.ep, dep_ep.launch;"

@@ -28,7 +28,7 @@ def run_backend(kind, seed: int):
     """(out, again, written): `kind` twice on the same fresh rows of `seed`, outputs poisoned
     with NaN before each call; written marks the rows with a local id."""
     layer = SyntheticLayer(TINY, seed=seed)
-    backend = kind(*layer.local(FIRST, COUNT), first_expert=FIRST)
+    backend = kind(layer.local_weights(FIRST, COUNT))
     inputs = rows_case(seed)
     out = torch.full((inputs[0].shape[0], TINY.latent), float("nan"), dtype=torch.bfloat16)
     again = out.clone()
@@ -54,15 +54,16 @@ def test_reference_leaves_rows_without_local_ids():
     assert out[~written].isnan().all(), "rows without a local id must not be written"
 
 
-def test_rejects_bad_weights():
-    layer = SyntheticLayer(TINY, seed=1)
-    w13, s13, w2, s2 = layer.local(0, 2)
-    with pytest.raises(ValueError, match="s13 shape"):
-        ReferenceExperts(w13, s13[:, :, :-1], w2, s2, first_expert=0)
-    with pytest.raises(TypeError, match="w2 dtype"):
-        ReferenceExperts(w13, s13, w2.int(), s2, first_expert=0)
-    with pytest.raises(ValueError, match="first_expert"):
-        ReferenceExperts(w13, s13, w2, s2, first_expert=-1)
+@pytest.mark.parametrize("kind", [ReferenceExperts, DenseExperts])
+def test_takes_expert_weights_only(kind):
+    """The weights' checks are ExpertWeights' (tests/test_expert_weights.py); the backend takes
+    its geometry and refuses the four tensors."""
+    weights = SyntheticLayer(TINY, seed=1).local_weights(FIRST, COUNT)
+    backend = kind(weights)
+    assert (backend.first_expert, backend.num_local_experts) == (FIRST, COUNT)
+    assert (backend.num_experts, backend.latent, backend.intermediate) == (48, 256, 128)
+    with pytest.raises(TypeError, match=f"{kind.__name__}: weights is tuple; expected an Expert"):
+        kind(weights.tensors)
 
 
 def test_backends_declare_their_hardware():

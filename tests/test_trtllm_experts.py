@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from dep_ep.config import TINY
+from dep_ep.experts import ExpertWeights
 from dep_ep.experts.base import check_receive_rows
 from dep_ep.experts.trtllm import TrtllmExperts, routed_moe_arguments
-from dep_ep.experts.trtllm_weights import TrtllmWeights, prepare_trtllm_weights
+from dep_ep.experts.trtllm.weights import TrtllmWeights, prepare_trtllm_weights
 from dep_ep.testing.synthetic import SyntheticLayer
 
 from helpers.scale_layout import deinterleave_128x4, interleave_128x4
@@ -46,8 +47,9 @@ def expected_fc2_source(rows: int) -> list[int]:
 
 def test_prepared_weights_follow_the_documented_row_order():
     seed = int(torch.randint(0, 2**31, (1,)))
-    w13, s13, w2, s2 = SyntheticLayer(TINY, seed).local(5, 3)
-    prepared = prepare_trtllm_weights(w13, s13, w2, s2, interleave=interleave_128x4)
+    weights = SyntheticLayer(TINY, seed).local_weights(5, 3)
+    w13, s13, w2, s2 = weights.tensors
+    prepared = prepare_trtllm_weights(weights, interleave=interleave_128x4)
     two_i, latent = w13.shape[1], w2.shape[1]
     fc1, fc2 = expected_fc1_source(two_i), expected_fc2_source(latent)
     assert sorted(fc1) == list(range(two_i))
@@ -79,10 +81,13 @@ def test_flashinfer_interleave_matches_the_model():
 def test_prepare_rejects_unaligned_geometry():
     w13, s13, w2, s2 = SyntheticLayer(TINY, 0).local(0, 1)
     inter = w13.shape[1] // 2
+    middle = slice(inter - 96, inter + 96)
+    narrow = (w13[:, middle], s13[:, middle], w2[:, :, :48], s2[:, :, :3])
+    narrow = ExpertWeights(*narrow, first_expert=0, num_experts=TINY.experts)
     with pytest.raises(ValueError, match="I=96; FlashInfer's MXFP4 kernels need a multiple of"):
-        middle = slice(inter - 96, inter + 96)
-        prepare_trtllm_weights(w13[:, middle], s13[:, middle], w2[:, :, :48], s2[:, :, :3],
-                               interleave=interleave_128x4)  # fmt: skip
+        prepare_trtllm_weights(narrow, interleave=interleave_128x4)
+    with pytest.raises(TypeError, match="prepare_trtllm_weights: weights is tuple; expected an"):
+        prepare_trtllm_weights((w13, s13, w2, s2), interleave=interleave_128x4)
 
 
 def receive_rows(rows: int = 24, topk: int = TINY.topk):
@@ -141,10 +146,12 @@ def test_receive_rows_are_checked():
 
 
 def test_refuses_a_device_below_sm100(monkeypatch):
-    weights = SyntheticLayer(TINY, 0).local(0, 2)
+    weights = SyntheticLayer(TINY, 0).local_weights(0, 2)
     message = "TrtllmExperts cannot run on cpu: cpu is not a CUDA device; it needs an NVIDIA"
     with pytest.raises(RuntimeError, match=message):
-        TrtllmExperts(*weights, first_expert=0, num_experts=TINY.experts)
+        TrtllmExperts(weights)
+    with pytest.raises(TypeError, match="TrtllmExperts: weights is tuple; expected an Expert"):
+        TrtllmExperts(weights.tensors)
     if not torch.cuda.is_available():  # a CPU-only torch: a reason, not torch's AssertionError
         assert TrtllmExperts.unsupported_reason("cuda") == "CUDA is not available"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -156,15 +163,17 @@ def test_refuses_a_device_below_sm100(monkeypatch):
 
 
 def test_rejects_experts_beyond_the_model():
-    weights = SyntheticLayer(TINY, 0).local(0, 2)
-    with pytest.raises(ValueError, match=r"experts \[47, 49\) exceed num_experts=48"):
-        TrtllmExperts(*weights, first_expert=47, num_experts=TINY.experts)
+    """The kernel's routing reads the weights' num_experts: ExpertWeights refuses experts past
+    it before any backend is built (TrtllmExperts used to check it itself)."""
+    tensors = SyntheticLayer(TINY, 0).local(0, 2)
+    with pytest.raises(ValueError, match="num_experts=48; expected >= first_expert \\+ E_local"):
+        TrtllmExperts(ExpertWeights(*tensors, first_expert=47, num_experts=TINY.experts))
 
 
 def test_missing_flashinfer_names_the_install(monkeypatch):
     import importlib
 
-    from dep_ep.experts import trtllm_weights
+    from dep_ep.experts.trtllm import weights as trtllm_weights
 
     real = importlib.import_module
 

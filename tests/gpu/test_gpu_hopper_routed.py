@@ -63,8 +63,7 @@ def test_routed_with_default_experts_matches_allgather_reference(gpu_dep, routed
     seed = agreed_seed(gpu_dep.cpu_group, 31)
     layer = SyntheticLayer(K3_32, seed)
     per_rank = K3_32.experts // n
-    weights = [t.cuda() for t in layer.local(rank * per_rank, per_rank)]
-    experts = default_experts(*weights, first_expert=rank * per_rank, num_experts=K3_32.experts)
+    experts = default_experts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
     failures = []
     if type(experts) is not HopperExperts:
         failures.append(f"default_experts gave {type(experts).__name__} on SM90")

@@ -300,8 +300,7 @@ def test_combine_bitwise_wide(gpu_dep, routed_wide_path, combine_path, tokens, r
 
 def experts_for(kind, layer, rank, n):
     per_rank = TINY.experts // n
-    weights = [t.cuda() for t in layer.local(rank * per_rank, per_rank)]
-    return kind(*weights, first_expert=rank * per_rank)
+    return kind(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
 
 
 @pytest.mark.mpi(min_size=1)

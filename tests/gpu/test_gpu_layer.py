@@ -160,8 +160,7 @@ def build(gpu_dep, geometry: MoeGeometry, dense_geometry: MoeGeometry, base: int
                       config=EpConfig(timeout_s=60.0))  # fmt: skip
     synthetic = SyntheticLayer(geometry, seeds["experts"])
     per_rank = geometry.experts // n
-    weights = [t.cuda() for t in synthetic.local(rank * per_rank, per_rank)]
-    experts = DenseExperts(*weights, first_expert=rank * per_rank)
+    experts = DenseExperts(synthetic.local_weights(rank * per_rank, per_rank).to("cuda"))
     dense = make_dense(dense_geometry, seeds["dense"])
     on_gpu = {name: t.cuda() for name, t in dense.items()}
     overlap = EpMoeLayer(on_gpu, routed, experts, topk=geometry.topk)
@@ -245,8 +244,7 @@ def test_layer_matches_reference_experts_backend(gpu_dep, tiny):
     """The same layer with ReferenceExperts (not capturable; host syncs) gives the reference."""
     n, rank, g = gpu_dep.size, gpu_dep.rank, TINY
     per_rank = g.experts // n
-    weights = [t.cuda() for t in tiny.synthetic.local(rank * per_rank, per_rank)]
-    experts = ReferenceExperts(*weights, first_expert=rank * per_rank)
+    experts = ReferenceExperts(tiny.synthetic.local_weights(rank * per_rank, per_rank).to("cuda"))
     layer = EpMoeLayer(tiny.overlap.dense, tiny.routed, experts, topk=g.topk)
     seeds = {**tiny.seeds, "x": agreed_seed(gpu_dep.cpu_group, 77)}
     counts = unequal_counts(20, n)

@@ -51,7 +51,7 @@ def layer(gpu_dep):
 def experts(gpu_dep, layer):
     per_rank = TINY.experts // gpu_dep.size
     first = gpu_dep.rank * per_rank
-    return DenseExperts(*(t.cuda() for t in layer.local(first, per_rank)), first_expert=first)
+    return DenseExperts(layer.local_weights(first, per_rank).to("cuda"))
 
 
 class FailingExperts(ExpertsBackend):

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from dep_ep.experts.grouping import group_pairs, tile_routes
+from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
 
 
 def random_ids(gen: torch.Generator, rows: int, topk: int, experts: int) -> torch.Tensor:
@@ -87,7 +87,7 @@ def check_tiling(where: str, got, got_routes, want, want_routes, slots: int) -> 
 def main(seed: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
-    from dep_ep.experts import grouping_kernel
+    from dep_ep.experts.hopper import grouping_kernel
 
     gen = torch.Generator().manual_seed(seed)
     real_empty = torch.empty

@@ -9,7 +9,8 @@ reference's float64 expert sums. Exits 0 and prints "ok ..." when every check ho
 
 CASE: "mixed" (rows without a local id, -1 slots, one NaN input row), "hot" (every row's first
 id is the same local expert; the other local experts have no rows), "single" (one row),
-"hot-grouping-kernel" ("hot" grouped by experts/grouping_kernel.py; the others group in torch).
+"hot-grouping-kernel" ("hot" grouped by experts/hopper/grouping_kernel.py; the others group in
+torch).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import MoeGeometry
-from dep_ep.experts.hopper import HopperTiles, fused_experts
+from dep_ep.experts.hopper import HopperTiles
+from dep_ep.experts.hopper.triton_engine import fused_experts
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2
@@ -34,7 +36,7 @@ FIRST, COUNT = 8, 6  # this rank's experts 8..13
 TILES = HopperTiles(block_n=16, fc1_block_m=32, fc1_block_k=64, fc2_block_m=64, fc2_block_k=64,
                     finalize_block_l=64, math="fp32", grouping="torch")  # fmt: skip
 PROGRAMS = 5
-KERNEL_GROUPING = "-grouping-kernel"  # case suffix: grouped by experts/grouping_kernel.py
+KERNEL_GROUPING = "-grouping-kernel"  # case suffix: grouped by experts/hopper/grouping_kernel.py
 
 
 def rows_for(case: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

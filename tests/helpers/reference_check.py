@@ -14,7 +14,7 @@ from helpers.cases import real_tokens
 def make_experts(layer: SyntheticLayer, rank: int, num_ranks: int) -> ReferenceExperts:
     """ReferenceExperts of the experts `rank` owns among `num_ranks` (CPU)."""
     per_rank = layer.geometry.experts // num_ranks
-    return ReferenceExperts(*layer.local(rank * per_rank, per_rank), first_expert=rank * per_rank)
+    return ReferenceExperts(layer.local_weights(rank * per_rank, per_rank))
 
 
 def check_ragged(out: torch.Tensor, ref: torch.Tensor, rank: int, num_ranks: int) -> list[str]:

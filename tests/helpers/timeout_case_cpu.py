@@ -23,8 +23,7 @@ ctx = init_rank_context("cpu", timeout_s=30.0)
 dep = new_dep_group(ctx, ctx.world_size)
 layer = SyntheticLayer(TINY, 0)
 per_rank = TINY.experts // dep.size
-experts = ReferenceExperts(*layer.local(dep.rank * per_rank, per_rank),
-                           first_expert=dep.rank * per_rank)  # fmt: skip
+experts = ReferenceExperts(layer.local_weights(dep.rank * per_rank, per_rank))
 routed = EpRouted(dep.cpu_group, 4, "cpu", num_experts=TINY.experts, latent=TINY.latent,
                   topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
 latent = torch.randn(4, TINY.latent).bfloat16()

@@ -26,8 +26,7 @@ dep = new_dep_group(ctx, ctx.world_size)
 rank, n = dep.rank, dep.size
 layer = SyntheticLayer(TINY, 0)
 per_rank = TINY.experts // n
-experts = ReferenceExperts(*(t.cuda() for t in layer.local(rank * per_rank, per_rank)),
-                           first_expert=rank * per_rank)  # fmt: skip
+experts = ReferenceExperts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
 case = make_case(TINY, n, 8, 1)
 inputs = [t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[rank])]
 

@@ -1,4 +1,4 @@
-"""widen_scales_kernel (experts/hopper_kernels.py) in Triton's CPU interpreter against
+"""widen_scales_kernel (experts/hopper/kernels.py) in Triton's CPU interpreter against
 comm/mxfp8.e8m0_to_fp32, bit for bit, in its own process:
 
     TRITON_INTERPRET=1 python -m helpers.widen_interpreter_case SEED   (from tests/)
@@ -21,8 +21,8 @@ from dep_ep.comm.mxfp8 import e8m0_to_fp32
 def main(seed: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
-    from dep_ep.experts.hopper import WIDEN_BLOCK
-    from dep_ep.experts.hopper_kernels import widen_scales_kernel
+    from dep_ep.experts.hopper.humming_engine import WIDEN_BLOCK
+    from dep_ep.experts.hopper.kernels import widen_scales_kernel
 
     gen = torch.Generator().manual_seed(seed)
     sf = torch.randint(0, 256, (37, 112), dtype=torch.uint8, generator=gen)

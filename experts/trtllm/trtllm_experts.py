@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from dep_ep.config import K3
 from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
-from dep_ep.experts.trtllm_weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
-from dep_ep.experts.weights import check_expert_weights
+from dep_ep.experts.trtllm.weights import TrtllmWeights, import_flashinfer, prepare_trtllm_weights
+from dep_ep.experts.weights import ExpertWeights
 
 
 def routed_moe_arguments(
@@ -70,12 +69,13 @@ def routed_moe_arguments(
 
 
 class TrtllmExperts(ExpertsBackend):
-    """The rank's experts on FlashInfer's trtllm-gen kernel; same arguments as ReferenceExperts.
+    """The rank's experts on FlashInfer's trtllm-gen kernel, from an ExpertWeights.
 
-    w13, s13, w2, s2: checkpoint layout (experts/weights.py), prepared once at construction with
-    FlashInfer's helpers (experts/trtllm_weights.py); the prepared copy has the checkpoint's size
-    (17.5 MB per K3 expert) and the arguments are not kept. num_experts: the model's total (the
-    kernel's routing needs it); gate_scale / linear_scale: SiTU's beta and linear_beta.
+    weights: the checkpoint layout (experts/weights.py), prepared once at construction with
+    FlashInfer's helpers (experts/trtllm/weights.py); the prepared copy has the checkpoint's size
+    (17.5 MB per K3 expert) and the weights' tensors are not kept. The kernel's routing reads the
+    weights' num_experts (the model's total). gate_scale / linear_scale: SiTU's beta and
+    linear_beta.
 
     Numerics (FlashInfer's): MXFP8 x MXFP4 GEMMs, SiTU in the FC1 epilogue, expert outputs and
     the finalize sum as the kernel rounds them; compare with ReferenceExperts by tolerance.
@@ -100,29 +100,15 @@ class TrtllmExperts(ExpertsBackend):
 
     def __init__(
         self,
-        w13: torch.Tensor,
-        s13: torch.Tensor,
-        w2: torch.Tensor,
-        s2: torch.Tensor,
+        weights: ExpertWeights,
         *,
-        first_expert: int,
-        num_experts: int = K3.experts,
         gate_scale: float = SITU_BETA,
         linear_scale: float = SITU_LINEAR_BETA,
     ) -> None:
-        geometry = check_expert_weights(type(self).__name__, w13, s13, w2, s2, first_expert)
-        if first_expert + geometry.num_local > num_experts:
-            raise ValueError(
-                f"TrtllmExperts: experts [{first_expert}, {first_expert + geometry.num_local})"
-                f" exceed num_experts={num_experts}"
-            )
-        self.check_device(geometry.device)
-        self.first_expert = int(first_expert)
-        self.num_local_experts = geometry.num_local
-        self.latent, self.intermediate = geometry.latent, geometry.intermediate
-        self.num_experts = int(num_experts)
-        self.prepared = prepare_trtllm_weights(w13, s13, w2, s2)
-        per_expert = dict(size=(geometry.num_local,), dtype=torch.float32, device=geometry.device)
+        self._take_weights(weights)
+        self.check_device(weights.device)
+        self.prepared = prepare_trtllm_weights(weights)
+        per_expert = dict(size=(self.num_local_experts,), dtype=torch.float32, device=self.device)
         self.gemm1_alpha = torch.full(fill_value=gate_scale, **per_expert)
         self.gemm1_beta = torch.full(fill_value=linear_scale, **per_expert)
         self.output_scales = torch.ones(**per_expert)

@@ -1,4 +1,4 @@
-"""The grouping of experts/grouping.py and its tile routes in one or two Triton launches.
+"""The grouping of experts/hopper/grouping.py and its tile routes in one or two Triton launches.
 
 `group_pairs` (torch) runs ~30 small kernels: 119-209 us in graph replay on an H200 for the slots
 of T = 1..256 on a DEP16 shard (docs/bench_experts.md). These kernels produce the same tensors,
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dep_ep.experts.grouping import (
+from dep_ep.experts.hopper.grouping import (
     PairGroups,
     TileRoutes,
     check_grouping_args,
@@ -282,9 +282,9 @@ def group_route_kernel(
 def group_and_route(
     ids: torch.Tensor, first_expert: int, num_local: int, block_n: int
 ) -> tuple[PairGroups, TileRoutes]:
-    """`group_pairs(ids, ...)` and `tile_routes` of it (experts/grouping.py), bitwise the same
-    tensors, from one launch on ids' device (a CUDA GPU, or Triton's CPU interpreter). ids int32
-    [R, K], contiguous; block_n 1..MAX_BLOCK_N (`fits`)."""
+    """`group_pairs(ids, ...)` and `tile_routes` of it (experts/hopper/grouping.py), bitwise the
+    same tensors, from one launch on ids' device (a CUDA GPU, or Triton's CPU interpreter). ids
+    int32 [R, K], contiguous; block_n 1..MAX_BLOCK_N (`fits`)."""
     return _launch("group_and_route", ids, first_expert, num_local, (block_n,))[0]
 
 

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from dep_ep.experts.weights import ExpertWeights, expect_expert_weights
+
 EPILOGUE_TILE_M = 128  # trtllm-gen's epilogue tile; its shuffle moves rows in blocks of 32
 MXFP4_ALIGNMENT = 128  # L and I of FlashInfer's MXFP4 MoE kernels
 FLASHINFER_PIP = "pip install 'dep-ep[trtllm]' (flashinfer-python)"
@@ -72,20 +74,19 @@ def fc2_row_order(rows: int, cols: int) -> torch.Tensor:
 
 
 def prepare_trtllm_weights(
-    w13: torch.Tensor,
-    s13: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
+    weights: ExpertWeights,
     *,
     interleave: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TrtllmWeights:
-    """Checkpoint layout (experts/weights.py; validated by the caller) -> TrtllmWeights on the
+    """The checkpoint layout (an ExpertWeights, experts/weights.py) -> TrtllmWeights on the
     weights' device. `interleave(sf uint8 [rows, cols]) -> uint8 [rows * cols]` defaults to
     FlashInfer's block_scale_interleave (CUDA). L and I must be multiples of 128 (FlashInfer's
     MXFP4 alignment: whole 128-row epilogue tiles, whole 4-column scale tiles)."""
+    expect_expert_weights("prepare_trtllm_weights", weights)
     fi = import_flashinfer()  # also the index helpers below: fail early if it is missing
     if interleave is None:
         interleave = fi.block_scale_interleave
+    w13, s13, w2, s2 = weights.tensors
     num_local, two_i, _ = w13.shape
     latent = w2.shape[1]
     for name, size in (("L", latent), ("I", two_i // 2)):

@@ -14,7 +14,8 @@ A tile route lays the tiles out at `block_n` slots each (humming's indexed routi
 tile t holds a value of pair tile_start[t] + i, or a sentinel past the tile's pairs.
 
 `group_pairs` and `tile_routes` are the torch versions (any device, ~30 launches);
-experts/grouping_kernel.py computes the same tensors in one Triton launch.
+experts/hopper/grouping_kernel.py computes the same tensors in one Triton launch. `grouped` and
+`routed_tilings` run one or the other (GROUPINGS, HopperTiles.grouping).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class TileRoutes:
 
 
 INT32_LIMIT = 2**31
+# "triton": experts/hopper/grouping_kernel.py in one launch; "torch": group_pairs and tile_routes
+# (~30 launches), the same tensors. On an H200 at K3's DEP16 shard the kernel takes 5-74 us where
+# torch takes 119-209 us (T = 1..256, tiles of 16; docs/bench_experts.md).
+GROUPINGS = ("torch", "triton")
 
 
 def pair_capacity(rows: int, topk: int) -> int:
@@ -180,3 +185,43 @@ def tile_routes(groups: PairGroups) -> TileRoutes:
         num_padded=(groups.num_tiles * block).reshape(()),
         sentinel=sentinel,
     )
+
+
+def grouped(
+    ids: torch.Tensor, first_expert: int, num_local: int, block_n: int, grouping: str
+) -> tuple[PairGroups, TileRoutes | None]:
+    """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
+    them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches).
+    "triton" takes block_n up to grouping_kernel.MAX_BLOCK_N (16384); a larger one is grouped in
+    torch, with the same result."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouped: grouping={grouping!r}; expected one of {GROUPINGS}")
+    check_grouping_args("grouped", ids, first_expert, num_local, block_n)
+    if grouping == "triton":
+        from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route  # imports triton
+
+        if fits(block_n):
+            return group_and_route(ids, first_expert, num_local, block_n)
+    return group_pairs(ids, first_expert, num_local, block_n), None
+
+
+def routed_tilings(
+    ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...], grouping: str
+) -> list[tuple[PairGroups, TileRoutes]]:
+    """[(groups, routes)] for each tile size in block_ns (one or two, distinct), as group_pairs and
+    tile_routes give them: "triton" in one launch of experts/hopper/grouping_kernel.py (when every
+    size fits), "torch" (or a size past the kernel's lanes) in torch, once per size."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"routed_tilings: grouping={grouping!r}; expected one of {GROUPINGS}")
+    for block_n in block_ns:
+        check_grouping_args("routed_tilings", ids, first_expert, num_local, block_n)
+    if grouping == "triton":
+        from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route_tilings
+
+        if all(fits(block_n) for block_n in block_ns):
+            return group_and_route_tilings(ids, first_expert, num_local, tuple(block_ns))
+    tilings = []
+    for block_n in block_ns:
+        groups = group_pairs(ids, first_expert, num_local, block_n)
+        tilings.append((groups, tile_routes(groups)))
+    return tilings

@@ -1,5 +1,5 @@
-"""humming-kernels' SM90 MoE GEMM as HopperExperts' "humming" engine: weights prepared once, routed
-through the tile routes of experts/grouping.py (no host synchronisation).
+"""humming-kernels' SM90 MoE GEMM, HummingEngine's FC1 and FC2: weights prepared once, routed
+through the tile routes of experts/hopper/grouping.py (no host synchronisation).
 
 humming (PyPI humming-kernels, pinned in the `gpu` extra) runs an "indexed" MoE GEMM with WGMMA:
 pair p of its sorted id list reads input row id // top_k, multiplies it by expert
@@ -46,7 +46,7 @@ def scale_spread_error(owner: str, name: str, scales: torch.Tensor) -> str | Non
     return (
         f"{owner}: {name} of local expert(s) {bad[:8]} spread over"
         f" {[int(spread[e]) for e in bad[:8]]} binades; the humming engine keeps at most"
-        f" {FUSED_SCALE_SPREAD} exact. Use HopperExperts(..., engine='triton')"
+        f" {FUSED_SCALE_SPREAD} exact. Use HopperExperts(..., engine=TritonEngine())"
     )
 
 
@@ -88,7 +88,7 @@ class HummingGemm:
         return cls(config, tensors, locks, {}, deterministic)
 
     def tuning(self, pairs: int) -> dict:
-        """humming's kernel choice for `pairs` pairs (hopper.tuning_pairs: one compilation per
+        """humming's kernel choice for `pairs` pairs (engine.tuning_pairs: one compilation per
         value, cached) with TUNING_UPDATES applied. deterministic: humming's batch-invariant
         choice, without stream-K (which splits K over CTAs and adds the BF16 partial outputs,
         atomically beyond 3 slices: extra roundings, and an order that can change between

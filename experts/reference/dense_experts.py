@@ -7,19 +7,20 @@ from __future__ import annotations
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_dequantize
-from dep_ep.experts.reference import ReferenceExperts
+from dep_ep.experts.reference.reference_experts import ReferenceExperts
 from dep_ep.experts.situ import situ
+from dep_ep.experts.weights import ExpertWeights
 
 
 class DenseExperts(ReferenceExperts):
-    """Same weights and arguments as ReferenceExperts and the same per-expert formulas (fp32 GEMMs,
+    """Same ExpertWeights as ReferenceExperts and the same per-expert formulas (fp32 GEMMs,
     SiTU in fp32, BF16 activation and expert outputs, fp32 sum over k in order); the GEMMs run on
     all rows at once, so results may differ from ReferenceExperts in the last bit. Writes every
     row (combine reads only rows with a local id). Holds fp32 copies of the local experts' weights
     (twice ReferenceExperts' BF16 cache)."""
 
-    def __init__(self, w13, s13, w2, s2, *, first_expert: int) -> None:
-        super().__init__(w13, s13, w2, s2, first_expert=first_expert)
+    def __init__(self, weights: ExpertWeights) -> None:
+        super().__init__(weights)
         self._w13 = self.w13_bf16.float()  # fp32 [E_local, 2I, L]
         self._w2 = self.w2_bf16.float()  # fp32 [E_local, L, I]
 

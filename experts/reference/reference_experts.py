@@ -8,7 +8,7 @@ from dep_ep.comm.mxfp8 import mxfp8_dequantize
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.mxfp4 import mxfp4_dequantize
 from dep_ep.experts.situ import situ
-from dep_ep.experts.weights import check_expert_weights
+from dep_ep.experts.weights import ExpertWeights
 
 
 def _grouped_mm_available(device: torch.device) -> bool:
@@ -41,7 +41,7 @@ def _expert_slices(counts: list[int]):
 
 
 class ReferenceExperts(ExpertsBackend):
-    """The rank's experts from checkpoint-layout MXFP4 weights (experts/weights.py has the layout).
+    """The rank's experts from an ExpertWeights (experts/weights.py: the checkpoint layout).
 
     Numerics: x dequantized exactly from MXFP8; g, u = x @ w1^T, x @ w3^T with fp32 products and
     sums; SiTU in fp32, one cast to BF16; the expert output (act @ w2^T, fp32 sums) cast to BF16;
@@ -62,27 +62,16 @@ class ReferenceExperts(ExpertsBackend):
     (DenseExperts is).
     """
 
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        s13: torch.Tensor,
-        w2: torch.Tensor,
-        s2: torch.Tensor,
-        *,
-        first_expert: int,
-    ) -> None:
-        geometry = check_expert_weights(type(self).__name__, w13, s13, w2, s2, first_expert)
-        self.check_device(geometry.device)
-        self.first_expert = int(first_expert)
-        self.num_local_experts = geometry.num_local
-        self.latent, self.intermediate = geometry.latent, geometry.intermediate
-        self.device = geometry.device
-        shape13 = (geometry.num_local, 2 * geometry.intermediate, geometry.latent)
-        shape2 = (geometry.num_local, geometry.latent, geometry.intermediate)
+    def __init__(self, weights: ExpertWeights) -> None:
+        self._take_weights(weights)
+        self.check_device(weights.device)
+        num_local, latent, inter = self.num_local_experts, self.latent, self.intermediate
         # bf16 [E_local, 2I, L] rows [w1 (gate); w3 (up)] and bf16 [E_local, L, I].
-        self.w13_bf16 = torch.empty(shape13, dtype=torch.bfloat16, device=self.device)
-        self.w2_bf16 = torch.empty(shape2, dtype=torch.bfloat16, device=self.device)
-        for e in range(geometry.num_local):  # one expert at a time bounds the fp32 temporaries
+        bf16 = dict(dtype=torch.bfloat16, device=self.device)
+        self.w13_bf16 = torch.empty(num_local, 2 * inter, latent, **bf16)
+        self.w2_bf16 = torch.empty(num_local, latent, inter, **bf16)
+        w13, s13, w2, s2 = weights.tensors
+        for e in range(num_local):  # one expert at a time bounds the fp32 temporaries
             self.w13_bf16[e] = mxfp4_dequantize(w13[e], s13[e], torch.bfloat16)
             self.w2_bf16[e] = mxfp4_dequantize(w2[e], s2[e], torch.bfloat16)
         self._grouped_fc2 = _grouped_mm_available(self.device)

@@ -1,0 +1,133 @@
+"""HopperExperts: MXFP4 experts on SM90 over device-grouped pairs, in one of two engines
+(experts/hopper/engine.py):
+
+- HummingEngine (the default when humming-kernels is installed, `pip install -e '.[gpu]'`):
+  humming-kernels' GEMMs on e4m3 rows, SiTU rounded to MXFP8 (experts/hopper/humming_engine.py).
+- TritonEngine: our own kernels (experts/hopper/kernels.py) with ReferenceExperts' BF16 numerics
+  (experts/hopper/triton_engine.py).
+
+The grouping is one launch of experts/hopper/grouping_kernel.py (HopperTiles.grouping "triton",
+the default) or experts/hopper/grouping.py's group_pairs and tile_routes in torch ("torch"), the
+same tensors. Both engines keep the weights at 4 bits and read the receive rows' MXFP8 bytes as
+they are (humming reads the E8M0 scales widened to fp32). No host synchronisation and no launch
+shape that depends on the data: a call can be captured in a CUDA graph with the routed path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
+from dep_ep.experts.hopper.engine import HopperEngine
+from dep_ep.experts.hopper.humming_engine import HummingEngine, humming_installed
+from dep_ep.experts.hopper.tiles import HopperTiles
+from dep_ep.experts.hopper.triton_engine import TritonEngine
+from dep_ep.experts.weights import ExpertWeights
+
+# HummingEngine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
+# 3072 = 6 x 512); humming has run only at K3's widths.
+HUMMING_DEFAULT_MULTIPLE = 512
+
+
+def default_engine(
+    latent: int, intermediate: int, *, tiles: HopperTiles | None = None
+) -> HopperEngine:
+    """HummingEngine() when humming-kernels is importable and L and I are multiples of
+    HUMMING_DEFAULT_MULTIPLE, else TritonEngine(); with `tiles` (default HopperTiles())."""
+    tiles = HopperTiles() if tiles is None else tiles
+    fits = all(size % HUMMING_DEFAULT_MULTIPLE == 0 for size in (latent, intermediate))
+    return HummingEngine(tiles=tiles) if fits and humming_installed() else TritonEngine(tiles=tiles)
+
+
+class HopperExperts(ExpertsBackend):
+    """The rank's MXFP4 experts on an SM90 GPU, from an ExpertWeights (experts/weights.py).
+
+    engine: a HopperEngine, which holds the numerics, its options and the tiles:
+      TritonEngine(tiles=): the same numerics as ReferenceExperts up to the order of fp32 sums
+        (MXFP8 rows and MXFP4 weights decoded exactly; FC1 with fp32 sums; SiTU in fp32, one
+        rounding to BF16; FC2 with fp32 sums, one rounding to BF16; per row the fp32 sum over k in
+        order of weight * expert output, one rounding to BF16).
+      HummingEngine(deterministic=, tune_for_capacity=, tiles=): e4m3 rows times the weights in
+        e4m3 (exact within an expert's 11-binade scale spread, checked at construction) with fp32
+        sums, FC1's output in BF16, SiTU rounded to MXFP8, FC2 rounded to BF16, the same
+        finalize; humming may pick stream-K kernels (more roundings, reruns not bitwise equal)
+        unless deterministic=True.
+      None: `default_engine(L, I)`: HummingEngine() where humming-kernels is installed and L and
+        I are multiples of 512, else TritonEngine().
+    The triton engine and the finalize use no atomics and no split K: with them (and humming with
+    deterministic=True) reruns on the same rows are bitwise equal (`deterministic`).
+    humming's kernels are chosen for `tuning_pairs(rows, topk)`, from the weights' num_experts.
+
+    Memory: the triton engine keeps the caller's weights (no copy when contiguous); humming keeps
+    its own re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
+    `workspace_bytes` from torch's caching allocator (inside a graph capture, the graph's pool).
+    The humming engine compiles its kernels the first time a call's `tuning_pairs` (a power of
+    two from the row count) is new (seconds): make one eager call of each row count before
+    capturing a graph.
+
+    Attributes beside the contract's: engine, tiles (the engine's), deterministic, num_experts,
+    intermediate, device, sms, prepared (the engine's state for these weights: TritonPrepared or
+    HummingPrepared, whose fc1 and fc2 the benchmarks time alone).
+
+    Rows without a local id keep whatever `out` held. A NaN or Inf in a row stays within the
+    outputs of that row's pairs.
+    """
+
+    requires = "an SM90 (Hopper) CUDA GPU and triton (and humming-kernels for HummingEngine)"
+
+    def __init__(self, weights: ExpertWeights, *, engine: HopperEngine | None = None) -> None:
+        owner = type(self).__name__
+        self._take_weights(weights)
+        # Arguments first, the device last: a mistake shows on any machine.
+        if engine is None:
+            engine = default_engine(weights.latent, weights.intermediate)
+        if not isinstance(engine, HopperEngine):
+            raise TypeError(
+                f"{owner}: engine is {type(engine).__name__}; expected None or a HopperEngine"
+                " (TritonEngine(...), HummingEngine(...))"
+            )
+        engine.check(owner, weights)
+        self.check_device(weights.device)
+        self.engine, self.tiles = engine, engine.tiles
+        self.activation_format = engine.activation_format
+        self.deterministic = engine.deterministic
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.prepared = engine.prepare(owner, weights, self.sms)
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return f"it runs on CUDA GPUs, not {device.type}"
+        reason = cuda_capability_reason(device, 9)
+        if reason is not None:
+            return reason
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        return None
+
+    def tuning_pairs(self, rows: int, topk: int) -> int:
+        """The pair count humming's kernels are chosen for on R = rows receive rows:
+        `engine.tuning_pairs(rows, topk, num_local_experts, num_experts)`."""
+        return self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
+
+    def workspace_bytes(self, rows: int, topk: int) -> int:
+        """Bytes a call over `rows` receive rows with `topk` ids each allocates (see the class)."""
+        return self.engine.workspace_bytes(rows, topk, self.latent, self.intermediate)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        sf: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent,
+                           self.device)  # fmt: skip
+        if ids.shape[0] == 0:
+            return out
+        with torch.cuda.device(self.device):  # triton and humming launch on the current device
+            return self.prepared(x, sf, ids, weights, out)

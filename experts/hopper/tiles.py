@@ -1,0 +1,90 @@
+"""HopperTiles: the block shapes and launches of HopperExperts' kernels, which each engine carries
+(TritonEngine reads them all, HummingEngine the finalize's and the grouping)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.hopper.grouping import GROUPINGS
+
+MATHS = ("bf16", "fp32")  # experts/hopper/kernels.py
+
+
+@dataclass(frozen=True)
+class HopperTiles:
+    """Block shapes and launch of the triton engine's kernels (experts/hopper/kernels.py has what
+    they mean); HummingEngine uses finalize_block_l, finalize_warps and grouping only.
+
+    block_n: pairs per tile (the MMA's N side; >= 16); fc1_block_m: intermediate columns per FC1
+    work item (it reads 2 * fc1_block_m weight rows: gate and up); fc2_block_m: output columns per
+    FC2 work item; *_block_k: K per step (a multiple of 64); finalize_block_l: the most output
+    columns per finalize program (it takes the largest power of two <= this dividing L);
+    finalize_warps: warps per finalize program; num_warps, num_stages: the GEMM kernels' launch;
+    programs_per_sm: persistent programs per SM; math: one of MATHS;
+    persistent: each GEMM program walks the work list (True) or one program per work item, the
+    grid covering the work list's capacity (False); grouping: one of GROUPINGS (both engines),
+    how the rows are grouped by expert (the same tensors either way).
+    """
+
+    block_n: int = 16
+    fc1_block_m: int = 64
+    fc1_block_k: int = 128
+    fc2_block_m: int = 64
+    fc2_block_k: int = 128
+    # 512 columns over 2 warps (16-byte loads): 4.8 us at T=64 on a DEP16 shard where 256 over 4
+    # took 16.7; the fastest or within 20% of the fastest of six shapes (128..512 columns over 1, 2
+    # or 4 warps) at every T measured (H200, docs/bench_hopper_launch.md).
+    finalize_block_l: int = 512
+    finalize_warps: int = 2
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 2
+    math: str = "bf16"
+    persistent: bool = True
+    grouping: str = "triton"
+
+    def check(self, latent: int, intermediate: int) -> None:
+        """ValueError naming the field unless every block divides its dimension (powers of two)."""
+        for name, dim in (("latent", latent), ("intermediate", intermediate)):
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                raise ValueError(f"HopperTiles.check: {name}={dim!r}; expected an int >= 1")
+        if self.math not in MATHS:
+            raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"HopperTiles: grouping={self.grouping!r}; expected one of"
+                             f" {GROUPINGS}")  # fmt: skip
+        if not isinstance(self.persistent, bool):
+            raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
+        for name in ("block_n", "fc1_block_m", "fc1_block_k", "fc2_block_m", "fc2_block_k",
+                     "finalize_block_l", "finalize_warps", "num_warps", "num_stages",
+                     "programs_per_sm"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"HopperTiles: {name}={value!r}; expected an int")
+        for name, value, dim, least in (
+            ("block_n", self.block_n, None, 16),
+            ("fc1_block_m", self.fc1_block_m, intermediate, 16),
+            ("fc1_block_k", self.fc1_block_k, latent, 2 * SCALE_BLOCK),
+            ("fc2_block_m", self.fc2_block_m, latent, 16),
+            ("fc2_block_k", self.fc2_block_k, intermediate, 2 * SCALE_BLOCK),
+            ("finalize_block_l", self.finalize_block_l, None, 16),
+        ):
+            if value < least or value & (value - 1) or (dim is not None and dim % value):
+                where = "" if dim is None else f" dividing {dim}"
+                raise ValueError(f"HopperTiles: {name}={value}; expected a power of two >= {least}"
+                                 f"{where}")  # fmt: skip
+        for name in ("num_warps", "finalize_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"HopperTiles: {name}={value}; expected a power of two")
+        for name, value in (("num_stages", self.num_stages),
+                            ("programs_per_sm", self.programs_per_sm)):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"HopperTiles: {name}={value}; expected >= 1")
+
+    def finalize_columns(self, latent: int) -> int:
+        """Output columns per finalize program at L = latent: the largest power of two <=
+        finalize_block_l dividing L (>= 16 after `check`: fc2_block_m >= 16 divides L)."""
+        return math.gcd(self.finalize_block_l, latent)
