@@ -117,7 +117,9 @@ def main() -> int:
                       topk=K3.topk, config=config)  # fmt: skip
     construction_s = slowest(time.perf_counter() - start, cpu)
     # The transport alone: a dispatch and its combine, no experts between.
-    transport = routed.transport
+    # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
+    # validation and the dispatch/combine pairing on purpose.
+    transport = routed._transport
     peer, peer_note = make_peer(args, ctx, cpu, n)
     suffix = combine_path.suffix(args)
     L, K = K3.latent, K3.topk

@@ -48,8 +48,7 @@ def build(dep) -> EpRouted:
 
 def dense_experts(layer, rank, n):
     per_rank = TINY.experts // n
-    weights = [t.cuda() for t in layer.local(rank * per_rank, per_rank)]
-    return DenseExperts(*weights, first_expert=rank * per_rank)
+    return DenseExperts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
 
 
 def good_step(dep, routed, layer, experts, seed, label) -> list[str]:

@@ -29,9 +29,7 @@ dep = new_dep_group(ctx, ctx.world_size)
 rank, n = dep.rank, dep.size
 layer = SyntheticLayer(TINY, 3)
 per_rank = TINY.experts // n
-experts = DenseExperts(
-    *(t.cuda() for t in layer.local(rank * per_rank, per_rank)), first_expert=rank * per_rank
-)
+experts = DenseExperts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
 routed = EpRouted(
     dep.cpu_group,
     8,
