@@ -358,13 +358,16 @@ class DeviceTransport(Transport):
     def poll(self) -> None:
         """Look at the peers' processes once, then `check()`. Non-blocking, no device sync;
         refused during a CUDA graph capture (it would run once, at capture, not per replay)."""
-        if torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             raise RuntimeError(
-                "EpRouted.poll: called while a CUDA graph is being captured; call it after each"
-                " replay, outside the capture"
+                "poll: called while a CUDA graph is being captured; call it after each replay,"
+                " outside the capture"
             )
         self.watch.check_now()
         self.check()
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def synchronize(self) -> None:
         """Wait for this rank's current stream, watching the peers meanwhile (a peer found gone

@@ -86,6 +86,10 @@ class Transport(ABC):
         """`check()`, and raise EpPeerLostError for a rank this process can watch that has
         exited. Non-blocking; outside any CUDA graph capture."""
 
+    def capturing(self) -> bool:
+        """True while the current stream is being captured into a CUDA graph (never on CPU)."""
+        return False
+
     @abstractmethod
     def synchronize(self) -> None:
         """Wait for this rank's queued work, then `poll()`."""

@@ -589,6 +589,11 @@ class EpRouted:
         outputs of a failed step are NaN rows, and nothing else reports it."""
         fn = "EpRouted.poll"
         self._check_usable(fn)
+        if self._transport.capturing():
+            raise RuntimeError(
+                f"{fn}: called while a CUDA graph is being captured; call it after each replay,"
+                " outside the capture"
+            )
         self._run(fn, self._transport.poll, None)
 
     def synchronize(self) -> None:

@@ -78,6 +78,7 @@ def dead_peer_failures() -> list[str]:
         if "EpPeerLostError" not in line or "rank 1" not in line.split(":", 1)[1]:
             failures.append(f"{label}: {line}")
         took = float(re.search(r"after (-?[\d.]+) s", line).group(1))
+        print(f"TIME-TO-ERROR dead peer, rank 0 {label}: {took:.3f} s after the death")
         if took > 1.0:
             failures.append(f"{label}: {took:.2f} s from the death to the error: {line}")
     return failures

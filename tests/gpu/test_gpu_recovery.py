@@ -112,6 +112,7 @@ def test_interrupt_in_dispatch_then_reset(gpu_dep, monkeypatch, launched):
         except Exception as err:  # noqa: BLE001 - reported collectively
             failures.append(f"reset(): {type(err).__name__}: {err}")
         took = time.monotonic() - start
+        print(f"TIME-TO-RESET rank {r} ({'after' if launched else 'before'} launch): {took:.3f} s")
         if took > RESET_S:
             failures.append(f"reset() took {took:.1f} s (a kernel waited out its timeout)")
         for i in range(3):
@@ -121,13 +122,14 @@ def test_interrupt_in_dispatch_then_reset(gpu_dep, monkeypatch, launched):
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
-def capture(routed, args, norm, experts, tag):
-    """routed(...) captured in a CUDA graph after one eager warm-up on the capture stream;
-    returns (graph, its output tensor)."""
+def capture(routed, args, norm, experts, tag, warm_args):
+    """routed(...) captured in a CUDA graph after one eager warm-up on a side stream with
+    `warm_args` (the same on every rank, so the warm-up itself is in step); returns (graph, its
+    output tensor)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        routed(*args, norm, experts=experts, tag=tag)
+        routed(*warm_args, norm, experts=experts, tag=0)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     routed.poll()
@@ -157,8 +159,9 @@ def test_poll_raises_a_kernel_error_under_graph_replay(gpu_dep, differs):
         tokens = T + 1 if (odd and differs == "tokens") else T
         case = make_case(TINY, n, T + 1, seed + 1)
         args = [t[:tokens].cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+        same = [t[:T].cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
         tag = 7 + (1 if odd and differs == "tag" else 0)
-        graph, out = capture(routed, args, norm, experts, tag if differs == "tag" else 7)
+        graph, out = capture(routed, args, norm, experts, tag, same)
         dist.barrier(gpu_dep.cpu_group)
         graph.replay()
         torch.cuda.synchronize()
@@ -177,8 +180,7 @@ def test_poll_raises_a_kernel_error_under_graph_replay(gpu_dep, differs):
         )
         routed.poll()  # cleared
         dist.barrier(gpu_dep.cpu_group)
-        same = [t[:T].cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
-        graph2, out2 = capture(routed, same, norm, experts, 9)
+        graph2, out2 = capture(routed, same, norm, experts, 9, same)
         dist.barrier(gpu_dep.cpu_group)
         for _ in range(3):
             graph2.replay()
