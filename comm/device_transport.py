@@ -155,7 +155,8 @@ def compile_kernels(
             continue
         if name == "dispatch":
             kernel = DispatchKernel(num_ranks, latent, topk, experts_per_rank, tuning)
-            args = (z, z, z, *structs, one)  # latent, ids, weights, structs, grid
+            # latent, its row stride in words, ids, weights, structs, grid
+            args = (z, Int32(latent // 2), z, z, *structs, one)
         elif name in COMBINE_MODES:
             kernel = CombineKernel(
                 num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name], tuning
@@ -232,6 +233,7 @@ class LaunchParams:
         # ids, norm_weight, normed), the combine's eps and normalize flag, the grid, the stream.
         for name in ("latent", "ids", "weights", "expert_out", "norm_weight", "normed"):
             setattr(self, name, HostParams(Int64))
+        self.latent_row_words = HostParams(Int32)  # the latent's row stride, 32-bit words
         self.eps, self.normalize, self.grid = (
             HostParams(Float32),
             HostParams(Int32),
@@ -411,15 +413,19 @@ class DeviceTransport(Transport):
         return self.state[STATE_STEP_STATUS] == 0
 
     def dispatch(self, latent, ids, weights, *, tokens, rejected, cause=CAUSE_INPUT, tag=NO_TAG):
-        """latent bf16 [T, L], ids int32 [T, K], weights fp32 [T, K], contiguous, on the device.
-        A rejected call takes part without payload (RejectKernel) and then raises `rejected`."""
+        """latent bf16 [n, L] (rows 16-byte aligned: its row stride a multiple of 8 elements;
+        contiguous or a column slice), ids int32 [T, K], weights fp32 [T, K], contiguous, on the
+        device. A rejected call takes part without payload (RejectKernel) and then raises
+        `rejected`."""
         self.check()
         if rejected is not None:
             self._reject("reject_dispatch", tag)
             raise rejected
         p = self._params
+        row_words = latent.stride(0) // 2 if latent.shape[0] > 1 else latent.shape[1] // 2
         self.kernels["dispatch"](
             p.latent.set(latent.data_ptr()),
+            p.latent_row_words.set(row_words),
             p.ids.set(ids.data_ptr()),
             p.weights.set(weights.data_ptr()),
             p.regions,
@@ -430,7 +436,7 @@ class DeviceTransport(Transport):
         )
 
     def combine(self, expert_out, ids, norm_weight, eps, *, rejected, cause=CAUSE_INPUT,
-                tag=NO_TAG):  # fmt: skip
+                tag=NO_TAG, out=None):  # fmt: skip
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
         norm_weight bf16 [L] or None (the plain sum); returns bf16 [T, L]. A rejected call
         takes part without payload (RejectKernel; its peers see STATUS_FAILED when the cause is
@@ -439,9 +445,11 @@ class DeviceTransport(Transport):
             self._reject("fail_combine" if cause in EXPERT_CAUSES else "reject_combine", tag)
             raise rejected
         tokens = ids.shape[0]
-        normed = torch.empty(
-            tokens, self.buffers.layout.latent, dtype=torch.bfloat16, device=self.device
-        )
+        normed = out
+        if normed is None:
+            normed = torch.empty(
+                tokens, self.buffers.layout.latent, dtype=torch.bfloat16, device=self.device
+            )
         p = self._params
         args = (
             p.expert_out.set(expert_out.data_ptr()),

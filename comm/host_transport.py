@@ -38,12 +38,13 @@ class HostTransport(Transport):
         self._agree("dispatch", rejected, cause, tokens, tag)
 
     def combine(self, expert_out, ids, norm_weight, eps, *, rejected, cause=CAUSE_INPUT,
-                tag=NO_TAG):  # fmt: skip
+                tag=NO_TAG, out=None):  # fmt: skip
         tokens = ids.shape[0]
         if rejected is None:
             combine_write(self.buffers, expert_out, tokens)
         self._agree("combine", rejected, cause, tokens, tag)
-        return combine_reduce(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
+        normed = combine_reduce(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
+        return normed if out is None else out.copy_(normed)
 
     def check(self) -> None:
         """Every host call completes (or raises) before it returns: nothing is left to report."""

@@ -71,11 +71,13 @@ class Transport(ABC):
         rejected: BaseException | None,
         cause: str = CAUSE_INPUT,
         tag: int = NO_TAG,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return expert_out bf16 [N*T, L] rows to their sources, sum each token's rows over ranks
         in fp32 in rank order, RMSNorm with norm_weight bf16 [L] and eps (norm_weight None: the
-        sum rounded to BF16); returns bf16 [T, L]. ids int32 [T, K] are the ids this rank
-        dispatched in the step; `tag` is the dispatch's."""
+        sum rounded to BF16); returns bf16 [T, L], `out` (contiguous bf16 [T, L]) when given.
+        ids int32 [T, K] are the ids this rank dispatched in the step; `tag` is the
+        dispatch's."""
 
     @abstractmethod
     def check(self) -> None:

@@ -75,6 +75,35 @@ def check_tensor(
     return t
 
 
+def check_rows(
+    fn: str, name: str, t: object, dtype: torch.dtype, shape: tuple[int, int], device
+) -> torch.Tensor:
+    """A 2-D tensor of `shape` whose rows are contiguous and start on 16-byte boundaries: a
+    contiguous tensor, or a column slice of a wider one (a packed GEMM's output), row stride a
+    multiple of 16 bytes. TypeError for the type or dtype, ValueError for the rest."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} is {type(t).__name__}; expected a torch.Tensor")
+    if t.dtype != dtype:
+        raise TypeError(f"{fn}: {name} dtype {t.dtype}; expected {dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{fn}: {name} shape {tuple(t.shape)}; expected {shape}")
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} on {t.device}; expected {device}")
+    rows, cols = shape
+    if rows and cols > 1 and t.stride(1) != 1:
+        raise ValueError(f"{fn}: {name}'s rows must be contiguous (stride(1) = {t.stride(1)})")
+    if rows > 1:
+        row_bytes = t.stride(0) * t.element_size()
+        if t.stride(0) < cols or row_bytes % VECTOR_ALIGN:
+            raise ValueError(
+                f"{fn}: {name}'s row stride is {t.stride(0)} elements ({row_bytes} bytes); expected"
+                f" at least {cols} and a multiple of {VECTOR_ALIGN} bytes (contiguous, or a column"
+                " slice of a wider tensor)"
+            )
+    check_aligned(fn, name, t)
+    return t
+
+
 def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
     """A tensor the GPU kernels read in 16-byte vectors must start on a 16-byte boundary (every
     torch allocation does; a view at an odd offset may not)."""

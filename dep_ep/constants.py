@@ -2,6 +2,7 @@
 kernels, the layout and the validation all import them from here."""
 
 SCALE_BLOCK = 32  # MXFP8/MXFP4 elements per E8M0 scale byte (the OCP MX block size)
+DEFAULT_EPS = 1e-5  # the latent RMSNorm's eps (Kimi K3's rms_norm_eps)
 E4M3_MAX = 448.0  # largest finite e4m3 magnitude
 # MXFP8 scale rule: amax times rcp.approx.ftz(448.0), whose fp32 bits are these (docs/formats.md).
 RCP_448_BITS = 0x3B124925

@@ -9,7 +9,7 @@ from typing import Mapping
 
 import torch
 
-from dep_ep.checks import check_eps, check_int, check_real, check_tokens
+from dep_ep.checks import VECTOR_ALIGN, check_eps, check_int, check_real
 from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.experts.base import ExpertsBackend
@@ -263,10 +263,12 @@ class EpMoeLayer:
         if tokens is None and rows == 0:
             return ValueError(f"{fn}: x has 0 rows and tokens=None; pass tokens= (T >= 1)")
         if tokens is not None:
-            try:
-                check_tokens(fn, tokens, self.routed.max_tokens)
-            except ValueError as err:
+            try:  # above max_tokens, EpRouted.routed runs the step in max_tokens pieces
+                tokens = check_int(fn, "tokens", tokens)
+            except TypeError as err:
                 return err
+            if tokens < 1:
+                return ValueError(f"{fn}: tokens={tokens}; expected >= 1")
             if rows > tokens:
                 return ValueError(f"{fn}: x has {rows} rows, more than tokens={tokens}")
         # EpRouted reads its inputs where that costs no host sync (check_values); so does the
@@ -289,9 +291,12 @@ class EpMoeLayer:
         return torch.mm(x, self.packed.t())
 
     def latent_of(self, front: torch.Tensor) -> torch.Tensor:
-        """bf16 [n, L], contiguous (EpRouted takes row-major latents): the front GEMM's latent
-        columns (a copy of n * L * 2 bytes, none for n = 1)."""
-        return front[:, 2 * self.shared_intermediate :].contiguous()
+        """bf16 [n, L]: the front GEMM's latent columns, a view EpRouted reads in place (rows of
+        2S + L elements), or a contiguous copy when the view's rows do not start on 16-byte
+        boundaries (2S + L or 2S not a multiple of 8)."""
+        latent = front[:, 2 * self.shared_intermediate :]
+        aligned = latent.stride(0) % 8 == 0 and latent.data_ptr() % VECTOR_ALIGN == 0
+        return latent if aligned or latent.shape[0] == 0 else latent.contiguous()
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int32 [n, K], weights fp32 [n, K]) of bf16 x [n, H] (ep/router.py's formula,

@@ -15,6 +15,7 @@ from dep_ep.checks import (
     check_ids,
     check_int,
     check_positive_int,
+    check_rows,
     check_tag,
     check_tensor,
     check_tokens,
@@ -37,7 +38,7 @@ from dep_ep.comm.transport import (
     open_transport,
 )
 from dep_ep.config import EpConfig
-from dep_ep.constants import NO_TAG, SCALE_BLOCK
+from dep_ep.constants import DEFAULT_EPS, NO_TAG, SCALE_BLOCK
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
 
@@ -92,6 +93,17 @@ def _wire_tag(tag: object) -> int:
     except ValueError:
         return NO_TAG
     return NO_TAG if value is None else value
+
+
+_MASK63 = (1 << 63) - 1
+
+
+def _chunk_tag(tag: object, steps: int, index: int) -> int:
+    """The tag of step `index` of the `steps` a step of more than max_tokens runs as: the
+    caller's tag (or none), the step count and the index mixed into a non-negative int64, so
+    ranks that run different step counts (their T differ) or steps of another call differ."""
+    base = _wire_tag(tag) & ((1 << 64) - 1)
+    return (base * 0x9E3779B97F4A7C15 + steps * 0xBF58476D1CE4E5B9 + index) & _MASK63
 
 
 def _as_exception(fn: str, error: object) -> BaseException:
@@ -309,12 +321,16 @@ class EpRouted:
             self._rows_of[tokens] = views
         return views
 
-    def expert_counts(self) -> torch.Tensor:
-        """int32 [E_local] on the device, a new tensor: the (token, k) pairs this rank received
-        per local expert in the last dispatch (for expert-load balancing), counted right after
-        that dispatch (EpConfig.count_experts must be on). Stream-ordered, no host sync. After a
-        step that failed on this rank (any error it raised) it raises RuntimeError: its rows are
-        not one step's. On CUDA a dispatch that failed on a peer only, not known on the host yet,
+    def expert_counts(
+        self, out: torch.Tensor | None = None, *, accumulate: bool = False
+    ) -> torch.Tensor:
+        """The (token, k) pairs this rank received per local expert in the last dispatch (for
+        expert-load balancing), counted right after that dispatch (EpConfig.count_experts must
+        be on): int32 [E_local] on the device, a new tensor, or written into `out` (int32 or
+        int64 [E_local] on the device; `accumulate=True` adds to it, as a load recorder
+        sums over steps). Stream-ordered, no host sync, no allocation with `out`. After a step
+        that failed on this rank (any error it raised) it raises RuntimeError: its rows are not
+        one step's. On CUDA a dispatch that failed on a peer only, not known on the host yet,
         counts zero for every expert (the failure itself comes from poll())."""
         fn = "EpRouted.expert_counts"
         self._check_usable(fn)
@@ -330,7 +346,17 @@ class EpRouted:
                 f"{fn}: the last step failed ({self._step_failure}); its receive rows are not one"
                 " step's, so there are no counts for it"
             )
-        return self._counts.clone()
+        if out is None:
+            return self._counts.clone()
+        check_tensor(fn, "out", out, (torch.int32, torch.int64), (self.experts_per_rank,),
+                     self.device)  # fmt: skip
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"{fn}: accumulate={accumulate!r}; expected a bool")
+        if accumulate:
+            out.add_(self._counts)
+        else:
+            out.copy_(self._counts)
+        return out
 
     def _count_experts(self, tokens: int) -> None:
         """self._counts = this rank's received (row, k) pairs per local expert in the dispatch
@@ -359,8 +385,7 @@ class EpRouted:
         if real > tokens:
             raise ValueError(f"{fn}: latent has {real} rows, more than tokens={tokens}")
         check_tag(fn, tag)
-        check_tensor(fn, "latent", latent, (torch.bfloat16,), (real, self.latent), self.device)
-        check_aligned(fn, "latent", latent)
+        check_rows(fn, "latent", latent, torch.bfloat16, (real, self.latent), self.device)
         shape = (real, self.topk)
         check_tensor(fn, "ids", ids, (torch.int32, torch.int64), shape, self.device)
         check_tensor(fn, "weights", weights, (torch.float32,), shape, self.device)
@@ -442,10 +467,10 @@ class EpRouted:
         rows. `experts`, when given, is validated with the inputs.
         """
         return self._dispatch(
-            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag
+            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag, None
         )
 
-    def _dispatch(self, fn, latent, ids, weights, experts, need_experts, tokens, tag):
+    def _dispatch(self, fn, latent, ids, weights, experts, need_experts, tokens, tag, refused):
         self._check_usable(fn)
         if self._step is not None:
             raise RuntimeError(
@@ -458,6 +483,8 @@ class EpRouted:
             tokens, real = self._check_inputs(
                 fn, latent, ids, weights, experts, need_experts, tokens, tag
             )
+            if refused is not None:
+                raise refused
         except (TypeError, ValueError) as err:
             error, tokens = err, 0
         wire_tag = _wire_tag(tag)
@@ -490,16 +517,23 @@ class EpRouted:
             self._count_experts(tokens)
         return self._rows(tokens)
 
-    def combine(self, norm_weight: torch.Tensor | None, *, eps: float = 1e-5) -> torch.Tensor:
+    def combine(
+        self,
+        norm_weight: torch.Tensor | None,
+        *,
+        eps: float = DEFAULT_EPS,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Return the expert sums (`receive().out`, rows with a local id) to their sources, sum
         per token over ranks in fp32 in rank order, then RMSNorm with `norm_weight` (bf16 [L])
         and `eps`; norm_weight None returns the plain sum rounded to BF16 (for a caller that
         applies the norm itself, or a model without a latent norm).
 
         Collective; on CPU it blocks until every rank has delivered. Returns bf16 [n, L] (the
-        real rows of the dispatch).
+        real rows of the dispatch): `out` when given (bf16 [n, L], rows 16-byte aligned), which
+        the kernel writes in place when it is contiguous and n = T, else a copy lands there.
         """
-        return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT)
+        return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT, out)
 
     def reject_step(self, error: BaseException, *, tag: int | None = None) -> None:
         """Instead of dispatch, for a rank that cannot take part in this step with inputs (its
@@ -527,9 +561,9 @@ class EpRouted:
         is NaN), then raise `error`. An exception class is instantiated (as `raise` does);
         anything else fails the step with a TypeError saying so. Collective, like combine."""
         fn = "EpRouted.abort_step"
-        self._combine(fn, None, 1e-5, _as_exception(fn, error), CAUSE_ABORT_STEP)
+        self._combine(fn, None, DEFAULT_EPS, _as_exception(fn, error), CAUSE_ABORT_STEP, None)
 
-    def _combine(self, fn, norm_weight, eps, error, cause) -> torch.Tensor:
+    def _combine(self, fn, norm_weight, eps, error, cause, out) -> torch.Tensor:
         self._check_usable(fn)
         step = self._step
         if step is None:
@@ -538,17 +572,30 @@ class EpRouted:
         if error is None:
             try:
                 eps = self._check_norm(fn, norm_weight, eps)
+                if out is not None:
+                    self._check_out(fn, out, step.real)
                 if self.config.check_expert_rows:
                     self._check_expert_rows(fn, step)
             except (TypeError, ValueError) as err:
                 error, cause = err, CAUSE_INPUT
         if error is not None:
             self._step_failure = f"{type(error).__name__} in {fn}"
-        out = self._rows(step.tokens).out
+        # The kernel writes T contiguous rows: the caller's buffer takes them in place only then.
+        in_place = out is not None and step.real == step.tokens and out.is_contiguous()
+        direct = out if in_place else None
+        expert_out = self._rows(step.tokens).out
         normed = self._run(fn, lambda: self._transport.combine(
-            out, step.ids, norm_weight, eps, rejected=error, cause=cause, tag=step.tag,
+            expert_out, step.ids, norm_weight, eps, rejected=error, cause=cause, tag=step.tag,
+            out=direct,
         ), error)  # fmt: skip
-        return normed[: step.real]
+        if out is None:
+            return normed[: step.real]
+        if direct is None:
+            out.copy_(normed[: step.real])
+        return out
+
+    def _check_out(self, fn: str, out: object, rows: int) -> None:
+        check_rows(fn, "out", out, torch.bfloat16, (rows, self.latent), self.device)
 
     def routed(
         self,
@@ -558,25 +605,81 @@ class EpRouted:
         norm_weight: torch.Tensor | None,
         *,
         experts: ExpertsBackend,
-        eps: float = 1e-5,
+        eps: float = DEFAULT_EPS,
         tokens: int | None = None,
         tag: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """dispatch -> experts.forward on the receive rows -> combine. Returns bf16 [n, L] =
         RMSNorm(sum over the token's experts of weight * expert(latent)) (norm_weight None: the
-        plain sum). Arguments as `dispatch` and `combine`. Collective. An exception inside the
-        experts (KeyboardInterrupt included) still completes the step on every rank (this rank
-        aborts it; its peers' EpPeerError names the experts and, on CPU, the error) and is then
-        raised."""
+        plain sum), into `out` when given (as `combine`). Arguments as `dispatch` and `combine`.
+        Collective. An exception inside the experts (KeyboardInterrupt included) still completes
+        the step on every rank (this rank aborts it; its peers' EpPeerError names the experts
+        and, on CPU, the error) and is then raised.
+
+        A step of more than `max_tokens` tokens (T = `tokens`, the same on every rank) runs as
+        ceil(T / max_tokens) steps of at most max_tokens tokens each, rank r passing its rows of
+        each (possibly none): every rank runs the same steps, known from T alone, and the result
+        is that of one step of T (every token's output depends on that token alone). The steps'
+        tags carry T's step count, so ranks whose T differ raise EpDesyncError on every rank."""
         fn = "EpRouted.routed"
+        try:
+            total = latent.shape[0] if tokens is None else check_int(fn, "tokens", tokens)
+        except (AttributeError, TypeError):
+            total = None  # the step's validation rejects it on this rank, collectively
+        if total is None or total <= self.max_tokens or latent.dim() != 2:
+            return self._routed_step(fn, latent, ids, weights, norm_weight, experts, eps,
+                                     tokens, tag, out)  # fmt: skip
+        n = latent.shape[0]
+        try:
+            if out is not None:
+                self._check_out(fn, out, n)
+        except (TypeError, ValueError) as err:  # refused in the first step, on every rank
+            return self._routed_step(fn, latent, ids, weights, norm_weight, experts, eps,
+                                     min(total, self.max_tokens), tag, None, err)  # fmt: skip
+        result = out
+        if result is None:
+            result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
+        steps = -(-total // self.max_tokens)
+        for index in range(steps):
+            start = index * self.max_tokens
+            step_tokens = min(self.max_tokens, total - start)
+            lo, hi = min(start, n), min(start + step_tokens, n)
+            self._routed_step(fn, latent[lo:hi], ids[lo:hi], weights[lo:hi], norm_weight,
+                              experts, eps, step_tokens, _chunk_tag(tag, steps, index),
+                              result[lo:hi])  # fmt: skip
+        return result
+
+    def _routed_step(
+        self, fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out, refused=None
+    ):
+        """One step of at most max_tokens tokens into `out` (or a new tensor). `refused`: an
+        error in the call's arguments found beforehand, which this rank's dispatch rejects
+        (collectively)."""
         # experts=None is caught by the dispatch's validation, which every rank takes part in.
-        rows = self._dispatch(fn, latent, ids, weights, experts, True, tokens, tag)
+        rows = self._dispatch(fn, latent, ids, weights, experts, True, tokens, tag, refused)
         error = None
         try:
             experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
         except BaseException as err:  # every rank must still complete the step
             error = err
-        return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS)
+        return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)
+
+    def warmup(self, tokens: int, experts: ExpertsBackend) -> None:
+        """Local (no collective, no exchange): prepare `experts` for steps of `tokens` tokens, so
+        that capturing such a step in a CUDA graph compiles nothing: the backend compiles what
+        it compiles per receive-row count (HopperExperts' humming kernels) on scratch rows. The
+        dispatch and combine kernels were compiled at construction (T is their runtime
+        argument). A T above max_tokens warms the steps it runs as (see `routed`)."""
+        fn = "EpRouted.warmup"
+        self._check_usable(fn)
+        total = check_int(fn, "tokens", tokens)
+        if total < 1:
+            raise ValueError(f"{fn}: tokens={total}; expected >= 1")
+        check_experts_match(fn, self, experts)
+        sizes = {min(total, self.max_tokens), (total - 1) % self.max_tokens + 1}
+        for size in sorted(sizes):
+            experts.warmup(self._buffers.layout.rows(size), self.topk)
 
     __call__ = routed
 

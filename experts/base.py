@@ -8,6 +8,7 @@ import torch
 
 from dep_ep.checks import check_tensor
 from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.weights import ExpertWeights, expect_expert_weights
 
 
@@ -96,3 +97,36 @@ class ExpertsBackend(ABC):
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Write the weighted expert sums of the rows with a local id into `out`; return `out`."""
+
+    # The SiTU constants the backend computes with (experts/situ.py): every backend of the
+    # library bakes Kimi K3's.
+    situ_beta: float = SITU_BETA
+    situ_linear_beta: float = SITU_LINEAR_BETA
+
+    def check_situ(self, fn: str, beta: float, linear_beta: float) -> None:
+        """ValueError unless (beta, linear_beta), a model's or an engine's SiTU constants, are
+        the ones this backend computes with (so a model configured otherwise fails at load
+        instead of giving other numbers)."""
+        theirs, mine = (float(beta), float(linear_beta)), (self.situ_beta, self.situ_linear_beta)
+        if theirs != mine:
+            raise ValueError(
+                f"{fn}: SiTU beta={theirs[0]}, linear_beta={theirs[1]}; {type(self).__name__}"
+                f" computes SiTU with beta={mine[0]}, linear_beta={mine[1]}"
+            )
+
+    def warmup(self, rows: int, topk: int) -> None:
+        """Local: do once, on scratch receive rows, what a call over `rows` receive rows of
+        `topk` ids does the first time (a backend that compiles per row count compiles here:
+        HopperExperts' humming kernels), so that capturing such a call in a CUDA graph compiles
+        nothing. Every scratch row holds one local id; the outputs are thrown away."""
+        if rows < 1:
+            return
+        on = dict(device=self.device)
+        x = torch.zeros(rows, self.latent, dtype=torch.uint8, **on)
+        sf = torch.full((rows, self.latent // SCALE_BLOCK), 127, dtype=torch.uint8, **on)
+        ids = torch.full((rows, topk), -1, dtype=torch.int32, **on)
+        local = torch.arange(rows, dtype=torch.int32, **on) % self.num_local_experts
+        ids[:, 0] = self.first_expert + local
+        weights = torch.ones(rows, topk, dtype=torch.float32, **on)
+        out = torch.empty(rows, self.latent, dtype=torch.bfloat16, **on)
+        self.forward(x, sf, ids, weights, out)

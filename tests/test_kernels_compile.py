@@ -147,12 +147,13 @@ def test_host_params_marshal_like_cutedsl(kernel):
     prepared = [HostParams.of(SymmetricRegions(*regions)), HostParams.of(RankControl(*control)),
                 HostParams(Int32, Int64).set(*step)]  # fmt: skip
     sizes = [8] * 8 + [8, 8, 4, 8] + [4, 8]
-    if kernel == "dispatch":  # latent, ids, weights, structs, grid
-        head = [0x7F00000B0000, 0x7F00000C0000, 0x7F00000D0000]
-        typed = [*map(Int64, head), *typed, Int32(99)]
-        prepared = [*(HostParams(Int64).set(a) for a in head), *prepared,
+    if kernel == "dispatch":  # latent, its row stride (words), ids, weights, structs, grid
+        latent, row_words, head = 0x7F00000B0000, 48, [0x7F00000C0000, 0x7F00000D0000]
+        typed = [Int64(latent), Int32(row_words), *map(Int64, head), *typed, Int32(99)]
+        prepared = [HostParams(Int64).set(latent), HostParams(Int32).set(row_words),
+                    *(HostParams(Int64).set(a) for a in head), *prepared,
                     HostParams(Int32).set(99)]  # fmt: skip
-        sizes = [8, 8, 8] + sizes + [4]
+        sizes = [8, 4, 8, 8] + sizes + [4]
     elif kernel == "combine":  # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
         head = [0x7F00000B0000, 0x7F00000C0000, 0, 0x7F00000E0000]
         typed = [*map(Int64, head), *typed, Float32(1e-5), Int32(1), Int32(7)]

@@ -43,7 +43,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dep_ep.comm.errors import EpPeerError
+from dep_ep.comm.errors import EpDesyncError, EpPeerError
 from dep_ep.config import EpConfig, MoeGeometry
 from dep_ep.ep import TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import ReferenceExperts
@@ -438,10 +438,11 @@ def test_bad_construction_names_the_tensor(dep, rank):
 
 @pytest.mark.mpi(min_size=2)
 def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
-    """n > tokens on one rank, tokens > max_tokens (on every rank, then on one), ranks that
-    disagree on tokens, a wrong dtype and non-finite x on one rank: every rank raises in the same
-    call (the bad rank its ValueError/TypeError, the others EpPeerError, or ValueError where every
-    rank sees the fault); after each, a good call matches the reference."""
+    """n > tokens on one rank, tokens above max_tokens on one rank (its step runs in pieces: a
+    desync), ranks that disagree on tokens, a float T, a wrong dtype and non-finite x on one
+    rank: every rank raises in the same call (the bad rank its ValueError/TypeError, the others
+    EpPeerError, or the same error where every rank sees the fault); after each, a good call
+    matches the reference."""
     seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 10),
              "x": agreed_seed(dep.cpu_group, 11)}  # fmt: skip
     dense = make_dense(TINY, seeds["dense"])
@@ -453,10 +454,11 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     cases = [
         # (label, the bad rank or None for every rank, its call, its error, its message)
         ("n > tokens", 0, lambda: layer(x, tokens=T), ValueError, f"{T + 1} rows.*tokens={T}"),
-        ("tokens > max_tokens everywhere", None, lambda: layer(x[:T], tokens=MAX_TOKENS + 1),
-         ValueError, f"tokens={MAX_TOKENS + 1} outside 1..{MAX_TOKENS}"),
-        ("tokens > max_tokens on one rank", last, lambda: layer(x[:T], tokens=MAX_TOKENS + 1),
-         ValueError, f"tokens={MAX_TOKENS + 1} outside 1..{MAX_TOKENS}"),
+        # Above max_tokens the step runs in pieces; T differing across ranks is a desync then.
+        ("tokens > max_tokens on one rank", None,
+         lambda: layer(x[:T], tokens=MAX_TOKENS + 1 if r == last else T), EpDesyncError,
+         "out of step"),
+        ("tokens=6.0", 0, lambda: layer(x[:T], tokens=float(T)), TypeError, "expected an int"),
         ("ranks disagree on tokens", None, lambda: layer(x[:T], tokens=T + r),
          ValueError, "token counts"),
         ("dtype", last, lambda: layer(x[:T].float(), tokens=T), TypeError, "float32"),

@@ -82,6 +82,7 @@ class DispatchKernel:
     def __call__(
         self,
         latent: Int64,
+        latent_row_words: Int32,
         ids: Int64,
         weights: Int64,
         regions: SymmetricRegions,
@@ -90,10 +91,16 @@ class DispatchKernel:
         grid: Int32,
         stream: cuda.CUstream,
     ):
-        """latent: bf16 [T, L] (rows of tokens without an expert are never read); ids: int32
-        [T, K] (-1 = none), weights: fp32 [T, K], both 16-byte aligned."""
+        """latent: bf16 [T, L] whose rows start `latent_row_words` 32-bit words apart (L / 2 for
+        a contiguous latent; more for a column slice of a wider GEMM output; a multiple of 4, so
+        every row starts on a 16-byte boundary); rows of tokens without an expert are never
+        read. ids: int32 [T, K] (-1 = none), weights: fp32 [T, K], both 16-byte aligned."""
         T, L, K = step.tokens, self.latent, self.topk
-        mLatent = gmem_tensor(Uint32, latent, row_major(T, L // BF16_PER_WORD))
+        mLatent = gmem_tensor(
+            Uint32,
+            latent,
+            cute.make_layout((T, L // BF16_PER_WORD), stride=(latent_row_words, 1)),
+        )
         mIds = gmem_tensor(Int32, ids, row_major(T, K))
         mWeights = gmem_tensor(Uint32, weights, row_major(T, K))
         self.kernel(mLatent, mIds, mWeights, regions, control, step).launch(

@@ -414,3 +414,47 @@ def test_many_layers_back_to_back(gpu_dep, routed):
     if not bool(finite):
         failures.append("a non-finite output")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_strided_latent_and_out_buffer(gpu_dep, routed):
+    """The dispatch kernel reading a latent that is a column slice of a wider tensor (rows of
+    S + L + 16 elements) gives the bits of the contiguous latent, on fresh rows; combine into a
+    caller's buffer (in place at n = T, copied at n < T) gives the bits of a new output; a step
+    of more tokens than max_tokens (in pieces) the bits of the steps it is made of."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, 77)
+    layer = SyntheticLayer(TINY, seed)
+    experts = experts_for(DenseExperts, layer, rank, n)
+    norm = layer.norm_weight().cuda()
+    tokens = 13
+    latent, ids, weights = on_gpu(make_case(TINY, n, tokens, seed + 1), rank)
+    S, L = 48, TINY.latent
+    wide = torch.randn(tokens, S + L + 16, device="cuda").to(torch.bfloat16)
+    wide[:, S : S + L] = latent
+    failures = []
+    want = routed(latent, ids, weights, norm, experts=experts)
+    got = routed(wide[:, S : S + L], ids, weights, norm, experts=experts)
+    if not bits_equal(got, want):
+        failures.append("column-slice latent: other bits than the contiguous one")
+    buf = torch.full_like(want, float("nan"))
+    if routed(latent, ids, weights, norm, experts=experts, out=buf) is not buf:
+        failures.append("out=: not the caller's buffer")
+    if not bits_equal(buf, want):
+        failures.append("out= (in place): other bits")
+    part = torch.full_like(want[:9], float("nan"))
+    routed(latent[:9], ids[:9], weights[:9], norm, experts=experts, tokens=tokens, out=part)
+    if not bits_equal(part, routed(latent[:9], ids[:9], weights[:9], norm, experts=experts,
+                                   tokens=tokens)):  # fmt: skip
+        failures.append("out= (n < T, copied): other bits")
+    big = 3 * MAX_TOKENS + 5
+    latent, ids, weights = on_gpu(make_case(TINY, n, big, seed + 2), rank)
+    pieces = routed(latent, ids, weights, norm, experts=experts, tokens=big)
+    for start in range(0, big, MAX_TOKENS):
+        stop = min(start + MAX_TOKENS, big)
+        one = routed(latent[start:stop], ids[start:stop], weights[start:stop], norm,
+                     experts=experts)  # fmt: skip
+        if not bits_equal(pieces[start:stop], one):
+            failures.append(f"a step in pieces: rows {start}..{stop} differ from their step")
+    routed.synchronize()
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)

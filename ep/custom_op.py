@@ -1,0 +1,101 @@
+"""`torch.ops.dep_ep.routed`: EpRouted.routed as a torch.library custom operator, so that
+`torch.compile` (and a server's piecewise CUDA graphs) treat the whole routed path as one opaque
+call instead of tracing into the transport's Python.
+
+The operator takes tensors and numbers only; the EpRouted and its experts backend are named by
+a handle `register_routed(routed, experts)` returns. Its fake (meta) implementation gives the
+output's shape and dtype, bf16 [n, L], without running anything. `routed_op(...)` is the call
+to put in a model:
+
+    handle = register_routed(ep, experts)                       # once, at load
+    normed = routed_op(latent, ids, weights, norm, handle, tokens=T, tag=layer)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from dep_ep.checks import check_tag
+from dep_ep.constants import DEFAULT_EPS, NO_TAG
+from dep_ep.ep.routed import EpRouted, check_experts_match
+from dep_ep.experts.base import ExpertsBackend
+
+# handle -> (EpRouted, its experts backend); handles are never reused within a process.
+_REGISTERED: dict[int, tuple[EpRouted, ExpertsBackend]] = {}
+_HANDLES = itertools.count(1)
+
+
+def register_routed(routed: EpRouted, experts: ExpertsBackend) -> int:
+    """A handle for `routed_op` naming this EpRouted and experts backend (local)."""
+    fn = "register_routed"
+    if not isinstance(routed, EpRouted):
+        raise TypeError(f"{fn}: routed is {type(routed).__name__}; expected an EpRouted")
+    check_experts_match(fn, routed, experts)
+    handle = next(_HANDLES)
+    _REGISTERED[handle] = (routed, experts)
+    return handle
+
+
+def unregister_routed(handle: int) -> None:
+    """Forget a handle (the EpRouted is not closed)."""
+    _REGISTERED.pop(handle, None)
+
+
+@torch.library.custom_op("dep_ep::routed", mutates_args=())
+def _routed(
+    latent: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    handle: int,
+    tokens: int,
+    tag: int,
+    eps: float,
+) -> torch.Tensor:
+    try:
+        routed, experts = _REGISTERED[handle]
+    except KeyError:
+        raise ValueError(f"dep_ep::routed: handle {handle} is not registered") from None
+    return routed.routed(
+        latent,
+        ids,
+        weights,
+        norm_weight,
+        experts=experts,
+        eps=eps,
+        tokens=tokens if tokens > 0 else None,
+        tag=None if tag == NO_TAG else tag,
+    )
+
+
+@_routed.register_fake
+def _routed_fake(latent, ids, weights, norm_weight, handle, tokens, tag, eps):
+    return latent.new_empty(latent.shape[0], latent.shape[1], dtype=torch.bfloat16)
+
+
+def routed_op(
+    latent: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    handle: int,
+    *,
+    tokens: int | None = None,
+    tag: int | None = None,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """`torch.ops.dep_ep.routed` with EpRouted.routed's arguments (tokens None: n; tag None: no
+    tag). Returns bf16 [n, L]; collective, like EpRouted.routed."""
+    tag = check_tag("dep_ep::routed", tag)
+    return torch.ops.dep_ep.routed(
+        latent,
+        ids,
+        weights,
+        norm_weight,
+        handle,
+        0 if tokens is None else int(tokens),
+        NO_TAG if tag is None else tag,
+        float(eps),
+    )

@@ -1,0 +1,94 @@
+"""What a server around dep_ep needs whatever the engine: the step's common token count from the
+per-rank counts, padding rows turned into "no expert" ids, one EpRouted per process and group
+for every MoE layer, the warm-up of every CUDA-graph bucket, and the per-step poll.
+
+Engine-free: the vLLM and SGLang integrations and examples/dp_server.py use these functions,
+so the logic a test checks on CPU ranks is the logic an engine runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dep_ep.checks import check_int
+from dep_ep.config import EpConfig
+from dep_ep.ep.routed import EpRouted
+from dep_ep.experts.base import ExpertsBackend
+
+
+def common_tokens(counts: Sequence[int], sequence_parallel: int = 1) -> int:
+    """T of a step: the most tokens any rank passes, at least 1 (an idle rank runs a step of
+    padding rows). `counts`: every data-parallel rank's token count; `sequence_parallel`: the
+    ranks a DP rank's tokens are split over (vLLM's sequence-parallel MoE shards each DP rank's
+    tokens over its TP ranks, ceil(n / sp) each)."""
+    sp = check_int("common_tokens", "sequence_parallel", sequence_parallel)
+    if sp < 1:
+        raise ValueError(f"common_tokens: sequence_parallel={sp}; expected >= 1")
+    values = [check_int("common_tokens", "counts[i]", c) for c in counts]
+    if any(c < 0 for c in values):
+        raise ValueError(f"common_tokens: counts {values} hold a negative count")
+    return max([-(-c // sp) for c in values] + [1])
+
+
+def padding_to_no_expert(
+    ids: torch.Tensor, is_padding: torch.Tensor | None, rows: int | None = None
+) -> torch.Tensor:
+    """ids int32 [n, K] with the rows that `is_padding` (bool [>= n], True for padding) marks set
+    to -1 (no expert), so they reach no rank. Stream-ordered and graph-safe: the mask is read on
+    the device, so a graph captured once reads the engine's live mask at every replay. None:
+    the ids as they are. `rows`: n, when ids hold more rows than the step's."""
+    if is_padding is None:
+        return ids
+    n = ids.shape[0] if rows is None else rows
+    return torch.where(is_padding[:n, None], torch.full_like(ids[:n], -1), ids[:n])
+
+
+# (group, device, E, L, K, max_tokens) -> the EpRouted every MoE layer of the process shares.
+_SHARED: dict[tuple, EpRouted] = {}
+
+
+def shared_routed(
+    group: dist.ProcessGroup,
+    device: torch.device | str,
+    *,
+    num_experts: int,
+    latent: int,
+    topk: int,
+    max_tokens: int,
+    config: EpConfig | None = None,
+) -> EpRouted:
+    """The process's EpRouted for this group and geometry, built at the first call (collective
+    then: every rank of `group` makes its first call for a geometry together, as models build
+    their layers in the same order) and the same object at every later call (local)."""
+    key = (group, str(torch.device(device)), num_experts, latent, topk, max_tokens)
+    routed = _SHARED.get(key)
+    if routed is None or routed.closed:
+        routed = EpRouted(group, max_tokens, device, num_experts=num_experts, latent=latent,
+                          topk=topk, config=config)  # fmt: skip
+        _SHARED[key] = routed
+    return routed
+
+
+def close_shared() -> None:
+    """Close every shared EpRouted (collective by contract: every rank, at shutdown)."""
+    while _SHARED:
+        _, routed = _SHARED.popitem()
+        routed.close()
+
+
+def warm_buckets(routed: EpRouted, experts: ExpertsBackend, tokens: Iterable[int]) -> None:
+    """`routed.warmup(T, experts)` for every CUDA-graph bucket's T (local): a backend that
+    compiles per row count compiles before any capture."""
+    for t in sorted(set(tokens)):
+        routed.warmup(t, experts)
+
+
+def poll_all() -> None:
+    """`poll()` of every shared EpRouted: a server calls it once per engine step, outside any
+    capture (a failed step under CUDA-graph replay gives NaN rows and nothing else)."""
+    for routed in list(_SHARED.values()):
+        if not routed.closed:
+            routed.poll()

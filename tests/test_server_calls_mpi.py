@@ -1,0 +1,241 @@
+"""The calls a server needs (CPU ranks, 2-4 under mpiexec): combine into the caller's buffer,
+latents that are a column slice of a wider GEMM output, steps above max_tokens run in pieces
+(equal to one large step), the non-collective warm-up, expert counts into a recorder buffer,
+the torch.library operator under torch.compile, the SiTU check, and the engine-free integration
+helpers (dep_ep.integrations.common)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dep_ep.comm.errors import EpDesyncError, EpPeerError
+from dep_ep.config import TINY, EpConfig
+from dep_ep.ep import EpRouted, register_routed, routed_op
+from dep_ep.integrations import common
+from dep_ep.testing import SyntheticLayer
+from dep_ep.testing.compare import compare
+
+from helpers.cases import agreed_seed, make_case, real_tokens
+from helpers.collective import collective_assert, expect_raises
+from helpers.recovery import Batches
+
+
+def build(dep, max_tokens: int = 16, **config) -> EpRouted:
+    return EpRouted(
+        dep.cpu_group,
+        max_tokens,
+        "cpu",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(timeout_s=10.0, **config),
+    )
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.fixture
+def layer(dep):
+    return SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 600))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_combine_into_the_callers_buffer(dep, layer):
+    """routed(..., out=) returns `out` holding the bits routed() returns, with n = T (written in
+    place) and n < T (copied); a misshapen `out` on one rank is a ValueError there and
+    EpPeerError on the others; the next call is good."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 610), 8)
+    norm, experts = layer.norm_weight(), batches.experts
+    failures: list[str] = []
+    with build(dep) as routed:
+        latent, ids, weights = batches.inputs(0)
+        want = routed(latent, ids, weights, norm, experts=experts)
+        for n, tokens in ((8, None), (5, 8)):
+            buf = torch.full((n, TINY.latent), float("nan"), dtype=torch.bfloat16)
+            got = routed(
+                latent[:n], ids[:n], weights[:n], norm, experts=experts, tokens=tokens, out=buf
+            )
+            if got is not buf or not torch.equal(bits(buf), bits(want[:n])):
+                failures.append(f"out= with n={n}, T={tokens}: not routed()'s bits in place")
+        bad = dep.rank == 0
+        buf = torch.empty(7 if bad else 8, TINY.latent, dtype=torch.bfloat16)
+        expected, match = (ValueError, "out shape") if bad else (EpPeerError, None)
+        expect_raises(
+            failures,
+            "misshapen out",
+            expected,
+            match,
+            lambda: routed(latent, ids, weights, norm, experts=experts, out=buf),
+        )
+        failures += compare(batches.run(routed, 1), batches.reference(1), "the next call")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_latent_as_a_column_slice(dep, layer):
+    """A latent that is columns [S, S + L) of a wider tensor (a packed GEMM's output, rows of
+    S + L + 16 elements) gives the bits of its contiguous copy; a slice whose rows do not start
+    on 16-byte boundaries is refused naming the stride, on every rank."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 620), 7)
+    norm, experts = layer.norm_weight(), batches.experts
+    failures: list[str] = []
+    latent, ids, weights = batches.inputs(0)
+    S, L = 40, TINY.latent
+    wide = torch.randn(latent.shape[0], S + L + 16).to(torch.bfloat16)
+    wide[:, S : S + L] = latent
+    with build(dep) as routed:
+        want = routed(latent, ids, weights, norm, experts=experts)
+        got = routed(wide[:, S : S + L], ids, weights, norm, experts=experts)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the column slice gives other bits than its copy")
+        odd = torch.zeros(latent.shape[0], L + 3, dtype=torch.bfloat16)[:, :L]
+        expect_raises(
+            failures,
+            "rows 6 bytes apart from alignment",
+            ValueError,
+            "row stride",
+            lambda: routed(odd, ids, weights, norm, experts=experts),
+        )
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("total", [11, 16])
+def test_a_step_above_max_tokens_runs_in_pieces(dep, layer, total):
+    """tokens=T above max_tokens = 4 (ranks with unequal real rows, the last one none at 3+
+    ranks): the result equals one step of T on an EpRouted of max_tokens 16, bit for bit, and
+    the reference within tolerance; ranks whose T differ (T and T + 1) raise on every rank
+    (EpDesyncError when their piece counts differ, ValueError naming the token counts when a
+    piece's T differs)."""
+    seed = agreed_seed(dep.cpu_group, 630)
+    case = make_case(TINY, dep.size, total, seed, "ragged")
+    r = dep.rank
+    n = real_tokens(total, dep.size)[r]
+    latent, ids, weights = case.latent[r][:n], case.ids[r][:n], case.weights[r][:n]
+    experts = Batches(dep, layer, seed, total).experts
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep, 16) as large:
+        want = large(latent, ids, weights, norm, experts=experts, tokens=total)
+    with build(dep, 4) as small:
+        got = small(latent, ids, weights, norm, experts=experts, tokens=total)
+        if tuple(got.shape) != (n, TINY.latent):
+            failures.append(f"pieces: shape {tuple(got.shape)}")
+        elif not torch.equal(bits(got), bits(want)):
+            failures.append("pieces: other bits than one large step")
+        failures += compare(got, Batches.reference_of(layer, latent, ids, weights), "pieces")
+        other = total + (1 if r == dep.size - 1 else 0)
+        expect_raises(
+            failures,
+            "T differs",
+            (EpDesyncError, ValueError),
+            "out of step|token counts",
+            lambda: small(latent, ids, weights, norm, experts=experts, tokens=other),
+        )
+        again = small(latent, ids, weights, norm, experts=experts, tokens=total)
+        if not torch.equal(bits(again), bits(want)):
+            failures.append("pieces after the desync: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_warmup_is_local_and_counts_accumulate(dep, layer):
+    """warmup(T, experts) on rank 0 alone returns (no collective), and a bad T is a ValueError;
+    expert_counts(out=, accumulate=True) over three steps is the sum of their counts, and without
+    accumulate the last step's."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 640), 6)
+    failures: list[str] = []
+    with build(dep, count_experts=True) as routed:
+        if dep.rank == 0:
+            try:
+                routed.warmup(6, batches.experts)
+                routed.warmup(40, batches.experts)  # above max_tokens: its pieces' sizes
+            except Exception as err:  # noqa: BLE001
+                failures.append(f"warmup: {type(err).__name__}: {err}")
+            expect_raises(
+                failures,
+                "warmup(0)",
+                ValueError,
+                "tokens=0",
+                lambda: routed.warmup(0, batches.experts),
+            )
+        total = torch.zeros(routed.experts_per_rank, dtype=torch.int64)
+        want = torch.zeros_like(total)
+        for i in range(3):
+            batches.run(routed, i)
+            routed.expert_counts(total, accumulate=True)
+            want += routed.expert_counts().long()
+        if not torch.equal(total, want):
+            failures.append(f"accumulated {total.tolist()} != {want.tolist()}")
+        last = torch.full((routed.experts_per_rank,), 99, dtype=torch.int32)
+        routed.expert_counts(last)
+        if not torch.equal(last, routed.expert_counts()):
+            failures.append("out= without accumulate is not the last step's counts")
+        expect_raises(
+            failures,
+            "float out",
+            TypeError,
+            "dtype",
+            lambda: routed.expert_counts(torch.zeros(routed.experts_per_rank)),
+        )
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_custom_op_under_torch_compile(dep, layer):
+    """torch.ops.dep_ep.routed inside torch.compile(fullgraph=True) (aot_eager: the op is
+    opaque, its fake impl gives the shape) returns the bits of EpRouted.routed."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 650), 6)
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep) as routed:
+        handle = register_routed(routed, batches.experts)
+        latent, ids, weights = batches.inputs(0)
+        want = routed(latent, ids, weights, norm, experts=batches.experts, tag=3)
+
+        def layer_call(latent, ids, weights, norm):
+            return routed_op(latent, ids, weights, norm, handle, tag=3) * 1
+
+        compiled = torch.compile(layer_call, backend="aot_eager", fullgraph=True)
+        got = compiled(latent, ids, weights, norm)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the compiled op gives other bits than routed()")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_situ_check_and_integration_helpers(dep, layer):
+    """A backend accepts Kimi K3's SiTU constants and refuses others; common_tokens, the padding
+    mask, the shared EpRouted (one per group and geometry) and poll_all."""
+    experts = Batches(dep, layer, 0, 4).experts
+    failures: list[str] = []
+    experts.check_situ("t", 4.0, 25.0)
+    expect_raises(
+        failures,
+        "other SiTU",
+        ValueError,
+        "linear_beta=25.0",
+        lambda: experts.check_situ("t", 4.0, 1.0),
+    )
+    cases = [(([3, 7, 0, 5], 1), 7), (([3, 7, 0, 5], 2), 4), (([0, 0], 1), 1), (([9], 4), 3)]
+    for (counts, sp), want in cases:
+        if common.common_tokens(counts, sp) != want:
+            failures.append(f"common_tokens({counts}, {sp}) != {want}")
+    ids = torch.arange(12, dtype=torch.int32).view(4, 3)
+    mask = torch.tensor([False, True, False, True, True])
+    got = common.padding_to_no_expert(ids, mask)
+    if got[1].tolist() != [-1] * 3 or got[3].tolist() != [-1] * 3 or got[2].tolist() != [6, 7, 8]:
+        failures.append(f"padding_to_no_expert: {got.tolist()}")
+    kw = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk, max_tokens=8)
+    first = common.shared_routed(dep.cpu_group, "cpu", **kw)
+    second = common.shared_routed(dep.cpu_group, "cpu", **kw)
+    if first is not second:
+        failures.append("shared_routed built a second EpRouted for the same geometry")
+    common.poll_all()
+    common.close_shared()
+    if not first.closed:
+        failures.append("close_shared left the EpRouted open")
+    collective_assert(dep.cpu_group, failures, seeds=None)
