@@ -74,16 +74,28 @@ def bytes_moved(tokens: int) -> tuple[int, int]:
 def main() -> int:
     page = "bench_ep1.md and bench_ep1.png"
     p = cli.parser(__doc__, page=page, tokens=TOKENS, timing=(REPS, SAMPLES), combine=True)
-    p.add_argument("--tunings", nargs="+", choices=sorted(TUNINGS), default=["default"],
-                   help="kernel tunings to time, the first one in the main table")  # fmt: skip
+    p.add_argument(
+        "--tunings",
+        nargs="+",
+        choices=sorted(TUNINGS),
+        default=["default"],
+        help="kernel tunings to time, the first one in the main table",
+    )
     args = p.parse_args()
     ctx = init_rank_context("cuda")
     if ctx.world_size != 1:
         raise SystemExit("bench.bench_ep: run one process (EP=1); several processes share time")
     dep = new_dep_group(ctx, 1)
     max_tokens = max(args.tokens)
-    routed = EpRouted(dep.cpu_group, max_tokens, "cuda", num_experts=K3.experts,
-                      latent=K3.latent, topk=K3.topk, config=combine_path.config(args))  # fmt: skip
+    routed = EpRouted(
+        dep.cpu_group,
+        max_tokens,
+        "cuda",
+        num_experts=K3.experts,
+        latent=K3.latent,
+        topk=K3.topk,
+        config=combine_path.config(args),
+    )
     # The transport alone: a dispatch without its combine (the public calls pair them).
     # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
     # validation and the dispatch/combine pairing on purpose.
@@ -115,8 +127,9 @@ def main() -> int:
 def make_inputs(routed: EpRouted, tokens: int):
     """(latent, ids, weights) of one step, fresh random data; the receive rows' `out` filled."""
     latent = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(K3.experts, device="cuda")[: K3.topk]
-                       for _ in range(tokens)]).int()  # fmt: skip
+    ids = torch.stack(
+        [torch.randperm(K3.experts, device="cuda")[: K3.topk] for _ in range(tokens)]
+    ).int()
     weights = torch.rand(tokens, K3.topk, device="cuda")
     out = routed.receive(tokens).out
     out.copy_(torch.randn_like(out, dtype=torch.float32).to(torch.bfloat16))
@@ -148,8 +161,11 @@ def time_step(transport, routed, tokens, latent, ids, weights, norm, reps: int, 
     d_us = replay_us(dispatch, reps, samples)
     routed.synchronize()
     transport.reset()
-    print(f"T={tokens:5d} dispatch {d_us:8.2f} us combine {pair_us - d_us:8.2f} us pair"
-          f" {pair_us:8.2f} us  eager pair {eager_us:8.2f} us", flush=True)  # fmt: skip
+    print(
+        f"T={tokens:5d} dispatch {d_us:8.2f} us combine {pair_us - d_us:8.2f} us pair"
+        f" {pair_us:8.2f} us  eager pair {eager_us:8.2f} us",
+        flush=True,
+    )
     return d_us, pair_us - d_us, pair_us, eager_us
 
 
@@ -164,12 +180,18 @@ def quantize_speedup(tokens: int) -> tuple[int, float, float]:
     x = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
     q = torch.empty(tokens, K3.latent, dtype=torch.uint8, device="cuda")
     sf = torch.empty(tokens, K3.latent // 32, dtype=torch.uint8, device="cuda")
-    kernel = cute.compile(Mxfp8QuantizeKernel(K3.latent), Int64(0), Int64(0), Int64(0), Int32(1),
-                          cuda.CUstream(0))  # fmt: skip
+    kernel = cute.compile(
+        Mxfp8QuantizeKernel(K3.latent), Int64(0), Int64(0), Int64(0), Int32(1), cuda.CUstream(0)
+    )
 
     def run():
-        kernel(x.data_ptr(), q.data_ptr(), sf.data_ptr(), tokens,
-               cuda.CUstream(torch.cuda.current_stream().cuda_stream))  # fmt: skip
+        kernel(
+            x.data_ptr(),
+            q.data_ptr(),
+            sf.data_ptr(),
+            tokens,
+            cuda.CUstream(torch.cuda.current_stream().cuda_stream),
+        )
 
     want = mxfp8_quantize(x)
     run()

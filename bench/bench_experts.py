@@ -56,8 +56,9 @@ def copy_gbs() -> float:
     return 2 * 4 * src.numel() / (us * 1e-6) / 1e9
 
 
-def receive_rows(ranks: int, tokens: int, local: int, gen: torch.Generator,
-                 routing: str = "uniform"):  # fmt: skip
+def receive_rows(
+    ranks: int, tokens: int, local: int, gen: torch.Generator, routing: str = "uniform"
+):
     """(x, sf, ids, weights) of the tokens among ranks * tokens with an id in [0, local), routed
     by synthetic_ids(routing): under "hot" expert 0, a local one, is every token's first choice."""
     ids = synthetic_ids(ranks * tokens, K3.experts, K3.topk, routing, gen, "cuda")
@@ -109,11 +110,15 @@ def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> lis
         ids = rows[2]
         touched = int(ids[ids < local].unique().numel())
         result = {
-            "local": local, "ranks": ranks, "tokens": tokens, "routing": routing,
+            "local": local,
+            "ranks": ranks,
+            "tokens": tokens,
+            "routing": routing,
             "rows": ids.shape[0],
-            "pairs": int((ids < local).sum()), "touched": touched,
+            "pairs": int((ids < local).sum()),
+            "touched": touched,
             "floor_us": touched * EXPERT_BYTES / (bandwidth * 1e9) * 1e6,
-        }  # fmt: skip
+        }
         outputs = {}
         for name, backend in variants.items():
             out = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")

@@ -69,14 +69,23 @@ def time_gemm(
         out = torch.empty(capacity, backend.latent, dtype=torch.bfloat16, device="cuda")
     times = {}
     for column in kernels:
-        [(groups, routes)] = routed_tilings(ids, 0, backend.num_local_experts,
-                                            (gemm.block_m(column),), "triton")  # fmt: skip
+        [(groups, routes)] = routed_tilings(
+            ids, 0, backend.num_local_experts, (gemm.block_m(column),), "triton"
+        )
         # FC1 reads row id // K for route id = row * K + k; FC2 reads activation row = pair.
         sorted_ids, top_k = (routes.flat, topk) if name == "fc1" else (routes.pair, 1)
 
         def call(column=column, groups=groups, routes=routes, sorted_ids=sorted_ids, top_k=top_k):
-            gemm(inputs, input_scale, sorted_ids, groups.tile_expert, routes.num_padded, top_k,
-                 out, column)  # fmt: skip
+            gemm(
+                inputs,
+                input_scale,
+                sorted_ids,
+                groups.tile_expert,
+                routes.num_padded,
+                top_k,
+                out,
+                column,
+            )
 
         reps, samples = timing
         times[column] = replay_us(capture(call, reps), reps, samples)
@@ -108,8 +117,9 @@ def add_variants(page: report.Page, gen: torch.Generator, timing: tuple[int, int
     not run)."""
     weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, VARIANT_LOCAL)
     backend = HopperExperts(weights, engine=HummingEngine())
-    rows = {t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen)
-            for t in VARIANT_TOKENS}  # fmt: skip
+    rows = {
+        t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen) for t in VARIANT_TOKENS
+    }
     for name in ("fc1", "fc2"):
         gemm = getattr(backend.prepared, name)
         table = []
@@ -169,8 +179,10 @@ def main() -> int:
             for name, gemm in gemms.items():
                 times = time_gemm(backend, name, kernels[name], rows, timing)
                 picked = column_of(kernels[name], gemm, chosen)
-                cells = [f"**{us:.0f}**" if column == picked else f"{us:.0f}"
-                         for column, us in times.items()]  # fmt: skip
+                cells = [
+                    f"**{us:.0f}**" if column == picked else f"{us:.0f}"
+                    for column, us in times.items()
+                ]
                 tables[name].append([tokens, ids.shape[0], held, chosen, *cells])
                 print(local, name, tables[name][-1], flush=True)
         for name in gemms:

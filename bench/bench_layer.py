@@ -56,12 +56,19 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     H, L, E, S = K3.hidden, K3.latent, K3.experts, SHARED
     shapes = {
-        "gate.weight": (E, H), "routed_expert_down_proj.weight": (L, H),
-        "routed_expert_up_proj.weight": (H, L), "shared_experts.gate_proj.weight": (S, H),
-        "shared_experts.up_proj.weight": (S, H), "shared_experts.down_proj.weight": (H, S),
-    }  # fmt: skip
-    out = {name: (torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1]))
-           .to(torch.bfloat16) for name, shape in shapes.items()}  # fmt: skip
+        "gate.weight": (E, H),
+        "routed_expert_down_proj.weight": (L, H),
+        "routed_expert_up_proj.weight": (H, L),
+        "shared_experts.gate_proj.weight": (S, H),
+        "shared_experts.up_proj.weight": (S, H),
+        "shared_experts.down_proj.weight": (H, S),
+    }
+    out = {
+        name: (torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])).to(
+            torch.bfloat16
+        )
+        for name, shape in shapes.items()
+    }
     out["gate.e_score_correction_bias"] = 0.01 * torch.randn(E, generator=gen, device="cuda")
     norm = 1 + 0.1 * torch.randn(L, generator=gen, device="cuda")
     out["routed_expert_norm.weight"] = norm.to(torch.bfloat16)
@@ -79,8 +86,15 @@ def main() -> int:
     n, rank = ctx.world_size, ctx.rank
     dep = new_dep_group(ctx, n)
     cpu = dep.cpu_group
-    routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
-                      topk=K3.topk, config=EpConfig(timeout_s=60.0))  # fmt: skip
+    routed = EpRouted(
+        cpu,
+        max(args.tokens),
+        "cuda",
+        num_experts=K3.experts,
+        latent=K3.latent,
+        topk=K3.topk,
+        config=EpConfig(timeout_s=60.0),
+    )
     experts = ZeroExperts(routed.first_expert, routed.experts_per_rank, K3.latent)
     overlap = EpMoeLayer(dense_weights(1234), routed, experts, topk=K3.topk)
     serial = EpMoeLayer(overlap.dense, routed, experts, topk=K3.topk, schedule="serial")
@@ -114,8 +128,9 @@ def main() -> int:
         row["bitwise"] = bool(slowest(0.0 if same else 1.0, cpu) == 0.0)
         results.append(row)
         if rank == 0:
-            print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()},
-                  flush=True)  # fmt: skip
+            print(
+                {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True
+            )
     routed.close()
     if rank == 0:
         write_report(args.out, results, n)

@@ -318,9 +318,11 @@ class DeviceTransport(Transport):
         phase = PHASE_NAMES.get(phase_id, str(phase_id))
         if kind == KIND_TIMEOUT:
             raise EpTimeoutError(
-                rank, phase, f"rank {peer}",
+                rank,
+                phase,
+                f"rank {peer}",
                 "recorded by the GPU kernel; call reset() on every rank",
-            )  # fmt: skip
+            )
         if kind == KIND_ABORTED:
             if theirs == ABORT_PEER_LOST:
                 self._raise_lost(phase)
@@ -351,9 +353,11 @@ class DeviceTransport(Transport):
 
     def _raise_lost(self, phase: str) -> None:
         raise EpPeerLostError(
-            self.rank, phase, ranks_text(self.watch.lost),
+            self.rank,
+            phase,
+            ranks_text(self.watch.lost),
             "the process exited; this rank's waits for it were ended (outputs since are NaN)",
-        )  # fmt: skip
+        )
 
     def poll(self) -> None:
         """Look at the peers' processes once, then `check()`. Non-blocking, no device sync;
@@ -426,8 +430,9 @@ class DeviceTransport(Transport):
             p.stream.set(self._stream_handle()),
         )
 
-    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, cause=CAUSE_INPUT,
-                tag=NO_TAG):  # fmt: skip
+    def combine(
+        self, expert_out, ids, norm_weight, eps, *, rejected, cause=CAUSE_INPUT, tag=NO_TAG
+    ):
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
         norm_weight bf16 [L] or None (the plain sum); returns bf16 [T, L]. A rejected call
         takes part without payload (RejectKernel; its peers see STATUS_FAILED when the cause is

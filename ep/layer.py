@@ -186,8 +186,9 @@ class EpMoeLayer:
         # bf16 [2S + L, H]: rows [shared gate (S); shared up (S); latent down (L)].
         self.packed = packed
         self.dense = {name: dense[name] for name in DENSE_NAMES}
-        self.dense.update({SHARED_GATE: packed[:S], SHARED_UP: packed[S : 2 * S],
-                           DOWN: packed[2 * S :]})  # fmt: skip
+        self.dense.update(
+            {SHARED_GATE: packed[:S], SHARED_UP: packed[S : 2 * S], DOWN: packed[2 * S :]}
+        )
         self.gate_weight, self.bias = self.dense[GATE], self.dense[BIAS]
         # EpRouted takes a contiguous norm weight (no copy when it is one already).
         self.norm_weight, self.up_weight = self.dense[NORM].contiguous(), self.dense[UP]
@@ -225,14 +226,26 @@ class EpMoeLayer:
             return [shape[name][axis]] if len(shape[name]) == 2 else []
 
         # H and S: the value most tensors agree on, so the one misshapen tensor is named.
-        hidden = _mode(dim(GATE, 1) + dim(DOWN, 1) + dim(UP, 0) + dim(SHARED_GATE, 1)
-                       + dim(SHARED_UP, 1) + dim(SHARED_DOWN, 0))  # fmt: skip
+        hidden = _mode(
+            dim(GATE, 1)
+            + dim(DOWN, 1)
+            + dim(UP, 0)
+            + dim(SHARED_GATE, 1)
+            + dim(SHARED_UP, 1)
+            + dim(SHARED_DOWN, 0)
+        )
         inter = _mode(dim(SHARED_GATE, 0) + dim(SHARED_UP, 0) + dim(SHARED_DOWN, 1))
         E, L, H, S = self.num_experts, self.latent, hidden, inter
         expected = {
-            GATE: (E, H), BIAS: (E,), DOWN: (L, H), NORM: (L,), UP: (H, L),
-            SHARED_GATE: (S, H), SHARED_UP: (S, H), SHARED_DOWN: (H, S),
-        }  # fmt: skip
+            GATE: (E, H),
+            BIAS: (E,),
+            DOWN: (L, H),
+            NORM: (L,),
+            UP: (H, L),
+            SHARED_GATE: (S, H),
+            SHARED_UP: (S, H),
+            SHARED_DOWN: (H, S),
+        }
         sizes = f"E={E}, L={L} from routed; H={H}, S={S} from the other tensors"
         for name in DENSE_NAMES:
             t, want = dense[name], expected[name]
@@ -338,8 +351,16 @@ class EpMoeLayer:
     ) -> torch.Tensor:
         """bf16 [n, L]: EpRouted.routed with this layer's experts, norm weight and eps.
         Collective."""
-        return self.routed.routed(latent, ids, weights, self.norm_weight, experts=self.experts,
-                                  eps=self.eps, tokens=tokens, tag=tag)  # fmt: skip
+        return self.routed.routed(
+            latent,
+            ids,
+            weights,
+            self.norm_weight,
+            experts=self.experts,
+            eps=self.eps,
+            tokens=tokens,
+            tag=tag,
+        )
 
     def up(self, normed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """shared += normed @ routed_expert_up_proj^T, in place, one addmm (fp32 sum of the

@@ -164,18 +164,30 @@ class EpRouted:
             error, config, self.device = err, EpConfig(), torch.device("cpu")
         self.config = config
         fingerprint = {
-            "num_ranks": num_ranks, "max_tokens": max_tokens, "num_experts": num_experts,
-            "latent": latent, "topk": topk, "device": self.device.type, "version": __version__,
-        }  # fmt: skip
+            "num_ranks": num_ranks,
+            "max_tokens": max_tokens,
+            "num_experts": num_experts,
+            "latent": latent,
+            "topk": topk,
+            "device": self.device.type,
+            "version": __version__,
+        }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
         self.num_experts, self.latent, self.topk = num_experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = num_experts // num_ranks
         self.first_expert = rank * self.experts_per_rank
         self._buffers = EpBuffers(
-            group, num_ranks, rank, max_tokens, self.device,
-            latent=latent, topk=topk, timeout_s=config.timeout_s, agreement=agreement,
-        )  # fmt: skip
+            group,
+            num_ranks,
+            rank,
+            max_tokens,
+            self.device,
+            latent=latent,
+            topk=topk,
+            timeout_s=config.timeout_s,
+            agreement=agreement,
+        )
         try:
             self._transport = open_transport(self._buffers, self.experts_per_rank, config)
         except BaseException:
@@ -186,8 +198,9 @@ class EpRouted:
         check = config.check_values
         self.check_values = self._transport.completes_on_return if check is None else check
         on = dict(device=self.device)
-        self._expert_out = torch.empty(self._buffers.layout.max_rows, latent, dtype=torch.bfloat16,
-                                       **on)  # fmt: skip
+        self._expert_out = torch.empty(
+            self._buffers.layout.max_rows, latent, dtype=torch.bfloat16, **on
+        )
         self._rows_of: dict[int, ReceiveRows] = {}  # T -> the step's views (EpRouted._rows)
         # Staged ids and weights of the step: padded to T with -1 ids, owned by this object.
         self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
@@ -304,8 +317,9 @@ class EpRouted:
         if views is None:
             b = self._buffers
             rows = b.layout.rows(tokens)
-            views = ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows),
-                                self._expert_out[:rows])  # fmt: skip
+            views = ReceiveRows(
+                b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows), self._expert_out[:rows]
+            )
             self._rows_of[tokens] = views
         return views
 
@@ -373,8 +387,9 @@ class EpRouted:
 
     def _check_norm(self, fn: str, norm_weight: torch.Tensor | None, eps: object) -> float:
         if norm_weight is not None:
-            check_tensor(fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,),
-                         self.device)  # fmt: skip
+            check_tensor(
+                fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,), self.device
+            )
             check_aligned(fn, "norm_weight", norm_weight)
         return check_eps(fn, eps)
 
@@ -480,10 +495,19 @@ class EpRouted:
             if self.config.check_expert_rows:
                 out = self._expert_out[: self._buffers.layout.rows(tokens)]
                 out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
-        self._run(fn, lambda: self._transport.dispatch(
-            latent, staged_ids, weights, tokens=tokens, rejected=error, cause=CAUSE_INPUT,
-            tag=wire_tag,
-        ), error)  # fmt: skip
+        self._run(
+            fn,
+            lambda: self._transport.dispatch(
+                latent,
+                staged_ids,
+                weights,
+                tokens=tokens,
+                rejected=error,
+                cause=CAUSE_INPUT,
+                tag=wire_tag,
+            ),
+            error,
+        )
         self._step = _Step(tokens, real, wire_tag, staged_ids)
         self._last_tokens = tokens
         if self._counts is not None:
@@ -515,10 +539,19 @@ class EpRouted:
             raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
         self._step_failure = f"{type(error).__name__} in {fn}"
         empty = self._ids[:0]
-        self._run(fn, lambda: self._transport.dispatch(
-            None, empty, self._weights[:0], tokens=0, rejected=error, cause=CAUSE_REJECT_STEP,
-            tag=_wire_tag(tag),
-        ), error)  # fmt: skip
+        self._run(
+            fn,
+            lambda: self._transport.dispatch(
+                None,
+                empty,
+                self._weights[:0],
+                tokens=0,
+                rejected=error,
+                cause=CAUSE_REJECT_STEP,
+                tag=_wire_tag(tag),
+            ),
+            error,
+        )
 
     def abort_step(self, error: BaseException) -> None:
         """Instead of combine, after a dispatch whose experts failed on this rank: take part in the
@@ -545,9 +578,13 @@ class EpRouted:
         if error is not None:
             self._step_failure = f"{type(error).__name__} in {fn}"
         out = self._rows(step.tokens).out
-        normed = self._run(fn, lambda: self._transport.combine(
-            out, step.ids, norm_weight, eps, rejected=error, cause=cause, tag=step.tag,
-        ), error)  # fmt: skip
+        normed = self._run(
+            fn,
+            lambda: self._transport.combine(
+                out, step.ids, norm_weight, eps, rejected=error, cause=cause, tag=step.tag
+            ),
+            error,
+        )
         return normed[: step.real]
 
     def routed(

@@ -158,8 +158,10 @@ def load_moe_layer(
             s2.append(t[base + "w2.weight_scale"])
         dense_weights = {}
         if dense:
-            dense_weights = {n: reader.get(prefix + n, *spec).to(device)
-                             for n, spec in dense_shapes(geometry).items()}  # fmt: skip
+            dense_weights = {
+                n: reader.get(prefix + n, *spec).to(device)
+                for n, spec in dense_shapes(geometry).items()
+            }
     finally:
         reader.close()
     stack = [torch.stack(ts).to(device) for ts in (w13, s13, w2, s2)]

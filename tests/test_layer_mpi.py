@@ -206,9 +206,15 @@ class Rank:
 @pytest.fixture(scope="module")
 def rank(dep):
     seed = agreed_seed(dep.cpu_group, 300)
-    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
-                      latent=TINY.latent, topk=TINY.topk,
-                      config=EpConfig(count_experts=True))  # fmt: skip
+    routed = EpRouted(
+        dep.cpu_group,
+        MAX_TOKENS,
+        "cpu",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(count_experts=True),
+    )
     synthetic = SyntheticLayer(TINY, seed)
     yield Rank(dep, routed, synthetic, make_experts(synthetic, dep.rank, dep.size), seed)
     routed.close()
@@ -230,15 +236,25 @@ def test_layer_matches_reference(dep, rank, tokens, factor):
     """Unequal rows per rank (the last rank none) padded to T = the most rows; both schedules
     give the same bits (on CPU both run the serial order); the second layer is built from the
     first one's dense views and shares its packed weight."""
-    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 1),
-             "x": agreed_seed(dep.cpu_group, 2)}  # fmt: skip
+    seeds = {
+        "experts": rank.seed,
+        "dense": agreed_seed(dep.cpu_group, 1),
+        "x": agreed_seed(dep.cpu_group, 2),
+    }
     dense = make_dense(TINY, seeds["dense"])
     counts = unequal_counts(tokens, dep.size)
     x = draw_hidden(TINY, dense, counts, seeds["x"])[dep.rank]
-    overlap = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk,
-                         routed_scaling_factor=factor)  # fmt: skip
-    serial = EpMoeLayer(overlap.dense, rank.routed, rank.experts, topk=TINY.topk,
-                        routed_scaling_factor=factor, schedule="serial")  # fmt: skip
+    overlap = EpMoeLayer(
+        dense, rank.routed, rank.experts, topk=TINY.topk, routed_scaling_factor=factor
+    )
+    serial = EpMoeLayer(
+        overlap.dense,
+        rank.routed,
+        rank.experts,
+        topk=TINY.topk,
+        routed_scaling_factor=factor,
+        schedule="serial",
+    )
     out = overlap(x, tokens=tokens)
     again = serial(x, tokens=tokens)
     ref = layer_reference(x, dense, rank.synthetic.expert, TINY.topk, factor=factor)
@@ -247,8 +263,10 @@ def test_layer_matches_reference(dep, rank, tokens, factor):
         failures.append("schedule='serial' gave other bits than schedule='overlap'")
     if serial.packed.data_ptr() != overlap.packed.data_ptr():
         failures.append("a layer built from another layer's dense copied the packed weight")
-    print(f"rank {dep.rank}: n={counts[dep.rank]} rel L2 {rel:.3e}"
-          f" bound {layer_tolerance(ref) if ref.out.numel() else 0:.3e}")  # fmt: skip
+    print(
+        f"rank {dep.rank}: n={counts[dep.rank]} rel L2 {rel:.3e}"
+        f" bound {layer_tolerance(ref) if ref.out.numel() else 0:.3e}"
+    )
     collective_assert(dep.cpu_group, failures, seeds=seeds)
 
 
@@ -282,9 +300,14 @@ def test_unnormed_combine_bitwise(dep, rank):
     real = real_tokens(tokens, n)[r]
     before = rank.routed.receive(tokens)
     before.out.fill_(float("nan"))
-    summed = rank.routed.routed(case.latent[r][:real], case.ids[r][:real],
-                                case.weights[r][:real], None, experts=rank.experts,
-                                tokens=tokens)  # fmt: skip
+    summed = rank.routed.routed(
+        case.latent[r][:real],
+        case.ids[r][:real],
+        case.weights[r][:real],
+        None,
+        experts=rank.experts,
+        tokens=tokens,
+    )
     stride = rank.routed.prepare(tokens)
     mine = rank.routed.receive(tokens).out.float()  # exact; gloo has no bf16
     outs = [torch.empty_like(mine) for _ in range(n)]
@@ -331,8 +354,11 @@ def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
     routed = rank.routed
     layout = routed._buffers.layout
     # The expert counts (E_local int32, EpConfig.count_experts) are control words, as the state.
-    held = sum(t.nbytes for name, t in vars(routed).items()
-               if isinstance(t, torch.Tensor) and name != "_counts")  # fmt: skip
+    held = sum(
+        t.nbytes
+        for name, t in vars(routed).items()
+        if isinstance(t, torch.Tensor) and name != "_counts"
+    )
     flags = routed._buffers.flags
     segment_end = flags.data_ptr() + flags.nbytes - routed._buffers.base_address
     want = EpRouted.workspace_bytes(dep.size, MAX_TOKENS, latent=TINY.latent, topk=TINY.topk)
@@ -352,8 +378,11 @@ def test_layer_from_k3_named_checkpoint(dep, rank, tmp_path):
     """A TINY checkpoint in the K3 naming (each rank writes its own file): load_moe_layer's
     experts and dense tensors make a layer that matches the reference of the written weights."""
     layer_index, g = 5, TINY
-    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 7),
-             "x": agreed_seed(dep.cpu_group, 8)}  # fmt: skip
+    seeds = {
+        "experts": rank.seed,
+        "dense": agreed_seed(dep.cpu_group, 7),
+        "x": agreed_seed(dep.cpu_group, 8),
+    }
     from safetensors.torch import save_file
 
     dense, prefix, inter = make_dense(g, seeds["dense"]), layer_prefix(layer_index), g.intermediate
@@ -392,9 +421,13 @@ def test_bad_construction_names_the_tensor(dep, rank):
     failures: list[str] = []
 
     def build(label, bad, error, match, **kw):
-        expect_raises(failures, label, error, match,
-                      lambda: EpMoeLayer(bad, routed, kw.get("experts", experts),
-                                         topk=kw.get("topk", K)))  # fmt: skip
+        expect_raises(
+            failures,
+            label,
+            error,
+            match,
+            lambda: EpMoeLayer(bad, routed, kw.get("experts", experts), topk=kw.get("topk", K)),
+        )
 
     missing = {k: v for k, v in dense.items() if k not in (SHARED_UP, NORM)}
     build("missing", missing, ValueError, r"routed_expert_norm\.weight.*shared_experts\.up_proj")
@@ -429,10 +462,18 @@ def test_bad_construction_names_the_tensor(dep, rank):
     bigger = dataclasses.replace(mine, num_experts=2 * TINY.experts)
     message = "num_experts=96; the EpRouted was built for num_experts=48"
     build("weights of another model", dense, ValueError, message, experts=bigger)
-    for label, kw in (("eps", dict(eps=0.0)), ("factor", dict(routed_scaling_factor=math.nan)),
-                      ("schedule", dict(schedule="parallel"))):  # fmt: skip
-        expect_raises(failures, label, ValueError, label if label != "factor" else "routed_scal",
-                      lambda kw=kw: EpMoeLayer(dense, routed, experts, topk=K, **kw))  # fmt: skip
+    for label, kw in (
+        ("eps", dict(eps=0.0)),
+        ("factor", dict(routed_scaling_factor=math.nan)),
+        ("schedule", dict(schedule="parallel")),
+    ):
+        expect_raises(
+            failures,
+            label,
+            ValueError,
+            label if label != "factor" else "routed_scal",
+            lambda kw=kw: EpMoeLayer(dense, routed, experts, topk=K, **kw),
+        )
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
@@ -442,8 +483,11 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     disagree on tokens, a wrong dtype and non-finite x on one rank: every rank raises in the same
     call (the bad rank its ValueError/TypeError, the others EpPeerError, or ValueError where every
     rank sees the fault); after each, a good call matches the reference."""
-    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 10),
-             "x": agreed_seed(dep.cpu_group, 11)}  # fmt: skip
+    seeds = {
+        "experts": rank.seed,
+        "dense": agreed_seed(dep.cpu_group, 10),
+        "x": agreed_seed(dep.cpu_group, 11),
+    }
     dense = make_dense(TINY, seeds["dense"])
     layer = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
     r, last, T = dep.rank, dep.size - 1, 6
@@ -468,8 +512,9 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
         if bad is None or bad == r:
             expect_raises(failures, label, error, match, call)
         else:
-            expect_raises(failures, f"{label} (peer)", EpPeerError, None,
-                          lambda: layer(x[:T], tokens=T))  # fmt: skip
+            expect_raises(
+                failures, f"{label} (peer)", EpPeerError, None, lambda: layer(x[:T], tokens=T)
+            )
         seeds[f"good call {step}"] = agreed_seed(dep.cpu_group, 20 + step)
         failures += good_call(rank, layer, dense, seeds[f"good call {step}"], f"after {label}")
     collective_assert(dep.cpu_group, failures, seeds=seeds)

@@ -106,13 +106,18 @@ def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
     ):
         shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
         raise ValueError(f"{fn}: ids {shown}; expected int32 or int64 [R, K]")
-    for name, value, least in (("first_expert", first_expert, 0), ("num_local", num_local, 1),
-                               ("block_n", block_n, 1)):  # fmt: skip
+    for name, value, least in (
+        ("first_expert", first_expert, 0),
+        ("num_local", num_local, 1),
+        ("block_n", block_n, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{fn}: {name}={value!r}; expected an int >= {least}")
     if first_expert + num_local > INT32_LIMIT:
-        raise ValueError(f"{fn}: first_expert + num_local = {first_expert + num_local}; expected"
-                         f" at most 2^31 (expert ids are int32)")  # fmt: skip
+        raise ValueError(
+            f"{fn}: first_expert + num_local = {first_expert + num_local}; expected"
+            f" at most 2^31 (expert ids are int32)"
+        )
 
 
 def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: int) -> PairGroups:
