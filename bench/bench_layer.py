@@ -63,12 +63,11 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
         "shared_experts.up_proj.weight": (S, H),
         "shared_experts.down_proj.weight": (H, S),
     }
-    out = {
-        name: (torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])).to(
-            torch.bfloat16
-        )
-        for name, shape in shapes.items()
-    }
+
+    def draw(shape: tuple[int, int]) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])).bfloat16()
+
+    out = {name: draw(shape) for name, shape in shapes.items()}
     out["gate.e_score_correction_bias"] = 0.01 * torch.randn(E, generator=gen, device="cuda")
     norm = 1 + 0.1 * torch.randn(L, generator=gen, device="cuda")
     out["routed_expert_norm.weight"] = norm.to(torch.bfloat16)

@@ -123,30 +123,11 @@ def test_peer_log_rows_by_local_experts(tmp_path):
 
 def test_report_puts_the_peer_beside_ours(tmp_path):
     results = [
-        {
-            "tokens": 1,
-            "us": 150.0,
-            "touched": 16,
-            "floor_us": 65.0,
-            "mode": "graph",
-            "finite": True,
-        },
-        {
-            "tokens": 4,
-            "us": 400.0,
-            "touched": 62,
-            "floor_us": 250.0,
-            "mode": "graph",
-            "finite": False,
-        },
+        dict(tokens=1, us=150.0, touched=16, floor_us=65.0, mode="graph", finite=True),
+        dict(tokens=4, us=400.0, touched=62, floor_us=250.0, mode="graph", finite=False),
     ]
-    meta = {
-        "n": 2,
-        "local": 448,
-        "bandwidth": 4100.0,
-        "backend": "HopperExperts (humming)",
-        "grouping": "torch",
-    }
+    meta = dict(n=2, local=448, bandwidth=4100.0, backend="HopperExperts (humming)")
+    meta["grouping"] = "torch"
     run = torchrun(2, "bench.bench_routed_experts", "--out", "docs")
     routed_experts.write_report(tmp_path, results, {1: 202.57}, meta, run)
     page = (tmp_path / "bench_routed_experts2.md").read_text()
@@ -157,23 +138,9 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
 
 
 def dep_row(tokens: int, peer: bool) -> dict:
-    row = dict(
-        tokens=tokens,
-        routing="uniform",
-        skew=1.0,
-        pair_skew=1.02,
-        receive_mib=0.5,
-        dispatch=10.0,
-        combine=20.0,
-        pair=28.0,
-        allgather=12.0,
-        reduce_scatter=30.0,
-        a2a=15.0,
-        a2a_back=40.0,
-        d_bytes=2.0e6,
-        c_bytes=4.0e6,
-        modes="graph",
-    )
+    row = dict(tokens=tokens, routing="uniform", skew=1.0, pair_skew=1.02, receive_mib=0.5)
+    row.update(dispatch=10.0, combine=20.0, pair=28.0, allgather=12.0, reduce_scatter=30.0)
+    row.update(a2a=15.0, a2a_back=40.0, d_bytes=2.0e6, c_bytes=4.0e6, modes="graph")
     if peer:
         row.update(peer_dispatch=8.0, peer_combine=25.0, peer_pair=35.0)
     return row

@@ -380,6 +380,17 @@ def group_and_route_tilings(
     return _launch("group_and_route_tilings", ids, first_expert, num_local, block_ns)
 
 
+def _tiling_outputs(groups: PairGroups, routes: TileRoutes) -> tuple[torch.Tensor, ...]:
+    """One tiling's outputs in group_route_kernel's order."""
+    tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
+    return (*tiles, routes.flat, routes.pair, routes.num_padded)
+
+
+def _tile_lanes(groups: PairGroups) -> tuple[int, int]:
+    """(BLOCK_N, LANES) of one tiling: pairs a tile, and the power of two >= that."""
+    return groups.block_n, triton.next_power_of_2(groups.block_n)
+
+
 def _launch(
     owner: str, ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...]
 ) -> list[tuple[PairGroups, TileRoutes]]:
@@ -449,44 +460,20 @@ def _launch(
         chunk_histogram_kernel[(chunks,)](
             ids, hist, slots, first_expert, num_local, bins, BLOCK_S, num_warps=NUM_WARPS
         )
+    # group_route_kernel's arguments, in the groups of its signature.
+    pair_outputs = (a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs)
+    sizes = (slots, topk, first_expert, num_local, a.tile_capacity, b.tile_capacity)
+    flags = (len(tilings) == 2, bins, BLOCK_S, chunks > 1, HIST_ROWS, BLOCK_T)
     group_route_kernel[(num_local + 1, chunks)](
         ids,
         hist,
-        a.pair_row,
-        a.pair_flat,
-        a.pair_slot,
-        a.num_pairs,
-        a.expert_pairs,
-        a.tile_expert,
-        a.tile_start,
-        a.tile_rows,
-        a.num_tiles,
-        a_routes.flat,
-        a_routes.pair,
-        a_routes.num_padded,
-        b.tile_expert,
-        b.tile_start,
-        b.tile_rows,
-        b.num_tiles,
-        b_routes.flat,
-        b_routes.pair,
-        b_routes.num_padded,
-        slots,
-        topk,
-        first_expert,
-        num_local,
-        a.tile_capacity,
-        b.tile_capacity,
-        a.block_n,
-        triton.next_power_of_2(a.block_n),
-        b.block_n,
-        triton.next_power_of_2(b.block_n),
-        len(tilings) == 2,
-        bins,
-        BLOCK_S,
-        chunks > 1,
-        HIST_ROWS,
-        BLOCK_T,
+        *pair_outputs,
+        *_tiling_outputs(a, a_routes),
+        *_tiling_outputs(b, b_routes),
+        *sizes,
+        *_tile_lanes(a),
+        *_tile_lanes(b),
+        *flags,
         num_warps=NUM_WARPS,
     )
     return tilings

@@ -387,12 +387,8 @@ def test_ragged_token_counts(gpu_dep, routed):
 
 def fresh_inputs(gen, tokens, n_experts):
     latent = torch.randn(tokens, TINY.latent, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = torch.stack(
-        [
-            torch.randperm(n_experts, generator=gen, device="cuda")[: TINY.topk]
-            for _ in range(tokens)
-        ]
-    ).int()
+    perms = [torch.randperm(n_experts, generator=gen, device="cuda") for _ in range(tokens)]
+    ids = torch.stack([p[: TINY.topk] for p in perms]).int()
     weights = torch.rand(tokens, TINY.topk, generator=gen, device="cuda") + 0.05
     return latent, ids, weights / weights.sum(1, keepdim=True)
 

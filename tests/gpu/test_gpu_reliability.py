@@ -124,13 +124,11 @@ def test_bad_input_fails_every_rank_fast(gpu_dep, routed, layer, experts, which)
     failures: list[str] = []
     seed, _, latent, ids, weights = step_inputs(gpu_dep, 1)
     bad = which == "all" or gpu_dep.rank == 0
-    call = lambda: routed(
-        latent.float() if bad else latent,
-        ids,
-        weights,  # noqa: E731
-        layer.norm_weight().cuda(),
-        experts=experts,
-    )
+    given = latent.float() if bad else latent
+
+    def call():
+        return routed(given, ids, weights, layer.norm_weight().cuda(), experts=experts)
+
     if which == "all":
         expect_raises(failures, "all bad", TypeError, "latent dtype", call)
         try:
@@ -157,13 +155,10 @@ def test_failing_experts_fail_every_rank_fast(gpu_dep, routed, layer, experts):
     seed, _, latent, ids, weights = step_inputs(gpu_dep, 2)
     bad = gpu_dep.rank == gpu_dep.size - 1
     used = FailingExperts(experts) if bad else experts
-    call = lambda: routed(
-        latent,
-        ids,
-        weights,
-        layer.norm_weight().cuda(),  # noqa: E731
-        experts=used,
-    )
+
+    def call():
+        return routed(latent, ids, weights, layer.norm_weight().cuda(), experts=used)
+
     fails_fast(
         failures,
         "expert failure",
@@ -191,14 +186,10 @@ def test_ranks_out_of_step_raise_on_every_rank(gpu_dep, routed, layer, experts, 
         "tag": (EpDesyncError, "out of step"),
         "tokens": (ValueError, "different token counts"),
     }[mismatch]
-    call = lambda: routed(
-        latent,
-        ids,
-        weights,
-        layer.norm_weight().cuda(),  # noqa: E731
-        experts=experts,
-        tag=tag,
-    )
+
+    def call():
+        return routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts, tag=tag)
+
     # No rank rejects anything: every rank finds the mismatch, as a peer does.
     fails_fast(
         failures, f"{mismatch} mismatch", (None, expected), (None, match), routed, call, bad=False
@@ -213,12 +204,8 @@ def combine_bitwise(gpu_dep, routed, tokens: int, scale: float, normed: bool, ba
     n, rank, L = gpu_dep.size, gpu_dep.rank, TINY.latent
     seed = agreed_seed(gpu_dep.cpu_group, base)
     case = make_case(TINY, n, tokens, seed)
-    outs = [
-        (torch.randn(n * tokens, L, generator=torch.Generator().manual_seed(seed + d)) * scale).to(
-            torch.bfloat16
-        )
-        for d in range(n)
-    ]
+    gens = [torch.Generator().manual_seed(seed + d) for d in range(n)]
+    outs = [(torch.randn(n * tokens, L, generator=g) * scale).to(torch.bfloat16) for g in gens]
     norm = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(seed))).bfloat16()
     dist.barrier(gpu_dep.cpu_group)
     rows = routed.dispatch(
