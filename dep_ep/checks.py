@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-VECTOR_ALIGN = 16  # bytes: the GPU kernels move rows in 16-byte vectors
+from dep_ep.constants import VECTOR_BYTES
 
 # The largest routing weight magnitude a value check accepts. The combine's output of a token is
 # finite when the BF16 sum h = sum_k w_k o_k over its K <= MAX_TOPK = 2^7 expert outputs o_k is
@@ -78,10 +78,10 @@ def check_tensor(
 def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
     """A tensor the GPU kernels read in 16-byte vectors must start on a 16-byte boundary (every
     torch allocation does; a view at an odd offset may not)."""
-    if t.numel() and t.data_ptr() % VECTOR_ALIGN:
+    if t.numel() and t.data_ptr() % VECTOR_BYTES:
         raise ValueError(
-            f"{fn}: {name} starts at an address that is not a multiple of {VECTOR_ALIGN} bytes"
-            f" (data_ptr() % {VECTOR_ALIGN} = {t.data_ptr() % VECTOR_ALIGN}); pass a tensor of"
+            f"{fn}: {name} starts at an address that is not a multiple of {VECTOR_BYTES} bytes"
+            f" (data_ptr() % {VECTOR_BYTES} = {t.data_ptr() % VECTOR_BYTES}); pass a tensor of"
             " its own (.clone())"
         )
 

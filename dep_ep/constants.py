@@ -51,6 +51,11 @@ ABORT_PEER_LOST, ABORT_RESET = 1, 2
 # PCIe (about a microsecond), and a flag that comes within this needs no abort.
 HOST_ABORT_POLL_NS = 20_000
 
+# The GPU kernels move rows in 16-byte vectors (ld/st.global.v4.b32, the widest access of one
+# thread), so every tensor they read or write starts on a 16-byte boundary: checks.check_aligned
+# asks it of the caller's tensors, comm/kernels/tensors.py assumes it of their views.
+VECTOR_BYTES = 16
+
 # Launch geometry of the CuTeDSL kernels, read by their host launch code too.
 WARP_LANES = 32
 DISPATCH_THREADS = 128  # 4 warps: one 32-element block per thread and pass
@@ -63,7 +68,7 @@ CTAS_PER_SM = 8
 # The combine kernel normalises one token per warp: lane l owns the 8-element (16-byte) chunks
 # l, l + 32, ... of the row. The torch reference sums squares in the same order (bitwise equal).
 NORM_LANES = WARP_LANES
-NORM_CHUNK = 8
+NORM_CHUNK = VECTOR_BYTES // 2  # bf16 elements in one vector
 # The norm scales a row by 2^(127 - clamp(E, 127, 253)), E the biased fp32 exponent of its largest
 # magnitude: exact, 1 below 2.0, and no square can overflow (comm/reference.py rms_norm).
 NORM_SCALE_MIN_EXP, NORM_SCALE_MAX_EXP = 127, 253

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.checks import (
-    VECTOR_ALIGN,
     check_aligned,
     check_eps,
     check_ids,
@@ -37,7 +36,7 @@ from dep_ep.comm.transport import (
     open_transport,
 )
 from dep_ep.config import EpConfig
-from dep_ep.constants import NO_TAG, SCALE_BLOCK
+from dep_ep.constants import NO_TAG, SCALE_BLOCK, VECTOR_BYTES
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
 
@@ -489,7 +488,7 @@ class EpRouted:
             staged_ids[:real].copy_(ids)
             if real < tokens:
                 staged_ids[real:].fill_(-1)
-            if real < tokens or weights.data_ptr() % VECTOR_ALIGN:
+            if real < tokens or weights.data_ptr() % VECTOR_BYTES:
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
             if self.config.check_expert_rows:
