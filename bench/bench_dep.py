@@ -44,6 +44,7 @@ import torch.distributed as dist
 from bench import cli, combine_path, peer_one_sided, report
 from bench.ranks import mean, slowest
 from bench.timing import pair_timed_us, timed_us
+from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
@@ -158,7 +159,7 @@ def main() -> int:
         transport.reset()
         pair_us, d_us, c_us = pair_timed_us(
             lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None),
-            lambda: transport.combine(out, ids, norm, 1e-5, rejected=None),
+            lambda: transport.combine(out, ids, norm, DEFAULT_NORM_EPS, rejected=None),
             cpu,
             args.reps,
             args.samples,

@@ -28,6 +28,7 @@ from bench import cli, combine_path, report
 from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
@@ -143,7 +144,7 @@ def time_step(transport, routed, tokens, latent, ids, weights, norm, reps: int, 
 
     def pair():
         transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
-        transport.combine(out, ids, norm, 1e-5, rejected=None)
+        transport.combine(out, ids, norm, DEFAULT_NORM_EPS, rejected=None)
 
     transport.reset()
     pair_us = replay_us(capture(pair, reps), reps, samples)

@@ -33,7 +33,7 @@ from dep_ep.comm.transport import (
     EXPERT_CAUSES,
     Transport,
 )
-from dep_ep.config import EpConfig
+from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
 from dep_ep.constants import (
     ABORT_PEER_LOST,
     ABORT_RESET,
@@ -161,7 +161,7 @@ def compile_kernels(
                 num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name], tuning
             )
             # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
-            args = (z, z, z, z, *structs, Float32(1e-5), one, one)
+            args = (z, z, z, z, *structs, Float32(DEFAULT_NORM_EPS), one, one)
         else:
             kernel = RejectKernel(num_ranks, *REJECT_KERNELS[name])
             args = structs

@@ -10,6 +10,7 @@ from typing import Mapping
 import torch
 
 from dep_ep.checks import check_eps, check_int, check_real, check_tokens
+from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.experts.base import ExpertsBackend
@@ -125,7 +126,7 @@ class EpMoeLayer:
         experts: ExpertsBackend | ExpertWeights | tuple[torch.Tensor, ...] | list[torch.Tensor],
         *,
         topk: int,
-        eps: float = 1e-5,
+        eps: float = DEFAULT_NORM_EPS,
         routed_scaling_factor: float = 1.0,
         schedule: str = "overlap",
         layer_index: int | None = None,

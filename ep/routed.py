@@ -35,7 +35,7 @@ from dep_ep.comm.transport import (
     CAUSE_REJECT_STEP,
     open_transport,
 )
-from dep_ep.config import EpConfig
+from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
 from dep_ep.constants import NO_TAG, SCALE_BLOCK, VECTOR_BYTES
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
@@ -513,7 +513,9 @@ class EpRouted:
             self._count_experts(tokens)
         return self._rows(tokens)
 
-    def combine(self, norm_weight: torch.Tensor | None, *, eps: float = 1e-5) -> torch.Tensor:
+    def combine(
+        self, norm_weight: torch.Tensor | None, *, eps: float = DEFAULT_NORM_EPS
+    ) -> torch.Tensor:
         """Return the expert sums (`receive().out`, rows with a local id) to their sources, sum
         per token over ranks in fp32 in rank order, then RMSNorm with `norm_weight` (bf16 [L])
         and `eps`; norm_weight None returns the plain sum rounded to BF16 (for a caller that
@@ -559,7 +561,7 @@ class EpRouted:
         is NaN), then raise `error`. An exception class is instantiated (as `raise` does);
         anything else fails the step with a TypeError saying so. Collective, like combine."""
         fn = "EpRouted.abort_step"
-        self._combine(fn, None, 1e-5, _as_exception(fn, error), CAUSE_ABORT_STEP)
+        self._combine(fn, None, DEFAULT_NORM_EPS, _as_exception(fn, error), CAUSE_ABORT_STEP)
 
     def _combine(self, fn, norm_weight, eps, error, cause) -> torch.Tensor:
         self._check_usable(fn)
@@ -594,7 +596,7 @@ class EpRouted:
         norm_weight: torch.Tensor | None,
         *,
         experts: ExpertsBackend,
-        eps: float = 1e-5,
+        eps: float = DEFAULT_NORM_EPS,
         tokens: int | None = None,
         tag: int | None = None,
     ) -> torch.Tensor:
