@@ -49,7 +49,7 @@ from dep_ep.ep import TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
 from dep_ep.testing import SyntheticLayer
-from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.allgather_reference import NORM_EPS, SITU_BETA, SITU_LINEAR_BETA, expert_sums
 from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 from helpers.cases import agreed_seed, make_case, real_tokens
@@ -57,11 +57,9 @@ from helpers.collective import collective_assert, expect_raises
 from helpers.reference_check import make_experts
 
 MAX_TOKENS = 12
-EPS = 1e-5
 # Smallest float64 gap between the K-th and (K+1)-th of scores + bias that the test accepts: the
 # layer's fp32 logits differ from float64 by ~1e-6 at H = 7168, so both pick the same experts.
 ROUTER_MARGIN = 1e-4
-SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # docs/formats.md
 ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
 
 GATE, BIAS = "gate.weight", "gate.e_score_correction_bias"
@@ -152,7 +150,7 @@ def situ64(g: torch.Tensor, u: torch.Tensor):
 
 
 def layer_reference(
-    x: torch.Tensor, dense: dict, expert_weights, topk: int, *, eps=EPS, factor=1.0
+    x: torch.Tensor, dense: dict, expert_weights, topk: int, *, eps=NORM_EPS, factor=1.0
 ) -> Reference:
     """The K3 layer in float64 on bf16 x [n, H] (CPU). expert_weights(e) -> (w13, s13, w2, s2)."""
     d = {name: t.double() for name, t in dense.items()}

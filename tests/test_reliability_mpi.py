@@ -13,6 +13,7 @@ from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.allgather_reference import NORM_EPS
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -42,7 +43,7 @@ class Step:
         self.weights = self.case.weights[r] * weight_scale
         self.layer, self.dep = layer, dep
 
-    def reference(self, eps: float = 1e-5) -> torch.Tensor:
+    def reference(self, eps: float = NORM_EPS) -> torch.Tensor:
         return allgather_reference(
             self.dep.cpu_group,
             self.latent,

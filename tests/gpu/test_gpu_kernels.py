@@ -16,6 +16,7 @@ from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted, MoeGeometry
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.allgather_reference import NORM_EPS
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -263,7 +264,7 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing, scale=1.0)
     for d in range(n):
         mine = (owners == d).any(dim=1).nonzero().squeeze(1)
         total[mine] += outs[d][rank * tokens + mine].float()
-    want = rms_norm(total, norm, 1e-5)
+    want = rms_norm(total, norm, NORM_EPS)
     got = normed.cpu()
     if bits_equal(got, want):
         return [], seed

@@ -25,14 +25,13 @@ from dep_ep.ep import K3, TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes
 from dep_ep.testing import SyntheticLayer
-from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.allgather_reference import NORM_EPS, SITU_BETA, SITU_LINEAR_BETA, expert_sums
 from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert
 
 MAX_TOKENS = 64
-EPS = 1e-5
 REPLAYS = int(os.environ.get("EP_TEST_REPLAYS", "200"))
 ROUTER_MARGIN = 1e-4
 ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
@@ -107,11 +106,12 @@ def layer_reference(x: torch.Tensor, dense: dict, expert_weights, topk: int) -> 
     sums = torch.zeros(0, latent.shape[1], dtype=torch.float64)
     if x.shape[0]:
         sums = expert_sums(latent, ids, weights, expert_weights)
-    normed = sums / torch.sqrt(sums.square().mean(dim=-1, keepdim=True) + EPS) * d[NORM]
+    normed = sums / torch.sqrt(sums.square().mean(dim=-1, keepdim=True) + NORM_EPS) * d[NORM]
     g, u = x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T
-    sig, tg, tu = torch.sigmoid(g), torch.tanh(g / 4.0), torch.tanh(u / 25.0)
-    f, h = 4.0 * tg * sig, 25.0 * tu
-    df = (1 - tg * tg) * sig + 4.0 * tg * sig * (1 - sig)
+    b, lb = SITU_BETA, SITU_LINEAR_BETA
+    sig, tg, tu = torch.sigmoid(g), torch.tanh(g / b), torch.tanh(u / lb)
+    f, h = b * tg * sig, lb * tu
+    df = (1 - tg * tg) * sig + b * tg * sig * (1 - sig)
     act = f * h
     norm = act.square().sum().clamp(min=1e-300)
     gain_g = float(((df * g * h).square().sum() / norm).sqrt())

@@ -17,6 +17,7 @@ from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import DenseExperts, ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.allgather_reference import NORM_EPS
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -220,7 +221,7 @@ def combine_bitwise(gpu_dep, routed, tokens: int, scale: float, normed: bool, ba
     for d in range(n):
         mine = (owners == d).any(dim=1).nonzero().squeeze(1)
         total[mine] += outs[d][rank * tokens + mine].float()
-    want = rms_norm(total, norm, 1e-5) if normed else total.to(torch.bfloat16)
+    want = rms_norm(total, norm, NORM_EPS) if normed else total.to(torch.bfloat16)
     label = f"T={tokens} scale={scale:g} normed={normed} (seed {seed})"
     failures = []
     if not torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)):
