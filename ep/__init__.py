@@ -3,7 +3,7 @@
 from dep_ep.config import K3, PRESETS, TINY, MoeGeometry
 from dep_ep.ep.layer import EpMoeLayer
 from dep_ep.ep.routed import EpRouted, ReceiveRows
-from dep_ep.ep.router import route
+from dep_ep.ep.router import route, route_into
 
 __all__ = [
     "K3",
@@ -14,4 +14,5 @@ __all__ = [
     "MoeGeometry",
     "ReceiveRows",
     "route",
+    "route_into",
 ]

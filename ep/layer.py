@@ -10,9 +10,10 @@ from typing import Mapping
 import torch
 
 from dep_ep.checks import check_eps, check_int, check_real, check_tokens
-from dep_ep.config import DEFAULT_NORM_EPS
+from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
 from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE
 from dep_ep.ep.routed import EpRouted, check_experts_match
+from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.select import default_experts
 from dep_ep.experts.situ import situ
@@ -40,10 +41,6 @@ def layer_tag(index: int, step: int) -> int:
     return LAYER_TAG_BASE + (step << LAYER_INDEX_BITS) + index
 
 
-# torch.mm(..., out_dtype=) (BF16 inputs, fp32 output) exists on CUDA from torch 2.8.
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
-
-
 def _mode(values: list[int]) -> int | None:
     """The most frequent value (the first of equally frequent ones), None for no values."""
     return max(values, key=values.count) if values else None
@@ -69,7 +66,7 @@ def _packed_in_place(parts: list[torch.Tensor], width: int) -> torch.Tensor | No
 class EpMoeLayer:
     """One MoE layer of one DEP rank: x bf16 [n, H] -> bf16 [n, H] (docs/formats.md):
 
-        ids, w  = top-K router on x (fp32 logits, sigmoid scores, bias for selection only,
+        ids, w  = route(x) (ep/router.py: fp32 logits, sigmoid scores, bias for selection only,
                   weights renormalised w / (sum + 1e-20), times routed_scaling_factor)
         latent  = BF16(x @ routed_expert_down_proj^T)                      [n, L]
         normed  = EpRouted.routed(latent, ids, w, routed_expert_norm)      [n, L] (RMSNorm, eps)
@@ -127,7 +124,7 @@ class EpMoeLayer:
         *,
         topk: int,
         eps: float = DEFAULT_NORM_EPS,
-        routed_scaling_factor: float = 1.0,
+        routed_scaling_factor: float = DEFAULT_ROUTED_SCALING_FACTOR,
         schedule: str = "overlap",
         layer_index: int | None = None,
     ) -> None:
@@ -308,27 +305,18 @@ class EpMoeLayer:
         return front[:, 2 * self.shared_intermediate :].contiguous()
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids int32 [n, K], weights fp32 [n, K]) of bf16 x [n, H] (ep/router.py's formula,
-        times routed_scaling_factor)."""
+        """(ids int32 [n, K], weights fp32 [n, K]) of bf16 x [n, H]: ep/router.py's `route` with
+        this layer's gate, bias and routed_scaling_factor (on CUDA its BF16 GEMM with fp32 output,
+        `bf16_gemm=True`)."""
         ids = torch.empty(x.shape[0], self.topk, dtype=torch.int32, device=x.device)
         weights = torch.empty(x.shape[0], self.topk, dtype=torch.float32, device=x.device)
         self._route_into(x, ids, weights)
         return ids, weights
 
     def _route_into(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        # fp32 logits: BF16 products are exact in fp32, so a BF16 GEMM with fp32 output (CUDA,
-        # no widened copy of the gate) and an fp32 GEMM differ only in the order of the sums.
-        if x.is_cuda and _MM_OUT_DTYPE:
-            logits = torch.mm(x, self.gate_weight.t(), out_dtype=torch.float32)
-        else:
-            logits = x.float() @ self.gate_weight.float().t()
-        scores = logits.sigmoid_()
-        chosen = torch.topk(scores + self.bias, self.topk, dim=-1).indices
-        picked = scores.gather(1, chosen)
-        torch.div(picked, picked.sum(dim=-1, keepdim=True) + 1e-20, out=weights)
-        if self.routed_scaling_factor != 1.0:
-            weights.mul_(self.routed_scaling_factor)
-        ids.copy_(chosen)
+        """The router into the step's ids and weights (on CUDA no widened copy of the gate)."""
+        gate, bias, factor = self.gate_weight, self.bias, self.routed_scaling_factor
+        route_into(x, gate, bias, ids, weights, routed_scaling_factor=factor, bf16_gemm=True)
 
     def shared(self, front: torch.Tensor) -> torch.Tensor:
         """bf16 [n, H]: the shared experts on the front GEMM's gate and up columns."""

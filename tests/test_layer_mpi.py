@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from dep_ep.comm.errors import EpPeerError
 from dep_ep.config import EpConfig, MoeGeometry
-from dep_ep.ep import TINY, EpMoeLayer, EpRouted
+from dep_ep.ep import TINY, EpMoeLayer, EpRouted, route
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
 from dep_ep.testing import SyntheticLayer
@@ -266,6 +266,39 @@ def test_layer_matches_reference(dep, rank, tokens, factor):
         f" bound {layer_tolerance(ref) if ref.out.numel() else 0:.3e}"
     )
     collective_assert(dep.cpu_group, failures, seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("factor", [1.0, 2.5])
+def test_layer_routes_with_route(dep, rank, factor):
+    """The layer's routing, by router() and inside its call, is ep/router.py's `route` bit for bit
+    with the layer's gate, bias and routed_scaling_factor; `bf16_gemm` (the layer's GEMM on CUDA)
+    changes nothing on CPU."""
+    seed = agreed_seed(dep.cpu_group, 30)
+    dense = make_dense(TINY, seed)
+    layer = EpMoeLayer(
+        dense, rank.routed, rank.experts, topk=TINY.topk, routed_scaling_factor=factor
+    )
+    gen = torch.Generator().manual_seed(seed + dep.rank)
+    x = torch.randn(MAX_TOKENS, TINY.hidden, generator=gen).to(torch.bfloat16)
+    seen = []
+    routed_path = layer.routed_path
+
+    def recording(latent, ids, weights, **kw):
+        seen.append((ids.clone(), weights.clone()))
+        return routed_path(latent, ids, weights, **kw)
+
+    layer.routed_path = recording
+    layer(x)
+    failures, gate, bias = [], dense[GATE], dense[BIAS]
+    for bf16_gemm in (False, True):
+        want = route(x, gate, bias, TINY.topk, routed_scaling_factor=factor, bf16_gemm=bf16_gemm)
+        for where, (ids, weights) in (("router()", layer.router(x)), ("the call", seen[0])):
+            same = torch.equal(ids, want[0]) and ids.dtype == want[0].dtype == torch.int32
+            same &= torch.equal(weights.view(torch.int32), want[1].view(torch.int32))
+            if not same:
+                failures.append(f"factor {factor}, bf16_gemm={bf16_gemm}: {where} != route()")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
 @pytest.mark.mpi(min_size=2)
