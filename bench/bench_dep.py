@@ -45,6 +45,7 @@ from bench import cli, combine_path, peer_one_sided, report
 from bench.ranks import mean, slowest
 from bench.timing import pair_timed_us, timed_us
 from dep_ep.config import DEFAULT_NORM_EPS
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
@@ -145,7 +146,7 @@ def main() -> int:
     peer, peer_note = make_peer(args, ctx, cpu, n)
     suffix = combine_path.suffix(args)
     L, K = K3.latent, K3.topk
-    row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
+    row_bytes = L + L // SCALE_BLOCK + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
     norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     results = []

@@ -29,6 +29,7 @@ from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import DEFAULT_NORM_EPS
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
@@ -65,8 +66,8 @@ def copy_ceiling_gbs() -> dict[str, float]:
 
 def bytes_moved(tokens: int) -> tuple[int, int]:
     """(dispatch, combine) bytes at EP=1 per step of `tokens` tokens."""
-    L, K = K3.latent, K3.topk
-    dispatch = tokens * (2 * L + 8 * K + L + L // 32 + 8 * K)  # read latent+ids+w, write x+sf+ids+w
+    L, K, S = K3.latent, K3.topk, K3.latent // SCALE_BLOCK  # S: scale bytes a row
+    dispatch = tokens * (2 * L + 8 * K + L + S + 8 * K)  # read latent+ids+w, write x+sf+ids+w
     # send: read ids row + out row, write partials; reduce: read ids + partials, write normed
     combine = tokens * (4 * K + 2 * L + 2 * L + 4 * K + 2 * L + 2 * L) + 2 * L
     return dispatch, combine
@@ -180,7 +181,7 @@ def quantize_speedup(tokens: int) -> tuple[int, float, float]:
 
     x = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
     q = torch.empty(tokens, K3.latent, dtype=torch.uint8, device="cuda")
-    sf = torch.empty(tokens, K3.latent // 32, dtype=torch.uint8, device="cuda")
+    sf = torch.empty(tokens, K3.latent // SCALE_BLOCK, dtype=torch.uint8, device="cuda")
     kernel = cute.compile(
         Mxfp8QuantizeKernel(K3.latent), Int64(0), Int64(0), Int64(0), Int32(1), cuda.CUstream(0)
     )

@@ -33,6 +33,7 @@ import torch
 from bench import cli, report
 from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, HummingEngine, TritonEngine
@@ -45,7 +46,7 @@ LOCAL_EXPERTS = [56, 112, 448]
 REFERENCE_MAX_LOCAL = 112
 REPS, SAMPLES = 10, 20  # calls per captured graph, timed replays (median)
 # w13 + s13 + w2 + s2 of one K3 expert: 3 * I * L / 2 code bytes + 3 * I * L / 32 scale bytes.
-EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // 32
+EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // SCALE_BLOCK
 
 
 def copy_gbs() -> float:

@@ -23,6 +23,7 @@ import torch
 from bench import cli, report
 from bench.bench_experts import receive_rows
 from bench.timing import capture, replay_us
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperTiles, grouping_kernel, kernels
 from dep_ep.experts.hopper.humming_engine import SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM, SITU_ROWS
@@ -103,7 +104,7 @@ def situ_times(gate_up, groups, sms: int, timed) -> dict[str, float]:
         blocks = inter // columns
         programs = max(1, min(-(-capacity // step), per_sm * sms // blocks))
         act = torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device="cuda")
-        scale = torch.empty(capacity, inter // 32, device="cuda")
+        scale = torch.empty(capacity, inter // SCALE_BLOCK, device="cuda")
 
         def call(
             step=step,

@@ -25,6 +25,7 @@ import torch
 from bench import cli, report
 from bench.bench_experts import receive_rows
 from bench.timing import capture, replay_us
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts, HummingEngine, routed_tilings, tuning_pairs
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -65,7 +66,7 @@ def time_gemm(
         out = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
     else:
         inputs = torch.randn(capacity, inter, device="cuda").to(E4M3)
-        input_scale = torch.ones(capacity, inter // 32, device="cuda")
+        input_scale = torch.ones(capacity, inter // SCALE_BLOCK, device="cuda")
         out = torch.empty(capacity, backend.latent, dtype=torch.bfloat16, device="cuda")
     times = {}
     for column in kernels:

@@ -20,10 +20,11 @@ import math
 from bench import cli
 from dep_ep.comm.layout import EpLayout
 from dep_ep.config import K3
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import EpRouted
 from dep_ep.experts.hopper import HummingEngine, TritonEngine
 
-BYTES = {"dispatch": K3.latent + K3.latent // 32 + K3.topk * 8, "combine": K3.latent * 2}
+BYTES = {"dispatch": K3.latent + K3.latent // SCALE_BLOCK + K3.topk * 8, "combine": K3.latent * 2}
 # docs/results/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
 EP2 = {
     1: (6.5, 11.3),

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from dep_ep.constants import VECTOR_BYTES
+from dep_ep.constants import NO_TAG, VECTOR_BYTES
 
 # The largest routing weight magnitude a value check accepts. The combine's output of a token is
 # finite when the BF16 sum h = sum_k w_k o_k over its K <= MAX_TOPK = 2^7 expert outputs o_k is
@@ -102,7 +102,8 @@ def check_eps(fn: str, eps: object) -> float:
     return value
 
 
-TAG_MIN, TAG_MAX = -(2**63) + 1, 2**63 - 1  # -2**63 means "no tag" on the wire
+# Tags are int64 words on the wire, where NO_TAG (-2**63) means "no tag".
+TAG_MIN, TAG_MAX = NO_TAG + 1, 2**63 - 1
 
 
 def check_tag(fn: str, tag: object) -> int | None:

@@ -1,10 +1,16 @@
 """Constants of the formats and of the kernels, defined once: the torch reference, the CuTeDSL
 kernels, the layout and the validation all import them from here."""
 
+import struct
+
 SCALE_BLOCK = 32  # MXFP8/MXFP4 elements per E8M0 scale byte (the OCP MX block size)
 E4M3_MAX = 448.0  # largest finite e4m3 magnitude
 # MXFP8 scale rule: amax times rcp.approx.ftz(448.0), whose fp32 bits are these (docs/formats.md).
 RCP_448_BITS = 0x3B124925
+RCP_448 = struct.unpack("<f", struct.pack("<I", RCP_448_BITS))[0]  # that fp32 value, as a float
+
+# Expert ids travel as int32 (the receive rows' ids, the grouping's lists): E at most 2^31.
+MAX_EXPERTS = 2**31
 
 # The GPU kernels keep a token's set of destination ranks in a 32-bit mask.
 MAX_RANKS = 32

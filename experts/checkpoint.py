@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dep_ep.config import MoeGeometry
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.weights import ExpertWeights
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,9 +48,9 @@ def expert_shapes(g: MoeGeometry, expert: int) -> dict[str, tuple[tuple[int, ...
     out = {}
     for w in ("w1", "w3"):
         out[f"experts.{expert}.{w}.weight_packed"] = ((inter, latent // 2), u8)
-        out[f"experts.{expert}.{w}.weight_scale"] = ((inter, latent // 32), u8)
+        out[f"experts.{expert}.{w}.weight_scale"] = ((inter, latent // SCALE_BLOCK), u8)
     out[f"experts.{expert}.w2.weight_packed"] = ((latent, inter // 2), u8)
-    out[f"experts.{expert}.w2.weight_scale"] = ((latent, inter // 32), u8)
+    out[f"experts.{expert}.w2.weight_scale"] = ((latent, inter // SCALE_BLOCK), u8)
     return out
 
 

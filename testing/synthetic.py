@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from dep_ep.config import SCALE_BLOCK, MoeGeometry
+from dep_ep.config import MoeGeometry
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.weights import ExpertWeights
 
 _E2M1_RMS = math.sqrt(8.5625)  # rms of the E2M1 magnitudes over uniformly random codes

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dep_ep.constants import SCALE_BLOCK
+
 # humming 0.1.19 transform.process_fused_e8m0_scale: the largest E8M0 spread per expert that its
 # fused FP4 -> FP8 decode keeps exact with e4m3 activations.
 FUSED_SCALE_SPREAD = 11
@@ -71,9 +73,9 @@ class HummingGemm:
 
         num_experts, n, half_k = weights.shape
         weight_schema = HummingWeightSchema(
-            b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=32
+            b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=SCALE_BLOCK
         )
-        input_schema = HummingInputSchema(a_dtype="float8e4m3", input_scale_group_size=32)
+        input_schema = HummingInputSchema(a_dtype="float8e4m3", input_scale_group_size=SCALE_BLOCK)
         # humming's MXFP4 words (int32, element i in bits 4i..4i+3) are our bytes viewed as int32;
         # its fused-scale transform rewrites codes in place, hence the copies.
         tensors = {

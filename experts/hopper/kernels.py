@@ -28,12 +28,10 @@ from ReferenceExperts.
 
 from __future__ import annotations
 
-import struct
-
 import triton
 import triton.language as tl
 
-from dep_ep.constants import E4M3_MAX, RCP_448_BITS, SCALE_BLOCK
+from dep_ep.constants import E4M3_MAX, RCP_448, SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 
 SCALE_BLOCK_C = tl.constexpr(SCALE_BLOCK)
@@ -48,7 +46,7 @@ TWO_POW_126 = tl.constexpr(2.0**126)
 E8M0_ZERO_BITS = tl.constexpr(0x00400000)  # scale byte 0: 2^-127, an fp32 subnormal
 E8M0_NAN_BITS = tl.constexpr(0x7FC00000)  # scale byte 255: NaN
 # comm/mxfp8.py's quantization recipe: rcp.approx.ftz(448.0) as an exact fp32, and e4m3's max.
-RCP_448 = tl.constexpr(struct.unpack("<f", struct.pack("<I", RCP_448_BITS))[0])
+RCP_448_C = tl.constexpr(RCP_448)
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)
 BF16_HALF_ULP_BITS = tl.constexpr(0x7FFF)  # fp32 bits below BF16's last kept bit, less one
 BF16_KEPT_BITS = tl.constexpr(0xFFFF0000)
@@ -406,7 +404,7 @@ def _mxfp8_blocks(values, ROWS: tl.constexpr, COLS: tl.constexpr):
     # tl.max skips NaNs; the recipe needs a NaN amax (scale byte 255) for a block holding one.
     has_nan = tl.max((blocks != blocks).to(tl.int32), axis=2) > 0
     amax = tl.where(has_nan, float("nan"), amax)
-    v_bits = (amax * RCP_448).to(tl.uint32, bitcast=True)
+    v_bits = (amax * RCP_448_C).to(tl.uint32, bitcast=True)
     exponent = (v_bits >> 23) & 0xFF
     mantissa = v_bits & 0x7FFFFF
     round_up = (mantissa != 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))
