@@ -15,21 +15,20 @@ from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.checkpoint import (  # the dense tensors' checkpoint names
+    BIAS,
+    DENSE_NAMES,
+    DOWN,
+    GATE,
+    NORM,
+    SHARED_DOWN,
+    SHARED_GATE,
+    SHARED_UP,
+    UP,
+)
 from dep_ep.experts.select import default_experts
 from dep_ep.experts.situ import situ
 from dep_ep.experts.weights import ExpertWeights
-
-# Checkpoint names of the dense tensors after the layer prefix (experts/checkpoint.py,
-# `dense_shapes`; docs/formats.md).
-GATE = "gate.weight"
-BIAS = "gate.e_score_correction_bias"
-DOWN = "routed_expert_down_proj.weight"
-NORM = "routed_expert_norm.weight"
-UP = "routed_expert_up_proj.weight"
-SHARED_GATE = "shared_experts.gate_proj.weight"
-SHARED_UP = "shared_experts.up_proj.weight"
-SHARED_DOWN = "shared_experts.down_proj.weight"
-DENSE_NAMES = (GATE, BIAS, DOWN, NORM, UP, SHARED_GATE, SHARED_UP, SHARED_DOWN)
 
 SCHEDULES = ("overlap", "serial")
 MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1

@@ -31,7 +31,17 @@ import torch.distributed as dist
 from dep_ep.config import EpConfig
 from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, route
 from dep_ep.experts import default_experts, situ
-from dep_ep.experts.checkpoint import dense_shapes
+from dep_ep.experts.checkpoint import (
+    BIAS,
+    DOWN,
+    GATE,
+    NORM,
+    SHARED_DOWN,
+    SHARED_GATE,
+    SHARED_UP,
+    UP,
+    dense_shapes,
+)
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.tolerance import LAYER_REL_L2_BY_ACTIVATION, ROUTED_REL_L2_BY_ACTIVATION
@@ -107,11 +117,7 @@ def synthetic_dense(geometry, layer: SyntheticLayer, seed: int, device) -> dict:
     projections with rms 1/sqrt(fan_in) from a seeded generator."""
     gen = torch.Generator(device=device).manual_seed(seed)
     gate, bias = layer.router()
-    dense = {
-        "gate.weight": gate,
-        "gate.e_score_correction_bias": bias,
-        "routed_expert_norm.weight": layer.norm_weight(),
-    }
+    dense = {GATE: gate, BIAS: bias, NORM: layer.norm_weight()}
     for name, (shape, dtype) in dense_shapes(geometry).items():
         if name not in dense:
             w = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
@@ -126,7 +132,7 @@ def layer_reference(group, moe: EpMoeLayer, layer: SyntheticLayer, x, tokens: in
     n, L, K = x.shape[0], moe.latent, moe.topk
     ids, weights = moe.router(x)
     latent = torch.zeros(tokens, L, dtype=torch.bfloat16, device=x.device)
-    latent[:n] = (x.double() @ d["routed_expert_down_proj.weight"].T).to(torch.bfloat16)
+    latent[:n] = (x.double() @ d[DOWN].T).to(torch.bfloat16)
     padded_ids = torch.full((tokens, K), -1, dtype=torch.int32, device=x.device)
     padded_ids[:n] = ids
     padded_weights = torch.zeros(tokens, K, device=x.device)
@@ -135,12 +141,8 @@ def layer_reference(group, moe: EpMoeLayer, layer: SyntheticLayer, x, tokens: in
         group, latent, padded_ids, padded_weights, moe.norm_weight, layer.expert, eps=moe.eps
     )[:n]
     x64 = x.double()
-    act = situ(
-        x64 @ d["shared_experts.gate_proj.weight"].T, x64 @ d["shared_experts.up_proj.weight"].T
-    )
-    return (
-        normed @ d["routed_expert_up_proj.weight"].T + act @ d["shared_experts.down_proj.weight"].T
-    )
+    act = situ(x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T)
+    return normed @ d[UP].T + act @ d[SHARED_DOWN].T
 
 
 def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
