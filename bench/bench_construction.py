@@ -25,8 +25,9 @@ def construct_s(group, device) -> float:
     """Host wall-clock seconds of one EpRouted construction (closed after)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    routed = EpRouted(group, MAX_TOKENS, device, num_experts=K3.experts, latent=K3.latent,
-                      topk=K3.topk)  # fmt: skip
+    routed = EpRouted(
+        group, MAX_TOKENS, device, num_experts=K3.experts, latent=K3.latent, topk=K3.topk
+    )
     took = time.perf_counter() - start
     routed.close()
     return took

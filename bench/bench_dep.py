@@ -44,6 +44,8 @@ import torch.distributed as dist
 from bench import cli, combine_path, peer_one_sided, report
 from bench.ranks import mean, slowest
 from bench.timing import pair_timed_us, timed_us
+from dep_ep.config import DEFAULT_NORM_EPS
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
@@ -67,9 +69,17 @@ def make_peer(args, ctx, cpu, n: int):
     if args.peer == "none":
         return None, "Peer: not run (`--peer none`)."
     peer, why_not = peer_one_sided.OneSidedPeer.create(
-        cpu, ctx.rank, n, ctx.device, max(args.tokens), latent=K3.latent, topk=K3.topk,
-        experts=K3.experts, timeout_s=args.peer_timeout_s, handles=args.peer_handles,
-    )  # fmt: skip
+        cpu,
+        ctx.rank,
+        n,
+        ctx.device,
+        max(args.tokens),
+        latent=K3.latent,
+        topk=K3.topk,
+        experts=K3.experts,
+        timeout_s=args.peer_timeout_s,
+        handles=args.peer_handles,
+    )
     if peer is None and args.peer == "flashinfer":
         raise SystemExit(f"bench.bench_dep: rank {ctx.rank}: the peer cannot run: {why_not}")
     if ctx.rank == 0:
@@ -82,19 +92,25 @@ def peer_line(peer, cpu) -> str:
     import flashinfer
 
     construction = slowest(peer.construction_s, cpu)
-    return (f"Peer: {peer_one_sided.NAME} (flashinfer {flashinfer.__version__},"
-            f" NVLinkOneSidedAlltoAll: {peer.path}); its workspace {peer.workspace_mib:.1f} MiB"
-            f" per rank (sized for the largest T); import, JIT build or load and construction"
-            f" {construction:.2f} s, slowest rank.")  # fmt: skip
+    return (
+        f"Peer: {peer_one_sided.NAME} (flashinfer {flashinfer.__version__},"
+        f" NVLinkOneSidedAlltoAll: {peer.path}); its workspace {peer.workspace_mib:.1f} MiB"
+        f" per rank (sized for the largest T); import, JIT build or load and construction"
+        f" {construction:.2f} s, slowest rank."
+    )
 
 
 def main() -> int:
     page = "bench_dep{N}.md and .png (N: the ranks)"
     timing = (REPS, SAMPLES)
     p = cli.parser(__doc__, page=page, tokens=TOKENS, routing=ROUTINGS, timing=timing, combine=True)
-    p.add_argument("--peer", choices=("auto", "flashinfer", "none"), default="auto",
-                   help="time FlashInfer's one-sided all-to-all beside ours (auto: when it imports;"
-                   " flashinfer: fail when it cannot run)")  # fmt: skip
+    p.add_argument(
+        "--peer",
+        choices=("auto", "flashinfer", "none"),
+        default="auto",
+        help="time FlashInfer's one-sided all-to-all beside ours (auto: when it imports;"
+        " flashinfer: fail when it cannot run)",
+    )
     p.add_argument(
         "--peer-handles",
         choices=peer_one_sided.HANDLES,
@@ -113,8 +129,15 @@ def main() -> int:
     torch.cuda.synchronize()
     dist.barrier(cpu)
     start = time.perf_counter()
-    routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
-                      topk=K3.topk, config=config)  # fmt: skip
+    routed = EpRouted(
+        cpu,
+        max(args.tokens),
+        "cuda",
+        num_experts=K3.experts,
+        latent=K3.latent,
+        topk=K3.topk,
+        config=config,
+    )
     construction_s = slowest(time.perf_counter() - start, cpu)
     # The transport alone: a dispatch and its combine, no experts between.
     # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
@@ -123,7 +146,7 @@ def main() -> int:
     peer, peer_note = make_peer(args, ctx, cpu, n)
     suffix = combine_path.suffix(args)
     L, K = K3.latent, K3.topk
-    row_bytes = L + L // 32 + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
+    row_bytes = L + L // SCALE_BLOCK + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
     norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     results = []
@@ -137,16 +160,23 @@ def main() -> int:
         transport.reset()
         pair_us, d_us, c_us = pair_timed_us(
             lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None),
-            lambda: transport.combine(out, ids, norm, 1e-5, rejected=None),
-            cpu, args.reps, args.samples,
-        )  # fmt: skip
+            lambda: transport.combine(out, ids, norm, DEFAULT_NORM_EPS, rejected=None),
+            cpu,
+            args.reps,
+            args.samples,
+        )
         routed.synchronize()
         transport.reset()
         peer_us = (None, None, None)
         if peer is not None:
             step = peer.step(latent, ids, weights)
-            peer_us = pair_timed_us(lambda: peer.dispatch(step), lambda: peer.combine(step),
-                                    cpu, args.reps, args.samples)  # fmt: skip
+            peer_us = pair_timed_us(
+                lambda: peer.dispatch(step),
+                lambda: peer.combine(step),
+                cpu,
+                args.reps,
+                args.samples,
+            )
             torch.cuda.synchronize()
 
         # Baseline 1: all-gather + reduce-scatter (BF16 latents, as vLLM's default).
@@ -205,21 +235,33 @@ def main() -> int:
         remote_back = sum(r for s, r in enumerate(recv_rows) if s != rank)
         d_bytes, c_bytes = remote_rows * row_bytes, remote_back * 2 * L
         row = dict(
-            tokens=tokens, routing=routing, skew=skew, pair_skew=pair_skew,
+            tokens=tokens,
+            routing=routing,
+            skew=skew,
+            pair_skew=pair_skew,
             receive_mib=EpRouted.workspace_bytes(n, tokens, latent=L, topk=K) / 2**20,
-            dispatch=slowest(d_us, cpu), combine=slowest(c_us, cpu), pair=slowest(pair_us, cpu),
-            allgather=slowest(ag_us, cpu), reduce_scatter=slowest(rs_us, cpu),
-            a2a=slowest(a2a_us, cpu), a2a_back=slowest(back_us, cpu),
-            d_bytes=mean(d_bytes, cpu), c_bytes=mean(c_bytes, cpu),
+            dispatch=slowest(d_us, cpu),
+            combine=slowest(c_us, cpu),
+            pair=slowest(pair_us, cpu),
+            allgather=slowest(ag_us, cpu),
+            reduce_scatter=slowest(rs_us, cpu),
+            a2a=slowest(a2a_us, cpu),
+            a2a_back=slowest(back_us, cpu),
+            d_bytes=mean(d_bytes, cpu),
+            c_bytes=mean(c_bytes, cpu),
             modes="/".join(sorted({ag_mode, rs_mode, a2a_mode, back_mode})),
-        )  # fmt: skip
+        )
         if peer is not None:
-            row.update(peer_pair=slowest(peer_us[0], cpu), peer_dispatch=slowest(peer_us[1], cpu),
-                       peer_combine=slowest(peer_us[2], cpu))  # fmt: skip
+            row.update(
+                peer_pair=slowest(peer_us[0], cpu),
+                peer_dispatch=slowest(peer_us[1], cpu),
+                peer_combine=slowest(peer_us[2], cpu),
+            )
         results.append(row)
         if rank == 0:
-            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
-                  flush=True)  # fmt: skip
+            print(
+                {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True
+            )
     if peer is not None:
         torch.cuda.synchronize()
         dist.barrier(cpu)  # every rank done with the peer's workspace

@@ -28,6 +28,8 @@ from bench import cli, combine_path, report
 from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.config import DEFAULT_NORM_EPS
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
@@ -64,8 +66,8 @@ def copy_ceiling_gbs() -> dict[str, float]:
 
 def bytes_moved(tokens: int) -> tuple[int, int]:
     """(dispatch, combine) bytes at EP=1 per step of `tokens` tokens."""
-    L, K = K3.latent, K3.topk
-    dispatch = tokens * (2 * L + 8 * K + L + L // 32 + 8 * K)  # read latent+ids+w, write x+sf+ids+w
+    L, K, S = K3.latent, K3.topk, K3.latent // SCALE_BLOCK  # S: scale bytes a row
+    dispatch = tokens * (2 * L + 8 * K + L + S + 8 * K)  # read latent+ids+w, write x+sf+ids+w
     # send: read ids row + out row, write partials; reduce: read ids + partials, write normed
     combine = tokens * (4 * K + 2 * L + 2 * L + 4 * K + 2 * L + 2 * L) + 2 * L
     return dispatch, combine
@@ -74,16 +76,28 @@ def bytes_moved(tokens: int) -> tuple[int, int]:
 def main() -> int:
     page = "bench_ep1.md and bench_ep1.png"
     p = cli.parser(__doc__, page=page, tokens=TOKENS, timing=(REPS, SAMPLES), combine=True)
-    p.add_argument("--tunings", nargs="+", choices=sorted(TUNINGS), default=["default"],
-                   help="kernel tunings to time, the first one in the main table")  # fmt: skip
+    p.add_argument(
+        "--tunings",
+        nargs="+",
+        choices=sorted(TUNINGS),
+        default=["default"],
+        help="kernel tunings to time, the first one in the main table",
+    )
     args = p.parse_args()
     ctx = init_rank_context("cuda")
     if ctx.world_size != 1:
         raise SystemExit("bench.bench_ep: run one process (EP=1); several processes share time")
     dep = new_dep_group(ctx, 1)
     max_tokens = max(args.tokens)
-    routed = EpRouted(dep.cpu_group, max_tokens, "cuda", num_experts=K3.experts,
-                      latent=K3.latent, topk=K3.topk, config=combine_path.config(args))  # fmt: skip
+    routed = EpRouted(
+        dep.cpu_group,
+        max_tokens,
+        "cuda",
+        num_experts=K3.experts,
+        latent=K3.latent,
+        topk=K3.topk,
+        config=combine_path.config(args),
+    )
     # The transport alone: a dispatch without its combine (the public calls pair them).
     # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
     # validation and the dispatch/combine pairing on purpose.
@@ -115,8 +129,9 @@ def main() -> int:
 def make_inputs(routed: EpRouted, tokens: int):
     """(latent, ids, weights) of one step, fresh random data; the receive rows' `out` filled."""
     latent = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(K3.experts, device="cuda")[: K3.topk]
-                       for _ in range(tokens)]).int()  # fmt: skip
+    ids = torch.stack(
+        [torch.randperm(K3.experts, device="cuda")[: K3.topk] for _ in range(tokens)]
+    ).int()
     weights = torch.rand(tokens, K3.topk, device="cuda")
     out = routed.receive(tokens).out
     out.copy_(torch.randn_like(out, dtype=torch.float32).to(torch.bfloat16))
@@ -130,7 +145,7 @@ def time_step(transport, routed, tokens, latent, ids, weights, norm, reps: int, 
 
     def pair():
         transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
-        transport.combine(out, ids, norm, 1e-5, rejected=None)
+        transport.combine(out, ids, norm, DEFAULT_NORM_EPS, rejected=None)
 
     transport.reset()
     pair_us = replay_us(capture(pair, reps), reps, samples)
@@ -148,8 +163,11 @@ def time_step(transport, routed, tokens, latent, ids, weights, norm, reps: int, 
     d_us = replay_us(dispatch, reps, samples)
     routed.synchronize()
     transport.reset()
-    print(f"T={tokens:5d} dispatch {d_us:8.2f} us combine {pair_us - d_us:8.2f} us pair"
-          f" {pair_us:8.2f} us  eager pair {eager_us:8.2f} us", flush=True)  # fmt: skip
+    print(
+        f"T={tokens:5d} dispatch {d_us:8.2f} us combine {pair_us - d_us:8.2f} us pair"
+        f" {pair_us:8.2f} us  eager pair {eager_us:8.2f} us",
+        flush=True,
+    )
     return d_us, pair_us - d_us, pair_us, eager_us
 
 
@@ -163,13 +181,19 @@ def quantize_speedup(tokens: int) -> tuple[int, float, float]:
 
     x = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
     q = torch.empty(tokens, K3.latent, dtype=torch.uint8, device="cuda")
-    sf = torch.empty(tokens, K3.latent // 32, dtype=torch.uint8, device="cuda")
-    kernel = cute.compile(Mxfp8QuantizeKernel(K3.latent), Int64(0), Int64(0), Int64(0), Int32(1),
-                          cuda.CUstream(0))  # fmt: skip
+    sf = torch.empty(tokens, K3.latent // SCALE_BLOCK, dtype=torch.uint8, device="cuda")
+    kernel = cute.compile(
+        Mxfp8QuantizeKernel(K3.latent), Int64(0), Int64(0), Int64(0), Int32(1), cuda.CUstream(0)
+    )
 
     def run():
-        kernel(x.data_ptr(), q.data_ptr(), sf.data_ptr(), tokens,
-               cuda.CUstream(torch.cuda.current_stream().cuda_stream))  # fmt: skip
+        kernel(
+            x.data_ptr(),
+            q.data_ptr(),
+            sf.data_ptr(),
+            tokens,
+            cuda.CUstream(torch.cuda.current_stream().cuda_stream),
+        )
 
     want = mxfp8_quantize(x)
     run()

@@ -33,6 +33,7 @@ import torch
 from bench import cli, report
 from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.mxfp8 import mxfp8_quantize
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, HummingEngine, TritonEngine
@@ -45,7 +46,7 @@ LOCAL_EXPERTS = [56, 112, 448]
 REFERENCE_MAX_LOCAL = 112
 REPS, SAMPLES = 10, 20  # calls per captured graph, timed replays (median)
 # w13 + s13 + w2 + s2 of one K3 expert: 3 * I * L / 2 code bytes + 3 * I * L / 32 scale bytes.
-EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // 32
+EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // SCALE_BLOCK
 
 
 def copy_gbs() -> float:
@@ -56,8 +57,9 @@ def copy_gbs() -> float:
     return 2 * 4 * src.numel() / (us * 1e-6) / 1e9
 
 
-def receive_rows(ranks: int, tokens: int, local: int, gen: torch.Generator,
-                 routing: str = "uniform"):  # fmt: skip
+def receive_rows(
+    ranks: int, tokens: int, local: int, gen: torch.Generator, routing: str = "uniform"
+):
     """(x, sf, ids, weights) of the tokens among ranks * tokens with an id in [0, local), routed
     by synthetic_ids(routing): under "hot" expert 0, a local one, is every token's first choice."""
     ids = synthetic_ids(ranks * tokens, K3.experts, K3.topk, routing, gen, "cuda")
@@ -109,11 +111,15 @@ def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> lis
         ids = rows[2]
         touched = int(ids[ids < local].unique().numel())
         result = {
-            "local": local, "ranks": ranks, "tokens": tokens, "routing": routing,
+            "local": local,
+            "ranks": ranks,
+            "tokens": tokens,
+            "routing": routing,
             "rows": ids.shape[0],
-            "pairs": int((ids < local).sum()), "touched": touched,
+            "pairs": int((ids < local).sum()),
+            "touched": touched,
             "floor_us": touched * EXPERT_BYTES / (bandwidth * 1e9) * 1e6,
-        }  # fmt: skip
+        }
         outputs = {}
         for name, backend in variants.items():
             out = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")

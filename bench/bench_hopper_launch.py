@@ -23,6 +23,7 @@ import torch
 from bench import cli, report
 from bench.bench_experts import receive_rows
 from bench.timing import capture, replay_us
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperTiles, grouping_kernel, kernels
 from dep_ep.experts.hopper.humming_engine import SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM, SITU_ROWS
@@ -31,9 +32,15 @@ CASES = [(56, 8), (56, 32), (56, 64), (56, 128), (56, 256), (448, 16), (448, 256
 GROUPING = [(512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8)]  # (slots a chunk, warps)
 FINALIZE = [(128, 1), (256, 1), (256, 2), (256, 4), (512, 2), (512, 4)]  # (columns, warps)
 SITU = [  # (pairs a step, programs per SM, columns, warps)
-    (16, 4, 256, 4), (16, 8, 256, 4), (16, 16, 256, 4), (16, 32, 256, 4), (8, 16, 256, 4),
-    (32, 16, 256, 8), (16, 16, 512, 8), (16, 32, 128, 4),
-]  # fmt: skip
+    (16, 4, 256, 4),
+    (16, 8, 256, 4),
+    (16, 16, 256, 4),
+    (16, 32, 256, 4),
+    (8, 16, 256, 4),
+    (32, 16, 256, 8),
+    (16, 16, 512, 8),
+    (16, 32, 128, 4),
+]
 REPS, SAMPLES = 20, 15  # calls per captured graph, timed replays (median)
 BLOCK_N = 16
 
@@ -47,8 +54,15 @@ def grouping_times(ids: torch.Tensor, local: int, timed) -> dict[str, float]:
         for block_s, warps in GROUPING:
             grouping_kernel.BLOCK_S, grouping_kernel.NUM_WARPS = block_s, warps
             groups, routes = grouping_kernel.group_and_route(ids, 0, local, BLOCK_N)
-            got = (groups.pair_flat, groups.pair_slot, groups.tile_expert, groups.tile_rows,
-                   routes.flat, routes.pair, routes.num_padded)  # fmt: skip
+            got = (
+                groups.pair_flat,
+                groups.pair_slot,
+                groups.tile_expert,
+                groups.tile_rows,
+                routes.flat,
+                routes.pair,
+                routes.num_padded,
+            )
             if first is None:
                 first = got
             if not all(torch.equal(a, b) for a, b in zip(got, first)):
@@ -90,14 +104,28 @@ def situ_times(gate_up, groups, sms: int, timed) -> dict[str, float]:
         blocks = inter // columns
         programs = max(1, min(-(-capacity // step), per_sm * sms // blocks))
         act = torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device="cuda")
-        scale = torch.empty(capacity, inter // 32, device="cuda")
+        scale = torch.empty(capacity, inter // SCALE_BLOCK, device="cuda")
 
-        def call(step=step, columns=columns, warps=warps, programs=programs, blocks=blocks,
-                 act=act, scale=scale):  # fmt: skip
+        def call(
+            step=step,
+            columns=columns,
+            warps=warps,
+            programs=programs,
+            blocks=blocks,
+            act=act,
+            scale=scale,
+        ):
             kernels.situ_mxfp8_kernel[(programs, blocks)](
-                gate_up, groups.pair_flat, groups.num_pairs, act, scale, inter, step, columns,
+                gate_up,
+                groups.pair_flat,
+                groups.num_pairs,
+                act,
+                scale,
+                inter,
+                step,
+                columns,
                 num_warps=warps,
-            )  # fmt: skip
+            )
 
         times[f"{step}/{per_sm}/{columns}/{warps}"] = timed(call)
         got = (act[:pairs].view(torch.uint8), scale[:pairs].view(torch.int32))
@@ -143,11 +171,13 @@ def main() -> int:
         y = torch.randn(capacity, K3.latent, device="cuda", generator=gen).bfloat16()
         gate_up = torch.randn(capacity, 2 * K3.intermediate, device="cuda", generator=gen)
         result = {
-            "local": local, "tokens": tokens, "rows": rows,
+            "local": local,
+            "tokens": tokens,
+            "rows": rows,
             "grouping": grouping_times(ids, local, timed),
             "finalize": finalize_times(y, groups.pair_slot, weights, rows, timed),
             "situ": situ_times(gate_up.bfloat16(), groups, sms, timed),
-        }  # fmt: skip
+        }
         results.append(result)
         print(datetime.datetime.now().strftime("%H:%M:%S"), result, flush=True)
     write_report(args.out, results)

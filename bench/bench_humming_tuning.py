@@ -25,6 +25,7 @@ import torch
 from bench import cli, report
 from bench.bench_experts import receive_rows
 from bench.timing import capture, replay_us
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts, HummingEngine, routed_tilings, tuning_pairs
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -65,18 +66,27 @@ def time_gemm(
         out = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
     else:
         inputs = torch.randn(capacity, inter, device="cuda").to(E4M3)
-        input_scale = torch.ones(capacity, inter // 32, device="cuda")
+        input_scale = torch.ones(capacity, inter // SCALE_BLOCK, device="cuda")
         out = torch.empty(capacity, backend.latent, dtype=torch.bfloat16, device="cuda")
     times = {}
     for column in kernels:
-        [(groups, routes)] = routed_tilings(ids, 0, backend.num_local_experts,
-                                            (gemm.block_m(column),), "triton")  # fmt: skip
+        [(groups, routes)] = routed_tilings(
+            ids, 0, backend.num_local_experts, (gemm.block_m(column),), "triton"
+        )
         # FC1 reads row id // K for route id = row * K + k; FC2 reads activation row = pair.
         sorted_ids, top_k = (routes.flat, topk) if name == "fc1" else (routes.pair, 1)
 
         def call(column=column, groups=groups, routes=routes, sorted_ids=sorted_ids, top_k=top_k):
-            gemm(inputs, input_scale, sorted_ids, groups.tile_expert, routes.num_padded, top_k,
-                 out, column)  # fmt: skip
+            gemm(
+                inputs,
+                input_scale,
+                sorted_ids,
+                groups.tile_expert,
+                routes.num_padded,
+                top_k,
+                out,
+                column,
+            )
 
         reps, samples = timing
         times[column] = replay_us(capture(call, reps), reps, samples)
@@ -108,8 +118,9 @@ def add_variants(page: report.Page, gen: torch.Generator, timing: tuple[int, int
     not run)."""
     weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, VARIANT_LOCAL)
     backend = HopperExperts(weights, engine=HummingEngine())
-    rows = {t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen)
-            for t in VARIANT_TOKENS}  # fmt: skip
+    rows = {
+        t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen) for t in VARIANT_TOKENS
+    }
     for name in ("fc1", "fc2"):
         gemm = getattr(backend.prepared, name)
         table = []
@@ -169,8 +180,10 @@ def main() -> int:
             for name, gemm in gemms.items():
                 times = time_gemm(backend, name, kernels[name], rows, timing)
                 picked = column_of(kernels[name], gemm, chosen)
-                cells = [f"**{us:.0f}**" if column == picked else f"{us:.0f}"
-                         for column, us in times.items()]  # fmt: skip
+                cells = [
+                    f"**{us:.0f}**" if column == picked else f"{us:.0f}"
+                    for column, us in times.items()
+                ]
                 tables[name].append([tokens, ids.shape[0], held, chosen, *cells])
                 print(local, name, tables[name][-1], flush=True)
         for name in gemms:

@@ -31,13 +31,13 @@ from bench.timing import timed_us
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpMoeLayer, EpRouted
 from dep_ep.experts import ExpertsBackend
+from dep_ep.experts.checkpoint import BIAS, NORM, dense_shapes
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 REPS = 10  # calls captured per graph
 SAMPLES = 20
 PARTS = ("front", "router", "shared", "routed", "up")
-SHARED = 2 * K3.intermediate  # S: the shared MLP's intermediate (experts/checkpoint.py)
 
 
 class ZeroExperts(ExpertsBackend):
@@ -54,17 +54,18 @@ class ZeroExperts(ExpertsBackend):
 def dense_weights(seed: int) -> dict[str, torch.Tensor]:
     """K3's dense tensors on the GPU, random with rms 1/sqrt(fan_in)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    H, L, E, S = K3.hidden, K3.latent, K3.experts, SHARED
+    # The projections, in dense_shapes' order, then the bias and the norm weight.
     shapes = {
-        "gate.weight": (E, H), "routed_expert_down_proj.weight": (L, H),
-        "routed_expert_up_proj.weight": (H, L), "shared_experts.gate_proj.weight": (S, H),
-        "shared_experts.up_proj.weight": (S, H), "shared_experts.down_proj.weight": (H, S),
-    }  # fmt: skip
-    out = {name: (torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1]))
-           .to(torch.bfloat16) for name, shape in shapes.items()}  # fmt: skip
-    out["gate.e_score_correction_bias"] = 0.01 * torch.randn(E, generator=gen, device="cuda")
-    norm = 1 + 0.1 * torch.randn(L, generator=gen, device="cuda")
-    out["routed_expert_norm.weight"] = norm.to(torch.bfloat16)
+        name: shape for name, (shape, _) in dense_shapes(K3).items() if name not in (BIAS, NORM)
+    }
+
+    def draw(shape: tuple[int, int]) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])).bfloat16()
+
+    out = {name: draw(shape) for name, shape in shapes.items()}
+    out[BIAS] = 0.01 * torch.randn(K3.experts, generator=gen, device="cuda")
+    norm = 1 + 0.1 * torch.randn(K3.latent, generator=gen, device="cuda")
+    out[NORM] = norm.to(torch.bfloat16)
     return out
 
 
@@ -79,8 +80,15 @@ def main() -> int:
     n, rank = ctx.world_size, ctx.rank
     dep = new_dep_group(ctx, n)
     cpu = dep.cpu_group
-    routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
-                      topk=K3.topk, config=EpConfig(timeout_s=60.0))  # fmt: skip
+    routed = EpRouted(
+        cpu,
+        max(args.tokens),
+        "cuda",
+        num_experts=K3.experts,
+        latent=K3.latent,
+        topk=K3.topk,
+        config=EpConfig(timeout_s=60.0),
+    )
     experts = ZeroExperts(routed.first_expert, routed.experts_per_rank, K3.latent)
     overlap = EpMoeLayer(dense_weights(1234), routed, experts, topk=K3.topk)
     serial = EpMoeLayer(overlap.dense, routed, experts, topk=K3.topk, schedule="serial")
@@ -114,8 +122,9 @@ def main() -> int:
         row["bitwise"] = bool(slowest(0.0 if same else 1.0, cpu) == 0.0)
         results.append(row)
         if rank == 0:
-            print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()},
-                  flush=True)  # fmt: skip
+            print(
+                {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True
+            )
     routed.close()
     if rank == 0:
         write_report(args.out, results, n)

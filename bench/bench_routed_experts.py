@@ -65,8 +65,10 @@ def read_peer_log(path: Path, local: int) -> dict[int, float]:
         if row.get("error") is None and int(row.get("local", -1)) == local and "layer_us" in row:
             times[int(row["T"])] = float(row["layer_us"])
     if not times:
-        raise ValueError(f"{path}: no `{PEER_PREFIX.strip()}` line without error at {local} local"
-                         " experts per rank")  # fmt: skip
+        raise ValueError(
+            f"{path}: no `{PEER_PREFIX.strip()}` line without error at {local} local"
+            " experts per rank"
+        )
     return times
 
 
@@ -84,8 +86,15 @@ def main() -> int:
         raise SystemExit("bench.bench_routed_experts: one GPU per rank (time-slicing)")
     n, rank = ctx.world_size, ctx.rank
     cpu = new_dep_group(ctx, n).cpu_group
-    routed = EpRouted(cpu, max(args.tokens), "cuda", num_experts=K3.experts, latent=K3.latent,
-                      topk=K3.topk, config=EpConfig(timeout_s=60.0))  # fmt: skip
+    routed = EpRouted(
+        cpu,
+        max(args.tokens),
+        "cuda",
+        num_experts=K3.experts,
+        latent=K3.latent,
+        topk=K3.topk,
+        config=EpConfig(timeout_s=60.0),
+    )
     local = routed.experts_per_rank
     synthetic = SyntheticLayer(K3, seed=1, device="cuda")
     weights_4bit = synthetic.local_weights(routed.first_expert, local)
@@ -115,9 +124,12 @@ def main() -> int:
         us, mode = timed_us(step, cpu, args.reps, args.samples)
         routed.synchronize()
         row = {
-            "tokens": tokens, "us": slowest(us, cpu), "touched": slowest(touched, cpu),
-            "mode": mode, "finite": slowest(0.0 if finite else 1.0, cpu) == 0.0,
-        }  # fmt: skip
+            "tokens": tokens,
+            "us": slowest(us, cpu),
+            "touched": slowest(touched, cpu),
+            "mode": mode,
+            "finite": slowest(0.0 if finite else 1.0, cpu) == 0.0,
+        }
         row["floor_us"] = row["touched"] * EXPERT_BYTES / (bandwidth * 1e9) * 1e6
         results.append(row)
         if rank == 0:
@@ -130,8 +142,13 @@ def main() -> int:
         peer = {}  # another world size: nothing to compare with
         print(f"--peer-ranks {args.peer_ranks} != {n} ranks: the peer is left out", file=sys.stderr)
     if rank == 0:
-        meta = {"n": n, "local": local, "bandwidth": bandwidth, "backend": backend,
-                "grouping": args.grouping}  # fmt: skip
+        meta = {
+            "n": n,
+            "local": local,
+            "bandwidth": bandwidth,
+            "backend": backend,
+            "grouping": args.grouping,
+        }
         write_report(args.out, results, peer, meta)
     teardown(ctx)
     return 0

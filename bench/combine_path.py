@@ -9,10 +9,12 @@ from dep_ep.config import EpConfig
 
 def add_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--combine-split-min-tokens", type=int, default=None,
+        "--combine-split-min-tokens",
+        type=int,
+        default=None,
         help="force the combine path: 0 = always two launches, a huge value = always one"
         " (default: the library's choice); the report's name gets a suffix",
-    )  # fmt: skip
+    )
 
 
 def config(args: argparse.Namespace) -> EpConfig:
@@ -30,5 +32,7 @@ def suffix(args: argparse.Namespace) -> str:
 def forced_line(suffix: str) -> str:
     """The report's sentence saying which path was forced (for a non-empty suffix)."""
     forced = suffix[len("_split") :]
-    return (f"Combine path forced: `--combine-split-min-tokens {forced}` (0: two launches at every"
-            " T; huge: one launch at every T).")  # fmt: skip
+    return (
+        f"Combine path forced: `--combine-split-min-tokens {forced}` (0: two launches at every"
+        " T; huge: one launch at every T)."
+    )

@@ -44,7 +44,7 @@ def main() -> int:
         for name, fn in (
             ("kernel", lambda: torch.mul(src[:n], 1.0, out=peer[:n])),
             ("copy engine", lambda: peer[:n].copy_(src[:n])),
-        ):  # fmt: skip
+        ):
             graph = capture(fn, args.reps)
             for both in (False, True):
                 writes = both or rank == 0

@@ -89,9 +89,20 @@ class OneSidedPeer:
         self.path = f"{kind}, {'FABRIC' if fabric else 'POSIX-fd'} handles, pdl {comm._enable_pdl}"
 
     @classmethod
-    def create(cls, cpu_group, rank: int, world: int, device: torch.device, max_tokens: int, *,
-               latent: int, topk: int, experts: int, timeout_s: int = 30,
-               handles: str = "posix") -> tuple[OneSidedPeer | None, str | None]:  # fmt: skip
+    def create(
+        cls,
+        cpu_group,
+        rank: int,
+        world: int,
+        device: torch.device,
+        max_tokens: int,
+        *,
+        latent: int,
+        topk: int,
+        experts: int,
+        timeout_s: int = 30,
+        handles: str = "posix",
+    ) -> tuple[OneSidedPeer | None, str | None]:
         """Collective over `cpu_group` (gloo, `world` ranks): (the peer, None), or (None, why not)
         on every rank."""
         if handles not in HANDLES:
@@ -123,12 +134,17 @@ class OneSidedPeer:
             )
 
             params = MoEEpCommParams(
-                num_experts=experts, top_k=topk, max_tokens_per_rank=max_tokens,
-                hidden_size=latent, dtype=torch.bfloat16, dispatch_format=QuantFormat.MXFP8,
-            )  # fmt: skip
+                num_experts=experts,
+                top_k=topk,
+                max_tokens_per_rank=max_tokens,
+                hidden_size=latent,
+                dtype=torch.bfloat16,
+                dispatch_format=QuantFormat.MXFP8,
+            )
             config = NVLinkOneSidedConfig(cft=False, lamport=False, timeout_sec=timeout_s)
-            bootstrap = BootstrapConfig(world_size=world, rank=rank, device=device.index,
-                                        process_group=cpu_group)  # fmt: skip
+            bootstrap = BootstrapConfig(
+                world_size=world, rank=rank, device=device.index, process_group=cpu_group
+            )
             comm = create_communication(bootstrap, params, config)
         except Exception as exc:  # noqa: BLE001
             error = f"create_communication: {_last_line(exc)}"
@@ -144,12 +160,23 @@ class OneSidedPeer:
         expert), `weights` float32 [T, K]."""
         payload, scales = mxfp8_quantize(latent)
         out = torch.empty_like(latent)
-        return PeerStep(latent.shape[0], payload.contiguous(), scales.contiguous(),
-                        ids.contiguous(), weights.contiguous(), out)  # fmt: skip
+        return PeerStep(
+            latent.shape[0],
+            payload.contiguous(),
+            scales.contiguous(),
+            ids.contiguous(),
+            weights.contiguous(),
+            out,
+        )
 
     def dispatch(self, step: PeerStep) -> None:
-        self._comm.dispatch(step.payload, step.ids, step.weights, hidden_states_scale=step.scales,
-                            runtime_max_tokens_per_rank=step.tokens)  # fmt: skip
+        self._comm.dispatch(
+            step.payload,
+            step.ids,
+            step.weights,
+            hidden_states_scale=step.scales,
+            runtime_max_tokens_per_rank=step.tokens,
+        )
 
     def combine(self, step: PeerStep) -> None:
         self._comm.combine(self._comm.get_combine_input_buffer(torch.bfloat16), output=step.out)

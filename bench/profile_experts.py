@@ -36,13 +36,18 @@ def main() -> int:
             for _ in range(args.calls):
                 backend.forward(x, sf, ids, weights, out)
             torch.cuda.synchronize()
-        print(f"\n== local {args.local}, T={tokens}: {x.shape[0]} rows, {ms:.3f} ms a call;"
-              f" profile of {args.calls} calls", flush=True)  # fmt: skip
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
-                                          max_name_column_width=60)  # fmt: skip
+        print(
+            f"\n== local {args.local}, T={tokens}: {x.shape[0]} rows, {ms:.3f} ms a call;"
+            f" profile of {args.calls} calls",
+            flush=True,
+        )
+        table = prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
+        )
         print(table, flush=True)
-        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15,
-                                          max_name_column_width=60)  # fmt: skip
+        table = prof.key_averages().table(
+            sort_by="cpu_time_total", row_limit=15, max_name_column_width=60
+        )
         print(table, flush=True)
     return 0
 

@@ -36,8 +36,10 @@ def profile_case(backend: HopperExperts, rows) -> tuple[float, list[tuple[str, f
             backend.forward(*rows, out)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernels = [(e.key[:KERNEL_NAME_CHARS], e.self_device_time_total / CALLS, e.count // CALLS)
-               for e in sorted(events, key=lambda e: -e.self_device_time_total)]  # fmt: skip
+    kernels = [
+        (e.key[:KERNEL_NAME_CHARS], e.self_device_time_total / CALLS, e.count // CALLS)
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)
+    ]
     return sum(us for _, us, _ in kernels), kernels
 
 
@@ -67,8 +69,10 @@ def main() -> int:
             busy, kernels = profile_case(backend, rows)
             tuned = backend.tuning_pairs(ids.shape[0], K3.topk)
             pairs = int(((ids >= 0) & (ids < local)).sum())
-            title = (f"{local} local experts, T = {tokens}: {ids.shape[0]} rows, {pairs} pairs,"
-                     f" kernels for {tuned}")  # fmt: skip
+            title = (
+                f"{local} local experts, T = {tokens}: {ids.shape[0]} rows, {pairs} pairs,"
+                f" kernels for {tuned}"
+            )
             busy_line = (
                 f"GPU busy {busy:.0f} us a call; floor {floor:.0f} us ({100 * floor / busy:.0f}%)."
             )

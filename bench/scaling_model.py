@@ -20,16 +20,25 @@ import math
 from bench import cli
 from dep_ep.comm.layout import EpLayout
 from dep_ep.config import K3
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import EpRouted
 from dep_ep.experts.hopper import HummingEngine, TritonEngine
 
-BYTES = {"dispatch": K3.latent + K3.latent // 32 + K3.topk * 8, "combine": K3.latent * 2}
+BYTES = {"dispatch": K3.latent + K3.latent // SCALE_BLOCK + K3.topk * 8, "combine": K3.latent * 2}
 # docs/results/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
 EP2 = {
-    1: (6.5, 11.3), 2: (8.2, 11.1), 4: (8.5, 10.4), 8: (8.8, 12.3), 16: (9.4, 12.0),
-    32: (9.6, 12.9), 64: (10.4, 15.4), 128: (11.4, 16.5), 256: (14.3, 17.9),
-    1024: (27.5, 42.7), 4096: (76.2, 129.4),
-}  # fmt: skip
+    1: (6.5, 11.3),
+    2: (8.2, 11.1),
+    4: (8.5, 10.4),
+    8: (8.8, 12.3),
+    16: (9.4, 12.0),
+    32: (9.6, 12.9),
+    64: (10.4, 15.4),
+    128: (11.4, 16.5),
+    256: (14.3, 17.9),
+    1024: (27.5, 42.7),
+    4096: (76.2, 129.4),
+}
 # docs/results/nvlink_ceiling.md: kernel stores both ways at once, 16 MB and 64 MB (GB/s).
 CEILING_GBS = 345.0
 TOKENS = [1, 16, 128, 256, 1024, 4096]
@@ -89,8 +98,10 @@ def main() -> None:
                 engine.workspace_bytes(n * tokens, K3.topk, K3.latent, K3.intermediate)
                 for engine in (HummingEngine(), TritonEngine())
             )
-            print(f"{n} | {tokens} | {routed / 2**20:.0f} ({symmetric / 2**20:.0f}) |"
-                  f" {hum / 2**20:.0f} / {tri / 2**20:.0f}")  # fmt: skip
+            print(
+                f"{n} | {tokens} | {routed / 2**20:.0f} ({symmetric / 2**20:.0f}) |"
+                f" {hum / 2**20:.0f} / {tri / 2**20:.0f}"
+            )
 
 
 if __name__ == "__main__":

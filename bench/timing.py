@@ -24,8 +24,12 @@ def capture(fn: Callable[[], object], launches: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def time_us(run: Callable[[], object], launches: int, samples: int = 30,
-            before: Callable[[], object] | None = None) -> float:  # fmt: skip
+def time_us(
+    run: Callable[[], object],
+    launches: int,
+    samples: int = 30,
+    before: Callable[[], object] | None = None,
+) -> float:
     """Median microseconds per launch of `run()` (which issues `launches` launches, e.g. a graph
     replay) over `samples` CUDA-event-timed calls, after 3 warm-up calls; `before()` runs ahead
     of each timed call, outside the timing (e.g. a host barrier lining ranks up)."""
@@ -68,8 +72,9 @@ def timed_us(fn: Callable[[], object], group, reps: int, samples: int) -> tuple[
     return time_us(run, reps, samples, before=lambda: dist.barrier(group)), mode
 
 
-def pair_timed_us(first: Callable[[], object], second: Callable[[], object], group, reps: int,
-                  samples: int) -> tuple[float, float, float]:  # fmt: skip
+def pair_timed_us(
+    first: Callable[[], object], second: Callable[[], object], group, reps: int, samples: int
+) -> tuple[float, float, float]:
     """(pair, first, second) median microseconds of `first(); second()` repeated `reps` times in
     a CUDA graph (dispatch then combine: one must follow the other), ranks of `group` lined up by
     a host barrier before each sample.

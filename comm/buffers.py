@@ -146,8 +146,9 @@ class EpBuffers(RankRegions):
         self.device, self.layout, self.timeout_s = device, layout, timeout_s
         self.peers = [RankRegions(seg, layout) for seg in segments]
         # int64 [N] on the device: base address of every rank's allocation, for the kernels.
-        self.peer_addresses = torch.tensor([seg.data_ptr() for seg in segments], dtype=torch.int64,
-                                           device=device)  # fmt: skip
+        self.peer_addresses = torch.tensor(
+            [seg.data_ptr() for seg in segments], dtype=torch.int64, device=device
+        )
         self._closed = False
 
     @staticmethod
@@ -158,10 +159,17 @@ class EpBuffers(RankRegions):
                 raise ValueError(
                     f"EpBuffers: CPU buffers need a gloo group, got {dist.get_backend(group)}"
                 )
-            return allocate_shm(agreement.barriers, rank, ranks, layout.total_bytes,
-                                job=agreement.job, timeout_s=timeout_s)  # fmt: skip
-        return allocate_nvshmem(agreement.barriers, rank, ranks, layout.total_bytes, device,
-                                timeout_s)  # fmt: skip
+            return allocate_shm(
+                agreement.barriers,
+                rank,
+                ranks,
+                layout.total_bytes,
+                job=agreement.job,
+                timeout_s=timeout_s,
+            )
+        return allocate_nvshmem(
+            agreement.barriers, rank, ranks, layout.total_bytes, device, timeout_s
+        )
 
     def _view(self, name: str, rows: int | None) -> torch.Tensor:
         if self._closed:

@@ -33,7 +33,7 @@ from dep_ep.comm.transport import (
     EXPERT_CAUSES,
     Transport,
 )
-from dep_ep.config import EpConfig
+from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
 from dep_ep.constants import (
     ABORT_PEER_LOST,
     ABORT_RESET,
@@ -162,7 +162,7 @@ def compile_kernels(
                 num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name], tuning
             )
             # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
-            args = (z, z, z, z, *structs, Float32(1e-5), one, one)
+            args = (z, z, z, z, *structs, Float32(DEFAULT_NORM_EPS), one, one)
         else:
             kernel = RejectKernel(num_ranks, *REJECT_KERNELS[name])
             args = structs
@@ -320,9 +320,11 @@ class DeviceTransport(Transport):
         phase = PHASE_NAMES.get(phase_id, str(phase_id))
         if kind == KIND_TIMEOUT:
             raise EpTimeoutError(
-                rank, phase, f"rank {peer}",
+                rank,
+                phase,
+                f"rank {peer}",
                 "recorded by the GPU kernel; call reset() on every rank",
-            )  # fmt: skip
+            )
         if kind == KIND_ABORTED:
             if theirs == ABORT_PEER_LOST:
                 self._raise_lost(phase)
@@ -353,9 +355,11 @@ class DeviceTransport(Transport):
 
     def _raise_lost(self, phase: str) -> None:
         raise EpPeerLostError(
-            self.rank, phase, ranks_text(self.watch.lost),
+            self.rank,
+            phase,
+            ranks_text(self.watch.lost),
             "the process exited; this rank's waits for it were ended (outputs since are NaN)",
-        )  # fmt: skip
+        )
 
     def poll(self) -> None:
         """Look at the peers' processes once, then `check()`. Non-blocking, no device sync;
@@ -435,8 +439,18 @@ class DeviceTransport(Transport):
             p.stream.set(self._stream_handle()),
         )
 
-    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, cause=CAUSE_INPUT,
-                tag=NO_TAG, out=None):  # fmt: skip
+    def combine(
+        self,
+        expert_out,
+        ids,
+        norm_weight,
+        eps,
+        *,
+        rejected,
+        cause=CAUSE_INPUT,
+        tag=NO_TAG,
+        out=None,
+    ):
         """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
         norm_weight bf16 [L] or None (the plain sum); returns bf16 [T, L]. A rejected call
         takes part without payload (RejectKernel; its peers see STATUS_FAILED when the cause is

@@ -134,9 +134,11 @@ class GroupChannel:
             return EpPeerLostError(self.rank, phase, ranks_text(dead), "the process exited")
         detail = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err else ""
         return EpPeerLostError(
-            self.rank, phase, "the rendezvous store (group rank 0's process or the launcher)",
+            self.rank,
+            phase,
+            "the rendezvous store (group rank 0's process or the launcher)",
             f"it stopped answering ({detail})",
-        )  # fmt: skip
+        )
 
 
 class ObjectBarriers:
@@ -258,9 +260,11 @@ class ObjectBarriers:
                     self._check_waiting(store, keys, missing, phase)
                     if now >= deadline:
                         raise EpTimeoutError(
-                            self.channel.rank, phase, f"rank(s) {', '.join(map(str, missing))}",
+                            self.channel.rank,
+                            phase,
+                            f"rank(s) {', '.join(map(str, missing))}",
                             f"no message within {timeout_s:g} s",
-                        )  # fmt: skip
+                        )
                 next_look = now + WAIT_SLICE_S
             if now - start > POLL_SPIN_S:
                 sleep = min(POLL_SLEEP_MAX_S, max(POLL_SLEEP_MIN_S, 2 * sleep))
@@ -296,9 +300,11 @@ class ObjectBarriers:
                 self._check_resetting(store, round_keys, target, missing)
                 if time.monotonic() >= deadline:
                     raise EpTimeoutError(
-                        me, "reset", f"rank(s) {', '.join(map(str, missing))}",
+                        me,
+                        "reset",
+                        f"rank(s) {', '.join(map(str, missing))}",
                         f"they did not call reset() within {timeout_s:g} s",
-                    )  # fmt: skip
+                    )
                 time.sleep(RESET_POLL_S)
             epoch = max(rounds)
             if epoch > target:

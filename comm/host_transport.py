@@ -37,8 +37,18 @@ class HostTransport(Transport):
             dispatch_write(self.buffers, q, sf, ids, weights, self.experts_per_rank)
         self._agree("dispatch", rejected, cause, tokens, tag)
 
-    def combine(self, expert_out, ids, norm_weight, eps, *, rejected, cause=CAUSE_INPUT,
-                tag=NO_TAG, out=None):  # fmt: skip
+    def combine(
+        self,
+        expert_out,
+        ids,
+        norm_weight,
+        eps,
+        *,
+        rejected,
+        cause=CAUSE_INPUT,
+        tag=NO_TAG,
+        out=None,
+    ):
         tokens = ids.shape[0]
         if rejected is None:
             combine_write(self.buffers, expert_out, tokens)

@@ -11,15 +11,9 @@ untouched.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
-from dep_ep.constants import E4M3_MAX, RCP_448_BITS, SCALE_BLOCK
-
-# rcp.approx.ftz(448.0), fp32 bits 0x3B124925, as an exact Python float (a scalar keeps the op
-# capturable in a CUDA graph; torch multiplies a float32 tensor by it in float32).
-_RCP_448 = struct.unpack("<f", struct.pack("<I", RCP_448_BITS))[0]
+from dep_ep.constants import E4M3_MAX, RCP_448, SCALE_BLOCK
 
 
 def _check_latent(fn: str, x: torch.Tensor) -> None:
@@ -44,7 +38,9 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shape = x.shape
     blocks = x.float().reshape(*shape[:-1], shape[-1] // SCALE_BLOCK, SCALE_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    v_bits = (amax * _RCP_448).view(torch.int32)
+    # RCP_448: rcp.approx.ftz(448.0) as an exact Python float (a scalar keeps the op capturable
+    # in a CUDA graph; torch multiplies a float32 tensor by it in float32).
+    v_bits = (amax * RCP_448).view(torch.int32)
     exponent = (v_bits >> 23) & 0xFF
     mantissa = v_bits & 0x7FFFFF
     round_up = (mantissa != 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-VECTOR_ALIGN = 16  # bytes: the GPU kernels move rows in 16-byte vectors
+from dep_ep.constants import NO_TAG, VECTOR_BYTES
 
 # The largest routing weight magnitude a value check accepts. The combine's output of a token is
 # finite when the BF16 sum h = sum_k w_k o_k over its K <= MAX_TOPK = 2^7 expert outputs o_k is
@@ -94,10 +94,10 @@ def check_rows(
         raise ValueError(f"{fn}: {name}'s rows must be contiguous (stride(1) = {t.stride(1)})")
     if rows > 1:
         row_bytes = t.stride(0) * t.element_size()
-        if t.stride(0) < cols or row_bytes % VECTOR_ALIGN:
+        if t.stride(0) < cols or row_bytes % VECTOR_BYTES:
             raise ValueError(
                 f"{fn}: {name}'s row stride is {t.stride(0)} elements ({row_bytes} bytes); expected"
-                f" at least {cols} and a multiple of {VECTOR_ALIGN} bytes (contiguous, or a column"
+                f" at least {cols} and a multiple of {VECTOR_BYTES} bytes (contiguous, or a column"
                 " slice of a wider tensor)"
             )
     check_aligned(fn, name, t)
@@ -107,10 +107,10 @@ def check_rows(
 def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
     """A tensor the GPU kernels read in 16-byte vectors must start on a 16-byte boundary (every
     torch allocation does; a view at an odd offset may not)."""
-    if t.numel() and t.data_ptr() % VECTOR_ALIGN:
+    if t.numel() and t.data_ptr() % VECTOR_BYTES:
         raise ValueError(
-            f"{fn}: {name} starts at an address that is not a multiple of {VECTOR_ALIGN} bytes"
-            f" (data_ptr() % {VECTOR_ALIGN} = {t.data_ptr() % VECTOR_ALIGN}); pass a tensor of"
+            f"{fn}: {name} starts at an address that is not a multiple of {VECTOR_BYTES} bytes"
+            f" (data_ptr() % {VECTOR_BYTES} = {t.data_ptr() % VECTOR_BYTES}); pass a tensor of"
             " its own (.clone())"
         )
 
@@ -131,7 +131,8 @@ def check_eps(fn: str, eps: object) -> float:
     return value
 
 
-TAG_MIN, TAG_MAX = -(2**63) + 1, 2**63 - 1  # -2**63 means "no tag" on the wire
+# Tags are int64 words on the wire, where NO_TAG (-2**63) means "no tag".
+TAG_MIN, TAG_MAX = NO_TAG + 1, 2**63 - 1
 
 
 def check_tag(fn: str, tag: object) -> int | None:

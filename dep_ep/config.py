@@ -42,6 +42,11 @@ TINY = MoeGeometry("tiny", hidden=512, latent=256, experts=48, topk=6, intermedi
 PRESETS = {g.name: g for g in (K3, TINY)}
 
 
+# The latent RMSNorm's eps: Kimi K3's (docs/formats.md), the default of every eps= of EpRouted
+# and EpMoeLayer.
+DEFAULT_NORM_EPS = 1e-5
+# Kimi K3's routed_scaling_factor (docs/formats.md): the default of the router's and EpMoeLayer's.
+DEFAULT_ROUTED_SCALING_FACTOR = 1.0
 DEFAULT_TIMEOUT_S = 60.0
 # A dead peer's waits end within this (plus HOST_ABORT_POLL_NS); ten reads of /proc a second.
 DEFAULT_PEER_WATCH_S = 0.1

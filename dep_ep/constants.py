@@ -1,11 +1,16 @@
 """Constants of the formats and of the kernels, defined once: the torch reference, the CuTeDSL
 kernels, the layout and the validation all import them from here."""
 
+import struct
+
 SCALE_BLOCK = 32  # MXFP8/MXFP4 elements per E8M0 scale byte (the OCP MX block size)
-DEFAULT_EPS = 1e-5  # the latent RMSNorm's eps (Kimi K3's rms_norm_eps)
 E4M3_MAX = 448.0  # largest finite e4m3 magnitude
 # MXFP8 scale rule: amax times rcp.approx.ftz(448.0), whose fp32 bits are these (docs/formats.md).
 RCP_448_BITS = 0x3B124925
+RCP_448 = struct.unpack("<f", struct.pack("<I", RCP_448_BITS))[0]  # that fp32 value, as a float
+
+# Expert ids travel as int32 (the receive rows' ids, the grouping's lists): E at most 2^31.
+MAX_EXPERTS = 2**31
 
 # The GPU kernels keep a token's set of destination ranks in a 32-bit mask.
 MAX_RANKS = 32
@@ -52,6 +57,11 @@ ABORT_PEER_LOST, ABORT_RESET = 1, 2
 # PCIe (about a microsecond), and a flag that comes within this needs no abort.
 HOST_ABORT_POLL_NS = 20_000
 
+# The GPU kernels move rows in 16-byte vectors (ld/st.global.v4.b32, the widest access of one
+# thread), so every tensor they read or write starts on a 16-byte boundary: checks.check_aligned
+# asks it of the caller's tensors, comm/kernels/tensors.py assumes it of their views.
+VECTOR_BYTES = 16
+
 # Launch geometry of the CuTeDSL kernels, read by their host launch code too.
 WARP_LANES = 32
 DISPATCH_THREADS = 128  # 4 warps: one 32-element block per thread and pass
@@ -64,7 +74,7 @@ CTAS_PER_SM = 8
 # The combine kernel normalises one token per warp: lane l owns the 8-element (16-byte) chunks
 # l, l + 32, ... of the row. The torch reference sums squares in the same order (bitwise equal).
 NORM_LANES = WARP_LANES
-NORM_CHUNK = 8
+NORM_CHUNK = VECTOR_BYTES // 2  # bf16 elements in one vector
 # The norm scales a row by 2^(127 - clamp(E, 127, 253)), E the biased fp32 exponent of its largest
 # magnitude: exact, 1 below 2.0, and no square can overflow (comm/reference.py rms_norm).
 NORM_SCALE_MIN_EXP, NORM_SCALE_MAX_EXP = 127, 253

@@ -18,7 +18,8 @@ import itertools
 import torch
 
 from dep_ep.checks import check_tag
-from dep_ep.constants import DEFAULT_EPS, NO_TAG
+from dep_ep.config import DEFAULT_NORM_EPS
+from dep_ep.constants import NO_TAG
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.experts.base import ExpertsBackend
 
@@ -84,7 +85,7 @@ def routed_op(
     *,
     tokens: int | None = None,
     tag: int | None = None,
-    eps: float = DEFAULT_EPS,
+    eps: float = DEFAULT_NORM_EPS,
 ) -> torch.Tensor:
     """`torch.ops.dep_ep.routed` with EpRouted.routed's arguments (tokens None: n; tag None: no
     tag). Returns bf16 [n, L]; collective, like EpRouted.routed."""

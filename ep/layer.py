@@ -9,25 +9,26 @@ from typing import Mapping
 
 import torch
 
-from dep_ep.checks import VECTOR_ALIGN, check_eps, check_int, check_real
-from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE
+from dep_ep.checks import check_eps, check_int, check_real
+from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
+from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, VECTOR_BYTES
 from dep_ep.ep.routed import EpRouted, check_experts_match
+from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.checkpoint import (  # the dense tensors' checkpoint names
+    BIAS,
+    DENSE_NAMES,
+    DOWN,
+    GATE,
+    NORM,
+    SHARED_DOWN,
+    SHARED_GATE,
+    SHARED_UP,
+    UP,
+)
 from dep_ep.experts.select import default_experts
 from dep_ep.experts.situ import situ
 from dep_ep.experts.weights import ExpertWeights
-
-# Checkpoint names of the dense tensors after the layer prefix (experts/checkpoint.py,
-# `dense_shapes`; docs/formats.md).
-GATE = "gate.weight"
-BIAS = "gate.e_score_correction_bias"
-DOWN = "routed_expert_down_proj.weight"
-NORM = "routed_expert_norm.weight"
-UP = "routed_expert_up_proj.weight"
-SHARED_GATE = "shared_experts.gate_proj.weight"
-SHARED_UP = "shared_experts.up_proj.weight"
-SHARED_DOWN = "shared_experts.down_proj.weight"
-DENSE_NAMES = (GATE, BIAS, DOWN, NORM, UP, SHARED_GATE, SHARED_UP, SHARED_DOWN)
 
 SCHEDULES = ("overlap", "serial")
 MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1
@@ -37,10 +38,6 @@ def layer_tag(index: int, step: int) -> int:
     """The tag of an EpMoeLayer's call given no tag=: its layer index and its own call count,
     so that layers called in other orders on different ranks raise EpDesyncError everywhere."""
     return LAYER_TAG_BASE + (step << LAYER_INDEX_BITS) + index
-
-
-# torch.mm(..., out_dtype=) (BF16 inputs, fp32 output) exists on CUDA from torch 2.8.
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 def _mode(values: list[int]) -> int | None:
@@ -68,7 +65,7 @@ def _packed_in_place(parts: list[torch.Tensor], width: int) -> torch.Tensor | No
 class EpMoeLayer:
     """One MoE layer of one DEP rank: x bf16 [n, H] -> bf16 [n, H] (docs/formats.md):
 
-        ids, w  = top-K router on x (fp32 logits, sigmoid scores, bias for selection only,
+        ids, w  = route(x) (ep/router.py: fp32 logits, sigmoid scores, bias for selection only,
                   weights renormalised w / (sum + 1e-20), times routed_scaling_factor)
         latent  = BF16(x @ routed_expert_down_proj^T)                      [n, L]
         normed  = EpRouted.routed(latent, ids, w, routed_expert_norm)      [n, L] (RMSNorm, eps)
@@ -125,8 +122,8 @@ class EpMoeLayer:
         experts: ExpertsBackend | ExpertWeights | tuple[torch.Tensor, ...] | list[torch.Tensor],
         *,
         topk: int,
-        eps: float = 1e-5,
-        routed_scaling_factor: float = 1.0,
+        eps: float = DEFAULT_NORM_EPS,
+        routed_scaling_factor: float = DEFAULT_ROUTED_SCALING_FACTOR,
         schedule: str = "overlap",
         layer_index: int | None = None,
     ) -> None:
@@ -186,8 +183,9 @@ class EpMoeLayer:
         # bf16 [2S + L, H]: rows [shared gate (S); shared up (S); latent down (L)].
         self.packed = packed
         self.dense = {name: dense[name] for name in DENSE_NAMES}
-        self.dense.update({SHARED_GATE: packed[:S], SHARED_UP: packed[S : 2 * S],
-                           DOWN: packed[2 * S :]})  # fmt: skip
+        self.dense.update(
+            {SHARED_GATE: packed[:S], SHARED_UP: packed[S : 2 * S], DOWN: packed[2 * S :]}
+        )
         self.gate_weight, self.bias = self.dense[GATE], self.dense[BIAS]
         # EpRouted takes a contiguous norm weight (no copy when it is one already).
         self.norm_weight, self.up_weight = self.dense[NORM].contiguous(), self.dense[UP]
@@ -225,14 +223,26 @@ class EpMoeLayer:
             return [shape[name][axis]] if len(shape[name]) == 2 else []
 
         # H and S: the value most tensors agree on, so the one misshapen tensor is named.
-        hidden = _mode(dim(GATE, 1) + dim(DOWN, 1) + dim(UP, 0) + dim(SHARED_GATE, 1)
-                       + dim(SHARED_UP, 1) + dim(SHARED_DOWN, 0))  # fmt: skip
+        hidden = _mode(
+            dim(GATE, 1)
+            + dim(DOWN, 1)
+            + dim(UP, 0)
+            + dim(SHARED_GATE, 1)
+            + dim(SHARED_UP, 1)
+            + dim(SHARED_DOWN, 0)
+        )
         inter = _mode(dim(SHARED_GATE, 0) + dim(SHARED_UP, 0) + dim(SHARED_DOWN, 1))
         E, L, H, S = self.num_experts, self.latent, hidden, inter
         expected = {
-            GATE: (E, H), BIAS: (E,), DOWN: (L, H), NORM: (L,), UP: (H, L),
-            SHARED_GATE: (S, H), SHARED_UP: (S, H), SHARED_DOWN: (H, S),
-        }  # fmt: skip
+            GATE: (E, H),
+            BIAS: (E,),
+            DOWN: (L, H),
+            NORM: (L,),
+            UP: (H, L),
+            SHARED_GATE: (S, H),
+            SHARED_UP: (S, H),
+            SHARED_DOWN: (H, S),
+        }
         sizes = f"E={E}, L={L} from routed; H={H}, S={S} from the other tensors"
         for name in DENSE_NAMES:
             t, want = dense[name], expected[name]
@@ -295,31 +305,22 @@ class EpMoeLayer:
         2S + L elements), or a contiguous copy when the view's rows do not start on 16-byte
         boundaries (2S + L or 2S not a multiple of 8)."""
         latent = front[:, 2 * self.shared_intermediate :]
-        aligned = latent.stride(0) % 8 == 0 and latent.data_ptr() % VECTOR_ALIGN == 0
+        aligned = latent.stride(0) % 8 == 0 and latent.data_ptr() % VECTOR_BYTES == 0
         return latent if aligned or latent.shape[0] == 0 else latent.contiguous()
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids int32 [n, K], weights fp32 [n, K]) of bf16 x [n, H] (ep/router.py's formula,
-        times routed_scaling_factor)."""
+        """(ids int32 [n, K], weights fp32 [n, K]) of bf16 x [n, H]: ep/router.py's `route` with
+        this layer's gate, bias and routed_scaling_factor (on CUDA its BF16 GEMM with fp32 output,
+        `bf16_gemm=True`)."""
         ids = torch.empty(x.shape[0], self.topk, dtype=torch.int32, device=x.device)
         weights = torch.empty(x.shape[0], self.topk, dtype=torch.float32, device=x.device)
         self._route_into(x, ids, weights)
         return ids, weights
 
     def _route_into(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        # fp32 logits: BF16 products are exact in fp32, so a BF16 GEMM with fp32 output (CUDA,
-        # no widened copy of the gate) and an fp32 GEMM differ only in the order of the sums.
-        if x.is_cuda and _MM_OUT_DTYPE:
-            logits = torch.mm(x, self.gate_weight.t(), out_dtype=torch.float32)
-        else:
-            logits = x.float() @ self.gate_weight.float().t()
-        scores = logits.sigmoid_()
-        chosen = torch.topk(scores + self.bias, self.topk, dim=-1).indices
-        picked = scores.gather(1, chosen)
-        torch.div(picked, picked.sum(dim=-1, keepdim=True) + 1e-20, out=weights)
-        if self.routed_scaling_factor != 1.0:
-            weights.mul_(self.routed_scaling_factor)
-        ids.copy_(chosen)
+        """The router into the step's ids and weights (on CUDA no widened copy of the gate)."""
+        gate, bias, factor = self.gate_weight, self.bias, self.routed_scaling_factor
+        route_into(x, gate, bias, ids, weights, routed_scaling_factor=factor, bf16_gemm=True)
 
     def shared(self, front: torch.Tensor) -> torch.Tensor:
         """bf16 [n, H]: the shared experts on the front GEMM's gate and up columns."""
@@ -343,8 +344,16 @@ class EpMoeLayer:
     ) -> torch.Tensor:
         """bf16 [n, L]: EpRouted.routed with this layer's experts, norm weight and eps.
         Collective."""
-        return self.routed.routed(latent, ids, weights, self.norm_weight, experts=self.experts,
-                                  eps=self.eps, tokens=tokens, tag=tag)  # fmt: skip
+        return self.routed.routed(
+            latent,
+            ids,
+            weights,
+            self.norm_weight,
+            experts=self.experts,
+            eps=self.eps,
+            tokens=tokens,
+            tag=tag,
+        )
 
     def up(self, normed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """shared += normed @ routed_expert_up_proj^T, in place, one addmm (fp32 sum of the

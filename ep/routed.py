@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.checks import (
-    VECTOR_ALIGN,
     check_aligned,
     check_eps,
     check_ids,
@@ -37,8 +36,8 @@ from dep_ep.comm.transport import (
     CAUSE_REJECT_STEP,
     open_transport,
 )
-from dep_ep.config import EpConfig
-from dep_ep.constants import DEFAULT_EPS, NO_TAG, SCALE_BLOCK
+from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
+from dep_ep.constants import NO_TAG, SCALE_BLOCK, VECTOR_BYTES
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
 
@@ -176,18 +175,30 @@ class EpRouted:
             error, config, self.device = err, EpConfig(), torch.device("cpu")
         self.config = config
         fingerprint = {
-            "num_ranks": num_ranks, "max_tokens": max_tokens, "num_experts": num_experts,
-            "latent": latent, "topk": topk, "device": self.device.type, "version": __version__,
-        }  # fmt: skip
+            "num_ranks": num_ranks,
+            "max_tokens": max_tokens,
+            "num_experts": num_experts,
+            "latent": latent,
+            "topk": topk,
+            "device": self.device.type,
+            "version": __version__,
+        }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
         self.num_experts, self.latent, self.topk = num_experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = num_experts // num_ranks
         self.first_expert = rank * self.experts_per_rank
         self._buffers = EpBuffers(
-            group, num_ranks, rank, max_tokens, self.device,
-            latent=latent, topk=topk, timeout_s=config.timeout_s, agreement=agreement,
-        )  # fmt: skip
+            group,
+            num_ranks,
+            rank,
+            max_tokens,
+            self.device,
+            latent=latent,
+            topk=topk,
+            timeout_s=config.timeout_s,
+            agreement=agreement,
+        )
         try:
             self._transport = open_transport(self._buffers, self.experts_per_rank, config)
         except BaseException:
@@ -198,8 +209,9 @@ class EpRouted:
         check = config.check_values
         self.check_values = self._transport.completes_on_return if check is None else check
         on = dict(device=self.device)
-        self._expert_out = torch.empty(self._buffers.layout.max_rows, latent, dtype=torch.bfloat16,
-                                       **on)  # fmt: skip
+        self._expert_out = torch.empty(
+            self._buffers.layout.max_rows, latent, dtype=torch.bfloat16, **on
+        )
         self._rows_of: dict[int, ReceiveRows] = {}  # T -> the step's views (EpRouted._rows)
         # Staged ids and weights of the step: padded to T with -1 ids, owned by this object.
         self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
@@ -316,8 +328,9 @@ class EpRouted:
         if views is None:
             b = self._buffers
             rows = b.layout.rows(tokens)
-            views = ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows),
-                                self._expert_out[:rows])  # fmt: skip
+            views = ReceiveRows(
+                b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows), self._expert_out[:rows]
+            )
             self._rows_of[tokens] = views
         return views
 
@@ -348,8 +361,9 @@ class EpRouted:
             )
         if out is None:
             return self._counts.clone()
-        check_tensor(fn, "out", out, (torch.int32, torch.int64), (self.experts_per_rank,),
-                     self.device)  # fmt: skip
+        check_tensor(
+            fn, "out", out, (torch.int32, torch.int64), (self.experts_per_rank,), self.device
+        )
         if not isinstance(accumulate, bool):
             raise TypeError(f"{fn}: accumulate={accumulate!r}; expected a bool")
         if accumulate:
@@ -398,8 +412,9 @@ class EpRouted:
 
     def _check_norm(self, fn: str, norm_weight: torch.Tensor | None, eps: object) -> float:
         if norm_weight is not None:
-            check_tensor(fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,),
-                         self.device)  # fmt: skip
+            check_tensor(
+                fn, "norm_weight", norm_weight, (torch.bfloat16,), (self.latent,), self.device
+            )
             check_aligned(fn, "norm_weight", norm_weight)
         return check_eps(fn, eps)
 
@@ -501,16 +516,25 @@ class EpRouted:
             staged_ids[:real].copy_(ids)
             if real < tokens:
                 staged_ids[real:].fill_(-1)
-            if real < tokens or weights.data_ptr() % VECTOR_ALIGN:
+            if real < tokens or weights.data_ptr() % VECTOR_BYTES:
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
             if self.config.check_expert_rows:
                 out = self._expert_out[: self._buffers.layout.rows(tokens)]
                 out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
-        self._run(fn, lambda: self._transport.dispatch(
-            latent, staged_ids, weights, tokens=tokens, rejected=error, cause=CAUSE_INPUT,
-            tag=wire_tag,
-        ), error)  # fmt: skip
+        self._run(
+            fn,
+            lambda: self._transport.dispatch(
+                latent,
+                staged_ids,
+                weights,
+                tokens=tokens,
+                rejected=error,
+                cause=CAUSE_INPUT,
+                tag=wire_tag,
+            ),
+            error,
+        )
         self._step = _Step(tokens, real, wire_tag, staged_ids)
         self._last_tokens = tokens
         if self._counts is not None:
@@ -521,7 +545,7 @@ class EpRouted:
         self,
         norm_weight: torch.Tensor | None,
         *,
-        eps: float = DEFAULT_EPS,
+        eps: float = DEFAULT_NORM_EPS,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return the expert sums (`receive().out`, rows with a local id) to their sources, sum
@@ -549,10 +573,19 @@ class EpRouted:
             raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
         self._step_failure = f"{type(error).__name__} in {fn}"
         empty = self._ids[:0]
-        self._run(fn, lambda: self._transport.dispatch(
-            None, empty, self._weights[:0], tokens=0, rejected=error, cause=CAUSE_REJECT_STEP,
-            tag=_wire_tag(tag),
-        ), error)  # fmt: skip
+        self._run(
+            fn,
+            lambda: self._transport.dispatch(
+                None,
+                empty,
+                self._weights[:0],
+                tokens=0,
+                rejected=error,
+                cause=CAUSE_REJECT_STEP,
+                tag=_wire_tag(tag),
+            ),
+            error,
+        )
 
     def abort_step(self, error: BaseException) -> None:
         """Instead of combine, after a dispatch whose experts failed on this rank: take part in the
@@ -561,7 +594,7 @@ class EpRouted:
         is NaN), then raise `error`. An exception class is instantiated (as `raise` does);
         anything else fails the step with a TypeError saying so. Collective, like combine."""
         fn = "EpRouted.abort_step"
-        self._combine(fn, None, DEFAULT_EPS, _as_exception(fn, error), CAUSE_ABORT_STEP, None)
+        self._combine(fn, None, DEFAULT_NORM_EPS, _as_exception(fn, error), CAUSE_ABORT_STEP, None)
 
     def _combine(self, fn, norm_weight, eps, error, cause, out) -> torch.Tensor:
         self._check_usable(fn)
@@ -584,10 +617,20 @@ class EpRouted:
         in_place = out is not None and step.real == step.tokens and out.is_contiguous()
         direct = out if in_place else None
         expert_out = self._rows(step.tokens).out
-        normed = self._run(fn, lambda: self._transport.combine(
-            expert_out, step.ids, norm_weight, eps, rejected=error, cause=cause, tag=step.tag,
-            out=direct,
-        ), error)  # fmt: skip
+        normed = self._run(
+            fn,
+            lambda: self._transport.combine(
+                expert_out,
+                step.ids,
+                norm_weight,
+                eps,
+                rejected=error,
+                cause=cause,
+                tag=step.tag,
+                out=direct,
+            ),
+            error,
+        )
         if out is None:
             return normed[: step.real]
         if direct is None:
@@ -605,7 +648,7 @@ class EpRouted:
         norm_weight: torch.Tensor | None,
         *,
         experts: ExpertsBackend,
-        eps: float = DEFAULT_EPS,
+        eps: float = DEFAULT_NORM_EPS,
         tokens: int | None = None,
         tag: int | None = None,
         out: torch.Tensor | None = None,
@@ -619,24 +662,40 @@ class EpRouted:
 
         A step of more than `max_tokens` tokens (T = `tokens`, the same on every rank) runs as
         ceil(T / max_tokens) steps of at most max_tokens tokens each, rank r passing its rows of
-        each (possibly none): every rank runs the same steps, known from T alone, and the result
-        is that of one step of T (every token's output depends on that token alone). The steps'
-        tags carry T's step count, so ranks whose T differ raise EpDesyncError on every rank."""
+        each (possibly none): every rank runs the same steps, known from T alone. The transport
+        and the combine treat every token alone, so the result is that of one step of T bit for
+        bit with an experts backend whose rows do not depend on the rows beside them; the
+        library's backends group a call's rows into GEMMs, whose sums may run in another order
+        for another row count (within the rounding model). The steps' tags carry T's step
+        count, so ranks whose T differ raise on every rank (EpDesyncError, or ValueError naming
+        the token counts when only the last step's T differs)."""
         fn = "EpRouted.routed"
         try:
             total = latent.shape[0] if tokens is None else check_int(fn, "tokens", tokens)
         except (AttributeError, TypeError):
             total = None  # the step's validation rejects it on this rank, collectively
         if total is None or total <= self.max_tokens or latent.dim() != 2:
-            return self._routed_step(fn, latent, ids, weights, norm_weight, experts, eps,
-                                     tokens, tag, out)  # fmt: skip
+            return self._routed_step(
+                fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out
+            )
         n = latent.shape[0]
         try:
             if out is not None:
                 self._check_out(fn, out, n)
         except (TypeError, ValueError) as err:  # refused in the first step, on every rank
-            return self._routed_step(fn, latent, ids, weights, norm_weight, experts, eps,
-                                     min(total, self.max_tokens), tag, None, err)  # fmt: skip
+            return self._routed_step(
+                fn,
+                latent,
+                ids,
+                weights,
+                norm_weight,
+                experts,
+                eps,
+                min(total, self.max_tokens),
+                tag,
+                None,
+                err,
+            )
         result = out
         if result is None:
             result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
@@ -645,9 +704,18 @@ class EpRouted:
             start = index * self.max_tokens
             step_tokens = min(self.max_tokens, total - start)
             lo, hi = min(start, n), min(start + step_tokens, n)
-            self._routed_step(fn, latent[lo:hi], ids[lo:hi], weights[lo:hi], norm_weight,
-                              experts, eps, step_tokens, _chunk_tag(tag, steps, index),
-                              result[lo:hi])  # fmt: skip
+            self._routed_step(
+                fn,
+                latent[lo:hi],
+                ids[lo:hi],
+                weights[lo:hi],
+                norm_weight,
+                experts,
+                eps,
+                step_tokens,
+                _chunk_tag(tag, steps, index),
+                result[lo:hi],
+            )
         return result
 
     def _routed_step(

@@ -31,7 +31,17 @@ import torch.distributed as dist
 from dep_ep.config import EpConfig
 from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, route
 from dep_ep.experts import default_experts, situ
-from dep_ep.experts.checkpoint import dense_shapes
+from dep_ep.experts.checkpoint import (
+    BIAS,
+    DOWN,
+    GATE,
+    NORM,
+    SHARED_DOWN,
+    SHARED_GATE,
+    SHARED_UP,
+    UP,
+    dense_shapes,
+)
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.tolerance import LAYER_REL_L2_BY_ACTIVATION, ROUTED_REL_L2_BY_ACTIVATION
@@ -107,8 +117,7 @@ def synthetic_dense(geometry, layer: SyntheticLayer, seed: int, device) -> dict:
     projections with rms 1/sqrt(fan_in) from a seeded generator."""
     gen = torch.Generator(device=device).manual_seed(seed)
     gate, bias = layer.router()
-    dense = {"gate.weight": gate, "gate.e_score_correction_bias": bias,
-             "routed_expert_norm.weight": layer.norm_weight()}  # fmt: skip
+    dense = {GATE: gate, BIAS: bias, NORM: layer.norm_weight()}
     for name, (shape, dtype) in dense_shapes(geometry).items():
         if name not in dense:
             w = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
@@ -123,19 +132,17 @@ def layer_reference(group, moe: EpMoeLayer, layer: SyntheticLayer, x, tokens: in
     n, L, K = x.shape[0], moe.latent, moe.topk
     ids, weights = moe.router(x)
     latent = torch.zeros(tokens, L, dtype=torch.bfloat16, device=x.device)
-    latent[:n] = (x.double() @ d["routed_expert_down_proj.weight"].T).to(torch.bfloat16)
+    latent[:n] = (x.double() @ d[DOWN].T).to(torch.bfloat16)
     padded_ids = torch.full((tokens, K), -1, dtype=torch.int32, device=x.device)
     padded_ids[:n] = ids
     padded_weights = torch.zeros(tokens, K, device=x.device)
     padded_weights[:n] = weights
-    normed = allgather_reference(group, latent, padded_ids, padded_weights,
-                                 moe.norm_weight, layer.expert, eps=moe.eps)[:n]  # fmt: skip
+    normed = allgather_reference(
+        group, latent, padded_ids, padded_weights, moe.norm_weight, layer.expert, eps=moe.eps
+    )[:n]
     x64 = x.double()
-    act = situ(x64 @ d["shared_experts.gate_proj.weight"].T,
-               x64 @ d["shared_experts.up_proj.weight"].T)  # fmt: skip
-    return (
-        normed @ d["routed_expert_up_proj.weight"].T + act @ d["shared_experts.down_proj.weight"].T
-    )
+    act = situ(x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T)
+    return normed @ d[UP].T + act @ d[SHARED_DOWN].T
 
 
 def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
@@ -150,8 +157,10 @@ def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
             f"dep_layer --layer: {ctx.world_size} rank(s), DEP groups of {dep.size}, preset"
             f" {geometry.name}, T={T}, device {ctx.device}, {args.steps} steps"
         )
-        print(f"{'step':>4} {'real tokens':>14} {'layer ms':>9} {'check ms':>8} {'rel L2 err':>10}"
-              "  result")  # fmt: skip
+        print(
+            f"{'step':>4} {'real tokens':>14} {'layer ms':>9} {'check ms':>8} {'rel L2 err':>10}"
+            "  result"
+        )
     failed = 0
     for step in range(args.steps):
         real = int(torch.randint(0, T + 1, (1,), generator=gen))  # 0 real tokens happen
@@ -177,13 +186,17 @@ def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
         if ctx.rank == 0:
             counts = ",".join(str(int(r)) for r in reals)
             check = "skipped" if args.no_check else ("ok" if ok else "FAILED")
-            print(f"{step:>4} {counts:>14} {1e3 * float(stats[0]):>9.2f}"
-                  f" {1e3 * float(stats[1]):>8.2f} {float(stats[2]):>10.2e}  {check}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{step:>4} {counts:>14} {1e3 * float(stats[0]):>9.2f}"
+                f" {1e3 * float(stats[1]):>8.2f} {float(stats[2]):>10.2e}  {check}",
+                flush=True,
+            )
     if ctx.rank == 0:
         verdict = "check skipped" if args.no_check else f"{failed} of {args.steps} steps failed"
-        print(f"dep_layer --layer: {verdict} (tolerance: relative L2 <= {tolerance:g};"
-              " times are host wall clock with a sync, max over ranks)")  # fmt: skip
+        print(
+            f"dep_layer --layer: {verdict} (tolerance: relative L2 <= {tolerance:g};"
+            " times are host wall clock with a sync, max over ranks)"
+        )
     return failed
 
 
@@ -205,14 +218,22 @@ def main() -> int:
     experts = default_experts(layer.local_weights(dep.rank * per_rank, per_rank))
     if ctx.rank == 0:
         engine = getattr(experts, "engine", None)
-        print(f"dep_layer: experts backend {type(experts).__name__}"
-              + (f" (engine {engine})" if engine else ""), flush=True)  # fmt: skip
+        print(
+            f"dep_layer: experts backend {type(experts).__name__}"
+            + (f" (engine {engine})" if engine else ""),
+            flush=True,
+        )
     gate, bias = layer.router()
     norm_weight = layer.norm_weight()
     routed = EpRouted(
-        dep.cpu_group, max_tokens, ctx.device, num_experts=geometry.experts,
-        latent=geometry.latent, topk=geometry.topk, config=EpConfig(timeout_s=args.timeout),
-    )  # fmt: skip
+        dep.cpu_group,
+        max_tokens,
+        ctx.device,
+        num_experts=geometry.experts,
+        latent=geometry.latent,
+        topk=geometry.topk,
+        config=EpConfig(timeout_s=args.timeout),
+    )
     if args.layer:
         failed = run_layer(args, ctx, dep, geometry, layer, experts, routed)
         routed.close()
@@ -247,14 +268,15 @@ def main() -> int:
         routed.synchronize()
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        normed = routed.combine(norm_weight, eps=1e-5)
+        normed = routed.combine(norm_weight)  # the latent RMSNorm, K3's eps (the default)
         routed.synchronize()
         times.append(time.perf_counter() - t0)
         error = 0.0
         t0 = time.perf_counter()
         if not args.no_check:
-            ref = allgather_reference(dep.cpu_group, latent, ids, weights, norm_weight,
-                                      layer.expert)  # fmt: skip
+            ref = allgather_reference(
+                dep.cpu_group, latent, ids, weights, norm_weight, layer.expert
+            )
             diff = (normed.double() - ref).norm() / ref.norm().clamp(min=1e-30)
             error = float(diff) if normed.isfinite().all() else float("inf")
         times.append(time.perf_counter() - t0)
@@ -268,13 +290,19 @@ def main() -> int:
             counts = ",".join(str(int(r)) for r in reals)
             ms = [f"{1e3 * float(v):.2f}" for v in stats[:4]]
             check = "skipped" if args.no_check else ("ok" if ok else "FAILED")
-            print(f"{step:>4} {counts:>14} {ms[0]:>11} {ms[1]:>10} {ms[2]:>10} {ms[3]:>8}"
-                  f" {float(stats[4]):>10.2e}  {check}", flush=True)  # fmt: skip
+            print(
+                f"{step:>4} {counts:>14} {ms[0]:>11} {ms[1]:>10} {ms[2]:>10} {ms[3]:>8}"
+                f" {float(stats[4]):>10.2e}  {check}",
+                flush=True,
+            )
     routed.close()
     if ctx.rank == 0:
         verdict = "check skipped" if args.no_check else f"{failed} of {args.steps} steps failed"
-        shared = " (ranks share GPUs: time-sliced)" if on_gpu and ctx.world_size > \
-            torch.cuda.device_count() else ""  # fmt: skip
+        shared = (
+            " (ranks share GPUs: time-sliced)"
+            if on_gpu and ctx.world_size > torch.cuda.device_count()
+            else ""
+        )
         print(
             f"dep_layer: {verdict} (tolerance: relative L2 <= {tolerance:g}; times are host"
             f" wall clock with a sync after each phase, max over ranks{shared})"

@@ -84,8 +84,9 @@ class ExpertsBackend(ABC):
         """Raise RuntimeError naming the hardware this backend needs when it cannot run there."""
         reason = cls.unsupported_reason(torch.device(device))
         if reason is not None:
-            raise RuntimeError(f"{cls.__name__} cannot run on {device}: {reason}; it needs"
-                               f" {cls.requires}")  # fmt: skip
+            raise RuntimeError(
+                f"{cls.__name__} cannot run on {device}: {reason}; it needs {cls.requires}"
+            )
 
     @abstractmethod
     def forward(

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dep_ep.config import MoeGeometry
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.weights import ExpertWeights
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,18 +27,36 @@ def layer_prefix(layer: int) -> str:
     return f"language_model.model.layers.{layer}.block_sparse_moe."
 
 
+# The dense tensors of one MoE layer by checkpoint name, after the layer prefix (docs/formats.md).
+GATE = "gate.weight"
+BIAS = "gate.e_score_correction_bias"
+DOWN = "routed_expert_down_proj.weight"
+NORM = "routed_expert_norm.weight"
+UP = "routed_expert_up_proj.weight"
+SHARED_GATE = "shared_experts.gate_proj.weight"
+SHARED_UP = "shared_experts.up_proj.weight"
+SHARED_DOWN = "shared_experts.down_proj.weight"
+DENSE_NAMES = (GATE, BIAS, DOWN, NORM, UP, SHARED_GATE, SHARED_UP, SHARED_DOWN)
+
+
+def shared_intermediate(g: MoeGeometry) -> int:
+    """S: the layer has one shared MLP of twice the routed intermediate (docs/formats.md)."""
+    return 2 * g.intermediate
+
+
 def dense_shapes(g: MoeGeometry) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Dense tensors of one MoE layer: name (after the prefix) -> (shape, dtype)."""
-    shared = 2 * g.intermediate  # one shared MLP of twice the routed intermediate (docs/formats.md)
+    """Dense tensors of one MoE layer: name (after the prefix) -> (shape, dtype), in DENSE_NAMES'
+    order."""
+    S, bf16 = shared_intermediate(g), torch.bfloat16
     return {
-        "gate.weight": ((g.experts, g.hidden), torch.bfloat16),
-        "gate.e_score_correction_bias": ((g.experts,), torch.float32),
-        "routed_expert_down_proj.weight": ((g.latent, g.hidden), torch.bfloat16),
-        "routed_expert_norm.weight": ((g.latent,), torch.bfloat16),
-        "routed_expert_up_proj.weight": ((g.hidden, g.latent), torch.bfloat16),
-        "shared_experts.gate_proj.weight": ((shared, g.hidden), torch.bfloat16),
-        "shared_experts.up_proj.weight": ((shared, g.hidden), torch.bfloat16),
-        "shared_experts.down_proj.weight": ((g.hidden, shared), torch.bfloat16),
+        GATE: ((g.experts, g.hidden), bf16),
+        BIAS: ((g.experts,), torch.float32),
+        DOWN: ((g.latent, g.hidden), bf16),
+        NORM: ((g.latent,), bf16),
+        UP: ((g.hidden, g.latent), bf16),
+        SHARED_GATE: ((S, g.hidden), bf16),
+        SHARED_UP: ((S, g.hidden), bf16),
+        SHARED_DOWN: ((g.hidden, S), bf16),
     }
 
 
@@ -47,9 +66,9 @@ def expert_shapes(g: MoeGeometry, expert: int) -> dict[str, tuple[tuple[int, ...
     out = {}
     for w in ("w1", "w3"):
         out[f"experts.{expert}.{w}.weight_packed"] = ((inter, latent // 2), u8)
-        out[f"experts.{expert}.{w}.weight_scale"] = ((inter, latent // 32), u8)
+        out[f"experts.{expert}.{w}.weight_scale"] = ((inter, latent // SCALE_BLOCK), u8)
     out[f"experts.{expert}.w2.weight_packed"] = ((latent, inter // 2), u8)
-    out[f"experts.{expert}.w2.weight_scale"] = ((latent, inter // 32), u8)
+    out[f"experts.{expert}.w2.weight_scale"] = ((latent, inter // SCALE_BLOCK), u8)
     return out
 
 
@@ -158,8 +177,10 @@ def load_moe_layer(
             s2.append(t[base + "w2.weight_scale"])
         dense_weights = {}
         if dense:
-            dense_weights = {n: reader.get(prefix + n, *spec).to(device)
-                             for n, spec in dense_shapes(geometry).items()}  # fmt: skip
+            dense_weights = {
+                n: reader.get(prefix + n, *spec).to(device)
+                for n, spec in dense_shapes(geometry).items()
+            }
     finally:
         reader.close()
     stack = [torch.stack(ts).to(device) for ts in (w13, s13, w2, s2)]

@@ -7,10 +7,8 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
-from dep_ep.experts.mxfp4 import SCALE_BLOCK
+from dep_ep.constants import MAX_EXPERTS, SCALE_BLOCK
 
-# Expert ids travel as int32 (the receive rows' ids, the grouping's lists): E at most 2^31.
-MAX_EXPERTS = 2**31
 TENSORS = ("w13", "s13", "w2", "s2")
 
 

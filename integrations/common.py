@@ -66,8 +66,15 @@ def shared_routed(
     key = (group, str(torch.device(device)), num_experts, latent, topk, max_tokens)
     routed = _SHARED.get(key)
     if routed is None or routed.closed:
-        routed = EpRouted(group, max_tokens, device, num_experts=num_experts, latent=latent,
-                          topk=topk, config=config)  # fmt: skip
+        routed = EpRouted(
+            group,
+            max_tokens,
+            device,
+            num_experts=num_experts,
+            latent=latent,
+            topk=topk,
+            config=config,
+        )
         _SHARED[key] = routed
     return routed
 

@@ -33,7 +33,9 @@ class RankContext:
     group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
     owns_process_group: bool = True
-    _created_groups: list = field(default_factory=list, repr=False, compare=False)
+    # The groups init_rank_context and new_dep_group made, for teardown (newest last): state of
+    # the context, not a constructor argument.
+    _created_groups: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def rank(self) -> int:

@@ -74,8 +74,9 @@ def acquire_nvshmem(
             " initialise it on every rank of the group or on none"
         )
     raw[:] = np.frombuffer(shared, dtype=np.int8)
-    nvshmem.init(device=_device(device.index), uid=uid, rank=rank, nranks=size,
-                 initializer_method="uid")  # fmt: skip
+    nvshmem.init(
+        device=_device(device.index), uid=uid, rank=rank, nranks=size, initializer_method="uid"
+    )
     _state["created"] = True
     _state["users"] += 1
     return list(range(size))

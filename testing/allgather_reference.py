@@ -13,22 +13,29 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-_R448 = 0x3B124925  # fp32 bits of rcp.approx(448)
+# The contract's numbers as docs/formats.md gives them, written here and not imported from the
+# library (dep_ep.constants, dep_ep.config, experts/situ.py): a yardstick that took the library's
+# values would follow a wrong one instead of catching it. Tests that need them take them from here.
+SCALE_BLOCK = 32  # MXFP8 and MXFP4 elements per E8M0 scale byte
+E4M3_MAX = 448.0  # the largest finite e4m3 magnitude
+R448_BITS = 0x3B124925  # fp32 bits of rcp.approx(448)
+NORM_EPS = 1e-5  # Kimi K3's latent RMSNorm
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # Kimi K3's SiTU
 
 
 def _round_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """float64 y, |y| <= 448, to the nearest e4m3 value, ties to even, by step arithmetic."""
+    """float64 y, |y| <= E4M3_MAX, to the nearest e4m3 value, ties to even, by step arithmetic."""
     mag = y.abs()
     exponent = torch.floor(torch.log2(mag.clamp(min=2.0**-6)))
     step = torch.exp2(exponent - 3)  # 3 mantissa bits; below 2^-6 the subnormal step 2^-9
-    return torch.copysign(torch.round(mag / step) * step, y).clamp(-448.0, 448.0)
+    return torch.copysign(torch.round(mag / step) * step, y).clamp(-E4M3_MAX, E4M3_MAX)
 
 
 def _mxfp8_roundtrip(latent: torch.Tensor) -> torch.Tensor:
     """bf16 [T, L] -> float64 [T, L] after MXFP8 quantize + dequantize (the contract's rounding)."""
-    blocks = latent.double().reshape(latent.shape[0], latent.shape[1] // 32, 32)
+    blocks = latent.double().reshape(latent.shape[0], latent.shape[1] // SCALE_BLOCK, SCALE_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    r448 = torch.tensor([_R448], dtype=torch.int32, device=latent.device).view(torch.float32)
+    r448 = torch.tensor([R448_BITS], dtype=torch.int32, device=latent.device).view(torch.float32)
     v = (amax.float() * r448).double()  # the one fp32 multiply of the contract
     mant, exp = torch.frexp(v)
     scale = torch.where(mant == 0.5, exp - 1, exp).double() + 127  # ceil(log2 v) + 127
@@ -37,7 +44,7 @@ def _mxfp8_roundtrip(latent: torch.Tensor) -> torch.Tensor:
     scale = torch.where(finite, scale, torch.full_like(scale, 255))
     usable = (scale > 0) & (scale < 254)
     mult = torch.where(usable, torch.exp2(127 - scale), torch.zeros_like(scale))
-    q = _round_e4m3((blocks * mult.unsqueeze(-1)).clamp(-448.0, 448.0))
+    q = _round_e4m3((blocks * mult.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX))
     back = q * torch.exp2(scale - 127).unsqueeze(-1)
     back = torch.where(finite.unsqueeze(-1), back, torch.full_like(back, float("nan")))
     return back.reshape(latent.shape)
@@ -49,7 +56,7 @@ def _e2m1(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     sign = torch.where(codes >= 8, -1.0, 1.0).double()
     exp, man = (codes >> 1) & 3, (codes & 1).double()
     mag = torch.where(exp == 0, man * 0.5, torch.exp2(exp.double() - 1) * (1 + man / 2))
-    scale = torch.exp2(scales.double() - 127).repeat_interleave(32, dim=-1)
+    scale = torch.exp2(scales.double() - 127).repeat_interleave(SCALE_BLOCK, dim=-1)
     return sign * mag * scale
 
 
@@ -65,8 +72,8 @@ def expert_sums(
     weights: torch.Tensor,
     expert_weights: Callable[[int], tuple[torch.Tensor, ...]],
     *,
-    beta: float = 4.0,
-    linear_beta: float = 25.0,
+    beta: float = SITU_BETA,
+    linear_beta: float = SITU_LINEAR_BETA,
 ) -> torch.Tensor:
     """float64 [T, L]: each token's sum over its ids (-1 skipped) of weight * expert(latent), the
     latent rounded through MXFP8 as the contract fixes, everything after it in float64.
@@ -98,9 +105,9 @@ def routed_reference(
     norm_weight: torch.Tensor,
     expert_weights: Callable[[int], tuple[torch.Tensor, ...]],
     *,
-    eps: float = 1e-5,
-    beta: float = 4.0,
-    linear_beta: float = 25.0,
+    eps: float = NORM_EPS,
+    beta: float = SITU_BETA,
+    linear_beta: float = SITU_LINEAR_BETA,
 ) -> torch.Tensor:
     """The expected routed output of these tokens, float64 [T, L], computed locally (a token's
     output depends on that token alone): for tests that must not run a collective, such as one
@@ -122,9 +129,9 @@ def allgather_reference(
     norm_weight: torch.Tensor,
     expert_weights: Callable[[int], tuple[torch.Tensor, ...]],
     *,
-    eps: float = 1e-5,
-    beta: float = 4.0,
-    linear_beta: float = 25.0,
+    eps: float = NORM_EPS,
+    beta: float = SITU_BETA,
+    linear_beta: float = SITU_LINEAR_BETA,
 ) -> torch.Tensor:
     """This rank's expected routed output, float64 [T, L] on latent's device (the gather runs on
     CPU tensors, the arithmetic on the device). Collective over `group` (gloo): every rank's

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from dep_ep.config import SCALE_BLOCK, MoeGeometry
+from dep_ep.config import MoeGeometry
+from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.weights import ExpertWeights
 
 _E2M1_RMS = math.sqrt(8.5625)  # rms of the E2M1 magnitudes over uniformly random codes
@@ -104,15 +105,20 @@ def synthetic_ids(
     """
     if routing not in ROUTINGS:
         raise ValueError(f"synthetic_ids: routing={routing!r}; expected one of {ROUTINGS}")
-    for name, value, least in (("tokens", tokens, 0), ("num_experts", num_experts, 1),
-                               ("topk", topk, 1)):  # fmt: skip
+    for name, value, least in (
+        ("tokens", tokens, 0),
+        ("num_experts", num_experts, 1),
+        ("topk", topk, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"synthetic_ids: {name}={value!r}; expected an int >= {least}")
     if topk > num_experts:
         raise ValueError(f"synthetic_ids: topk={topk} > num_experts={num_experts}")
     if not isinstance(generator, torch.Generator):
-        raise TypeError(f"synthetic_ids: generator is {type(generator).__name__}; expected a"
-                        " torch.Generator (the draws must be reproducible)")  # fmt: skip
+        raise TypeError(
+            f"synthetic_ids: generator is {type(generator).__name__}; expected a"
+            " torch.Generator (the draws must be reproducible)"
+        )
     if isinstance(popularity_seed, bool) or not isinstance(popularity_seed, int):
         raise TypeError(f"synthetic_ids: popularity_seed={popularity_seed!r}; expected an int")
     if routing == "uniform":
@@ -130,6 +136,7 @@ def synthetic_ids(
     weights[order] = popularity
     if tokens == 0:
         return torch.empty(0, topk, dtype=torch.int32, device=device)
-    draws = torch.multinomial(weights.expand(tokens, num_experts), topk, replacement=False,
-                              generator=generator)  # fmt: skip
+    draws = torch.multinomial(
+        weights.expand(tokens, num_experts), topk, replacement=False, generator=generator
+    )
     return draws.int()

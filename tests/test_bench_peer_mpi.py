@@ -15,8 +15,14 @@ from bench import peer_one_sided
 def fake_flashinfer(monkeypatch, jit):
     """A `flashinfer` package holding the modules create() imports, in sys.modules for the test:
     `jit()` is its JIT build; construction finds no BootstrapConfig."""
-    names = ["flashinfer", "flashinfer.comm", "flashinfer.comm.mnnvl", "flashinfer.fused_moe",
-             "flashinfer.fused_moe.api", "flashinfer.moe_ep"]  # fmt: skip
+    names = [
+        "flashinfer",
+        "flashinfer.comm",
+        "flashinfer.comm.mnnvl",
+        "flashinfer.fused_moe",
+        "flashinfer.fused_moe.api",
+        "flashinfer.moe_ep",
+    ]
     kernels = "flashinfer.moe_ep.backends.split.comm.nvlink_one_sided.kernels"
     parts = kernels.split(".")
     names += [".".join(parts[: i + 1]) for i in range(1, len(parts))]
@@ -32,9 +38,8 @@ def fake_flashinfer(monkeypatch, jit):
 
 def create(dep):
     return peer_one_sided.OneSidedPeer.create(
-        dep.cpu_group, dep.rank, dep.size, torch.device("cpu"), 16, latent=64, topk=4,
-        experts=8,
-    )  # fmt: skip
+        dep.cpu_group, dep.rank, dep.size, torch.device("cpu"), 16, latent=64, topk=4, experts=8
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -65,6 +70,13 @@ def test_construction_failure_on_every_rank_names_it(dep, monkeypatch):
 def test_bad_handles_raise_before_any_collective(dep):
     with pytest.raises(ValueError, match="handles must be one of"):
         peer_one_sided.OneSidedPeer.create(
-            dep.cpu_group, dep.rank, dep.size, torch.device("cpu"), 16, latent=64, topk=4,
-            experts=8, handles="fabric",
-        )  # fmt: skip
+            dep.cpu_group,
+            dep.rank,
+            dep.size,
+            torch.device("cpu"),
+            16,
+            latent=64,
+            topk=4,
+            experts=8,
+            handles="fabric",
+        )

@@ -123,13 +123,11 @@ def test_peer_log_rows_by_local_experts(tmp_path):
 
 def test_report_puts_the_peer_beside_ours(tmp_path):
     results = [
-        {"tokens": 1, "us": 150.0, "touched": 16, "floor_us": 65.0, "mode": "graph",
-         "finite": True},
-        {"tokens": 4, "us": 400.0, "touched": 62, "floor_us": 250.0, "mode": "graph",
-         "finite": False},
-    ]  # fmt: skip
-    meta = {"n": 2, "local": 448, "bandwidth": 4100.0, "backend": "HopperExperts (humming)",
-            "grouping": "torch"}  # fmt: skip
+        dict(tokens=1, us=150.0, touched=16, floor_us=65.0, mode="graph", finite=True),
+        dict(tokens=4, us=400.0, touched=62, floor_us=250.0, mode="graph", finite=False),
+    ]
+    meta = dict(n=2, local=448, bandwidth=4100.0, backend="HopperExperts (humming)")
+    meta["grouping"] = "torch"
     run = torchrun(2, "bench.bench_routed_experts", "--out", "docs")
     routed_experts.write_report(tmp_path, results, {1: 202.57}, meta, run)
     page = (tmp_path / "bench_routed_experts2.md").read_text()
@@ -140,9 +138,9 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
 
 
 def dep_row(tokens: int, peer: bool) -> dict:
-    row = dict(tokens=tokens, routing="uniform", skew=1.0, pair_skew=1.02, receive_mib=0.5,
-               dispatch=10.0, combine=20.0, pair=28.0, allgather=12.0, reduce_scatter=30.0,
-               a2a=15.0, a2a_back=40.0, d_bytes=2.0e6, c_bytes=4.0e6, modes="graph")  # fmt: skip
+    row = dict(tokens=tokens, routing="uniform", skew=1.0, pair_skew=1.02, receive_mib=0.5)
+    row.update(dispatch=10.0, combine=20.0, pair=28.0, allgather=12.0, reduce_scatter=30.0)
+    row.update(a2a=15.0, a2a_back=40.0, d_bytes=2.0e6, c_bytes=4.0e6, modes="graph")
     if peer:
         row.update(peer_dispatch=8.0, peer_combine=25.0, peer_pair=35.0)
     return row
@@ -151,12 +149,15 @@ def dep_row(tokens: int, peer: bool) -> dict:
 def test_dep_report_puts_the_peer_beside_ours(tmp_path):
     note = "Peer: FlashInfer one-sided (flashinfer 0.7.4, ...); its workspace 301.0 MiB per rank"
     run = torchrun(2, "bench.bench_dep", "--out", "docs")
-    bench_dep.write_report(tmp_path, [dep_row(1, True), dep_row(16, False)], 2, 3.5,
-                           peer_note=note, run=run)  # fmt: skip
+    bench_dep.write_report(
+        tmp_path, [dep_row(1, True), dep_row(16, False)], 2, 3.5, peer_note=note, run=run
+    )
     page = (tmp_path / "bench_dep2.md").read_text()
     # dispatch 2 MB in 10 us = 200 GB/s (peer 8 us: 250); combine 4 MB in 20 us = 200 (peer 160)
-    assert ("| 1 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / 8.0 | 20.0 / 25.0 | 28.0 / 35.0 | 1.25 |"
-            " 200 / 250 | 200 / 160 |") in page, page  # fmt: skip
+    assert (
+        "| 1 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / 8.0 | 20.0 / 25.0 | 28.0 / 35.0 | 1.25 |"
+        " 200 / 250 | 200 / 160 |"
+    ) in page, page
     assert "| 16 | uniform | 1.00 / 1.02 | 0.50 | 10.0 / - | 20.0 / - | 28.0 / - | - |" in page
     assert "| 1 | uniform | 12.0 (1.2x) | 30.0 (1.5x) | 15.0 (1.5x) | 40.0 (2.0x) | graph |" in page
     assert note in page and "torchrun --nproc-per-node 2 -m bench.bench_dep --out docs`" in page

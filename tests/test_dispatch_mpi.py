@@ -17,17 +17,25 @@ POISON_ID = -7  # no dispatch ever writes this id
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("tokens,routing", [
-    (1, "random"), (7, "random"), (MAX_TOKENS, "random"), (13, "skewed"), (12, "padded"),
-    (5, "same"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,routing",
+    [
+        (1, "random"),
+        (7, "random"),
+        (MAX_TOKENS, "random"),
+        (13, "skewed"),
+        (12, "padded"),
+        (5, "same"),
+    ],
+)
 def test_dispatch_rows_bitwise(dep, tokens, routing):
     group, rank, num_ranks = dep.cpu_group, dep.rank, dep.size
     seed = agreed_seed(group, 1000 * tokens + ROUTING_SEED[routing])
     case = make_case(TINY, num_ranks, tokens, seed, routing)
     weights = [provenance_weights(s, tokens) for s in range(num_ranks)]
-    routed = EpRouted(group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent,
-                      topk=TINY.topk)  # fmt: skip
+    routed = EpRouted(
+        group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk
+    )
     try:
         b = routed._buffers
         b.ids(b.layout.max_rows).fill_(POISON_ID)

@@ -21,8 +21,14 @@ from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2, TRTLLM_REL_L2
 
-K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=64,
-                        topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
+K3_WIDTHS = MoeGeometry(
+    "k3-widths",
+    hidden=K3.hidden,
+    latent=K3.latent,
+    experts=64,
+    topk=K3.topk,
+    intermediate=K3.intermediate,
+)
 
 
 def reference_per_expert(weights: ExpertWeights) -> ReferenceExperts:

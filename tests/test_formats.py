@@ -59,8 +59,13 @@ def test_k3_memory_budget():
 
 def test_situ_matches_formula():
     g, u = torch.randn(100) * 8, torch.randn(100) * 40
-    want = (4 * torch.tanh(g.double() / 4) * torch.sigmoid(g.double())
-            * 25 * torch.tanh(u.double() / 25))  # fmt: skip
+    want = (
+        4
+        * torch.tanh(g.double() / 4)
+        * torch.sigmoid(g.double())
+        * 25
+        * torch.tanh(u.double() / 25)
+    )
     assert torch.allclose(situ(g, u).double(), want, rtol=1e-5, atol=1e-6)
 
 

@@ -44,8 +44,14 @@ def run_in_interpreter(module: str, *args: str, expect: str) -> None:
     """Run tests/<module> under TRITON_INTERPRET=1 in its own process (the interpreter is chosen
     before triton is imported); it must exit 0 and print a line starting with `expect`."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", module, *args], cwd=TESTS, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     where = f"{module} {' '.join(args)}"
     assert run.returncode == 0, f"{where}:\n{run.stdout}\n{run.stderr[-3000:]}"
     assert run.stdout.startswith(expect), f"{where}: {run.stdout}"
@@ -57,8 +63,14 @@ def interpreter_loop_gap() -> str | None:
     kernel's); else the reason it cannot here (helpers/interpreter_loop_probe.py: Triton 3.6 with
     NumPy 2.4). Any other failure of the probe fails the calling test."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "helpers.interpreter_loop_probe"], cwd=TESTS,
-                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "helpers.interpreter_loop_probe"],
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if run.returncode == 0 and run.stdout.startswith("ok"):
         return None
     known = "only 0-dimensional arrays can be converted to Python scalars"
@@ -66,9 +78,11 @@ def interpreter_loop_gap() -> str | None:
     import numpy
     import triton
 
-    return (f"Triton {triton.__version__}'s interpreter cannot loop to a kernel argument with"
-            f" NumPy {numpy.__version__} (triton-lang/triton issue 9171); the compiled kernel is"
-            " checked by test_gpu_grouping_kernel_equals_torch")  # fmt: skip
+    return (
+        f"Triton {triton.__version__}'s interpreter cannot loop to a kernel argument with"
+        f" NumPy {numpy.__version__} (triton-lang/triton issue 9171); the compiled kernel is"
+        " checked by test_gpu_grouping_kernel_equals_torch"
+    )
 
 
 # tests/run_all.sh (the CPU suite, CI) sets it: there the interpreter must run the grouping kernel.
@@ -90,8 +104,12 @@ def loop_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int):
     rows)])."""
     pairs, tiles = [], []
     for e in range(num_local):
-        mine = [(r, k) for r in range(ids.shape[0]) for k in range(ids.shape[1])
-                if int(ids[r, k]) == first + e]  # fmt: skip
+        mine = [
+            (r, k)
+            for r in range(ids.shape[0])
+            for k in range(ids.shape[1])
+            if int(ids[r, k]) == first + e
+        ]
         for cut in range(0, len(mine), block_n):
             tiles.append((e, len(pairs) + cut, min(block_n, len(mine) - cut)))
         pairs += mine
@@ -113,19 +131,23 @@ def check_groups(ids: torch.Tensor, first: int, num_local: int, block_n: int, se
         want_slot[r * topk + k] = j
     assert torch.equal(groups.pair_slot, want_slot), where
     assert int(groups.num_tiles) == len(tiles), where
-    got_tiles = list(zip(groups.tile_expert.tolist(), groups.tile_start.tolist(),
-                         groups.tile_rows.tolist()))[: len(tiles)]  # fmt: skip
+    got_tiles = list(
+        zip(groups.tile_expert.tolist(), groups.tile_start.tolist(), groups.tile_rows.tolist())
+    )[: len(tiles)]
     assert got_tiles == tiles, where
     unused = slice(len(tiles), None)
     assert (groups.tile_expert[unused] == num_local).all(), where
     assert (groups.tile_rows[unused] == 0).all(), where
-    want_counts = [sum(1 for r, k in pairs if int(ids[r, k]) == first + e)
-                   for e in range(num_local)]  # fmt: skip
+    want_counts = [
+        sum(1 for r, k in pairs if int(ids[r, k]) == first + e) for e in range(num_local)
+    ]
     assert groups.expert_pairs.tolist() == want_counts, where
 
 
-@pytest.mark.parametrize("rows,topk,num_local,block_n", [
-    (1, 16, 56, 16), (37, 6, 8, 16), (64, 16, 4, 16), (200, 4, 12, 32), (0, 4, 8, 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows,topk,num_local,block_n",
+    [(1, 16, 56, 16), (37, 6, 8, 16), (64, 16, 4, 16), (200, 4, 12, 32), (0, 4, 8, 16)],
+)
 def test_group_pairs_matches_loop(rows, topk, num_local, block_n):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -265,8 +287,10 @@ def test_refuses_cpu_after_checking_arguments():
     """Argument mistakes show on any machine (checked before the device); valid arguments on CPU
     get the refusal naming the hardware."""
     weights = SyntheticLayer(TINY, 0).local_weights(0, 4)
-    with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu: it runs on CUDA"
-                                           " GPUs, not cpu; it needs an SM90"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match="HopperExperts cannot run on cpu: it runs on CUDA GPUs, not cpu; it needs an SM90",
+    ):
         HopperExperts(weights)
     for engine in (TritonEngine(), HummingEngine(deterministic=True, tune_for_capacity=True)):
         with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
@@ -367,8 +391,14 @@ def hopper_here() -> str | None:
 
 
 GPU = pytest.mark.skipif(hopper_here() is not None, reason=f"HopperExperts: {hopper_here()}")
-K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=32,
-                        topk=K3.topk, intermediate=K3.intermediate)  # fmt: skip
+K3_WIDTHS = MoeGeometry(
+    "k3-widths",
+    hidden=K3.hidden,
+    latent=K3.latent,
+    experts=32,
+    topk=K3.topk,
+    intermediate=K3.intermediate,
+)
 # Engine settings under test, with the relative L2 bound of their numerics.
 ENGINES = {
     "humming": (HummingEngine(), HUMMING_REL_L2),
@@ -479,11 +509,21 @@ def test_gpu_bitwise_reruns_and_graph_replay(name):
 
 
 @GPU
-@pytest.mark.parametrize("rows,topk,num_local,first,block_ns", [
-    (16, 16, 56, 56, (16,)), (4096, 16, 56, 0, (16,)), (1024, 16, 448, 448, (64,)),
-    (300, 8, 6, 3, (32,)), (0, 16, 56, 0, (16,)), (666, 16, 56, 0, (24, 32)),
-    (1317, 16, 56, 0, (48, 56)), (512, 16, 448, 0, (40,)), (2637, 16, 56, 0, (56, 48)),
-    (4096, 16, 56, 0, (8, 64))])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows,topk,num_local,first,block_ns",
+    [
+        (16, 16, 56, 56, (16,)),
+        (4096, 16, 56, 0, (16,)),
+        (1024, 16, 448, 448, (64,)),
+        (300, 8, 6, 3, (32,)),
+        (0, 16, 56, 0, (16,)),
+        (666, 16, 56, 0, (24, 32)),
+        (1317, 16, 56, 0, (48, 56)),
+        (512, 16, 448, 0, (40,)),
+        (2637, 16, 56, 0, (56, 48)),
+        (4096, 16, 56, 0, (8, 64)),
+    ],
+)
 def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_ns, monkeypatch):
     """group_and_route_tilings on the GPU against group_pairs + tile_routes per tile size on the
     same ids, bitwise, dtypes and shapes included; its outputs start as -7 (torch.empty poisoned
@@ -505,11 +545,24 @@ def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_ns
     for (got, got_routes), block_n in zip(tilings, block_ns):
         want = group_pairs(ids, first, num_local, block_n)
         want_routes = tile_routes(want)
-        pairs = [(f, getattr(got, f), getattr(want, f)) for f in (
-            "pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert", "tile_start",
-            "tile_rows", "num_tiles", "expert_pairs")]  # fmt: skip
-        pairs += [(f"routes.{f}", getattr(got_routes, f), getattr(want_routes, f))
-                  for f in ("flat", "pair", "num_padded")]  # fmt: skip
+        pairs = [
+            (f, getattr(got, f), getattr(want, f))
+            for f in (
+                "pair_row",
+                "pair_flat",
+                "num_pairs",
+                "pair_slot",
+                "tile_expert",
+                "tile_start",
+                "tile_rows",
+                "num_tiles",
+                "expert_pairs",
+            )
+        ]
+        pairs += [
+            (f"routes.{f}", getattr(got_routes, f), getattr(want_routes, f))
+            for f in ("flat", "pair", "num_padded")
+        ]
         for field, a, b in pairs:
             where = f"seed {seed} block_n {block_n}: {field}"
             assert a.dtype == b.dtype and a.shape == b.shape, f"{where} {a.dtype}"
@@ -526,8 +579,9 @@ def test_gpu_widen_scales_equals_torch(rows):
 
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    sf = torch.randint(0, 256, (rows, K3.latent // 32), dtype=torch.uint8, device="cuda",
-                       generator=gen)  # fmt: skip
+    sf = torch.randint(
+        0, 256, (rows, K3.latent // 32), dtype=torch.uint8, device="cuda", generator=gen
+    )
     sf.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device="cuda")
     out = torch.full(sf.shape, float("nan"), device="cuda")
     widen_scales_kernel[(-(-sf.numel() // WIDEN_BLOCK),)](sf, out, sf.numel(), WIDEN_BLOCK)
@@ -556,8 +610,9 @@ def test_gpu_finalize_equals_torch(rows):
     y = y.to(torch.bfloat16)
     weights = torch.randint(0, 17, (rows, topk), device="cuda", generator=gen).float() / 16
     out = torch.full((rows, latent), float("nan"), dtype=torch.bfloat16, device="cuda")
-    finalize_kernel[(rows, latent // block_l)](y, groups.pair_slot.reshape(rows, topk), weights,
-                                               out, latent, topk, block_l)  # fmt: skip
+    finalize_kernel[(rows, latent // block_l)](
+        y, groups.pair_slot.reshape(rows, topk), weights, out, latent, topk, block_l
+    )
     slot = groups.pair_slot.reshape(rows, topk).long()
     local = slot >= 0
     gathered = y[slot.clamp(min=0)].double() * (weights * local).double()[:, :, None]

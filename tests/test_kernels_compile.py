@@ -49,8 +49,14 @@ ONE_FENCE = ("dispatch", "combine", "combine_send")
 @pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
 def ptx(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    kernels = compile_kernels(num_ranks=8, latent=3584, topk=16, experts_per_rank=112,
-                              arch=request.param, keep_ptx_dir=str(folder))  # fmt: skip
+    kernels = compile_kernels(
+        num_ranks=8,
+        latent=3584,
+        topk=16,
+        experts_per_rank=112,
+        arch=request.param,
+        keep_ptx_dir=str(folder),
+    )
     return request.param, {name: ptx_text(k.artifacts.PTX) for name, k in kernels.items()}
 
 
@@ -141,25 +147,38 @@ def test_host_params_marshal_like_cutedsl(kernel):
         [37, -(2**62)],
         0x7F000000ABC0,
     )
-    typed = [SymmetricRegions(*map(Int64, regions)),
-             RankControl(Int64(control[0]), Int64(control[1]), Int32(1), Int64(control[3])),
-             Step(Int32(step[0]), Int64(step[1]))]  # fmt: skip
-    prepared = [HostParams.of(SymmetricRegions(*regions)), HostParams.of(RankControl(*control)),
-                HostParams(Int32, Int64).set(*step)]  # fmt: skip
+    typed = [
+        SymmetricRegions(*map(Int64, regions)),
+        RankControl(Int64(control[0]), Int64(control[1]), Int32(1), Int64(control[3])),
+        Step(Int32(step[0]), Int64(step[1])),
+    ]
+    prepared = [
+        HostParams.of(SymmetricRegions(*regions)),
+        HostParams.of(RankControl(*control)),
+        HostParams(Int32, Int64).set(*step),
+    ]
     sizes = [8] * 8 + [8, 8, 4, 8] + [4, 8]
     if kernel == "dispatch":  # latent, its row stride (words), ids, weights, structs, grid
         latent, row_words, head = 0x7F00000B0000, 48, [0x7F00000C0000, 0x7F00000D0000]
         typed = [Int64(latent), Int32(row_words), *map(Int64, head), *typed, Int32(99)]
-        prepared = [HostParams(Int64).set(latent), HostParams(Int32).set(row_words),
-                    *(HostParams(Int64).set(a) for a in head), *prepared,
-                    HostParams(Int32).set(99)]  # fmt: skip
+        prepared = [
+            HostParams(Int64).set(latent),
+            HostParams(Int32).set(row_words),
+            *(HostParams(Int64).set(a) for a in head),
+            *prepared,
+            HostParams(Int32).set(99),
+        ]
         sizes = [8, 4, 8, 8] + sizes + [4]
     elif kernel == "combine":  # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
         head = [0x7F00000B0000, 0x7F00000C0000, 0, 0x7F00000E0000]
         typed = [*map(Int64, head), *typed, Float32(1e-5), Int32(1), Int32(7)]
-        prepared = [*(HostParams(Int64).set(a) for a in head), *prepared,
-                    HostParams(Float32).set(1e-5), HostParams(Int32).set(1),
-                    HostParams(Int32).set(7)]  # fmt: skip
+        prepared = [
+            *(HostParams(Int64).set(a) for a in head),
+            *prepared,
+            HostParams(Float32).set(1e-5),
+            HostParams(Int32).set(1),
+            HostParams(Int32).set(7),
+        ]
         sizes = [8] * 4 + sizes + [4, 4, 4]
     typed.append(cuda.CUstream(stream))
     prepared.append(HostParams(STREAM).set(stream))

@@ -1,5 +1,7 @@
 import pytest
+import torch
 
+from dep_ep.launch.context import RankContext
 from dep_ep.launch.env import read_launch_env
 
 
@@ -57,3 +59,17 @@ def test_single_process():
 def test_bad_environment(environ, match):
     with pytest.raises(ValueError, match=match):
         read_launch_env(environ)
+
+
+def test_rank_context_takes_no_private_arguments():
+    """The groups teardown destroys are the context's own: no caller passes them, and every
+    context starts with an empty list of its own."""
+    env = read_launch_env({})
+    args = (env, torch.device("cpu"), "gloo", None, None)
+    with pytest.raises(TypeError, match="_created_groups"):
+        RankContext(*args, _created_groups=["a group"])
+    with pytest.raises(TypeError):
+        RankContext(*args, True, ["a group"])
+    a, b = RankContext(*args), RankContext(*args)
+    assert a._created_groups == [] and a._created_groups is not b._created_groups
+    assert "_created_groups" not in repr(a) and a == b

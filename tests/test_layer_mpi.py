@@ -45,11 +45,11 @@ import torch.distributed as dist
 
 from dep_ep.comm.errors import EpDesyncError, EpPeerError
 from dep_ep.config import EpConfig, MoeGeometry
-from dep_ep.ep import TINY, EpMoeLayer, EpRouted
+from dep_ep.ep import TINY, EpMoeLayer, EpRouted, route
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
 from dep_ep.testing import SyntheticLayer
-from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.allgather_reference import NORM_EPS, SITU_BETA, SITU_LINEAR_BETA, expert_sums
 from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 from helpers.cases import agreed_seed, make_case, real_tokens
@@ -57,11 +57,9 @@ from helpers.collective import collective_assert, expect_raises
 from helpers.reference_check import make_experts
 
 MAX_TOKENS = 12
-EPS = 1e-5
 # Smallest float64 gap between the K-th and (K+1)-th of scores + bias that the test accepts: the
 # layer's fp32 logits differ from float64 by ~1e-6 at H = 7168, so both pick the same experts.
 ROUTER_MARGIN = 1e-4
-SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # docs/formats.md
 ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
 
 GATE, BIAS = "gate.weight", "gate.e_score_correction_bias"
@@ -152,7 +150,7 @@ def situ64(g: torch.Tensor, u: torch.Tensor):
 
 
 def layer_reference(
-    x: torch.Tensor, dense: dict, expert_weights, topk: int, *, eps=EPS, factor=1.0
+    x: torch.Tensor, dense: dict, expert_weights, topk: int, *, eps=NORM_EPS, factor=1.0
 ) -> Reference:
     """The K3 layer in float64 on bf16 x [n, H] (CPU). expert_weights(e) -> (w13, s13, w2, s2)."""
     d = {name: t.double() for name, t in dense.items()}
@@ -206,9 +204,15 @@ class Rank:
 @pytest.fixture(scope="module")
 def rank(dep):
     seed = agreed_seed(dep.cpu_group, 300)
-    routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
-                      latent=TINY.latent, topk=TINY.topk,
-                      config=EpConfig(count_experts=True))  # fmt: skip
+    routed = EpRouted(
+        dep.cpu_group,
+        MAX_TOKENS,
+        "cpu",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(count_experts=True),
+    )
     synthetic = SyntheticLayer(TINY, seed)
     yield Rank(dep, routed, synthetic, make_experts(synthetic, dep.rank, dep.size), seed)
     routed.close()
@@ -230,15 +234,25 @@ def test_layer_matches_reference(dep, rank, tokens, factor):
     """Unequal rows per rank (the last rank none) padded to T = the most rows; both schedules
     give the same bits (on CPU both run the serial order); the second layer is built from the
     first one's dense views and shares its packed weight."""
-    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 1),
-             "x": agreed_seed(dep.cpu_group, 2)}  # fmt: skip
+    seeds = {
+        "experts": rank.seed,
+        "dense": agreed_seed(dep.cpu_group, 1),
+        "x": agreed_seed(dep.cpu_group, 2),
+    }
     dense = make_dense(TINY, seeds["dense"])
     counts = unequal_counts(tokens, dep.size)
     x = draw_hidden(TINY, dense, counts, seeds["x"])[dep.rank]
-    overlap = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk,
-                         routed_scaling_factor=factor)  # fmt: skip
-    serial = EpMoeLayer(overlap.dense, rank.routed, rank.experts, topk=TINY.topk,
-                        routed_scaling_factor=factor, schedule="serial")  # fmt: skip
+    overlap = EpMoeLayer(
+        dense, rank.routed, rank.experts, topk=TINY.topk, routed_scaling_factor=factor
+    )
+    serial = EpMoeLayer(
+        overlap.dense,
+        rank.routed,
+        rank.experts,
+        topk=TINY.topk,
+        routed_scaling_factor=factor,
+        schedule="serial",
+    )
     out = overlap(x, tokens=tokens)
     again = serial(x, tokens=tokens)
     ref = layer_reference(x, dense, rank.synthetic.expert, TINY.topk, factor=factor)
@@ -247,9 +261,44 @@ def test_layer_matches_reference(dep, rank, tokens, factor):
         failures.append("schedule='serial' gave other bits than schedule='overlap'")
     if serial.packed.data_ptr() != overlap.packed.data_ptr():
         failures.append("a layer built from another layer's dense copied the packed weight")
-    print(f"rank {dep.rank}: n={counts[dep.rank]} rel L2 {rel:.3e}"
-          f" bound {layer_tolerance(ref) if ref.out.numel() else 0:.3e}")  # fmt: skip
+    print(
+        f"rank {dep.rank}: n={counts[dep.rank]} rel L2 {rel:.3e}"
+        f" bound {layer_tolerance(ref) if ref.out.numel() else 0:.3e}"
+    )
     collective_assert(dep.cpu_group, failures, seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("factor", [1.0, 2.5])
+def test_layer_routes_with_route(dep, rank, factor):
+    """The layer's routing, by router() and inside its call, is ep/router.py's `route` bit for bit
+    with the layer's gate, bias and routed_scaling_factor; `bf16_gemm` (the layer's GEMM on CUDA)
+    changes nothing on CPU."""
+    seed = agreed_seed(dep.cpu_group, 30)
+    dense = make_dense(TINY, seed)
+    layer = EpMoeLayer(
+        dense, rank.routed, rank.experts, topk=TINY.topk, routed_scaling_factor=factor
+    )
+    gen = torch.Generator().manual_seed(seed + dep.rank)
+    x = torch.randn(MAX_TOKENS, TINY.hidden, generator=gen).to(torch.bfloat16)
+    seen = []
+    routed_path = layer.routed_path
+
+    def recording(latent, ids, weights, **kw):
+        seen.append((ids.clone(), weights.clone()))
+        return routed_path(latent, ids, weights, **kw)
+
+    layer.routed_path = recording
+    layer(x)
+    failures, gate, bias = [], dense[GATE], dense[BIAS]
+    for bf16_gemm in (False, True):
+        want = route(x, gate, bias, TINY.topk, routed_scaling_factor=factor, bf16_gemm=bf16_gemm)
+        for where, (ids, weights) in (("router()", layer.router(x)), ("the call", seen[0])):
+            same = torch.equal(ids, want[0]) and ids.dtype == want[0].dtype == torch.int32
+            same &= torch.equal(weights.view(torch.int32), want[1].view(torch.int32))
+            if not same:
+                failures.append(f"factor {factor}, bf16_gemm={bf16_gemm}: {where} != route()")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -282,9 +331,14 @@ def test_unnormed_combine_bitwise(dep, rank):
     real = real_tokens(tokens, n)[r]
     before = rank.routed.receive(tokens)
     before.out.fill_(float("nan"))
-    summed = rank.routed.routed(case.latent[r][:real], case.ids[r][:real],
-                                case.weights[r][:real], None, experts=rank.experts,
-                                tokens=tokens)  # fmt: skip
+    summed = rank.routed.routed(
+        case.latent[r][:real],
+        case.ids[r][:real],
+        case.weights[r][:real],
+        None,
+        experts=rank.experts,
+        tokens=tokens,
+    )
     stride = rank.routed.prepare(tokens)
     mine = rank.routed.receive(tokens).out.float()  # exact; gloo has no bf16
     outs = [torch.empty_like(mine) for _ in range(n)]
@@ -331,8 +385,11 @@ def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
     routed = rank.routed
     layout = routed._buffers.layout
     # The expert counts (E_local int32, EpConfig.count_experts) are control words, as the state.
-    held = sum(t.nbytes for name, t in vars(routed).items()
-               if isinstance(t, torch.Tensor) and name != "_counts")  # fmt: skip
+    held = sum(
+        t.nbytes
+        for name, t in vars(routed).items()
+        if isinstance(t, torch.Tensor) and name != "_counts"
+    )
     flags = routed._buffers.flags
     segment_end = flags.data_ptr() + flags.nbytes - routed._buffers.base_address
     want = EpRouted.workspace_bytes(dep.size, MAX_TOKENS, latent=TINY.latent, topk=TINY.topk)
@@ -352,8 +409,11 @@ def test_layer_from_k3_named_checkpoint(dep, rank, tmp_path):
     """A TINY checkpoint in the K3 naming (each rank writes its own file): load_moe_layer's
     experts and dense tensors make a layer that matches the reference of the written weights."""
     layer_index, g = 5, TINY
-    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 7),
-             "x": agreed_seed(dep.cpu_group, 8)}  # fmt: skip
+    seeds = {
+        "experts": rank.seed,
+        "dense": agreed_seed(dep.cpu_group, 7),
+        "x": agreed_seed(dep.cpu_group, 8),
+    }
     from safetensors.torch import save_file
 
     dense, prefix, inter = make_dense(g, seeds["dense"]), layer_prefix(layer_index), g.intermediate
@@ -392,9 +452,13 @@ def test_bad_construction_names_the_tensor(dep, rank):
     failures: list[str] = []
 
     def build(label, bad, error, match, **kw):
-        expect_raises(failures, label, error, match,
-                      lambda: EpMoeLayer(bad, routed, kw.get("experts", experts),
-                                         topk=kw.get("topk", K)))  # fmt: skip
+        expect_raises(
+            failures,
+            label,
+            error,
+            match,
+            lambda: EpMoeLayer(bad, routed, kw.get("experts", experts), topk=kw.get("topk", K)),
+        )
 
     missing = {k: v for k, v in dense.items() if k not in (SHARED_UP, NORM)}
     build("missing", missing, ValueError, r"routed_expert_norm\.weight.*shared_experts\.up_proj")
@@ -429,10 +493,18 @@ def test_bad_construction_names_the_tensor(dep, rank):
     bigger = dataclasses.replace(mine, num_experts=2 * TINY.experts)
     message = "num_experts=96; the EpRouted was built for num_experts=48"
     build("weights of another model", dense, ValueError, message, experts=bigger)
-    for label, kw in (("eps", dict(eps=0.0)), ("factor", dict(routed_scaling_factor=math.nan)),
-                      ("schedule", dict(schedule="parallel"))):  # fmt: skip
-        expect_raises(failures, label, ValueError, label if label != "factor" else "routed_scal",
-                      lambda kw=kw: EpMoeLayer(dense, routed, experts, topk=K, **kw))  # fmt: skip
+    for label, kw in (
+        ("eps", dict(eps=0.0)),
+        ("factor", dict(routed_scaling_factor=math.nan)),
+        ("schedule", dict(schedule="parallel")),
+    ):
+        expect_raises(
+            failures,
+            label,
+            ValueError,
+            label if label != "factor" else "routed_scal",
+            lambda kw=kw: EpMoeLayer(dense, routed, experts, topk=K, **kw),
+        )
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
@@ -443,8 +515,11 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     rank: every rank raises in the same call (the bad rank its ValueError/TypeError, the others
     EpPeerError, or the same error where every rank sees the fault); after each, a good call
     matches the reference."""
-    seeds = {"experts": rank.seed, "dense": agreed_seed(dep.cpu_group, 10),
-             "x": agreed_seed(dep.cpu_group, 11)}  # fmt: skip
+    seeds = {
+        "experts": rank.seed,
+        "dense": agreed_seed(dep.cpu_group, 10),
+        "x": agreed_seed(dep.cpu_group, 11),
+    }
     dense = make_dense(TINY, seeds["dense"])
     layer = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
     r, last, T = dep.rank, dep.size - 1, 6
@@ -470,8 +545,9 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
         if bad is None or bad == r:
             expect_raises(failures, label, error, match, call)
         else:
-            expect_raises(failures, f"{label} (peer)", EpPeerError, None,
-                          lambda: layer(x[:T], tokens=T))  # fmt: skip
+            expect_raises(
+                failures, f"{label} (peer)", EpPeerError, None, lambda: layer(x[:T], tokens=T)
+            )
         seeds[f"good call {step}"] = agreed_seed(dep.cpu_group, 20 + step)
         failures += good_call(rank, layer, dense, seeds[f"good call {step}"], f"after {label}")
     collective_assert(dep.cpu_group, failures, seeds=seeds)

@@ -75,8 +75,10 @@ def test_edge_blocks_bit_exact():
 
 def test_random_rows_bit_exact_and_scale_layout():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    x = (torch.randn(3, 256, generator=gen) * torch.exp2(torch.randn(3, 8, 1, generator=gen) * 8)
-         .repeat_interleave(32, 1).squeeze(-1)).bfloat16()  # fmt: skip
+    x = (
+        torch.randn(3, 256, generator=gen)
+        * torch.exp2(torch.randn(3, 8, 1, generator=gen) * 8).repeat_interleave(32, 1).squeeze(-1)
+    ).bfloat16()
     q, sf = mxfp8_quantize(x)
     assert q.shape == (3, 256) and sf.shape == (3, 8)
     for row in range(3):

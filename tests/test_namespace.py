@@ -42,8 +42,12 @@ def python_files(top: Path) -> list[Path]:
     """Every .py file of the repository under `top`: git's tracked and untracked files less the
     ignored ones in a checkout, else every file below `top` (links not followed) outside build
     and environment folders."""
-    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard",
-                              "--", "*.py"], cwd=top, capture_output=True, text=True)  # fmt: skip
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "*.py"],
+        cwd=top,
+        capture_output=True,
+        text=True,
+    )
     if listing.returncode == 0:
         names = set(listing.stdout.split("\0")) - {""}
         return sorted(top / name for name in names if (top / name).is_file())  # not deleted
@@ -155,16 +159,25 @@ def test_jupyter_comm_beside_dep_ep(tmp_path):
     """Jupyter's `comm` (installed by tests/run_all.sh) is the top-level `comm` outside the
     repository, and the example runs on 2 ranks with it installed."""
     probe = "import comm; print(comm.__file__); assert hasattr(comm, 'create_comm'), comm.__file__"
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, (
         "Jupyter's comm is not importable (python -m pip install comm; tests/run_all.sh does):"
         f" {proc.stderr[-1500:]}"
     )
     # The installed package, not the checkout's comm/ folder (a venv may live inside the checkout).
     assert not Path(proc.stdout.strip()).is_relative_to(ROOT / "comm"), proc.stdout
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "dep_layer.py"), "--steps", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / "dep_layer.py"),
+        "--steps",
+        "2",
+    ]
     out = run(cmd, tmp_path, 300).stdout
     assert "0 of 2 steps failed" in out, out[-3000:]
 
@@ -193,8 +206,9 @@ def test_wheel_holds_dep_ep_alone(tmp_path):
     import shutil
 
     source, wheels, target = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
-    shutil.copytree(ROOT, source, symlinks=True,
-                    ignore=shutil.ignore_patterns(*SKIP_DIRS, "*.egg-info"))  # fmt: skip
+    shutil.copytree(
+        ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*SKIP_DIRS, "*.egg-info")
+    )
     pip = [sys.executable, "-m", "pip"]
     run([*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), str(source)], tmp_path, 240)
     (wheel,) = wheels.glob("dep_ep-*.whl")
@@ -202,13 +216,19 @@ def test_wheel_holds_dep_ep_alone(tmp_path):
     tops = {name.split("/")[0] + "/" for name in names}
     assert {t for t in tops if not t.endswith(".dist-info/")} == {"dep_ep/"}, sorted(tops)
     assert len(tops) == 2, sorted(tops)
-    for required in ("dep_ep/comm/kernels/combine.py", "dep_ep/ep/routed.py",
-                     "dep_ep/constants.py", "dep_ep/launch/env.py",
-                     "dep_ep/experts/reference/reference_experts.py"):  # fmt: skip
+    for required in (
+        "dep_ep/comm/kernels/combine.py",
+        "dep_ep/ep/routed.py",
+        "dep_ep/constants.py",
+        "dep_ep/launch/env.py",
+        "dep_ep/experts/reference/reference_experts.py",
+    ):
         assert required in names, f"{wheel.name} lacks {required}"
     run([*pip, "install", "-q", "--no-deps", "--target", str(target), str(wheel)], tmp_path, 120)
-    probe = ("import dep_ep, dep_ep.comm, dep_ep.experts, dep_ep.ep, dep_ep.launch;"
-             " print(dep_ep.__file__); print(dep_ep.comm.__file__)")  # fmt: skip
+    probe = (
+        "import dep_ep, dep_ep.comm, dep_ep.experts, dep_ep.ep, dep_ep.launch;"
+        " print(dep_ep.__file__); print(dep_ep.comm.__file__)"
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = run([sys.executable, "-c", probe], wheels, 120, env=env).stdout.split()
     assert len(out) == 2 and all(Path(f).is_relative_to(target) for f in out), out

@@ -23,8 +23,16 @@ def launcher(name: str) -> str:
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_example_passes_its_check(ranks):
-    cmd = [launcher("torchrun"), "--nproc-per-node", str(ranks), "examples/dep_layer.py",
-           "--steps", "3", "--tokens", "9"]  # fmt: skip
+    cmd = [
+        launcher("torchrun"),
+        "--nproc-per-node",
+        str(ranks),
+        "examples/dep_layer.py",
+        "--steps",
+        "3",
+        "--tokens",
+        "9",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 of 3 steps failed" in proc.stdout, proc.stdout[-3000:]

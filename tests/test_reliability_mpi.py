@@ -13,6 +13,7 @@ from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.allgather_reference import NORM_EPS
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -26,8 +27,9 @@ T = 6
 def build(dep, max_tokens=MAX_TOKENS, config=None, **geometry) -> EpRouted:
     args = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk)
     args.update(geometry)
-    return EpRouted(dep.cpu_group, max_tokens, "cpu", config=config or EpConfig(timeout_s=30.0),
-                    **args)  # fmt: skip
+    return EpRouted(
+        dep.cpu_group, max_tokens, "cpu", config=config or EpConfig(timeout_s=30.0), **args
+    )
 
 
 class Step:
@@ -41,7 +43,7 @@ class Step:
         self.weights = self.case.weights[r] * weight_scale
         self.layer, self.dep = layer, dep
 
-    def reference(self, eps: float = 1e-5) -> torch.Tensor:
+    def reference(self, eps: float = NORM_EPS) -> torch.Tensor:
         return allgather_reference(
             self.dep.cpu_group,
             self.latent,
@@ -53,8 +55,9 @@ class Step:
         )
 
     def run(self, routed, experts, **kw) -> torch.Tensor:
-        return routed(self.latent, self.ids, self.weights, self.layer.norm_weight(),
-                      experts=experts, **kw)  # fmt: skip
+        return routed(
+            self.latent, self.ids, self.weights, self.layer.norm_weight(), experts=experts, **kw
+        )
 
 
 @pytest.fixture
@@ -86,8 +89,13 @@ def test_construction_arguments_differ(dep, field):
     kw = {field: values[1] if odd else values[0]}
     max_tokens = kw.pop("max_tokens", MAX_TOKENS)
     failures: list[str] = []
-    err = expect_raises(failures, field, ValueError, "built with different arguments",
-                        lambda: build(dep, max_tokens=max_tokens, **kw))  # fmt: skip
+    err = expect_raises(
+        failures,
+        field,
+        ValueError,
+        "built with different arguments",
+        lambda: build(dep, max_tokens=max_tokens, **kw),
+    )
     if err is not None and not all(f"rank {r}: " in str(err) for r in range(dep.size)):
         failures.append(f"{field}: {err} does not name every rank's value")
     if err is not None and field not in str(err):
@@ -108,8 +116,13 @@ def test_skipped_step_with_tags_is_a_desync_on_every_rank(dep, layer):
         step = Step(dep, layer, 1)
         seeds["step1"] = step.seed
         tag = 2 if skipper else 1  # the skipper is already at step 2
-        err = expect_raises(failures, "skipped step", EpDesyncError, "out of step",
-                            lambda: step.run(routed, experts, tag=tag))  # fmt: skip
+        err = expect_raises(
+            failures,
+            "skipped step",
+            EpDesyncError,
+            "out of step",
+            lambda: step.run(routed, experts, tag=tag),
+        )
         if err is not None and not ("tag 1" in str(err) and "tag 2" in str(err)):
             failures.append(f"desync message names no tags: {err}")
         seeds["step2"] = good_step(dep, routed, layer, experts, 2, "after", failures, tag=3)
@@ -126,8 +139,9 @@ def test_two_objects_in_different_order_is_a_desync(dep, layer):
     step = Step(dep, layer, 3)
     try:
         first = a if dep.rank == 0 else b
-        expect_raises(failures, "first call", EpDesyncError, "out of step",
-                      lambda: step.run(first, experts))  # fmt: skip
+        expect_raises(
+            failures, "first call", EpDesyncError, "out of step", lambda: step.run(first, experts)
+        )
         a.reset()
         b.reset()
         good_step(dep, a, layer, experts, 4, "A after reset", failures)
@@ -149,8 +163,7 @@ def test_split_api_misuse(dep, layer):
         step = Step(dep, layer, 6)
         ids = step.ids.clone()
         rows = routed.dispatch(step.latent, ids, step.weights)
-        expect_raises(failures, "receive(T-1)", ValueError, f"T={T}",
-                      lambda: routed.receive(T - 1))  # fmt: skip
+        expect_raises(failures, "receive(T-1)", ValueError, f"T={T}", lambda: routed.receive(T - 1))
         if routed.receive().x.shape[0] != dep.size * T:
             failures.append("receive() does not give the dispatched step's rows")
         ids.fill_(0)  # the caller reuses its tensor: the library kept a copy
@@ -160,9 +173,13 @@ def test_split_api_misuse(dep, layer):
 
         step = Step(dep, layer, 7)
         routed.dispatch(step.latent, step.ids, step.weights)
-        expect_raises(failures, "combine without experts", ValueError,
-                      "did not write them|rejected their input",
-                      lambda: routed.combine(layer.norm_weight()))  # fmt: skip
+        expect_raises(
+            failures,
+            "combine without experts",
+            ValueError,
+            "did not write them|rejected their input",
+            lambda: routed.combine(layer.norm_weight()),
+        )
         good_step(dep, routed, layer, experts, 8, "after the unwritten rows", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
@@ -206,8 +223,13 @@ def test_experts_none_and_int_eps(dep, layer, which):
     with build(dep) as routed:
         step = Step(dep, layer, 11)
         expected, match = (TypeError, "experts is NoneType") if bad else (EpPeerError, None)
-        expect_raises(failures, "experts=None", expected, match,
-                      lambda: step.run(routed, None if bad else experts))  # fmt: skip
+        expect_raises(
+            failures,
+            "experts=None",
+            expected,
+            match,
+            lambda: step.run(routed, None if bad else experts),
+        )
         step = Step(dep, layer, 12)
         try:
             out = step.run(routed, experts, eps=1)
@@ -256,10 +278,20 @@ def test_interrupted_exchange_needs_reset(dep, layer, monkeypatch):
         step = Step(dep, layer, 14)
         monkeypatch.setattr(ObjectBarriers, "exchange", interrupted)
         if dep.rank == 0:
-            expect_raises(failures, "interrupted", KeyboardInterrupt, None,
-                          lambda: routed.dispatch(step.latent, step.ids, step.weights))  # fmt: skip
-            expect_raises(failures, "refused", RuntimeError, "reset\\(\\) on every rank",
-                          lambda: step.run(routed, experts))  # fmt: skip
+            expect_raises(
+                failures,
+                "interrupted",
+                KeyboardInterrupt,
+                None,
+                lambda: routed.dispatch(step.latent, step.ids, step.weights),
+            )
+            expect_raises(
+                failures,
+                "refused",
+                RuntimeError,
+                "reset\\(\\) on every rank",
+                lambda: step.run(routed, experts),
+            )
         else:
             routed.dispatch(step.latent, step.ids, step.weights)
         monkeypatch.setattr(ObjectBarriers, "exchange", exchange)
@@ -278,9 +310,13 @@ def test_bad_input_fails_every_rank_fast(dep, layer):
         bad = dep.rank == 0
         latent = step.latent.float() if bad else step.latent
         start = time.monotonic()
-        expect_raises(failures, "bad latent", TypeError if bad else EpPeerError, None,
-                      lambda: routed(latent, step.ids, step.weights, layer.norm_weight(),
-                                     experts=experts))  # fmt: skip
+        expect_raises(
+            failures,
+            "bad latent",
+            TypeError if bad else EpPeerError,
+            None,
+            lambda: routed(latent, step.ids, step.weights, layer.norm_weight(), experts=experts),
+        )
         took = time.monotonic() - start
         print(f"TIME-TO-ERROR bad latent rank {dep.rank}: {took:.4f} s")
         if took > 1.0:
@@ -298,14 +334,23 @@ def test_bad_input_with_tags_keeps_its_error(dep, layer):
         step = Step(dep, layer, 17)
         bad = dep.rank == 0
         latent = step.latent.float() if bad else step.latent
-        expect_raises(failures, "bad latent with tag", TypeError if bad else EpPeerError, None,
-                      lambda: routed(latent, step.ids, step.weights, layer.norm_weight(),
-                                     experts=experts, tag=5))  # fmt: skip
+        expect_raises(
+            failures,
+            "bad latent with tag",
+            TypeError if bad else EpPeerError,
+            None,
+            lambda: routed(
+                latent, step.ids, step.weights, layer.norm_weight(), experts=experts, tag=5
+            ),
+        )
         error = RuntimeError("the caller failed before its dispatch")
-        expect_raises(failures, "reject_step", RuntimeError if bad else EpPeerError,
-                      "before its dispatch" if bad else None,
-                      lambda: routed.reject_step(error, tag=6) if bad
-                      else step.run(routed, experts, tag=6))  # fmt: skip
+        expect_raises(
+            failures,
+            "reject_step",
+            RuntimeError if bad else EpPeerError,
+            "before its dispatch" if bad else None,
+            lambda: routed.reject_step(error, tag=6) if bad else step.run(routed, experts, tag=6),
+        )
         good_step(dep, routed, layer, experts, 18, "after", failures, tag=7)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
@@ -318,8 +363,13 @@ def test_construction_error_on_one_rank_reaches_every_rank(dep):
     failures: list[str] = []
     start = time.monotonic()
     expected, match = (ValueError, "topk=0") if bad else (EpPeerError, "rejected their arguments")
-    expect_raises(failures, "topk=0 on one rank", expected, match,
-                  lambda: build(dep, topk=0 if bad else TINY.topk))  # fmt: skip
+    expect_raises(
+        failures,
+        "topk=0 on one rank",
+        expected,
+        match,
+        lambda: build(dep, topk=0 if bad else TINY.topk),
+    )
     if time.monotonic() - start > 5.0:
         failures.append(f"the error took {time.monotonic() - start:.1f} s")
     collective_assert(dep.cpu_group, failures, seeds=None)

@@ -20,8 +20,15 @@ MAX_TOKENS = 16
 
 
 def build(dep, config=None) -> EpRouted:
-    return EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
-                    latent=TINY.latent, topk=TINY.topk, config=config)  # fmt: skip
+    return EpRouted(
+        dep.cpu_group,
+        MAX_TOKENS,
+        "cpu",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=config,
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -93,8 +100,9 @@ def test_call_equals_routed_bit_for_bit(dep, routing):
 def test_config_must_be_an_epconfig(dep):
     failures = []
     for config in (5, {"timeout_s": 5.0}, "EpConfig()"):
-        expect_raises(failures, f"config={config!r}", TypeError, "config",
-                      lambda: build(dep, config))  # fmt: skip
+        expect_raises(
+            failures, f"config={config!r}", TypeError, "config", lambda: build(dep, config)
+        )
     with build(dep, EpConfig(timeout_s=7.5)) as ep:
         if ep.config.timeout_s != 7.5:
             failures.append(f"config not kept: {ep.config}")

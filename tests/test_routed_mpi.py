@@ -21,8 +21,14 @@ class Harness:
 
     def __init__(self, dep, seed: int):
         self.dep, self.seed = dep, seed  # the layer's seed
-        self.routed = EpRouted(dep.cpu_group, MAX_TOKENS, "cpu", num_experts=TINY.experts,
-                               latent=TINY.latent, topk=TINY.topk)  # fmt: skip
+        self.routed = EpRouted(
+            dep.cpu_group,
+            MAX_TOKENS,
+            "cpu",
+            num_experts=TINY.experts,
+            latent=TINY.latent,
+            topk=TINY.topk,
+        )
         self.layer = SyntheticLayer(TINY, seed)
         self.experts = make_experts(self.layer, dep.rank, dep.size)
 
@@ -32,14 +38,21 @@ class Harness:
         rows = self.routed.receive(tokens)
         rows.out.fill_(float("nan"))  # rows the experts do not write must not reach combine
         self.routed._buffers.partials(self.routed._buffers.layout.max_rows).fill_(float("nan"))
-        return self.routed.routed(case.latent[r], case.ids[r], case.weights[r],
-                                  layer.norm_weight(), experts=experts)  # fmt: skip
+        return self.routed.routed(
+            case.latent[r], case.ids[r], case.weights[r], layer.norm_weight(), experts=experts
+        )
 
     def check(self, case, label, layer=None, experts=None) -> list[str]:
         out = self.run(case, layer, experts)
         layer, r = layer or self.layer, self.dep.rank
-        ref = allgather_reference(self.dep.cpu_group, case.latent[r], case.ids[r], case.weights[r],
-                                  layer.norm_weight(), layer.expert)  # fmt: skip
+        ref = allgather_reference(
+            self.dep.cpu_group,
+            case.latent[r],
+            case.ids[r],
+            case.weights[r],
+            layer.norm_weight(),
+            layer.expert,
+        )
         return compare(out, ref, label)
 
 
@@ -51,10 +64,19 @@ def harness(dep):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("tokens,routing", [
-    (1, "random"), (7, "random"), (MAX_TOKENS, "random"), (13, "skewed"), (12, "padded"),
-    (9, "same"), (9, "duplicate"), (10, "nan"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,routing",
+    [
+        (1, "random"),
+        (7, "random"),
+        (MAX_TOKENS, "random"),
+        (13, "skewed"),
+        (12, "padded"),
+        (9, "same"),
+        (9, "duplicate"),
+        (10, "nan"),
+    ],
+)
 def test_routed_matches_allgather_reference(dep, harness, tokens, routing):
     seed = agreed_seed(dep.cpu_group, 0)
     case = make_case(TINY, dep.size, tokens, seed, routing)
@@ -69,10 +91,19 @@ def test_ragged_token_counts(dep, harness):
     case = make_case(TINY, dep.size, 16, seed, "ragged")
     out = harness.run(case)
     r = dep.rank
-    ref = allgather_reference(dep.cpu_group, case.latent[r], case.ids[r], case.weights[r],
-                              harness.layer.norm_weight(), harness.layer.expert)  # fmt: skip
-    collective_assert(dep.cpu_group, check_ragged(out, ref, r, dep.size),
-                      seeds={"layer": harness.seed, "case": seed})  # fmt: skip
+    ref = allgather_reference(
+        dep.cpu_group,
+        case.latent[r],
+        case.ids[r],
+        case.weights[r],
+        harness.layer.norm_weight(),
+        harness.layer.expert,
+    )
+    collective_assert(
+        dep.cpu_group,
+        check_ragged(out, ref, r, dep.size),
+        seeds={"layer": harness.seed, "case": seed},
+    )
 
 
 @pytest.mark.mpi(min_size=2)

@@ -12,6 +12,7 @@ import torch
 from dep_ep.comm.errors import EpDesyncError, EpPeerError
 from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpRouted, register_routed, routed_op
+from dep_ep.experts import ExpertsBackend
 from dep_ep.integrations import common
 from dep_ep.testing import SyntheticLayer
 from dep_ep.testing.compare import compare
@@ -102,31 +103,51 @@ def test_latent_as_a_column_slice(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
+class RowByRowExperts(ExpertsBackend):
+    """ReferenceExperts run on one receive row at a time: its results do not depend on which
+    rows a call holds (a GEMM over several rows may sum in another order for another row count),
+    so the test sees the transport's part of a step in pieces alone."""
+
+    def __init__(self, inner: ExpertsBackend):
+        self.inner = inner
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out):
+        for row in range(x.shape[0]):
+            s = slice(row, row + 1)
+            self.inner.forward(x[s], sf[s], ids[s], weights[s], out[s])
+        return out
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("total", [11, 16])
 def test_a_step_above_max_tokens_runs_in_pieces(dep, layer, total):
     """tokens=T above max_tokens = 4 (ranks with unequal real rows, the last one none at 3+
-    ranks): the result equals one step of T on an EpRouted of max_tokens 16, bit for bit, and
-    the reference within tolerance; ranks whose T differ (T and T + 1) raise on every rank
-    (EpDesyncError when their piece counts differ, ValueError naming the token counts when a
-    piece's T differs)."""
+    ranks): with experts computed row by row the result equals one step of T on an EpRouted of
+    max_tokens 16 bit for bit (the pieces change nothing but which rows share a call), and with
+    ReferenceExperts the reference within tolerance; ranks whose T differ (T and T + 1) raise on
+    every rank (EpDesyncError when their piece counts differ, ValueError naming the token counts
+    when a piece's T differs)."""
     seed = agreed_seed(dep.cpu_group, 630)
     case = make_case(TINY, dep.size, total, seed, "ragged")
     r = dep.rank
     n = real_tokens(total, dep.size)[r]
     latent, ids, weights = case.latent[r][:n], case.ids[r][:n], case.weights[r][:n]
     experts = Batches(dep, layer, seed, total).experts
+    row_by_row = RowByRowExperts(experts)
     norm = layer.norm_weight()
     failures: list[str] = []
     with build(dep, 16) as large:
-        want = large(latent, ids, weights, norm, experts=experts, tokens=total)
+        want = large(latent, ids, weights, norm, experts=row_by_row, tokens=total)
     with build(dep, 4) as small:
-        got = small(latent, ids, weights, norm, experts=experts, tokens=total)
+        got = small(latent, ids, weights, norm, experts=row_by_row, tokens=total)
         if tuple(got.shape) != (n, TINY.latent):
             failures.append(f"pieces: shape {tuple(got.shape)}")
         elif not torch.equal(bits(got), bits(want)):
             failures.append("pieces: other bits than one large step")
-        failures += compare(got, Batches.reference_of(layer, latent, ids, weights), "pieces")
+        pieces = small(latent, ids, weights, norm, experts=experts, tokens=total)
+        failures += compare(pieces, Batches.reference_of(layer, latent, ids, weights), "pieces")
         other = total + (1 if r == dep.size - 1 else 0)
         expect_raises(
             failures,
@@ -135,7 +156,19 @@ def test_a_step_above_max_tokens_runs_in_pieces(dep, layer, total):
             "out of step|token counts",
             lambda: small(latent, ids, weights, norm, experts=experts, tokens=other),
         )
-        again = small(latent, ids, weights, norm, experts=experts, tokens=total)
+        # The split API stays bounded: a dispatch of T above max_tokens is the caller's mistake.
+        bad = r == 0
+        expected, match = (ValueError, "outside 1..4") if bad else (EpPeerError, None)
+        expect_raises(
+            failures,
+            "dispatch above max_tokens",
+            expected,
+            match,
+            lambda: small.dispatch(latent, ids, weights, tokens=total if bad else 4)
+            if bad or n <= 4
+            else small.dispatch(latent[:4], ids[:4], weights[:4], tokens=4),
+        )
+        again = small(latent, ids, weights, norm, experts=row_by_row, tokens=total)
         if not torch.equal(bits(again), bits(want)):
             failures.append("pieces after the desync: other bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)

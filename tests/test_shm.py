@@ -32,8 +32,9 @@ def run_child(body: str) -> subprocess.CompletedProcess:
         buf = EpBuffers(dep.cpu_group, 1, 0, 8, "cpu", latent=64, topk=2)
         """
     ) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("ending", ["close", "sigkill", "exception"])

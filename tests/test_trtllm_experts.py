@@ -110,9 +110,19 @@ def test_routed_moe_arguments_match_flashinfer_and_the_contract():
     )
     x, sf, ids, weights, out = receive_rows()
     alpha, beta = torch.full((num_local,), 4.0), torch.full((num_local,), 25.0)
-    args = routed_moe_arguments(prepared, x, sf, ids, weights, out, first_expert=8,
-                                num_experts=TINY.experts, gemm1_alpha=alpha, gemm1_beta=beta,
-                                output_scales=torch.ones(num_local))  # fmt: skip
+    args = routed_moe_arguments(
+        prepared,
+        x,
+        sf,
+        ids,
+        weights,
+        out,
+        first_expert=8,
+        num_experts=TINY.experts,
+        gemm1_alpha=alpha,
+        gemm1_beta=beta,
+        output_scales=torch.ones(num_local),
+    )
     signature = inspect.signature(fi.trtllm_fp4_block_scale_routed_moe).parameters
     assert set(args) <= set(signature), set(args) - set(signature)
     required = {n for n, p in signature.items() if p.default is inspect.Parameter.empty}

@@ -13,9 +13,15 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
 
 from dep_ep.comm.kernels.launch_args import RankControl, SymmetricRegions
-from dep_ep.constants import ERROR_WORDS, FLAG_PHASES, FLAG_WORDS, SCALE_BLOCK, STATE_WORDS
+from dep_ep.constants import (
+    ERROR_WORDS,
+    FLAG_PHASES,
+    FLAG_WORDS,
+    SCALE_BLOCK,
+    STATE_WORDS,
+    VECTOR_BYTES,
+)
 
-VECTOR_BYTES = 16  # ld/st.global.v4.b32: the widest access of one thread
 WORD_BYTES = 4
 VECTOR_WORDS = VECTOR_BYTES // WORD_BYTES
 BF16_PER_WORD = 2

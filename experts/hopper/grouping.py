@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dep_ep.constants import MAX_EXPERTS
+
 
 @dataclass(frozen=True)
 class PairGroups:
@@ -77,7 +79,6 @@ class TileRoutes:
     sentinel: int
 
 
-INT32_LIMIT = 2**31
 # "triton": experts/hopper/grouping_kernel.py in one launch; "torch": group_pairs and tile_routes
 # (~30 launches), the same tensors. On an H200 at K3's DEP16 shard the kernel takes 5-74 us where
 # torch takes 119-209 us (T = 1..256, tiles of 16; docs/bench_experts.md).
@@ -106,13 +107,18 @@ def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
     ):
         shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
         raise ValueError(f"{fn}: ids {shown}; expected int32 or int64 [R, K]")
-    for name, value, least in (("first_expert", first_expert, 0), ("num_local", num_local, 1),
-                               ("block_n", block_n, 1)):  # fmt: skip
+    for name, value, least in (
+        ("first_expert", first_expert, 0),
+        ("num_local", num_local, 1),
+        ("block_n", block_n, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{fn}: {name}={value!r}; expected an int >= {least}")
-    if first_expert + num_local > INT32_LIMIT:
-        raise ValueError(f"{fn}: first_expert + num_local = {first_expert + num_local}; expected"
-                         f" at most 2^31 (expert ids are int32)")  # fmt: skip
+    if first_expert + num_local > MAX_EXPERTS:
+        raise ValueError(
+            f"{fn}: first_expert + num_local = {first_expert + num_local}; expected"
+            f" at most 2^31 (expert ids are int32)"
+        )
 
 
 def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: int) -> PairGroups:

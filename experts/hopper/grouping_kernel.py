@@ -86,8 +86,9 @@ def _tiling(counts, is_expert, mine, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair,
-                 BLOCK_N: tl.constexpr):  # fmt: skip
+def _route_pairs(
+    route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair, BLOCK_N: tl.constexpr
+):
     """Pair `within` of this program's expert sits in tile my_tile0 + within // BLOCK_N at slot
     within % BLOCK_N: route index my_tile0 * BLOCK_N + within."""
     route = my_tile0 * BLOCK_N + within
@@ -96,9 +97,22 @@ def _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, h
 
 
 @triton.jit
-def _expert_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr, route_pair_ptr,
-                  me, my_count, my_first, my_tiles, my_tile0, num_slots, BLOCK_N: tl.constexpr,
-                  LANES: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+def _expert_tiles(
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_rows_ptr,
+    route_flat_ptr,
+    route_pair_ptr,
+    me,
+    my_count,
+    my_first,
+    my_tiles,
+    my_tile0,
+    num_slots,
+    BLOCK_N: tl.constexpr,
+    LANES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """Expert me's tiles, and the route slots of its last tile past its pairs (sentinel)."""
     pad = my_count + tl.arange(0, LANES)
     pad_mask = pad < my_tiles * BLOCK_N
@@ -115,9 +129,22 @@ def _expert_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr
 
 
 @triton.jit
-def _unused_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr, route_pair_ptr,
-                  num_tiles_ptr, num_padded_ptr, num_tiles, tile_cap, num_local, num_slots,
-                  BLOCK_N: tl.constexpr, LANES: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+def _unused_tiles(
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_rows_ptr,
+    route_flat_ptr,
+    route_pair_ptr,
+    num_tiles_ptr,
+    num_padded_ptr,
+    num_tiles,
+    tile_cap,
+    num_local,
+    num_slots,
+    BLOCK_N: tl.constexpr,
+    LANES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """The tiling's device scalars, and its tiles past num_tiles (expert num_local, no rows,
     routes all sentinel)."""
     tl.store(num_tiles_ptr, num_tiles)
@@ -156,8 +183,9 @@ def chunk_histogram_kernel(
 
 
 @triton.jit
-def _counts_from_histogram(hist_ptr, num_chunks, chunk, BINS: tl.constexpr,
-                           HIST_ROWS: tl.constexpr):  # fmt: skip
+def _counts_from_histogram(
+    hist_ptr, num_chunks, chunk, BINS: tl.constexpr, HIST_ROWS: tl.constexpr
+):
     """(pairs per bin over every chunk, pairs per bin in the chunks before `chunk`), int32 [BINS]
     each, from chunk_histogram_kernel's rows."""
     bins = tl.arange(0, BINS)
@@ -165,8 +193,9 @@ def _counts_from_histogram(hist_ptr, num_chunks, chunk, BINS: tl.constexpr,
     before = tl.zeros((BINS,), dtype=tl.int32)
     for c0 in range(0, num_chunks, HIST_ROWS):
         c = c0 + tl.arange(0, HIST_ROWS)
-        rows = tl.load(hist_ptr + c[:, None] * BINS + bins[None, :],
-                       mask=(c < num_chunks)[:, None], other=0)  # fmt: skip
+        rows = tl.load(
+            hist_ptr + c[:, None] * BINS + bins[None, :], mask=(c < num_chunks)[:, None], other=0
+        )
         counts += tl.sum(rows, 0)
         before += tl.sum(tl.where((c < chunk)[:, None], rows, 0), 0)
     return counts, before
@@ -225,13 +254,15 @@ def group_route_kernel(
 
     # Pairs per expert (the non-local bin and JUNK stay 0), and this bin's slots before the chunk.
     if CHUNKED:
-        counts, before = _counts_from_histogram(hist_ptr, tl.num_programs(1), chunk, BINS,
-                                                HIST_ROWS)  # fmt: skip
+        counts, before = _counts_from_histogram(
+            hist_ptr, tl.num_programs(1), chunk, BINS, HIST_ROWS
+        )
         # Every slot before this chunk is a real one (only the last chunk is partial): the
         # non-local ones are those the histogram did not count.
         local_before = tl.sum(tl.where(is_expert, before, 0), 0)
-        seen = tl.where(is_pair, tl.sum(tl.where(mine, before, 0), 0),
-                        chunk * BLOCK_S - local_before)  # fmt: skip
+        seen = tl.where(
+            is_pair, tl.sum(tl.where(mine, before, 0), 0), chunk * BLOCK_S - local_before
+        )
     else:
         counts = tl.histogram(key, BINS, mask=key < num_local)
         seen = 0
@@ -250,33 +281,83 @@ def group_route_kernel(
     tl.store(pair_row_ptr + pair, offs // topk, mask=hit)
     tl.store(pair_slot_ptr + offs, tl.where(is_pair, pair, -1), mask=hit)
     hit_pair = hit & (key < num_local)  # hit, and this program is an expert's
-    _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair,
-                 BLOCK_N)  # fmt: skip
+    _route_pairs(route_flat_ptr, route_pair_ptr, my_tile0, within, offs, pair, hit_pair, BLOCK_N)
     if TWO_TILINGS:
-        _route_pairs(route_flat_b_ptr, route_pair_b_ptr, my_tile0_b, within, offs, pair,
-                     hit_pair, BLOCK_N_B)  # fmt: skip
+        _route_pairs(
+            route_flat_b_ptr, route_pair_b_ptr, my_tile0_b, within, offs, pair, hit_pair, BLOCK_N_B
+        )
 
     if chunk == 0:
         if is_pair:
             tl.store(expert_pairs_ptr + me, my_count.to(tl.int64))
-            _expert_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
-                          route_pair_ptr, me, my_count, my_first, my_tiles, my_tile0, num_slots,
-                          BLOCK_N, LANES, BLOCK_T)  # fmt: skip
+            _expert_tiles(
+                tile_expert_ptr,
+                tile_start_ptr,
+                tile_rows_ptr,
+                route_flat_ptr,
+                route_pair_ptr,
+                me,
+                my_count,
+                my_first,
+                my_tiles,
+                my_tile0,
+                num_slots,
+                BLOCK_N,
+                LANES,
+                BLOCK_T,
+            )
             if TWO_TILINGS:
-                _expert_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr,
-                              route_flat_b_ptr, route_pair_b_ptr, me, my_count, my_first,
-                              my_tiles_b, my_tile0_b, num_slots, BLOCK_N_B, LANES_B,
-                              BLOCK_T)  # fmt: skip
+                _expert_tiles(
+                    tile_expert_b_ptr,
+                    tile_start_b_ptr,
+                    tile_rows_b_ptr,
+                    route_flat_b_ptr,
+                    route_pair_b_ptr,
+                    me,
+                    my_count,
+                    my_first,
+                    my_tiles_b,
+                    my_tile0_b,
+                    num_slots,
+                    BLOCK_N_B,
+                    LANES_B,
+                    BLOCK_T,
+                )
         else:
             tl.store(num_pairs_ptr, num_pairs)
-            _unused_tiles(tile_expert_ptr, tile_start_ptr, tile_rows_ptr, route_flat_ptr,
-                          route_pair_ptr, num_tiles_ptr, num_padded_ptr, num_tiles, tile_cap,
-                          num_local, num_slots, BLOCK_N, LANES, BLOCK_T)  # fmt: skip
+            _unused_tiles(
+                tile_expert_ptr,
+                tile_start_ptr,
+                tile_rows_ptr,
+                route_flat_ptr,
+                route_pair_ptr,
+                num_tiles_ptr,
+                num_padded_ptr,
+                num_tiles,
+                tile_cap,
+                num_local,
+                num_slots,
+                BLOCK_N,
+                LANES,
+                BLOCK_T,
+            )
             if TWO_TILINGS:
-                _unused_tiles(tile_expert_b_ptr, tile_start_b_ptr, tile_rows_b_ptr,
-                              route_flat_b_ptr, route_pair_b_ptr, num_tiles_b_ptr,
-                              num_padded_b_ptr, num_tiles_b, tile_cap_b, num_local, num_slots,
-                              BLOCK_N_B, LANES_B, BLOCK_T)  # fmt: skip
+                _unused_tiles(
+                    tile_expert_b_ptr,
+                    tile_start_b_ptr,
+                    tile_rows_b_ptr,
+                    route_flat_b_ptr,
+                    route_pair_b_ptr,
+                    num_tiles_b_ptr,
+                    num_padded_b_ptr,
+                    num_tiles_b,
+                    tile_cap_b,
+                    num_local,
+                    num_slots,
+                    BLOCK_N_B,
+                    LANES_B,
+                    BLOCK_T,
+                )
 
 
 def group_and_route(
@@ -299,24 +380,41 @@ def group_and_route_tilings(
     return _launch("group_and_route_tilings", ids, first_expert, num_local, block_ns)
 
 
+def _tiling_outputs(groups: PairGroups, routes: TileRoutes) -> tuple[torch.Tensor, ...]:
+    """One tiling's outputs in group_route_kernel's order."""
+    tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
+    return (*tiles, routes.flat, routes.pair, routes.num_padded)
+
+
+def _tile_lanes(groups: PairGroups) -> tuple[int, int]:
+    """(BLOCK_N, LANES) of one tiling: pairs a tile, and the power of two >= that."""
+    return groups.block_n, triton.next_power_of_2(groups.block_n)
+
+
 def _launch(
     owner: str, ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...]
 ) -> list[tuple[PairGroups, TileRoutes]]:
     """The checks (ValueError naming `owner`), the outputs and the launch of both functions."""
     if not isinstance(block_ns, tuple) or len(block_ns) not in (1, 2):
-        raise ValueError(f"{owner}: block_ns={block_ns!r}; expected a tuple of one or two tile"
-                         " sizes")  # fmt: skip
+        raise ValueError(
+            f"{owner}: block_ns={block_ns!r}; expected a tuple of one or two tile sizes"
+        )
     if len(set(block_ns)) != len(block_ns):
-        raise ValueError(f"{owner}: block_ns={block_ns!r}; expected distinct tile sizes (pass an"
-                         " equal size once)")  # fmt: skip
+        raise ValueError(
+            f"{owner}: block_ns={block_ns!r}; expected distinct tile sizes (pass an"
+            " equal size once)"
+        )
     for block_n in block_ns:
         check_grouping_args(owner, ids, first_expert, num_local, block_n)
         if not fits(block_n):
-            raise ValueError(f"{owner}: block_n={block_n}; expected at most {MAX_BLOCK_N} (the"
-                             " kernel's tile lanes); group_pairs takes any block_n")  # fmt: skip
+            raise ValueError(
+                f"{owner}: block_n={block_n}; expected at most {MAX_BLOCK_N} (the"
+                " kernel's tile lanes); group_pairs takes any block_n"
+            )
     if ids.dtype != torch.int32 or not ids.is_contiguous():
-        raise ValueError(f"{owner}: ids {ids.dtype}, contiguous={ids.is_contiguous()}; expected"
-                         " contiguous int32")  # fmt: skip
+        raise ValueError(
+            f"{owner}: ids {ids.dtype}, contiguous={ids.is_contiguous()}; expected contiguous int32"
+        )
     rows, topk = ids.shape
     slots = pair_capacity(rows, topk)
     device = ids.device
@@ -325,19 +423,34 @@ def _launch(
         return torch.empty(n, dtype=torch.int32, device=device)
 
     pairs = PairGroups(
-        pair_row=int32(slots), pair_flat=int32(slots), num_pairs=int32(1), pair_slot=int32(slots),
-        tile_expert=int32(0), tile_start=int32(0), tile_rows=int32(0), num_tiles=int32(0),
-        expert_pairs=torch.empty(num_local, dtype=torch.int64, device=device), block_n=0,
-    )  # fmt: skip
+        pair_row=int32(slots),
+        pair_flat=int32(slots),
+        num_pairs=int32(1),
+        pair_slot=int32(slots),
+        tile_expert=int32(0),
+        tile_start=int32(0),
+        tile_rows=int32(0),
+        num_tiles=int32(0),
+        expert_pairs=torch.empty(num_local, dtype=torch.int64, device=device),
+        block_n=0,
+    )
     tilings = []
     for block_n in block_ns:
         tiles = tile_capacity(rows, topk, num_local, block_n)
         groups = dataclasses.replace(
-            pairs, tile_expert=int32(tiles), tile_start=int32(tiles), tile_rows=int32(tiles),
-            num_tiles=int32(1), block_n=block_n,
-        )  # fmt: skip
-        routes = TileRoutes(flat=int32(tiles * block_n), pair=int32(tiles * block_n),
-                            num_padded=int32(1).reshape(()), sentinel=slots)  # fmt: skip
+            pairs,
+            tile_expert=int32(tiles),
+            tile_start=int32(tiles),
+            tile_rows=int32(tiles),
+            num_tiles=int32(1),
+            block_n=block_n,
+        )
+        routes = TileRoutes(
+            flat=int32(tiles * block_n),
+            pair=int32(tiles * block_n),
+            num_padded=int32(1).reshape(()),
+            sentinel=slots,
+        )
         tilings.append((groups, routes))
     (a, a_routes), (b, b_routes) = tilings[0], tilings[-1]
     bins = triton.next_power_of_2(num_local + 2)
@@ -345,17 +458,22 @@ def _launch(
     hist = torch.empty(chunks, bins, dtype=torch.int32, device=device)
     if chunks > 1:
         chunk_histogram_kernel[(chunks,)](
-            ids, hist, slots, first_expert, num_local, bins, BLOCK_S, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            ids, hist, slots, first_expert, num_local, bins, BLOCK_S, num_warps=NUM_WARPS
+        )
+    # group_route_kernel's arguments, in the groups of its signature.
+    pair_outputs = (a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs)
+    sizes = (slots, topk, first_expert, num_local, a.tile_capacity, b.tile_capacity)
+    flags = (len(tilings) == 2, bins, BLOCK_S, chunks > 1, HIST_ROWS, BLOCK_T)
     group_route_kernel[(num_local + 1, chunks)](
-        ids, hist, a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs,
-        a.tile_expert, a.tile_start, a.tile_rows, a.num_tiles,
-        a_routes.flat, a_routes.pair, a_routes.num_padded,
-        b.tile_expert, b.tile_start, b.tile_rows, b.num_tiles,
-        b_routes.flat, b_routes.pair, b_routes.num_padded,
-        slots, topk, first_expert, num_local, a.tile_capacity, b.tile_capacity,
-        a.block_n, triton.next_power_of_2(a.block_n), b.block_n,
-        triton.next_power_of_2(b.block_n), len(tilings) == 2, bins, BLOCK_S, chunks > 1,
-        HIST_ROWS, BLOCK_T, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        ids,
+        hist,
+        *pair_outputs,
+        *_tiling_outputs(a, a_routes),
+        *_tiling_outputs(b, b_routes),
+        *sizes,
+        *_tile_lanes(a),
+        *_tile_lanes(b),
+        *flags,
+        num_warps=NUM_WARPS,
+    )
     return tilings

@@ -125,8 +125,7 @@ class HopperExperts(ExpertsBackend):
         weights: torch.Tensor,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent,
-                           self.device)  # fmt: skip
+        check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent, self.device)
         if ids.shape[0] == 0:
             return out
         with torch.cuda.device(self.device):  # triton and humming launch on the current device

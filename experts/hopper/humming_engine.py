@@ -158,37 +158,67 @@ class HummingPrepared:
         # humming's FC1 and FC2 kernels may take tiles of different sizes: one grouping, one or
         # two tilings.
         block_ns = tuple(dict.fromkeys((self.fc1.block_m(tuned), self.fc2.block_m(tuned))))
-        tilings = routed_tilings(ids, self.first_expert, self.num_local_experts, block_ns,
-                                 self.tiles.grouping)  # fmt: skip
+        tilings = routed_tilings(
+            ids, self.first_expert, self.num_local_experts, block_ns, self.tiles.grouping
+        )
         (fc1_groups, fc1_routes), (fc2_groups, fc2_routes) = tilings[0], tilings[-1]
         # humming reads the rows' scales as fp32 2^(byte - 127).
         scales = torch.empty(sf.shape, dtype=torch.float32, device=x.device)
         kernels.widen_scales_kernel[(-(-sf.numel() // WIDEN_BLOCK),)](
-            sf, scales, sf.numel(), WIDEN_BLOCK, num_warps=4,
-        )  # fmt: skip
+            sf, scales, sf.numel(), WIDEN_BLOCK, num_warps=4
+        )
         # FC1 reads row id // K of x for pair id = row * K + k and writes row id of gate_up.
         gate_up = torch.empty(rows * topk, 2 * inter, dtype=torch.bfloat16, device=x.device)
-        self.fc1(x.view(torch.float8_e4m3fn), scales, fc1_routes.flat,
-                 fc1_groups.tile_expert, fc1_routes.num_padded, topk, gate_up,
-                 tuned)  # fmt: skip
+        self.fc1(
+            x.view(torch.float8_e4m3fn),
+            scales,
+            fc1_routes.flat,
+            fc1_groups.tile_expert,
+            fc1_routes.num_padded,
+            topk,
+            gate_up,
+            tuned,
+        )
         act = torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device=x.device)
-        act_scale = torch.empty(capacity, inter // SCALE_BLOCK, dtype=torch.float32,
-                                device=x.device)  # fmt: skip
+        act_scale = torch.empty(
+            capacity, inter // SCALE_BLOCK, dtype=torch.float32, device=x.device
+        )
         column_blocks = inter // self.situ_block_i
         situ_programs = max(
             1, min(-(-capacity // SITU_ROWS), SITU_PROGRAMS_PER_SM * self.sms // column_blocks)
         )
         kernels.situ_mxfp8_kernel[(situ_programs, column_blocks)](
-            gate_up, fc1_groups.pair_flat, fc1_groups.num_pairs, act, act_scale,
-            inter, SITU_ROWS, self.situ_block_i, num_warps=4,
-        )  # fmt: skip
+            gate_up,
+            fc1_groups.pair_flat,
+            fc1_groups.num_pairs,
+            act,
+            act_scale,
+            inter,
+            SITU_ROWS,
+            self.situ_block_i,
+            num_warps=4,
+        )
         # FC2: pair j reads act row j and writes expert output row j.
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
-        self.fc2(act, act_scale, fc2_routes.pair, fc2_groups.tile_expert, fc2_routes.num_padded,
-                 1, expert_out, tuned)  # fmt: skip
+        self.fc2(
+            act,
+            act_scale,
+            fc2_routes.pair,
+            fc2_groups.tile_expert,
+            fc2_routes.num_padded,
+            1,
+            expert_out,
+            tuned,
+        )
         columns = self.tiles.finalize_columns(latent)
         kernels.finalize_kernel[(rows, latent // columns)](
-            expert_out, fc1_groups.pair_slot, weights, out, latent, topk, columns,
+            expert_out,
+            fc1_groups.pair_slot,
+            weights,
+            out,
+            latent,
+            topk,
+            columns,
             num_warps=self.tiles.finalize_warps,
-        )  # fmt: skip
+        )
         return out

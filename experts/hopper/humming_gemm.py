@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dep_ep.constants import SCALE_BLOCK
+
 # humming 0.1.19 transform.process_fused_e8m0_scale: the largest E8M0 spread per expert that its
 # fused FP4 -> FP8 decode keeps exact with e4m3 activations.
 FUSED_SCALE_SPREAD = 11
@@ -70,18 +72,26 @@ class HummingGemm:
         from humming.schema import HummingInputSchema, HummingWeightSchema
 
         num_experts, n, half_k = weights.shape
-        weight_schema = HummingWeightSchema(b_dtype="float4e2m1", bs_dtype="float8e8m0",
-                                            weight_scale_group_size=32)  # fmt: skip
-        input_schema = HummingInputSchema(a_dtype="float8e4m3", input_scale_group_size=32)
+        weight_schema = HummingWeightSchema(
+            b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=SCALE_BLOCK
+        )
+        input_schema = HummingInputSchema(a_dtype="float8e4m3", input_scale_group_size=SCALE_BLOCK)
         # humming's MXFP4 words (int32, element i in bits 4i..4i+3) are our bytes viewed as int32;
         # its fused-scale transform rewrites codes in place, hence the copies.
-        tensors = {"weight": weights.clone().view(torch.int32),
-                   "weight_scale": scales.clone().view(torch.float8_e8m0fnu)}  # fmt: skip
+        tensors = {
+            "weight": weights.clone().view(torch.int32),
+            "weight_scale": scales.clone().view(torch.float8_e8m0fnu),
+        }
         config = transform.prepare_layer_config(
-            shape_n=n, shape_k=2 * half_k, weight_schema=weight_schema, input_schema=input_schema,
-            num_experts=num_experts, torch_dtype=torch.bfloat16, tensors=tensors,
+            shape_n=n,
+            shape_k=2 * half_k,
+            weight_schema=weight_schema,
+            input_schema=input_schema,
+            num_experts=num_experts,
+            torch_dtype=torch.bfloat16,
+            tensors=tensors,
             device=weights.device,
-        )  # fmt: skip
+        )
         config, tensors = transform.prepare_fp16_e8m0_scale(config, tensors)
         tensors = transform.transform_humming_tensors(config, tensors)
         locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
@@ -103,17 +113,21 @@ class HummingGemm:
         from humming.tune import get_heuristics_config
 
         return get_heuristics_config(
-            self.config, shape_m=pairs, gemm_type="indexed",
-            use_batch_invariant=self.deterministic, device=self.locks.device,
-        )  # fmt: skip
+            self.config,
+            shape_m=pairs,
+            gemm_type="indexed",
+            use_batch_invariant=self.deterministic,
+            device=self.locks.device,
+        )
 
     def block_m(self, pairs: int) -> int:
         """Pairs per block of the kernel chosen for `pairs` (the grouping's block_n; humming's
         SM90 choices hold 8 to 64)."""
         return int(self.tuning(pairs)["block_shape"][0])
 
-    def __call__(self, inputs, input_scale, sorted_ids, expert_ids, num_padded, top_k, out,
-                 tuned_pairs) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self, inputs, input_scale, sorted_ids, expert_ids, num_padded, top_k, out, tuned_pairs
+    ) -> torch.Tensor:
         """out bf16 [M * top_k, n] rows sorted_ids (< M * top_k) = inputs[id // top_k] @ W^T, by
         the kernel chosen for `tuned_pairs` pairs."""
         from humming.ops import humming_gemm
@@ -122,9 +136,15 @@ class HummingGemm:
             layer_config=self.config.to_str(),
             compute_config=json.dumps({"gemm_type": "indexed"}),
             tuning_config=json.dumps(self.tuning(tuned_pairs)),
-            inputs=inputs, weight=self.tensors["weight"],
+            inputs=inputs,
+            weight=self.tensors["weight"],
             weight_scale=self.tensors["weight_scale"],
-            weight_scale_2=self.tensors.get("weight_scale_2"), input_scale=input_scale,
-            outputs=out, top_k=top_k, locks=self.locks, sorted_ids=sorted_ids,
-            expert_ids=expert_ids, num_tokens_padded=num_padded,
-        )  # fmt: skip
+            weight_scale_2=self.tensors.get("weight_scale_2"),
+            input_scale=input_scale,
+            outputs=out,
+            top_k=top_k,
+            locks=self.locks,
+            sorted_ids=sorted_ids,
+            expert_ids=expert_ids,
+            num_tokens_padded=num_padded,
+        )

@@ -28,12 +28,10 @@ from ReferenceExperts.
 
 from __future__ import annotations
 
-import struct
-
 import triton
 import triton.language as tl
 
-from dep_ep.constants import E4M3_MAX, RCP_448_BITS, SCALE_BLOCK
+from dep_ep.constants import E4M3_MAX, RCP_448, SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 
 SCALE_BLOCK_C = tl.constexpr(SCALE_BLOCK)
@@ -48,7 +46,7 @@ TWO_POW_126 = tl.constexpr(2.0**126)
 E8M0_ZERO_BITS = tl.constexpr(0x00400000)  # scale byte 0: 2^-127, an fp32 subnormal
 E8M0_NAN_BITS = tl.constexpr(0x7FC00000)  # scale byte 255: NaN
 # comm/mxfp8.py's quantization recipe: rcp.approx.ftz(448.0) as an exact fp32, and e4m3's max.
-RCP_448 = tl.constexpr(struct.unpack("<f", struct.pack("<I", RCP_448_BITS))[0])
+RCP_448_C = tl.constexpr(RCP_448)
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)
 BF16_HALF_ULP_BITS = tl.constexpr(0x7FFF)  # fp32 bits below BF16's last kept bit, less one
 BF16_KEPT_BITS = tl.constexpr(0xFFFF0000)
@@ -119,9 +117,19 @@ def _situ(gate, up):
 
 
 @triton.jit
-def _weight_block_dot(acc, w_rows, s_rows, k0, rhs, rhs_scale, RHS_FORMAT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      MATH: tl.constexpr):  # fmt: skip
+def _weight_block_dot(
+    acc,
+    w_rows,
+    s_rows,
+    k0,
+    rhs,
+    rhs_scale,
+    RHS_FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MATH: tl.constexpr,
+):
     """acc fp32 [BLOCK_M, BLOCK_N] += weights [BLOCK_M, BLOCK_K] @ rhs [BLOCK_K, BLOCK_N].
     w_rows / s_rows: pointers [BLOCK_M, 1] to the weight rows' packed codes and scale bytes;
     k0: first K element of the block; rhs: e4m3 bytes with rhs_scale [BLOCK_N, BLOCK_K/32]
@@ -154,11 +162,24 @@ def _tile(w, tile_expert_ptr, tile_start_ptr, tile_rows_ptr, num_tiles, BLOCK_N:
 
 @triton.jit
 def _fc1_item(
-    w, num_tiles, x_ptr, sf_ptr, w13_ptr, s13_ptr, act_ptr,
-    pair_row_ptr, tile_expert_ptr, tile_start_ptr, tile_rows_ptr,
-    LATENT: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MATH: tl.constexpr,
-):  # fmt: skip
+    w,
+    num_tiles,
+    x_ptr,
+    sf_ptr,
+    w13_ptr,
+    s13_ptr,
+    act_ptr,
+    pair_row_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_rows_ptr,
+    LATENT: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MATH: tl.constexpr,
+):
     """One FC1 work item (fc1_situ_kernel)."""
     expert, start, in_tile, m_block = _tile(
         w, tile_expert_ptr, tile_start_ptr, tile_rows_ptr, num_tiles, BLOCK_N
@@ -182,10 +203,12 @@ def _fc1_item(
         x = tl.load(x_cols + k[:, None], mask=in_tile[None, :], other=0)
         kb = tl.arange(0, BLOCK_K // SCALE_BLOCK_C) + k0 // SCALE_BLOCK_C
         x_scale = tl.load(sf_rows + kb[None, :], mask=in_tile[:, None], other=127)
-        gate = _weight_block_dot(gate, gate_w, gate_s, k0, x, x_scale, "e4m3",
-                                 BLOCK_M, BLOCK_N, BLOCK_K, MATH)  # fmt: skip
-        up = _weight_block_dot(up, up_w, up_s, k0, x, x_scale, "e4m3",
-                               BLOCK_M, BLOCK_N, BLOCK_K, MATH)  # fmt: skip
+        gate = _weight_block_dot(
+            gate, gate_w, gate_s, k0, x, x_scale, "e4m3", BLOCK_M, BLOCK_N, BLOCK_K, MATH
+        )
+        up = _weight_block_dot(
+            up, up_w, up_s, k0, x, x_scale, "e4m3", BLOCK_M, BLOCK_N, BLOCK_K, MATH
+        )
     act = _round_bf16(_situ(gate, up))  # [BLOCK_M (columns of act), BLOCK_N (pairs)]
     pairs = (start + n).to(tl.int64)
     tl.store(act_ptr + pairs[None, :] * INTER + cols[:, None], act, mask=in_tile[None, :])
@@ -193,12 +216,24 @@ def _fc1_item(
 
 @triton.jit
 def fc1_situ_kernel(
-    x_ptr, sf_ptr, w13_ptr, s13_ptr, act_ptr,
-    pair_row_ptr, tile_expert_ptr, tile_start_ptr, tile_rows_ptr, num_tiles_ptr,
-    LATENT: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MATH: tl.constexpr,
+    x_ptr,
+    sf_ptr,
+    w13_ptr,
+    s13_ptr,
+    act_ptr,
+    pair_row_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    LATENT: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
-):  # fmt: skip
+):
     """act bf16 [pairs, I] = SiTU(x @ w1^T, x @ w3^T) of each pair's row and expert.
 
     x uint8 [R, L] e4m3, sf uint8 [R, L/32]; w13 uint8 [E, 2I, L/2] rows [w1; w3], s13 uint8
@@ -212,22 +247,66 @@ def fc1_situ_kernel(
     w = tl.program_id(0)
     if PERSISTENT:
         while w < work:
-            _fc1_item(w, num_tiles, x_ptr, sf_ptr, w13_ptr, s13_ptr, act_ptr, pair_row_ptr,
-                      tile_expert_ptr, tile_start_ptr, tile_rows_ptr,
-                      LATENT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, MATH)  # fmt: skip
+            _fc1_item(
+                w,
+                num_tiles,
+                x_ptr,
+                sf_ptr,
+                w13_ptr,
+                s13_ptr,
+                act_ptr,
+                pair_row_ptr,
+                tile_expert_ptr,
+                tile_start_ptr,
+                tile_rows_ptr,
+                LATENT,
+                INTER,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                MATH,
+            )
             w += tl.num_programs(0)
     elif w < work:
-        _fc1_item(w, num_tiles, x_ptr, sf_ptr, w13_ptr, s13_ptr, act_ptr, pair_row_ptr,
-                  tile_expert_ptr, tile_start_ptr, tile_rows_ptr,
-                  LATENT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, MATH)  # fmt: skip
+        _fc1_item(
+            w,
+            num_tiles,
+            x_ptr,
+            sf_ptr,
+            w13_ptr,
+            s13_ptr,
+            act_ptr,
+            pair_row_ptr,
+            tile_expert_ptr,
+            tile_start_ptr,
+            tile_rows_ptr,
+            LATENT,
+            INTER,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            MATH,
+        )
 
 
 @triton.jit
 def _fc2_item(
-    w, num_tiles, act_ptr, w2_ptr, s2_ptr, y_ptr, tile_expert_ptr, tile_start_ptr, tile_rows_ptr,
-    LATENT: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MATH: tl.constexpr,
-):  # fmt: skip
+    w,
+    num_tiles,
+    act_ptr,
+    w2_ptr,
+    s2_ptr,
+    y_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_rows_ptr,
+    LATENT: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MATH: tl.constexpr,
+):
     """One FC2 work item (fc2_kernel)."""
     expert, start, in_tile, m_block = _tile(
         w, tile_expert_ptr, tile_start_ptr, tile_rows_ptr, num_tiles, BLOCK_N
@@ -242,20 +321,32 @@ def _fc2_item(
     for k0 in range(0, INTER, BLOCK_K):
         k = tl.arange(0, BLOCK_K) + k0
         act = tl.load(act_cols + k[:, None], mask=in_tile[None, :], other=0.0)
-        acc = _weight_block_dot(acc, w_rows, s_rows, k0, act, None, "bf16",
-                                BLOCK_M, BLOCK_N, BLOCK_K, MATH)  # fmt: skip
-    tl.store(y_ptr + pairs[None, :] * LATENT + cols[:, None], _round_bf16(acc),
-             mask=in_tile[None, :])  # fmt: skip
+        acc = _weight_block_dot(
+            acc, w_rows, s_rows, k0, act, None, "bf16", BLOCK_M, BLOCK_N, BLOCK_K, MATH
+        )
+    tl.store(
+        y_ptr + pairs[None, :] * LATENT + cols[:, None], _round_bf16(acc), mask=in_tile[None, :]
+    )
 
 
 @triton.jit
 def fc2_kernel(
-    act_ptr, w2_ptr, s2_ptr, y_ptr,
-    tile_expert_ptr, tile_start_ptr, tile_rows_ptr, num_tiles_ptr,
-    LATENT: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MATH: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    s2_ptr,
+    y_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    LATENT: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
-):  # fmt: skip
+):
     """y bf16 [pairs, L] = act [pairs, I] @ w2^T of each pair's expert (fp32 sums, one rounding).
 
     w2 uint8 [E, L, I/2], s2 uint8 [E, L, I/32]. A work item is (tile, BLOCK_M output columns);
@@ -265,13 +356,42 @@ def fc2_kernel(
     w = tl.program_id(0)
     if PERSISTENT:
         while w < work:
-            _fc2_item(w, num_tiles, act_ptr, w2_ptr, s2_ptr, y_ptr, tile_expert_ptr,
-                      tile_start_ptr, tile_rows_ptr, LATENT, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
-                      MATH)  # fmt: skip
+            _fc2_item(
+                w,
+                num_tiles,
+                act_ptr,
+                w2_ptr,
+                s2_ptr,
+                y_ptr,
+                tile_expert_ptr,
+                tile_start_ptr,
+                tile_rows_ptr,
+                LATENT,
+                INTER,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                MATH,
+            )
             w += tl.num_programs(0)
     elif w < work:
-        _fc2_item(w, num_tiles, act_ptr, w2_ptr, s2_ptr, y_ptr, tile_expert_ptr, tile_start_ptr,
-                  tile_rows_ptr, LATENT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, MATH)  # fmt: skip
+        _fc2_item(
+            w,
+            num_tiles,
+            act_ptr,
+            w2_ptr,
+            s2_ptr,
+            y_ptr,
+            tile_expert_ptr,
+            tile_start_ptr,
+            tile_rows_ptr,
+            LATENT,
+            INTER,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            MATH,
+        )
 
 
 @triton.jit
@@ -284,7 +404,7 @@ def _mxfp8_blocks(values, ROWS: tl.constexpr, COLS: tl.constexpr):
     # tl.max skips NaNs; the recipe needs a NaN amax (scale byte 255) for a block holding one.
     has_nan = tl.max((blocks != blocks).to(tl.int32), axis=2) > 0
     amax = tl.where(has_nan, float("nan"), amax)
-    v_bits = (amax * RCP_448).to(tl.uint32, bitcast=True)
+    v_bits = (amax * RCP_448_C).to(tl.uint32, bitcast=True)
     exponent = (v_bits >> 23) & 0xFF
     mantissa = v_bits & 0x7FFFFF
     round_up = (mantissa != 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))
@@ -309,9 +429,15 @@ def widen_scales_kernel(sf_ptr, out_ptr, count, BLOCK: tl.constexpr):
 
 @triton.jit
 def situ_mxfp8_kernel(
-    gate_up_ptr, pair_flat_ptr, num_pairs_ptr, act_ptr, act_scale_ptr,
-    INTER: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
-):  # fmt: skip
+    gate_up_ptr,
+    pair_flat_ptr,
+    num_pairs_ptr,
+    act_ptr,
+    act_scale_ptr,
+    INTER: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
     """For pairs j < num_pairs: act[j] = MXFP8 of SiTU(gate, up) in fp32, where gate_up bf16
     [R * K, 2I] row pair_flat[j] holds [gate | up] (humming's FC1 output). act e4m3 [pairs, I],
     act_scale fp32 [pairs, I/32] (2^(scale - 127), the per-32 factors humming's FC2 reads).
@@ -332,16 +458,24 @@ def situ_mxfp8_kernel(
         q, factor = _mxfp8_blocks(_situ(gate, up), ROWS, BLOCK_I)
         dst = pairs.to(tl.int64)[:, None]
         tl.store(act_ptr + dst * INTER + cols[None, :], q, mask=ok[:, None])
-        tl.store(act_scale_ptr + dst * (INTER // SCALE_BLOCK_C) + scale_cols[None, :], factor,
-                 mask=ok[:, None])  # fmt: skip
+        tl.store(
+            act_scale_ptr + dst * (INTER // SCALE_BLOCK_C) + scale_cols[None, :],
+            factor,
+            mask=ok[:, None],
+        )
         first += tl.num_programs(0) * ROWS
 
 
 @triton.jit
 def finalize_kernel(
-    y_ptr, pair_slot_ptr, weights_ptr, out_ptr,
-    LATENT: tl.constexpr, TOPK: tl.constexpr, BLOCK_L: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    pair_slot_ptr,
+    weights_ptr,
+    out_ptr,
+    LATENT: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """out[row] = BF16(sum over k in order of weights[row, k] * y[pair of (row, k)]) in fp32, for
     rows with a local id; rows without one are left as they are. Grid (R, L / BLOCK_L).
 

@@ -53,13 +53,23 @@ class HopperTiles:
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
         if self.grouping not in GROUPINGS:
-            raise ValueError(f"HopperTiles: grouping={self.grouping!r}; expected one of"
-                             f" {GROUPINGS}")  # fmt: skip
+            raise ValueError(
+                f"HopperTiles: grouping={self.grouping!r}; expected one of {GROUPINGS}"
+            )
         if not isinstance(self.persistent, bool):
             raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
-        for name in ("block_n", "fc1_block_m", "fc1_block_k", "fc2_block_m", "fc2_block_k",
-                     "finalize_block_l", "finalize_warps", "num_warps", "num_stages",
-                     "programs_per_sm"):  # fmt: skip
+        for name in (
+            "block_n",
+            "fc1_block_m",
+            "fc1_block_k",
+            "fc2_block_m",
+            "fc2_block_k",
+            "finalize_block_l",
+            "finalize_warps",
+            "num_warps",
+            "num_stages",
+            "programs_per_sm",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"HopperTiles: {name}={value!r}; expected an int")
@@ -73,14 +83,17 @@ class HopperTiles:
         ):
             if value < least or value & (value - 1) or (dim is not None and dim % value):
                 where = "" if dim is None else f" dividing {dim}"
-                raise ValueError(f"HopperTiles: {name}={value}; expected a power of two >= {least}"
-                                 f"{where}")  # fmt: skip
+                raise ValueError(
+                    f"HopperTiles: {name}={value}; expected a power of two >= {least}{where}"
+                )
         for name in ("num_warps", "finalize_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"HopperTiles: {name}={value}; expected a power of two")
-        for name, value in (("num_stages", self.num_stages),
-                            ("programs_per_sm", self.programs_per_sm)):  # fmt: skip
+        for name, value in (
+            ("num_stages", self.num_stages),
+            ("programs_per_sm", self.programs_per_sm),
+        ):
             if value < 1:
                 raise ValueError(f"HopperTiles: {name}={value}; expected >= 1")
 

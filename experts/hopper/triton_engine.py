@@ -108,21 +108,42 @@ def fused_experts(
     fc1_work = groups.tile_capacity * (inter // tiles.fc1_block_m)
     fc1_programs = min(programs, fc1_work) if tiles.persistent else fc1_work
     kernels.fc1_situ_kernel[(max(1, fc1_programs),)](
-        x, sf, w13, s13, act, groups.pair_row, *tile_args,
-        latent, inter, tiles.fc1_block_m, tiles.block_n, tiles.fc1_block_k, tiles.math,
-        tiles.persistent, **launch,
-    )  # fmt: skip
+        x,
+        sf,
+        w13,
+        s13,
+        act,
+        groups.pair_row,
+        *tile_args,
+        latent,
+        inter,
+        tiles.fc1_block_m,
+        tiles.block_n,
+        tiles.fc1_block_k,
+        tiles.math,
+        tiles.persistent,
+        **launch,
+    )
     fc2_work = groups.tile_capacity * (latent // tiles.fc2_block_m)
     fc2_programs = min(programs, fc2_work) if tiles.persistent else fc2_work
     kernels.fc2_kernel[(max(1, fc2_programs),)](
-        act, w2, s2, y, *tile_args,
-        latent, inter, tiles.fc2_block_m, tiles.block_n, tiles.fc2_block_k, tiles.math,
-        tiles.persistent, **launch,
-    )  # fmt: skip
+        act,
+        w2,
+        s2,
+        y,
+        *tile_args,
+        latent,
+        inter,
+        tiles.fc2_block_m,
+        tiles.block_n,
+        tiles.fc2_block_k,
+        tiles.math,
+        tiles.persistent,
+        **launch,
+    )
     if rows:  # forward returns before this for R = 0; a direct call may not
         columns = tiles.finalize_columns(latent)
         kernels.finalize_kernel[(rows, latent // columns)](
-            y, groups.pair_slot, weights, out, latent, topk, columns,
-            num_warps=tiles.finalize_warps,
-        )  # fmt: skip
+            y, groups.pair_slot, weights, out, latent, topk, columns, num_warps=tiles.finalize_warps
+        )
     return out

@@ -89,13 +89,17 @@ class ReferenceExperts(ExpertsBackend):
         batched = num_local * most <= self.batched_fc1_max_padding * h.shape[0]
         if h.is_cuda and _BMM_OUT_DTYPE and batched:
             starts = torch.tensor([0] + counts[:-1], device=h.device).cumsum(0)
-            expert = torch.repeat_interleave(torch.arange(num_local, device=h.device),
-                                             torch.tensor(counts, device=h.device))  # fmt: skip
+            expert = torch.repeat_interleave(
+                torch.arange(num_local, device=h.device), torch.tensor(counts, device=h.device)
+            )
             slot = expert * most + torch.arange(h.shape[0], device=h.device) - starts[expert]
             padded = torch.zeros(num_local * most, self.latent, dtype=h.dtype, device=h.device)
             padded[slot] = h
-            out = torch.bmm(padded.view(num_local, most, self.latent),
-                            self.w13_bf16.transpose(1, 2), out_dtype=torch.float32)  # fmt: skip
+            out = torch.bmm(
+                padded.view(num_local, most, self.latent),
+                self.w13_bf16.transpose(1, 2),
+                out_dtype=torch.float32,
+            )
             return out.view(num_local * most, 2 * inter)[slot]
         gate_up = torch.empty(h.shape[0], 2 * inter, dtype=torch.float32, device=h.device)
         for e, rows in _expert_slices(counts):

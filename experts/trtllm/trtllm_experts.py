@@ -124,10 +124,17 @@ class TrtllmExperts(ExpertsBackend):
     ) -> torch.Tensor:
         check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent)
         args = routed_moe_arguments(
-            self.prepared, x, sf, ids, weights, out,
-            first_expert=self.first_expert, num_experts=self.num_experts,
-            gemm1_alpha=self.gemm1_alpha, gemm1_beta=self.gemm1_beta,
+            self.prepared,
+            x,
+            sf,
+            ids,
+            weights,
+            out,
+            first_expert=self.first_expert,
+            num_experts=self.num_experts,
+            gemm1_alpha=self.gemm1_alpha,
+            gemm1_beta=self.gemm1_beta,
             output_scales=self.output_scales,
-        )  # fmt: skip
+        )
         self._routed_moe(**args)
         return out

@@ -22,8 +22,14 @@ from helpers.collective import collective_assert
 
 # K3's widths (L 3584, I 3072: where the humming engine is the default) over 32 experts, so that
 # the float64 reference (on the GPU) stays quick: 16 local experts a rank at N = 2, 4 at N = 8.
-K3_32 = MoeGeometry("k3-32", hidden=K3.hidden, latent=K3.latent, experts=32, topk=K3.topk,
-                    intermediate=K3.intermediate)  # fmt: skip
+K3_32 = MoeGeometry(
+    "k3-32",
+    hidden=K3.hidden,
+    latent=K3.latent,
+    experts=32,
+    topk=K3.topk,
+    intermediate=K3.intermediate,
+)
 MAX_TOKENS = 16
 
 
@@ -40,9 +46,15 @@ pytestmark = pytest.mark.skipif(hopper_gap() is not None, reason=f"HopperExperts
 def routed_k3(gpu_dep):
     if K3_32.experts % gpu_dep.size:
         pytest.skip(f"{K3_32.experts} experts do not split over {gpu_dep.size} ranks")
-    routed = EpRouted(gpu_dep.cpu_group, MAX_TOKENS, torch.device("cuda"),
-                      num_experts=K3_32.experts, latent=K3_32.latent, topk=K3_32.topk,
-                      config=EpConfig(timeout_s=60.0))  # fmt: skip
+    routed = EpRouted(
+        gpu_dep.cpu_group,
+        MAX_TOKENS,
+        torch.device("cuda"),
+        num_experts=K3_32.experts,
+        latent=K3_32.latent,
+        topk=K3_32.topk,
+        config=EpConfig(timeout_s=60.0),
+    )
     yield routed
     routed.close()
 
@@ -55,10 +67,12 @@ def bound_of(experts) -> float:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("tokens,routing", [(1, "random"), (MAX_TOKENS, "random"),
-                                            (9, "padded"), (10, "nan")])  # fmt: skip
-def test_routed_with_default_experts_matches_allgather_reference(gpu_dep, routed_k3, tokens,
-                                                                  routing):  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,routing", [(1, "random"), (MAX_TOKENS, "random"), (9, "padded"), (10, "nan")]
+)
+def test_routed_with_default_experts_matches_allgather_reference(
+    gpu_dep, routed_k3, tokens, routing
+):
     n, rank = gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 31)
     layer = SyntheticLayer(K3_32, seed)
@@ -68,8 +82,7 @@ def test_routed_with_default_experts_matches_allgather_reference(gpu_dep, routed
     if type(experts) is not HopperExperts:
         failures.append(f"default_experts gave {type(experts).__name__} on SM90")
     case = make_case(K3_32, n, tokens, seed, routing)
-    latent, ids, probs = (t.cuda() for t in (case.latent[rank], case.ids[rank],
-                                             case.weights[rank]))  # fmt: skip
+    latent, ids, probs = (t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[rank]))
     norm = layer.norm_weight().cuda()
     out = routed_k3.routed(latent, ids, probs, norm, experts=experts)
     routed_k3.synchronize()

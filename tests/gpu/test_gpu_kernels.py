@@ -16,6 +16,7 @@ from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted, MoeGeometry
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.allgather_reference import NORM_EPS
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -30,9 +31,15 @@ LAYERS = int(os.environ.get("EP_TEST_LAYERS", "1000"))
 
 
 def build(gpu_dep, geometry, max_tokens, config=None):
-    return EpRouted(gpu_dep.cpu_group, max_tokens, torch.device("cuda"),
-                    num_experts=geometry.experts, latent=geometry.latent, topk=geometry.topk,
-                    config=config or EpConfig(timeout_s=60.0))  # fmt: skip
+    return EpRouted(
+        gpu_dep.cpu_group,
+        max_tokens,
+        torch.device("cuda"),
+        num_experts=geometry.experts,
+        latent=geometry.latent,
+        topk=geometry.topk,
+        config=config or EpConfig(timeout_s=60.0),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +58,9 @@ def on_gpu(case, rank):
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of bf16 tensors, any NaN equal to any NaN."""
     nan_a, nan_b = a.isnan(), b.isnan()
-    return torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.int16)[~nan_a],
-                                                     b.view(torch.int16)[~nan_b])  # fmt: skip
+    return torch.equal(nan_a, nan_b) and torch.equal(
+        a.view(torch.int16)[~nan_a], b.view(torch.int16)[~nan_b]
+    )
 
 
 @pytest.mark.mpi(min_size=1)
@@ -73,8 +81,14 @@ def test_quantize_kernel_bit_exact(gpu_dep):
         x = x.cuda()
         q = torch.full(x.shape, 0xEE, dtype=torch.uint8, device="cuda")
         sf = torch.full((x.shape[0], x.shape[1] // 32), 0xEE, dtype=torch.uint8, device="cuda")
-        kernel = cute.compile(Mxfp8QuantizeKernel(x.shape[1]), Int64(0), Int64(0), Int64(0),
-                              Int32(1), cuda.CUstream(0))  # fmt: skip
+        kernel = cute.compile(
+            Mxfp8QuantizeKernel(x.shape[1]),
+            Int64(0),
+            Int64(0),
+            Int64(0),
+            Int32(1),
+            cuda.CUstream(0),
+        )
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         kernel(x.data_ptr(), q.data_ptr(), sf.data_ptr(), x.shape[0], stream)
         want_q, want_sf = mxfp8_quantize(x.cpu())
@@ -123,10 +137,17 @@ def dispatch_rows_failures(gpu_dep, routed, geometry, tokens, routing, misaligne
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("tokens,routing", [
-    (1, "random"), (7, "random"), (MAX_TOKENS, "random"), (13, "skewed"), (12, "padded"),
-    (5, "same"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,routing",
+    [
+        (1, "random"),
+        (7, "random"),
+        (MAX_TOKENS, "random"),
+        (13, "skewed"),
+        (12, "padded"),
+        (5, "same"),
+    ],
+)
 def test_dispatch_rows_bitwise(gpu_dep, routed, tokens, routing):
     failures, seed = dispatch_rows_failures(gpu_dep, routed, TINY, tokens, routing)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
@@ -156,10 +177,16 @@ def routed_wide(gpu_dep):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("tokens,routing,misaligned", [
-    (1, "random", False), (37, "padded", False), (29, "random", True), ("many", "random", False),
-    ("many", "padded", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,routing,misaligned",
+    [
+        (1, "random", False),
+        (37, "padded", False),
+        (29, "random", True),
+        ("many", "random", False),
+        ("many", "padded", False),
+    ],
+)
 def test_dispatch_rows_bitwise_wide(gpu_dep, routed_wide, tokens, routing, misaligned):
     tokens = many_passes_tokens() if tokens == "many" else tokens
     failures, seed = dispatch_rows_failures(gpu_dep, routed_wide, WIDE, tokens, routing, misaligned)
@@ -216,8 +243,10 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing, scale=1.0)
     seed = agreed_seed(gpu_dep.cpu_group, 7)
     case = make_case(geometry, n, tokens, seed, routing)
     gens = [torch.Generator().manual_seed(seed + d) for d in range(n)]
-    outs = [(torch.randn(n * tokens, geometry.latent, generator=gens[d]) * scale).to(torch.bfloat16)
-            for d in range(n)]  # fmt: skip
+    outs = [
+        (torch.randn(n * tokens, geometry.latent, generator=gens[d]) * scale).to(torch.bfloat16)
+        for d in range(n)
+    ]
     if routing == "nan":
         outs[0][3, 5] = float("nan")
     norm = 1 + 0.1 * torch.randn(geometry.latent, generator=torch.Generator().manual_seed(seed))
@@ -235,7 +264,7 @@ def check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing, scale=1.0)
     for d in range(n):
         mine = (owners == d).any(dim=1).nonzero().squeeze(1)
         total[mine] += outs[d][rank * tokens + mine].float()
-    want = rms_norm(total, norm, 1e-5)
+    want = rms_norm(total, norm, NORM_EPS)
     got = normed.cpu()
     if bits_equal(got, want):
         return [], seed
@@ -255,15 +284,19 @@ def describe_rows(got: torch.Tensor, want: torch.Tensor, owners: torch.Tensor) -
         cols = (~same[t]).nonzero().squeeze(1)
         ranks = sorted(set(owners[t][owners[t] >= 0].tolist()))
         c = int(cols[0])
-        parts.append(f"token {t} (ranks {ranks}): {cols.numel()} elements, NaN got"
-                     f" {int(nan_got[t].sum())} / want {int(nan_want[t].sum())}, first column"
-                     f" {c}: {float(got[t, c])} vs {float(want[t, c])}")  # fmt: skip
+        parts.append(
+            f"token {t} (ranks {ranks}): {cols.numel()} elements, NaN got"
+            f" {int(nan_got[t].sum())} / want {int(nan_want[t].sum())}, first column"
+            f" {c}: {float(got[t, c])} vs {float(want[t, c])}"
+        )
     return f"{len(rows)} rows; " + "; ".join(parts)
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("tokens,routing", [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"),
-                                            (10, "nan"), (33, "ragged")])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,routing",
+    [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"), (10, "nan"), (33, "ragged")],
+)
 def test_combine_bitwise(gpu_dep, routed_path, combine_path, tokens, routing):
     failures, seed = check_combine_bitwise(gpu_dep, routed_path, TINY, tokens, routing)
     failures += path_failures(routed_path, combine_path)
@@ -304,8 +337,10 @@ def experts_for(kind, layer, rank, n):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("tokens,routing", [(1, "random"), (17, "padded"), (MAX_TOKENS, "random"),
-                                            (11, "duplicate"), (10, "nan")])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,routing",
+    [(1, "random"), (17, "padded"), (MAX_TOKENS, "random"), (11, "duplicate"), (10, "nan")],
+)
 def test_routed_matches_allgather_reference(gpu_dep, routed_path, combine_path, tokens, routing):
     routed, n, rank = routed_path, gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 3)
@@ -315,8 +350,14 @@ def test_routed_matches_allgather_reference(gpu_dep, routed_path, combine_path, 
     latent, ids, weights = on_gpu(case, rank)
     out = routed.routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts)
     routed.synchronize()
-    ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
-                              case.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
+    ref = allgather_reference(
+        gpu_dep.cpu_group,
+        case.latent[rank],
+        case.ids[rank],
+        case.weights[rank],
+        layer.norm_weight(),
+        layer.expert,
+    )
     failures = compare(out.cpu(), ref, f"T={tokens} {routing}")
     failures += path_failures(routed, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds={"layer and case": seed})
@@ -334,15 +375,21 @@ def test_ragged_token_counts(gpu_dep, routed):
     case = make_case(TINY, n, 40, seeds["case"], "ragged")
     out = routed.routed(*on_gpu(case, rank), layer.norm_weight().cuda(), experts=experts)
     routed.synchronize()
-    ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
-                              case.weights[rank], layer.norm_weight(), layer.expert)  # fmt: skip
+    ref = allgather_reference(
+        gpu_dep.cpu_group,
+        case.latent[rank],
+        case.ids[rank],
+        case.weights[rank],
+        layer.norm_weight(),
+        layer.expert,
+    )
     collective_assert(gpu_dep.cpu_group, check_ragged(out.cpu(), ref, rank, n), seeds=seeds)
 
 
 def fresh_inputs(gen, tokens, n_experts):
     latent = torch.randn(tokens, TINY.latent, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(n_experts, generator=gen, device="cuda")[:TINY.topk]
-                       for _ in range(tokens)]).int()  # fmt: skip
+    perms = [torch.randperm(n_experts, generator=gen, device="cuda") for _ in range(tokens)]
+    ids = torch.stack([p[: TINY.topk] for p in perms]).int()
     weights = torch.rand(tokens, TINY.topk, generator=gen, device="cuda") + 0.05
     return latent, ids, weights / weights.sum(1, keepdim=True)
 
@@ -352,8 +399,10 @@ def test_graph_replay_matches_eager(gpu_dep, routed_path, combine_path):
     """routed() for a fixed T captured once, replayed REPLAYS times with fresh inputs copied into
     the captured buffers: every replay equals, bit for bit, an eager call on the same inputs."""
     routed, n, rank, tokens = routed_path, gpu_dep.size, gpu_dep.rank, 24
-    seeds = {"layer": agreed_seed(gpu_dep.cpu_group, 11),
-             "inputs (plus the rank)": agreed_seed(gpu_dep.cpu_group, 1000)}  # fmt: skip
+    seeds = {
+        "layer": agreed_seed(gpu_dep.cpu_group, 11),
+        "inputs (plus the rank)": agreed_seed(gpu_dep.cpu_group, 1000),
+    }
     layer = SyntheticLayer(TINY, seeds["layer"])
     experts = experts_for(DenseExperts, layer, rank, n)
     norm = layer.norm_weight().cuda()
@@ -406,9 +455,14 @@ def test_many_layers_back_to_back(gpu_dep, routed):
         finite &= out.isfinite().all()
         if step % 100 == 99:
             routed.synchronize()
-            ref = allgather_reference(gpu_dep.cpu_group, case.latent[rank], case.ids[rank],
-                                      case.weights[rank], layers[which].norm_weight(),
-                                      layers[which].expert)  # fmt: skip
+            ref = allgather_reference(
+                gpu_dep.cpu_group,
+                case.latent[rank],
+                case.ids[rank],
+                case.weights[rank],
+                layers[which].norm_weight(),
+                layers[which].expert,
+            )
             failures += compare(out.cpu(), ref, f"layer step {step}")
     routed.synchronize()
     if not bool(finite):
@@ -444,16 +498,18 @@ def test_strided_latent_and_out_buffer(gpu_dep, routed):
         failures.append("out= (in place): other bits")
     part = torch.full_like(want[:9], float("nan"))
     routed(latent[:9], ids[:9], weights[:9], norm, experts=experts, tokens=tokens, out=part)
-    if not bits_equal(part, routed(latent[:9], ids[:9], weights[:9], norm, experts=experts,
-                                   tokens=tokens)):  # fmt: skip
+    if not bits_equal(
+        part, routed(latent[:9], ids[:9], weights[:9], norm, experts=experts, tokens=tokens)
+    ):
         failures.append("out= (n < T, copied): other bits")
     big = 3 * MAX_TOKENS + 5
     latent, ids, weights = on_gpu(make_case(TINY, n, big, seed + 2), rank)
     pieces = routed(latent, ids, weights, norm, experts=experts, tokens=big)
     for start in range(0, big, MAX_TOKENS):
         stop = min(start + MAX_TOKENS, big)
-        one = routed(latent[start:stop], ids[start:stop], weights[start:stop], norm,
-                     experts=experts)  # fmt: skip
+        one = routed(
+            latent[start:stop], ids[start:stop], weights[start:stop], norm, experts=experts
+        )
         if not bits_equal(pieces[start:stop], one):
             failures.append(f"a step in pieces: rows {start}..{stop} differ from their step")
     routed.synchronize()

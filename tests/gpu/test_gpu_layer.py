@@ -25,21 +25,26 @@ from dep_ep.ep import K3, TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes
 from dep_ep.testing import SyntheticLayer
-from dep_ep.testing.allgather_reference import expert_sums
+from dep_ep.testing.allgather_reference import NORM_EPS, SITU_BETA, SITU_LINEAR_BETA, expert_sums
 from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert
 
 MAX_TOKENS = 64
-EPS = 1e-5
 REPLAYS = int(os.environ.get("EP_TEST_REPLAYS", "200"))
 ROUTER_MARGIN = 1e-4
 ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
 # K3's widths with an expert intermediate small enough for DenseExperts (fp32 copies of every
 # local expert: 448 experts at 2 ranks take 0.6 GB); the dense tensors keep K3's S = 6144.
-K3_WIDTHS = MoeGeometry("k3-widths", hidden=K3.hidden, latent=K3.latent, experts=K3.experts,
-                        topk=K3.topk, intermediate=32)  # fmt: skip
+K3_WIDTHS = MoeGeometry(
+    "k3-widths",
+    hidden=K3.hidden,
+    latent=K3.latent,
+    experts=K3.experts,
+    topk=K3.topk,
+    intermediate=32,
+)
 
 GATE, BIAS, NORM = "gate.weight", "gate.e_score_correction_bias", "routed_expert_norm.weight"
 DOWN, UP = "routed_expert_down_proj.weight", "routed_expert_up_proj.weight"
@@ -101,11 +106,12 @@ def layer_reference(x: torch.Tensor, dense: dict, expert_weights, topk: int) -> 
     sums = torch.zeros(0, latent.shape[1], dtype=torch.float64)
     if x.shape[0]:
         sums = expert_sums(latent, ids, weights, expert_weights)
-    normed = sums / torch.sqrt(sums.square().mean(dim=-1, keepdim=True) + EPS) * d[NORM]
+    normed = sums / torch.sqrt(sums.square().mean(dim=-1, keepdim=True) + NORM_EPS) * d[NORM]
     g, u = x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T
-    sig, tg, tu = torch.sigmoid(g), torch.tanh(g / 4.0), torch.tanh(u / 25.0)
-    f, h = 4.0 * tg * sig, 25.0 * tu
-    df = (1 - tg * tg) * sig + 4.0 * tg * sig * (1 - sig)
+    b, lb = SITU_BETA, SITU_LINEAR_BETA
+    sig, tg, tu = torch.sigmoid(g), torch.tanh(g / b), torch.tanh(u / lb)
+    f, h = b * tg * sig, lb * tu
+    df = (1 - tg * tg) * sig + b * tg * sig * (1 - sig)
     act = f * h
     norm = act.square().sum().clamp(min=1e-300)
     gain_g = float(((df * g * h).square().sum() / norm).sqrt())
@@ -153,11 +159,19 @@ class Setup:
 
 def build(gpu_dep, geometry: MoeGeometry, dense_geometry: MoeGeometry, base: int) -> Setup:
     n, rank = gpu_dep.size, gpu_dep.rank
-    seeds = {"experts": agreed_seed(gpu_dep.cpu_group, base),
-             "dense": agreed_seed(gpu_dep.cpu_group, base + 1)}  # fmt: skip
-    routed = EpRouted(gpu_dep.cpu_group, MAX_TOKENS, torch.device("cuda"),
-                      num_experts=geometry.experts, latent=geometry.latent, topk=geometry.topk,
-                      config=EpConfig(timeout_s=60.0))  # fmt: skip
+    seeds = {
+        "experts": agreed_seed(gpu_dep.cpu_group, base),
+        "dense": agreed_seed(gpu_dep.cpu_group, base + 1),
+    }
+    routed = EpRouted(
+        gpu_dep.cpu_group,
+        MAX_TOKENS,
+        torch.device("cuda"),
+        num_experts=geometry.experts,
+        latent=geometry.latent,
+        topk=geometry.topk,
+        config=EpConfig(timeout_s=60.0),
+    )
     synthetic = SyntheticLayer(geometry, seeds["experts"])
     per_rank = geometry.experts // n
     experts = DenseExperts(synthetic.local_weights(rank * per_rank, per_rank).to("cuda"))
@@ -177,9 +191,14 @@ def tiny(gpu_dep):
 
 @pytest.fixture(scope="module")
 def k3_widths(gpu_dep):
-    dense_geometry = MoeGeometry("k3-dense", hidden=K3.hidden, latent=K3.latent,
-                                 experts=K3.experts, topk=K3.topk,
-                                 intermediate=K3.intermediate)  # fmt: skip
+    dense_geometry = MoeGeometry(
+        "k3-dense",
+        hidden=K3.hidden,
+        latent=K3.latent,
+        experts=K3.experts,
+        topk=K3.topk,
+        intermediate=K3.intermediate,
+    )
     setup = build(gpu_dep, K3_WIDTHS, dense_geometry, 600)
     yield setup
     setup.routed.close()
@@ -192,8 +211,12 @@ def poison(setup: Setup, counts: list[int], rank: int) -> None:
     b.partials(b.layout.max_rows).fill_(float("nan"))
     setup.routed.receive(MAX_TOKENS).out.fill_(float("nan"))
     n, g = counts[rank], setup.geometry
-    sizes = [(n, setup.overlap.hidden), (n, 2 * setup.overlap.shared_intermediate + g.latent),
-             (n, g.latent), (n, setup.overlap.shared_intermediate)]  # fmt: skip
+    sizes = [
+        (n, setup.overlap.hidden),
+        (n, 2 * setup.overlap.shared_intermediate + g.latent),
+        (n, g.latent),
+        (n, setup.overlap.shared_intermediate),
+    ]
     blocks = [torch.full(s, float("nan"), dtype=torch.bfloat16, device="cuda") for s in sizes]
     del blocks
     torch.cuda.synchronize()

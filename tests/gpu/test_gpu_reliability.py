@@ -17,6 +17,7 @@ from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
 from dep_ep.experts import DenseExperts, ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.allgather_reference import NORM_EPS
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -82,8 +83,14 @@ def good_step(gpu_dep, routed, layer, experts, base: int, label: str) -> list[st
     except Exception as err:  # noqa: BLE001 - reported collectively
         return [f"{label} (seed {seed}): {type(err).__name__}: {err}"]
     r = gpu_dep.rank
-    ref = allgather_reference(gpu_dep.cpu_group, case.latent[r], case.ids[r], case.weights[r],
-                              layer.norm_weight(), layer.expert)  # fmt: skip
+    ref = allgather_reference(
+        gpu_dep.cpu_group,
+        case.latent[r],
+        case.ids[r],
+        case.weights[r],
+        layer.norm_weight(),
+        layer.expert,
+    )
     failures = compare(first.cpu(), ref, f"{label} (seed {seed})")
     if not torch.equal(first.view(torch.int16), again.view(torch.int16)):
         failures.append(f"{label} (seed {seed}): a rerun differs")
@@ -118,8 +125,11 @@ def test_bad_input_fails_every_rank_fast(gpu_dep, routed, layer, experts, which)
     failures: list[str] = []
     seed, _, latent, ids, weights = step_inputs(gpu_dep, 1)
     bad = which == "all" or gpu_dep.rank == 0
-    call = lambda: routed(latent.float() if bad else latent, ids, weights,  # noqa: E731
-                          layer.norm_weight().cuda(), experts=experts)  # fmt: skip
+    given = latent.float() if bad else latent
+
+    def call():
+        return routed(given, ids, weights, layer.norm_weight().cuda(), experts=experts)
+
     if which == "all":
         expect_raises(failures, "all bad", TypeError, "latent dtype", call)
         try:
@@ -127,8 +137,15 @@ def test_bad_input_fails_every_rank_fast(gpu_dep, routed, layer, experts, which)
         except Exception as err:  # noqa: BLE001
             failures.append(f"all bad: synchronize raised {err}")
     else:
-        fails_fast(failures, "bad latent", (TypeError, EpPeerError),
-                   ("latent dtype", "rank 0 rejected its input"), routed, call, bad)  # fmt: skip
+        fails_fast(
+            failures,
+            "bad latent",
+            (TypeError, EpPeerError),
+            ("latent dtype", "rank 0 rejected its input"),
+            routed,
+            call,
+            bad,
+        )
     failures += good_step(gpu_dep, routed, layer, experts, 100, "next good step")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
@@ -139,11 +156,19 @@ def test_failing_experts_fail_every_rank_fast(gpu_dep, routed, layer, experts):
     seed, _, latent, ids, weights = step_inputs(gpu_dep, 2)
     bad = gpu_dep.rank == gpu_dep.size - 1
     used = FailingExperts(experts) if bad else experts
-    call = lambda: routed(latent, ids, weights, layer.norm_weight().cuda(),  # noqa: E731
-                          experts=used)  # fmt: skip
-    expected = ("injected", f"rank {gpu_dep.size - 1} failed in its experts")
-    fails_fast(failures, "expert failure", (RuntimeError, EpPeerError), expected, routed, call,
-               bad)  # fmt: skip
+
+    def call():
+        return routed(latent, ids, weights, layer.norm_weight().cuda(), experts=used)
+
+    fails_fast(
+        failures,
+        "expert failure",
+        (RuntimeError, EpPeerError),
+        ("injected", f"rank {gpu_dep.size - 1} failed in its experts"),
+        routed,
+        call,
+        bad,
+    )
     failures += good_step(gpu_dep, routed, layer, experts, 200, "next good step")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
@@ -158,13 +183,18 @@ def test_ranks_out_of_step_raise_on_every_rank(gpu_dep, routed, layer, experts, 
     tokens = 9 if (odd and mismatch == "tokens") else 8
     seed, _, latent, ids, weights = step_inputs(gpu_dep, 3, tokens)
     tag = 7 if (odd and mismatch == "tag") else 6
-    expected, match = {"tag": (EpDesyncError, "out of step"),
-                       "tokens": (ValueError, "different token counts")}[mismatch]  # fmt: skip
-    call = lambda: routed(latent, ids, weights, layer.norm_weight().cuda(),  # noqa: E731
-                          experts=experts, tag=tag)  # fmt: skip
+    expected, match = {
+        "tag": (EpDesyncError, "out of step"),
+        "tokens": (ValueError, "different token counts"),
+    }[mismatch]
+
+    def call():
+        return routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts, tag=tag)
+
     # No rank rejects anything: every rank finds the mismatch, as a peer does.
-    fails_fast(failures, f"{mismatch} mismatch", (None, expected), (None, match), routed, call,
-               bad=False)  # fmt: skip
+    fails_fast(
+        failures, f"{mismatch} mismatch", (None, expected), (None, match), routed, call, bad=False
+    )
     failures += good_step(gpu_dep, routed, layer, experts, 300, "next good step")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
@@ -175,12 +205,13 @@ def combine_bitwise(gpu_dep, routed, tokens: int, scale: float, normed: bool, ba
     n, rank, L = gpu_dep.size, gpu_dep.rank, TINY.latent
     seed = agreed_seed(gpu_dep.cpu_group, base)
     case = make_case(TINY, n, tokens, seed)
-    outs = [(torch.randn(n * tokens, L, generator=torch.Generator().manual_seed(seed + d)) * scale)
-            .to(torch.bfloat16) for d in range(n)]  # fmt: skip
+    gens = [torch.Generator().manual_seed(seed + d) for d in range(n)]
+    outs = [(torch.randn(n * tokens, L, generator=g) * scale).to(torch.bfloat16) for g in gens]
     norm = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(seed))).bfloat16()
     dist.barrier(gpu_dep.cpu_group)
-    rows = routed.dispatch(case.latent[rank].cuda(), case.ids[rank].cuda(),
-                           case.weights[rank].cuda())  # fmt: skip
+    rows = routed.dispatch(
+        case.latent[rank].cuda(), case.ids[rank].cuda(), case.weights[rank].cuda()
+    )
     hit = (rows.ids >= 0).any(dim=1)
     rows.out.copy_(torch.where(hit.unsqueeze(1), outs[rank].cuda(), float("nan")))
     got = routed.combine(norm.cuda() if normed else None)
@@ -190,7 +221,7 @@ def combine_bitwise(gpu_dep, routed, tokens: int, scale: float, normed: bool, ba
     for d in range(n):
         mine = (owners == d).any(dim=1).nonzero().squeeze(1)
         total[mine] += outs[d][rank * tokens + mine].float()
-    want = rms_norm(total, norm, 1e-5) if normed else total.to(torch.bfloat16)
+    want = rms_norm(total, norm, NORM_EPS) if normed else total.to(torch.bfloat16)
     label = f"T={tokens} scale={scale:g} normed={normed} (seed {seed})"
     failures = []
     if not torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)):
@@ -220,10 +251,12 @@ def test_tokens_padding_idle_rank_and_expert_counts(gpu_dep, routed, layer, expe
     if n > 1:
         real[-1] = 0
     r = real[rank]
-    latent, ids, weights = (t[:r].cuda() for t in (case.latent[rank], case.ids[rank],
-                                                   case.weights[rank]))  # fmt: skip
-    out = routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts,
-                 tokens=max(real))  # fmt: skip
+    latent, ids, weights = (
+        t[:r].cuda() for t in (case.latent[rank], case.ids[rank], case.weights[rank])
+    )
+    out = routed(
+        latent, ids, weights, layer.norm_weight().cuda(), experts=experts, tokens=max(real)
+    )
     counts = routed.expert_counts()
     routed.synchronize()
     failures = []
@@ -262,7 +295,14 @@ def test_reject_step_fails_every_rank_fast(gpu_dep, routed, layer, experts):
             return routed.reject_step(error, tag=9)
         return routed(latent, ids, weights, layer.norm_weight().cuda(), experts=experts, tag=9)
 
-    fails_fast(failures, "reject_step", (RuntimeError, EpPeerError),
-               ("before its dispatch", "rank 0 rejected its input"), routed, call, bad)  # fmt: skip
+    fails_fast(
+        failures,
+        "reject_step",
+        (RuntimeError, EpPeerError),
+        ("before its dispatch", "rank 0 rejected its input"),
+        routed,
+        call,
+        bad,
+    )
     failures += good_step(gpu_dep, routed, layer, experts, 400, "next good step")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)

@@ -15,17 +15,35 @@ from helpers.collective import collective_assert
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The child ranks are torchrun's: launcher variables of the MPI job around this one stay out.
-LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "MPI_", "HYDRA_", "RANK", "WORLD_SIZE",
-                      "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+LAUNCHER_VARIABLES = (
+    "OMPI_",
+    "PMI_",
+    "PMIX_",
+    "MPI_",
+    "HYDRA_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def timeout_case_failures() -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "helpers.timeout_case_gpu"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "helpers.timeout_case_gpu",
+    ]
     try:
-        proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True,
-                              timeout=240)  # fmt: skip
+        proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as err:
         return [f"the timeout case ran over {err.timeout}s"]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))

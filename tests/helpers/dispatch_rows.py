@@ -50,6 +50,8 @@ def check_rows(rows, case, weights, rank, num_ranks, tokens, geometry: MoeGeomet
                 failures.append(f"{where}: scale bytes differ")
             if not torch.equal(rows.weights[row], weights[source][t]):
                 got = float(rows.weights[row, 0])
-                failures.append(f"{where}: weights came from source {int(got // SOURCE_STEP)},"
-                                f" token {int(got % SOURCE_STEP)}")  # fmt: skip
+                failures.append(
+                    f"{where}: weights came from source {int(got // SOURCE_STEP)},"
+                    f" token {int(got % SOURCE_STEP)}"
+                )
     return failures

@@ -71,8 +71,17 @@ def differ(a: torch.Tensor, b: torch.Tensor) -> str:
 
 def check_tiling(where: str, got, got_routes, want, want_routes, slots: int) -> None:
     """Every tensor of one tiling bitwise equal (dtypes and shapes included)."""
-    for field in ("pair_row", "pair_flat", "num_pairs", "pair_slot", "tile_expert",
-                  "tile_start", "tile_rows", "num_tiles", "expert_pairs"):  # fmt: skip
+    for field in (
+        "pair_row",
+        "pair_flat",
+        "num_pairs",
+        "pair_slot",
+        "tile_expert",
+        "tile_start",
+        "tile_rows",
+        "num_tiles",
+        "expert_pairs",
+    ):
         a, b = getattr(got, field), getattr(want, field)
         assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {field} {a.dtype}"
         assert torch.equal(a, b), f"{where}: {field} {differ(a, b)}"

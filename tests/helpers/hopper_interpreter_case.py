@@ -33,8 +33,16 @@ GEOMETRY = MoeGeometry("interp", hidden=256, latent=128, experts=24, topk=4, int
 FIRST, COUNT = 8, 6  # this rank's experts 8..13
 # Small blocks so that several tiles, M blocks and K steps run; block_n 16 with 40 rows cuts the
 # hot expert's pairs into three tiles.
-TILES = HopperTiles(block_n=16, fc1_block_m=32, fc1_block_k=64, fc2_block_m=64, fc2_block_k=64,
-                    finalize_block_l=64, math="fp32", grouping="torch")  # fmt: skip
+TILES = HopperTiles(
+    block_n=16,
+    fc1_block_m=32,
+    fc1_block_k=64,
+    fc2_block_m=64,
+    fc2_block_k=64,
+    finalize_block_l=64,
+    math="fp32",
+    grouping="torch",
+)
 PROGRAMS = 5
 KERNEL_GROUPING = "-grouping-kernel"  # case suffix: grouped by experts/hopper/grouping_kernel.py
 

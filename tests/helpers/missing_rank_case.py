@@ -24,8 +24,15 @@ if dep.rank == missing:
 else:
     start = time.monotonic()
     try:
-        EpRouted(dep.cpu_group, 4, "cpu", num_experts=TINY.experts, latent=TINY.latent,
-                 topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
+        EpRouted(
+            dep.cpu_group,
+            4,
+            "cpu",
+            num_experts=TINY.experts,
+            latent=TINY.latent,
+            topk=TINY.topk,
+            config=EpConfig(timeout_s=TIMEOUT_S),
+        )
         print(f"RESULT rank {dep.rank}: no error", flush=True)
     except EpTimeoutError as err:
         took = time.monotonic() - start

@@ -16,8 +16,13 @@ def interleave_128x4(sf: torch.Tensor) -> torch.Tensor:
     assert rows % 128 == 0 and cols % 4 == 0, (rows, cols)
     m = torch.arange(rows).unsqueeze(1)
     k = torch.arange(cols).unsqueeze(0)
-    offset = ((m // 128) * (cols // 4) * 512 + (k // 4) * 512 + (m % 32) * 16
-              + ((m % 128) // 32) * 4 + k % 4)  # fmt: skip
+    offset = (
+        (m // 128) * (cols // 4) * 512
+        + (k // 4) * 512
+        + (m % 32) * 16
+        + ((m % 128) // 32) * 4
+        + k % 4
+    )
     out = torch.empty(rows * cols, dtype=sf.dtype, device=sf.device)
     out[offset.flatten().to(sf.device)] = sf.flatten()
     return out

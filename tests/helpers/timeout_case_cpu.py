@@ -24,8 +24,15 @@ dep = new_dep_group(ctx, ctx.world_size)
 layer = SyntheticLayer(TINY, 0)
 per_rank = TINY.experts // dep.size
 experts = ReferenceExperts(layer.local_weights(dep.rank * per_rank, per_rank))
-routed = EpRouted(dep.cpu_group, 4, "cpu", num_experts=TINY.experts, latent=TINY.latent,
-                  topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
+routed = EpRouted(
+    dep.cpu_group,
+    4,
+    "cpu",
+    num_experts=TINY.experts,
+    latent=TINY.latent,
+    topk=TINY.topk,
+    config=EpConfig(timeout_s=TIMEOUT_S),
+)
 latent = torch.randn(4, TINY.latent).bfloat16()
 ids = torch.randint(0, TINY.experts, (4, TINY.topk), dtype=torch.int32)
 weights = torch.full((4, TINY.topk), 1.0 / TINY.topk)

@@ -32,8 +32,15 @@ inputs = [t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[ran
 
 
 def build():
-    return EpRouted(dep.cpu_group, 8, "cuda", num_experts=TINY.experts, latent=TINY.latent,
-                    topk=TINY.topk, config=EpConfig(timeout_s=TIMEOUT_S))  # fmt: skip
+    return EpRouted(
+        dep.cpu_group,
+        8,
+        "cuda",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(timeout_s=TIMEOUT_S),
+    )
 
 
 routed = build()
@@ -51,8 +58,14 @@ routed.close()  # collective: both ranks arrive here
 routed = build()
 out = routed.routed(*inputs, layer.norm_weight().cuda(), experts=experts)
 routed.synchronize()
-ref = allgather_reference(dep.cpu_group, case.latent[rank], case.ids[rank], case.weights[rank],
-                          layer.norm_weight(), layer.expert)  # fmt: skip
+ref = allgather_reference(
+    dep.cpu_group,
+    case.latent[rank],
+    case.ids[rank],
+    case.weights[rank],
+    layer.norm_weight(),
+    layer.expert,
+)
 after = compare(out.cpu(), ref, "after rebuild") or ["ok"]
 print(f"RESULT rank {rank}: {outcome}; rebuilt: {'; '.join(after)}", flush=True)
 routed.close()
