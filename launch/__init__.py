@@ -2,11 +2,12 @@
 environment."""
 
 from dep_ep.launch.context import DepGroup, RankContext, init_rank_context, new_dep_group, teardown
-from dep_ep.launch.env import LaunchEnv, read_launch_env
+from dep_ep.launch.env import LaunchEnv, integration_enabled, read_launch_env
 
 __all__ = [
     "DepGroup",
     "LaunchEnv",
+    "integration_enabled",
     "RankContext",
     "init_rank_context",
     "new_dep_group",

@@ -1,4 +1,5 @@
-"""Read who-am-I from the launcher's environment: torchrun, Open MPI, MPICH (Hydra), or none.
+"""Read who-am-I from the launcher's environment (torchrun, Open MPI, MPICH (Hydra), or none),
+and the opt-in flags of the engine integrations (`DEP_EP_<ENGINE>=1`).
 
 This file and `launch/context.py` are the only places in the library that read `os.environ`.
 """
@@ -91,3 +92,11 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             master_port=_int(environ, "MASTER_PORT") if port is not None else None,
         )
     return LaunchEnv("single", 0, 1, 0, 1, addr, _int(environ, "MASTER_PORT") if port else None)
+
+
+def integration_enabled(engine: str, environ: Mapping[str, str] | None = None) -> bool:
+    """True when `DEP_EP_<ENGINE>=1` is set (e.g. DEP_EP_VLLM=1): an engine plugin of dep_ep
+    stays a no-op without it, so installing dep_ep beside an engine changes nothing until the
+    operator asks for it."""
+    environ = os.environ if environ is None else environ
+    return environ.get(f"DEP_EP_{engine.upper()}", "") == "1"
