@@ -30,20 +30,10 @@ import torch.distributed as dist
 
 from dep_ep.config import EpConfig
 from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, route
-from dep_ep.experts import default_experts, situ
-from dep_ep.experts.checkpoint import (
-    BIAS,
-    DOWN,
-    GATE,
-    NORM,
-    SHARED_DOWN,
-    SHARED_GATE,
-    SHARED_UP,
-    UP,
-    dense_shapes,
-)
+from dep_ep.experts import default_experts
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.layer_reference import layer_reference, synthetic_dense
 from dep_ep.testing.tolerance import LAYER_REL_L2_BY_ACTIVATION, ROUTED_REL_L2_BY_ACTIVATION
 
 # Tolerances of the checks against the float64 reference, by the experts backend's activation
@@ -112,39 +102,6 @@ def gpu_stack_present() -> bool:
     return True
 
 
-def synthetic_dense(geometry, layer: SyntheticLayer, seed: int, device) -> dict:
-    """The layer's dense tensors by checkpoint name: the synthetic router and norm weights, and
-    projections with rms 1/sqrt(fan_in) from a seeded generator."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    gate, bias = layer.router()
-    dense = {GATE: gate, BIAS: bias, NORM: layer.norm_weight()}
-    for name, (shape, dtype) in dense_shapes(geometry).items():
-        if name not in dense:
-            w = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
-            dense[name] = w.to(dtype)
-    return dense
-
-
-def layer_reference(group, moe: EpMoeLayer, layer: SyntheticLayer, x, tokens: int):
-    """float64 [n, H]: the formula on x (bf16 [n, H]) with the layer's routing; the routed part
-    from the all-gather reference on the rank's rows padded to T. Collective."""
-    d = {name: t.double() for name, t in moe.dense.items()}
-    n, L, K = x.shape[0], moe.latent, moe.topk
-    ids, weights = moe.router(x)
-    latent = torch.zeros(tokens, L, dtype=torch.bfloat16, device=x.device)
-    latent[:n] = (x.double() @ d[DOWN].T).to(torch.bfloat16)
-    padded_ids = torch.full((tokens, K), -1, dtype=torch.int32, device=x.device)
-    padded_ids[:n] = ids
-    padded_weights = torch.zeros(tokens, K, device=x.device)
-    padded_weights[:n] = weights
-    normed = allgather_reference(
-        group, latent, padded_ids, padded_weights, moe.norm_weight, layer.expert, eps=moe.eps
-    )[:n]
-    x64 = x.double()
-    act = situ(x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T)
-    return normed @ d[UP].T + act @ d[SHARED_DOWN].T
-
-
 def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
     """--layer: the whole MoE layer for args.steps steps; returns the number of failed steps."""
     dense = synthetic_dense(geometry, layer, args.seed, ctx.device)
@@ -172,7 +129,7 @@ def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
         error = 0.0
         t0 = time.perf_counter()
         if not args.no_check:
-            ref = layer_reference(dep.cpu_group, moe, layer, x, T)
+            ref = layer_reference(dep.cpu_group, moe, layer.expert, x, T)
             if real:
                 diff = (out.double() - ref).norm() / ref.norm().clamp(min=1e-30)
                 error = float(diff) if out.isfinite().all() else float("inf")

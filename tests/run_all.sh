@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CPU test: single-process ones (including the example under torchrun on 2-4 ranks, the
-# timeout cases under mpiexec, the README's example and the wheel), then the multi-rank suite
-# under mpiexec with 2, 3 and 4 ranks.
+# serving loop on 2 and 4, the timeout cases under mpiexec, the README's example and the wheel),
+# then the multi-rank suite under mpiexec with 2, 3 and 4 ranks.
 # tests/gpu needs a CUDA device: see docs/gpu.md for its command.
 set -euo pipefail
 cd "$(dirname "$0")/.."

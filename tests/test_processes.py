@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
+from helpers.launchers import ROOT, launcher
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
-
-
-def launcher(name: str) -> str:
-    path = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} not found: install the test extras (pip install -e '.[test]')")
-    return path
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
