@@ -26,9 +26,10 @@ each rank's own, takes no part in the exchange, and is left out, so a token's su
 that token alone.
 
 On CUDA every decode-only step of T <= max(--buckets) replays the CUDA graph of its bucket (the
-smallest bucket >= T), captured at the bucket's first use after `warm_buckets` and one eager step;
-all ranks decide from the same all-reduced counts, so they capture and replay the same graphs in
-the same order. After every step `poll_all()` raises what a failed replayed step would otherwise
+smallest bucket >= T). Before serving starts, as a server starts, the experts are warmed for every
+T up to --step-tokens (`warm_buckets`) and every bucket is captured after one eager step of it;
+all ranks decide from the same all-reduced counts, so they replay the same graphs in the same
+order. After every step `poll_all()` raises what a failed replayed step would otherwise
 only show as NaN rows.
 
 Checks: every --check-every steps the step runs eagerly and each MoE layer's output is compared
@@ -330,9 +331,9 @@ class Decoder:
 
 
 class DecodeGraphs:
-    """CUDA graphs of decode steps, one per bucket, captured at the bucket's first use: the tokens
-    are copied into the bucket's input (rows past n: token 0, run and ignored), the graph replays,
-    the first n next tokens are read."""
+    """CUDA graphs of decode steps, one per bucket (`capture`, collective; `run` captures a bucket
+    not captured yet): the tokens are copied into the bucket's input (rows past n: token 0, run
+    and ignored), the graph replays, the first n next tokens are read."""
 
     def __init__(self, decoder: Decoder, buckets: list[int]) -> None:
         self.decoder, self.buckets = decoder, buckets
@@ -342,7 +343,7 @@ class DecodeGraphs:
     def bucket(self, T: int) -> int | None:
         return next((b for b in self.buckets if b >= T), None)
 
-    def _capture(self, bucket: int) -> None:
+    def capture(self, bucket: int) -> None:
         decoder = self.decoder
         for moe in decoder.layers:  # compile what a step of `bucket` tokens runs
             warm_buckets(decoder.routed, moe.experts, [bucket])
@@ -357,7 +358,7 @@ class DecodeGraphs:
     def run(self, tokens: torch.Tensor, bucket: int) -> torch.Tensor:
         """tokens int64 [n] (n <= bucket) -> next tokens int64 [n]. Collective."""
         if bucket not in self.graphs:
-            self._capture(bucket)
+            self.capture(bucket)
         graph, static_tokens, static_out = self.graphs[bucket]
         n = tokens.numel()
         static_tokens[:n].copy_(tokens)
@@ -428,7 +429,13 @@ def serve(args, ctx, dep, decoder: Decoder, scheduler: Scheduler, tolerance: flo
     """Run the loop until every rank's requests are finished or refused; returns this rank's
     numbers (rank 0's also hold the per-step counts of every rank)."""
     on_gpu = ctx.device.type == "cuda"
-    graphs = DecodeGraphs(decoder, args.buckets) if on_gpu else None
+    graphs = None
+    if on_gpu:  # a server's start: compile every step size, capture every decode bucket
+        for moe in decoder.layers:
+            warm_buckets(decoder.routed, moe.experts, range(1, args.step_tokens + 1))
+        graphs = DecodeGraphs(decoder, args.buckets)
+        for bucket in args.buckets:
+            graphs.capture(bucket)
     total = sum(
         well_formed_requests(args, r, ctx.world_size) + args.malformed
         for r in range(ctx.world_size)
