@@ -1,7 +1,14 @@
 """Symmetric buffers, MXFP8 quantization, and dispatch/combine (torch reference; GPU kernels)."""
 
 from dep_ep.comm.buffers import EpBuffers, RankRegions
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
+from dep_ep.comm.errors import (
+    EpDesyncError,
+    EpError,
+    EpPeerError,
+    EpPeerLostError,
+    EpTimeoutError,
+    EpTokenCountError,
+)
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 
@@ -9,8 +16,11 @@ __all__ = [
     "EpBuffers",
     "EpLayout",
     "EpDesyncError",
+    "EpError",
     "EpPeerError",
+    "EpPeerLostError",
     "EpTimeoutError",
+    "EpTokenCountError",
     "RankRegions",
     "mxfp8_dequantize",
     "mxfp8_quantize",

@@ -22,6 +22,7 @@ from dep_ep.comm.errors import (
     EpPeerError,
     EpPeerLostError,
     EpTimeoutError,
+    EpTokenCountError,
     ranks_text,
     tag_text,
 )
@@ -340,7 +341,7 @@ class DeviceTransport(Transport):
             cause = CAUSE_EXPERTS if theirs == STATUS_FAILED else CAUSE_INPUT
             raise EpPeerError(f"{where}: rank {peer} {cause}{after}")
         if kind == KIND_TOKENS:
-            raise ValueError(
+            raise EpTokenCountError(
                 f"{where}: ranks passed different token counts (rank {peer}: {theirs}, this rank:"
                 f" {mine}); every rank must pass the same T{after}"
             )
@@ -416,12 +417,15 @@ class DeviceTransport(Transport):
         (its outputs are the sums, not NaN)."""
         return self.state[STATE_STEP_STATUS] == 0
 
-    def dispatch(self, latent, ids, weights, *, tokens, rejected, cause=CAUSE_INPUT, tag=NO_TAG):
+    def dispatch(
+        self, latent, ids, weights, *, tokens, rejected, cause=CAUSE_INPUT, tag=NO_TAG, checked=True
+    ):
         """latent bf16 [n, L] (rows 16-byte aligned: its row stride a multiple of 8 elements;
         contiguous or a column slice), ids int32 [T, K], weights fp32 [T, K], contiguous, on the
         device. A rejected call takes part without payload (RejectKernel) and then raises
         `rejected`."""
-        self.check()
+        if checked:
+            self.check()
         if rejected is not None:
             self._reject("reject_dispatch", tag)
             raise rejected

@@ -54,6 +54,11 @@ class EpDesyncError(EpError):
         self.recovery = recovery
 
 
+class EpTokenCountError(EpError, ValueError):
+    """The ranks passed different token counts T in the same call (every rank raises it in that
+    call; the next call is good). A ValueError too: the caller's arguments disagree."""
+
+
 class EpPeerError(EpError):
     """Another rank failed this call (it rejected its input, or its experts failed); no rank used
     the exchanged rows. Names the rank, what failed and, on CPU ranks, its error.

@@ -13,7 +13,7 @@ takes another call's (or another object's) message for this one's.
 from __future__ import annotations
 
 from dep_ep.comm.buffers import EpBuffers
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, tag_text
+from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTokenCountError, tag_text
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import combine_reduce, combine_write, dispatch_write
 from dep_ep.comm.transport import CAUSE_INPUT, Transport
@@ -31,7 +31,10 @@ class HostTransport(Transport):
         self.experts_per_rank = experts_per_rank
         self.timeout_s = config.timeout_s
 
-    def dispatch(self, latent, ids, weights, *, tokens, rejected, cause=CAUSE_INPUT, tag=NO_TAG):
+    def dispatch(
+        self, latent, ids, weights, *, tokens, rejected, cause=CAUSE_INPUT, tag=NO_TAG, checked=True
+    ):
+        # `checked` changes nothing here: every host call completes or raises before it returns.
         if rejected is None:
             q, sf = mxfp8_quantize(latent)
             dispatch_write(self.buffers, q, sf, ids, weights, self.experts_per_rank)
@@ -99,7 +102,7 @@ class HostTransport(Transport):
             raise EpPeerError(f"EpRouted.{phase}: {named}; nothing was used")
         counts = [m["tokens"] for m in messages]
         if len(set(counts)) > 1:
-            raise ValueError(
+            raise EpTokenCountError(
                 f"EpRouted.{phase}: ranks passed different token counts {counts}; every rank must"
                 " pass the same T (pad with rows of -1 ids)"
             )

@@ -24,14 +24,16 @@ from dep_ep.constants import ABORT_PEER_LOST, ERROR_ABORT
 
 class PeerWatch:
     """Watches the checkable peers of `channel` every `period_s` seconds; `lost` holds the gone
-    ranks once one is seen (and then the watch stops). `error`: the host-mapped error record."""
+    ranks once one is seen (and then the watch stops). `error`: the host-mapped error record.
+    period_s None: no thread (EpConfig.peer_watch_s=None); `check_now` still looks, from the
+    caller's thread (`poll()`, `synchronize()`)."""
 
-    def __init__(self, channel: GroupChannel, error: torch.Tensor, period_s: float) -> None:
+    def __init__(self, channel: GroupChannel, error: torch.Tensor, period_s: float | None) -> None:
         self.channel, self.error, self.period_s = channel, error, period_s
         self.lost: list[int] = []
         self._stop = threading.Event()
         self._thread = None
-        if any(channel.checkable):
+        if period_s is not None and any(channel.checkable):
             self._thread = threading.Thread(target=self._run, name="dep-ep-peer-watch", daemon=True)
             self._thread.start()
 

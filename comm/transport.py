@@ -21,6 +21,7 @@ CAUSE_INPUT = "rejected its input"
 CAUSE_EXPERTS = "failed in its experts"
 CAUSE_REJECT_STEP = "called reject_step"
 CAUSE_ABORT_STEP = "called abort_step"
+CAUSE_EARLIER_PIECE = "failed an earlier piece of this step"
 # The causes the device transport tells apart in its step flags (STATUS_FAILED: the experts);
 # the others travel as STATUS_REJECTED.
 EXPERT_CAUSES = (CAUSE_EXPERTS, CAUSE_ABORT_STEP)
@@ -53,12 +54,15 @@ class Transport(ABC):
         rejected: BaseException | None,
         cause: str = CAUSE_INPUT,
         tag: int = NO_TAG,
+        checked: bool = True,
     ) -> None:
         """Quantize latent bf16 [n, L] (n <= T; a token with no expert is never read) to MXFP8
         once per token and write it, with ids int32 [T, K] (-1 = none) and weights fp32 [T, K],
         into the receive rows of every rank owning one of the token's experts (the row contract,
         docs/design.md). `tokens` is T (0 when rejected); `tag` identifies the step (NO_TAG when
-        the caller gave none): ranks whose tags differ raise EpDesyncError."""
+        the caller gave none): ranks whose tags differ raise EpDesyncError. `checked`: raise an
+        error an earlier call left behind (`check()`) before starting; False for the later
+        pieces of a step run in pieces, which every rank runs to the end."""
 
     @abstractmethod
     def combine(

@@ -6,11 +6,19 @@ Subpackages, imported one way (each may import those before it and the leaf modu
   dep_ep.comm     layout, symmetric buffers, MXFP8, the host and device transports
   dep_ep.experts  routed-expert backends, MXFP4 formats, checkpoint loading
   dep_ep.ep       EpRouted, EpMoeLayer, the router
+  dep_ep.integrations  what serving engines need (engine-free helpers; engine adapters)
 and beside them dep_ep.testing (the all-gather reference, synthetic weights and routing, the
 tolerance model), which no library module imports.
 """
 
-from dep_ep.comm import EpDesyncError, EpPeerError, EpTimeoutError
+from dep_ep.comm import (
+    EpDesyncError,
+    EpError,
+    EpPeerError,
+    EpPeerLostError,
+    EpTimeoutError,
+    EpTokenCountError,
+)
 from dep_ep.config import K3, PRESETS, TINY, EpConfig, MoeGeometry
 from dep_ep.ep import EpMoeLayer, EpRouted, ReceiveRows
 from dep_ep.experts import (
@@ -33,10 +41,13 @@ __all__ = [
     "DepGroup",
     "EpConfig",
     "EpDesyncError",
+    "EpError",
     "EpMoeLayer",
     "EpPeerError",
+    "EpPeerLostError",
     "EpRouted",
     "EpTimeoutError",
+    "EpTokenCountError",
     "ExpertWeights",
     "ExpertsBackend",
     "HopperExperts",

@@ -288,11 +288,12 @@ class EpMoeLayer:
             return ValueError(f"{fn}: x holds non-finite values (first in row {row})")
         return None
 
-    def _reject(self, fn: str, error: BaseException, tag) -> None:
+    def _reject(self, fn: str, error: BaseException, tag, tokens) -> None:
         """Take part in the step as a rank that rejects its input, then raise `error`
         (EpRouted.reject_step: every peer raises EpPeerError; CPU: in this call, CUDA: at its
-        next call). Collective, like a call."""
-        self.routed.reject_step(error, tag=tag)
+        next call). `tokens`: the call's T, so that a step above max_tokens is rejected in
+        every piece the peers run. Collective, like a call."""
+        self.routed.reject_step(error, tag=tag, tokens=tokens)
 
     # ----------------------------------------------------------------------------- the parts
     def front(self, x: torch.Tensor) -> torch.Tensor:
@@ -374,7 +375,7 @@ class EpMoeLayer:
         self._calls += 1
         error = self._check_call(fn, x, tokens)
         if error is not None:
-            self._reject(fn, error, tag)
+            self._reject(fn, error, tag, tokens)
         if self._side is None:
             return self._forward_serial(fn, x, tokens, tag)
         return self._forward_overlap(fn, x, tokens, tag)
@@ -393,9 +394,9 @@ class EpMoeLayer:
             latent = self.latent_of(front)
             error = self._check_overflow(fn, x, latent, weights)
         except BaseException as err:  # every rank must still complete the step
-            self._reject(fn, err, tag)
+            self._reject(fn, err, tag, tokens)
         if error is not None:
-            self._reject(fn, error, tag)
+            self._reject(fn, error, tag, tokens)
         normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
         return self.up(normed, shared)
 
@@ -451,10 +452,10 @@ class EpMoeLayer:
             error = self._check_overflow(fn, x, latent, weights)
         except BaseException as err:  # every rank must still complete the step
             main.wait_stream(side)
-            self._reject(fn, err, tag)
+            self._reject(fn, err, tag, tokens)
         if error is not None:
             main.wait_stream(side)
-            self._reject(fn, error, tag)
+            self._reject(fn, error, tag, tokens)
         try:
             normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from dep_ep.comm.errors import (
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.transport import (
     CAUSE_ABORT_STEP,
+    CAUSE_EARLIER_PIECE,
     CAUSE_EXPERTS,
     CAUSE_INPUT,
     CAUSE_REJECT_STEP,
@@ -97,12 +99,24 @@ def _wire_tag(tag: object) -> int:
 _MASK63 = (1 << 63) - 1
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit words that spreads every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 def _chunk_tag(tag: object, steps: int, index: int) -> int:
     """The tag of step `index` of the `steps` a step of more than max_tokens runs as: the
-    caller's tag (or none), the step count and the index mixed into a non-negative int64, so
-    ranks that run different step counts (their T differ) or steps of another call differ."""
-    base = _wire_tag(tag) & ((1 << 64) - 1)
-    return (base * 0x9E3779B97F4A7C15 + steps * 0xBF58476D1CE4E5B9 + index) & _MASK63
+    caller's tag (or none), the step count and the index hashed into a non-negative int64, so
+    ranks that run different step counts (their T differ), another tag (no tag and tag 0
+    included) or steps of another call differ except by a 2^-63 chance."""
+    base = _mix64(_wire_tag(tag) & _MASK64)
+    return _mix64(base ^ _mix64((steps << 32) | index)) & _MASK63
 
 
 def _as_exception(fn: str, error: object) -> BaseException:
@@ -221,6 +235,9 @@ class EpRouted:
         self._step_failure: str | None = None  # why the last step failed on this rank
         self._broken: str | None = None  # why calls are refused until reset()
         self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
+        # The error this rank raised after taking part in its last transport call (its input
+        # or its experts failed): a step run in pieces goes on without payload after it.
+        self._own_failure: BaseException | None = None
         self._counts = None  # int32 [E_local]: the last dispatch's pairs per local expert
         if config.count_experts:
             self._counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, **on)
@@ -338,7 +355,8 @@ class EpRouted:
         self, out: torch.Tensor | None = None, *, accumulate: bool = False
     ) -> torch.Tensor:
         """The (token, k) pairs this rank received per local expert in the last dispatch (for
-        expert-load balancing), counted right after that dispatch (EpConfig.count_experts must
+        expert-load balancing; after a `routed` step run in pieces, the sum over its pieces),
+        counted right after that dispatch (EpConfig.count_experts must
         be on): int32 [E_local] on the device, a new tensor, or written into `out` (int32 or
         int64 [E_local] on the device; `accumulate=True` adds to it, as a load recorder
         sums over steps). Stream-ordered, no host sync, no allocation with `out`. After a step
@@ -384,9 +402,12 @@ class EpRouted:
             self._counts.mul_(step_ok())
 
     # ----------------------------------------------------------------------------- validation
-    def _check_inputs(self, fn, latent, ids, weights, experts, need_experts, tokens, tag):
+    def _check_inputs(
+        self, fn, latent, ids, weights, experts, need_experts, tokens, tag, limit=None
+    ):
         """Returns (T, n) for latent [n, L] padded to T tokens. `need_experts`: None is an error
-        (routed runs them), not "not given" (dispatch)."""
+        (routed runs them), not "not given" (dispatch). `limit`: the largest T (max_tokens when
+        None; a step run in pieces checks its whole arguments against its own T)."""
         if not isinstance(latent, torch.Tensor) or latent.dim() != 2:
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent)
             raise ValueError(f"{fn}: latent {shape}; expected a 2-D tensor [n, {self.latent}]")
@@ -395,7 +416,7 @@ class EpRouted:
             if real == 0:
                 raise ValueError(f"{fn}: latent has 0 rows and tokens=None; pass tokens= (T)")
             tokens = real
-        tokens = check_tokens(fn, tokens, self.max_tokens)
+        tokens = check_tokens(fn, tokens, self.max_tokens if limit is None else limit)
         if real > tokens:
             raise ValueError(f"{fn}: latent has {real} rows, more than tokens={tokens}")
         check_tag(fn, tag)
@@ -448,13 +469,17 @@ class EpRouted:
         except BaseException as err:
             self._step_failure = f"{type(err).__name__} in {fn}"
             if err is rejected:
+                self._own_failure = err  # this rank took part in the call, then raised its error
                 raise
             recovery = getattr(err, "recovery", None)
             if isinstance(err, EpError) and recovery == RECOVERY_REBUILD:
                 self._lost = err
             elif isinstance(err, EpError) and recovery != RECOVERY_NONE:
                 self._broken = f"an earlier call failed ({err}); call reset() on every rank"
-            elif not isinstance(err, (EpError, ValueError, TypeError)):
+            elif not isinstance(err, EpError):
+                # Not the protocol's own error (those are EpErrors raised by every rank in the
+                # same call): an exception raised inside a wait (a signal handler's, of any
+                # type) left this rank's barrier count behind its peers'.
                 self._broken = (
                     f"an earlier {fn} was interrupted ({type(err).__name__}) inside the exchange;"
                     " call reset() on every rank (collective) before the next step"
@@ -482,10 +507,10 @@ class EpRouted:
         rows. `experts`, when given, is validated with the inputs.
         """
         return self._dispatch(
-            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag, None
+            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag
         )
 
-    def _dispatch(self, fn, latent, ids, weights, experts, need_experts, tokens, tag, refused):
+    def _dispatch(self, fn, latent, ids, weights, experts, need_experts, tokens, tag, checked=True):
         self._check_usable(fn)
         if self._step is not None:
             raise RuntimeError(
@@ -498,8 +523,6 @@ class EpRouted:
             tokens, real = self._check_inputs(
                 fn, latent, ids, weights, experts, need_experts, tokens, tag
             )
-            if refused is not None:
-                raise refused
         except (TypeError, ValueError) as err:
             error, tokens = err, 0
         wire_tag = _wire_tag(tag)
@@ -532,6 +555,7 @@ class EpRouted:
                 rejected=error,
                 cause=CAUSE_INPUT,
                 tag=wire_tag,
+                checked=checked,
             ),
             error,
         )
@@ -559,33 +583,54 @@ class EpRouted:
         """
         return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT, out)
 
-    def reject_step(self, error: BaseException, *, tag: int | None = None) -> None:
+    def reject_step(
+        self, error: BaseException, *, tag: int | None = None, tokens: int | None = None
+    ) -> None:
         """Instead of dispatch, for a rank that cannot take part in this step with inputs (its
         caller failed before the dispatch): take part in the step's dispatch and combine without
         payload (no peer waits for this rank; every peer raises EpPeerError: in this call on CPU,
         at its next call on CUDA), then raise `error`. An exception class is instantiated (as
-        `raise` does); anything else fails the step with a TypeError saying so. Collective, like
-        dispatch + combine."""
+        `raise` does); anything else fails the step with a TypeError saying so. `tokens`: the
+        step's T, when the peers pass one above max_tokens (`routed` runs such a step in pieces:
+        this rank rejects every piece its peers run). Collective, like dispatch + combine."""
         fn = "EpRouted.reject_step"
         error = _as_exception(fn, error)
         self._check_usable(fn)
         if self._step is not None:
             raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
         self._step_failure = f"{type(error).__name__} in {fn}"
-        empty = self._ids[:0]
-        self._run(
-            fn,
-            lambda: self._transport.dispatch(
-                None,
-                empty,
-                self._weights[:0],
-                tokens=0,
-                rejected=error,
-                cause=CAUSE_REJECT_STEP,
-                tag=_wire_tag(tag),
-            ),
-            error,
-        )
+        steps = 1
+        if isinstance(tokens, numbers.Integral) and tokens > self.max_tokens:
+            steps = -(-int(tokens) // self.max_tokens)
+        for index in range(steps):
+            piece_tag = tag if steps == 1 else _chunk_tag(tag, steps, index)
+            cause = CAUSE_REJECT_STEP if index == 0 else CAUSE_EARLIER_PIECE
+            self._reject_piece(fn, error, cause, piece_tag, checked=index == 0)
+            if self._transport.completes_on_return:
+                break  # CPU: every peer raised in this piece
+        raise error
+
+    def _reject_piece(self, fn, error, cause, tag, checked) -> None:
+        """Take part in one step (or piece) without payload, rejecting it with `error` and
+        `cause`; returns (the caller raises `error`). Other errors propagate."""
+        try:
+            self._run(
+                fn,
+                lambda: self._transport.dispatch(
+                    None,
+                    self._ids[:0],
+                    self._weights[:0],
+                    tokens=0,
+                    rejected=error,
+                    cause=cause,
+                    tag=_wire_tag(tag),
+                    checked=checked,
+                ),
+                error,
+            )
+        except BaseException as err:
+            if err is not error:
+                raise
 
     def abort_step(self, error: BaseException) -> None:
         """Instead of combine, after a dispatch whose experts failed on this rank: take part in the
@@ -674,58 +719,87 @@ class EpRouted:
             total = latent.shape[0] if tokens is None else check_int(fn, "tokens", tokens)
         except (AttributeError, TypeError):
             total = None  # the step's validation rejects it on this rank, collectively
-        if total is None or total <= self.max_tokens or latent.dim() != 2:
+        if total is None or total <= self.max_tokens:
             return self._routed_step(
                 fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out
             )
-        n = latent.shape[0]
-        try:
+        refused, n = None, 0
+        try:  # the whole call's arguments, before they are cut: a piece sees only its rows
+            _, n = self._check_inputs(
+                fn, latent, ids, weights, experts, True, total, tag, limit=total
+            )
             if out is not None:
                 self._check_out(fn, out, n)
-        except (TypeError, ValueError) as err:  # refused in the first step, on every rank
-            return self._routed_step(
-                fn,
-                latent,
-                ids,
-                weights,
-                norm_weight,
-                experts,
-                eps,
-                min(total, self.max_tokens),
-                tag,
-                None,
-                err,
-            )
-        result = out
-        if result is None:
-            result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
+        except (TypeError, ValueError) as err:
+            refused = err
+        return self._routed_pieces(
+            fn, latent, ids, weights, norm_weight, experts, eps, total, tag, out, n, refused
+        )
+
+    def _routed_pieces(
+        self, fn, latent, ids, weights, norm_weight, experts, eps, total, tag, out, n, refused
+    ) -> torch.Tensor:
+        """A step of T = `total` > max_tokens tokens as ceil(T / max_tokens) pieces (`routed`),
+        the latent's n rows cut along them. A rank whose arguments were refused (`refused`) or
+        that fails a piece (its input or its experts) takes part in the remaining pieces without
+        payload where the peers learn of a failure only at their next call (CUDA), so every
+        rank runs every piece and the pieces stay paired; on CPU every rank raises in the
+        failing piece. Then it raises its error."""
         steps = -(-total // self.max_tokens)
+        result = out
+        if result is None and refused is None:
+            result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
+        # The pieces' expert counts, summed: expert_counts() gives the whole step's.
+        counts = None if self._counts is None else torch.zeros_like(self._counts)
+        failure, cause = refused, CAUSE_INPUT
         for index in range(steps):
+            piece_tag = _chunk_tag(tag, steps, index)
+            checked = index == 0  # later pieces run to the end on every rank
+            if failure is not None:
+                self._step_failure = f"{type(failure).__name__} in {fn}"
+                self._reject_piece(fn, failure, cause, piece_tag, checked)
+                if self._transport.completes_on_return:
+                    break  # CPU: every peer raised in this piece
+                cause = CAUSE_EARLIER_PIECE
+                continue
             start = index * self.max_tokens
             step_tokens = min(self.max_tokens, total - start)
             lo, hi = min(start, n), min(start + step_tokens, n)
-            self._routed_step(
-                fn,
-                latent[lo:hi],
-                ids[lo:hi],
-                weights[lo:hi],
-                norm_weight,
-                experts,
-                eps,
-                step_tokens,
-                _chunk_tag(tag, steps, index),
-                result[lo:hi],
-            )
+            self._own_failure = None
+            try:
+                self._routed_step(
+                    fn,
+                    latent[lo:hi],
+                    ids[lo:hi],
+                    weights[lo:hi],
+                    norm_weight,
+                    experts,
+                    eps,
+                    step_tokens,
+                    piece_tag,
+                    result[lo:hi],
+                    checked=checked,
+                )
+            except BaseException as err:
+                if err is not self._own_failure or self._transport.completes_on_return:
+                    raise
+                failure, cause = err, CAUSE_EARLIER_PIECE
+                continue
+            if counts is not None:
+                counts += self._counts
+        if failure is not None:
+            raise failure
+        if counts is not None:
+            self._counts.copy_(counts)
         return result
 
     def _routed_step(
-        self, fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out, refused=None
+        self, fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out, checked=True
     ):
-        """One step of at most max_tokens tokens into `out` (or a new tensor). `refused`: an
-        error in the call's arguments found beforehand, which this rank's dispatch rejects
-        (collectively)."""
+        """One step of at most max_tokens tokens into `out` (or a new tensor). `checked`: as
+        Transport.dispatch."""
         # experts=None is caught by the dispatch's validation, which every rank takes part in.
-        rows = self._dispatch(fn, latent, ids, weights, experts, True, tokens, tag, refused)
+        rows = self._dispatch(fn, latent, ids, weights, experts, True, tokens, tag, checked)
         error = None
         try:
             experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
@@ -796,7 +870,9 @@ class EpRouted:
     def close(self) -> None:
         """Release the buffers. Collective by contract; idempotent."""
         if not self._buffers.closed:
-            self._transport.close()
-            self._buffers.close()
+            try:
+                self._transport.close()
+            finally:  # the buffers go even when the transport's close raised
+                self._buffers.close()
         self._rows_of.clear()
         self._step = None

@@ -9,6 +9,9 @@ at 6f889cd, run once with this file as it is)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -132,6 +135,52 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
             failures.append(f"reset() after the step: {type(err).__name__}: {err}")
         done = serve(routed, batches, 2, 6, failures, f"after the {phase} interrupt")
         failures += served_to_the_end(done, 7, f"after the {phase} interrupt")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", [ValueError, TypeError])
+def test_any_exception_inside_a_wait_needs_a_reset(dep, layer, kind):
+    """A signal handler of the caller's raises a ValueError or TypeError while rank 0 waits in a
+    dispatch (its peers call 1.5 s later): the object then refuses every call until reset()
+    (poll() raises RuntimeError saying so), as after KeyboardInterrupt; after reset() on every
+    rank the outputs are correct.
+    Before: these two types counted as the protocol's own errors, the object stayed usable, and
+    rank 0's next call paired with its peers' earlier messages and returned wrong rows (rel L2
+    1.02, found by a probe)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 325), T)
+    failures: list[str] = []
+
+    def handler(signum, frame):
+        raise kind("raised by the caller's signal handler")
+
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        if dep.rank == 0:
+            previous = signal.signal(signal.SIGUSR1, handler)
+            timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+            timer.start()
+            try:
+                err, _ = timed(lambda: batches.run(routed, 1))
+            finally:
+                timer.join()
+                signal.signal(signal.SIGUSR1, previous)
+            if not isinstance(err, kind):
+                failures.append(f"rank 0: {type(err).__name__}: {err}; expected {kind.__name__}")
+            expect_raises(failures, "poll after the handler", RuntimeError, "reset", routed.poll)
+        else:
+            time.sleep(1.5)
+            try:
+                out = batches.run(routed, 1)
+                failures += compare(out, batches.reference(1), "the peer's step")
+            except RECOVERABLE:
+                pass
+        err, _ = timed(routed.reset)
+        if err is not None:
+            failures.append(f"reset() after the step: {type(err).__name__}: {err}")
+        done = serve(routed, batches, 2, 6, failures, "after the handler's exception")
+        failures += served_to_the_end(done, 7, "after the handler's exception")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 

@@ -57,8 +57,8 @@ class KernelTuning:
     dispatch_blocks_in_flight: 32-element blocks a dispatch thread loads before it quantizes;
     combine_vectors_in_flight: 16-byte loads a combine thread issues before its stores.
 
-    The defaults, measured at EP=1 on an H200 (docs/bench_ep1.md): PDL took the T = 1 pair from
-    13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us; four
+    The defaults, measured at EP=1 on an H200 (docs/results/bench_ep1.md): PDL took the T = 1 pair
+    from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us; four
     combine vectors spill at the send launch's 32-register bound (T = 4096: 67.8 against 54.4 us
     with two)."""
 

@@ -3,7 +3,8 @@ dispatch, then reset() on every rank, which ends the kernels still waiting (no t
 out) and makes the next steps equal to the reference; a kernel error under CUDA-graph replay
 (graphs captured with tags or token counts that differ across ranks), which poll() raises on
 every rank naming the call, the phase, the rank and the peer while the replay's rows are NaN;
-and (test_gpu_dead_peer.py) a peer that dies.
+a step in pieces whose experts fail in one piece on one rank, which every rank still runs to the
+end; and (test_gpu_dead_peer.py) a peer that dies.
 
 Before the abort request and poll() (main at 6f889cd): a reset() after the interrupt waited for
 the stuck combine kernel's 20 s timeout, and a replayed step with differing tags raised nothing
@@ -17,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dep_ep.comm import EpDesyncError
+from dep_ep.comm import EpDesyncError, EpPeerError
 from dep_ep.comm.device_transport import DeviceTransport
 from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpRouted
-from dep_ep.experts import DenseExperts
+from dep_ep.experts import DenseExperts, ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.compare import compare
 
@@ -207,3 +208,59 @@ def _poll_in_capture(routed):
             routed.poll()
         finally:
             graph.capture_end()
+
+
+class FailOnCall(ExpertsBackend):
+    """Experts that raise KeyError on their `fail_at`-th call (0-based), else run `inner`."""
+
+    def __init__(self, inner: ExpertsBackend, fail_at: int | None):
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out):
+        call, self.calls = self.calls, self.calls + 1
+        if call == self.fail_at:
+            raise KeyError("experts failed in piece 1")
+        return self.inner.forward(x, sf, ids, weights, out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_piece_that_fails_keeps_the_pieces_paired(gpu_dep):
+    """A step of 3 pieces (T = 40, max_tokens 16) whose experts fail in piece 1 on rank 0: rank
+    0 takes part in pieces 1 and 2 without payload and raises its KeyError after them; the other
+    ranks run every piece and return (the rows of pieces 1 and 2 NaN), and their poll() raises
+    EpPeerError naming rank 0; no rank waits out the timeout, and the next step matches the
+    reference."""
+    seed = agreed_seed(gpu_dep.cpu_group, 540)
+    layer = SyntheticLayer(TINY, seed)
+    failures: list[str] = []
+    total, r = 40, gpu_dep.rank
+    case = make_case(TINY, gpu_dep.size, total, seed)
+    args = [t.cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+    norm = layer.norm_weight().cuda()
+    with build(gpu_dep) as routed:
+        experts = dense_experts(layer, r, gpu_dep.size)
+        failing = FailOnCall(experts, 1 if r == 0 else None)
+        start = time.monotonic()
+        if r == 0:
+            expect_raises(
+                failures,
+                "the failing rank",
+                KeyError,
+                "piece 1",
+                lambda: routed(*args, norm, experts=failing, tokens=total),
+            )
+            torch.cuda.synchronize()
+        else:
+            out = routed(*args, norm, experts=failing, tokens=total)
+            torch.cuda.synchronize()
+            if out[:MAX_TOKENS].isnan().any() or not out[MAX_TOKENS:].isnan().all():
+                failures.append("a peer's rows: piece 0 not finite or pieces 1-2 not all NaN")
+            expect_raises(failures, "the peer's poll", EpPeerError, "rank 0", routed.poll)
+        took = time.monotonic() - start
+        if took > TIMEOUT_S / 2:
+            failures.append(f"the failed step took {took:.1f} s: a wait ran out")
+        dist.barrier(group=gpu_dep.cpu_group)
+        failures += good_step(gpu_dep, routed, layer, experts, seed + 1, "the next step")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
