@@ -9,6 +9,10 @@ to put in a model:
 
     handle = register_routed(ep, experts)                       # once, at load
     normed = routed_op(latent, ids, weights, norm, handle, tokens=T, tag=layer)
+
+The operator declares no mutation, so a compiler may drop a call whose output is unused: use
+every call's output (the call is collective, and a rank that skips it leaves its peers waiting
+until their timeout).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import itertools
 
 import torch
 
-from dep_ep.checks import check_tag
+from dep_ep.checks import check_int, check_tag
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import NO_TAG
 from dep_ep.ep.routed import EpRouted, check_experts_match
@@ -51,7 +55,7 @@ def _routed(
     weights: torch.Tensor,
     norm_weight: torch.Tensor | None,
     handle: int,
-    tokens: int,
+    tokens: int | None,
     tag: int,
     eps: float,
 ) -> torch.Tensor:
@@ -66,7 +70,7 @@ def _routed(
         norm_weight,
         experts=experts,
         eps=eps,
-        tokens=tokens if tokens > 0 else None,
+        tokens=tokens,
         tag=None if tag == NO_TAG else tag,
     )
 
@@ -88,15 +92,26 @@ def routed_op(
     eps: float = DEFAULT_NORM_EPS,
 ) -> torch.Tensor:
     """`torch.ops.dep_ep.routed` with EpRouted.routed's arguments (tokens None: n; tag None: no
-    tag). Returns bf16 [n, L]; collective, like EpRouted.routed."""
-    tag = check_tag("dep_ep::routed", tag)
+    tag). Returns bf16 [n, L]; collective, like EpRouted.routed: a `tokens` or `tag` that is
+    not an int in range, or an `eps` that is not a number, fails the step on every rank (this
+    rank raises its error, the others EpPeerError). An unknown handle raises ValueError on
+    this rank alone."""
+    fn = "routed_op"
+    if handle not in _REGISTERED:
+        raise ValueError(f"{fn}: handle {handle!r} is not registered (register_routed)")
+    try:
+        tokens = None if tokens is None else check_int(fn, "tokens", tokens)
+        tag = check_tag(fn, tag)
+        eps = float(eps)
+    except (TypeError, ValueError) as err:
+        _REGISTERED[handle][0].reject_step(err, tag=None, tokens=tokens)
     return torch.ops.dep_ep.routed(
         latent,
         ids,
         weights,
         norm_weight,
         handle,
-        0 if tokens is None else int(tokens),
+        tokens,
         NO_TAG if tag is None else tag,
-        float(eps),
+        eps,
     )

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.checks import check_int
+from dep_ep.comm.buffers import resolve_device
 from dep_ep.config import EpConfig
 from dep_ep.ep.routed import EpRouted
 from dep_ep.experts.base import ExpertsBackend
@@ -62,9 +63,21 @@ def shared_routed(
 ) -> EpRouted:
     """The process's EpRouted for this group and geometry, built at the first call (collective
     then: every rank of `group` makes its first call for a geometry together, as models build
-    their layers in the same order) and the same object at every later call (local)."""
-    key = (group, str(torch.device(device)), num_experts, latent, topk, max_tokens)
+    their layers in the same order) and the same object at every later call (local). A later
+    call with another `config` (None: EpConfig()) raises ValueError."""
+    config = EpConfig() if config is None else config
+    try:
+        spelled = str(resolve_device("shared_routed", device))  # "cpu:0" is "cpu"
+    except (TypeError, ValueError):
+        spelled = repr(device)  # the construction refuses it, on every rank
+    key = (group, spelled, num_experts, latent, topk, max_tokens)
     routed = _SHARED.get(key)
+    if routed is not None and not routed.closed and routed.config != config:
+        raise ValueError(
+            f"shared_routed: the process's EpRouted for this group and geometry was built with"
+            f" {routed.config}; this call asks for {config} (one EpRouted serves every layer:"
+            " give every layer the same config)"
+        )
     if routed is None or routed.closed:
         routed = EpRouted(
             group,
@@ -80,10 +93,17 @@ def shared_routed(
 
 
 def close_shared() -> None:
-    """Close every shared EpRouted (collective by contract: every rank, at shutdown)."""
+    """Close every shared EpRouted (collective by contract: every rank, at shutdown). Every one
+    is closed even when one's close raises; the first such error is raised after them."""
+    first = None
     while _SHARED:
         _, routed = _SHARED.popitem()
-        routed.close()
+        try:
+            routed.close()
+        except Exception as err:
+            first = first or err
+    if first is not None:
+        raise first
 
 
 def warm_buckets(routed: EpRouted, experts: ExpertsBackend, tokens: Iterable[int]) -> None:

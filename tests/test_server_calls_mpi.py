@@ -6,6 +6,8 @@ helpers (dep_ep.integrations.common)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -175,6 +177,147 @@ def test_a_step_above_max_tokens_runs_in_pieces(dep, layer, total):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_step_in_pieces_refuses_bad_arguments_on_every_rank(dep, layer):
+    """Above max_tokens the whole call's arguments are checked before they are cut, on the bad
+    rank (its error) and in the same call on the others (EpPeerError), within a second: a latent
+    of more rows than T (before: rows past T came back uninitialised), ids of more rows than the
+    latent (before: the extra rows were dropped), ids that are not a tensor (before: a TypeError
+    on that rank alone while the others waited out the timeout), a misshapen out= (named as
+    such); reject_step(tokens=T) on one rank against routed(tokens=T) on the others; the next
+    call gives the bits of a good call."""
+    seed = agreed_seed(dep.cpu_group, 660)
+    total, r = 10, dep.rank
+    case = make_case(TINY, dep.size, total, seed, "random")
+    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
+    experts = RowByRowExperts(Batches(dep, layer, seed, total).experts)
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    bad = r == dep.size - 1
+    wide = torch.cat([latent, latent[:2]])
+    wrong_out = torch.empty(total - 1, TINY.latent, dtype=torch.bfloat16)
+    cases = [
+        ("rows past T", dict(latent=wide), ValueError, "12 rows, more than tokens=10"),
+        ("ids rows", dict(ids=torch.cat([ids, ids[:2]])), ValueError, "ids shape"),
+        ("ids None", dict(ids=None), (TypeError, ValueError), "ids"),
+        ("misshapen out", dict(out=wrong_out), ValueError, "out shape"),
+    ]
+    with build(dep, 4) as routed:
+        want = routed(latent, ids, weights, norm, experts=experts, tokens=total)
+        for label, change, error, match in cases:
+            args = dict(latent=latent, ids=ids, weights=weights, out=None)
+            if bad:
+                args.update(change)
+            expected, text = (error, match) if bad else (EpPeerError, f"rank {dep.size - 1}")
+            start = time.monotonic()
+            expect_raises(
+                failures,
+                label,
+                expected,
+                text,
+                lambda: routed(
+                    args["latent"],
+                    args["ids"],
+                    args["weights"],
+                    norm,
+                    experts=experts,
+                    tokens=total,
+                    out=args["out"],
+                ),
+            )
+            if time.monotonic() - start > 1.0:
+                failures.append(f"{label}: took {time.monotonic() - start:.1f} s")
+        if bad:
+            expect_raises(
+                failures,
+                "reject_step in pieces",
+                KeyError,
+                None,
+                lambda: routed.reject_step(KeyError("caller"), tokens=total),
+            )
+        else:
+            expect_raises(
+                failures,
+                "a peer's reject_step in pieces",
+                EpPeerError,
+                "called reject_step",
+                lambda: routed(latent, ids, weights, norm, experts=experts, tokens=total),
+            )
+        again = routed(latent, ids, weights, norm, experts=experts, tokens=total)
+        if not torch.equal(bits(again), bits(want)):
+            failures.append("the call after the refusals: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pieces_keep_tags_apart_and_count_every_piece(dep, layer):
+    """In a step run in pieces, tag 0 on one rank and no tag on the others raise EpDesyncError on
+    every rank (before: their pieces' tags were equal and the step returned rows of mixed
+    layers), as do tags t and t + 2^62 (2^62 apart: the old hash also paired t and t + 2^63,
+    which are not both valid tags); expert_counts() after the step is the sum over its pieces,
+    equal to one step of T on a larger EpRouted (before: the last piece's)."""
+    seed = agreed_seed(dep.cpu_group, 665)
+    total, r = 10, dep.rank
+    case = make_case(TINY, dep.size, total, seed, "random")
+    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
+    experts = Batches(dep, layer, seed, total).experts
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep, 16, count_experts=True) as large:
+        large(latent, ids, weights, norm, experts=experts, tokens=total)
+        want = large.expert_counts().clone()
+    with build(dep, 4, count_experts=True) as small:
+        for label, mine, theirs in (("0 / none", 0, None), ("t / t + 2^62", 5, 5 + 2**62)):
+            tag = mine if r == 0 else theirs
+            expect_raises(
+                failures,
+                f"tags {label}",
+                EpDesyncError,
+                "out of step",
+                lambda: small(latent, ids, weights, norm, experts=experts, tokens=total, tag=tag),
+            )
+        small(latent, ids, weights, norm, experts=experts, tokens=total)
+        got = small.expert_counts()
+        if not torch.equal(got, want):
+            failures.append(f"counts over the pieces {got.tolist()} != one step's {want.tolist()}")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
+    """routed_op with tokens=0 or tokens=6.0 on one rank: that rank raises (ValueError,
+    TypeError), the others EpPeerError, in the same call; an unknown handle is a ValueError on
+    its rank before any exchange; the next call is good."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 670), 6)
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep) as routed:
+        handle = register_routed(routed, batches.experts)
+        latent, ids, weights = batches.inputs(0)
+        want = routed(latent, ids, weights, norm, experts=batches.experts)
+        bad = dep.rank == 0
+        for tokens, error, match in ((0, ValueError, "tokens=0"), (6.0, TypeError, "tokens")):
+            expected, text = (error, match) if bad else (EpPeerError, "rank 0")
+            expect_raises(
+                failures,
+                f"tokens={tokens!r}",
+                expected,
+                text,
+                lambda: routed_op(latent, ids, weights, norm, handle, tokens=tokens if bad else 6),
+            )
+        expect_raises(
+            failures,
+            "unknown handle",
+            ValueError,
+            "not registered",
+            lambda: routed_op(latent, ids, weights, norm, 10**9),
+        )
+        got = routed_op(latent, ids, weights, norm, handle)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the call after the refusals: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_warmup_is_local_and_counts_accumulate(dep, layer):
     """warmup(T, experts) on rank 0 alone returns (no collective), and a bad T is a ValueError;
     expert_counts(out=, accumulate=True) over three steps is the sum of their counts, and without
@@ -267,6 +410,17 @@ def test_situ_check_and_integration_helpers(dep, layer):
     second = common.shared_routed(dep.cpu_group, "cpu", **kw)
     if first is not second:
         failures.append("shared_routed built a second EpRouted for the same geometry")
+    if common.shared_routed(dep.cpu_group, "cpu:0", **kw) is not first:
+        failures.append('shared_routed("cpu:0") is not the EpRouted of "cpu"')
+    expect_raises(
+        failures,
+        "shared_routed with another config",
+        ValueError,
+        "built with",
+        lambda: common.shared_routed(
+            dep.cpu_group, "cpu", **kw, config=EpConfig(timeout_s=first.config.timeout_s + 1)
+        ),
+    )
     common.poll_all()
     common.close_shared()
     if not first.closed:
