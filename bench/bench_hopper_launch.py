@@ -1,5 +1,5 @@
 """Launch shapes of HopperExperts' own kernels around humming's GEMMs, at K3 geometry on rank 0's
-receive rows: the grouping (experts/grouping_kernel.py: slots a chunk, warps), the finalize
+receive rows: the grouping (experts/hopper/grouping_kernel.py: slots a chunk, warps), the finalize
 (output columns a program, warps) and SiTU -> MXFP8 (pairs a step, programs per SM, columns,
 warps); the measurement behind BLOCK_S / NUM_WARPS, HopperTiles.finalize_* and SITU_*.
 

@@ -3,9 +3,9 @@ tables and plots, written by `Page`.
 
 The header says what the page is for, the exact command that produced it (launcher, module,
 arguments), the hardware and software versions it ran on, and the date; the pages are generated,
-so a changed page comes from rerunning that command. Plots need matplotlib, which the CPU test
-environment does not install: without it the page says its plot is missing (its numbers are all
-in its tables).
+so a changed page comes from rerunning that command. Plots need matplotlib (in the test extra,
+not a dependency of the library): without it the page says its plot is missing (its numbers
+are all in its tables).
 """
 
 from __future__ import annotations

@@ -7,13 +7,10 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
+from dep_ep.checks import check_int
 from dep_ep.constants import MAX_EXPERTS, SCALE_BLOCK
 
 TENSORS = ("w13", "s13", "w2", "s2")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,10 +62,8 @@ class ExpertWeights:
                     f"{fn}: {name} shape {tuple(t.shape)}; expected 3-D [E_local, rows, K/2 or"
                     " K/32]"
                 )
-        for name in ("first_expert", "num_experts"):
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise TypeError(f"{fn}: {name}={value!r}; expected an int")
+        for name in ("first_expert", "num_experts"):  # integers of any kind, kept as int
+            object.__setattr__(self, name, check_int(fn, name, getattr(self, name)))
         num_local, two_inter, half_latent = self.w13.shape
         latent, inter = 2 * half_latent, two_inter // 2
         if num_local < 1:

@@ -88,7 +88,7 @@ def test_page_has_its_header_a_table_and_says_when_its_plot_is_missing(tmp_path,
 
 
 def test_plot_is_drawn_beside_the_page_and_shown_on_it(tmp_path):
-    pytest.importorskip("matplotlib")
+    # matplotlib is in the test extra: here the plot must be drawn, not skipped
     page = report.Page(tmp_path / "bench_x1.md", "A benchmark", "For.", torchrun(1, "bench.x"))
     floor = report.Series("floor", [1, 16], [1.0, 2.0], "--", color_of_previous=True)
     series = [report.Series("ours", [1, 16], [2.5, 3.0]), floor]

@@ -127,3 +127,20 @@ def test_the_checks_see_what_they_check():
     assert opening_paragraph("# T\n\nWhat it is for.\n\n## A\n") == "What it is for."
     assert opening_paragraph("# T\n\n## A\nText.\n") == ""
     assert opening_paragraph("# T\n\n| a |\n|---|\n") == ""
+
+
+# The library's and the tests' source names pages of docs/ in docstrings and comments (bench/
+# also names the pages it writes, which need not exist yet: not checked).
+SOURCE_FOLDERS = ("dep_ep", "launch", "comm", "experts", "ep", "integrations", "testing", "tests")
+DOC_PATH = re.compile(r"\bdocs/[A-Za-z0-9_/.-]*\.(?:md|png)\b")
+
+
+def test_source_names_only_docs_that_exist():
+    missing = []
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().split("\n"), 1):
+                for name in DOC_PATH.findall(line):
+                    if not (ROOT / name).exists():
+                        missing.append(f"{relative(path)}:{number}: {name}")
+    assert not missing, "\n".join(missing)

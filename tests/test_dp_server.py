@@ -80,7 +80,7 @@ def test_continuous_batching_serves_every_token_within_the_budget():
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_serving_loop_on_cpu_ranks(ranks, tmp_path):
-    metrics = tmp_path / "metrics.json"
+    metrics, png = tmp_path / "metrics.json", tmp_path / "dp_server.png"
     seed = int(torch.randint(0, 2**31, ()))
     cmd = [
         launcher("torchrun"),
@@ -97,6 +97,8 @@ def test_serving_loop_on_cpu_ranks(ranks, tmp_path):
         "6",
         "--metrics",
         str(metrics),
+        "--plot",
+        str(png),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -121,4 +123,5 @@ def test_serving_loop_on_cpu_ranks(ranks, tmp_path):
     )  # every prompt token once, every generated token but each request's last fed back
     assert results["generated_tokens_per_s"] > 0 and results["ttft"]["p50_ms"] is not None
     assert "dp_server [" in proc.stderr  # the progress bar
+    assert png.stat().st_size > 10_000  # the plot (matplotlib is in the test extra)
     assert re.search(r"checks: \d+, worst relative L2 error .* ok$", proc.stdout, re.M), log

@@ -246,9 +246,9 @@ def test_grouping_kernel_refuses_bad_arguments():
 
 
 def test_tuning_pairs_is_the_nearest_power_of_two_of_the_expected_pairs():
-    """The pair counts of the measured table (docs/bench_humming_tuning.md): rank 0's receive
-    rows on a DEP16 shard (56 of 896 experts, K = 16) at T = 1, 32, 64, 128, 256 hold about 13,
-    548, 1034, 2033, 4112 pairs; humming's kernels are chosen for 16, 512, 1024, 2048, 4096."""
+    """The pair counts of the measured table (docs/results/bench_humming_tuning.md): rank 0's
+    receive rows on a DEP16 shard (56 of 896 experts, K = 16) at T = 1, 32, 64, 128, 256 hold about
+    13, 548, 1034, 2033, 4112 pairs; humming's kernels are chosen for 16, 512, 1024, 2048, 4096."""
     for rows, want in ((9, 16), (339, 512), (666, 1024), (1317, 2048), (2637, 4096)):
         assert tuning_pairs(rows, 16, 56, 896) == want, rows
     assert tuning_pairs(512, 16, 448, 896) == 4096  # DEP2 shard, T = 256: 4105 pairs

@@ -34,7 +34,7 @@ def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) 
     Nearest rather than the next power of two up: on an H200 at K3's shapes the kernel chosen for
     the nearest one was the fastest of humming's tunings for 16..65536 pairs, or within 10%, for
     FC1 and FC2 at T = 1..256 on a DEP16 shard and at T = 16, 256 on a DEP2 shard; the next one
-    up took 1.3x at T = 64 (docs/bench_humming_tuning.md)."""
+    up took 1.3x at T = 64 (docs/results/bench_humming_tuning.md)."""
     pairs = float(pair_capacity(rows, topk))
     if num_experts is not None:
         share = num_local / num_experts

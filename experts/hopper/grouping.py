@@ -81,7 +81,7 @@ class TileRoutes:
 
 # "triton": experts/hopper/grouping_kernel.py in one launch; "torch": group_pairs and tile_routes
 # (~30 launches), the same tensors. On an H200 at K3's DEP16 shard the kernel takes 5-74 us where
-# torch takes 119-209 us (T = 1..256, tiles of 16; docs/bench_experts.md).
+# torch takes 119-209 us (T = 1..256, tiles of 16; docs/results/bench_experts.md).
 GROUPINGS = ("torch", "triton")
 
 
@@ -126,7 +126,7 @@ def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: i
     (module docstring). Runs on ids' device; no host synchronisation. On an H200, with
     tile_routes, it takes 133 us in graph replay for the 1.4k slots of T=8 on a DEP16 shard and
     209 us for the 42.7k of T=256, most of it the launches of its ~30 small kernels
-    (docs/bench_experts.md)."""
+    (docs/results/bench_experts.md)."""
     check_grouping_args("group_pairs", ids, first_expert, num_local, block_n)
     rows, topk = ids.shape
     device = ids.device

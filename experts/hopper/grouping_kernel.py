@@ -1,8 +1,8 @@
 """The grouping of experts/hopper/grouping.py and its tile routes in one or two Triton launches.
 
 `group_pairs` (torch) runs ~30 small kernels: 119-209 us in graph replay on an H200 for the slots
-of T = 1..256 on a DEP16 shard (docs/bench_experts.md). These kernels produce the same tensors,
-bitwise (the tests compare them). The R * K slots are cut into chunks of BLOCK_S:
+of T = 1..256 on a DEP16 shard (docs/results/bench_experts.md). These kernels produce the same
+tensors, bitwise (the tests compare them). The R * K slots are cut into chunks of BLOCK_S:
 
   chunk_histogram_kernel  (only when there are two chunks or more) one program per chunk: the
                           chunk's pairs per local expert, a row of int32 [chunks, BINS];
@@ -19,7 +19,7 @@ With one chunk the second kernel counts that chunk itself: one launch. Nothing i
 the programs of a launch: no atomics, no ordering between them; each program reads one chunk of
 ids (the histogram kernel reads every chunk once more). On an H200 at K3's DEP16 shard the pair
 takes 9.2 us at T = 64 and 36 us at T = 256 where one launch whose every program read all the
-slots twice took 20.9 and 73 (docs/bench_experts.md, "Versions").
+slots twice took 20.9 and 73 (docs/results/bench_experts.md, "Versions").
 
 The same launch can cut the pairs into tiles of two sizes (`group_and_route_tilings`: humming's
 FC1 and FC2 kernels may tile differently); the pair lists are written once. The histograms count
@@ -47,7 +47,7 @@ from dep_ep.experts.hopper.grouping import (
 # 4 warps took 5.6 / 7.0 / 9.3 / 17.5 / 36.0 us at T = 8 / 32 / 64 / 128 / 256 where 2048 over 8
 # took 4.8 / 9.7 / 13.0 / 18.6 / 43.6, and 9.7 / 35.0 us at T = 16 / 256 on a DEP2 shard (448
 # local) against 17.6 / 46.7; the fastest or within 25% of the fastest of five shapes (512..4096
-# slots over 4 or 8 warps) at every T (graph replay; docs/bench_hopper_launch.md).
+# slots over 4 or 8 warps) at every T (graph replay; docs/results/bench_hopper_launch.md).
 BLOCK_S = 1024
 NUM_WARPS = 4
 BLOCK_T = 64  # tiles a program writes per step

@@ -34,7 +34,7 @@ ROUTE_BYTES_PER_SLOT = 32
 # (4 warps each). 8 pairs x 256 columns at 16 programs an SM took 9.2 us at T=64 on a DEP16 shard
 # where 16 x 256 at 4 took 12.8 (4.4 / 7.2 / 33.3 against 6.0 / 7.5 / 38.6 at T = 8 / 32 / 256);
 # the fastest or within 12% of the fastest of eight shapes at every T measured (H200,
-# docs/bench_hopper_launch.md).
+# docs/results/bench_hopper_launch.md).
 SITU_ROWS, SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM = 8, 256, 16
 # widen_scales_kernel: scale bytes per program.
 WIDEN_BLOCK = 1024

@@ -31,7 +31,7 @@ LOCK_WORDS = 1 << 16
 # and 1024 pairs ([16, 128, 256] and [24 or 32, 256, 128] blocks at K3's shapes). Speed is the
 # same within the run-to-run spread: on an H200 on a DEP16 shard FC1 took 182 / 209, 191 / 202 and
 # 198 / 209 us at T = 32 / 64 without stream-K in three runs, against 190 / 208, 194 / 210 and
-# 190 / 207 with it; FC2 within 3% (the last run: docs/bench_humming_tuning.md, "Variants").
+# 190 / 207 with it; FC2 within 3% (the last run: docs/results/bench_humming_tuning.md, "Variants").
 # Without stream-K each output element is written once: no BF16 partial outputs added.
 TUNING_UPDATES = {512: {"use_stream_k": False}, 1024: {"use_stream_k": False}}
 

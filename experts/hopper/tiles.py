@@ -35,7 +35,7 @@ class HopperTiles:
     fc2_block_k: int = 128
     # 512 columns over 2 warps (16-byte loads): 4.8 us at T=64 on a DEP16 shard where 256 over 4
     # took 16.7; the fastest or within 20% of the fastest of six shapes (128..512 columns over 1, 2
-    # or 4 warps) at every T measured (H200, docs/bench_hopper_launch.md).
+    # or 4 warps) at every T measured (H200, docs/results/bench_hopper_launch.md).
     finalize_block_l: int = 512
     finalize_warps: int = 2
     num_warps: int = 4
