@@ -32,6 +32,7 @@ NO_TAG = -(1 << 63)  # the tag word of a call that gave none
 # EpMoeLayer's own tags (a call given no tag=): LAYER_TAG_BASE + (step << LAYER_INDEX_BITS) +
 # layer index, negative and apart from NO_TAG; error messages show them as "layer i call s".
 LAYER_INDEX_BITS = 16
+MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1  # the largest EpMoeLayer.layer_index
 LAYER_TAG_BASE = -(1 << 62)
 # Device state of one rank (int64 words, device memory, not symmetric).
 STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c

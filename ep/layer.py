@@ -11,7 +11,7 @@ import torch
 
 from dep_ep.checks import check_eps, check_int, check_real
 from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
-from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, VECTOR_BYTES
+from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, MAX_LAYER_INDEX, VECTOR_BYTES
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
@@ -31,7 +31,6 @@ from dep_ep.experts.situ import situ
 from dep_ep.experts.weights import ExpertWeights
 
 SCHEDULES = ("overlap", "serial")
-MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1
 
 
 def layer_tag(index: int, step: int) -> int:
@@ -92,7 +91,8 @@ class EpMoeLayer:
       stream, in the formula's order). Both run the same GEMMs on the same data, so their results
       are the same bits; on CPU both run the serial order.
     layer_index: the layer's number in the model (0..65535), which its calls' tags carry; None:
-      the first number no other live layer of `routed` holds (construction order). Ranks must
+      the next number in `routed`'s construction order that no live layer holds (a dropped
+      layer's number is not reused). Ranks must
       give a layer the same index: build the layers in the same order, or pass the model's.
 
     Tags: a call given no tag= carries (layer_index, the layer's call count) as its tag, so a

@@ -39,7 +39,7 @@ from dep_ep.comm.transport import (
     open_transport,
 )
 from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
-from dep_ep.constants import NO_TAG, SCALE_BLOCK, VECTOR_BYTES
+from dep_ep.constants import MAX_LAYER_INDEX, NO_TAG, SCALE_BLOCK, VECTOR_BYTES
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
 
@@ -243,6 +243,7 @@ class EpRouted:
             self._counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, **on)
         self._layers: weakref.WeakSet = weakref.WeakSet()  # EpMoeLayers tagging their calls
         self._layer_indices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._next_layer_index = 0  # the default layer index of the next EpMoeLayer
 
     @staticmethod
     def _check_construction(fn, num_ranks, max_tokens, num_experts, latent, topk, config):
@@ -301,13 +302,21 @@ class EpRouted:
 
     def register_layer(self, layer: object, index: int | None = None) -> int:
         """Record an EpMoeLayer that tags its calls: returns its layer index, `index` or, for
-        None, the first index no live layer of this EpRouted holds (construction order). Local:
-        ranks that build their layers in the same order get the same indices, and a call of
-        another layer's index on another rank raises EpDesyncError on every rank."""
+        None, the next index in this EpRouted's construction order that no live layer holds (a
+        dropped layer's index is not given again, so the indices do not depend on when the
+        garbage collector frees layers). Local: ranks that build their layers in the same order
+        get the same indices, and a call of another layer's index on another rank raises
+        EpDesyncError on every rank."""
         if index is None:
-            index = 0
+            index = self._next_layer_index
             while index in self._layer_indices:
                 index += 1
+            if index > MAX_LAYER_INDEX:
+                raise ValueError(
+                    f"EpMoeLayer: this EpRouted has numbered {index} layers, past"
+                    f" {MAX_LAYER_INDEX}; pass layer_index= (the model's layer number)"
+                )
+            self._next_layer_index = index + 1
         elif index in self._layer_indices:
             raise ValueError(f"EpMoeLayer: layer_index={index} is taken by another layer")
         self._layer_indices[index] = layer

@@ -36,6 +36,7 @@ quadrature).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from dataclasses import dataclass
 
@@ -358,6 +359,26 @@ def test_unnormed_combine_bitwise(dep, rank):
         differ = int((summed.view(torch.int16) != want.view(torch.int16)).sum())
         failures.append(f"un-normed combine differs from the rank-ordered sum in {differ} elements")
     collective_assert(dep.cpu_group, failures, seeds={"experts": rank.seed, "case": seed})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_default_layer_indices_do_not_depend_on_the_garbage_collector(dep, rank):
+    """A layer dropped and freed on rank 0 but still alive on the others (a reference cycle the
+    collector has not reached there): the next layer gets the same default index on every rank,
+    and a call of it works. Before: rank 0 reused the freed layer's index, and its calls raised
+    EpDesyncError on every rank (found by the vLLM integration's tests)."""
+    dense = make_dense(TINY, agreed_seed(dep.cpu_group, 7))
+    dropped = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
+    kept = dropped if dep.rank != 0 else None
+    del dropped
+    gc.collect()
+    layer = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
+    indices = [None] * dep.size
+    torch.distributed.all_gather_object(indices, layer.layer_index, group=dep.cpu_group)
+    failures = [] if len(set(indices)) == 1 else [f"default indices differ: {indices}"]
+    failures += good_call(rank, layer, dense, agreed_seed(dep.cpu_group, 8), "the new layer")
+    del kept
+    collective_assert(dep.cpu_group, failures, seeds=None)
 
 
 @pytest.mark.mpi(min_size=2)
