@@ -552,13 +552,15 @@ class VllmStandin:
     the EP group is `group` (the test's gloo group), the model module is this module, and
     register_model records its calls."""
 
-    group: Any
+    group: Any = None  # None: no EP group (single-process tests)
     version_string: str = VERSION
     registered: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         import torch.distributed as dist
 
+        if self.group is None:
+            return
         coordinator = GroupCoordinator(
             self.group, dist.get_world_size(self.group), dist.get_rank(self.group)
         )
