@@ -17,7 +17,6 @@ BF16^2, and the bound is SAFETY (2) times e (test_layer_mpi.py derives the same 
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import pytest
@@ -115,10 +114,6 @@ def standin(dep):
         yield seam
     common.close_shared()
     seam.close()
-    # The models hold reference cycles: collect them now on every rank, so the garbage collector
-    # runs at the same points on every rank in the tests after these (EpMoeLayer's default
-    # layer indices count the layers still alive).
-    gc.collect()
 
 
 def draw(seed: int, rows: int):
