@@ -207,6 +207,11 @@ def refusal(request: Request, max_prompt: int) -> str | None:
     return None
 
 
+def refusal_line(rank: int, rid: int, why: str) -> str:
+    """The message a refused request prints."""
+    return f"dp_server: rank {rank} refused request {rid}: {why}"
+
+
 @dataclass
 class Batch:
     """One step of one rank: tokens int64 [n] and, per row, the request whose token it emits
@@ -244,7 +249,10 @@ class Scheduler:
                 self.admitted.append(request)
                 continue
             self.refused.append((request, why))
-            print(f"dp_server: rank {self.rank} refused request {request.rid}: {why}", flush=True)
+            # One write of the whole line: the ranks share stdout, and a print's text and its
+            # newline may reach it apart, between another rank's.
+            sys.stdout.write(f"{refusal_line(self.rank, request.rid, why)}\n")
+            sys.stdout.flush()
 
     def plan(self) -> Batch:
         budget = self.args.step_tokens
@@ -539,6 +547,7 @@ def summarize(args, ctx, geometry, backend: str, tolerance: float, ranks: list[d
         "requests": sum(r["requests"] for r in ranks),
         "finished": sum(r["finished"] for r in ranks),
         "refused": sum(len(r["refused"]) for r in ranks),
+        "refusals": [[r["rank"], rid, why] for r in ranks for rid, why in r["refused"]],
         "lost": lost,
         "wrong_length": sum(len(r["wrong_length"]) for r in ranks),
         "prompt_tokens": prompt,
