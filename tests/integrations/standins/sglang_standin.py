@@ -207,7 +207,9 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
         self.hidden_size = hidden_size
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.bfloat16))
+        # requires_grad off: SGLang runs its forward without autograd.
+        weight = torch.ones(hidden_size, dtype=torch.bfloat16)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.variance_epsilon = eps
         self.calls = 0  # how often the norm ran: the tests check it runs once a step
 
