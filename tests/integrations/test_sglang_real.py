@@ -92,9 +92,22 @@ _FILES = {
     "ExpertDistributionRecorder": EPLB,
     "Scheduler": SCHEDULER,
 }
+_MODULE_FILES = {
+    "sglang.srt.layers.dp_attention": DP,
+    "sglang.srt.model_executor.forward_context": CONTEXT,
+    "sglang.srt.layers.moe.utils": UTILS,
+    "sglang.srt.eplb.expert_distribution": EPLB,
+    "sglang.srt.runtime_context": RUNTIME,
+}
 SIGNATURES = [(_FILES[q.split(".")[0]], q, s) for q, s in _standin_signatures()]
 SIGNATURES += [
-    (DP, "get_dp_global_num_tokens", "()"),
+    (_MODULE_FILES[module], name, signature)
+    for module, functions in ss.FUNCTION_SIGNATURES.items()
+    for name, signature in functions.items()
+]
+SIGNATURES += [
+    (FLASHINFER, "_scattered_source_token_counts", ss.scattered_source_token_counts.SIGNATURE),
+    (FLASHINFER, "_max_tokens_per_scattered_source", "(dp_global_num_tokens, attn_tp_size)"),
     (
         DP,
         "set_dp_buffer_len",
@@ -103,12 +116,6 @@ SIGNATURES += [
             " global_num_tokens_gpu=None)"
         ),
     ),
-    (CONTEXT, "has_forward_context", "()"),
-    (CONTEXT, "get_forward_context", "()"),
-    (EPLB, "get_global_expert_distribution_recorder", "()"),
-    (UTILS, "get_moe_a2a_backend", "()"),
-    (FLASHINFER, "_max_tokens_per_scattered_source", "(dp_global_num_tokens, attn_tp_size)"),
-    (FLASHINFER, "_scattered_source_token_counts", "(dp_global_num_tokens, attn_tp_size)"),
 ]
 
 

@@ -556,6 +556,21 @@ class Scheduler:
         return None
 
 
+# ------------------------------------------------------------ module-level functions
+# The SGLang functions SglangStandin's modules answer with its own state (closures, so they have
+# no definitions of their own here), by module: the real ones' parameters.
+FUNCTION_SIGNATURES = {
+    "sglang.srt.layers.dp_attention": {"get_dp_global_num_tokens": "()"},
+    "sglang.srt.model_executor.forward_context": {
+        "has_forward_context": "()",
+        "get_forward_context": "()",
+    },
+    "sglang.srt.layers.moe.utils": {"get_moe_a2a_backend": "()"},
+    "sglang.srt.eplb.expert_distribution": {"get_global_expert_distribution_recorder": "()"},
+    "sglang.srt.runtime_context": {"get_parallel": "()", "get_exec": "()"},
+}
+
+
 # ------------------------------------------------------------ one process
 class SglangStandin:
     """One SGLang process's state and stand-in modules, keyed by the real module names.
@@ -657,14 +672,17 @@ class SglangStandin:
             self.dp_global_num_tokens, self.forward = None, None
 
 
-def scattered_source_token_counts(dp_global_num_tokens: list[int], attn_tp_size: int):
-    """flashinfer.py's _scattered_source_token_counts: each DP rank's tokens split over its
-    attention-TP ranks, the first `remainder` ranks taking one more."""
+def scattered_source_token_counts(dp_global_num_tokens, attn_tp_size):
+    """token_dispatcher/flashinfer.py's _scattered_source_token_counts: each DP rank's tokens
+    split over its attention-TP ranks, the first `remainder` ranks taking one more."""
     counts = []
     for num_tokens in dp_global_num_tokens:
         base, remainder = divmod(num_tokens, attn_tp_size)
         counts.extend(base + int(rank < remainder) for rank in range(attn_tp_size))
     return counts
+
+
+scattered_source_token_counts.SIGNATURE = "(dp_global_num_tokens, attn_tp_size)"
 
 
 def k3_config(geometry, *, routed_scaling_factor: float = 1.0, situ=(4.0, 25.0)):
