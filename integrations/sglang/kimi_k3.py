@@ -17,8 +17,6 @@ Engine objects come from `engine()` (engine.py); this module imports no SGLang.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from dep_ep.experts.base import ExpertsBackend
@@ -38,8 +36,6 @@ COUNTS = "_dep_ep_counts"  # int32 [E_local]: the last step's received pairs, fo
 # gate_up_interleaved=False), w13_weight_scale uint8 [E_local, 2I, L/32] (E8M0),
 # w2_weight uint8 [E_local, L, I/2], w2_weight_scale uint8 [E_local, L, I/32].
 CHECKPOINT_PARAMETERS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
-
-_PIECES_WARNED = False
 
 
 def mark_k3_experts(result: None, moe: torch.nn.Module, *args, **kwargs) -> None:
@@ -170,28 +166,11 @@ def forward_mega_experts(
         raise error  # not reached
     y = routed.routed(routed_input, ids, weights, None, experts=experts, tokens=tokens, tag=tag)
     if routed.config.count_experts:
-        _record_expert_load(eng, routed, layer, tokens)
+        # This step's received pairs per local expert (summed over its pieces) to the recorder.
+        counts = getattr(layer, COUNTS)
+        eng.record_expert_load(routed.expert_counts(out=counts))
     if not layer.should_fuse_routed_scaling_factor_in_topk:
         factor = moe.routed_scaling_factor
         if factor is not None and factor != 1.0:
             y.mul_(factor)
     return y
-
-
-def _record_expert_load(eng, routed, layer: torch.nn.Module, tokens: int) -> None:
-    """This step's received pairs per local expert to SGLang's recorder. A step that ran in
-    pieces (T above max_tokens) has counts for its last piece only, so it adds none and warns
-    once (counting every piece of one routed call is a library change, not made here)."""
-    global _PIECES_WARNED
-    if tokens > routed.max_tokens:
-        if not _PIECES_WARNED:
-            _PIECES_WARNED = True
-            warnings.warn(
-                f"dep_ep: a step of T={tokens} ran in pieces of at most {routed.max_tokens}"
-                " tokens: its expert load is not recorded (only single-piece steps are)",
-                stacklevel=3,
-            )
-        return
-    counts = getattr(layer, COUNTS)
-    routed.expert_counts(out=counts)
-    eng.record_expert_load(counts)
