@@ -1,0 +1,161 @@
+"""dep_ep.integrations.sglang in one process, against the SGLang 0.5.23 stand-ins
+(standins/sglang_standin.py): register() is a no-op without DEP_EP_SGLANG=1, refuses another
+SGLang version naming the one it was written against, and registers its hooks with the
+registry's hook types; the per-step poll; the step's T and padding rules; and the stand-ins
+themselves read as the SIGNATUREs they carry (which test_sglang_real.py compares with the
+installed SGLang's source)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from standins import sglang_standin as ss
+
+from dep_ep.integrations import common
+from dep_ep.integrations.sglang import engine as sglang_engine
+from dep_ep.integrations.sglang import plugin
+from dep_ep.integrations.sglang.steps import mask_padding, step_tokens
+
+from helpers.source_signatures import signature_of
+
+EXPECTED_HOOKS = {
+    "sglang.srt.models.kimi_k3.KimiK3MoE.__init__": ss.HookType.AFTER,
+    "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod.process_weights_after_loading": (
+        ss.HookType.AROUND
+    ),
+    "sglang.srt.models.kimi_k3.KimiK3MoE._forward_mega_experts": ss.HookType.REPLACE,
+    "sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher": ss.HookType.AROUND,
+    "sglang.srt.managers.scheduler.Scheduler.process_batch_result": ss.HookType.AFTER,
+}
+
+
+@pytest.fixture
+def standin():
+    """A one-rank SGLang stand-in behind the integration's seam (restored afterwards)."""
+    sglang = ss.SglangStandin(None)
+    previous = sglang_engine.use_engine(ss.StandinEngine(sglang))
+    yield sglang
+    sglang_engine.use_engine(previous)
+
+
+def registered(sglang) -> dict:
+    return {target: [kind for kind, _ in hooks] for target, hooks in sglang.registry._hooks.items()}
+
+
+def test_register_is_a_no_op_without_the_flag(standin, monkeypatch):
+    monkeypatch.delenv("DEP_EP_SGLANG", raising=False)
+    plugin.register()
+    monkeypatch.setenv("DEP_EP_SGLANG", "0")
+    plugin.register()
+    assert registered(standin) == {}
+
+
+def test_register_refuses_another_version(standin, monkeypatch):
+    monkeypatch.setenv("DEP_EP_SGLANG", "1")
+    standin.version = "0.5.24"
+    with pytest.raises(
+        ImportError, match=r"sglang 0\.5\.24 is installed.*written against sglang 0\.5\.23"
+    ):
+        plugin.register()
+    assert registered(standin) == {}
+
+
+def test_register_registers_every_hook(standin, monkeypatch):
+    monkeypatch.setenv("DEP_EP_SGLANG", "1")
+    plugin.register()
+    want = {target: [kind] for target, kind in EXPECTED_HOOKS.items()}
+    assert registered(standin) == want
+
+
+def test_poll_after_each_step(standin, monkeypatch):
+    """The AFTER hook on Scheduler.process_batch_result polls every shared EpRouted once per
+    call and leaves the result alone."""
+    calls = []
+    monkeypatch.setattr(common, "poll_all", lambda: calls.append(1))
+    monkeypatch.setenv("DEP_EP_SGLANG", "1")
+    plugin.register()
+    standin.registry.apply_hooks()
+    scheduler = standin.Scheduler()
+    assert scheduler.process_batch_result("batch", "result") is None
+    scheduler.process_batch_result("batch", "result")
+    assert len(calls) == 2
+    assert ss.Scheduler().process_batch_result("batch", "result") is None  # base untouched
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize(
+    "counts, attn_tp, rows, want",
+    [
+        ([7, 3, 0, 5], 1, 3, 7),  # DP: the largest count
+        ([7, 3], 2, 2, 4),  # DP x attention TP: ceil(7 / 2)
+        ([0, 0], 1, 0, 1),  # every rank idle: one step of padding
+        ([9], 4, 3, 3),  # one DP entry (SP attention): the rank's rows
+        (None, 1, 5, 5),  # no DP list
+        (None, 1, 0, 1),
+    ],
+)
+def test_step_tokens(counts, attn_tp, rows, want):
+    assert step_tokens(counts, attn_tp, rows) == want
+
+
+def test_step_tokens_refuses_a_negative_count():
+    with pytest.raises(ValueError, match="negative"):
+        step_tokens([3, -1], 1, 3)
+
+
+def test_padding_rows_from_the_bound(standin):
+    """Rows at or past the forward's real-row bound get -1 ids; no bound or no rows: as given."""
+    engine = sglang_engine.engine()
+    ids = torch.arange(12, dtype=torch.int32).view(4, 3)
+    assert mask_padding(engine, ids) is ids
+    with standin.step([4], torch.tensor([2], dtype=torch.int32)):
+        masked = mask_padding(engine, ids)
+        empty = mask_padding(engine, ids[:0])
+    assert masked[:2].tolist() == ids[:2].tolist()
+    assert masked[2:].tolist() == [[-1] * 3] * 2
+    assert empty.shape == (0, 3)
+
+
+@pytest.mark.parametrize("installed, want", [("0.1.12", "0.1.12"), ("0.1.19", None), (None, None)])
+def test_humming_other_than_the_pinned_release(monkeypatch, installed, want):
+    """SGLang 0.5.23 brings humming-kernels 0.1.12; dep_ep's gpu extra pins 0.1.19: another
+    release than the pin is named (so HopperExperts takes the triton engine), the pin or none
+    is not."""
+    metadata = sglang_engine.importlib.metadata
+
+    def version(name):
+        if installed is None:
+            raise metadata.PackageNotFoundError(name)
+        return installed if name == "humming-kernels" else metadata.version(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(
+        metadata, "requires", lambda name: ['humming-kernels==0.1.19; extra == "gpu"']
+    )
+    assert sglang_engine.humming_mismatch() == want
+
+
+def standin_signatures():
+    """(qualname, SIGNATURE) of every stand-in that carries one."""
+    for name in dir(ss):
+        obj = getattr(ss, name)
+        if callable(obj) and isinstance(getattr(obj, "SIGNATURE", None), str):
+            yield name, obj.SIGNATURE
+        for method, signature in getattr(obj, "__dict__", {}).get("SIGNATURES", {}).items():
+            yield f"{name}.{method}", signature
+
+
+def test_standins_read_as_their_signatures():
+    """Each stand-in's own definition has the parameters of the real one it mirrors, so the
+    drift test's comparison of SIGNATURE with SGLang's source covers the stand-in too."""
+    path = Path(ss.__file__)
+    found = dict(standin_signatures())
+    assert len(found) >= 15, sorted(found)
+    wrong = {
+        name: (signature, signature_of(path, name))
+        for name, signature in found.items()
+        if signature_of(path, name) != signature
+    }
+    assert not wrong, wrong
