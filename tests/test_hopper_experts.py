@@ -25,6 +25,7 @@ from dep_ep.experts.hopper import (
     HummingEngine,
     TritonEngine,
     default_engine,
+    humming_engine,
     tuning_pairs,
 )
 from dep_ep.experts.hopper.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
@@ -640,11 +641,24 @@ def test_default_backend_on_cpu_is_the_reference():
 
 def test_default_engine_needs_humming_and_its_sizes():
     humming = importlib.util.find_spec("humming") is not None
-    want = HummingEngine if humming else TritonEngine
+    want = HummingEngine if humming and humming_engine.humming_installed() else TritonEngine
     assert type(default_engine(K3.latent, K3.intermediate)) is want
     assert type(default_engine(256, 128)) is TritonEngine  # TINY: humming has not run at such sizes
     torch_grouping = HopperTiles(grouping="torch")
     assert default_engine(256, 128, tiles=torch_grouping) == TritonEngine(tiles=torch_grouping)
+
+
+@pytest.mark.parametrize("release", ["0.1.12", "0.1.19", None])
+def test_default_engine_takes_only_the_humming_release_it_wraps(monkeypatch, release):
+    """humming-kernels 0.1.12 (SGLang 0.5.23's) lacks API the humming engine calls: only the
+    wrapped release (0.1.19) gives HummingEngine; another or none gives TritonEngine, and
+    HummingEngine.prepare names the release found."""
+    monkeypatch.setattr(humming_engine, "humming_release", lambda: release)
+    want = HummingEngine if release == humming_engine.HUMMING_RELEASE else TritonEngine
+    assert type(default_engine(K3.latent, K3.intermediate)) is want
+    if release == "0.1.12":
+        with pytest.raises(RuntimeError, match=r"humming-kernels 0\.1\.19 \(found 0\.1\.12\)"):
+            HummingEngine().prepare("t", None, 1)
 
 
 def test_tile_routes_lay_out_blocks():

@@ -34,8 +34,10 @@ HUMMING_DEFAULT_MULTIPLE = 512
 def default_engine(
     latent: int, intermediate: int, *, tiles: HopperTiles | None = None
 ) -> HopperEngine:
-    """HummingEngine() when humming-kernels is importable and L and I are multiples of
-    HUMMING_DEFAULT_MULTIPLE, else TritonEngine(); with `tiles` (default HopperTiles())."""
+    """HummingEngine() when the humming-kernels release it wraps (HUMMING_RELEASE) is installed
+    and L and I are multiples of HUMMING_DEFAULT_MULTIPLE, else TritonEngine() (another humming
+    release is not used: 0.1.12 lacks API the engine calls); with `tiles` (default
+    HopperTiles())."""
     tiles = HopperTiles() if tiles is None else tiles
     fits = all(size % HUMMING_DEFAULT_MULTIPLE == 0 for size in (latent, intermediate))
     return HummingEngine(tiles=tiles) if fits and humming_installed() else TritonEngine(tiles=tiles)

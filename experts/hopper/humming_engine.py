@@ -6,6 +6,7 @@ MXFP8 like the dispatch) -> humming's FC2 -> finalize_kernel (experts/hopper/ker
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -39,10 +40,24 @@ SITU_ROWS, SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM = 8, 256, 16
 # widen_scales_kernel: scale bytes per program.
 WIDEN_BLOCK = 1024
 HUMMING_PIP = "pip install -e '.[gpu]'"
+# The humming-kernels release humming_gemm.py wraps (the `gpu` extra's pin): 0.1.12, which
+# SGLang 0.5.23 pins, lacks transform.prepare_fp16_e8m0_scale.
+HUMMING_RELEASE = "0.1.19"
+
+
+def humming_release() -> str | None:
+    """The installed humming-kernels' version, or None when humming is not importable."""
+    if importlib.util.find_spec("humming") is None:
+        return None
+    try:
+        return importlib.metadata.version("humming-kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def humming_installed() -> bool:
-    return importlib.util.find_spec("humming") is not None
+    """True when the humming-kernels release this engine wraps (HUMMING_RELEASE) is installed."""
+    return humming_release() == HUMMING_RELEASE
 
 
 @dataclass(frozen=True)
@@ -98,7 +113,12 @@ class HummingEngine(HopperEngine):
         RuntimeError without humming-kernels; ValueError naming the experts whose scale bytes
         spread wider than humming keeps exact."""
         if not humming_installed():
-            raise RuntimeError(f"{owner}: HummingEngine needs humming-kernels: {HUMMING_PIP}")
+            found = humming_release()
+            raise RuntimeError(
+                f"{owner}: HummingEngine needs humming-kernels {HUMMING_RELEASE}"
+                + (f" (found {found})" if found else "")
+                + f": {HUMMING_PIP}"
+            )
         for name, scales in (("s13", weights.s13), ("s2", weights.s2)):
             error = scale_spread_error(owner, name, scales)
             if error is not None:

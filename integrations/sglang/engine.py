@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from dep_ep.config import EpConfig
 from dep_ep.experts.base import ExpertsBackend
-from dep_ep.experts.hopper import HopperExperts, TritonEngine
-from dep_ep.experts.select import default_experts, default_experts_class
+from dep_ep.experts.select import default_experts
 from dep_ep.experts.weights import ExpertWeights
 
 # The SGLang releases whose internals the hooks were written against and checked with
@@ -147,12 +146,9 @@ class SglangEngine:
 
     def build_experts(self, weights: ExpertWeights) -> ExpertsBackend:
         """The experts backend of one layer's checkpoint-layout weights: `default_experts`
-        (HopperExperts on SM90, TrtllmExperts on SM100/103, ReferenceExperts elsewhere), except
-        that HopperExperts takes the triton engine when the installed humming-kernels is not the
-        release dep_ep's `gpu` extra pins (`humming_mismatch`): SGLang 0.5.23 pins 0.1.12, which
-        lacks API the humming engine calls, and default_experts takes any humming installed."""
-        if default_experts_class(weights.device) is HopperExperts and humming_mismatch():
-            return HopperExperts(weights, engine=TritonEngine())
+        (HopperExperts on SM90, TrtllmExperts on SM100/103, ReferenceExperts elsewhere).
+        HopperExperts takes the triton engine beside SGLang 0.5.23, whose humming-kernels 0.1.12
+        is not the release the humming engine wraps."""
         return default_experts(weights)
 
     def device(self) -> torch.device:
@@ -161,23 +157,6 @@ class SglangEngine:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-
-
-def humming_mismatch() -> str | None:
-    """The installed humming-kernels' version when it is not the one dep_ep's `gpu` extra pins
-    (read from dep_ep's distribution metadata, where pyproject.toml puts the pin), else None
-    (the pinned release, or none installed)."""
-    try:
-        installed = importlib.metadata.version("humming-kernels")
-        requirements = importlib.metadata.requires("dep-ep") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for requirement in requirements:
-        name, _, rest = requirement.partition("==")
-        if name.strip().replace("_", "-") == "humming-kernels":
-            pinned = rest.split(";")[0].strip()
-            return None if installed == pinned else installed
-    return None
 
 
 _ENGINE: SglangEngine = SglangEngine()

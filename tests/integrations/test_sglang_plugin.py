@@ -118,25 +118,6 @@ def test_padding_rows_from_the_bound(standin):
     assert empty.shape == (0, 3)
 
 
-@pytest.mark.parametrize("installed, want", [("0.1.12", "0.1.12"), ("0.1.19", None), (None, None)])
-def test_humming_other_than_the_pinned_release(monkeypatch, installed, want):
-    """SGLang 0.5.23 brings humming-kernels 0.1.12; dep_ep's gpu extra pins 0.1.19: another
-    release than the pin is named (so HopperExperts takes the triton engine), the pin or none
-    is not."""
-    metadata = sglang_engine.importlib.metadata
-
-    def version(name):
-        if installed is None:
-            raise metadata.PackageNotFoundError(name)
-        return installed if name == "humming-kernels" else metadata.version(name)
-
-    monkeypatch.setattr(metadata, "version", version)
-    monkeypatch.setattr(
-        metadata, "requires", lambda name: ['humming-kernels==0.1.19; extra == "gpu"']
-    )
-    assert sglang_engine.humming_mismatch() == want
-
-
 def standin_signatures():
     """(qualname, SIGNATURE) of every stand-in that carries one."""
     for name in dir(ss):
