@@ -27,9 +27,10 @@ import, JIT build or load, construction.
 Times: ours and the peer's by timing.pair_timed_us (pair: graph replays of --reps back-to-back
 pairs; dispatch, combine: events around each call in a second graph), the NCCL baselines by
 timing.timed_us (graph replays of --reps calls; eager when capture fails, marked); medians over
---samples, the slowest rank's median reported. GB/s per rank: bytes this rank sends to other ranks
-over NVLink / time (mean over ranks). Ranks sharing one GPU are time-sliced: the script refuses
-them.
+--samples, the slowest rank's median reported. GB/s per rank: bytes that cross NVLink for this
+rank / time (mean over ranks): dispatch, the rows it sends to other ranks; combine, the expert
+rows of its tokens that other ranks hold (ours reads them there, the peer's are sent back).
+Ranks sharing one GPU are time-sliced: the script refuses them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench import cli, combine_path, peer_one_sided, report
+from bench import cli, peer_one_sided, report
 from bench.ranks import mean, slowest
 from bench.timing import pair_timed_us, timed_us
 from dep_ep.config import DEFAULT_NORM_EPS
@@ -103,7 +104,7 @@ def peer_line(peer, cpu) -> str:
 def main() -> int:
     page = "bench_dep{N}.md and .png (N: the ranks)"
     timing = (REPS, SAMPLES)
-    p = cli.parser(__doc__, page=page, tokens=TOKENS, routing=ROUTINGS, timing=timing, combine=True)
+    p = cli.parser(__doc__, page=page, tokens=TOKENS, routing=ROUTINGS, timing=timing)
     p.add_argument(
         "--peer",
         choices=("auto", "flashinfer", "none"),
@@ -125,7 +126,6 @@ def main() -> int:
     n, rank = ctx.world_size, ctx.rank
     dep = new_dep_group(ctx, n)
     cpu = dep.cpu_group
-    config = combine_path.config(args)
     torch.cuda.synchronize()
     dist.barrier(cpu)
     start = time.perf_counter()
@@ -136,7 +136,6 @@ def main() -> int:
         num_experts=K3.experts,
         latent=K3.latent,
         topk=K3.topk,
-        config=config,
     )
     construction_s = slowest(time.perf_counter() - start, cpu)
     # The transport alone: a dispatch and its combine, no experts between.
@@ -144,7 +143,6 @@ def main() -> int:
     # validation and the dispatch/combine pairing on purpose.
     transport = routed._transport
     peer, peer_note = make_peer(args, ctx, cpu, n)
-    suffix = combine_path.suffix(args)
     L, K = K3.latent, K3.topk
     row_bytes = L + L // SCALE_BLOCK + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
     norm = torch.ones(L, dtype=torch.bfloat16, device="cuda")
@@ -154,13 +152,12 @@ def main() -> int:
         latent = torch.randn(tokens, L, device="cuda", generator=gen).to(torch.bfloat16)
         ids = synthetic_ids(tokens, K3.experts, K, routing, gen, "cuda").contiguous()
         weights = torch.rand(tokens, K, device="cuda", generator=gen)
+        transport.reset()  # every rank's kernels are done: its rows can be rewritten
         out = routed.receive(tokens).out
         out.copy_(torch.randn(out.shape, device="cuda", generator=gen).to(torch.bfloat16))
-
-        transport.reset()
         pair_us, d_us, c_us = pair_timed_us(
             lambda: transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None),
-            lambda: transport.combine(out, ids, norm, DEFAULT_NORM_EPS, rejected=None),
+            lambda: transport.combine(ids, norm, DEFAULT_NORM_EPS, rejected=None),
             cpu,
             args.reps,
             args.samples,
@@ -230,10 +227,10 @@ def main() -> int:
         a2a_us, a2a_mode = timed_us(all_to_all, cpu, args.reps, args.samples)
         back_us, back_mode = timed_us(all_to_all_back, cpu, args.reps, args.samples)
 
-        # Bytes this rank sends to other ranks.
+        # Bytes that cross NVLink for this rank: the rows it dispatches to other ranks, and the
+        # expert rows of its tokens that other ranks hold (the same rows, one BF16 row each).
         remote_rows = sum(r for d, r in enumerate(send_rows) if d != rank)
-        remote_back = sum(r for s, r in enumerate(recv_rows) if s != rank)
-        d_bytes, c_bytes = remote_rows * row_bytes, remote_back * 2 * L
+        d_bytes, c_bytes = remote_rows * row_bytes, remote_rows * 2 * L
         row = dict(
             tokens=tokens,
             routing=routing,
@@ -269,7 +266,7 @@ def main() -> int:
         peer.close()
     routed.close()
     if rank == 0:
-        write_report(args.out, results, n, construction_s, suffix, peer_note)
+        write_report(args.out, results, n, construction_s, peer_note)
     teardown(ctx)
     return 0
 
@@ -287,17 +284,14 @@ def write_report(
     results: list[dict],
     n: int,
     construction_s: float,
-    suffix: str = "",
     peer_note: str = "Peer: not run.",
     run: report.Run | None = None,
 ) -> Path:
-    """OUTDIR/bench_dep{n}{suffix}.md (and .png): ours beside the peer (its columns "-" where it
+    """OUTDIR/bench_dep{n}.md (and .png): ours beside the peer (its columns "-" where it
     did not run), then beside the NCCL baselines."""
     run = run or report.Run.this_process(n)
     title = f"DEP benchmark, {n} GPU{'s' if n > 1 else ''}, one process per GPU"
-    page = report.Page(out / f"bench_dep{n}{suffix}.md", title, report.summary(__doc__), run)
-    if suffix:
-        page.text(combine_path.forced_line(suffix))
+    page = report.Page(out / f"bench_dep{n}.md", title, report.summary(__doc__), run)
     page.text(
         f"K3 geometry (L {K3.latent}, K {K3.topk}, E {K3.experts}, {K3.experts // n} experts per"
         f" rank). Construction of the EpRouted (sized for T = {max(r['tokens'] for r in results)},"

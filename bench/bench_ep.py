@@ -9,9 +9,10 @@ inputs; the median of --samples replays). Combine cannot run without a dispatch 
 dispatch opens the call whose flags the combine waits for), so it is timed as (dispatch +
 combine) - dispatch.
 Bytes are the fewest each kernel must move through device memory at EP=1 (inputs read once,
-outputs written once); the receive rows and partials are one fixed region of the symmetric
-buffer, as in real use. `--tunings` times the same steps with other kernel tunings
-(KernelTuning: programmatic dependent launch, loads in flight) on the same buffers; "eager pair"
+outputs written once); the receive rows and the expert output rows are fixed regions of the
+symmetric buffer, as in real use. `--tunings` times the same steps with other kernel tunings
+(KernelTuning: programmatic dependent launch, loads in flight, the combine's CTA size) on the
+same buffers; "eager pair"
 is the host's view of one dispatch + combine launched without a graph (100 pairs back to back,
 then a synchronize: launch overhead included).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench import cli, combine_path, report
+from bench import cli, report
 from bench.timing import capture, replay_us, time_us
 from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.comm.mxfp8 import mxfp8_quantize
@@ -42,8 +43,8 @@ TUNINGS = {
     "default": {},
     "no-pdl": {"pdl": False},
     "blocks-1": {"dispatch_blocks_in_flight": 1},
-    "vectors-1": {"combine_vectors_in_flight": 1},
-    "vectors-4": {"combine_vectors_in_flight": 4},
+    "warps-4": {"combine_warps": 4},
+    "warps-2": {"combine_warps": 2},
 }
 
 
@@ -68,14 +69,14 @@ def bytes_moved(tokens: int) -> tuple[int, int]:
     """(dispatch, combine) bytes at EP=1 per step of `tokens` tokens."""
     L, K, S = K3.latent, K3.topk, K3.latent // SCALE_BLOCK  # S: scale bytes a row
     dispatch = tokens * (2 * L + 8 * K + L + S + 8 * K)  # read latent+ids+w, write x+sf+ids+w
-    # send: read ids row + out row, write partials; reduce: read ids + partials, write normed
-    combine = tokens * (4 * K + 2 * L + 2 * L + 4 * K + 2 * L + 2 * L) + 2 * L
+    # read the ids row and the expert output row, write the normed row; the norm weight once
+    combine = tokens * (4 * K + 2 * L + 2 * L) + 2 * L
     return dispatch, combine
 
 
 def main() -> int:
     page = "bench_ep1.md and bench_ep1.png"
-    p = cli.parser(__doc__, page=page, tokens=TOKENS, timing=(REPS, SAMPLES), combine=True)
+    p = cli.parser(__doc__, page=page, tokens=TOKENS, timing=(REPS, SAMPLES))
     p.add_argument(
         "--tunings",
         nargs="+",
@@ -96,13 +97,11 @@ def main() -> int:
         num_experts=K3.experts,
         latent=K3.latent,
         topk=K3.topk,
-        config=combine_path.config(args),
     )
     # The transport alone: a dispatch without its combine (the public calls pair them).
     # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
     # validation and the dispatch/combine pairing on purpose.
     transport = routed._transport
-    suffix = combine_path.suffix(args)
     copies = copy_ceiling_gbs()
     print("copy GB/s:", {k: round(v) for k, v in copies.items()}, flush=True)
     norm = torch.ones(K3.latent, dtype=torch.bfloat16, device="cuda")
@@ -121,7 +120,7 @@ def main() -> int:
         rows.append((tokens, d_us, c_us, pair_us, d_bytes, c_bytes, torch_q_us, eager_us))
     quant = quantize_speedup(max_tokens)
     routed.close()
-    write_report(args.out, rows, copies, quant, suffix, tuned, args.tokens, args.reps)
+    write_report(args.out, rows, copies, quant, tuned, args.tokens, args.reps)
     teardown(ctx)
     return 0
 
@@ -141,11 +140,10 @@ def make_inputs(routed: EpRouted, tokens: int):
 def time_step(transport, routed, tokens, latent, ids, weights, norm, reps: int, samples: int):
     """(dispatch us, combine us, pair us, eager pair us) of one T on the transport's kernels:
     graph replays of `reps` launches, medians of `samples` replays."""
-    out = routed.receive(tokens).out
 
     def pair():
         transport.dispatch(latent, ids, weights, tokens=tokens, rejected=None)
-        transport.combine(out, ids, norm, DEFAULT_NORM_EPS, rejected=None)
+        transport.combine(ids, norm, DEFAULT_NORM_EPS, rejected=None)
 
     transport.reset()
     pair_us = replay_us(capture(pair, reps), reps, samples)
@@ -211,19 +209,16 @@ def write_report(
     rows,
     copies: dict,
     quant,
-    suffix: str,
     tuned: dict,
     tokens,
     reps: int,
     run: report.Run | None = None,
 ) -> Path:
-    """OUTDIR/bench_ep1{suffix}.md and .png from the rows of `main` (us, bytes per T)."""
+    """OUTDIR/bench_ep1.md and .png from the rows of `main` (us, bytes per T)."""
     run = run or report.Run.this_process()
     ceiling = max(copies.values())
     title = "EP=1 benchmark (one GPU, every expert local)"
-    page = report.Page(out / f"bench_ep1{suffix}.md", title, report.summary(__doc__), run)
-    if suffix:
-        page.text(combine_path.forced_line(suffix))
+    page = report.Page(out / "bench_ep1.md", title, report.summary(__doc__), run)
     copy_ways = ", ".join(f"{k} {v:.0f}" for k, v in copies.items())
     page.text(
         f"One process. K3 geometry: L {K3.latent}, K {K3.topk}, E {K3.experts}. Medians of"

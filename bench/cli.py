@@ -1,6 +1,6 @@
 """The command-line options the benchmarks share, added by `parser`: the folder a results page
-goes to, the token counts, the routings, the timing's calls per sample and samples, and the forced
-combine path. Each benchmark asks for the ones it takes (with its own defaults) and adds its own
+goes to, the token counts, the routings, and the timing's calls per sample and samples. Each
+benchmark asks for the ones it takes (with its own defaults) and adds its own
 options to the parser it gets."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import combine_path
 from bench.report import main_module
 from dep_ep.testing.synthetic import ROUTINGS
 
@@ -34,7 +33,6 @@ def parser(
     tokens: Sequence[int] | None = None,
     routing: Sequence[str] | None = None,
     timing: tuple[int, int] | None = None,
-    combine: bool = False,
 ) -> argparse.ArgumentParser:
     """The argument parser of a benchmark whose docstring is `doc` (the help's description).
 
@@ -44,7 +42,6 @@ def parser(
     routing: the default routings: adds --routing (synthetic_ids' patterns, each at every T).
     timing: the defaults (calls per sample, samples): adds --reps (calls captured in one CUDA
         graph and timed as one sample) and --samples (timed samples, the median reported).
-    combine: adds --combine-split-min-tokens (bench.combine_path: the forced combine path).
     """
     module = main_module()
     p = argparse.ArgumentParser(
@@ -66,6 +63,4 @@ def parser(
         p.add_argument("--reps", type=int, default=reps, help=text)
         text = "timed samples, the median reported"
         p.add_argument("--samples", type=int, default=samples, help=text)
-    if combine:
-        combine_path.add_option(p)
     return p

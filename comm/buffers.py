@@ -87,9 +87,10 @@ class RankRegions:
         """int64 [2, N, 4]: GPU step flags per phase (dispatch, combine) and source rank."""
         return self._view("flags", None)
 
-    def partials(self, rows: int) -> torch.Tensor:
-        """bf16 [rows, L]: combine input, row d*S + t = rank d's expert sum for token t."""
-        return self._view("partials", rows)
+    def out(self, rows: int) -> torch.Tensor:
+        """bf16 [rows, L]: the expert output rows, row s*S + t = this rank's sum over its local
+        experts for token t of source s (written by the experts, read by the sources' combine)."""
+        return self._view("out", rows)
 
 
 class EpBuffers(RankRegions):
@@ -97,7 +98,7 @@ class EpBuffers(RankRegions):
 
     Collective: construction and `close()` are called by every rank of `group` in the same order.
     Construction blocks the host (allocation, mapping, two barriers). The views `x(rows)`,
-    `sf(rows)`, `ids(rows)`, `weights(rows)`, `partials(rows)` are this rank's; `peers[r]` gives the
+    `sf(rows)`, `ids(rows)`, `weights(rows)`, `out(rows)` are this rank's; `peers[r]` gives the
     same views of rank r's allocation (writes land in rank r's memory).
 
     group: a gloo group (CPU: its ranks map each other's shared memory; CUDA: it carries the NVSHMEM

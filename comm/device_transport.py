@@ -38,7 +38,6 @@ from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
 from dep_ep.constants import (
     ABORT_PEER_LOST,
     ABORT_RESET,
-    COMBINE_WARPS,
     CTAS_PER_SM,
     ERROR_ABORT,
     ERROR_CALL,
@@ -68,14 +67,6 @@ from dep_ep.constants import (
 )
 from dep_ep.launch.nvshmem import GPU_EXTRA
 
-COMBINE_TOKENS_PER_CTA = COMBINE_WARPS  # combine: one warp per token in the reduce phase
-# From this T on, combine runs as two launches (send, then reduce over T/8 CTAs) instead of one
-# co-resident launch, where that was measured faster (docs/perf_notes.md, v6): at EP=1 from
-# T = 1024 on (T = 4096: 56 against 77 us); at EP=2 the one launch stayed as fast or faster
-# (T = 4096: 130 against 135 us), so with several ranks the split is off (EP=4 and EP=8 not
-# measured).
-COMBINE_SPLIT_MIN_TOKENS = {1: 1024}  # num_ranks -> T; ranks not listed: never split
-NEVER = 1 << 62
 MAX_INDEX = 1 << 31  # element indices of the kernels' tensors are int32
 # synchronize(): spin on the stream's event this long, then sleep between looks (a kernel's step
 # takes microseconds; a blocked wait beyond this is waiting for something slow), and look at the
@@ -102,15 +93,13 @@ def compiled_count() -> int:
     return len(_COMPILED)
 
 
-COMBINE_MODES = {"combine": "fused", "combine_send": "send", "combine_reduce": "reduce"}
 # RejectKernel variants: (phase where the call failed, the flags' status).
 REJECT_KERNELS = {
     "reject_dispatch": ("dispatch", STATUS_REJECTED),
     "reject_combine": ("combine", STATUS_REJECTED),
     "fail_combine": ("combine", STATUS_FAILED),
 }
-KERNEL_NAMES = ("dispatch", *COMBINE_MODES, *REJECT_KERNELS)
-SPLIT_COMBINE = ("combine_send", "combine_reduce")
+KERNEL_NAMES = ("dispatch", "combine", *REJECT_KERNELS)
 
 
 def compile_kernels(
@@ -158,12 +147,10 @@ def compile_kernels(
             kernel = DispatchKernel(num_ranks, latent, topk, experts_per_rank, tuning)
             # latent, its row stride in words, ids, weights, structs, grid
             args = (z, Int32(latent // 2), z, z, *structs, one)
-        elif name in COMBINE_MODES:
-            kernel = CombineKernel(
-                num_ranks, latent, topk, experts_per_rank, COMBINE_MODES[name], tuning
-            )
-            # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
-            args = (z, z, z, z, *structs, Float32(DEFAULT_NORM_EPS), one, one)
+        elif name == "combine":
+            kernel = CombineKernel(num_ranks, latent, topk, experts_per_rank, tuning)
+            # ids, norm_weight, normed, structs, eps, normalize, grid
+            args = (z, z, z, *structs, Float32(DEFAULT_NORM_EPS), one, one)
         else:
             kernel = RejectKernel(num_ranks, *REJECT_KERNELS[name])
             args = structs
@@ -175,7 +162,7 @@ def compile_kernels(
 def check_kernel_limits(layout: EpLayout) -> None:
     """ValueError unless the GPU kernels can serve `layout`: at most MAX_RANKS ranks (a token's
     destinations are a 32-bit mask), topk at most MAX_TOPK, and every row tensor indexable in 32
-    bits (the widest rows: the partials and expert outputs, L / 2 words, or the ids and weights,
+    bits (the widest rows: the expert outputs, L / 2 words, or the ids and weights,
     K words, when K is larger)."""
     if layout.num_ranks > MAX_RANKS or layout.topk > MAX_TOPK:
         raise ValueError(
@@ -222,7 +209,7 @@ class LaunchParams:
                 offsets["sf"],
                 offsets["ids"],
                 offsets["weights"],
-                offsets["partials"],
+                offsets["out"],
                 offsets["flags"],
             )
         )
@@ -230,9 +217,9 @@ class LaunchParams:
             RankControl(state.data_ptr(), error.data_ptr(), rank, timeout_ns)
         )
         self.step = HostParams(*(f.type for f in dataclasses.fields(Step)))
-        # Addresses of the call's tensors (dispatch: latent, ids, weights; combine: expert_out,
-        # ids, norm_weight, normed), the combine's eps and normalize flag, the grid, the stream.
-        for name in ("latent", "ids", "weights", "expert_out", "norm_weight", "normed"):
+        # Addresses of the call's tensors (dispatch: latent, ids, weights; combine: ids,
+        # norm_weight, normed), the combine's eps and normalize flag, the grid, the stream.
+        for name in ("latent", "ids", "weights", "norm_weight", "normed"):
             setattr(self, name, HostParams(Int64))
         self.latent_row_words = HostParams(Int32)  # the latent's row stride, 32-bit words
         self.eps, self.normalize, self.grid = (
@@ -268,11 +255,6 @@ class DeviceTransport(Transport):
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_ctas = CTAS_PER_SM * self.num_sms
-        split = config.combine_split_min_tokens
-        if split is None:
-            split = COMBINE_SPLIT_MIN_TOKENS.get(self.num_ranks, NEVER)
-        # T from which combine takes two launches; their kernels are compiled only when reachable.
-        self.combine_split_min_tokens = split if split <= layout.max_tokens else NEVER
         self.retune(None)
         self._params = LaunchParams(buffers, self.state, self.error, self.rank, self.timeout_ns)
         self.barriers = buffers.barriers
@@ -282,17 +264,12 @@ class DeviceTransport(Transport):
         """Compile (or take from the cache) this geometry's kernels with `tuning` (a KernelTuning;
         None: the default) and launch those from now on. Local; for benchmarks that compare
         tunings on one set of buffers. The results do not depend on the tuning."""
+        from dep_ep.comm.kernels.launch_args import KernelTuning
+
         layout = self.buffers.layout
-        names = ("dispatch", "combine", *REJECT_KERNELS)
-        if self.combine_split_min_tokens < NEVER:
-            names += SPLIT_COMBINE
+        self.tuning = KernelTuning() if tuning is None else tuning
         self.kernels = compile_kernels(
-            layout.num_ranks,
-            layout.latent,
-            layout.topk,
-            self.experts_per_rank,
-            names=names,
-            tuning=tuning,
+            layout.num_ranks, layout.latent, layout.topk, self.experts_per_rank, tuning=self.tuning
         )
 
     def _stream_handle(self) -> int:
@@ -445,7 +422,6 @@ class DeviceTransport(Transport):
 
     def combine(
         self,
-        expert_out,
         ids,
         norm_weight,
         eps,
@@ -455,10 +431,11 @@ class DeviceTransport(Transport):
         tag=NO_TAG,
         out=None,
     ):
-        """expert_out bf16 [N*T, L] (rows with a local id), ids int32 [T, K] as dispatched,
-        norm_weight bf16 [L] or None (the plain sum); returns bf16 [T, L]. A rejected call
-        takes part without payload (RejectKernel; its peers see STATUS_FAILED when the cause is
-        the experts) and then raises `rejected`."""
+        """The expert output rows are every rank's `out` region (the experts wrote this rank's
+        before this launch on the stream). ids int32 [T, K] as dispatched, norm_weight bf16 [L]
+        or None (the plain sum); returns
+        bf16 [T, L]. A rejected call takes part without payload (RejectKernel; its peers see
+        STATUS_FAILED when the cause is the experts) and then raises `rejected`."""
         if rejected is not None:
             self._reject("fail_combine" if cause in EXPERT_CAUSES else "reject_combine", tag)
             raise rejected
@@ -469,8 +446,9 @@ class DeviceTransport(Transport):
                 tokens, self.buffers.layout.latent, dtype=torch.bfloat16, device=self.device
             )
         p = self._params
-        args = (
-            p.expert_out.set(expert_out.data_ptr()),
+        # One warp a token (no CTA waits for another: any grid would do).
+        grid = -(-tokens // self.tuning.combine_warps)
+        self.kernels["combine"](
             p.ids.set(ids.data_ptr()),
             p.norm_weight.set(0 if norm_weight is None else norm_weight.data_ptr()),
             p.normed.set(normed.data_ptr()),
@@ -479,17 +457,9 @@ class DeviceTransport(Transport):
             p.step.set(tokens, tag),
             p.eps.set(float(eps)),
             p.normalize.set(0 if norm_weight is None else 1),
+            p.grid.set(grid),
+            p.stream.set(self._stream_handle()),
         )
-        stream = p.stream.set(self._stream_handle())
-        if tokens >= self.combine_split_min_tokens:
-            send_grid = min(tokens * self.num_ranks, self.max_ctas)
-            self.kernels["combine_send"](*args, p.grid.set(send_grid), stream)
-            reduce_grid = -(-tokens // COMBINE_TOKENS_PER_CTA)
-            self.kernels["combine_reduce"](*args, p.grid.set(reduce_grid), stream)
-            return normed
-        # The fused kernel waits inside: its grid must be co-resident (<= one CTA per SM).
-        wanted = max(tokens * self.num_ranks, -(-tokens // COMBINE_TOKENS_PER_CTA))
-        self.kernels["combine"](*args, p.grid.set(min(wanted, self.num_sms)), stream)
         return normed
 
     def _reject(self, name: str, tag: int) -> None:

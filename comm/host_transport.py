@@ -15,7 +15,7 @@ from __future__ import annotations
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTokenCountError, tag_text
 from dep_ep.comm.mxfp8 import mxfp8_quantize
-from dep_ep.comm.reference import combine_reduce, combine_write, dispatch_write
+from dep_ep.comm.reference import combine_pull, dispatch_write
 from dep_ep.comm.transport import CAUSE_INPUT, Transport
 from dep_ep.config import EpConfig
 from dep_ep.constants import NO_TAG
@@ -42,7 +42,6 @@ class HostTransport(Transport):
 
     def combine(
         self,
-        expert_out,
         ids,
         norm_weight,
         eps,
@@ -52,11 +51,11 @@ class HostTransport(Transport):
         tag=NO_TAG,
         out=None,
     ):
+        # The experts wrote this rank's rows into its `out` region; the barrier tells every rank
+        # they are ready, then each reads its tokens' rows where they lie.
         tokens = ids.shape[0]
-        if rejected is None:
-            combine_write(self.buffers, expert_out, tokens)
         self._agree("combine", rejected, cause, tokens, tag)
-        normed = combine_reduce(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
+        normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
         return normed if out is None else out.copy_(normed)
 
     def check(self) -> None:

@@ -41,7 +41,8 @@ class EpLayout:
       sf       uint8 [max_rows, latent/32] E8M0 scale bytes, linear layout
       ids      int32 [max_rows, topk]     global expert ids this rank owns, -1 elsewhere
       weights  fp32  [max_rows, topk]     routing weights as the source sent them
-      partials bf16  [max_rows, latent]   combine: row d*stride(T)+t = rank d's sum for token t
+      out      bf16  [max_rows, latent]   this rank's expert sum for the receive row (the
+                                          experts write it; the sources' combines read it)
       flags    int64 [2, num_ranks, 4]    GPU step flags per phase and source (signals.py)
     """
 
@@ -79,7 +80,7 @@ class EpLayout:
             ("sf", (rows, L // SCALE_BLOCK), torch.uint8),
             ("ids", (rows, K), torch.int32),
             ("weights", (rows, K), torch.float32),
-            ("partials", (rows, L), torch.bfloat16),
+            ("out", (rows, L), torch.bfloat16),
             ("flags", (2, self.num_ranks, FLAG_WORDS), torch.int64),
         )
         out, offset = {}, 0

@@ -1,6 +1,7 @@
-"""Reference dispatch and combine in torch: the row contract, by writing into the peers' buffers.
+"""Reference dispatch and combine in torch: the row contract. The dispatch writes into the peers'
+buffers, the combine reads the peers' expert output rows where they lie.
 
-These functions only write; completion (every source has delivered) is the caller's barrier
+Completion (every source has delivered, every owner's rows are written) is the caller's barrier
 (EpRouted's host protocol on CPU). The GPU kernels are compared against these bit for bit.
 """
 
@@ -50,39 +51,27 @@ def dispatch_write(
         peer.weights(rows)[at] = weights[hit]
 
 
-def combine_write(buffers: EpBuffers, expert_out: torch.Tensor, tokens: int) -> None:
-    """Send each expert output row back to its source: row s*S + t of `expert_out` (bf16
-    [N*S, L]) goes to rank s's partials row rank*S + t, for the rows whose received ids hold at
-    least one local id (the only rows the experts wrote)."""
-    stride = buffers.layout.stride(tokens)
-    rows = buffers.layout.rows(tokens)
-    hit = (buffers.ids(rows) >= 0).any(dim=1)
-    for source, peer in enumerate(buffers.peers):
-        mine = hit[source * stride : source * stride + tokens].nonzero().squeeze(1)
-        if mine.numel() == 0:
-            continue
-        peer.partials(rows)[buffers.rank * stride + mine] = expert_out[source * stride + mine]
-
-
-def combine_reduce(
+def combine_pull(
     buffers: EpBuffers,
     ids: torch.Tensor,
     experts_per_rank: int,
     norm_weight: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """Sum, per token, the partial rows of the ranks that own one of its experts, in fp32 and in
-    rank order 0..N-1 (starting from +0.0; deterministic), then `rms_norm` (or, with norm_weight
-    None, the sum rounded to BF16). Returns bf16 [T, L]. Partials of ranks that own none of the
-    token's experts are never read (they may be stale)."""
+    """This rank's tokens' combine, read where the rows lie: for token t, row rank*S + t of the
+    `out` region of every rank that owns one of its experts, summed in fp32 in rank order 0..N-1
+    (starting from +0.0; deterministic), then `rms_norm` (or, with norm_weight None, the sum
+    rounded to BF16). Returns bf16 [T, L]. Rows of ranks that own none of the token's experts
+    are never read (they may be stale). ids int [T, K] as dispatched (-1 = none)."""
     tokens = ids.shape[0]
     stride = buffers.layout.stride(tokens)
-    partials = buffers.partials(buffers.layout.rows(tokens)).view(buffers.num_ranks, stride, -1)
+    rows = buffers.layout.rows(tokens)
+    mine = buffers.rank * stride + torch.arange(tokens, device=ids.device)
     owners = owner_ranks(ids, experts_per_rank)
-    total = torch.zeros(tokens, partials.shape[-1], dtype=torch.float32, device=ids.device)
-    for rank in range(buffers.num_ranks):
+    total = torch.zeros(tokens, buffers.layout.latent, dtype=torch.float32, device=ids.device)
+    for rank, peer in enumerate(buffers.peers):
         hit = (owners == rank).any(dim=1).nonzero().squeeze(1)
-        total[hit] += partials[rank, hit].float()
+        total[hit] += peer.out(rows)[mine[hit]].float()
     if norm_weight is None:
         return total.to(torch.bfloat16)
     return rms_norm(total, norm_weight, eps)

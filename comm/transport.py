@@ -67,7 +67,6 @@ class Transport(ABC):
     @abstractmethod
     def combine(
         self,
-        expert_out: torch.Tensor,
         ids: torch.Tensor,
         norm_weight: torch.Tensor,
         eps: float,
@@ -77,10 +76,12 @@ class Transport(ABC):
         tag: int = NO_TAG,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Return expert_out bf16 [N*T, L] rows to their sources, sum each token's rows over ranks
-        in fp32 in rank order, RMSNorm with norm_weight bf16 [L] and eps (norm_weight None: the
-        sum rounded to BF16); returns bf16 [T, L], `out` (contiguous bf16 [T, L]) when given.
-        ids int32 [T, K] are the ids this rank dispatched in the step; `tag` is the
+        """Tell every rank that this rank's expert output rows of the step are written (the
+        buffers' `out` region, bf16 [N*T, L]), then read each of this rank's tokens' rows where
+        they lie (the `out` region of every rank owning one of its experts, row rank*T + t), sum
+        them in fp32 in rank order, RMSNorm with norm_weight bf16 [L] and eps (norm_weight None:
+        the sum rounded to BF16); returns bf16 [T, L], `out` (contiguous bf16 [T, L]) when
+        given. ids int32 [T, K] are the ids this rank dispatched in the step; `tag` is the
         dispatch's."""
 
     @abstractmethod

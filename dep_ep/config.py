@@ -61,10 +61,6 @@ class EpConfig:
       Above 0 and below 1e9 (the kernels hold it in int64 nanoseconds).
     check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
-    combine_split_min_tokens: from this T on the GPU combine runs as two launches (send, then
-      reduce) instead of one; None takes the measured default for the rank count
-      (docs/perf_notes.md), 0 forces two launches at every T, a value above max_tokens forces
-      one launch.
     check_expert_rows: a debug mode: dispatch marks the expert output rows, and combine raises
       (on every rank) when a row that holds a local expert id was not written since the dispatch
       (experts skipped or writing elsewhere). It reads the rows: a host sync on a GPU. Off, such
@@ -80,7 +76,6 @@ class EpConfig:
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_values: bool | None = None
-    combine_split_min_tokens: int | None = None
     check_expert_rows: bool = False
     peer_watch_s: float | None = DEFAULT_PEER_WATCH_S
     count_experts: bool = False
@@ -105,12 +100,3 @@ class EpConfig:
             or not 0 < watch < float("inf")
         ):
             raise ValueError(f"EpConfig: peer_watch_s={watch!r}; expected None or seconds > 0")
-        split = self.combine_split_min_tokens
-        if split is not None and (
-            isinstance(split, bool) or not isinstance(split, numbers.Integral) or split < 0
-        ):
-            raise ValueError(
-                f"EpConfig: combine_split_min_tokens={split!r}; expected None or an int >= 0"
-            )
-        if split is not None:
-            object.__setattr__(self, "combine_split_min_tokens", int(split))

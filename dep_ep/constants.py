@@ -38,8 +38,9 @@ LAYER_TAG_BASE = -(1 << 62)
 STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c
 STATE_STEP_STATUS = 1  # 0, or the error kind a kernel of the current call met
 STATE_DONE_DISPATCH = 2  # CTAs of the running dispatch launch done with their payload (int32)
-STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their sends (int32)
+STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their tokens
 STATE_ABORT = 4  # 1 after a timeout: every later wait returns at once
+STATE_READY_COMBINE = 5  # CTAs of the running combine launch started (the first one signals)
 STATE_WORDS = 8
 # The error record (int64, host-mapped): [status, phase, peer, rank, kind, theirs, mine, call]
 # written by the kernels (status 1 while a kernel writes it, 2 once complete), then the abort
@@ -66,10 +67,9 @@ VECTOR_BYTES = 16
 # Launch geometry of the CuTeDSL kernels, read by their host launch code too.
 WARP_LANES = 32
 DISPATCH_THREADS = 128  # 4 warps: one 32-element block per thread and pass
-COMBINE_WARPS = 8  # 256 threads; the reduce phase takes one token per warp
-# Grids that never wait inside (the dispatch, the combine's send launch) take up to this many
-# CTAs an SM; the kernels are compiled for it (launch bounds: at most 64 registers a dispatch
-# thread, 32 a combine-send thread), so the whole grid is one wave.
+COMBINE_WARPS = 8  # warps of a combine CTA (KernelTuning's default), one token each
+# The dispatch grid takes up to this many CTAs an SM; the kernel is compiled for it (launch
+# bounds: at most 64 registers a thread), so the whole grid is one wave.
 CTAS_PER_SM = 8
 
 # The combine kernel normalises one token per warp: lane l owns the 8-element (16-byte) chunks

@@ -52,7 +52,8 @@ UNWRITTEN_ROW_MARK = -91  # int16 view of 0xFFA5
 class ReceiveRows:
     """This rank's receive rows for a step of T tokens (R = num_ranks * stride(T) rows):
     x uint8 [R, L], sf uint8 [R, L/32], ids int32 [R, K] (-1 = not for this rank), weights fp32
-    [R, K]; out bf16 [R, L] is where an experts backend writes its sums for combine."""
+    [R, K]; out bf16 [R, L] is where an experts backend writes its sums for combine (in the
+    symmetric allocation: the sources' combines read the rows where they lie)."""
 
     x: torch.Tensor
     sf: torch.Tensor
@@ -223,9 +224,6 @@ class EpRouted:
         check = config.check_values
         self.check_values = self._transport.completes_on_return if check is None else check
         on = dict(device=self.device)
-        self._expert_out = torch.empty(
-            self._buffers.layout.max_rows, latent, dtype=torch.bfloat16, **on
-        )
         self._rows_of: dict[int, ReceiveRows] = {}  # T -> the step's views (EpRouted._rows)
         # Staged ids and weights of the step: padded to T with -1 ids, owned by this object.
         self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
@@ -286,8 +284,9 @@ class EpRouted:
     @staticmethod
     def workspace_bytes(num_ranks: int, max_tokens: int, *, latent: int, topk: int) -> int:
         """Bytes of the buffers one rank's EpRouted allocates on its device for the rows: the
-        symmetric allocation (EpLayout), the expert output rows and the staged ids and weights
-        (a few hundred bytes of control words, and the expert counts, besides). Local, no
+        symmetric allocation (EpLayout: the receive rows and the expert output rows) and the
+        staged ids and weights (a few hundred bytes of control words, and the expert counts,
+        besides). Local, no
         allocation. Integers of any kind; TypeError for anything else, ValueError for values
         out of range."""
         fn = "EpRouted.workspace_bytes"
@@ -296,9 +295,8 @@ class EpRouted:
         latent = check_positive_int(fn, "latent", latent, SCALE_BLOCK)
         topk = check_positive_int(fn, "topk", topk)
         layout = EpLayout(num_ranks, max_tokens, latent, topk)
-        expert_out = layout.max_rows * latent * torch.bfloat16.itemsize
         staged = max_tokens * topk * (torch.int32.itemsize + torch.float32.itemsize)
-        return layout.total_bytes + expert_out + staged
+        return layout.total_bytes + staged
 
     def register_layer(self, layer: object, index: int | None = None) -> int:
         """Record an EpMoeLayer that tags its calls: returns its layer index, `index` or, for
@@ -331,9 +329,12 @@ class EpRouted:
 
     def receive(self, tokens: int | None = None) -> ReceiveRows:
         """This rank's receive rows of the dispatched step (valid until its combine), or, with no
-        dispatch pending, the views for a step of `tokens` tokens (for callers that prepare the
-        expert output rows before the dispatch). Local. Every call for the same T returns the
-        same view objects (read and write through them; do not resize them)."""
+        dispatch pending, the views for a step of `tokens` tokens (for callers that set up where
+        their experts write before the dispatch). Local. Every call for the same T returns the
+        same view objects (read and write through them; do not resize them). `out` lies in the
+        symmetric allocation and the sources' combines read it there: write it only between a
+        step's dispatch and its combine (stream-ordered after the dispatch on CUDA); written
+        before the dispatch, it can change rows a peer is still summing."""
         fn = "EpRouted.receive"
         self._check_usable(fn)
         step = self._step
@@ -354,9 +355,7 @@ class EpRouted:
         if views is None:
             b = self._buffers
             rows = b.layout.rows(tokens)
-            views = ReceiveRows(
-                b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows), self._expert_out[:rows]
-            )
+            views = ReceiveRows(b.x(rows), b.sf(rows), b.ids(rows), b.weights(rows), b.out(rows))
             self._rows_of[tokens] = views
         return views
 
@@ -551,9 +550,6 @@ class EpRouted:
             if real < tokens or weights.data_ptr() % VECTOR_BYTES:
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
-            if self.config.check_expert_rows:
-                out = self._expert_out[: self._buffers.layout.rows(tokens)]
-                out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
         self._run(
             fn,
             lambda: self._transport.dispatch(
@@ -570,6 +566,10 @@ class EpRouted:
         )
         self._step = _Step(tokens, real, wire_tag, staged_ids)
         self._last_tokens = tokens
+        if self.config.check_expert_rows:
+            # After the dispatch, never before: until every source has dispatched this step
+            # (the dispatch waits for that), a peer's combine may still read the last step's rows.
+            self._rows(tokens).out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
         if self._counts is not None:
             self._count_experts(tokens)
         return self._rows(tokens)
@@ -581,10 +581,11 @@ class EpRouted:
         eps: float = DEFAULT_NORM_EPS,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Return the expert sums (`receive().out`, rows with a local id) to their sources, sum
-        per token over ranks in fp32 in rank order, then RMSNorm with `norm_weight` (bf16 [L])
-        and `eps`; norm_weight None returns the plain sum rounded to BF16 (for a caller that
-        applies the norm itself, or a model without a latent norm).
+        """Read each of this rank's tokens' expert sums where they lie (`receive().out` of every
+        rank owning one of the token's experts: the experts wrote them there since the
+        dispatch), sum them over ranks in fp32 in rank order, then RMSNorm with `norm_weight`
+        (bf16 [L]) and `eps`; norm_weight None returns the plain sum rounded to BF16 (for a
+        caller that applies the norm itself, or a model without a latent norm).
 
         Collective; on CPU it blocks until every rank has delivered. Returns bf16 [n, L] (the
         real rows of the dispatch): `out` when given (bf16 [n, L], rows 16-byte aligned), which
@@ -670,11 +671,9 @@ class EpRouted:
         # The kernel writes T contiguous rows: the caller's buffer takes them in place only then.
         in_place = out is not None and step.real == step.tokens and out.is_contiguous()
         direct = out if in_place else None
-        expert_out = self._rows(step.tokens).out
         normed = self._run(
             fn,
             lambda: self._transport.combine(
-                expert_out,
                 step.ids,
                 norm_weight,
                 eps,

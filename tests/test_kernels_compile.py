@@ -32,18 +32,14 @@ REQUIRED = {
                  r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"mul\.rn\.f32"],
     "combine": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS, *PDL,
                 r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync", r"bar\.red\.or\.pred"],
-    "combine_send": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *PDL],
-    "combine_reduce": [r"ld\.global\.v4\.b32", *WAITS, *PDL, r"sqrt\.rn\.f32", r"div\.rn\.f32",
-                       r"shfl\.sync", r"bar\.red\.or\.pred"],
     # A rank that rejects its input still signals both phases (flags only) and waits, bounded.
     "reject_dispatch": [r"st\.release\.sys\.global", *WAITS],
     "reject_combine": [r"st\.release\.sys\.global", *WAITS],
 }  # fmt: skip
 FORBIDDEN = [r"\.local", r"fma\.rn\.f32"]  # spills; a contracted multiply-add breaks bit-exactness
-# The split combine's send launch may take any grid only because it never waits.
-NEVER_WAITS = {"combine_send": [r"ld\.acquire", r"%globaltimer"]}
-# One system-scope fence per CTA, by the signalling thread after the barrier (signal_after_cta).
-ONE_FENCE = ("dispatch", "combine", "combine_send")
+# One system-scope fence in each kernel's code, by the signalling thread (the dispatch's after
+# its CTA barrier, signal_after_cta; the combine's before its ready flag, signal_first_cta).
+ONE_FENCE = ("dispatch", "combine")
 
 
 @pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
@@ -74,7 +70,7 @@ def test_ptx_holds_the_protocol(ptx, kernel):
     assert f".target {arch}" in text, f"{kernel}: not compiled for {arch}"
     missing = [p for p in REQUIRED[kernel] if not re.search(p, text)]
     assert not missing, f"{kernel} ({arch}) PTX lacks {missing}"
-    present = [p for p in FORBIDDEN + NEVER_WAITS.get(kernel, []) if re.search(p, text)]
+    present = [p for p in FORBIDDEN if re.search(p, text)]
     assert not present, f"{kernel} ({arch}) PTX holds {present}"
     if kernel in ONE_FENCE:
         fences = len(re.findall(r"fence\.acq_rel\.sys", text))
@@ -106,7 +102,7 @@ def test_tuning_is_part_of_the_cache_key():
     assert other["dispatch"] is not plain["dispatch"] and again["dispatch"] is plain["dispatch"]
 
 
-@pytest.mark.parametrize("field", ["dispatch_blocks_in_flight", "combine_vectors_in_flight"])
+@pytest.mark.parametrize("field", ["dispatch_blocks_in_flight", "combine_warps"])
 @pytest.mark.parametrize("value", [0, 9, 2.0, True])
 def test_tuning_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=f"KernelTuning: {field}="):
@@ -169,8 +165,8 @@ def test_host_params_marshal_like_cutedsl(kernel):
             HostParams(Int32).set(99),
         ]
         sizes = [8, 4, 8, 8] + sizes + [4]
-    elif kernel == "combine":  # expert_out, ids, norm_weight, normed, structs, eps, normalize, grid
-        head = [0x7F00000B0000, 0x7F00000C0000, 0, 0x7F00000E0000]
+    elif kernel == "combine":  # ids, norm_weight, normed, structs, eps, normalize, grid
+        head = [0x7F00000C0000, 0, 0x7F00000E0000]
         typed = [*map(Int64, head), *typed, Float32(1e-5), Int32(1), Int32(7)]
         prepared = [
             *(HostParams(Int64).set(a) for a in head),
@@ -179,7 +175,7 @@ def test_host_params_marshal_like_cutedsl(kernel):
             HostParams(Int32).set(1),
             HostParams(Int32).set(7),
         ]
-        sizes = [8] * 4 + sizes + [4, 4, 4]
+        sizes = [8] * 3 + sizes + [4, 4, 4]
     typed.append(cuda.CUstream(stream))
     prepared.append(HostParams(STREAM).set(stream))
     sizes.append(8)

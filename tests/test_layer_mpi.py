@@ -402,7 +402,8 @@ def test_expert_counts_after_a_layer_call(dep, rank):
 @pytest.mark.mpi(min_size=2)
 def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
     """workspace_bytes = the symmetric segment (EpLayout.total_bytes; its last region ends inside
-    it) + every tensor the EpRouted object holds (expert output rows, staged ids and weights)."""
+    it, and it holds the expert output rows) + every tensor the EpRouted object holds (the
+    staged ids and weights)."""
     routed = rank.routed
     layout = routed._buffers.layout
     # The expert counts (E_local int32, EpConfig.count_experts) are control words, as the state.

@@ -1,29 +1,36 @@
-"""CombineKernel: return expert output rows to their sources, wait, sum over ranks, RMSNorm.
+"""CombineKernel: pull each token's expert sums from the ranks that hold them, sum over ranks in
+rank order, RMSNorm.
 
-Two phases, compiled as one launch (mode "fused") or two (modes "send" then "reduce"):
-1. send: CTAs take contiguous chunks of the rows r = s*T + t of this rank's expert output (bf16
-   [N*T, L]), PASS_ROWS at a time: warp 0 finds the rows whose received ids hold a local expert
-   (one id load per lane and row, a ballot) and lists them in shared memory; then every thread
-   copies 16-byte vectors of the listed rows, `vectors_in_flight` loads before their stores, row
-   s*T + t going to rank s's partials row rank*T + t. The CTA then signals (`signal_after_cta`:
-   one fence; the last CTA stores this rank's combine flag (call, T, tag) into every source and
-   marks the call done in the device state).
-2. reduce: every CTA waits (acquire) for every rank's combine flag of this call; warp w of CTA b
-   then takes tokens t = 8b + w, 8b + w + 8G, ...: the partials of the ranks owning one of the
-   token's experts are summed in fp32 in rank order, and, when `normalize` is set, RMSNorm is
-   applied in the exact order of comm/reference.py `rms_norm` (lane l owns the 8-element chunks
-   l, l+32, ...; per-lane sums in chunk and element order; tree 16, 8, 4, 2, 1; a row whose
-   squares overflow is summed again scaled by a power of two from its largest magnitude). When
-   the call failed on any rank (a rank rejected its input, or the ranks disagree on T or the
-   tag: the dispatch or a combine flag says so) every output row is NaN instead.
-Fused, the grid must be co-resident (waiting CTAs would otherwise hold the SMs the senders need):
-the host launches at most one CTA per SM. That saves a launch and a flag hop at small T (8.7 us
-against 12.5 us at T = 1, EP = 1) but caps the reduce phase at 8 warps per SM, which costs at
-large T; there the host launches "send" (any grid: it never waits) and then "reduce" (one CTA of
-8 warps per 8 tokens: its waits only depend on the peers' send launches, never on a CTA of its
-own that is not yet resident). comm/device_transport.py picks by T. With `tuning.pdl` every
-launch waits for the kernels before it (griddepcontrol.wait) before it reads, and lets the next
-one launch early.
+Every rank's experts write their output rows into its symmetric `out` region (row s*T + t: this
+rank's weighted sum over its local experts for token t of source rank s). One launch per rank:
+1. ready: the first CTA to start stores this rank's combine flag (call, T, tag) into every rank
+   (`signal_first_cta`): its `out` rows of the call are written (the experts ran before this
+   launch on the stream).
+2. wait: every CTA waits (acquire, bounded) for every rank's combine flag of this call and votes
+   across the CTA on the outcome (a rank rejected its input or failed in its experts, or the
+   dispatch found the ranks out of step: every output row of the call is NaN instead).
+3. pull and reduce: warp w of CTA b takes this rank's tokens t = Wb + w, Wb + w + WG, ...: it
+   reads row rank*T + t of the `out` region of each rank that owns one of the token's experts
+   (local loads for this rank, NVLink loads for a peer), sums them in fp32 in rank order, and
+   when `normalize` is set applies RMSNorm in the exact order of comm/reference.py `rms_norm`
+   (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in chunk and element order; tree
+   16, 8, 4, 2, 1; a row whose squares overflow is summed again scaled by a power of two from its
+   largest magnitude).
+4. done: the launch's last CTA stores the call as done in the device state.
+
+Each byte of an expert output row is read once, where it lies, and each output row is written
+once (at EP = 1 and T = 4096: 58.7 MB, against 117 MB for returning the rows to their sources
+first and summing them there). No CTA waits for another CTA of its launch, so the grid need not
+be co-resident (`signal_first_cta`).
+
+Why a reader may load a peer's rows after its flag, and why the owner may overwrite them later:
+the owner's experts wrote the rows in launches that completed before its combine launch stored
+the flag after a system-scope fence (release, cumulative); the reader's acquire of the flag,
+then the CTA barrier, order its loads after those writes. The owner overwrites its `out` rows
+only in the experts of a later call, which run after that call's dispatch waited for every
+source's dispatch flag; a source dispatches only after its combine of this call completed
+(stream order; with programmatic dependent launch the dispatch waits for the combine grid
+before it touches memory), so every read of this call's rows is done by then.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass.memory import SmemAllocator
 
 from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
 from dep_ep.comm.kernels.ptx import (
@@ -47,18 +53,14 @@ from dep_ep.comm.kernels.ptx import (
 )
 from dep_ep.comm.kernels.signals import (
     check_step,
-    chunk_begin,
-    chunk_end,
     flag_slot,
-    id_vector,
-    signal_after_cta,
+    is_last_cta,
+    signal_first_cta,
     token_destinations,
 )
 from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
-    MAX_L1_CARVEOUT,
     VECTOR_WORDS,
-    ReceiveRegions,
     gmem_tensor,
     peer_base,
     receive_regions,
@@ -67,8 +69,6 @@ from dep_ep.comm.kernels.tensors import (
     vectors,
 )
 from dep_ep.constants import (
-    COMBINE_WARPS,
-    CTAS_PER_SM,
     MAX_RANKS,
     NORM_CHUNK,
     NORM_LANES,
@@ -77,15 +77,14 @@ from dep_ep.constants import (
     PHASE_COMBINE,
     STATE_CALL,
     STATE_DONE_COMBINE,
+    STATE_READY_COMBINE,
     STATE_STEP_STATUS,
     WARP_LANES,
 )
 
-LANES = NORM_LANES  # one warp per token in the reduce phase
-THREADS = COMBINE_WARPS * WARP_LANES
+LANES = NORM_LANES  # one warp per token
 CHUNK = NORM_CHUNK  # bf16 elements per 16-byte vector
 assert CHUNK == VECTOR_WORDS * BF16_PER_WORD
-PASS_ROWS = WARP_LANES  # rows the send phase lists at a time: one per lane of warp 0
 BF16_NAN_PAIR = 0x7FC07FC0  # two bf16 quiet NaNs: the mark of an output row of a failed call
 
 
@@ -97,35 +96,24 @@ def _hi(word):
     return bits_f32(word & Uint32(0xFFFF0000))
 
 
-MODES = ("fused", "send", "reduce")
-
-
 class CombineKernel:
-    """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank; `mode` one of
-    MODES (which phases the launch runs; same arguments in every mode). T is runtime."""
+    """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank; the CTA's warps
+    W (`tuning.combine_warps`). T is runtime. Grid: any size (CTA b takes tokens Wb + w,
+    Wb + w + WG, ...); the host launches ceil(T / W) CTAs."""
 
     def __init__(
-        self,
-        num_ranks: int,
-        latent: int,
-        topk: int,
-        experts_per_rank: int,
-        mode: str,
-        tuning: KernelTuning,
+        self, num_ranks: int, latent: int, topk: int, experts_per_rank: int, tuning: KernelTuning
     ):
-        assert 1 <= num_ranks <= MAX_RANKS and latent % CHUNK == 0 and mode in MODES
-        self.mode = mode
-        self.pdl, self.vectors_in_flight = tuning.pdl, tuning.combine_vectors_in_flight
+        assert 1 <= num_ranks <= MAX_RANKS and latent % CHUNK == 0
+        self.pdl, self.warps = tuning.pdl, tuning.combine_warps
         self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
         self.experts_per_rank = experts_per_rank
         self.chunks = latent // CHUNK  # 16-byte vectors per row
         self.chunks_per_lane = (self.chunks + LANES - 1) // LANES
-        self.id_vector = id_vector(topk)
 
     @cute.jit
     def __call__(
         self,
-        expert_out: Int64,
         ids: Int64,
         norm_weight: Int64,
         normed: Int64,
@@ -137,33 +125,23 @@ class CombineKernel:
         grid: Int32,
         stream: cuda.CUstream,
     ):
-        """expert_out: bf16 [N*T, L] (rows with a local id); ids: int32 [T, K] as dispatched;
-        norm_weight: bf16 [L] (read when `normalize`); normed: bf16 [T, L], the output. All
-        16-byte aligned."""
+        """ids: int32 [T, K] as dispatched; norm_weight: bf16 [L] (read when `normalize`);
+        normed: bf16 [T, L], the output. All 16-byte aligned. The expert output rows are every
+        rank's `out` region (SymmetricRegions.out)."""
         T, W = step.tokens, self.latent // BF16_PER_WORD
-        mOut = gmem_tensor(Uint32, expert_out, row_major(T * self.num_ranks, W))
         mIds = gmem_tensor(Int32, ids, row_major(T, self.topk))
         mNormWeight = gmem_tensor(Uint32, norm_weight, row_major(1, W))
         mNormed = gmem_tensor(Uint32, normed, row_major(T, W))
-        # The send launch may fill every SM with CTAS_PER_SM CTAs (launch bounds); the others
-        # run one CTA an SM and keep a token's row in registers.
-        bounds = {}
-        if cutlass.const_expr(self.mode == "send"):
-            bounds = {
-                "max_number_threads": [THREADS, 1, 1],
-                "min_blocks_per_mp": CTAS_PER_SM,
-                "preferred_smem_carveout": MAX_L1_CARVEOUT,
-            }
-        self.kernel(
-            mOut, mIds, mNormWeight, mNormed, regions, control, step, eps, normalize
-        ).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl, **bounds
+        self.kernel(mIds, mNormWeight, mNormed, regions, control, step, eps, normalize).launch(
+            grid=[grid, 1, 1],
+            block=[self.warps * WARP_LANES, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(
         self,
-        mOut: cute.Tensor,
         mIds: cute.Tensor,
         mNormWeight: cute.Tensor,
         mNormed: cute.Tensor,
@@ -176,121 +154,44 @@ class CombineKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        N, L, K = self.num_ranks, self.latent, self.topk
+        N = self.num_ranks
         T = step.tokens
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        own = receive_regions(regions.own, regions, T * N, L, K, N)
         mState = state_words(control)
-        # The dispatch of this call read STATE_CALL = call - 1; the send phase stores `call`.
-        call = mState[STATE_CALL]
+        # The dispatch of this call read STATE_CALL = call - 1; the last CTA here stores `call`.
+        call = mState[STATE_CALL] + 1
         # What the dispatch of this call found (stream-ordered before this launch).
         dispatch_failed = mState[STATE_STEP_STATUS]
-        if cutlass.const_expr(self.mode != "reduce"):
-            call = call + 1
-            self.send(mOut, own, regions, control.rank, T, tidx, bidx, grid)
-            if (
-                signal_after_cta(
-                    regions, control, step, call, PHASE_COMBINE, STATE_DONE_COMBINE, N, tidx, grid
+        signal_first_cta(regions, control, step, call, PHASE_COMBINE, STATE_READY_COMBINE, N, tidx)
+        own = receive_regions(regions.own, regions, T * N, self.latent, self.topk, N)
+        kind = Int32(0)
+        if tidx < N:
+            kind = check_step(
+                flag_slot(own.flags, PHASE_COMBINE, tidx),
+                call,
+                step,
+                control,
+                PHASE_COMBINE,
+                tidx,
+                False,
+            )
+        failed = barrier_or(kind | Int32(dispatch_failed != 0))
+        lane, warp = tidx % LANES, tidx // LANES
+        for t in cutlass.range(bidx * self.warps + warp, T, grid * self.warps):
+            if failed != 0:
+                self.mark_token(mNormed, t, lane)
+            else:
+                self.reduce_token(
+                    mIds, mNormWeight, mNormed, regions, control.rank, eps, normalize, T, t, lane
                 )
-                != 0
-            ):
-                # Every CTA of this launch read STATE_CALL before it counted itself done.
+        cute.arch.barrier()
+        if tidx == 0:
+            if is_last_cta(control, STATE_DONE_COMBINE, grid) != 0:
+                # Every CTA read STATE_CALL and counted its arrival before it counted itself done.
+                mState[STATE_READY_COMBINE] = Int64(0)
                 mState[STATE_CALL] = call
-        if cutlass.const_expr(self.mode != "send"):
-            # Wait for every rank's flag of this call, then reduce (or mark a failed call).
-            kind = Int32(0)
-            if tidx < N:
-                kind = check_step(
-                    flag_slot(own.flags, PHASE_COMBINE, tidx),
-                    call,
-                    step,
-                    control,
-                    PHASE_COMBINE,
-                    tidx,
-                    False,
-                )
-            failed = barrier_or(kind | Int32(dispatch_failed != 0))
-            lane, warp = tidx % LANES, tidx // LANES
-            for t in cutlass.range(bidx * COMBINE_WARPS + warp, T, grid * COMBINE_WARPS):
-                if failed != 0:
-                    self.mark_token(mNormed, t, lane)
-                else:
-                    self.reduce_token(
-                        mIds, mNormWeight, mNormed, own.partials, eps, normalize, T, t, lane
-                    )
-
-    @cute.jit
-    def send(
-        self,
-        mOut: cute.Tensor,
-        own: ReceiveRegions,
-        regions: SymmetricRegions,
-        rank: Int32,
-        tokens: Int32,
-        tidx: Int32,
-        bidx: Int32,
-        grid: Int32,
-    ):
-        """Phase 1: this CTA's contiguous share of the rows r = s*T + t goes to the sources'
-        partials (the rows whose received ids hold a local expert)."""
-        N, L, K, C = self.num_ranks, self.latent, self.topk, self.chunks
-        V = self.id_vector
-        smem = SmemAllocator()
-        # The pass's rows that hold a local id, their source rank and their partials row there.
-        sRow = smem.allocate_tensor(Int32, cute.make_layout(PASS_ROWS), byte_alignment=16)
-        sSource = smem.allocate_tensor(Int32, cute.make_layout(PASS_ROWS), byte_alignment=16)
-        sDestRow = smem.allocate_tensor(Int32, cute.make_layout(PASS_ROWS), byte_alignment=16)
-        sCount = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        gOut = vectors(mOut)  # ((1, 4), (N*T, C)): 16-byte vectors
-        gRecvIds = vectors(own.ids, V)  # ((1, V), (N*T, K / V))
-        rIds = cute.make_rmem_tensor(cute.make_layout(V), Int32)
-        rBuf = cute.make_rmem_tensor(
-            cute.make_layout((self.vectors_in_flight, VECTOR_WORDS), stride=(VECTOR_WORDS, 1)),
-            Uint32,
-        )
-        rows = tokens * N
-        r_begin, r_end = chunk_begin(rows, bidx, grid), chunk_end(rows, bidx, grid)
-        for r0 in cutlass.range(r_begin, r_end, PASS_ROWS):
-            if tidx < WARP_LANES:  # warp 0 lists the pass's rows that hold a local id
-                r = r0 + tidx
-                hit = Int32(0)
-                if r < r_end:
-                    for g in cutlass.range_constexpr(K // V):
-                        cute.autovec_copy(gRecvIds[(0, None), (r, g)], rIds)
-                        for i in cutlass.range_constexpr(V):
-                            if rIds[i] >= 0:
-                                hit = Int32(1)
-                listed = cute.arch.vote_ballot_sync(hit != 0)
-                if hit != 0:
-                    at = cute.arch.popc(listed & ((Int32(1) << tidx) - 1))
-                    source = r // tokens
-                    sRow[at] = r
-                    sSource[at] = source
-                    sDestRow[at] = rank * tokens + r - source * tokens
-                if tidx == 0:
-                    sCount[0] = cute.arch.popc(listed)
-            cute.arch.barrier()
-            items = sCount[0] * C
-            for first in cutlass.range(tidx, items, THREADS * self.vectors_in_flight):
-                for u in cutlass.range_constexpr(self.vectors_in_flight):
-                    item = first + u * THREADS
-                    if item < items:
-                        cute.autovec_copy(
-                            gOut[(0, None), (sRow[item // C], item % C)], rBuf[u, None]
-                        )
-                for u in cutlass.range_constexpr(self.vectors_in_flight):
-                    item = first + u * THREADS
-                    if item < items:
-                        dst = receive_regions(
-                            peer_base(regions, sSource[item // C], N), regions, rows, L, K, N
-                        )
-                        cute.autovec_copy(
-                            rBuf[u, None],
-                            vectors(dst.partials)[(0, None), (sDestRow[item // C], item % C)],
-                        )
-            cute.arch.barrier()  # the lists are rewritten by the next pass
 
     @cute.jit
     def mark_token(self, mNormed: cute.Tensor, t: Int32, lane: Int32):
@@ -305,39 +206,47 @@ class CombineKernel:
                 cute.autovec_copy(rWords, gNormed[(0, None), (t, c)])
 
     @cute.jit
-    def sum_chunk(
+    def pull_rows(
         self,
-        mPartials: cute.Tensor,
+        regions: SymmetricRegions,
+        rank: Int32,
         tokens: Int32,
         t: Int32,
-        c: Int32,
         hits: Uint32,
-        i: int,
+        lane: Int32,
         rH: cute.Tensor,
-        rWords: cute.Tensor,
-        acc: cute.Tensor,
-        sumsq: Float32,
-    ) -> Float32:
-        """Chunk c (8 elements) of token t: rank-ordered fp32 sum of the hit ranks' partials, BF16
-        rounded into rH[8i:8i+8]; returns sumsq plus their squares, in element order."""
-        gPartials = vectors(mPartials)  # ((1, 4), (N*T, L/8))
-        for j in cutlass.range_constexpr(CHUNK):
-            acc[j] = Float32(0.0)
-        for d in cutlass.range_constexpr(self.num_ranks):
+    ):
+        """Token t's row, this lane's chunks: rH[8i + j] = the fp32 sum, in rank order from +0.0,
+        of element j of chunk lane + 32i of row rank*T + t in the `out` region of every rank d
+        whose bit is set in `hits`. Per rank, the lane loads all its chunks before it adds
+        any: a row's loads are in flight together (one memory round trip per rank)."""
+        N, L, K = self.num_ranks, self.latent, self.topk
+        rWords = cute.make_rmem_tensor(
+            cute.make_layout((self.chunks_per_lane, VECTOR_WORDS), stride=(VECTOR_WORDS, 1)),
+            Uint32,
+        )
+        for i in cutlass.range_constexpr(self.chunks_per_lane):
+            for j in cutlass.range_constexpr(CHUNK):
+                rH[i * CHUNK + j] = Float32(0.0)
+        row = rank * tokens + t
+        for d in cutlass.range_constexpr(N):
             if (hits >> d) & 1:
-                cute.autovec_copy(gPartials[(0, None), (d * tokens + t, c)], rWords)
-                for j in cutlass.range_constexpr(VECTOR_WORDS):
-                    acc[2 * j] = add_rn(acc[2 * j], _lo(rWords[j]))
-                    acc[2 * j + 1] = add_rn(acc[2 * j + 1], _hi(rWords[j]))
-        for j in cutlass.range_constexpr(CHUNK):
-            h = bits_f32(bf16_round(acc[j]) << 16)
-            rH[i * CHUNK + j] = h
-            sumsq = add_rn(sumsq, mul_rn(h, h))
-        return sumsq
+                src = receive_regions(peer_base(regions, d, N), regions, tokens * N, L, K, N)
+                gOut = vectors(src.out)  # ((1, 4), (N*T, L/8)): 16-byte vectors
+                for i in cutlass.range_constexpr(self.chunks_per_lane):
+                    c = lane + LANES * i
+                    if c < self.chunks:
+                        cute.autovec_copy(gOut[(0, None), (row, c)], rWords[i, None])
+                for i in cutlass.range_constexpr(self.chunks_per_lane):
+                    if lane + LANES * i < self.chunks:
+                        for j in cutlass.range_constexpr(VECTOR_WORDS):
+                            k = i * CHUNK + 2 * j
+                            rH[k] = add_rn(rH[k], _lo(rWords[i, j]))
+                            rH[k + 1] = add_rn(rH[k + 1], _hi(rWords[i, j]))
 
     @cute.jit
     def lane_sumsq(self, rH: cute.Tensor, lane: Int32) -> Float32:
-        """This lane's sum of squares of rH, in chunk and element order (as sum_chunk)."""
+        """This lane's sum of squares of rH, in chunk and element order."""
         sumsq = Float32(0.0)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
             if lane + LANES * i < self.chunks:
@@ -360,8 +269,8 @@ class CombineKernel:
         max is exact in any order); returns eps times the square of that scale."""
         amax = Uint32(0)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
-            # A lane's last chunk may not exist (L not a multiple of 256): its registers were
-            # never written and must not reach the max.
+            # A lane's last chunk may not exist (L not a multiple of 256): its registers hold
+            # the +0.0 pull_rows started from, which must not reach the max either way.
             if lane + LANES * i < self.chunks:
                 for j in cutlass.range_constexpr(CHUNK):
                     amax = cutlass.max(amax, f32_bits(rH[i * CHUNK + j]) & Uint32(0x7FFFFFFF))
@@ -372,8 +281,9 @@ class CombineKernel:
             Uint32(NORM_SCALE_MAX_EXP),
         )
         scale = bits_f32((Uint32(254) - exponent) << 23)
-        for k in cutlass.range_constexpr(self.chunks_per_lane * CHUNK):
-            rH[k] = mul_rn(rH[k], scale)
+        for i in cutlass.range_constexpr(self.chunks_per_lane):
+            for j in cutlass.range_constexpr(CHUNK):
+                rH[i * CHUNK + j] = mul_rn(rH[i * CHUNK + j], scale)
         return mul_rn(mul_rn(eps, scale), scale)
 
     @cute.jit
@@ -382,31 +292,27 @@ class CombineKernel:
         mIds: cute.Tensor,
         mNormWeight: cute.Tensor,
         mNormed: cute.Tensor,
-        mPartials: cute.Tensor,
+        regions: SymmetricRegions,
+        rank: Int32,
         eps: Float32,
         normalize: Int32,
         tokens: Int32,
         t: Int32,
         lane: Int32,
     ):
-        """One warp: token t's rank-ordered fp32 sum of partials, rounded to BF16, then (when
-        `normalize`) RMSNorm with norm_weight, to `normed`."""
+        """One warp: token t's rank-ordered fp32 sum of the pulled rows, rounded to BF16, then
+        (when `normalize`) RMSNorm with norm_weight, to `normed`."""
         L = self.latent
         hits = token_destinations(mIds, t, lane, self.topk, self.experts_per_rank, self.num_ranks)
         rH = cute.make_rmem_tensor(cute.make_layout(self.chunks_per_lane * CHUNK), Float32)
-        rWords = cute.make_rmem_tensor(cute.make_layout(VECTOR_WORDS), Uint32)
-        acc = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-        sumsq = Float32(0.0)
+        self.pull_rows(regions, rank, tokens, t, hits, lane, rH)
+        # The sum rounded to BF16 (kept as fp32: exact), as the reference does before its norm.
         for i in cutlass.range_constexpr(self.chunks_per_lane):
-            c = lane + LANES * i
-            if cutlass.const_expr(self.chunks % LANES == 0):  # every lane has chunk i: no guard
-                sumsq = self.sum_chunk(mPartials, tokens, t, c, hits, i, rH, rWords, acc, sumsq)
-            else:
-                if c < self.chunks:
-                    sumsq = self.sum_chunk(mPartials, tokens, t, c, hits, i, rH, rWords, acc, sumsq)
+            for j in cutlass.range_constexpr(CHUNK):
+                rH[i * CHUNK + j] = bits_f32(bf16_round(rH[i * CHUNK + j]) << 16)
         inv = Float32(1.0)
         if normalize != 0:
-            total = self.warp_total(sumsq)
+            total = self.warp_total(self.lane_sumsq(rH, lane))
             eps_row = eps
             # Squares that overflow (the total is Inf or NaN; the same on every lane): scale the
             # row by a power of two and sum again (docs/design.md, "RMSNorm").
@@ -414,6 +320,7 @@ class CombineKernel:
                 eps_row = self.rescale(rH, eps, lane)
                 total = self.warp_total(self.lane_sumsq(rH, lane))
             inv = div_rn(Float32(1.0), sqrt_rn(add_rn(div_rn(total, Float32(L)), eps_row)))
+        rWords = cute.make_rmem_tensor(cute.make_layout(VECTOR_WORDS), Uint32)
         gNormWeight, gNormed = vectors(mNormWeight), vectors(mNormed)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
             c = lane + LANES * i

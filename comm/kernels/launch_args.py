@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from cutlass import Int32, Int64
 
+from dep_ep.constants import COMBINE_WARPS
+
 
 @dataclass(frozen=True)
 class SymmetricRegions:
@@ -24,7 +26,7 @@ class SymmetricRegions:
     sf: Int64
     ids: Int64
     weights: Int64
-    partials: Int64
+    out: Int64
     flags: Int64
 
 
@@ -55,19 +57,18 @@ class KernelTuning:
     compile cache's key). pdl: launch with programmatic dependent launch (each kernel waits for
     the grid before it, griddepcontrol.wait, before it reads, and lets the next launch early);
     dispatch_blocks_in_flight: 32-element blocks a dispatch thread loads before it quantizes;
-    combine_vectors_in_flight: 16-byte loads a combine thread issues before its stores.
+    combine_warps: warps of a combine CTA, one token each (the launch takes ceil(T / warps)
+    CTAs).
 
     The defaults, measured at EP=1 on an H200 (docs/results/bench_ep1.md): PDL took the T = 1 pair
-    from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us; four
-    combine vectors spill at the send launch's 32-register bound (T = 4096: 67.8 against 54.4 us
-    with two)."""
+    from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us."""
 
     pdl: bool = True
     dispatch_blocks_in_flight: int = 2
-    combine_vectors_in_flight: int = 2
+    combine_warps: int = COMBINE_WARPS
 
     def __post_init__(self) -> None:
-        for name in ("dispatch_blocks_in_flight", "combine_vectors_in_flight"):
+        for name in ("dispatch_blocks_in_flight", "combine_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ValueError(f"KernelTuning: {name}={value!r} outside 1..8")

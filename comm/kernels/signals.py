@@ -209,6 +209,41 @@ def signal_after_cta(
     return signalled
 
 
+@cute.jit
+def signal_first_cta(
+    regions: SymmetricRegions,
+    control: RankControl,
+    step: Step,
+    call: Int64,
+    phase: int,
+    counter: int,
+    num_ranks: cutlass.Constexpr[int],
+    tidx: Int32,
+):
+    """Every thread of the CTA, before it waits: thread 0 of the first CTA of the launch to get
+    here (state word `counter` counts the arrivals; the launch's last CTA zeroes it, see
+    `count_done`) stores this rank's flag of (phase, call) into every rank, after a system-scope
+    fence. For a payload that earlier launches on this stream wrote: they completed before this
+    launch read anything (stream order, or griddepcontrol.wait), and the fence, cumulative, orders
+    their writes before the flag that peers acquire.
+
+    Why the first CTA and not CTA 0 or the last one: the launch's CTAs then never wait for one
+    another. A CTA that waits for the peers' flags holds its SM, and the peers wait for this
+    rank's flag; had CTA 0 to signal, a grid larger than what fits at once (or SMs held by a
+    side stream's kernels) could keep CTA 0 from starting while every resident CTA waits. The
+    first CTA to start is resident by definition."""
+    if tidx == 0:
+        mState = state_words(control)
+        arrived = cute.arch.atomic_add(
+            element_ptr(mState, counter), Int64(1), sem="relaxed", scope="gpu"
+        )
+        if arrived == 0:
+            cute.arch.fence_acq_rel_sys()
+            for d in cutlass.range_constexpr(num_ranks):
+                mFlags = flag_slots(peer_base(regions, d, num_ranks), regions, num_ranks)
+                signal_step(flag_slot(mFlags, phase, control.rank), call, STATUS_OK, step)
+
+
 def id_vector(topk: int) -> int:
     """Ids per lane in one load: 4 (16 bytes) when a row of `topk` int32 is whole vectors."""
     return VECTOR_WORDS if topk % VECTOR_WORDS == 0 else 1

@@ -62,7 +62,7 @@ class ReceiveRegions(NamedTuple):
     sf: cute.Tensor  # Uint8 [rows, L/32]: E8M0 scale bytes
     ids: cute.Tensor  # Int32 [rows, K]: global ids this rank owns, -1 elsewhere
     weights: cute.Tensor  # Uint32 [rows, K]: fp32 routing weights, as bits (only copied)
-    partials: cute.Tensor  # Uint32 [rows, L/2]: bf16 pairs, rank d's sum in row d*T + t
+    out: cute.Tensor  # Uint32 [rows, L/2]: bf16 pairs, this rank's expert sum for row s*T + t
     flags: cute.Tensor  # Int64 [FLAG_PHASES, N, FLAG_WORDS]: step flags per phase and source
 
 
@@ -75,9 +75,7 @@ def receive_regions(
         sf=gmem_tensor(Uint8, base + regions.sf, row_major(rows, latent // SCALE_BLOCK)),
         ids=gmem_tensor(Int32, base + regions.ids, row_major(rows, topk)),
         weights=gmem_tensor(Uint32, base + regions.weights, row_major(rows, topk)),
-        partials=gmem_tensor(
-            Uint32, base + regions.partials, row_major(rows, latent // BF16_PER_WORD)
-        ),
+        out=gmem_tensor(Uint32, base + regions.out, row_major(rows, latent // BF16_PER_WORD)),
         flags=flag_slots(base, regions, num_ranks),
     )
 

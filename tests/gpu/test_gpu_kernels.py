@@ -105,7 +105,7 @@ def poison_receive(routed):
     b.sf(rows).fill_(0xEE)
     b.ids(rows).fill_(-7)
     b.weights(rows).fill_(float("nan"))
-    b.partials(rows).fill_(float("nan"))
+    b.out(rows).fill_(float("nan"))
     torch.cuda.synchronize()
 
 
@@ -197,40 +197,22 @@ def test_dispatch_rows_bitwise_wide(gpu_dep, routed_wide, tokens, routing, misal
 ODD = MoeGeometry("odd", hidden=512, latent=2080, experts=48, topk=6, intermediate=128)
 
 
-@pytest.fixture(scope="module", params=["fused", "split"])
-def combine_path(request):
-    """The combine's one-launch ("fused") or two-launch ("split") path at every T."""
-    return request.param
-
-
-def path_config(path: str, max_tokens: int) -> EpConfig:
-    """0 splits at every T; a threshold above max_tokens never splits."""
-    split = 0 if path == "split" else max_tokens + 1
-    return EpConfig(timeout_s=60.0, combine_split_min_tokens=split)
-
-
-def path_failures(routed, path: str) -> list[str]:
-    """The transport takes the path asked for: the split kernels exist exactly for "split"."""
-    transport = routed._transport
-    split = "combine_send" in transport.kernels and "combine_reduce" in transport.kernels
-    threshold = transport.combine_split_min_tokens
-    if (path == "split") != split or (path == "split") != (threshold == 0):
-        return [f"{path}: split kernels compiled {split}, split from T={threshold}"]
-    return []
+def pull_config() -> EpConfig:
+    return EpConfig(timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
-def routed_path(gpu_dep, combine_path):
-    """TINY on the combine path `combine_path`."""
-    r = build(gpu_dep, TINY, MAX_TOKENS, path_config(combine_path, MAX_TOKENS))
+def routed_path(gpu_dep):
+    """TINY, sized for MAX_TOKENS."""
+    r = build(gpu_dep, TINY, MAX_TOKENS, pull_config())
     yield r
     r.close()
 
 
 @pytest.fixture(scope="module")
-def routed_odd(gpu_dep, combine_path):
-    """ODD on the combine path `combine_path`."""
-    r = build(gpu_dep, ODD, 16, path_config(combine_path, 16))
+def routed_odd(gpu_dep):
+    """ODD, sized for 16 tokens."""
+    r = build(gpu_dep, ODD, 16, pull_config())
     yield r
     r.close()
 
@@ -297,37 +279,34 @@ def describe_rows(got: torch.Tensor, want: torch.Tensor, owners: torch.Tensor) -
     "tokens,routing",
     [(1, "random"), (9, "padded"), (MAX_TOKENS, "skewed"), (10, "nan"), (33, "ragged")],
 )
-def test_combine_bitwise(gpu_dep, routed_path, combine_path, tokens, routing):
+def test_combine_bitwise(gpu_dep, routed_path, tokens, routing):
     failures, seed = check_combine_bitwise(gpu_dep, routed_path, TINY, tokens, routing)
-    failures += path_failures(routed_path, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("scale", [1.0, 1e30])
-def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd, combine_path, scale):
+def test_combine_bitwise_unequal_lanes(gpu_dep, routed_odd, scale):
     """A lane's last chunk is missing (L = 2080); at 1e30 every row takes the overflow-safe
     norm, whose largest magnitude must come from the chunks the lane holds."""
     failures, seed = check_combine_bitwise(gpu_dep, routed_odd, ODD, 13, "padded", scale)
-    failures += path_failures(routed_odd, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
 @pytest.fixture(scope="module")
-def routed_wide_path(gpu_dep, combine_path):
-    """WIDE, sized for many_passes_tokens(), on the combine path `combine_path`."""
+def routed_wide_path(gpu_dep):
+    """WIDE, sized for many_passes_tokens()."""
     tokens = many_passes_tokens()
-    r = build(gpu_dep, WIDE, tokens, path_config(combine_path, tokens))
+    r = build(gpu_dep, WIDE, tokens, pull_config())
     yield r
     r.close()
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), ("many", "padded"), ("many", "nan")])
-def test_combine_bitwise_wide(gpu_dep, routed_wide_path, combine_path, tokens, routing):
+def test_combine_bitwise_wide(gpu_dep, routed_wide_path, tokens, routing):
     tokens = many_passes_tokens() if tokens == "many" else tokens
     failures, seed = check_combine_bitwise(gpu_dep, routed_wide_path, WIDE, tokens, routing)
-    failures += path_failures(routed_wide_path, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
@@ -341,7 +320,7 @@ def experts_for(kind, layer, rank, n):
     "tokens,routing",
     [(1, "random"), (17, "padded"), (MAX_TOKENS, "random"), (11, "duplicate"), (10, "nan")],
 )
-def test_routed_matches_allgather_reference(gpu_dep, routed_path, combine_path, tokens, routing):
+def test_routed_matches_allgather_reference(gpu_dep, routed_path, tokens, routing):
     routed, n, rank = routed_path, gpu_dep.size, gpu_dep.rank
     seed = agreed_seed(gpu_dep.cpu_group, 3)
     layer = SyntheticLayer(TINY, seed)
@@ -359,7 +338,6 @@ def test_routed_matches_allgather_reference(gpu_dep, routed_path, combine_path, 
         layer.expert,
     )
     failures = compare(out.cpu(), ref, f"T={tokens} {routing}")
-    failures += path_failures(routed, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds={"layer and case": seed})
 
 
@@ -395,7 +373,7 @@ def fresh_inputs(gen, tokens, n_experts):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_graph_replay_matches_eager(gpu_dep, routed_path, combine_path):
+def test_graph_replay_matches_eager(gpu_dep, routed_path):
     """routed() for a fixed T captured once, replayed REPLAYS times with fresh inputs copied into
     the captured buffers: every replay equals, bit for bit, an eager call on the same inputs."""
     routed, n, rank, tokens = routed_path, gpu_dep.size, gpu_dep.rank, 24
@@ -430,7 +408,6 @@ def test_graph_replay_matches_eager(gpu_dep, routed_path, combine_path):
         if not bits_equal(replayed, eager):
             failures.append(f"replay {step} differs from eager")
             break
-    failures += path_failures(routed, combine_path)
     collective_assert(gpu_dep.cpu_group, failures, seeds=seeds)
 
 
