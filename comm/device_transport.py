@@ -448,6 +448,8 @@ class DeviceTransport(Transport):
         p = self._params
         # One warp a token (no CTA waits for another: any grid would do).
         grid = -(-tokens // self.tuning.combine_warps)
+        if self.tuning.combine_ctas_per_sm:
+            grid = min(grid, self.tuning.combine_ctas_per_sm * self.num_sms)
         self.kernels["combine"](
             p.ids.set(ids.data_ptr()),
             p.norm_weight.set(0 if norm_weight is None else norm_weight.data_ptr()),

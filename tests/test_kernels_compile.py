@@ -102,8 +102,16 @@ def test_tuning_is_part_of_the_cache_key():
     assert other["dispatch"] is not plain["dispatch"] and again["dispatch"] is plain["dispatch"]
 
 
-@pytest.mark.parametrize("field", ["dispatch_blocks_in_flight", "combine_warps"])
-@pytest.mark.parametrize("value", [0, 9, 2.0, True])
+BAD_COUNTS = (0, 9, 2.0, True)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        *((f, v) for f in ("dispatch_blocks_in_flight", "combine_warps") for v in BAD_COUNTS),
+        *(("combine_ctas_per_sm", v) for v in (-1, 9, 1.0, False)),
+    ],
+)
 def test_tuning_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=f"KernelTuning: {field}="):
         KernelTuning(**{field: value})

@@ -39,6 +39,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.memory import SmemAllocator
 
 from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
 from dep_ep.comm.kernels.ptx import (
@@ -53,10 +54,12 @@ from dep_ep.comm.kernels.ptx import (
 )
 from dep_ep.comm.kernels.signals import (
     check_step,
+    destinations,
     flag_slot,
     is_last_cta,
+    load_token_ids,
     signal_first_cta,
-    token_destinations,
+    token_ids_tensor,
 )
 from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
@@ -165,6 +168,23 @@ class CombineKernel:
         # What the dispatch of this call found (stream-ordered before this launch).
         dispatch_failed = mState[STATE_STEP_STATUS]
         signal_first_cta(regions, control, step, call, PHASE_COMBINE, STATE_READY_COMBINE, N, tidx)
+        # The norm weight, once per CTA into shared memory: read from global memory after the
+        # output stores of a token, its loads could not be hoisted above them (the tensors may
+        # alias), and a lane's 14 chunks at L = 3584 cost 14 L2 round trips a token.
+        smem = SmemAllocator()
+        sNormWeight = smem.allocate_tensor(
+            Uint32, row_major(1, self.latent // BF16_PER_WORD), byte_alignment=16
+        )
+        if normalize != 0:
+            gNormWeight, gStaged = vectors(mNormWeight), vectors(sNormWeight)
+            for c in cutlass.range(tidx, self.chunks, self.warps * WARP_LANES):
+                cute.autovec_copy(gNormWeight[(0, None), (0, c)], gStaged[(0, None), (0, c)])
+        lane, warp = tidx % LANES, tidx // LANES
+        first, stride = bidx * self.warps + warp, grid * self.warps
+        # The first token's ids (the caller's, ready since the dispatch): the load is in flight
+        # while the CTA waits for the flags.
+        rIds = token_ids_tensor(self.topk)
+        load_token_ids(mIds, first, T, lane, self.topk, rIds)
         own = receive_regions(regions.own, regions, T * N, self.latent, self.topk, N)
         kind = Int32(0)
         if tidx < N:
@@ -177,14 +197,17 @@ class CombineKernel:
                 tidx,
                 False,
             )
-        failed = barrier_or(kind | Int32(dispatch_failed != 0))
-        lane, warp = tidx % LANES, tidx // LANES
-        for t in cutlass.range(bidx * self.warps + warp, T, grid * self.warps):
+        failed = barrier_or(kind | Int32(dispatch_failed != 0))  # also: sNormWeight is filled
+        for t in cutlass.range(first, T, stride):
             if failed != 0:
                 self.mark_token(mNormed, t, lane)
             else:
+                hits = destinations(rIds, self.topk, self.experts_per_rank, N)
+                # The next token's ids, in flight with this token's rows (one memory round trip
+                # a token instead of two).
+                load_token_ids(mIds, t + stride, T, lane, self.topk, rIds)
                 self.reduce_token(
-                    mIds, mNormWeight, mNormed, regions, control.rank, eps, normalize, T, t, lane
+                    hits, sNormWeight, mNormed, regions, control.rank, eps, normalize, T, t, lane
                 )
         cute.arch.barrier()
         if tidx == 0:
@@ -289,8 +312,8 @@ class CombineKernel:
     @cute.jit
     def reduce_token(
         self,
-        mIds: cute.Tensor,
-        mNormWeight: cute.Tensor,
+        hits: Uint32,
+        sNormWeight: cute.Tensor,
         mNormed: cute.Tensor,
         regions: SymmetricRegions,
         rank: Int32,
@@ -300,10 +323,10 @@ class CombineKernel:
         t: Int32,
         lane: Int32,
     ):
-        """One warp: token t's rank-ordered fp32 sum of the pulled rows, rounded to BF16, then
-        (when `normalize`) RMSNorm with norm_weight, to `normed`."""
+        """One warp: token t's rank-ordered fp32 sum of the rows pulled from the ranks in `hits`
+        (bit d: rank d owns one of its experts), rounded to BF16, then (when `normalize`)
+        RMSNorm with the norm weight (sNormWeight, shared memory), to `normed`."""
         L = self.latent
-        hits = token_destinations(mIds, t, lane, self.topk, self.experts_per_rank, self.num_ranks)
         rH = cute.make_rmem_tensor(cute.make_layout(self.chunks_per_lane * CHUNK), Float32)
         self.pull_rows(regions, rank, tokens, t, hits, lane, rH)
         # The sum rounded to BF16 (kept as fp32: exact), as the reference does before its norm.
@@ -321,12 +344,12 @@ class CombineKernel:
                 total = self.warp_total(self.lane_sumsq(rH, lane))
             inv = div_rn(Float32(1.0), sqrt_rn(add_rn(div_rn(total, Float32(L)), eps_row)))
         rWords = cute.make_rmem_tensor(cute.make_layout(VECTOR_WORDS), Uint32)
-        gNormWeight, gNormed = vectors(mNormWeight), vectors(mNormed)
+        sWeight, gNormed = vectors(sNormWeight), vectors(mNormed)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
             c = lane + LANES * i
             if c < self.chunks:
                 if normalize != 0:
-                    cute.autovec_copy(gNormWeight[(0, None), (0, c)], rWords)
+                    cute.autovec_copy(sWeight[(0, None), (0, c)], rWords)
                     for j in cutlass.range_constexpr(VECTOR_WORDS):
                         y0 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j], inv)) << 16)
                         y1 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j + 1], inv)) << 16)

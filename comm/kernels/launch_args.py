@@ -57,18 +57,27 @@ class KernelTuning:
     compile cache's key). pdl: launch with programmatic dependent launch (each kernel waits for
     the grid before it, griddepcontrol.wait, before it reads, and lets the next launch early);
     dispatch_blocks_in_flight: 32-element blocks a dispatch thread loads before it quantizes;
-    combine_warps: warps of a combine CTA, one token each (the launch takes ceil(T / warps)
-    CTAs).
+    combine_warps: warps of a combine CTA, one token each; combine_ctas_per_sm: 0 launches
+    ceil(T / combine_warps) CTAs, c > 0 at most c CTAs an SM (each CTA's warps then loop over
+    the tokens: one wave where c CTAs fit an SM).
 
     The defaults, measured at EP=1 on an H200 (docs/results/bench_ep1.md): PDL took the T = 1 pair
-    from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us."""
+    from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us; one
+    combine CTA an SM (the kernel takes 255 registers a thread: one 8-warp CTA fits an SM) the
+    T = 4096 combine from 38.6 to 31.6 us (no change up to T = 1024, where ceil(T / 8) CTAs are
+    one wave anyway)."""
 
     pdl: bool = True
     dispatch_blocks_in_flight: int = 2
     combine_warps: int = COMBINE_WARPS
+    combine_ctas_per_sm: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dispatch_blocks_in_flight", "combine_warps"):
+        for name, low in (
+            ("dispatch_blocks_in_flight", 1),
+            ("combine_warps", 1),
+            ("combine_ctas_per_sm", 0),
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-                raise ValueError(f"KernelTuning: {name}={value!r} outside 1..8")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 8:
+                raise ValueError(f"KernelTuning: {name}={value!r} outside {low}..8")

@@ -249,6 +249,61 @@ def id_vector(topk: int) -> int:
     return VECTOR_WORDS if topk % VECTOR_WORDS == 0 else 1
 
 
+def id_passes(topk: int) -> int:
+    """Id vectors a lane holds for one token: ceil(topk / V / 32) (1 up to topk = 128)."""
+    return (topk // id_vector(topk) + WARP_LANES - 1) // WARP_LANES
+
+
+def token_ids_tensor(topk: int) -> cute.Tensor:
+    """A lane's registers for one token's ids: int32 [id_passes, V] (load_token_ids)."""
+    V = id_vector(topk)
+    return cute.make_rmem_tensor(cute.make_layout((id_passes(topk), V), stride=(V, 1)), Int32)
+
+
+@cute.jit
+def load_token_ids(
+    mIds: cute.Tensor,
+    t: Int32,
+    tokens: Int32,
+    lane: Int32,
+    topk: cutlass.Constexpr[int],
+    rIds: cute.Tensor,
+):
+    """One warp: lane j loads ids [jV, (j+1)V), [(j+32)V, (j+33)V), ... of token t of mIds
+    (int32 [T, topk], 16-byte aligned rows) into rIds (token_ids_tensor); -1 where a lane has no
+    vector or t >= tokens. Separate from `destinations`, so that a caller can have the load in
+    flight while it does other work."""
+    V = id_vector(topk)
+    groups = topk // V
+    gIds = vectors(mIds, V)  # ((1, V), (T, topk / V))
+    for p in cutlass.range_constexpr(id_passes(topk)):
+        g = lane + WARP_LANES * p
+        if g < groups and t < tokens:
+            cute.autovec_copy(gIds[(0, None), (t, g)], rIds[p, None])
+        else:
+            for i in cutlass.range_constexpr(V):
+                rIds[p, i] = Int32(-1)
+
+
+@cute.jit
+def destinations(
+    rIds: cute.Tensor,
+    topk: cutlass.Constexpr[int],
+    experts_per_rank: cutlass.Constexpr[int],
+    num_ranks: cutlass.Constexpr[int],
+) -> Uint32:
+    """One warp, every lane gets the result: bit d set when one of the ids the lanes hold
+    (load_token_ids; -1 = none) is an expert on rank d < num_ranks (ranks own
+    `experts_per_rank` consecutive experts; an id past the last rank's, which only an unchecked
+    caller passes, selects no rank, as -1). The lanes OR their bits (redux.sync)."""
+    hits = Uint32(0)
+    for p in cutlass.range_constexpr(id_passes(topk)):
+        for i in cutlass.range_constexpr(id_vector(topk)):
+            if rIds[p, i] >= 0 and rIds[p, i] < num_ranks * experts_per_rank:
+                hits = hits | (Uint32(1) << Uint32(rIds[p, i] // experts_per_rank))
+    return cute.arch.warp_redux_sync(hits, "or")
+
+
 @cute.jit
 def token_destinations(
     mIds: cute.Tensor,
@@ -258,25 +313,11 @@ def token_destinations(
     experts_per_rank: cutlass.Constexpr[int],
     num_ranks: cutlass.Constexpr[int],
 ) -> Uint32:
-    """One warp, every lane gets the result: bit d set when token t of mIds (int32 [T, topk],
-    16-byte aligned rows; -1 = none) has an expert on rank d < num_ranks (ranks own
-    `experts_per_rank` consecutive experts; an id past the last rank's, which only an unchecked
-    caller passes, selects no rank, as -1). Lane j reads ids [jV, (j+1)V) in one load
-    (V = id_vector(topk)), then the lanes OR their bits (redux.sync): one load per lane instead
-    of topk."""
-    V = id_vector(topk)
-    groups = topk // V
-    gIds = vectors(mIds, V)  # ((1, V), (T, topk / V))
-    rIds = cute.make_rmem_tensor(cute.make_layout(V), Int32)
-    hits = Uint32(0)
-    for p in cutlass.range_constexpr((groups + WARP_LANES - 1) // WARP_LANES):
-        g = lane + WARP_LANES * p
-        if g < groups:
-            cute.autovec_copy(gIds[(0, None), (t, g)], rIds)
-            for i in cutlass.range_constexpr(V):
-                if rIds[i] >= 0 and rIds[i] < num_ranks * experts_per_rank:
-                    hits = hits | (Uint32(1) << Uint32(rIds[i] // experts_per_rank))
-    return cute.arch.warp_redux_sync(hits, "or")
+    """One warp, every lane gets the result: the ranks owning an expert of token t < T of mIds
+    (`destinations` of `load_token_ids`): one load per lane instead of topk."""
+    rIds = token_ids_tensor(topk)
+    load_token_ids(mIds, t, t + 1, lane, topk, rIds)
+    return destinations(rIds, topk, experts_per_rank, num_ranks)
 
 
 @cute.jit
