@@ -49,7 +49,7 @@ from dep_ep.config import EpConfig, MoeGeometry
 from dep_ep.ep import TINY, EpMoeLayer, EpRouted, route
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
-from dep_ep.testing import SyntheticLayer
+from dep_ep.testing import SyntheticLayer, internals
 from dep_ep.testing.allgather_reference import NORM_EPS, SITU_BETA, SITU_LINEAR_BETA, expert_sums
 from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
@@ -404,15 +404,16 @@ def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
     """workspace_bytes = the symmetric segment (EpLayout.total_bytes; its last region ends inside
     it) + every tensor the EpRouted object holds (expert output rows, staged ids and weights)."""
     routed = rank.routed
-    layout = routed._buffers.layout
+    buffers = internals.buffers(routed)
+    layout = buffers.layout
     # The expert counts (E_local int32, EpConfig.count_experts) are control words, as the state.
     held = sum(
         t.nbytes
         for name, t in vars(routed).items()
         if isinstance(t, torch.Tensor) and name != "_counts"
     )
-    flags = routed._buffers.flags
-    segment_end = flags.data_ptr() + flags.nbytes - routed._buffers.base_address
+    flags = buffers.flags
+    segment_end = flags.data_ptr() + flags.nbytes - buffers.base_address
     want = EpRouted.workspace_bytes(dep.size, MAX_TOKENS, latent=TINY.latent, topk=TINY.topk)
     failures = []
     if want != layout.total_bytes + held:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dep_ep.ep import TINY, EpRouted
-from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing import SyntheticLayer, allgather_reference, internals
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -37,7 +37,8 @@ class Harness:
         tokens, r = case.latent[0].shape[0], self.dep.rank
         rows = self.routed.receive(tokens)
         rows.out.fill_(float("nan"))  # rows the experts do not write must not reach combine
-        self.routed._buffers.partials(self.routed._buffers.layout.max_rows).fill_(float("nan"))
+        buffers = internals.buffers(self.routed)
+        buffers.partials(buffers.layout.max_rows).fill_(float("nan"))
         return self.routed.routed(
             case.latent[r], case.ids[r], case.weights[r], layer.norm_weight(), experts=experts
         )

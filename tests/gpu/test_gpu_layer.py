@@ -24,7 +24,7 @@ from dep_ep.config import EpConfig, MoeGeometry
 from dep_ep.ep import K3, TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.experts.checkpoint import dense_shapes
-from dep_ep.testing import SyntheticLayer
+from dep_ep.testing import SyntheticLayer, internals
 from dep_ep.testing.allgather_reference import NORM_EPS, SITU_BETA, SITU_LINEAR_BETA, expert_sums
 from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
 
@@ -207,7 +207,7 @@ def k3_widths(gpu_dep):
 def poison(setup: Setup, counts: list[int], rank: int) -> None:
     """NaN into the routed path's buffers and into freed blocks of the sizes the layer allocates
     (the caching allocator hands them out again), so values the layer fails to write show."""
-    b = setup.routed._buffers
+    b = internals.buffers(setup.routed)
     b.partials(b.layout.max_rows).fill_(float("nan"))
     setup.routed.receive(MAX_TOKENS).out.fill_(float("nan"))
     n, g = counts[rank], setup.geometry
