@@ -53,6 +53,37 @@ def check_positive_int(fn: str, name: str, value: object, multiple_of: int = 1) 
     return n
 
 
+def check_int_in(
+    fn: str, name: str, value: object, low: int, high: int | None = None, expected: str = ""
+) -> int:
+    """`value` as a Python int in low..high (no upper bound when high is None), else ValueError
+    (a value of the wrong kind too: for settings whose kind and range are one rule). The message
+    says `expected`, by default "an int >= low" or "an int in low..high"."""
+    try:
+        n = check_int(fn, name, value)
+    except TypeError:
+        n = None
+    if n is None or n < low or (high is not None and n > high):
+        if not expected:
+            expected = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
+        raise ValueError(f"{fn}: {name}={value!r}; expected {expected}")
+    return n
+
+
+def check_real_between(
+    fn: str, name: str, value: object, low: float, high: float, expected: str
+) -> float:
+    """`value` as a Python float with low < value < high (NaN is outside), else ValueError (a
+    value of the wrong kind too) whose message says `expected`."""
+    try:
+        x = check_real(fn, name, value)
+    except TypeError:
+        x = math.nan
+    if not low < x < high:
+        raise ValueError(f"{fn}: {name}={value!r}; expected {expected}")
+    return x
+
+
 def check_tensor(
     fn: str,
     name: str,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
+import math
 from dataclasses import dataclass
 
+from dep_ep.checks import check_int_in, check_real_between
 from dep_ep.constants import SCALE_BLOCK
 
 
@@ -86,10 +87,10 @@ class EpConfig:
     count_experts: bool = False
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < t < 1e9:
-            raise ValueError(f"EpConfig: timeout_s={t!r}; expected seconds above 0 and below 1e9")
-        object.__setattr__(self, "timeout_s", float(t))
+        timeout = check_real_between(
+            "EpConfig", "timeout_s", self.timeout_s, 0, 1e9, "seconds above 0 and below 1e9"
+        )
+        object.__setattr__(self, "timeout_s", timeout)
         if not isinstance(self.check_expert_rows, bool):
             raise TypeError(
                 f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected a bool"
@@ -98,19 +99,13 @@ class EpConfig:
             raise TypeError(f"EpConfig: count_experts={self.count_experts!r}; expected a bool")
         if self.check_values not in (None, True, False):
             raise TypeError(f"EpConfig: check_values={self.check_values!r}; expected bool or None")
-        watch = self.peer_watch_s
-        if watch is not None and (
-            isinstance(watch, bool)
-            or not isinstance(watch, numbers.Real)
-            or not 0 < watch < float("inf")
-        ):
-            raise ValueError(f"EpConfig: peer_watch_s={watch!r}; expected None or seconds > 0")
-        split = self.combine_split_min_tokens
-        if split is not None and (
-            isinstance(split, bool) or not isinstance(split, numbers.Integral) or split < 0
-        ):
-            raise ValueError(
-                f"EpConfig: combine_split_min_tokens={split!r}; expected None or an int >= 0"
+        if self.peer_watch_s is not None:
+            check_real_between(
+                "EpConfig", "peer_watch_s", self.peer_watch_s, 0, math.inf, "None or seconds > 0"
             )
+        split = self.combine_split_min_tokens
         if split is not None:
-            object.__setattr__(self, "combine_split_min_tokens", int(split))
+            split = check_int_in(
+                "EpConfig", "combine_split_min_tokens", split, 0, expected="None or an int >= 0"
+            )
+            object.__setattr__(self, "combine_split_min_tokens", split)

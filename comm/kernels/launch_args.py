@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from cutlass import Int32, Int64
 
+from dep_ep.checks import check_int_in
+
 
 @dataclass(frozen=True)
 class SymmetricRegions:
@@ -68,6 +70,5 @@ class KernelTuning:
 
     def __post_init__(self) -> None:
         for name in ("dispatch_blocks_in_flight", "combine_vectors_in_flight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-                raise ValueError(f"KernelTuning: {name}={value!r} outside 1..8")
+            value = check_int_in("KernelTuning", name, getattr(self, name), 1, 8)
+            object.__setattr__(self, name, value)  # a Python int: part of the compile cache's key

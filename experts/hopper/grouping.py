@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dep_ep.checks import check_int_in
 from dep_ep.constants import MAX_EXPERTS
 
 
@@ -107,13 +108,9 @@ def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
     ):
         shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
         raise ValueError(f"{fn}: ids {shown}; expected int32 or int64 [R, K]")
-    for name, value, least in (
-        ("first_expert", first_expert, 0),
-        ("num_local", num_local, 1),
-        ("block_n", block_n, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{fn}: {name}={value!r}; expected an int >= {least}")
+    first_expert = check_int_in(fn, "first_expert", first_expert, 0)
+    num_local = check_int_in(fn, "num_local", num_local, 1)
+    check_int_in(fn, "block_n", block_n, 1)
     if first_expert + num_local > MAX_EXPERTS:
         raise ValueError(
             f"{fn}: first_expert + num_local = {first_expert + num_local}; expected"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dep_ep.checks import check_int, check_int_in
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.hopper.grouping import GROUPINGS
 
@@ -47,9 +48,8 @@ class HopperTiles:
 
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
-        for name, dim in (("latent", latent), ("intermediate", intermediate)):
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-                raise ValueError(f"HopperTiles.check: {name}={dim!r}; expected an int >= 1")
+        check_int_in("HopperTiles.check", "latent", latent, 1)
+        check_int_in("HopperTiles.check", "intermediate", intermediate, 1)
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
         if self.grouping not in GROUPINGS:
@@ -70,9 +70,9 @@ class HopperTiles:
             "num_stages",
             "programs_per_sm",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"HopperTiles: {name}={value!r}; expected an int")
+            # A Python int (an integer of another kind is taken, as everywhere in dep_ep): the
+            # kernels take these as compile-time constants.
+            object.__setattr__(self, name, check_int("HopperTiles", name, getattr(self, name)))
         for name, value, dim, least in (
             ("block_n", self.block_n, None, 16),
             ("fc1_block_m", self.fc1_block_m, intermediate, 16),
