@@ -106,6 +106,19 @@ def check_tensor(
     return t
 
 
+def vector_start(t: torch.Tensor) -> bool:
+    """Whether t's first element lies on a 16-byte boundary (VECTOR_BYTES, the GPU kernels'
+    vector loads). Every torch allocation does; a view at an odd offset may not."""
+    return t.data_ptr() % VECTOR_BYTES == 0
+
+
+def vector_rows(t: torch.Tensor) -> bool:
+    """Whether the rows of the 2-D tensor t lie a multiple of 16 bytes apart (its row stride in
+    bytes a multiple of VECTOR_BYTES): with `vector_start`, every row starts on a 16-byte
+    boundary, the 16-byte row rule of `check_rows`."""
+    return t.stride(0) * t.element_size() % VECTOR_BYTES == 0
+
+
 def check_rows(
     fn: str, name: str, t: object, dtype: torch.dtype, shape: tuple[int, int], device
 ) -> torch.Tensor:
@@ -125,7 +138,7 @@ def check_rows(
         raise ValueError(f"{fn}: {name}'s rows must be contiguous (stride(1) = {t.stride(1)})")
     if rows > 1:
         row_bytes = t.stride(0) * t.element_size()
-        if t.stride(0) < cols or row_bytes % VECTOR_BYTES:
+        if t.stride(0) < cols or not vector_rows(t):
             raise ValueError(
                 f"{fn}: {name}'s row stride is {t.stride(0)} elements ({row_bytes} bytes); expected"
                 f" at least {cols} and a multiple of {VECTOR_BYTES} bytes (contiguous, or a column"
@@ -138,7 +151,7 @@ def check_rows(
 def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
     """A tensor the GPU kernels read in 16-byte vectors must start on a 16-byte boundary (every
     torch allocation does; a view at an odd offset may not)."""
-    if t.numel() and t.data_ptr() % VECTOR_BYTES:
+    if t.numel() and not vector_start(t):
         raise ValueError(
             f"{fn}: {name} starts at an address that is not a multiple of {VECTOR_BYTES} bytes"
             f" (data_ptr() % {VECTOR_BYTES} = {t.data_ptr() % VECTOR_BYTES}); pass a tensor of"
