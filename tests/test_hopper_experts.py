@@ -290,7 +290,7 @@ def test_refuses_cpu_after_checking_arguments():
     weights = SyntheticLayer(TINY, 0).local_weights(0, 4)
     with pytest.raises(
         RuntimeError,
-        match="HopperExperts cannot run on cpu: it runs on CUDA GPUs, not cpu; it needs an SM90",
+        match="HopperExperts cannot run on cpu: cpu is not a CUDA device; it needs an SM90",
     ):
         HopperExperts(weights)
     for engine in (TritonEngine(), HummingEngine(deterministic=True, tune_for_capacity=True)):

@@ -100,9 +100,6 @@ class HopperExperts(ExpertsBackend):
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return f"it runs on CUDA GPUs, not {device.type}"
         reason = cuda_capability_reason(device, 9)
         if reason is not None:
             return reason
