@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from dep_ep.checks import check_int, check_int_in
 from dep_ep.constants import SCALE_BLOCK
-from dep_ep.experts.hopper.grouping import GROUPINGS
+from dep_ep.experts.hopper.grouping import Grouping, check_grouping
 
 MATHS = ("bf16", "fp32")  # experts/hopper/kernels.py
 
@@ -25,7 +25,7 @@ class HopperTiles:
     finalize_warps: warps per finalize program; num_warps, num_stages: the GEMM kernels' launch;
     programs_per_sm: persistent programs per SM; math: one of MATHS;
     persistent: each GEMM program walks the work list (True) or one program per work item, the
-    grid covering the work list's capacity (False); grouping: one of GROUPINGS (both engines),
+    grid covering the work list's capacity (False); grouping: a Grouping (both engines),
     how the rows are grouped by expert (the same tensors either way).
     """
 
@@ -44,7 +44,7 @@ class HopperTiles:
     programs_per_sm: int = 2
     math: str = "bf16"
     persistent: bool = True
-    grouping: str = "triton"
+    grouping: Grouping = Grouping.TRITON
 
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
@@ -52,10 +52,7 @@ class HopperTiles:
         check_int_in("HopperTiles.check", "intermediate", intermediate, 1)
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
-        if self.grouping not in GROUPINGS:
-            raise ValueError(
-                f"HopperTiles: grouping={self.grouping!r}; expected one of {GROUPINGS}"
-            )
+        check_grouping("HopperTiles", self.grouping)
         if not isinstance(self.persistent, bool):
             raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
         for name in (
