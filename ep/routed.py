@@ -129,7 +129,7 @@ def _as_exception(fn: str, error: object) -> BaseException:
     if isinstance(error, type) and issubclass(error, BaseException):
         try:
             return error()
-        except Exception as err:  # noqa: BLE001 - a class that needs arguments
+        except Exception as err:  # a class that needs arguments
             return TypeError(f"{fn}: could not instantiate {error.__name__}: {err}")
     return TypeError(f"{fn}: error is {type(error).__name__} ({error!r}); expected an exception")
 
