@@ -49,6 +49,7 @@ from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from dep_ep.testing import internals
 from dep_ep.testing.synthetic import ROUTINGS, synthetic_ids
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -141,7 +142,7 @@ def main() -> int:
     # The transport alone: a dispatch and its combine, no experts between.
     # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
     # validation and the dispatch/combine pairing on purpose.
-    transport = routed._transport
+    transport = internals.transport(routed)
     peer, peer_note = make_peer(args, ctx, cpu, n)
     L, K = K3.latent, K3.topk
     row_bytes = L + L // SCALE_BLOCK + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights

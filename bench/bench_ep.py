@@ -33,6 +33,7 @@ from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
+from dep_ep.testing import internals
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
@@ -102,7 +103,7 @@ def main() -> int:
     # The transport alone: a dispatch without its combine (the public calls pair them).
     # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
     # validation and the dispatch/combine pairing on purpose.
-    transport = routed._transport
+    transport = internals.transport(routed)
     copies = copy_ceiling_gbs()
     print("copy GB/s:", {k: round(v) for k, v in copies.items()}, flush=True)
     norm = torch.ones(K3.latent, dtype=torch.bfloat16, device="cuda")

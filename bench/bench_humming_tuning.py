@@ -27,7 +27,13 @@ from bench.bench_experts import receive_rows
 from bench.timing import capture, replay_us
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
-from dep_ep.experts.hopper import HopperExperts, HummingEngine, routed_tilings, tuning_pairs
+from dep_ep.experts.hopper import (
+    Grouping,
+    HopperExperts,
+    HummingEngine,
+    routed_tilings,
+    tuning_pairs,
+)
 from dep_ep.testing.synthetic import SyntheticLayer
 
 CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T per rank
@@ -71,7 +77,7 @@ def time_gemm(
     times = {}
     for column in kernels:
         [(groups, routes)] = routed_tilings(
-            ids, 0, backend.num_local_experts, (gemm.block_m(column),), "triton"
+            ids, 0, backend.num_local_experts, (gemm.block_m(column),), Grouping.TRITON
         )
         # FC1 reads row id // K for route id = row * K + k; FC2 reads activation row = pair.
         sorted_ids, top_k = (routes.flat, topk) if name == "fc1" else (routes.pair, 1)

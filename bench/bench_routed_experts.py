@@ -38,7 +38,7 @@ from bench.timing import timed_us
 from dep_ep.config import EpConfig
 from dep_ep.ep import K3, EpRouted
 from dep_ep.experts import default_experts
-from dep_ep.experts.hopper import GROUPINGS, HopperExperts, HopperTiles, default_engine
+from dep_ep.experts.hopper import Grouping, HopperExperts, HopperTiles, default_engine
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing.synthetic import SyntheticLayer, synthetic_ids
 
@@ -75,7 +75,8 @@ def read_peer_log(path: Path, local: int) -> dict[int, float]:
 def main() -> int:
     page = "bench_routed_experts{N}.md and .png (N: the ranks)"
     p = cli.parser(__doc__, page=page, tokens=TOKENS, timing=(REPS, SAMPLES))
-    p.add_argument("--grouping", choices=GROUPINGS, default=HopperTiles().grouping)
+    groupings = [g.value for g in Grouping]  # the option takes a Grouping's value
+    p.add_argument("--grouping", choices=groupings, default=HopperTiles().grouping.value)
     p.add_argument("--peer-log", type=Path, default=None, help="FlashInfer fused layer's stdout")
     p.add_argument("--peer-ranks", type=int, default=2, help="the ranks the peer ran on")
     args = p.parse_args()
@@ -99,7 +100,7 @@ def main() -> int:
     synthetic = SyntheticLayer(K3, seed=1, device="cuda")
     weights_4bit = synthetic.local_weights(routed.first_expert, local)
     if HopperExperts.unsupported_reason(ctx.device) is None:
-        tiles = HopperTiles(grouping=args.grouping)
+        tiles = HopperTiles(grouping=Grouping(args.grouping))
         engine = default_engine(K3.latent, K3.intermediate, tiles=tiles)
         experts = HopperExperts(weights_4bit, engine=engine)
     else:  # not SM90: the device's default backend (--grouping does not apply)

@@ -53,6 +53,37 @@ def check_positive_int(fn: str, name: str, value: object, multiple_of: int = 1) 
     return n
 
 
+def check_int_in(
+    fn: str, name: str, value: object, low: int, high: int | None = None, expected: str = ""
+) -> int:
+    """`value` as a Python int in low..high (no upper bound when high is None), else ValueError
+    (a value of the wrong kind too: for settings whose kind and range are one rule). The message
+    says `expected`, by default "an int >= low" or "an int in low..high"."""
+    try:
+        n = check_int(fn, name, value)
+    except TypeError:
+        n = None
+    if n is None or n < low or (high is not None and n > high):
+        if not expected:
+            expected = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
+        raise ValueError(f"{fn}: {name}={value!r}; expected {expected}")
+    return n
+
+
+def check_real_between(
+    fn: str, name: str, value: object, low: float, high: float, expected: str
+) -> float:
+    """`value` as a Python float with low < value < high (NaN is outside), else ValueError (a
+    value of the wrong kind too) whose message says `expected`."""
+    try:
+        x = check_real(fn, name, value)
+    except TypeError:
+        x = math.nan
+    if not low < x < high:
+        raise ValueError(f"{fn}: {name}={value!r}; expected {expected}")
+    return x
+
+
 def check_tensor(
     fn: str,
     name: str,
@@ -75,6 +106,19 @@ def check_tensor(
     return t
 
 
+def vector_start(t: torch.Tensor) -> bool:
+    """Whether t's first element lies on a 16-byte boundary (VECTOR_BYTES, the GPU kernels'
+    vector loads). Every torch allocation does; a view at an odd offset may not."""
+    return t.data_ptr() % VECTOR_BYTES == 0
+
+
+def vector_rows(t: torch.Tensor) -> bool:
+    """Whether the rows of the 2-D tensor t lie a multiple of 16 bytes apart (its row stride in
+    bytes a multiple of VECTOR_BYTES): with `vector_start`, every row starts on a 16-byte
+    boundary, the 16-byte row rule of `check_rows`."""
+    return t.stride(0) * t.element_size() % VECTOR_BYTES == 0
+
+
 def check_rows(
     fn: str, name: str, t: object, dtype: torch.dtype, shape: tuple[int, int], device
 ) -> torch.Tensor:
@@ -94,7 +138,7 @@ def check_rows(
         raise ValueError(f"{fn}: {name}'s rows must be contiguous (stride(1) = {t.stride(1)})")
     if rows > 1:
         row_bytes = t.stride(0) * t.element_size()
-        if t.stride(0) < cols or row_bytes % VECTOR_BYTES:
+        if t.stride(0) < cols or not vector_rows(t):
             raise ValueError(
                 f"{fn}: {name}'s row stride is {t.stride(0)} elements ({row_bytes} bytes); expected"
                 f" at least {cols} and a multiple of {VECTOR_BYTES} bytes (contiguous, or a column"
@@ -107,7 +151,7 @@ def check_rows(
 def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
     """A tensor the GPU kernels read in 16-byte vectors must start on a 16-byte boundary (every
     torch allocation does; a view at an odd offset may not)."""
-    if t.numel() and t.data_ptr() % VECTOR_BYTES:
+    if t.numel() and not vector_start(t):
         raise ValueError(
             f"{fn}: {name} starts at an address that is not a multiple of {VECTOR_BYTES} bytes"
             f" (data_ptr() % {VECTOR_BYTES} = {t.data_ptr() % VECTOR_BYTES}); pass a tensor of"

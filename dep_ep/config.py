@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
+import math
 from dataclasses import dataclass
 
+from dep_ep.checks import check_real_between
 from dep_ep.constants import SCALE_BLOCK
 
 
@@ -81,10 +82,10 @@ class EpConfig:
     count_experts: bool = False
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < t < 1e9:
-            raise ValueError(f"EpConfig: timeout_s={t!r}; expected seconds above 0 and below 1e9")
-        object.__setattr__(self, "timeout_s", float(t))
+        timeout = check_real_between(
+            "EpConfig", "timeout_s", self.timeout_s, 0, 1e9, "seconds above 0 and below 1e9"
+        )
+        object.__setattr__(self, "timeout_s", timeout)
         if not isinstance(self.check_expert_rows, bool):
             raise TypeError(
                 f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected a bool"
@@ -93,10 +94,7 @@ class EpConfig:
             raise TypeError(f"EpConfig: count_experts={self.count_experts!r}; expected a bool")
         if self.check_values not in (None, True, False):
             raise TypeError(f"EpConfig: check_values={self.check_values!r}; expected bool or None")
-        watch = self.peer_watch_s
-        if watch is not None and (
-            isinstance(watch, bool)
-            or not isinstance(watch, numbers.Real)
-            or not 0 < watch < float("inf")
-        ):
-            raise ValueError(f"EpConfig: peer_watch_s={watch!r}; expected None or seconds > 0")
+        if self.peer_watch_s is not None:
+            check_real_between(
+                "EpConfig", "peer_watch_s", self.peer_watch_s, 0, math.inf, "None or seconds > 0"
+            )

@@ -9,9 +9,9 @@ from typing import Mapping
 
 import torch
 
-from dep_ep.checks import check_eps, check_int, check_real
+from dep_ep.checks import check_eps, check_int, check_real, vector_rows, vector_start
 from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
-from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, MAX_LAYER_INDEX, VECTOR_BYTES
+from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, MAX_LAYER_INDEX
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
@@ -306,7 +306,7 @@ class EpMoeLayer:
         2S + L elements), or a contiguous copy when the view's rows do not start on 16-byte
         boundaries (2S + L or 2S not a multiple of 8)."""
         latent = front[:, 2 * self.shared_intermediate :]
-        aligned = latent.stride(0) % 8 == 0 and latent.data_ptr() % VECTOR_BYTES == 0
+        aligned = vector_start(latent) and vector_rows(latent)
         return latent if aligned or latent.shape[0] == 0 else latent.contiguous()
 
     def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

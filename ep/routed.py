@@ -20,6 +20,7 @@ from dep_ep.checks import (
     check_tensor,
     check_tokens,
     check_weights,
+    vector_start,
 )
 from dep_ep.comm.agreement import agree_on_construction
 from dep_ep.comm.buffers import EpBuffers, resolve_device
@@ -39,7 +40,7 @@ from dep_ep.comm.transport import (
     open_transport,
 )
 from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
-from dep_ep.constants import MAX_LAYER_INDEX, NO_TAG, SCALE_BLOCK, VECTOR_BYTES
+from dep_ep.constants import MAX_LAYER_INDEX, NO_TAG, SCALE_BLOCK
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
 
@@ -129,7 +130,7 @@ def _as_exception(fn: str, error: object) -> BaseException:
     if isinstance(error, type) and issubclass(error, BaseException):
         try:
             return error()
-        except Exception as err:  # noqa: BLE001 - a class that needs arguments
+        except Exception as err:  # a class that needs arguments
             return TypeError(f"{fn}: could not instantiate {error.__name__}: {err}")
     return TypeError(f"{fn}: error is {type(error).__name__} ({error!r}); expected an exception")
 
@@ -547,7 +548,7 @@ class EpRouted:
             staged_ids[:real].copy_(ids)
             if real < tokens:
                 staged_ids[real:].fill_(-1)
-            if real < tokens or weights.data_ptr() % VECTOR_BYTES:
+            if real < tokens or not vector_start(weights):
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
         self._run(

@@ -32,7 +32,7 @@ from dep_ep.config import EpConfig
 from dep_ep.ep import PRESETS, EpMoeLayer, EpRouted, route
 from dep_ep.experts import default_experts
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
-from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing import SyntheticLayer, allgather_reference, rel_l2
 from dep_ep.testing.layer_reference import layer_reference, synthetic_dense
 from dep_ep.testing.tolerance import LAYER_REL_L2_BY_ACTIVATION, ROUTED_REL_L2_BY_ACTIVATION
 
@@ -131,8 +131,7 @@ def run_layer(args, ctx, dep, geometry, layer, experts, routed) -> int:
         if not args.no_check:
             ref = layer_reference(dep.cpu_group, moe, layer.expert, x, T)
             if real:
-                diff = (out.double() - ref).norm() / ref.norm().clamp(min=1e-30)
-                error = float(diff) if out.isfinite().all() else float("inf")
+                error = rel_l2(out, ref) if out.isfinite().all() else float("inf")
         check_s = time.perf_counter() - t0
         stats = torch.tensor([layer_s, check_s, error, real], dtype=torch.float64)
         dist.all_reduce(stats[:3], op=dist.ReduceOp.MAX, group=ctx.cpu_group)
@@ -234,8 +233,7 @@ def main() -> int:
             ref = allgather_reference(
                 dep.cpu_group, latent, ids, weights, norm_weight, layer.expert
             )
-            diff = (normed.double() - ref).norm() / ref.norm().clamp(min=1e-30)
-            error = float(diff) if normed.isfinite().all() else float("inf")
+            error = rel_l2(normed, ref) if normed.isfinite().all() else float("inf")
         times.append(time.perf_counter() - t0)
         stats = torch.tensor([*times, error, real, real], dtype=torch.float64)
         dist.all_reduce(stats[:5], op=dist.ReduceOp.MAX, group=ctx.cpu_group)

@@ -70,7 +70,7 @@ from dep_ep.integrations.common import (
     warm_buckets,
 )
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
-from dep_ep.testing import SyntheticLayer
+from dep_ep.testing import SyntheticLayer, rel_l2
 from dep_ep.testing.layer_reference import layer_reference, synthetic_dense
 from dep_ep.testing.tolerance import LAYER_REL_L2_BY_ACTIVATION
 
@@ -389,8 +389,7 @@ def check_step(decoder: Decoder, dep, tokens: torch.Tensor, T: int):
     for (x, y), moe, synthetic in zip(record, decoder.layers, decoder.synthetic):
         ref = layer_reference(dep.cpu_group, moe, synthetic.expert, x, T)
         if x.shape[0]:
-            error = (y.double() - ref).norm() / ref.norm().clamp(min=1e-30)
-            worst = max(worst, float(error) if y.isfinite().all() else math.inf)
+            worst = max(worst, rel_l2(y, ref) if y.isfinite().all() else math.inf)
     return next_tokens, worst, time.perf_counter() - reference_start
 
 

@@ -9,6 +9,7 @@ SM100/103). Beside them: base.py (the contract), weights.py, mxfp4.py, situ.py, 
 
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.hopper import (
+    Grouping,
     HopperEngine,
     HopperExperts,
     HopperTiles,
@@ -26,6 +27,7 @@ __all__ = [
     "DenseExperts",
     "ExpertWeights",
     "ExpertsBackend",
+    "Grouping",
     "HopperEngine",
     "HopperExperts",
     "HopperTiles",

@@ -29,10 +29,13 @@ def check_receive_rows(
     check_tensor(fn, "out", out, (torch.bfloat16,), (rows, latent), device)
 
 
-def cuda_capability_reason(device: torch.device, major: int) -> str | None:
-    """None when CUDA is available and the CUDA `device` has compute capability major.x, else why
-    not (a CPU-only torch gets a reason, not torch's AssertionError). For `unsupported_reason`s,
-    after their own check that the device is a CUDA one."""
+def cuda_capability_reason(device: torch.device | str, major: int) -> str | None:
+    """None when `device` is a CUDA device, CUDA is available and the device has compute
+    capability major.x, else why not (a CPU-only torch gets a reason, not torch's
+    AssertionError). For the `unsupported_reason`s of backends that need one GPU generation."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} is not a CUDA device"
     if not torch.cuda.is_available():
         return "CUDA is not available"
     found, minor = torch.cuda.get_device_capability(device)

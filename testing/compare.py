@@ -8,6 +8,12 @@ import torch
 from dep_ep.testing.tolerance import ELEMENT_REL, ELEMENT_ROW, ROUTED_REL_L2
 
 
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The relative L2 error |got - want| / |want| in float64 (|want| taken as at least 1e-30)."""
+    want = want.double()
+    return float((got.double() - want).norm() / want.norm().clamp(min=1e-30))
+
+
 def finite_rows(out: torch.Tensor, ref: torch.Tensor, label: str):
     """(failures, output rows as float64, reference rows) of the rows whose reference is finite:
     failures when a non-finite reference row came out finite or a finite one did not; the rows
@@ -34,7 +40,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, label: str) -> list[str]:
     if want is None:
         return failures
     diff = got - want
-    rel = float(diff.norm() / want.norm().clamp(min=1e-30))
+    rel = rel_l2(got, want)
     row_rms = want.square().mean(dim=1, keepdim=True).sqrt()
     excess = diff.abs() - (ELEMENT_ROW * row_rms + ELEMENT_REL * want.abs())
     if rel > ROUTED_REL_L2 or excess.max() > 0:
@@ -52,7 +58,7 @@ def compare_rel_l2(out: torch.Tensor, ref: torch.Tensor, bound: float, label: st
     failures, got, want = finite_rows(out, ref, label)
     if want is None:
         return failures
-    rel = float((got - want).norm() / want.norm().clamp(min=1e-30))
+    rel = rel_l2(got, want)
     if rel > bound:
         failures.append(f"{label}: rel L2 {rel:.2e} > bound {bound:.2e}")
     return failures

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from dep_ep.checks import check_int, check_int_in
 from dep_ep.config import MoeGeometry
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.weights import ExpertWeights
@@ -105,13 +106,9 @@ def synthetic_ids(
     """
     if routing not in ROUTINGS:
         raise ValueError(f"synthetic_ids: routing={routing!r}; expected one of {ROUTINGS}")
-    for name, value, least in (
-        ("tokens", tokens, 0),
-        ("num_experts", num_experts, 1),
-        ("topk", topk, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"synthetic_ids: {name}={value!r}; expected an int >= {least}")
+    tokens = check_int_in("synthetic_ids", "tokens", tokens, 0)
+    num_experts = check_int_in("synthetic_ids", "num_experts", num_experts, 1)
+    topk = check_int_in("synthetic_ids", "topk", topk, 1)
     if topk > num_experts:
         raise ValueError(f"synthetic_ids: topk={topk} > num_experts={num_experts}")
     if not isinstance(generator, torch.Generator):
@@ -119,8 +116,7 @@ def synthetic_ids(
             f"synthetic_ids: generator is {type(generator).__name__}; expected a"
             " torch.Generator (the draws must be reproducible)"
         )
-    if isinstance(popularity_seed, bool) or not isinstance(popularity_seed, int):
-        raise TypeError(f"synthetic_ids: popularity_seed={popularity_seed!r}; expected an int")
+    popularity_seed = check_int("synthetic_ids", "popularity_seed", popularity_seed)
     if routing == "uniform":
         scores = torch.rand(tokens, num_experts, generator=generator, device=device)
         return scores.argsort(dim=1)[:, :topk].int()

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.ep import TINY, EpRouted
+from dep_ep.testing import internals
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert
@@ -37,7 +38,7 @@ def test_dispatch_rows_bitwise(dep, tokens, routing):
         group, MAX_TOKENS, "cpu", num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk
     )
     try:
-        b = routed._buffers
+        b = internals.buffers(routed)
         b.ids(b.layout.max_rows).fill_(POISON_ID)
         b.x(b.layout.max_rows).fill_(0xFF)
         dist.barrier(group)  # every rank poisoned its rows before anyone writes

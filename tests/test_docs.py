@@ -1,7 +1,8 @@
 """The documentation's links and shape (one process, no GPU): every relative link in README.md,
 CONTRIBUTING.md (when there is one), CHANGELOG.md and the pages of docs/ (docs/results/ too)
 names a file or folder that exists; no commit hash in the prose of README.md, CHANGELOG.md and
-docs/*.md (a quoted command, in a code span or a code block, may name one); README.md,
+docs/*.md, nor in the code spans and blocks of README.md and docs/*.md (the history, CHANGELOG.md,
+may quote a command that names one); README.md,
 CHANGELOG.md and every docs/*.md page say what they are for in a paragraph under the title,
 before the first `##` heading."""
 
@@ -25,6 +26,9 @@ LINK = re.compile(r"!?\[[^\[\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 # An abbreviated or full commit hash: 7 to 40 lowercase hex digits, a word of its own.
 HASH = re.compile(r"\b[0-9a-f]{7,40}\b")
+# The same inside code, where numbers are common: a digit and a letter both (so 1073741824 or a
+# word of hex letters is not one); 0x3B124925 and 0xffa5 are no words of their own after "0x".
+CODE_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 
 
 def relative(path: Path) -> str:
@@ -39,6 +43,11 @@ def link_pages() -> list[Path]:
 
 def prose_pages() -> list[Path]:
     return [ROOT / name for name in ROOT_PAGES] + sorted(DOCS.glob("*.md"))
+
+
+def fact_pages() -> list[Path]:
+    """The pages that state what the code is: no commit is named on them, not even in code."""
+    return [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
 
 
 def prose(text: str) -> str:
@@ -110,6 +119,14 @@ def test_no_commit_hash_in_prose(page):
     assert not found, f"{relative(page)}: commit hashes outside quoted commands: {found}"
 
 
+@pytest.mark.parametrize("page", fact_pages(), ids=relative)
+def test_no_commit_hash_in_code_of_the_docs(page):
+    found = []
+    for number, line in enumerate(page.read_text(encoding="utf-8").split("\n"), 1):
+        found += [f"line {number}: {word}" for word in CODE_HASH.findall(line)]
+    assert not found, f"{relative(page)}: commit hashes (CHANGELOG.md keeps history): {found}"
+
+
 @pytest.mark.parametrize("page", prose_pages(), ids=relative)
 def test_every_page_says_what_it_is_for_before_its_first_section(page):
     paragraph = opening_paragraph(page.read_text(encoding="utf-8"))
@@ -123,6 +140,9 @@ def test_the_checks_see_what_they_check():
     # A hash counts in prose, not inside a code span or a code block.
     text = "Fixed in 6f889cd.\n\n`git show 6f889cd:x`\n\n    git show 657ee75:y\n"
     assert HASH.findall(prose(text)) == ["6f889cd"]
+    # In the docs' code a hash counts too; numbers, hex constants and hex-letter words do not.
+    text = "`git show 6f889cd:x` `0x3B124925` `0xffa5c0de` `1073741824` `deadbeef` `657ee75`"
+    assert CODE_HASH.findall(text) == ["6f889cd", "657ee75"]
     # An opening paragraph must come before the first section and not be a table or a list.
     assert opening_paragraph("# T\n\nWhat it is for.\n\n## A\n") == "What it is for."
     assert opening_paragraph("# T\n\n## A\nText.\n") == ""

@@ -19,6 +19,7 @@ from dep_ep.comm.mxfp8 import e8m0_to_fp32, mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
 from dep_ep.experts.hopper import (
+    Grouping,
     HopperEngine,
     HopperExperts,
     HopperTiles,
@@ -220,7 +221,7 @@ def test_grouping_kernel_refuses_bad_arguments():
     ids = torch.tensor([[0, 2, -1], [2, 2, 0], [5, 1, 2]], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_n=32768; expected at most 16384"):
         group_and_route(ids, 0, 4, 1 << 15)
-    groups, routes = grouped(ids, 0, 4, 2 * MAX_BLOCK_N, "triton")
+    groups, routes = grouped(ids, 0, 4, 2 * MAX_BLOCK_N, Grouping.TRITON)
     want = group_pairs(ids, 0, 4, 2 * MAX_BLOCK_N)
     assert routes is None and torch.equal(groups.pair_slot, want.pair_slot)
     with pytest.raises(ValueError, match="group_and_route: ids torch.float32"):
@@ -236,12 +237,13 @@ def test_grouping_kernel_refuses_bad_arguments():
     with pytest.raises(ValueError, match="group_and_route_tilings: block_n=32768; expected at"):
         group_and_route_tilings(ids, 0, 4, (16, 1 << 15))
     with pytest.raises(ValueError, match="routed_tilings: block_n=0"):
-        routed_tilings(ids, 0, 4, (16, 0), "triton")
-    tilings = routed_tilings(ids, 0, 4, (2 * MAX_BLOCK_N, 16), "triton")  # torch: past the lanes
+        routed_tilings(ids, 0, 4, (16, 0), Grouping.TRITON)
+    # In torch: past the kernel's lanes.
+    tilings = routed_tilings(ids, 0, 4, (2 * MAX_BLOCK_N, 16), Grouping.TRITON)
     assert [groups.block_n for groups, _ in tilings] == [2 * MAX_BLOCK_N, 16]
     assert torch.equal(tilings[1][1].flat, tile_routes(group_pairs(ids, 0, 4, 16)).flat)
     with pytest.raises(ValueError, match="grouped: block_n=2.0"):
-        grouped(ids, 0, 4, 2.0, "triton")
+        grouped(ids, 0, 4, 2.0, Grouping.TRITON)
     with pytest.raises(ValueError, match="first_expert \\+ num_local = 2147483652; expected at"):
         group_and_route(ids, 2**31, 4, 16)
 
@@ -290,7 +292,7 @@ def test_refuses_cpu_after_checking_arguments():
     weights = SyntheticLayer(TINY, 0).local_weights(0, 4)
     with pytest.raises(
         RuntimeError,
-        match="HopperExperts cannot run on cpu: it runs on CUDA GPUs, not cpu; it needs an SM90",
+        match="HopperExperts cannot run on cpu: cpu is not a CUDA device; it needs an SM90",
     ):
         HopperExperts(weights)
     for engine in (TritonEngine(), HummingEngine(deterministic=True, tune_for_capacity=True)):
@@ -400,14 +402,15 @@ K3_WIDTHS = MoeGeometry(
     topk=K3.topk,
     intermediate=K3.intermediate,
 )
+TORCH_GROUPING = HopperTiles(grouping=Grouping.TORCH)
 # Engine settings under test, with the relative L2 bound of their numerics.
 ENGINES = {
     "humming": (HummingEngine(), HUMMING_REL_L2),
     "humming-deterministic": (HummingEngine(deterministic=True), HUMMING_REL_L2),
     "humming-capacity": (HummingEngine(tune_for_capacity=True), HUMMING_REL_L2),
     "triton": (TritonEngine(), EXPERTS_REL_L2),
-    "humming-grouping-torch": (HummingEngine(tiles=HopperTiles(grouping="torch")), HUMMING_REL_L2),
-    "triton-grouping-torch": (TritonEngine(tiles=HopperTiles(grouping="torch")), EXPERTS_REL_L2),
+    "humming-grouping-torch": (HummingEngine(tiles=TORCH_GROUPING), HUMMING_REL_L2),
+    "triton-grouping-torch": (TritonEngine(tiles=TORCH_GROUPING), EXPERTS_REL_L2),
 }
 # The settings that promise bitwise reruns (humming's default may use stream-K).
 DETERMINISTIC = ["humming-deterministic", "triton", "triton-grouping-torch"]
@@ -644,7 +647,7 @@ def test_default_engine_needs_humming_and_its_sizes():
     want = HummingEngine if humming and humming_engine.humming_installed() else TritonEngine
     assert type(default_engine(K3.latent, K3.intermediate)) is want
     assert type(default_engine(256, 128)) is TritonEngine  # TINY: humming has not run at such sizes
-    torch_grouping = HopperTiles(grouping="torch")
+    torch_grouping = HopperTiles(grouping=Grouping.TORCH)
     assert default_engine(256, 128, tiles=torch_grouping) == TritonEngine(tiles=torch_grouping)
 
 

@@ -1,36 +1,9 @@
 """EpMoeLayer on 2-4 CPU ranks against a float64 reference of the K3 formula (docs/formats.md),
-written here without the layer's code; the un-normed combine bitwise; expert counts; the
+written without the layer's code; the un-normed combine bitwise; expert counts; the
 workspace size; a layer loaded from a checkpoint in the K3 naming; bad inputs on every rank.
 
-Error model of the comparison with the reference (docs/layer.md restates it)
----------------------------------------------------------------------------
-The reference computes in float64 from the same BF16 inputs and weights. It reproduces two
-roundings of the layer exactly: the latent's BF16 (the down projection's output; the reference
-rounds its float64 product once) and the latent's MXFP8 (testing/allgather_reference.py). The layer
-differs from it by these roundings to BF16 (relative rms of each: dep_ep.testing.tolerance.BF16 =
-1.66e-3, from the unit roundoff u = 2^-8):
-- routed part r = up(normed): the routed path's six (dep_ep.testing.tolerance.ROUTED_ROUNDINGS: SiTU
-  activation, expert output, rank partial, rank sum, and the norm's two), rms e_r = 4.06e-3; the
-  up projection's output is not rounded on its own (it is summed into the shared output in fp32
-  by one addmm);
-- shared part s: the front GEMM's gate and up outputs g and u (each rounding enters through
-  SiTU with the gain below), the activation, the down projection's output:
-  e_s^2 = BF16^2 * (gain_g^2 + gain_u^2 + 2);
-- the output: one rounding of r + s, BF16.
-SiTU gains: a relative error d of g changes SiTU(g, u) = f(g) h(u) by f'(g) g h(u) d, so the
-relative L2 gain is gain_g^2 = sum (f'(g) g h(u))^2 / sum (f(g) h(u))^2, and likewise for u;
-the test evaluates them on the reference's own g and u (about 1.1 and 1.0 for N(0, 1) inputs).
-The projections keep relative L2 errors in expectation (random weights), and independent errors
-add in quadrature, so the expected relative L2 error of the output is
-    e^2 = (|r|^2 e_r^2 + |s|^2 e_s^2) / |r + s|^2 + BF16^2,
-with |r|, |s|, |r + s| the reference's norms over the rank's rows. The bound is
-dep_ep.testing.tolerance.SAFETY (2) times e: about 8e-3 when |r| ~ |s|.
-Neglected: fp32 sums and fp32 transcendental functions (below 1e-5 relative); the router's fp32
-logits (the inputs are redrawn where the float64 top-K margin is below ROUTER_MARGIN, so both
-choose the same experts); an fp32-accumulated latent element that rounds to the other BF16
-neighbour than the float64 one (probability ~1e-4 per element, then at most one e4m3 step of
-that element or one changed block scale: below 3e-3 relative L2 of a rank's rows, added in
-quadrature).
+The reference, the input drawing and the error model of the comparison (derived in its
+docstring; docs/layer.md restates it) are tests/helpers/layer_case.py's.
 """
 
 from __future__ import annotations
@@ -45,151 +18,37 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm.errors import EpDesyncError, EpPeerError
-from dep_ep.config import EpConfig, MoeGeometry
+from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpMoeLayer, EpRouted, route
 from dep_ep.experts import ReferenceExperts
-from dep_ep.experts.checkpoint import dense_shapes, layer_prefix, load_moe_layer
-from dep_ep.testing import SyntheticLayer
-from dep_ep.testing.allgather_reference import NORM_EPS, SITU_BETA, SITU_LINEAR_BETA, expert_sums
-from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
+from dep_ep.experts.checkpoint import (
+    BIAS,
+    DOWN,
+    GATE,
+    NORM,
+    SHARED_DOWN,
+    SHARED_GATE,
+    SHARED_UP,
+    UP,
+    layer_prefix,
+    load_moe_layer,
+)
+from dep_ep.testing import SyntheticLayer, internals
 
 from helpers.cases import agreed_seed, make_case, real_tokens
 from helpers.collective import collective_assert, expect_raises
+from helpers.layer_case import (
+    compare_layer,
+    draw_hidden,
+    layer_reference,
+    layer_tolerance,
+    make_dense,
+    reference_router,
+    unequal_counts,
+)
 from helpers.reference_check import make_experts
 
 MAX_TOKENS = 12
-# Smallest float64 gap between the K-th and (K+1)-th of scores + bias that the test accepts: the
-# layer's fp32 logits differ from float64 by ~1e-6 at H = 7168, so both pick the same experts.
-ROUTER_MARGIN = 1e-4
-ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
-
-GATE, BIAS = "gate.weight", "gate.e_score_correction_bias"
-DOWN, UP = "routed_expert_down_proj.weight", "routed_expert_up_proj.weight"
-NORM = "routed_expert_norm.weight"
-SHARED_GATE, SHARED_UP = "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"
-SHARED_DOWN = "shared_experts.down_proj.weight"
-
-
-# ---------------------------------------------------------------------------------- inputs
-def make_dense(geometry: MoeGeometry, seed: int) -> dict[str, torch.Tensor]:
-    """The layer's dense tensors (CPU), seeded: projections with rms 1/sqrt(fan_in) (outputs of
-    the size of their inputs), the norm weight around 1, a small selection bias."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, (shape, dtype) in dense_shapes(geometry).items():
-        w = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if name == NORM:
-            w = 1 + 0.1 * w
-        elif name == BIAS:
-            w = 0.01 * w
-        else:
-            w = w / math.sqrt(shape[1])
-        out[name] = w.to(dtype)
-    return out
-
-
-def reference_router(x: torch.Tensor, dense: dict, topk: int, factor: float = 1.0):
-    """float64: (ids int64 [n, K], weights [n, K], margin [n]) of bf16 x [n, H]; margin = the
-    K-th minus the (K+1)-th largest of scores + bias."""
-    scores = torch.sigmoid(x.double() @ dense[GATE].double().T)
-    chosen = (scores + dense[BIAS].double()).topk(min(topk + 1, scores.shape[1]), dim=-1)
-    ids = chosen.indices[:, :topk]
-    margin = torch.full((x.shape[0],), math.inf, dtype=torch.float64)  # K = E: no choice
-    if topk < scores.shape[1]:
-        margin = chosen.values[:, topk - 1] - chosen.values[:, topk]
-    w = scores.gather(1, ids)
-    return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * factor, margin
-
-
-def draw_hidden(geometry: MoeGeometry, dense: dict, counts: list[int], seed: int):
-    """Every rank's x (bf16 [counts[r], H], CPU, N(0, 1)) from one generator; rows whose float64
-    top-K margin is below ROUTER_MARGIN are redrawn."""
-    gen = torch.Generator().manual_seed(seed)
-    xs = []
-    for n in counts:
-        x = torch.randn(n, geometry.hidden, generator=gen).to(torch.bfloat16)
-        for _ in range(100):
-            close = reference_router(x, dense, geometry.topk)[2] < ROUTER_MARGIN
-            if not close.any():
-                break
-            fresh = torch.randn(int(close.sum()), geometry.hidden, generator=gen)
-            x[close] = fresh.to(torch.bfloat16)
-        xs.append(x)
-    return xs
-
-
-def unequal_counts(tokens: int, num_ranks: int) -> list[int]:
-    """Real rows per rank: T on rank 0, fewer on the next ones, none on the last."""
-    counts = [max(tokens - (r * tokens) // num_ranks - r, 1) for r in range(num_ranks)]
-    counts[0], counts[-1] = tokens, 0
-    return counts
-
-
-# ---------------------------------------------------------------------------------- reference
-@dataclass
-class Reference:
-    out: torch.Tensor  # float64 [n, H]
-    routed: torch.Tensor  # float64 [n, H]: up(RMSNorm(routed sum))
-    shared: torch.Tensor  # float64 [n, H]
-    ids: torch.Tensor  # int64 [n, K]
-    gain_g: float  # SiTU's relative L2 gains (module docstring)
-    gain_u: float
-
-
-def situ64(g: torch.Tensor, u: torch.Tensor):
-    """float64 SiTU(g, u) and its relative-error gains (module docstring)."""
-    b, lb = SITU_BETA, SITU_LINEAR_BETA
-    sig, tg, tu = torch.sigmoid(g), torch.tanh(g / b), torch.tanh(u / lb)
-    f, h = b * tg * sig, lb * tu
-    df = (1 - tg * tg) * sig + b * tg * sig * (1 - sig)
-    dh = 1 - tu * tu
-    act = f * h
-    norm = act.square().sum().clamp(min=1e-300)
-    gain_g = float(((df * g * h).square().sum() / norm).sqrt())
-    gain_u = float(((f * dh * u).square().sum() / norm).sqrt())
-    return act, gain_g, gain_u
-
-
-def layer_reference(
-    x: torch.Tensor, dense: dict, expert_weights, topk: int, *, eps=NORM_EPS, factor=1.0
-) -> Reference:
-    """The K3 layer in float64 on bf16 x [n, H] (CPU). expert_weights(e) -> (w13, s13, w2, s2)."""
-    d = {name: t.double() for name, t in dense.items()}
-    x64 = x.double()
-    ids, weights, _ = reference_router(x, dense, topk, factor)
-    # The down projection's one rounding to BF16, as the layer's GEMM output; MXFP8 follows.
-    latent = (x64 @ d[DOWN].T).to(torch.bfloat16)
-    sums = torch.zeros(0, latent.shape[1], dtype=torch.float64)
-    if x.shape[0]:  # expert_sums needs rows
-        sums = expert_sums(latent, ids, weights, expert_weights)
-    normed = sums / torch.sqrt(sums.square().mean(dim=-1, keepdim=True) + eps) * d[NORM]
-    routed = normed @ d[UP].T
-    act, gain_g, gain_u = situ64(x64 @ d[SHARED_GATE].T, x64 @ d[SHARED_UP].T)
-    shared = act @ d[SHARED_DOWN].T
-    return Reference(routed + shared, routed, shared, ids, gain_g, gain_u)
-
-
-def layer_tolerance(ref: Reference) -> float:
-    """SAFETY times the expected relative L2 error of the rank's output (module docstring)."""
-    e_shared2 = BF16**2 * (ref.gain_g**2 + ref.gain_u**2 + 2)
-    r2, s2 = ref.routed.square().sum(), ref.shared.square().sum()
-    out2 = ref.out.square().sum().clamp(min=1e-300)
-    return SAFETY * math.sqrt(float((r2 * ROUTED_REL**2 + s2 * e_shared2) / out2) + BF16**2)
-
-
-def compare_layer(out: torch.Tensor, ref: Reference, label: str) -> tuple[list[str], float]:
-    """(failures, relative L2) of the layer's bf16 output against the reference."""
-    want_shape = tuple(ref.out.shape)
-    if tuple(out.shape) != want_shape or out.dtype != torch.bfloat16:
-        return [f"{label}: output {out.dtype} {tuple(out.shape)}; expected bf16 {want_shape}"], 0.0
-    if ref.out.numel() == 0:
-        return [], 0.0
-    got = out.cpu().double()
-    if not got.isfinite().all():
-        return [f"{label}: non-finite output"], math.inf
-    rel = float((got - ref.out).norm() / ref.out.norm().clamp(min=1e-300))
-    bound = layer_tolerance(ref)
-    return ([] if rel <= bound else [f"{label}: rel L2 {rel:.3e} > bound {bound:.3e}"]), rel
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -405,15 +264,16 @@ def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
     it, and it holds the expert output rows) + every tensor the EpRouted object holds (the
     staged ids and weights)."""
     routed = rank.routed
-    layout = routed._buffers.layout
+    buffers = internals.buffers(routed)
+    layout = buffers.layout
     # The expert counts (E_local int32, EpConfig.count_experts) are control words, as the state.
     held = sum(
         t.nbytes
         for name, t in vars(routed).items()
         if isinstance(t, torch.Tensor) and name != "_counts"
     )
-    flags = routed._buffers.flags
-    segment_end = flags.data_ptr() + flags.nbytes - routed._buffers.base_address
+    flags = buffers.flags
+    segment_end = flags.data_ptr() + flags.nbytes - buffers.base_address
     want = EpRouted.workspace_bytes(dep.size, MAX_TOKENS, latent=TINY.latent, topk=TINY.topk)
     failures = []
     if want != layout.total_bytes + held:

@@ -329,7 +329,7 @@ def test_warmup_is_local_and_counts_accumulate(dep, layer):
             try:
                 routed.warmup(6, batches.experts)
                 routed.warmup(40, batches.experts)  # above max_tokens: its pieces' sizes
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 failures.append(f"warmup: {type(err).__name__}: {err}")
             expect_raises(
                 failures,

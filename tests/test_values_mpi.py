@@ -103,7 +103,7 @@ def test_numpy_scalars_and_device_spellings(dep, layer):
             num_experts=np.int32(TINY.experts),
             device="cpu:0",
         )
-    except Exception as err:  # noqa: BLE001 - reported collectively
+    except Exception as err:  # reported collectively
         failures.append(f"construction: {type(err).__name__}: {err}")
         routed = build(dep)
     with routed:
@@ -119,7 +119,7 @@ def test_numpy_scalars_and_device_spellings(dep, layer):
                 eps=np.float32(1e-5),
             )
             failures += compare(out, batches.reference(0), "numpy tokens and eps")
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             failures.append(f"numpy tokens and eps: {type(err).__name__}: {err}")
         expect_raises(
             failures,
@@ -163,7 +163,7 @@ def test_layer_takes_parameters_and_names_an_overflowing_x(dep, layer):
             got = params(x)
             if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
                 failures.append("nn.Parameter weights: other bits than plain tensors")
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             failures.append(f"nn.Parameter weights: {type(err).__name__}: {err}")
             routed.reset()
         huge = x.clone()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from cutlass import Int32, Int64
 
+from dep_ep.checks import check_int_in
 from dep_ep.constants import COMBINE_WARPS
 
 
@@ -78,6 +79,5 @@ class KernelTuning:
             ("combine_warps", 1),
             ("combine_ctas_per_sm", 0),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 8:
-                raise ValueError(f"KernelTuning: {name}={value!r} outside {low}..8")
+            value = check_int_in("KernelTuning", name, getattr(self, name), low, 8)
+            object.__setattr__(self, name, value)  # a Python int: part of the compile cache's key

@@ -9,14 +9,14 @@ triton_engine.py (TritonEngine, fused_experts), kernels.py (the Triton kernels),
 """
 
 from dep_ep.experts.hopper.engine import HopperEngine, tuning_pairs
-from dep_ep.experts.hopper.grouping import GROUPINGS, grouped, routed_tilings
+from dep_ep.experts.hopper.grouping import Grouping, grouped, routed_tilings
 from dep_ep.experts.hopper.hopper_experts import HopperExperts, default_engine
 from dep_ep.experts.hopper.humming_engine import HummingEngine
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.hopper.triton_engine import TritonEngine
 
 __all__ = [
-    "GROUPINGS",
+    "Grouping",
     "HopperEngine",
     "HopperExperts",
     "HopperTiles",

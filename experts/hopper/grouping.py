@@ -15,15 +15,17 @@ tile t holds a value of pair tile_start[t] + i, or a sentinel past the tile's pa
 
 `group_pairs` and `tile_routes` are the torch versions (any device, ~30 launches);
 experts/hopper/grouping_kernel.py computes the same tensors in one Triton launch. `grouped` and
-`routed_tilings` run one or the other (GROUPINGS, HopperTiles.grouping).
+`routed_tilings` run one or the other (Grouping, HopperTiles.grouping).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
+from dep_ep.checks import check_int_in
 from dep_ep.constants import MAX_EXPERTS
 
 
@@ -79,10 +81,21 @@ class TileRoutes:
     sentinel: int
 
 
-# "triton": experts/hopper/grouping_kernel.py in one launch; "torch": group_pairs and tile_routes
-# (~30 launches), the same tensors. On an H200 at K3's DEP16 shard the kernel takes 5-74 us where
-# torch takes 119-209 us (T = 1..256, tiles of 16; docs/results/bench_experts.md).
-GROUPINGS = ("torch", "triton")
+class Grouping(enum.Enum):
+    """How the pairs are grouped (HopperTiles.grouping), the same tensors either way. TRITON:
+    experts/hopper/grouping_kernel.py in one launch; TORCH: group_pairs and tile_routes (~30
+    launches, any device). On an H200 at K3's DEP16 shard the kernel takes 5-74 us where torch
+    takes 119-209 us (T = 1..256, tiles of 16; docs/results/bench_experts.md)."""
+
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+def check_grouping(fn: str, grouping: object) -> None:
+    """ValueError naming `fn` unless `grouping` is a Grouping (a string, even its value, is not)."""
+    if not isinstance(grouping, Grouping):
+        choices = ", ".join(str(g) for g in Grouping)
+        raise ValueError(f"{fn}: grouping={grouping!r}; expected one of {choices}")
 
 
 def pair_capacity(rows: int, topk: int) -> int:
@@ -107,13 +120,9 @@ def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
     ):
         shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
         raise ValueError(f"{fn}: ids {shown}; expected int32 or int64 [R, K]")
-    for name, value, least in (
-        ("first_expert", first_expert, 0),
-        ("num_local", num_local, 1),
-        ("block_n", block_n, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{fn}: {name}={value!r}; expected an int >= {least}")
+    first_expert = check_int_in(fn, "first_expert", first_expert, 0)
+    num_local = check_int_in(fn, "num_local", num_local, 1)
+    check_int_in(fn, "block_n", block_n, 1)
     if first_expert + num_local > MAX_EXPERTS:
         raise ValueError(
             f"{fn}: first_expert + num_local = {first_expert + num_local}; expected"
@@ -194,16 +203,15 @@ def tile_routes(groups: PairGroups) -> TileRoutes:
 
 
 def grouped(
-    ids: torch.Tensor, first_expert: int, num_local: int, block_n: int, grouping: str
+    ids: torch.Tensor, first_expert: int, num_local: int, block_n: int, grouping: Grouping
 ) -> tuple[PairGroups, TileRoutes | None]:
     """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
-    them in the same launch ("triton"; "torch" returns None: tile_routes would cost launches).
-    "triton" takes block_n up to grouping_kernel.MAX_BLOCK_N (16384); a larger one is grouped in
-    torch, with the same result."""
-    if grouping not in GROUPINGS:
-        raise ValueError(f"grouped: grouping={grouping!r}; expected one of {GROUPINGS}")
+    them in the same launch (Grouping.TRITON; TORCH returns None: tile_routes would cost
+    launches). TRITON takes block_n up to grouping_kernel.MAX_BLOCK_N (16384); a larger one is
+    grouped in torch, with the same result."""
+    check_grouping("grouped", grouping)
     check_grouping_args("grouped", ids, first_expert, num_local, block_n)
-    if grouping == "triton":
+    if grouping is Grouping.TRITON:
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route  # imports triton
 
         if fits(block_n):
@@ -212,16 +220,19 @@ def grouped(
 
 
 def routed_tilings(
-    ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...], grouping: str
+    ids: torch.Tensor,
+    first_expert: int,
+    num_local: int,
+    block_ns: tuple[int, ...],
+    grouping: Grouping,
 ) -> list[tuple[PairGroups, TileRoutes]]:
     """[(groups, routes)] for each tile size in block_ns (one or two, distinct), as group_pairs and
-    tile_routes give them: "triton" in one launch of experts/hopper/grouping_kernel.py (when every
-    size fits), "torch" (or a size past the kernel's lanes) in torch, once per size."""
-    if grouping not in GROUPINGS:
-        raise ValueError(f"routed_tilings: grouping={grouping!r}; expected one of {GROUPINGS}")
+    tile_routes give them: Grouping.TRITON in one launch of experts/hopper/grouping_kernel.py (when
+    every size fits), TORCH (or a size past the kernel's lanes) in torch, once per size."""
+    check_grouping("routed_tilings", grouping)
     for block_n in block_ns:
         check_grouping_args("routed_tilings", ids, first_expert, num_local, block_n)
-    if grouping == "triton":
+    if grouping is Grouping.TRITON:
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route_tilings
 
         if all(fits(block_n) for block_n in block_ns):

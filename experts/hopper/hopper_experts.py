@@ -6,11 +6,12 @@
 - TritonEngine: our own kernels (experts/hopper/kernels.py) with ReferenceExperts' BF16 numerics
   (experts/hopper/triton_engine.py).
 
-The grouping is one launch of experts/hopper/grouping_kernel.py (HopperTiles.grouping "triton",
-the default) or experts/hopper/grouping.py's group_pairs and tile_routes in torch ("torch"), the
-same tensors. Both engines keep the weights at 4 bits and read the receive rows' MXFP8 bytes as
-they are (humming reads the E8M0 scales widened to fp32). No host synchronisation and no launch
-shape that depends on the data: a call can be captured in a CUDA graph with the routed path.
+The grouping is one launch of experts/hopper/grouping_kernel.py (HopperTiles.grouping
+Grouping.TRITON, the default) or experts/hopper/grouping.py's group_pairs and tile_routes in torch
+(Grouping.TORCH), the same tensors. Both engines keep the weights at 4 bits and read the receive
+rows' MXFP8 bytes as they are (humming reads the E8M0 scales widened to fp32). No host
+synchronisation and no launch shape that depends on the data: a call can be captured in a CUDA
+graph with the routed path.
 """
 
 from __future__ import annotations
@@ -100,9 +101,6 @@ class HopperExperts(ExpertsBackend):
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return f"it runs on CUDA GPUs, not {device.type}"
         reason = cuda_capability_reason(device, 9)
         if reason is not None:
             return reason

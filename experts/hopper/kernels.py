@@ -245,29 +245,9 @@ def fc1_situ_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     work = num_tiles * (INTER // BLOCK_M)
     w = tl.program_id(0)
-    if PERSISTENT:
-        while w < work:
-            _fc1_item(
-                w,
-                num_tiles,
-                x_ptr,
-                sf_ptr,
-                w13_ptr,
-                s13_ptr,
-                act_ptr,
-                pair_row_ptr,
-                tile_expert_ptr,
-                tile_start_ptr,
-                tile_rows_ptr,
-                LATENT,
-                INTER,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                MATH,
-            )
-            w += tl.num_programs(0)
-    elif w < work:
+    # Persistent: items pid, pid + programs, ...; one-shot: item pid alone (a step past the end).
+    step = tl.num_programs(0) if PERSISTENT else work
+    while w < work:
         _fc1_item(
             w,
             num_tiles,
@@ -287,6 +267,7 @@ def fc1_situ_kernel(
             BLOCK_K,
             MATH,
         )
+        w += step
 
 
 @triton.jit
@@ -354,27 +335,8 @@ def fc2_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     work = num_tiles * (LATENT // BLOCK_M)
     w = tl.program_id(0)
-    if PERSISTENT:
-        while w < work:
-            _fc2_item(
-                w,
-                num_tiles,
-                act_ptr,
-                w2_ptr,
-                s2_ptr,
-                y_ptr,
-                tile_expert_ptr,
-                tile_start_ptr,
-                tile_rows_ptr,
-                LATENT,
-                INTER,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                MATH,
-            )
-            w += tl.num_programs(0)
-    elif w < work:
+    step = tl.num_programs(0) if PERSISTENT else work  # as in fc1_situ_kernel
+    while w < work:
         _fc2_item(
             w,
             num_tiles,
@@ -392,6 +354,7 @@ def fc2_kernel(
             BLOCK_K,
             MATH,
         )
+        w += step
 
 
 @triton.jit

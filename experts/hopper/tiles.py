@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dep_ep.checks import check_int, check_int_in
 from dep_ep.constants import SCALE_BLOCK
-from dep_ep.experts.hopper.grouping import GROUPINGS
+from dep_ep.experts.hopper.grouping import Grouping, check_grouping
 
 MATHS = ("bf16", "fp32")  # experts/hopper/kernels.py
 
@@ -24,7 +25,7 @@ class HopperTiles:
     finalize_warps: warps per finalize program; num_warps, num_stages: the GEMM kernels' launch;
     programs_per_sm: persistent programs per SM; math: one of MATHS;
     persistent: each GEMM program walks the work list (True) or one program per work item, the
-    grid covering the work list's capacity (False); grouping: one of GROUPINGS (both engines),
+    grid covering the work list's capacity (False); grouping: a Grouping (both engines),
     how the rows are grouped by expert (the same tensors either way).
     """
 
@@ -43,19 +44,15 @@ class HopperTiles:
     programs_per_sm: int = 2
     math: str = "bf16"
     persistent: bool = True
-    grouping: str = "triton"
+    grouping: Grouping = Grouping.TRITON
 
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
-        for name, dim in (("latent", latent), ("intermediate", intermediate)):
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-                raise ValueError(f"HopperTiles.check: {name}={dim!r}; expected an int >= 1")
+        check_int_in("HopperTiles.check", "latent", latent, 1)
+        check_int_in("HopperTiles.check", "intermediate", intermediate, 1)
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
-        if self.grouping not in GROUPINGS:
-            raise ValueError(
-                f"HopperTiles: grouping={self.grouping!r}; expected one of {GROUPINGS}"
-            )
+        check_grouping("HopperTiles", self.grouping)
         if not isinstance(self.persistent, bool):
             raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
         for name in (
@@ -70,9 +67,9 @@ class HopperTiles:
             "num_stages",
             "programs_per_sm",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"HopperTiles: {name}={value!r}; expected an int")
+            # A Python int (an integer of another kind is taken, as everywhere in dep_ep): the
+            # kernels take these as compile-time constants.
+            object.__setattr__(self, name, check_int("HopperTiles", name, getattr(self, name)))
         for name, value, dim, least in (
             ("block_n", self.block_n, None, 16),
             ("fc1_block_m", self.fc1_block_m, intermediate, 16),

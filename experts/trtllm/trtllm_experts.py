@@ -86,9 +86,6 @@ class TrtllmExperts(ExpertsBackend):
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return f"{device} is not a CUDA device"
         reason = cuda_capability_reason(device, 10)
         if reason is not None:
             return reason

@@ -170,7 +170,7 @@ def prepare_finalize_class() -> type:
                             f" expected the receive rows' {tuple(out.shape)} or [R, K, L]"
                         )
                     out.copy_(fused_expert_output)
-            except Exception as err:  # noqa: BLE001 - every rank must still complete the step
+            except Exception as err:  # every rank must still complete the step
                 self.routed.abort_step(err)
             self.routed.combine(None, out=output)
 

@@ -15,7 +15,7 @@ from dep_ep.comm.reference import owner_ranks, rms_norm
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted, MoeGeometry
 from dep_ep.experts import DenseExperts, ReferenceExperts
-from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing import SyntheticLayer, allgather_reference, internals
 from dep_ep.testing.allgather_reference import NORM_EPS
 from dep_ep.testing.compare import compare
 
@@ -99,7 +99,7 @@ def test_quantize_kernel_bit_exact(gpu_dep):
 
 
 def poison_receive(routed):
-    b = routed._buffers
+    b = internals.buffers(routed)
     rows = b.layout.max_rows
     b.x(rows).fill_(0xFF)
     b.sf(rows).fill_(0xEE)

@@ -110,7 +110,7 @@ def test_interrupt_in_dispatch_then_reset(gpu_dep, monkeypatch, launched):
         start = time.monotonic()
         try:
             routed.reset()
-        except Exception as err:  # noqa: BLE001 - reported collectively
+        except Exception as err:  # reported collectively
             failures.append(f"reset(): {type(err).__name__}: {err}")
         took = time.monotonic() - start
         print(f"TIME-TO-RESET rank {r} ({'after' if launched else 'before'} launch): {took:.3f} s")
@@ -192,7 +192,7 @@ def test_poll_raises_a_kernel_error_under_graph_replay(gpu_dep, differs):
         routed.synchronize()
         if not torch.equal(replayed.view(torch.int16), eager.view(torch.int16)):
             failures.append("the in-step replay differs from an eager call")
-    except Exception as err:  # noqa: BLE001 - reported collectively
+    except Exception as err:  # reported collectively
         failures.append(f"{type(err).__name__}: {err}")
     finally:
         routed.close()

@@ -80,7 +80,7 @@ def good_step(gpu_dep, routed, layer, experts, base: int, label: str) -> list[st
         first = routed(latent, ids, weights, norm, experts=experts, tag=base)
         again = routed(latent, ids, weights, norm, experts=experts, tag=base + 1)
         routed.synchronize()
-    except Exception as err:  # noqa: BLE001 - reported collectively
+    except Exception as err:  # reported collectively
         return [f"{label} (seed {seed}): {type(err).__name__}: {err}"]
     r = gpu_dep.rank
     ref = allgather_reference(
@@ -106,7 +106,7 @@ def fails_fast(failures, label, expected, match, routed, call, bad: bool) -> Non
         expect_raises(failures, f"{label} (bad rank)", expected[0], match[0], call)
         try:
             routed.synchronize()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             failures.append(f"{label}: synchronize on the bad rank raised {err}")
     else:
         out = call()
@@ -134,7 +134,7 @@ def test_bad_input_fails_every_rank_fast(gpu_dep, routed, layer, experts, which)
         expect_raises(failures, "all bad", TypeError, "latent dtype", call)
         try:
             routed.synchronize()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             failures.append(f"all bad: synchronize raised {err}")
     else:
         fails_fast(

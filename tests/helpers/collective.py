@@ -54,7 +54,7 @@ def expect_raises(
         if match is not None and not re.search(match, str(err)):
             failures.append(f"{label}: {type(err).__name__} {str(err)!r} lacks {match!r}")
         return err
-    except Exception as err:  # noqa: BLE001 - a wrong type is a failure on this rank only
+    except Exception as err:  # a wrong type is a failure on this rank only
         failures.append(f"{label}: raised {type(err).__name__}: {err}; expected {expected}")
         return err
     failures.append(f"{label}: no error raised; expected {expected}")

@@ -23,7 +23,7 @@ import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import MoeGeometry
-from dep_ep.experts.hopper import HopperTiles
+from dep_ep.experts.hopper import Grouping, HopperTiles
 from dep_ep.experts.hopper.triton_engine import fused_experts
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -41,7 +41,7 @@ TILES = HopperTiles(
     fc2_block_k=64,
     finalize_block_l=64,
     math="fp32",
-    grouping="torch",
+    grouping=Grouping.TORCH,
 )
 PROGRAMS = 5
 KERNEL_GROUPING = "-grouping-kernel"  # case suffix: grouped by experts/hopper/grouping_kernel.py
@@ -71,7 +71,7 @@ def main(case: str, seed: int) -> None:
     if case.endswith(KERNEL_GROUPING):
         case, tiles = (
             case.removesuffix(KERNEL_GROUPING),
-            dataclasses.replace(TILES, grouping="triton"),
+            dataclasses.replace(TILES, grouping=Grouping.TRITON),
         )
     gen = torch.Generator().manual_seed(seed)
     layer = SyntheticLayer(GEOMETRY, seed)

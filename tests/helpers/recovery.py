@@ -62,7 +62,7 @@ def serve(routed, batches: Batches, first: int, count: int, failures: list[str],
         except RECOVERABLE:
             try:
                 routed.reset()
-            except Exception as err:  # noqa: BLE001 - reported collectively
+            except Exception as err:  # reported collectively
                 failures.append(f"{label}: reset() after batch {i}: {type(err).__name__}: {err}")
             continue
         failures += compare(out, batches.reference(i), f"{label} batch {i}")
@@ -83,6 +83,6 @@ def timed(call) -> tuple[BaseException | None, float]:
     start = time.monotonic()
     try:
         call()
-    except BaseException as err:  # noqa: BLE001 - KeyboardInterrupt included: the caller checks
+    except BaseException as err:  # KeyboardInterrupt included: the caller checks
         return err, time.monotonic() - start
     return None, time.monotonic() - start

@@ -331,7 +331,7 @@ def test_mxfp4_does_not_load_the_up_projection_first():
 def _import(name: str):
     try:
         return importlib.import_module(name)
-    except Exception as err:  # noqa: BLE001 - the reason is the skip's message
+    except Exception as err:  # the reason is the skip's message
         why = f"{name} does not import here: {type(err).__name__}: {err}"
         if "torchvision" in str(err):
             why += " (torchvision's PyPI wheels link a CUDA build of torch; docs/integrations.md)"

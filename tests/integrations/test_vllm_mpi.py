@@ -33,7 +33,7 @@ from dep_ep.integrations.vllm.kimi_k3 import DepEpKimiExperts, dep_ep_layers, mo
 from dep_ep.integrations.vllm.prepare_finalize import make_prepare_finalize
 from dep_ep.testing import SyntheticLayer, compare, routed_reference, synthetic_ids
 from dep_ep.testing.compare import compare_rel_l2
-from dep_ep.testing.tolerance import BF16, ROUTED_ROUNDINGS, SAFETY, model_rms
+from dep_ep.testing.tolerance import BF16, ROUTED_RMS, SAFETY
 
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert, expect_raises
@@ -47,7 +47,6 @@ TEXT = vs.KimiK3TextConfig(
     num_experts_per_token=TINY.topk,
     num_hidden_layers=LAYERS,
 )
-ROUTED_REL = model_rms(ROUTED_ROUNDINGS)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -142,7 +141,7 @@ def layer_reference(layer, up, latent, ids, weights, shared, padding):
     normed = routed_reference(latent, masked, weights, layer.norm_weight(), layer.expert)
     routed = normed @ up.double().T
     out = shared.double() + routed
-    e2 = (routed.norm() ** 2 * ROUTED_REL**2) / out.norm().clamp(min=1e-30) ** 2 + BF16**2
+    e2 = (routed.norm() ** 2 * ROUTED_RMS**2) / out.norm().clamp(min=1e-30) ** 2 + BF16**2
     return normed, out, SAFETY * float(e2.sqrt())
 
 

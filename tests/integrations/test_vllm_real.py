@@ -31,7 +31,7 @@ def _real_vllm():
     """vllm's version module when vLLM 0.33.0 is importable, else the reason it is not."""
     try:
         version = importlib.import_module("vllm.version")
-    except Exception as err:  # noqa: BLE001 - any failure to import is a reason to skip
+    except Exception as err:  # any failure to import is a reason to skip
         return None, (
             f"vLLM is not importable ({type(err).__name__}: {err}); install vLLM 0.33.0 into"
             f" {ENGINE_DIR} and run with PYTHONPATH={ENGINE_DIR} (docs/integrations.md, 'vLLM')"
