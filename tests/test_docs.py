@@ -164,3 +164,35 @@ def test_source_names_only_docs_that_exist():
                     if not (ROOT / name).exists():
                         missing.append(f"{relative(path)}:{number}: {name}")
     assert not missing, "\n".join(missing)
+
+
+def indented_commands(text: str) -> list[str]:
+    """The shell commands of a page's indented blocks: continuation lines joined, comments and
+    extra spaces dropped."""
+    commands, current = [], ""
+    for line in text.split("\n"):
+        if not line.startswith("    "):
+            continue
+        line = line.split("  #")[0].strip()
+        current = f"{current} {line}".strip()
+        if current.endswith("\\"):
+            current = current[:-1].strip()
+            continue
+        commands.append(" ".join(current.split()))
+        current = ""
+    return [c for c in commands if c]
+
+
+def test_readme_engine_section_matches_the_integrations_page():
+    """README.md's "Inside vLLM / SGLang" gives the launch commands, each as written on
+    docs/integrations.md (the page whose facts they rest on), so the two cannot drift."""
+    readme = (ROOT / "README.md").read_text()
+    parts = readme.split("\n## Inside vLLM / SGLang\n")
+    assert len(parts) == 2, "README.md has no '## Inside vLLM / SGLang' section"
+    section = parts[1].split("\n## ")[0]
+    commands = indented_commands(section)
+    assert any("DEP_EP_VLLM=1" in c for c in commands), commands
+    assert any("DEP_EP_SGLANG=1" in c for c in commands), commands
+    page = set(indented_commands((DOCS / "integrations.md").read_text()))
+    missing = [c for c in commands if c not in page]
+    assert not missing, f"README commands not on docs/integrations.md: {missing}"
