@@ -2,7 +2,7 @@
 a page through bench/report.py (header, table, a plot or the line saying it is missing) and the
 command it names; bench_routed_experts reading the peer's log and writing its page; bench_dep's
 page with and without its peer; bench_humming_tuning naming humming's distinct kernels;
-timing.pair_timed_us's argument check."""
+timing.pair_timed_us's argument check; profile_combine reading Nsight Compute's table."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_dep, report, timing
+from bench import bench_dep, profile_combine, report, timing
 from bench import bench_humming_tuning as tuning
 from bench import bench_routed_experts as routed_experts
 
@@ -201,3 +201,43 @@ def test_humming_variants_are_distinct_and_keep_the_bases():
     assert shapes == {(b, s) for b in (16, 24, 32) for s in (True, False)} | {(64, False)}
     assert "512's, 16 pairs, stream-K off" in variants
     assert all(c["block_shape"][1:] == [256, 128] for c in variants.values())
+
+
+def ncu_csv(rows: list[tuple[str, str, str, str, str]]) -> str:
+    """ncu's `--csv --page details` text: a banner line, the header, one line per (launch,
+    section, metric, unit, value)."""
+    head = ["ID", "Process ID", "Kernel Name", "Section Name", "Metric Name"]
+    head += ["Metric Unit", "Metric Value"]
+    lines = ["==PROF== Connected to process 1", ",".join(f'"{h}"' for h in head)]
+    for launch, *fields in rows:
+        cells = [launch, "1", "kernel_CombineKernel", *fields]
+        lines.append(",".join(f'"{c}"' for c in cells))
+    return "\n".join(lines) + "\n"
+
+
+SOL, OCC = "GPU Speed Of Light Throughput", "Occupancy"
+NCU_CSV = ncu_csv(
+    [
+        ("0", SOL, "Duration", "us", "5.12"),
+        ("0", OCC, "Achieved Occupancy", "%", "11.9"),
+        ("1", SOL, "Duration", "us", "20.48"),
+        ("1", OCC, "Achieved Occupancy", "%", "12.4"),
+    ]
+)
+
+
+def test_profile_combine_reads_ncu_and_writes_a_column_per_t(tmp_path):
+    keys, values = profile_combine.metrics(NCU_CSV)
+    assert keys == [
+        ("GPU Speed Of Light Throughput", "Duration", "us"),
+        ("Occupancy", "Achieved Occupancy", "%"),
+    ]
+    run = report.Run("python -m bench.profile_combine", "1 x GPU", "Python 3", "2026-12-02")
+    profile_combine.write_report(tmp_path, [1, 4096], keys, values, run)
+    page = (tmp_path / "profile_combine.md").read_text()
+    assert "| section | metric | unit | T = 1 | T = 4096 |" in page, page
+    assert "| GPU Speed Of Light Throughput | Duration | us | 5.12 | 20.48 |" in page, page
+    with pytest.raises(SystemExit, match="2 launches profiled for Duration; expected one per T"):
+        profile_combine.write_report(tmp_path, [1, 16, 4096], keys, values, run)
+    with pytest.raises(SystemExit, match="no ncu table"):
+        profile_combine.metrics("==ERROR== no kernels were profiled")
