@@ -18,6 +18,7 @@ import torch
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import (
     RECOVERY_RESET,
+    TAGS_DIFFER,
     EpDesyncError,
     EpPeerError,
     EpPeerLostError,
@@ -348,7 +349,7 @@ class DeviceTransport(Transport):
         if kind == KIND_TAG:
             raise EpDesyncError(
                 f"{where}: the ranks are out of step: rank {peer} ran {tag_text(theirs)} where"
-                f" this rank ran {tag_text(mine)}{after}"
+                f" this rank ran {tag_text(mine)} ({TAGS_DIFFER}){after}"
             )
         raise EpDesyncError(
             f"{where}: the ranks are out of step: rank {peer} was at call {theirs}{after}"

@@ -302,11 +302,13 @@ class EpRouted:
 
     def register_layer(self, layer: object, index: int | None = None) -> int:
         """Record an EpMoeLayer that tags its calls: returns its layer index, `index` or, for
-        None, the next index in this EpRouted's construction order that no live layer holds (a
-        dropped layer's index is not given again, so the indices do not depend on when the
-        garbage collector frees layers). Local: ranks that build their layers in the same order
-        get the same indices, and a call of another layer's index on another rank raises
-        EpDesyncError on every rank."""
+        None, the next index in this EpRouted's construction order, skipping those live layers
+        took with layer_index= (a dropped layer's index is not given again, so the indices do
+        not depend on when the garbage collector frees layers). Local: ranks that build their
+        layers in the same order get the same indices. A call of another layer's index on
+        another rank raises EpDesyncError on every rank, and so does a call of one index by
+        different layers on different ranks (built in other orders): the layer's tag carries
+        its dense weights' fingerprint too (ep/layer.py, layer_tag)."""
         if index is None:
             index = self._next_layer_index
             while index in self._layer_indices:

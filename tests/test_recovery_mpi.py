@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
 from dep_ep.config import TINY, EpConfig
@@ -225,6 +226,61 @@ def test_layers_called_in_different_orders(dep, layer):
     for name, g, w in zip("AB", got, want):
         if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
             failures.append(f"layer {name} in order after the desync: not the fresh object's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_layers_built_in_different_orders(dep, layer):
+    """Two EpMoeLayers on one EpRouted, no layer_index= and no tag=: rank 0 builds A then B, the
+    others B then A, and each rank calls its layers in its own build order (so each call's
+    default layer index is the same on every rank, but not its layer). Every call raises
+    EpDesyncError on every rank within 1 s, naming layer_index= (the layers' tags carry a
+    fingerprint of their dense weights, the same on every rank for the same layer). The
+    documented recovery, layers built with layer_index= (the model's layer number) in the same
+    per-rank orders and called in the model's order, gives the bits of a fresh EpRouted's
+    layers.
+    Before (ep/layer.py tagging index and call count only, run once with this test): both calls
+    returned on every rank without an error, each rank's rows paired with the other layer's."""
+    seed = agreed_seed(dep.cpu_group, 335)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    failures: list[str] = []
+    experts = Batches(dep, layer, seed, T).experts
+    dense = {name: dense_weights(seed + i) for i, name in enumerate("AB", 1)}
+
+    def build_layers(routed, indices):
+        names = "AB" if dep.rank == 0 else "BA"
+        built = {
+            name: EpMoeLayer(
+                dense[name], routed, experts, topk=TINY.topk, layer_index=indices.get(name)
+            )
+            for name in names
+        }
+        return [built[name] for name in names], built
+
+    with build(dep) as routed:
+        in_build_order, _ = build_layers(routed, {})
+        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
+        for i, moe in enumerate(in_build_order):
+            err, took = timed(lambda moe=moe: moe(mine))
+            print(f"TIME-TO-ERROR layers built in other orders, call {i}: {took:.4f} s")
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
+            elif "layer_index" not in str(err):
+                failures.append(f"call {i}: the desync does not name layer_index=: {err}")
+            if took > 1.0:
+                failures.append(f"call {i}: the error took {took:.2f} s")
+        _, by_name = build_layers(routed, {"A": 10, "B": 11})
+        got = [by_name["A"](mine), by_name["B"](mine)]
+    with build(dep) as fresh:
+        a2 = EpMoeLayer(dense["A"], fresh, experts, topk=TINY.topk)
+        b2 = EpMoeLayer(dense["B"], fresh, experts, topk=TINY.topk)
+        want = [a2(mine), b2(mine)]
+    for name, g, w in zip("AB", got, want):
+        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
+            failures.append(f"layer {name} with layer_index=: not the fresh object's bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
