@@ -57,9 +57,11 @@ def served_to_the_end(done: list[int], last: int, label: str) -> list[str]:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_reset_while_a_peer_is_in_a_call(dep, layer):
-    """Rank 0 calls reset() while the others run a step. They get an error in that step and
-    reset() too (what it says); then every rank serves batches, resetting after each error. Every
-    output returned matches its reference, and the last three batches return on every rank.
+    """Rank 0 calls reset() while the others run a step. They raise EpDesyncError saying to
+    reset() within 1 s of their call (rank 0 calls reset() at the same moment), and reset() too
+    (what it says); rank 0's reset() returns within 1 s. Then every rank serves batches,
+    resetting after each error. Every output returned matches its reference, and the last three
+    batches return on every rank.
     Before: rank 0's reset barrier paired with the others' dispatch barrier, and the group died
     (gloo: "Application timeout caused pair closure" on rank 0, "Connection closed by peer" on
     rank 1, 2 ranks)."""
@@ -67,13 +69,26 @@ def test_reset_while_a_peer_is_in_a_call(dep, layer):
     failures: list[str] = []
     with build(dep) as routed:
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        dist.barrier(group=dep.cpu_group)  # the times below start together
         if dep.rank == 0:
-            err, _ = timed(routed.reset)
+            err, took = timed(routed.reset)
+            print(f"TIME-TO-RESET reset on rank 0 while the others call: {took:.4f} s")
             if err is not None:
                 failures.append(f"rank 0's reset(): {type(err).__name__}: {err}")
-            done = serve(routed, batches, 2, 6, failures, "after the reset")
         else:
-            done = serve(routed, batches, 1, 7, failures, "after the reset")
+            err, took = timed(lambda: batches.run(routed, 1))
+            print(f"TIME-TO-ERROR rank {dep.rank} in a call while rank 0 resets: {took:.4f} s")
+            if not isinstance(err, EpDesyncError) or "reset()" not in str(err):
+                failures.append(
+                    f"the peer's call: {type(err).__name__}: {err}; expected"
+                    " EpDesyncError saying to reset()"
+                )
+            err, _ = timed(routed.reset)
+            if err is not None:
+                failures.append(f"the peer's reset(): {type(err).__name__}: {err}")
+        if took > 1.0:
+            failures.append(f"rank {dep.rank}: {took:.2f} s to the error or the reset's end")
+        done = serve(routed, batches, 2, 6, failures, "after the reset")
         failures += served_to_the_end(done, 7, "after the reset")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
@@ -98,8 +113,9 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
     """SIGINT reaches rank 0 while it waits in a dispatch (its peers call 1.5 s later) or in a
     combine (their experts take 1.5 s): KeyboardInterrupt within 0.5 s of the signal. Then every
     rank calls reset() after its step (docs: after an interrupted call): the peers' step either
-    raised or returned its correct rows. Every later output is correct, the last three batches
-    on every rank.
+    raised (EpDesyncError: rank 0 is in reset()) or returned its correct rows, within 1 s of the
+    peer's arrival in the wait (its call, or its experts' end). Every later output is correct,
+    the last three batches on every rank.
     Before: the interrupt took effect when the peers arrived (1.5 s), and the group was dead
     afterwards (gloo: "Application timeout caused pair closure" on both ranks, dispatch; an
     EpTimeoutError in reset with "connection lost", combine)."""
@@ -125,15 +141,29 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
             else:
                 experts = SlowExperts(experts, late)
             out = None
+            start = time.monotonic()
             try:
                 out = routed(latent, ids, weights, layer.norm_weight(), experts=experts)
-            except RECOVERABLE:
-                pass
+            except RECOVERABLE as err:
+                if not isinstance(err, EpDesyncError):
+                    failures.append(f"the peer's step: {type(err).__name__}: {err}")
+            waited = time.monotonic() - start - (late if phase == "combine" else 0.0)
+            outcome = "an error" if out is None else "its rows"
+            print(
+                f"TIME-TO-ERROR rank {dep.rank} after the {phase} interrupt: {outcome} after"
+                f" {waited:.4f} s in the wait"
+            )
+            if waited > 1.0:
+                failures.append(f"the peer's step ended {waited:.2f} s after it began to wait")
             if out is not None:
                 failures += compare(out, batches.reference(1), "the peer's interrupted step")
-        err, _ = timed(routed.reset)
+        err, took = timed(routed.reset)
+        # Rank 0's reset waits for the peers' steps; a peer's finds rank 0 in reset() already.
+        print(f"TIME-TO-RESET rank {dep.rank} after the {phase} interrupt: {took:.4f} s")
         if err is not None:
             failures.append(f"reset() after the step: {type(err).__name__}: {err}")
+        elif dep.rank != 0 and took > 1.0:
+            failures.append(f"the peer's reset() took {took:.2f} s")
         done = serve(routed, batches, 2, 6, failures, f"after the {phase} interrupt")
         failures += served_to_the_end(done, 7, f"after the {phase} interrupt")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
@@ -144,9 +174,11 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
 @pytest.mark.parametrize("kind", [ValueError, TypeError])
 def test_any_exception_inside_a_wait_needs_a_reset(dep, layer, kind):
     """A signal handler of the caller's raises a ValueError or TypeError while rank 0 waits in a
-    dispatch (its peers call 1.5 s later): the object then refuses every call until reset()
-    (poll() raises RuntimeError saying so), as after KeyboardInterrupt; after reset() on every
-    rank the outputs are correct.
+    dispatch (its peers call 1.5 s later): that error within 0.5 s of the signal, and the object
+    then refuses every call until reset() (poll() raises RuntimeError saying so), as after
+    KeyboardInterrupt; the peers' step raises EpDesyncError (rank 0 is in reset()) or returns
+    its correct rows within 1 s of their call; after reset() on every rank the outputs are
+    correct.
     Before: these two types counted as the protocol's own errors, the object stayed usable, and
     rank 0's next call paired with its peers' earlier messages and returned wrong rows (rel L2
     1.02, found by a probe)."""
@@ -163,20 +195,32 @@ def test_any_exception_inside_a_wait_needs_a_reset(dep, layer, kind):
             timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
             timer.start()
             try:
-                err, _ = timed(lambda: batches.run(routed, 1))
+                err, took = timed(lambda: batches.run(routed, 1))
             finally:
                 timer.join()
                 signal.signal(signal.SIGUSR1, previous)
+            print(f"TIME-TO-ERROR {kind.__name__} from a handler: {took - 0.2:.4f} s after it")
             if not isinstance(err, kind):
                 failures.append(f"rank 0: {type(err).__name__}: {err}; expected {kind.__name__}")
+            elif took > 0.7:
+                failures.append(f"rank 0: the handler's error came after {took:.2f} s")
             expect_raises(failures, "poll after the handler", RuntimeError, "reset", routed.poll)
         else:
             time.sleep(1.5)
+            out, start = None, time.monotonic()
             try:
                 out = batches.run(routed, 1)
+            except RECOVERABLE as err:
+                if not isinstance(err, EpDesyncError):
+                    failures.append(f"the peer's step: {type(err).__name__}: {err}")
+            took = time.monotonic() - start
+            print(
+                f"TIME-TO-ERROR rank {dep.rank} after the handler's {kind.__name__}: {took:.4f} s"
+            )
+            if took > 1.0:
+                failures.append(f"the peer's step ended after {took:.2f} s")
+            if out is not None:
                 failures += compare(out, batches.reference(1), "the peer's step")
-            except RECOVERABLE:
-                pass
         err, _ = timed(routed.reset)
         if err is not None:
             failures.append(f"reset() after the step: {type(err).__name__}: {err}")
@@ -201,8 +245,9 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(120)
 def test_layers_called_in_different_orders(dep, layer):
     """Two EpMoeLayers on one EpRouted, no tag= anywhere: rank 0 calls A then B, the others B then
-    A. Every call raises EpDesyncError on every rank (the layers tag their calls). Called in the
-    same order afterwards they give the bits a fresh EpRouted gives for the same calls.
+    A. Every call raises EpDesyncError on every rank within 1 s (the layers tag their calls).
+    Called in the same order afterwards they give the bits a fresh EpRouted gives for the same
+    calls.
     Before: both calls returned an output on every rank, without an error."""
     seed = agreed_seed(dep.cpu_group, 330)
     gen = torch.Generator().manual_seed(seed)
@@ -214,10 +259,16 @@ def test_layers_called_in_different_orders(dep, layer):
         a = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk)
         b = EpMoeLayer(dense_weights(seed + 2), routed, experts, topk=TINY.topk)
         order = (a, b) if dep.rank == 0 else (b, a)
+        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
         for i, moe in enumerate(order):
+            start = time.monotonic()
             expect_raises(
                 failures, f"call {i} out of order", EpDesyncError, "out of step", lambda: moe(mine)
             )
+            took = time.monotonic() - start
+            print(f"TIME-TO-ERROR layers called in other orders, call {i}: {took:.4f} s")
+            if took > 1.0:
+                failures.append(f"call {i} out of order: the error took {took:.2f} s")
         got = [a(mine), b(mine)]
     with build(dep) as fresh:
         a2 = EpMoeLayer(dense_weights(seed + 1), fresh, experts, topk=TINY.topk)
@@ -295,9 +346,10 @@ def local_counts(dep, case) -> torch.Tensor:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_expert_counts_after_a_failed_step(dep, layer):
-    """expert_counts() after a step the last rank rejected raises RuntimeError on every rank (it
-    would mix the failed step's rows with the previous one's); after the next good step it gives
-    that step's counts. Before: the call returned a count vector, no error."""
+    """expert_counts() after a step the last rank rejected (its error, and EpPeerError on the
+    others, within 1 s) raises RuntimeError on every rank (it would mix the failed step's rows
+    with the previous one's); after the next good step it gives that step's counts. Before: the
+    call returned a count vector, no error."""
     seed = agreed_seed(dep.cpu_group, 340)
     batches = Batches(dep, layer, seed, T)
     failures: list[str] = []
@@ -313,6 +365,7 @@ def test_expert_counts_after_a_failed_step(dep, layer):
         bad = dep.rank == dep.size - 1
         latent = latent.float() if bad else latent
         norm = layer.norm_weight()
+        start = time.monotonic()
         expect_raises(
             failures,
             "rejected step",
@@ -320,6 +373,10 @@ def test_expert_counts_after_a_failed_step(dep, layer):
             None,
             lambda: routed(latent, ids, weights, norm, experts=batches.experts),
         )
+        took = time.monotonic() - start
+        print(f"TIME-TO-ERROR rejected step, rank {dep.rank}: {took:.4f} s")
+        if took > 1.0:
+            failures.append(f"the rejected step's error took {took:.2f} s")
         expect_raises(
             failures, "counts of the failed step", RuntimeError, "failed", routed.expert_counts
         )
