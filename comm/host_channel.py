@@ -318,6 +318,19 @@ class ObjectBarriers:
         self._published = None
         self.epoch, self.count, self.reset_round = epoch, 0, epoch
 
+    def peer_rounds(self, store) -> list[int]:
+        """Every rank's reset round of this object as the store holds it (a rank that never
+        reset: 0). A rank whose round exceeds this rank's `reset_round` is in (or past) a reset
+        this rank has not taken part in. Two store round trips once every rank's counter exists
+        (the first look creates the missing ones at 0, as a rank's own first reset does); the
+        caller's `store` is a connection of its own when it reads from another thread
+        (comm/peer_watch.py)."""
+        ch = self.channel
+        keys = [ch.key(self.obj, "reset", r) for r in range(ch.size)]
+        if store.check(keys):
+            return [int(value) for value in store.multi_get(keys)]
+        return [store.add(key, 0) for key in keys]
+
     def _check_resetting(self, store, round_keys, target: int, missing: list[int]) -> None:
         """While this rank resets: a missing rank that resets another object waits for this rank
         there while this rank waits for it here (its round read again after its position: it

@@ -57,8 +57,9 @@ ERROR_KERNEL_WORDS = 8  # the words above: the host clears these, never the abor
 ERROR_ABORT = 8
 ERROR_WRITING, ERROR_COMPLETE = 1, 2
 KIND_TIMEOUT, KIND_REJECTED, KIND_TAG, KIND_TOKENS, KIND_CALL, KIND_ABORTED = 1, 2, 3, 4, 5, 6
-# Why the host asked the kernels' waits to end: a peer's process is gone, or reset() is running.
-ABORT_PEER_LOST, ABORT_RESET = 1, 2
+# Why the host asked the kernels' waits to end: a peer's process is gone, reset() is running on
+# this rank, or a peer called reset() (comm/peer_watch.py: this rank must reset too).
+ABORT_PEER_LOST, ABORT_RESET, ABORT_PEER_RESET = 1, 2, 3
 # A wait reads the host's abort request only after it has waited this long: the read crosses
 # PCIe (about a microsecond), and a flag that comes within this needs no abort.
 HOST_ABORT_POLL_NS = 20_000

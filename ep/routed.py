@@ -864,8 +864,10 @@ class EpRouted:
         whatever call it was in, the host barriers start a new epoch (no message or flag of an
         earlier call can match a later one), a pending dispatch is dropped and the layers'
         step counts restart. Every rank calls it, with no call of this group queued on its
-        stream. A rank whose peer waits in a call sees that peer raise EpDesyncError (its
-        message says to reset() too). After a lost peer it raises EpPeerLostError."""
+        stream. A peer that waits in a call meanwhile raises EpDesyncError saying to reset()
+        too (CPU: in that call; CUDA: its peer watch ends its kernels within peer_watch_s, and
+        its next poll(), call or synchronize() raises). After a lost peer it raises
+        EpPeerLostError."""
         fn = "EpRouted.reset"
         if self._buffers.closed:
             raise RuntimeError(f"{fn}: this EpRouted was closed")

@@ -19,10 +19,13 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
+from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.config import TINY, EpConfig
+from dep_ep.constants import ABORT_PEER_RESET, ERROR_ABORT, ERROR_WORDS
 from dep_ep.ep import EpMoeLayer, EpRouted
 from dep_ep.experts import ExpertsBackend
 from dep_ep.experts.checkpoint import dense_shapes
+from dep_ep.launch.store import group_store
 from dep_ep.testing import SyntheticLayer
 from dep_ep.testing.compare import compare
 
@@ -333,6 +336,63 @@ def test_layers_built_in_different_orders(dep, layer):
         if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
             failures.append(f"layer {name} with layer_index=: not the fresh object's bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_reset_reaches_the_peers_watch(dep, layer):
+    """The GPU transport's peer watch (comm/peer_watch.py) on CPU ranks, over the group's real
+    store and a stand-in error record: rank 0 calls reset() while the others are idle. Their
+    watch (its own store connection, every 0.02 s) writes ABORT_PEER_RESET naming rank 0 within
+    1 s; they reset() too (what DeviceTransport.check then says) and clear the record under the
+    watch's lock, as DeviceTransport.reset does; no abort comes back on any rank afterwards, and
+    the next batch is correct. Before: PeerWatch took no object barriers (TypeError), and a
+    GPU rank's kernels waited for a resetting peer until timeout_s."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 380), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        barriers = routed._buffers.barriers
+        error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+        store = group_store(dep.cpu_group, 1.0)
+        watch = PeerWatch(barriers.channel, error, 0.02, barriers, store)
+        try:
+            dist.barrier(group=dep.cpu_group)
+            if dep.rank == 0:
+                err, took = timed(routed.reset)
+                if err is not None:
+                    failures.append(f"rank 0's reset(): {type(err).__name__}: {err}")
+            else:
+                start = time.monotonic()
+                while int(error[ERROR_ABORT]) == 0 and time.monotonic() - start < 5.0:
+                    time.sleep(0.002)
+                took = time.monotonic() - start
+                print(f"TIME-TO-ABORT rank {dep.rank}, rank 0 in reset(): {took:.4f} s")
+                # Another peer that saw rank 0 first may be in reset() by this look too.
+                named = watch.resetting
+                if (
+                    int(error[ERROR_ABORT]) != ABORT_PEER_RESET
+                    or 0 not in named
+                    or dep.rank in named
+                ):
+                    failures.append(
+                        f"the watch wrote {int(error[ERROR_ABORT])} for ranks {named}; expected"
+                        f" {ABORT_PEER_RESET} for rank 0 (and maybe other peers)"
+                    )
+                if took > 1.0:
+                    failures.append(f"the watch took {took:.2f} s to see rank 0's reset")
+                err, _ = timed(routed.reset)
+                if err is not None:
+                    failures.append(f"the peer's reset(): {type(err).__name__}: {err}")
+            with watch.lock:
+                error.zero_()
+                watch.cleared()
+            time.sleep(0.2)  # ten looks
+            if int(error[ERROR_ABORT]) != 0:
+                failures.append(f"an abort ({int(error[ERROR_ABORT])}) came back after reset()")
+            failures += compare(batches.run(routed, 1), batches.reference(1), "the next batch")
+        finally:
+            watch.stop()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
 def local_counts(dep, case) -> torch.Tensor:

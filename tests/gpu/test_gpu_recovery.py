@@ -1,10 +1,11 @@
-"""GPU recovery (2 or more processes, which may share one GPU): an interrupt inside one rank's
-dispatch, then reset() on every rank, which ends the kernels still waiting (no timeout waited
-out) and makes the next steps equal to the reference; a kernel error under CUDA-graph replay
-(graphs captured with tags or token counts that differ across ranks), which poll() raises on
-every rank naming the call, the phase, the rank and the peer while the replay's rows are NaN;
-a step in pieces whose experts fail in one piece on one rank, which every rank still runs to the
-end; and (test_gpu_dead_peer.py) a peer that dies.
+"""GPU recovery (2 or more processes, which may share one GPU): a SIGINT inside one rank's
+wait, then reset() on every rank, which ends the kernels still waiting (no timeout waited out)
+and makes the next steps equal to the reference; reset() on one rank while the others' kernels
+wait for it, which their peer watch turns into EpDesyncError within 1 s; a kernel error under
+CUDA-graph replay (graphs captured with tags or token counts that differ across ranks), which
+poll() raises on every rank naming the call, the phase, the rank and the peer while the
+replay's rows are NaN; a step in pieces whose experts fail in one piece on one rank, which
+every rank still runs to the end; and (test_gpu_dead_peer.py) a peer that dies.
 
 Before the abort request and poll() (main at 6f889cd): a reset() after the interrupt waited for
 the stuck combine kernel's 20 s timeout, and a replayed step with differing tags raised nothing
@@ -153,6 +154,65 @@ def test_interrupt_in_dispatch_then_reset(gpu_dep, monkeypatch, where):
         print(f"TIME-TO-RESET rank {r} (SIGINT in {where}): {took:.3f} s")
         if took > RESET_S:
             failures.append(f"reset() took {took:.2f} s (a kernel waited out its timeout)")
+        for i in range(3):
+            failures += good_step(gpu_dep, routed, layer, experts, seed + 10 + i, f"after {i}")
+    finally:
+        routed.close()
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reset_reaches_a_peer_whose_kernels_wait(gpu_dep):
+    """Rank 0 calls reset() instead of its step while the other ranks' step waits for rank 0's
+    dispatch flags, which never come: their peer watch sees rank 0's reset round (within
+    peer_watch_s, 0.1 s) and ends their kernels, so their synchronize() raises EpDesyncError
+    naming rank 0 and saying to reset() within 1 s of its start; they reset(), rank 0's reset()
+    returns within 1 s plus the others' wait, and three fresh steps match the reference.
+    Written, not run on a GPU yet. Before (read from the code, not run): their kernels waited
+    for rank 0 until timeout_s (20 s) and synchronize() raised EpTimeoutError then, by which time
+    rank 0's reset() had waited its own 20 s for them."""
+    seed = agreed_seed(gpu_dep.cpu_group, 520)
+    layer = SyntheticLayer(TINY, seed)
+    r = gpu_dep.rank
+    experts = dense_experts(layer, r, gpu_dep.size)
+    failures: list[str] = []
+    routed = build(gpu_dep)
+    try:
+        failures += good_step(gpu_dep, routed, layer, experts, seed + 1, "before")
+        case = make_case(TINY, gpu_dep.size, T, seed + 2)
+        args = [t.cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+        norm = layer.norm_weight().cuda()
+        dist.barrier(group=gpu_dep.cpu_group)
+        start = time.monotonic()
+        if r == 0:
+            try:
+                routed.reset()
+            except Exception as err:  # noqa: BLE001 - reported collectively
+                failures.append(f"rank 0's reset(): {type(err).__name__}: {err}")
+            took = time.monotonic() - start
+            print(f"TIME-TO-RESET rank 0, the others' kernels waiting: {took:.3f} s")
+            if took > 2 * RESET_S:
+                failures.append(f"rank 0's reset() took {took:.2f} s")
+        else:
+            routed(*args, norm, experts=experts)  # its kernels wait for rank 0's flags
+            err = expect_raises(
+                failures,
+                "synchronize() while rank 0 resets",
+                EpDesyncError,
+                r"rank 0(, rank \d+)* called reset\(\).*reset\(\)",  # others may reset too
+                routed.synchronize,
+            )
+            took = time.monotonic() - start
+            print(f"TIME-TO-ERROR rank {r}, rank 0 in reset(): {took:.3f} s")
+            if took > 1.0:
+                failures.append(f"synchronize() raised after {took:.2f} s")
+            if err is not None and getattr(err, "recovery", None) != "reset":
+                failures.append(f"the error's recovery is {getattr(err, 'recovery', None)!r}")
+            expect_raises(failures, "poll before reset()", RuntimeError, "reset", routed.poll)
+            try:
+                routed.reset()
+            except Exception as err:  # noqa: BLE001 - reported collectively
+                failures.append(f"rank {r}'s reset(): {type(err).__name__}: {err}")
         for i in range(3):
             failures += good_step(gpu_dep, routed, layer, experts, seed + 10 + i, f"after {i}")
     finally:
