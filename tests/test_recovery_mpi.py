@@ -395,6 +395,46 @@ def test_a_reset_reaches_the_peers_watch(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_failed_barrier_leaves_no_key_after_reset(dep, layer):
+    """The others' dispatch barrier raises EpDesyncError (rank 0 calls reset() meanwhile) before
+    it passes: their message of it is still in the group's store then (a peer might be reading
+    it), and gone once every rank's reset() has returned; so is the message of the last barrier
+    each rank passed. Before: a barrier that raised never deleted its message (one key left in
+    the store per failed call)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 390), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        barriers = routed._buffers.barriers
+        store = barriers.channel.store
+        batches.run(routed, 0)
+        passed = barriers.channel.key(
+            barriers.obj, f"{barriers.epoch}.{barriers.count - 1}", dep.rank
+        )
+        failed = barriers.channel.key(barriers.obj, f"{barriers.epoch}.{barriers.count}", dep.rank)
+        dist.barrier(group=dep.cpu_group)
+        if dep.rank == 0:
+            routed.reset()
+        else:
+            expect_raises(
+                failures,
+                "the call while rank 0 resets",
+                EpDesyncError,
+                "reset",
+                lambda: batches.run(routed, 1),
+            )
+            if not store.check([failed]):
+                failures.append("the failed barrier's message is gone before the reset")
+            routed.reset()
+        dist.barrier(group=dep.cpu_group)  # every rank's reset() has returned
+        for label, key in (("the last passed barrier's", passed), ("the failed barrier's", failed)):
+            if store.check([key]):
+                failures.append(f"{label} message is still in the store after reset(): {key}")
+        failures += compare(batches.run(routed, 2), batches.reference(2), "the next batch")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
 def local_counts(dep, case) -> torch.Tensor:
     """int32 [E_local]: the (token, k) pairs of every rank's case that name this rank's experts."""
     per_rank = TINY.experts // dep.size
