@@ -97,7 +97,9 @@ class EpBuffers(RankRegions):
     """Symmetric receive buffers of one rank of an EP group of `ranks` ranks.
 
     Collective: construction and `close()` are called by every rank of `group` in the same order.
-    Construction blocks the host (allocation, mapping, two barriers). The views `x(rows)`,
+    Construction blocks the host (allocation, mapping and bounded host barriers: on CPU
+    `shm-check`, `shm-create` and `shm-map`; on CUDA `nvshmem-bootstrap`, then NVSHMEM's
+    `barrier_all`; before them `construction` when no `agreement` is given). The views `x(rows)`,
     `sf(rows)`, `ids(rows)`, `weights(rows)`, `out(rows)` are this rank's; `peers[r]` gives the
     same views of rank r's allocation (writes land in rank r's memory).
 

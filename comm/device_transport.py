@@ -18,6 +18,7 @@ import torch
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import (
     RECOVERY_RESET,
+    TAGS_DIFFER,
     EpDesyncError,
     EpPeerError,
     EpPeerLostError,
@@ -37,6 +38,7 @@ from dep_ep.comm.transport import (
 from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
 from dep_ep.constants import (
     ABORT_PEER_LOST,
+    ABORT_PEER_RESET,
     ABORT_RESET,
     CTAS_PER_SM,
     ERROR_ABORT,
@@ -66,12 +68,16 @@ from dep_ep.constants import (
     STATUS_REJECTED,
 )
 from dep_ep.launch.nvshmem import GPU_EXTRA
+from dep_ep.launch.store import group_store
 
 MAX_INDEX = 1 << 31  # element indices of the kernels' tensors are int32
 # synchronize(): spin on the stream's event this long, then sleep between looks (a kernel's step
 # takes microseconds; a blocked wait beyond this is waiting for something slow), and look at the
 # peers' processes this often.
 SYNC_SPIN_S, SYNC_SLEEP_S, SYNC_WATCH_S = 1e-3, 2e-4, 0.05
+# Bound of one store call of the peer watch's thread (its reads of the peers' reset rounds): a
+# store that does not answer within it is skipped until the next look.
+WATCH_STORE_CALL_S = 1.0
 
 
 def import_cute():
@@ -237,7 +243,8 @@ class DeviceTransport(Transport):
     status, the CTA counters of the running launches, the abort word (comm/kernels/signals.py).
     The error record (int64 [ERROR_WORDS], host-mapped): the first error a kernel met, read by
     `check()` without a device sync, and the host's abort request (a PeerWatch thread sets it
-    when a peer's process is gone; reset() sets it so that waits end at once).
+    when a peer's process is gone or a peer called reset(); reset() sets it so that waits end at
+    once).
     """
 
     completes_on_return = False
@@ -258,7 +265,12 @@ class DeviceTransport(Transport):
         self.retune(None)
         self._params = LaunchParams(buffers, self.state, self.error, self.rank, self.timeout_ns)
         self.barriers = buffers.barriers
-        self.watch = PeerWatch(self.barriers.channel, self.error, config.peer_watch_s)
+        channel = self.barriers.channel
+        # The watch's thread reads the peers' reset rounds on a store connection of its own.
+        store = None
+        if config.peer_watch_s is not None and channel.size > 1:
+            store = group_store(channel.group, WATCH_STORE_CALL_S)
+        self.watch = PeerWatch(channel, self.error, config.peer_watch_s, self.barriers, store)
 
     def retune(self, tuning) -> None:
         """Compile (or take from the cache) this geometry's kernels with `tuning` (a KernelTuning;
@@ -282,6 +294,8 @@ class DeviceTransport(Transport):
         if self.watch.lost:
             self._raise_lost("poll")
         if int(self.error[ERROR_STATUS]) != ERROR_COMPLETE:
+            if int(self.error[ERROR_ABORT]) == ABORT_PEER_RESET:
+                self._raise_peer_reset("")  # no wait of this rank was ended (yet)
             return
         phase_id, peer, rank, kind, theirs, mine, call = (
             int(self.error[i])
@@ -306,6 +320,8 @@ class DeviceTransport(Transport):
         if kind == KIND_ABORTED:
             if theirs == ABORT_PEER_LOST:
                 self._raise_lost(phase)
+            if theirs == ABORT_PEER_RESET:
+                self._raise_peer_reset(f", which ended this rank's wait of {phase} for rank {peer}")
             raise EpDesyncError(
                 f"EpRouted (rank {rank}): a wait of {phase} for rank {peer} ended because reset()"
                 " ran; call reset() on every rank",
@@ -325,10 +341,20 @@ class DeviceTransport(Transport):
         if kind == KIND_TAG:
             raise EpDesyncError(
                 f"{where}: the ranks are out of step: rank {peer} ran {tag_text(theirs)} where"
-                f" this rank ran {tag_text(mine)}{after}"
+                f" this rank ran {tag_text(mine)} ({TAGS_DIFFER}){after}"
             )
         raise EpDesyncError(
             f"{where}: the ranks are out of step: rank {peer} was at call {theirs}{after}"
+        )
+
+    def _raise_peer_reset(self, ended: str) -> None:
+        """EpDesyncError for a peer's reset() seen by the watch (ABORT_PEER_RESET); `ended` says
+        which wait of this rank it ended, if one was."""
+        peers = ranks_text(self.watch.resetting) or "a peer"
+        raise EpDesyncError(
+            f"EpRouted (rank {self.rank}): {peers} called reset(){ended}; this rank's outputs"
+            " since are NaN. Call reset() on this rank too (the ranks meet there)",
+            RECOVERY_RESET,
         )
 
     def _raise_lost(self, phase: str) -> None:
@@ -376,13 +402,18 @@ class DeviceTransport(Transport):
         kernels are done then), zero this rank's step flags, device state and error record, and
         meet once more so that no rank launches before every rank has zeroed. After a timeout,
         a rejection or an interrupted call, the next call is in step; after a lost peer,
-        EpPeerLostError (the object must be closed)."""
+        EpPeerLostError (the object must be closed). A peer whose kernels wait in a call
+        meanwhile learns of this reset from its PeerWatch (this rank's reset round, in the
+        store): its kernels end within its peer_watch_s, its next poll(), call or synchronize()
+        raises EpDesyncError, and its reset() meets this one."""
         self.error[ERROR_ABORT] = ABORT_RESET
         torch.cuda.synchronize(self.device)
         self.barriers.reset(self.timeout_s)
         self.buffers.flags.zero_()
         self.state.zero_()
-        self.error.zero_()
+        with self.watch.lock:  # after reset_round rose: the watch aborts for no earlier round
+            self.error.zero_()
+            self.watch.cleared()
         torch.cuda.synchronize(self.device)
         self.barriers.exchange("reset-done", {}, self.timeout_s)
 

@@ -5,20 +5,28 @@ EpRouted; the job's processes must be restarted)."""
 
 from __future__ import annotations
 
-from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, NO_TAG
+from dep_ep.constants import LAYER_FINGERPRINT_BITS, LAYER_INDEX_BITS, LAYER_TAG_BASE, NO_TAG
 
 RECOVERY_NONE, RECOVERY_RESET, RECOVERY_REBUILD = "none", "reset", "rebuild"
+# What differing tags in one call mean (the transports' EpDesyncError says it).
+TAGS_DIFFER = (
+    "a rank skipped a step, called its layers in another order, or built its EpMoeLayers in"
+    " another order without layer_index= (pass each layer's number in the model)"
+)
 
 
 def tag_text(tag: int) -> str:
-    """A step tag as error messages show it: "no tag" for a call that gave none, "layer i call
-    s" for an EpMoeLayer's own tag, else "tag <n>"."""
+    """A step tag as error messages show it: "no tag" for a call that gave none, "layer i
+    (weights f) call s" for an EpMoeLayer's own tag (f: its dense weights' fingerprint, hex),
+    else "tag <n>"."""
     if tag == NO_TAG:
         return "no tag"
     if LAYER_TAG_BASE <= tag < 0:
         offset = tag - LAYER_TAG_BASE
         index = offset & ((1 << LAYER_INDEX_BITS) - 1)
-        return f"layer {index} call {offset >> LAYER_INDEX_BITS}"
+        fingerprint = (offset >> LAYER_INDEX_BITS) & ((1 << LAYER_FINGERPRINT_BITS) - 1)
+        step = offset >> (LAYER_INDEX_BITS + LAYER_FINGERPRINT_BITS)
+        return f"layer {index} (weights {fingerprint:06x}) call {step}"
     return f"tag {tag}"
 
 

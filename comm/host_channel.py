@@ -21,7 +21,9 @@ Why a stale or foreign message is never taken for the one awaited:
 - A rank writes each key once: its count only grows within an epoch, and a reset takes every
   rank to an epoch no key was written in. So a key holds the message of its barrier or nothing.
 - A rank deletes its message of barrier c - 1 once it has passed barrier c: passing c means that
-  every rank published c, which each does only after it has read every message of c - 1.
+  every rank published c, which each does only after it has read every message of c - 1. The
+  message of a barrier that raised before passing on this rank stays until the object's next
+  reset (a peer that saw every message may still read it; after the reset no rank does).
 Why a wait for a partner that will not come ends at once:
 - Each rank also publishes where it is (`where/<rank>`: the barrier it entered last). A waiting
   rank reads the positions of the ranks it lacks and raises EpDesyncError when one waits where
@@ -150,6 +152,9 @@ class ObjectBarriers:
         self.channel, self.obj, self.label = channel, obj, label
         self.epoch, self.count, self.reset_round = 0, 0, 0
         self._published: str | None = None  # this rank's key of the last barrier it passed
+        # This rank's keys of barriers that raised before passing (an interrupt, a desync, a
+        # timeout, a lost peer): a peer may be reading them still, so they go at the next reset.
+        self._stale: list[str] = []
         channel.objects[obj] = self
 
     # ------------------------------------------------------------------------ positions
@@ -223,16 +228,23 @@ class ObjectBarriers:
             return [message]
         store, me = ch.store, ch.rank
         keys = [ch.key(self.obj, f"{self.epoch}.{self.count}", r) for r in range(ch.size)]
+        passed = False
         try:
             self._set_where(store, phase, epoch=self.epoch, count=self.count)
             store.set(keys[me], json.dumps(message))
             values = self._wait_all(store, keys, phase, timeout_s)
+            passed = True
             if self._published is not None:
                 store.delete_key(self._published)
         except (EpDesyncError, EpTimeoutError, EpPeerLostError):
             raise
         except dist.DistError as err:
             raise ch.lost(phase, err) from None
+        finally:
+            if not passed and keys[me] not in self._stale:
+                # Not deleted here: a peer that saw every message may be reading this one (a
+                # read of a missing key would wait for it). After the next reset no rank is.
+                self._stale.append(keys[me])
         self._published = keys[me]
         self.count += 1
         messages = [json.loads(v) for v in values]
@@ -309,14 +321,29 @@ class ObjectBarriers:
             epoch = max(rounds)
             if epoch > target:
                 store.add(round_keys[me], epoch - target)
-            if self._published is not None:
-                store.delete_key(self._published)
+            # Every rank has left every earlier barrier of the object: no one reads these now.
+            for key in [self._published, *self._stale]:
+                if key is not None:
+                    store.delete_key(key)
         except (EpDesyncError, EpTimeoutError, EpPeerLostError):
             raise
         except dist.DistError as err:
             raise ch.lost("reset", err) from None
-        self._published = None
+        self._published, self._stale = None, []
         self.epoch, self.count, self.reset_round = epoch, 0, epoch
+
+    def peer_rounds(self, store) -> list[int]:
+        """Every rank's reset round of this object as the store holds it (a rank that never
+        reset: 0). A rank whose round exceeds this rank's `reset_round` is in (or past) a reset
+        this rank has not taken part in. Two store round trips once every rank's counter exists
+        (the first look creates the missing ones at 0, as a rank's own first reset does); the
+        caller's `store` is a connection of its own when it reads from another thread
+        (comm/peer_watch.py)."""
+        ch = self.channel
+        keys = [ch.key(self.obj, "reset", r) for r in range(ch.size)]
+        if store.check(keys):
+            return [int(value) for value in store.multi_get(keys)]
+        return [store.add(key, 0) for key in keys]
 
     def _check_resetting(self, store, round_keys, target: int, missing: list[int]) -> None:
         """While this rank resets: a missing rank that resets another object waits for this rank

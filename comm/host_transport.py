@@ -13,7 +13,13 @@ takes another call's (or another object's) message for this one's.
 from __future__ import annotations
 
 from dep_ep.comm.buffers import EpBuffers
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTokenCountError, tag_text
+from dep_ep.comm.errors import (
+    TAGS_DIFFER,
+    EpDesyncError,
+    EpPeerError,
+    EpTokenCountError,
+    tag_text,
+)
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import combine_pull, dispatch_write
 from dep_ep.comm.transport import CAUSE_INPUT, Transport
@@ -90,9 +96,8 @@ class HostTransport(Transport):
         if len(accepted_tags) > 1:
             ranks = "; ".join(f"rank {r}: {tag_text(t)}" for r, t in enumerate(tags))
             raise EpDesyncError(
-                f"EpRouted.{phase}: the ranks are out of step ({ranks}): a rank skipped a step or"
-                " ran the layers in another order; nothing was used, and the next call (with"
-                " tags in step again) is good"
+                f"EpRouted.{phase}: the ranks are out of step ({ranks}): {TAGS_DIFFER}; nothing"
+                " was used, and the next call (with tags in step again) is good"
             )
         if error is not None:
             raise error

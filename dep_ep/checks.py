@@ -204,7 +204,9 @@ def check_ids(fn: str, ids: torch.Tensor, num_experts: int) -> None:
 
 def check_weights(fn: str, weights: torch.Tensor, ids: torch.Tensor) -> None:
     """Routing weights of real (id != -1) selections must be finite and at most WEIGHT_MAX in
-    magnitude (reads the tensors: a host sync on GPU)."""
+    magnitude (reads the tensors: a host sync on GPU; EpRouted calls it only with
+    EpConfig.check_values on). The bound keeps a token's sum finite for expert outputs below
+    2^57 (WEIGHT_MAX's comment), not for any output."""
     bad = ~(weights.abs() <= WEIGHT_MAX) & (ids >= 0)
     if bool(bad.any()):
         token, k = (int(v) for v in bad.nonzero()[0])
@@ -216,6 +218,8 @@ def check_weights(fn: str, weights: torch.Tensor, ids: torch.Tensor) -> None:
             )
         raise ValueError(
             f"{fn}: weights[{token}, {k}]={value} for expert {expert} exceeds 2^64 in magnitude;"
-            " |w| <= 2^64 keeps every token's sum of weight * expert output finite"
-            " (dep_ep.checks.WEIGHT_MAX)"
+            " with |w| <= 2^64 a token's sum of weight * expert output over its <= 128 experts"
+            " stays finite for every expert output below 2^57 (dep_ep.checks.WEIGHT_MAX). This"
+            " check runs only with the value checks on (EpConfig.check_values; off by default"
+            " on CUDA)"
         )

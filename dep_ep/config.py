@@ -67,8 +67,9 @@ class EpConfig:
       (experts skipped or writing elsewhere). It reads the rows: a host sync on a GPU. Off, such
       a combine returns sums of whatever the rows hold (the previous call's, for instance).
     peer_watch_s: on CUDA ranks, how often a thread looks at the peers' processes (those on this
-      host) and, when one is gone, ends the kernels' waits for it (comm/peer_watch.py); None: no
-      thread (a dead peer is then seen by poll(), synchronize() or the kernels' timeout).
+      host) and at the peers' reset() rounds (in the group's store), and, when a peer is gone or
+      in a reset() this rank has not called, ends the kernels' waits (comm/peer_watch.py); None:
+      no thread (poll() and synchronize() look instead; else the kernels' timeout is the bound).
     count_experts: every dispatch counts the (token, k) pairs this rank received per local
       expert, for EpRouted.expert_counts(). The count is taken right after the dispatch (one
       scatter-add on the device, stream-ordered): after the combine a peer's next dispatch may

@@ -29,10 +29,15 @@ FLAG_CALL, FLAG_TOKENS, FLAG_TAG = 0, 2, 3
 # reject_step), or failed in its experts (or called abort_step).
 STATUS_OK, STATUS_REJECTED, STATUS_FAILED = 0, 1, 2
 NO_TAG = -(1 << 63)  # the tag word of a call that gave none
-# EpMoeLayer's own tags (a call given no tag=): LAYER_TAG_BASE + (step << LAYER_INDEX_BITS) +
-# layer index, negative and apart from NO_TAG; error messages show them as "layer i call s".
+# EpMoeLayer's own tags (a call given no tag=): LAYER_TAG_BASE + (step mod 2^LAYER_STEP_BITS)
+# << (LAYER_FINGERPRINT_BITS + LAYER_INDEX_BITS) + fingerprint << LAYER_INDEX_BITS + layer index,
+# negative and apart from NO_TAG (the three fields fill the 62 bits below LAYER_TAG_BASE's
+# magnitude); the fingerprint is a digest of the layer's dense weights (ep/layer.py); error
+# messages show the tags as "layer i (weights f) call s".
 LAYER_INDEX_BITS = 16
 MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1  # the largest EpMoeLayer.layer_index
+LAYER_FINGERPRINT_BITS = 24
+LAYER_STEP_BITS = 62 - LAYER_FINGERPRINT_BITS - LAYER_INDEX_BITS  # 22: the call count wraps
 LAYER_TAG_BASE = -(1 << 62)
 # Device state of one rank (int64 words, device memory, not symmetric).
 STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c
@@ -53,8 +58,9 @@ ERROR_KERNEL_WORDS = 8  # the words above: the host clears these, never the abor
 ERROR_ABORT = 8
 ERROR_WRITING, ERROR_COMPLETE = 1, 2
 KIND_TIMEOUT, KIND_REJECTED, KIND_TAG, KIND_TOKENS, KIND_CALL, KIND_ABORTED = 1, 2, 3, 4, 5, 6
-# Why the host asked the kernels' waits to end: a peer's process is gone, or reset() is running.
-ABORT_PEER_LOST, ABORT_RESET = 1, 2
+# Why the host asked the kernels' waits to end: a peer's process is gone, reset() is running on
+# this rank, or a peer called reset() (comm/peer_watch.py: this rank must reset too).
+ABORT_PEER_LOST, ABORT_RESET, ABORT_PEER_RESET = 1, 2, 3
 # A wait reads the host's abort request only after it has waited this long: the read crosses
 # PCIe (about a microsecond), and a flag that comes within this needs no abort.
 HOST_ABORT_POLL_NS = 20_000

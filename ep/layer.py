@@ -4,6 +4,7 @@ order"); schedule and memory: docs/layer.md."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Mapping
 
@@ -11,7 +12,13 @@ import torch
 
 from dep_ep.checks import check_eps, check_int, check_real, vector_rows, vector_start
 from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
-from dep_ep.constants import LAYER_INDEX_BITS, LAYER_TAG_BASE, MAX_LAYER_INDEX
+from dep_ep.constants import (
+    LAYER_FINGERPRINT_BITS,
+    LAYER_INDEX_BITS,
+    LAYER_STEP_BITS,
+    LAYER_TAG_BASE,
+    MAX_LAYER_INDEX,
+)
 from dep_ep.ep.routed import EpRouted, check_experts_match
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
@@ -31,12 +38,42 @@ from dep_ep.experts.situ import situ
 from dep_ep.experts.weights import ExpertWeights
 
 SCHEDULES = ("overlap", "serial")
+FINGERPRINT_SAMPLES = 64  # elements of each dense tensor a layer's fingerprint reads
 
 
-def layer_tag(index: int, step: int) -> int:
-    """The tag of an EpMoeLayer's call given no tag=: its layer index and its own call count,
-    so that layers called in other orders on different ranks raise EpDesyncError everywhere."""
-    return LAYER_TAG_BASE + (step << LAYER_INDEX_BITS) + index
+def layer_tag(index: int, fingerprint: int, step: int) -> int:
+    """The tag of an EpMoeLayer's call given no tag=: its layer index, the fingerprint of its
+    dense weights (`dense_fingerprint`) and its own call count (modulo 2^LAYER_STEP_BITS), so
+    that layers called in other orders, or built in other orders, on different ranks raise
+    EpDesyncError everywhere."""
+    step %= 1 << LAYER_STEP_BITS
+    high = (step << LAYER_FINGERPRINT_BITS) + fingerprint
+    return LAYER_TAG_BASE + (high << LAYER_INDEX_BITS) + index
+
+
+def dense_fingerprint(dense: Mapping[str, torch.Tensor]) -> int:
+    """A LAYER_FINGERPRINT_BITS-bit digest of one layer's dense tensors (DENSE_NAMES): their
+    names, shapes and dtypes and the bits of FINGERPRINT_SAMPLES elements of each, evenly spaced
+    over the tensor. Every DEP rank holds the same dense weights of a model layer, so the digest
+    is the same on every rank for the same layer, and differs between layers whose sampled
+    elements differ (except by a 2^-24 chance). One small gather and one device-to-host copy,
+    at construction; nothing per call."""
+    described, samples = [], []
+    for name in DENSE_NAMES:
+        t = dense[name]
+        described.append(f"{name}:{tuple(t.shape)}:{t.dtype}")
+        count = t.numel()
+        if count == 0:
+            continue
+        picks = torch.linspace(0, count - 1, min(FINGERPRINT_SAMPLES, count)).long()
+        index = tuple(torch.unravel_index(picks, t.shape))
+        values = t.detach()[tuple(i.to(t.device) for i in index)]
+        bits = values.view({2: torch.int16, 4: torch.int32}[values.element_size()])
+        samples.append(bits.long())
+    digest = hashlib.blake2b(";".join(described).encode(), digest_size=8)
+    if samples:
+        digest.update(torch.cat(samples).cpu().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") & ((1 << LAYER_FINGERPRINT_BITS) - 1)
 
 
 def _mode(values: list[int]) -> int | None:
@@ -91,14 +128,19 @@ class EpMoeLayer:
       stream, in the formula's order). Both run the same GEMMs on the same data, so their results
       are the same bits; on CPU both run the serial order.
     layer_index: the layer's number in the model (0..65535), which its calls' tags carry; None:
-      the next number in `routed`'s construction order that no live layer holds (a dropped
-      layer's number is not reused). Ranks must
-      give a layer the same index: build the layers in the same order, or pass the model's.
+      the next number in `routed`'s construction order (local; a dropped layer's number is not
+      reused). Ranks must give a layer the same index: build the layers in the same order, or
+      pass the model's; ranks that do not raise EpDesyncError at every call (below).
 
-    Tags: a call given no tag= carries (layer_index, the layer's call count) as its tag, so a
-    layer called where another layer is called on another rank raises EpDesyncError on every
-    rank (EpRouted.reset() restarts the counts). Under CUDA-graph replay the tag is the one the
-    graph was captured with: ranks that capture the same graphs in the same order agree.
+    Tags: a call given no tag= carries (layer_index, the fingerprint of the dense weights,
+    the layer's call count) as its tag (`layer_tag`), so a layer called where another layer is
+    called on another rank raises EpDesyncError on every rank, and so does a layer whose index
+    is another layer's on another rank (layers built in other orders without layer_index=):
+    every rank holds the same dense weights of a layer, so the fingerprint (`dense_fingerprint`,
+    computed once here) tells layers apart across ranks. Two layers whose sampled dense
+    elements are equal share a fingerprint: give them layer_index=. EpRouted.reset() restarts
+    the counts. Under CUDA-graph replay the tag is the one the graph was captured with: ranks
+    that capture the same graphs in the same order agree.
 
     Memory: the shared gate and up projections and the latent down projection are copied once,
     at construction, into one packed weight `packed` bf16 [2S + L, H] (rows: shared gate, shared
@@ -194,6 +236,8 @@ class EpMoeLayer:
         self._side = None
         if self.device.type == "cuda" and schedule == "overlap":
             self._side = torch.cuda.Stream(device=self.device)
+        # The same on every rank for this model layer: it goes into the layer's own tags.
+        self.fingerprint = dense_fingerprint(dense)
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
 
@@ -371,7 +415,7 @@ class EpMoeLayer:
         reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
         if tag is None:
-            tag = layer_tag(self.layer_index, self._calls)
+            tag = layer_tag(self.layer_index, self.fingerprint, self._calls)
         self._calls += 1
         error = self._check_call(fn, x, tokens)
         if error is not None:

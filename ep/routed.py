@@ -301,11 +301,13 @@ class EpRouted:
 
     def register_layer(self, layer: object, index: int | None = None) -> int:
         """Record an EpMoeLayer that tags its calls: returns its layer index, `index` or, for
-        None, the next index in this EpRouted's construction order that no live layer holds (a
-        dropped layer's index is not given again, so the indices do not depend on when the
-        garbage collector frees layers). Local: ranks that build their layers in the same order
-        get the same indices, and a call of another layer's index on another rank raises
-        EpDesyncError on every rank."""
+        None, the next index in this EpRouted's construction order, skipping those live layers
+        took with layer_index= (a dropped layer's index is not given again, so the indices do
+        not depend on when the garbage collector frees layers). Local: ranks that build their
+        layers in the same order get the same indices. A call of another layer's index on
+        another rank raises EpDesyncError on every rank, and so does a call of one index by
+        different layers on different ranks (built in other orders): the layer's tag carries
+        its dense weights' fingerprint too (ep/layer.py, layer_tag)."""
         if index is None:
             index = self._next_layer_index
             while index in self._layer_indices:
@@ -862,8 +864,10 @@ class EpRouted:
         whatever call it was in, the host barriers start a new epoch (no message or flag of an
         earlier call can match a later one), a pending dispatch is dropped and the layers'
         step counts restart. Every rank calls it, with no call of this group queued on its
-        stream. A rank whose peer waits in a call sees that peer raise EpDesyncError (its
-        message says to reset() too). After a lost peer it raises EpPeerLostError."""
+        stream. A peer that waits in a call meanwhile raises EpDesyncError saying to reset()
+        too (CPU: in that call; CUDA: its peer watch ends its kernels within peer_watch_s, and
+        its next poll(), call or synchronize() raises). After a lost peer it raises
+        EpPeerLostError."""
         fn = "EpRouted.reset"
         if self._buffers.closed:
             raise RuntimeError(f"{fn}: this EpRouted was closed")

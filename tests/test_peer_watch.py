@@ -1,15 +1,36 @@
-"""comm/peer_watch.py on CPU with a stand-in channel: the thread sees a gone peer and writes the
-abort request; period None starts no thread, stops cleanly and still looks when asked."""
+"""comm/peer_watch.py on CPU with stand-in channels: the thread sees a gone peer and writes the
+abort request; period None starts no thread, stops cleanly and still looks when asked; a peer's
+reset round (in a real in-process store) ends the waits with ABORT_PEER_RESET, but never a round
+this rank has reset past; DeviceTransport.check() (built without a GPU) raises it as an
+EpDesyncError that says to reset()."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 import torch
+import torch.distributed as dist
 
+from dep_ep.comm.device_transport import DeviceTransport
+from dep_ep.comm.errors import RECOVERY_RESET, EpDesyncError
+from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.comm.peer_watch import PeerWatch
-from dep_ep.constants import ABORT_PEER_LOST, ERROR_ABORT
+from dep_ep.constants import (
+    ABORT_PEER_LOST,
+    ABORT_PEER_RESET,
+    ERROR_ABORT,
+    ERROR_COMPLETE,
+    ERROR_KIND,
+    ERROR_PEER,
+    ERROR_PHASE,
+    ERROR_STATUS,
+    ERROR_THEIRS,
+    ERROR_WORDS,
+    KIND_ABORTED,
+    PHASE_COMBINE,
+)
 
 
 class Channel:
@@ -49,3 +70,111 @@ def test_period_none_starts_no_thread_and_stops():
     channel.dead = True
     assert int(error[ERROR_ABORT]) == 0
     assert watch.check_now() == [1] and int(error[ERROR_ABORT]) == ABORT_PEER_LOST
+
+
+class StoreChannel:
+    """The part of GroupChannel that PeerWatch and ObjectBarriers.peer_rounds read, over a real
+    in-process store: this process is rank 0 of `size`, no peer is watchable on /proc."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.size, self.rank = size, 0
+        self.checkable = [False] * size
+        self.store = dist.HashStore()
+        self.objects: dict = {}
+        self.closed: dict = {}
+
+    def gone(self, ranks) -> list[int]:
+        return []
+
+    def key(self, *parts) -> str:
+        return "test/" + "/".join(str(p) for p in parts)
+
+
+def enter_reset(channel: StoreChannel, barriers: ObjectBarriers, rank: int) -> None:
+    """What ObjectBarriers.reset does first on `rank`: raise its reset round by one."""
+    channel.store.add(channel.key(barriers.obj, "reset", rank), 1)
+
+
+def wait_for(condition, seconds: float = 2.0) -> float:
+    start = time.monotonic()
+    while not condition() and time.monotonic() - start < seconds:
+        time.sleep(0.002)
+    return time.monotonic() - start
+
+
+def test_the_thread_sees_a_peer_reset_and_not_one_this_rank_has_passed():
+    """Rank 2 enters reset(): within a few periods the watch writes ABORT_PEER_RESET and names
+    rank 2 (the thread starts for this alone: no peer is watchable on /proc). After this rank's
+    own reset (its round raised, the record cleared under the lock, as DeviceTransport.reset
+    does) no abort comes back; a later reset of rank 1 is seen again. Before: PeerWatch took no
+    object barriers or store (TypeError here) and read /proc only."""
+    channel, error = StoreChannel(), record()
+    barriers = ObjectBarriers(channel, "obj", "the test's object")
+    watch = PeerWatch(channel, error, 0.01, barriers, channel.store)
+    try:
+        time.sleep(0.05)
+        assert int(error[ERROR_ABORT]) == 0 and watch.resetting == []
+        enter_reset(channel, barriers, 2)
+        took = wait_for(lambda: int(error[ERROR_ABORT]) != 0)
+        assert int(error[ERROR_ABORT]) == ABORT_PEER_RESET and watch.resetting == [2], took
+        assert took < 0.5, took
+        enter_reset(channel, barriers, 0)  # this rank's reset: every round at 1
+        enter_reset(channel, barriers, 1)
+        barriers.reset_round = 1
+        with watch.lock:
+            error.zero_()
+            watch.cleared()
+        time.sleep(0.1)  # ten looks
+        assert int(error[ERROR_ABORT]) == 0 and watch.resetting == []
+        enter_reset(channel, barriers, 1)
+        wait_for(lambda: int(error[ERROR_ABORT]) != 0)
+        assert int(error[ERROR_ABORT]) == ABORT_PEER_RESET and watch.resetting == [1]
+    finally:
+        watch.stop()
+
+
+def test_a_peer_reset_keeps_an_earlier_reason_and_is_seen_without_a_thread():
+    """With period None, check_now() looks for resets on the channel's store (poll() and
+    synchronize() call it); a lost peer's ABORT_PEER_LOST already written stays. Before: as
+    above (TypeError)."""
+    channel, error = StoreChannel(2), record()
+    barriers = ObjectBarriers(channel, "obj", "the test's object")
+    watch = PeerWatch(channel, error, None, barriers, channel.store)
+    enter_reset(channel, barriers, 1)
+    error[ERROR_ABORT] = ABORT_PEER_LOST
+    watch.check_now()
+    assert watch.resetting == [1] and int(error[ERROR_ABORT]) == ABORT_PEER_LOST
+    error[ERROR_ABORT] = 0
+    with watch.lock:
+        watch.cleared()
+    watch.check_now()
+    assert int(error[ERROR_ABORT]) == ABORT_PEER_RESET
+
+
+def transport_with(error: torch.Tensor, resetting: list[int]) -> DeviceTransport:
+    """A DeviceTransport without a GPU: only what check() reads (rank 0, its watch, the record)."""
+    transport = DeviceTransport.__new__(DeviceTransport)
+    transport.rank, transport.error = 0, error
+    transport.watch = PeerWatch(StoreChannel(2), error, None)
+    transport.watch.resetting = resetting
+    return transport
+
+
+def test_check_raises_a_peer_reset_as_a_desync_to_reset():
+    """The abort request ABORT_PEER_RESET alone (no wait ended yet), or a wait the kernels ended
+    for it (KIND_ABORTED with that reason): check() raises EpDesyncError naming the peer that
+    reset and saying to reset() here, recovery "reset", and keeps raising it until reset().
+    Before: the request alone raised nothing (the next call launched kernels that the request
+    ended)."""
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+    error[ERROR_ABORT] = ABORT_PEER_RESET
+    transport = transport_with(error, [1])
+    for _ in range(2):
+        with pytest.raises(EpDesyncError, match=r"rank 1 called reset\(\).*reset\(\)") as info:
+            transport.check()
+        assert info.value.recovery == RECOVERY_RESET
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_ABORTED
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 1, ABORT_PEER_RESET
+    for _ in range(2):
+        with pytest.raises(EpDesyncError, match=r"rank 1 called reset\(\).*combine for rank 1"):
+            transport.check()

@@ -16,12 +16,16 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
+from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.config import TINY, EpConfig
+from dep_ep.constants import ABORT_PEER_RESET, ERROR_ABORT, ERROR_WORDS
 from dep_ep.ep import EpMoeLayer, EpRouted
 from dep_ep.experts import ExpertsBackend
 from dep_ep.experts.checkpoint import dense_shapes
+from dep_ep.launch.store import group_store
 from dep_ep.testing import SyntheticLayer
 from dep_ep.testing.compare import compare
 
@@ -56,9 +60,11 @@ def served_to_the_end(done: list[int], last: int, label: str) -> list[str]:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_reset_while_a_peer_is_in_a_call(dep, layer):
-    """Rank 0 calls reset() while the others run a step. They get an error in that step and
-    reset() too (what it says); then every rank serves batches, resetting after each error. Every
-    output returned matches its reference, and the last three batches return on every rank.
+    """Rank 0 calls reset() while the others run a step. They raise EpDesyncError saying to
+    reset() within 1 s of their call (rank 0 calls reset() at the same moment), and reset() too
+    (what it says); rank 0's reset() returns within 1 s. Then every rank serves batches,
+    resetting after each error. Every output returned matches its reference, and the last three
+    batches return on every rank.
     Before: rank 0's reset barrier paired with the others' dispatch barrier, and the group died
     (gloo: "Application timeout caused pair closure" on rank 0, "Connection closed by peer" on
     rank 1, 2 ranks)."""
@@ -66,13 +72,26 @@ def test_reset_while_a_peer_is_in_a_call(dep, layer):
     failures: list[str] = []
     with build(dep) as routed:
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        dist.barrier(group=dep.cpu_group)  # the times below start together
         if dep.rank == 0:
-            err, _ = timed(routed.reset)
+            err, took = timed(routed.reset)
+            print(f"TIME-TO-RESET reset on rank 0 while the others call: {took:.4f} s")
             if err is not None:
                 failures.append(f"rank 0's reset(): {type(err).__name__}: {err}")
-            done = serve(routed, batches, 2, 6, failures, "after the reset")
         else:
-            done = serve(routed, batches, 1, 7, failures, "after the reset")
+            err, took = timed(lambda: batches.run(routed, 1))
+            print(f"TIME-TO-ERROR rank {dep.rank} in a call while rank 0 resets: {took:.4f} s")
+            if not isinstance(err, EpDesyncError) or "reset()" not in str(err):
+                failures.append(
+                    f"the peer's call: {type(err).__name__}: {err}; expected"
+                    " EpDesyncError saying to reset()"
+                )
+            err, _ = timed(routed.reset)
+            if err is not None:
+                failures.append(f"the peer's reset(): {type(err).__name__}: {err}")
+        if took > 1.0:
+            failures.append(f"rank {dep.rank}: {took:.2f} s to the error or the reset's end")
+        done = serve(routed, batches, 2, 6, failures, "after the reset")
         failures += served_to_the_end(done, 7, "after the reset")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
@@ -97,8 +116,9 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
     """SIGINT reaches rank 0 while it waits in a dispatch (its peers call 1.5 s later) or in a
     combine (their experts take 1.5 s): KeyboardInterrupt within 0.5 s of the signal. Then every
     rank calls reset() after its step (docs: after an interrupted call): the peers' step either
-    raised or returned its correct rows. Every later output is correct, the last three batches
-    on every rank.
+    raised (EpDesyncError: rank 0 is in reset()) or returned its correct rows, within 1 s of the
+    peer's arrival in the wait (its call, or its experts' end). Every later output is correct,
+    the last three batches on every rank.
     Before: the interrupt took effect when the peers arrived (1.5 s), and the group was dead
     afterwards (gloo: "Application timeout caused pair closure" on both ranks, dispatch; an
     EpTimeoutError in reset with "connection lost", combine)."""
@@ -124,15 +144,29 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
             else:
                 experts = SlowExperts(experts, late)
             out = None
+            start = time.monotonic()
             try:
                 out = routed(latent, ids, weights, layer.norm_weight(), experts=experts)
-            except RECOVERABLE:
-                pass
+            except RECOVERABLE as err:
+                if not isinstance(err, EpDesyncError):
+                    failures.append(f"the peer's step: {type(err).__name__}: {err}")
+            waited = time.monotonic() - start - (late if phase == "combine" else 0.0)
+            outcome = "an error" if out is None else "its rows"
+            print(
+                f"TIME-TO-ERROR rank {dep.rank} after the {phase} interrupt: {outcome} after"
+                f" {waited:.4f} s in the wait"
+            )
+            if waited > 1.0:
+                failures.append(f"the peer's step ended {waited:.2f} s after it began to wait")
             if out is not None:
                 failures += compare(out, batches.reference(1), "the peer's interrupted step")
-        err, _ = timed(routed.reset)
+        err, took = timed(routed.reset)
+        # Rank 0's reset waits for the peers' steps; a peer's finds rank 0 in reset() already.
+        print(f"TIME-TO-RESET rank {dep.rank} after the {phase} interrupt: {took:.4f} s")
         if err is not None:
             failures.append(f"reset() after the step: {type(err).__name__}: {err}")
+        elif dep.rank != 0 and took > 1.0:
+            failures.append(f"the peer's reset() took {took:.2f} s")
         done = serve(routed, batches, 2, 6, failures, f"after the {phase} interrupt")
         failures += served_to_the_end(done, 7, f"after the {phase} interrupt")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
@@ -143,9 +177,11 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
 @pytest.mark.parametrize("kind", [ValueError, TypeError])
 def test_any_exception_inside_a_wait_needs_a_reset(dep, layer, kind):
     """A signal handler of the caller's raises a ValueError or TypeError while rank 0 waits in a
-    dispatch (its peers call 1.5 s later): the object then refuses every call until reset()
-    (poll() raises RuntimeError saying so), as after KeyboardInterrupt; after reset() on every
-    rank the outputs are correct.
+    dispatch (its peers call 1.5 s later): that error within 0.5 s of the signal, and the object
+    then refuses every call until reset() (poll() raises RuntimeError saying so), as after
+    KeyboardInterrupt; the peers' step raises EpDesyncError (rank 0 is in reset()) or returns
+    its correct rows within 1 s of their call; after reset() on every rank the outputs are
+    correct.
     Before: these two types counted as the protocol's own errors, the object stayed usable, and
     rank 0's next call paired with its peers' earlier messages and returned wrong rows (rel L2
     1.02, found by a probe)."""
@@ -162,20 +198,32 @@ def test_any_exception_inside_a_wait_needs_a_reset(dep, layer, kind):
             timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
             timer.start()
             try:
-                err, _ = timed(lambda: batches.run(routed, 1))
+                err, took = timed(lambda: batches.run(routed, 1))
             finally:
                 timer.join()
                 signal.signal(signal.SIGUSR1, previous)
+            print(f"TIME-TO-ERROR {kind.__name__} from a handler: {took - 0.2:.4f} s after it")
             if not isinstance(err, kind):
                 failures.append(f"rank 0: {type(err).__name__}: {err}; expected {kind.__name__}")
+            elif took > 0.7:
+                failures.append(f"rank 0: the handler's error came after {took:.2f} s")
             expect_raises(failures, "poll after the handler", RuntimeError, "reset", routed.poll)
         else:
             time.sleep(1.5)
+            out, start = None, time.monotonic()
             try:
                 out = batches.run(routed, 1)
+            except RECOVERABLE as err:
+                if not isinstance(err, EpDesyncError):
+                    failures.append(f"the peer's step: {type(err).__name__}: {err}")
+            took = time.monotonic() - start
+            print(
+                f"TIME-TO-ERROR rank {dep.rank} after the handler's {kind.__name__}: {took:.4f} s"
+            )
+            if took > 1.0:
+                failures.append(f"the peer's step ended after {took:.2f} s")
+            if out is not None:
                 failures += compare(out, batches.reference(1), "the peer's step")
-            except RECOVERABLE:
-                pass
         err, _ = timed(routed.reset)
         if err is not None:
             failures.append(f"reset() after the step: {type(err).__name__}: {err}")
@@ -200,8 +248,9 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(120)
 def test_layers_called_in_different_orders(dep, layer):
     """Two EpMoeLayers on one EpRouted, no tag= anywhere: rank 0 calls A then B, the others B then
-    A. Every call raises EpDesyncError on every rank (the layers tag their calls). Called in the
-    same order afterwards they give the bits a fresh EpRouted gives for the same calls.
+    A. Every call raises EpDesyncError on every rank within 1 s (the layers tag their calls).
+    Called in the same order afterwards they give the bits a fresh EpRouted gives for the same
+    calls.
     Before: both calls returned an output on every rank, without an error."""
     seed = agreed_seed(dep.cpu_group, 330)
     gen = torch.Generator().manual_seed(seed)
@@ -213,10 +262,16 @@ def test_layers_called_in_different_orders(dep, layer):
         a = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk)
         b = EpMoeLayer(dense_weights(seed + 2), routed, experts, topk=TINY.topk)
         order = (a, b) if dep.rank == 0 else (b, a)
+        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
         for i, moe in enumerate(order):
+            start = time.monotonic()
             expect_raises(
                 failures, f"call {i} out of order", EpDesyncError, "out of step", lambda: moe(mine)
             )
+            took = time.monotonic() - start
+            print(f"TIME-TO-ERROR layers called in other orders, call {i}: {took:.4f} s")
+            if took > 1.0:
+                failures.append(f"call {i} out of order: the error took {took:.2f} s")
         got = [a(mine), b(mine)]
     with build(dep) as fresh:
         a2 = EpMoeLayer(dense_weights(seed + 1), fresh, experts, topk=TINY.topk)
@@ -226,6 +281,158 @@ def test_layers_called_in_different_orders(dep, layer):
         if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
             failures.append(f"layer {name} in order after the desync: not the fresh object's bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_layers_built_in_different_orders(dep, layer):
+    """Two EpMoeLayers on one EpRouted, no layer_index= and no tag=: rank 0 builds A then B, the
+    others B then A, and each rank calls its layers in its own build order (so each call's
+    default layer index is the same on every rank, but not its layer). Every call raises
+    EpDesyncError on every rank within 1 s, naming layer_index= (the layers' tags carry a
+    fingerprint of their dense weights, the same on every rank for the same layer). The
+    documented recovery, layers built with layer_index= (the model's layer number) in the same
+    per-rank orders and called in the model's order, gives the bits of a fresh EpRouted's
+    layers.
+    Before (ep/layer.py tagging index and call count only, run once with this test): both calls
+    returned on every rank without an error, each rank's rows paired with the other layer's."""
+    seed = agreed_seed(dep.cpu_group, 335)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    failures: list[str] = []
+    experts = Batches(dep, layer, seed, T).experts
+    dense = {name: dense_weights(seed + i) for i, name in enumerate("AB", 1)}
+
+    def build_layers(routed, indices):
+        names = "AB" if dep.rank == 0 else "BA"
+        built = {
+            name: EpMoeLayer(
+                dense[name], routed, experts, topk=TINY.topk, layer_index=indices.get(name)
+            )
+            for name in names
+        }
+        return [built[name] for name in names], built
+
+    with build(dep) as routed:
+        in_build_order, _ = build_layers(routed, {})
+        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
+        for i, moe in enumerate(in_build_order):
+            err, took = timed(lambda moe=moe: moe(mine))
+            print(f"TIME-TO-ERROR layers built in other orders, call {i}: {took:.4f} s")
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
+            elif "layer_index" not in str(err):
+                failures.append(f"call {i}: the desync does not name layer_index=: {err}")
+            if took > 1.0:
+                failures.append(f"call {i}: the error took {took:.2f} s")
+        _, by_name = build_layers(routed, {"A": 10, "B": 11})
+        got = [by_name["A"](mine), by_name["B"](mine)]
+    with build(dep) as fresh:
+        a2 = EpMoeLayer(dense["A"], fresh, experts, topk=TINY.topk)
+        b2 = EpMoeLayer(dense["B"], fresh, experts, topk=TINY.topk)
+        want = [a2(mine), b2(mine)]
+    for name, g, w in zip("AB", got, want):
+        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
+            failures.append(f"layer {name} with layer_index=: not the fresh object's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_reset_reaches_the_peers_watch(dep, layer):
+    """The GPU transport's peer watch (comm/peer_watch.py) on CPU ranks, over the group's real
+    store and a stand-in error record: rank 0 calls reset() while the others are idle. Their
+    watch (its own store connection, every 0.02 s) writes ABORT_PEER_RESET naming rank 0 within
+    1 s; they reset() too (what DeviceTransport.check then says) and clear the record under the
+    watch's lock, as DeviceTransport.reset does; no abort comes back on any rank afterwards, and
+    the next batch is correct. Before: PeerWatch took no object barriers (TypeError), and a
+    GPU rank's kernels waited for a resetting peer until timeout_s."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 380), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        barriers = routed._buffers.barriers
+        error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+        store = group_store(dep.cpu_group, 1.0)
+        watch = PeerWatch(barriers.channel, error, 0.02, barriers, store)
+        try:
+            dist.barrier(group=dep.cpu_group)
+            if dep.rank == 0:
+                err, took = timed(routed.reset)
+                if err is not None:
+                    failures.append(f"rank 0's reset(): {type(err).__name__}: {err}")
+            else:
+                start = time.monotonic()
+                while int(error[ERROR_ABORT]) == 0 and time.monotonic() - start < 5.0:
+                    time.sleep(0.002)
+                took = time.monotonic() - start
+                print(f"TIME-TO-ABORT rank {dep.rank}, rank 0 in reset(): {took:.4f} s")
+                # Another peer that saw rank 0 first may be in reset() by this look too.
+                named = watch.resetting
+                if (
+                    int(error[ERROR_ABORT]) != ABORT_PEER_RESET
+                    or 0 not in named
+                    or dep.rank in named
+                ):
+                    failures.append(
+                        f"the watch wrote {int(error[ERROR_ABORT])} for ranks {named}; expected"
+                        f" {ABORT_PEER_RESET} for rank 0 (and maybe other peers)"
+                    )
+                if took > 1.0:
+                    failures.append(f"the watch took {took:.2f} s to see rank 0's reset")
+                err, _ = timed(routed.reset)
+                if err is not None:
+                    failures.append(f"the peer's reset(): {type(err).__name__}: {err}")
+            with watch.lock:
+                error.zero_()
+                watch.cleared()
+            time.sleep(0.2)  # ten looks
+            if int(error[ERROR_ABORT]) != 0:
+                failures.append(f"an abort ({int(error[ERROR_ABORT])}) came back after reset()")
+            failures += compare(batches.run(routed, 1), batches.reference(1), "the next batch")
+        finally:
+            watch.stop()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_failed_barrier_leaves_no_key_after_reset(dep, layer):
+    """The others' dispatch barrier raises EpDesyncError (rank 0 calls reset() meanwhile) before
+    it passes: their message of it is still in the group's store then (a peer might be reading
+    it), and gone once every rank's reset() has returned; so is the message of the last barrier
+    each rank passed. Before: a barrier that raised never deleted its message (one key left in
+    the store per failed call)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 390), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        barriers = routed._buffers.barriers
+        store = barriers.channel.store
+        batches.run(routed, 0)
+        passed = barriers.channel.key(
+            barriers.obj, f"{barriers.epoch}.{barriers.count - 1}", dep.rank
+        )
+        failed = barriers.channel.key(barriers.obj, f"{barriers.epoch}.{barriers.count}", dep.rank)
+        dist.barrier(group=dep.cpu_group)
+        if dep.rank == 0:
+            routed.reset()
+        else:
+            expect_raises(
+                failures,
+                "the call while rank 0 resets",
+                EpDesyncError,
+                "reset",
+                lambda: batches.run(routed, 1),
+            )
+            if not store.check([failed]):
+                failures.append("the failed barrier's message is gone before the reset")
+            routed.reset()
+        dist.barrier(group=dep.cpu_group)  # every rank's reset() has returned
+        for label, key in (("the last passed barrier's", passed), ("the failed barrier's", failed)):
+            if store.check([key]):
+                failures.append(f"{label} message is still in the store after reset(): {key}")
+        failures += compare(batches.run(routed, 2), batches.reference(2), "the next batch")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
 def local_counts(dep, case) -> torch.Tensor:
@@ -239,9 +446,10 @@ def local_counts(dep, case) -> torch.Tensor:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_expert_counts_after_a_failed_step(dep, layer):
-    """expert_counts() after a step the last rank rejected raises RuntimeError on every rank (it
-    would mix the failed step's rows with the previous one's); after the next good step it gives
-    that step's counts. Before: the call returned a count vector, no error."""
+    """expert_counts() after a step the last rank rejected (its error, and EpPeerError on the
+    others, within 1 s) raises RuntimeError on every rank (it would mix the failed step's rows
+    with the previous one's); after the next good step it gives that step's counts. Before: the
+    call returned a count vector, no error."""
     seed = agreed_seed(dep.cpu_group, 340)
     batches = Batches(dep, layer, seed, T)
     failures: list[str] = []
@@ -257,6 +465,7 @@ def test_expert_counts_after_a_failed_step(dep, layer):
         bad = dep.rank == dep.size - 1
         latent = latent.float() if bad else latent
         norm = layer.norm_weight()
+        start = time.monotonic()
         expect_raises(
             failures,
             "rejected step",
@@ -264,6 +473,10 @@ def test_expert_counts_after_a_failed_step(dep, layer):
             None,
             lambda: routed(latent, ids, weights, norm, experts=batches.experts),
         )
+        took = time.monotonic() - start
+        print(f"TIME-TO-ERROR rejected step, rank {dep.rank}: {took:.4f} s")
+        if took > 1.0:
+            failures.append(f"the rejected step's error took {took:.2f} s")
         expect_raises(
             failures, "counts of the failed step", RuntimeError, "failed", routed.expert_counts
         )

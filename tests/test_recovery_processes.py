@@ -70,7 +70,14 @@ def run_ranks(num_ranks: int, args: list[str], timeout: float = 90.0) -> list[st
 
 @pytest.mark.parametrize(
     "num_ranks,victim,when",
-    [(2, 1, "idle"), (3, 1, "waiting"), (3, 1, "idle"), (2, 0, "waiting"), (3, 0, "idle")],
+    [
+        (2, 1, "idle"),
+        (3, 1, "waiting"),
+        (3, 1, "idle"),
+        (2, 0, "waiting"),
+        (3, 0, "idle"),
+        (4, 2, "waiting"),
+    ],
 )
 def test_a_dead_rank_is_named_within_a_second(num_ranks, victim, when):
     lines = run_ranks(num_ranks, ["helpers.dead_peer_case", str(victim), when])
@@ -94,10 +101,13 @@ def ours() -> set[str]:
     return set(glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*")))
 
 
-def test_sigterm_during_construction_leaves_no_file():
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_sigterm_during_construction_leaves_no_file(num_ranks):
+    """SIGTERM to torchrun while rank 1 is held before creating its file (with 3 ranks, rank 2
+    has created its own too, or is about to): no dep-ep file is left in /dev/shm."""
     before = ours()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "-m", "helpers.sigterm_case"]
+    cmd = [torchrun, "--nproc-per-node", str(num_ranks), "-m", "helpers.sigterm_case"]
     proc = subprocess.Popen(
         cmd, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

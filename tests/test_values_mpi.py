@@ -8,6 +8,8 @@ Each test says in its docstring how it failed on the code before these checks (m
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -176,4 +178,57 @@ def test_layer_takes_parameters_and_names_an_overflowing_x(dep, layer):
         again = plain(x)
         if not again.isfinite().all():
             failures.append("the call after the overflowing x is not finite")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_layer_takes_numpy_scalars_and_refuses_a_float_token_count(dep, layer):
+    """EpMoeLayer on an EpRouted built with device="cpu:0", given numpy topk (np.int64), eps
+    (np.float32) and layer_index (np.int64), called with tokens=np.int64(T): the bits of the
+    same layer built and called with Python scalars. tokens=4.0 on rank 0 (T = 4 elsewhere):
+    TypeError there naming tokens and "int", EpPeerError naming rank 0 on the others, within
+    1 s; the next call gives the same bits again. (Issue 21, case 14, through the layer: on
+    main at 6f889cd EpRouted read numpy tokens as "outside 1..8", refused numpy eps and failed
+    every call after device="cpu:0"; this test was written after those fixes.)"""
+    seed = agreed_seed(dep.cpu_group, 450)
+    failures: list[str] = []
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(4, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    x = x.to(torch.bfloat16)
+    eps = np.float32(1e-5)
+    with build(dep, device="cpu:0") as routed:
+        plain = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk, eps=float(eps))
+        want = plain(x, tokens=T)
+        numpy_layer = None
+        try:
+            numpy_layer = EpMoeLayer(
+                dense_weights(seed),
+                routed,
+                experts,
+                topk=np.int64(TINY.topk),
+                eps=eps,
+                layer_index=np.int64(7),
+            )
+            if numpy_layer.layer_index != 7 or type(numpy_layer.layer_index) is not int:
+                failures.append(f"layer_index={numpy_layer.layer_index!r}; expected the int 7")
+            got = numpy_layer(x, tokens=np.int64(T))
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                failures.append("numpy topk, eps, layer_index and tokens: other bits")
+        except Exception as err:
+            failures.append(f"numpy scalars: {type(err).__name__}: {err}")
+        if numpy_layer is not None:
+            bad = dep.rank == 0
+            tokens = 4.0 if bad else 4
+            expected, match = (TypeError, "tokens.*int") if bad else (EpPeerError, "rank.*0")
+            start = time.monotonic()
+            expect_raises(
+                failures, "tokens=4.0", expected, match, lambda: numpy_layer(x, tokens=tokens)
+            )
+            took = time.monotonic() - start
+            print(f"TIME-TO-ERROR layer tokens=4.0 on rank 0, rank {dep.rank}: {took:.4f} s")
+            if took > 1.0:
+                failures.append(f"tokens=4.0: the error took {took:.2f} s")
+            again = numpy_layer(x, tokens=np.int64(T))
+            if not torch.equal(again.view(torch.int16), want.view(torch.int16)):
+                failures.append("the call after tokens=4.0: other bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)

@@ -1,0 +1,48 @@
+"""EpMoeLayer's own tags (ep/layer.py): the dense weights' fingerprint is the same for the same
+weights however they are held (a copy, a non-contiguous view, nn.Parameters) and differs
+between layers; a tag carries the index, the fingerprint and the call count, and error messages
+read all three back (comm/errors.py, tag_text)."""
+
+from __future__ import annotations
+
+import torch
+
+from dep_ep.comm.errors import tag_text
+from dep_ep.config import TINY
+from dep_ep.constants import LAYER_STEP_BITS, LAYER_TAG_BASE, MAX_LAYER_INDEX, NO_TAG
+from dep_ep.ep.layer import dense_fingerprint, layer_tag
+from dep_ep.experts.checkpoint import dense_shapes
+
+
+def dense(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(shape, generator=gen).to(dtype)
+        for name, (shape, dtype) in dense_shapes(TINY).items()
+    }
+
+
+def test_fingerprint_follows_the_weights_not_their_storage():
+    a = dense(1)
+    copy = {name: t.clone() for name, t in a.items()}
+    # The same values through non-contiguous views (a transposed copy, transposed back).
+    strided = {name: t.t().contiguous().t() if t.dim() == 2 else t for name, t in a.items()}
+    params = {name: torch.nn.Parameter(t.clone()) for name, t in a.items()}
+    prints = {dense_fingerprint(d) for d in (a, copy, strided, params)}
+    assert len(prints) == 1, prints
+    others = {dense_fingerprint(dense(seed)) for seed in range(2, 40)}
+    assert dense_fingerprint(a) not in others and len(others) == 38
+    one_element = {name: t.clone() for name, t in a.items()}
+    one_element["gate.weight"][0, 0] += 1  # a sampled element
+    assert dense_fingerprint(one_element) != dense_fingerprint(a)
+
+
+def test_layer_tags_carry_index_fingerprint_and_call():
+    tag = layer_tag(MAX_LAYER_INDEX, 0xABCDEF, 12)
+    assert LAYER_TAG_BASE <= tag < 0 and tag != NO_TAG
+    assert tag_text(tag) == f"layer {MAX_LAYER_INDEX} (weights abcdef) call 12"
+    assert layer_tag(3, 0xFFFFFF, (1 << LAYER_STEP_BITS) - 1) < 0  # the largest stays negative
+    assert layer_tag(3, 5, 1 << LAYER_STEP_BITS) == layer_tag(3, 5, 0)  # the count wraps
+    # Any one field that differs gives another tag.
+    base = layer_tag(1, 2, 3)
+    assert len({base, layer_tag(0, 2, 3), layer_tag(1, 1, 3), layer_tag(1, 2, 2)}) == 4
