@@ -29,21 +29,30 @@ On CUDA every decode-only step of T <= max(--buckets) replays the CUDA graph of 
 smallest bucket >= T). Before serving starts, as a server starts, the experts are warmed for every
 T up to --step-tokens (`warm_buckets`) and every bucket is captured after one eager step of it;
 all ranks decide from the same all-reduced counts, so they replay the same graphs in the same
-order. After every step `poll_all()` raises what a failed replayed step would otherwise
-only show as NaN rows.
+order. A bucket's rows past the step's tokens are padding, as an engine's are: the graph reads a
+persistent is_padding mask at every replay and sends those rows to no expert
+(`integrations.common.padding_to_no_expert`, the engine integrations' padding path), the layers
+running EpMoeLayer's parts in its serial order with the ids masked between the router and the
+routed path. After every step `poll_all()` raises what a failed replayed step would otherwise
+only show as NaN rows. --emulate-graphs runs the same bucket logic on the CPU, where a "graph" is
+its step run again on the same static buffers (CI checks the logic; only CUDA captures).
 
-Checks: every --check-every steps the step runs eagerly and each MoE layer's output is compared
-with the float64 reference of that layer on the same input (dep_ep.testing.layer_reference,
-collective over the DEP group); the largest relative L2 error over ranks and layers must be within
-the experts backend's tolerance. The loop's clock (arrivals, latencies, tokens/s) stops while
-the references run: they are not part of serving. At the end every admitted request must have
+Checks: every --check-every steps each MoE layer's output is compared with the float64 reference
+of that layer on the same input (dep_ep.testing.layer_reference, collective over the DEP group):
+a step that falls in a captured bucket replays its graph, which records every layer's input and
+output in static buffers, and the real rows of those are compared; any other step runs eagerly
+(EpMoeLayer's call) and is compared the same way. The largest relative L2 error over ranks and
+layers must be within the experts backend's tolerance; the metrics count the checks of replayed
+and of eager steps apart. The loop's clock (arrivals, latencies, tokens/s) stops while the
+references run: they are not part of serving. At the end every admitted request must have
 received exactly its tokens, and every request must be finished or refused; --max-seconds bounds
 the loop (the ranks stop at the same step, and what is unfinished counts as lost).
 
 Rank 0 draws a progress bar on stderr and prints the results: requests, tokens, tokens/s, time to
 first token (TTFT) and the time between a request's tokens (inter-token latency), p50/p90/p99,
-the steps, idle rank-steps and graph replays, and the checks. --metrics writes them as JSON, --plot
-as a PNG (when matplotlib is importable). Exit status 1 when a check fails or a request is lost.
+the steps, idle rank-steps and graph replays, and the checks (of replayed and of eager steps).
+--metrics writes them as JSON, --plot as a PNG (when matplotlib is importable). Exit status 1
+when a check fails or a request is lost.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +75,7 @@ from dep_ep.experts import default_experts
 from dep_ep.integrations.common import (
     close_shared,
     common_tokens,
+    padding_to_no_expert,
     poll_all,
     shared_routed,
     warm_buckets,
@@ -111,6 +122,12 @@ def parse_args() -> argparse.Namespace:
         help="CUDA-graph decode buckets (T values), comma separated",
     )
     p.add_argument("--check-every", type=int, default=8, help="steps between reference checks")
+    p.add_argument(
+        "--emulate-graphs",
+        action="store_true",
+        help="CPU: run the decode buckets as on CUDA, a replay re-running the captured step on"
+        " its static buffers (the bucket logic without CUDA)",
+    )
     p.add_argument(
         "--dep-size",
         type=int,
@@ -324,13 +341,22 @@ class Decoder:
             self.synthetic.append(synthetic)
             self.layers.append(moe)
 
-    def forward(self, tokens: torch.Tensor, T: int, record: list | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        T: int,
+        record: list | None = None,
+        is_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens int64 [n] (n <= T) -> the next tokens, int64 [n]. Collective (T the same on
-        every rank). `record`: gets (input, output) of every MoE layer."""
+        every rank). `record`: gets (input, output) of every MoE layer. `is_padding`: bool [n],
+        True for a padding row (a CUDA-graph bucket's rows past the step's tokens), which the
+        MoE layers send to no expert (`padded_moe`); None: every row is a token (EpMoeLayer's
+        call)."""
         h = self.embedding[tokens]
         for moe in self.layers:
             x = rms_norm(h)
-            y = moe(x, tokens=T)
+            y = moe(x, tokens=T) if is_padding is None else padded_moe(moe, x, T, is_padding)
             if record is not None:
                 record.append((x, y))
             h = h + y
@@ -338,14 +364,66 @@ class Decoder:
         return logits.argmax(dim=-1)
 
 
+def padded_moe(moe: EpMoeLayer, x: torch.Tensor, T: int, is_padding: torch.Tensor) -> torch.Tensor:
+    """EpMoeLayer's call as its parts in the serial order (the same operations), with the rows
+    `is_padding` marks given no expert between the router and the routed path:
+    `padding_to_no_expert`, the engine integrations' padding path, which reads the mask on the
+    device (a graph reads the live mask at every replay). Tagged with the layer index, as the
+    integrations tag their calls. Collective."""
+    front = moe.front(x)
+    ids, weights = moe.router(x)
+    ids = padding_to_no_expert(ids, is_padding)
+    shared = moe.shared(front)
+    latent = moe.latent_of(front)
+    normed = moe.routed_path(latent, ids, weights, tokens=T, tag=moe.layer_index)
+    return moe.up(normed, shared)
+
+
+def copy_into(static: object, fresh: object) -> None:
+    """Copy the tensors of `fresh` into those of `static`, nested alike (tuples, lists)."""
+    if isinstance(static, torch.Tensor):
+        static.copy_(fresh)
+        return
+    for a, b in zip(static, fresh, strict=True):
+        copy_into(a, b)
+
+
+@dataclass
+class Captured:
+    """One bucket's captured step: its static inputs (tokens int64 [bucket], is_padding bool
+    [bucket]), outputs (next int64 [bucket]; record: every MoE layer's (input, output), bf16
+    [bucket, H] each) and `replay`, which reruns the step on them: a CUDA graph's replay, or
+    with `emulated` the step run again, its results copied into the same outputs."""
+
+    tokens: torch.Tensor
+    is_padding: torch.Tensor
+    next: torch.Tensor
+    record: list
+    replay: Callable[[], object]
+
+
+def capture_step(step, emulated: bool):
+    """(outputs, replay) of `step()`: captured in a CUDA graph (replay: the graph's), or emulated
+    (the step run once now; replay runs it again and copies its outputs into the first ones)."""
+    if emulated:
+        outputs = step()
+        return outputs, lambda: copy_into(outputs, step())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return outputs, graph.replay
+
+
 class DecodeGraphs:
     """CUDA graphs of decode steps, one per bucket (`capture`, collective; `run` captures a bucket
-    not captured yet): the tokens are copied into the bucket's input (rows past n: token 0, run
-    and ignored), the graph replays, the first n next tokens are read."""
+    not captured yet): the tokens are copied into the bucket's input, the rows past them marked
+    in its is_padding mask (their token 0 is run and ignored, and reaches no expert), the graph
+    replays, the first n next tokens are read; `check` compares the replayed step's layers with
+    the reference. `emulated`: the same on the CPU, a replay running the step again."""
 
-    def __init__(self, decoder: Decoder, buckets: list[int]) -> None:
-        self.decoder, self.buckets = decoder, buckets
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, decoder: Decoder, buckets: list[int], emulated: bool = False) -> None:
+        self.decoder, self.buckets, self.emulated = decoder, buckets, emulated
+        self.graphs: dict[int, Captured] = {}
         self.replays = 0
 
     def bucket(self, T: int) -> int | None:
@@ -353,44 +431,72 @@ class DecodeGraphs:
 
     def capture(self, bucket: int) -> None:
         decoder = self.decoder
-        for moe in decoder.layers:  # compile what a step of `bucket` tokens runs
-            warm_buckets(decoder.routed, moe.experts, [bucket])
-        tokens = torch.zeros(bucket, dtype=torch.int64, device=decoder.embedding.device)
-        decoder.forward(tokens, bucket)  # one eager step of the bucket before its capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = decoder.forward(tokens, bucket)
-        self.graphs[bucket] = (graph, tokens, out)
+        device = decoder.embedding.device
+        if not self.emulated:
+            for moe in decoder.layers:  # compile what a step of `bucket` tokens runs
+                warm_buckets(decoder.routed, moe.experts, [bucket])
+        tokens = torch.zeros(bucket, dtype=torch.int64, device=device)
+        is_padding = torch.zeros(bucket, dtype=torch.bool, device=device)
+        decoder.forward(tokens, bucket, None, is_padding)  # one eager step before its capture
+        if not self.emulated:
+            torch.cuda.synchronize()
+
+        def step():
+            record: list = []
+            return decoder.forward(tokens, bucket, record, is_padding), record
+
+        (out, record), replay = capture_step(step, self.emulated)
+        self.graphs[bucket] = Captured(tokens, is_padding, out, record, replay)
 
     def run(self, tokens: torch.Tensor, bucket: int) -> torch.Tensor:
         """tokens int64 [n] (n <= bucket) -> next tokens int64 [n]. Collective."""
         if bucket not in self.graphs:
             self.capture(bucket)
-        graph, static_tokens, static_out = self.graphs[bucket]
+        step = self.graphs[bucket]
         n = tokens.numel()
-        static_tokens[:n].copy_(tokens)
-        static_tokens[n:].zero_()
-        graph.replay()
+        step.tokens[:n].copy_(tokens)
+        step.tokens[n:].zero_()
+        step.is_padding.copy_(torch.arange(bucket, device=step.is_padding.device) >= n)
+        step.replay()
         self.replays += 1
-        return static_out[:n].clone()
+        return step.next[:n].clone()
+
+    def check(self, dep, n: int, bucket: int) -> tuple[float, float]:
+        """The last replay of `bucket` (n tokens) against the reference: every MoE layer's
+        output as the graph recorded it, its first n rows (`check_layers`; the reference is
+        evaluated on the whole bucket, whose router GEMM then has the graph's row count, so
+        the two route each token alike). Collective: every rank checks the same replay."""
+        step = self.graphs[bucket]
+        step.next.tolist()  # the replay is done (a device sync) before the references start
+        return check_layers(self.decoder, dep, step.record, bucket, rows=n)
 
 
 # ---------------------------------------------------------------------------------- the loop
-def check_step(decoder: Decoder, dep, tokens: torch.Tensor, T: int):
-    """Run the step eagerly and compare every MoE layer with its float64 reference on the same
-    input; returns the next tokens (int64 [n]), this rank's largest relative L2 error and the
-    seconds the references took. Collective."""
-    record: list = []
-    next_tokens = decoder.forward(tokens, T, record)
-    next_tokens.tolist()  # the step itself is done (a device sync) before the reference starts
+def check_layers(
+    decoder: Decoder, dep, record: list, T: int, rows: int | None = None
+) -> tuple[float, float]:
+    """Compare every MoE layer's (input, output) of a step of T tokens (`record`, this rank's
+    rows, the step complete) with its float64 reference on the same input, on the first `rows`
+    rows (None: all; a replayed bucket's real rows); returns this rank's largest relative L2
+    error (inf for a non-finite output) and the seconds the references took. Collective."""
     worst = 0.0
     reference_start = time.perf_counter()
     for (x, y), moe, synthetic in zip(record, decoder.layers, decoder.synthetic):
-        ref = layer_reference(dep.cpu_group, moe, synthetic.expert, x, T)
-        if x.shape[0]:
+        ref = layer_reference(dep.cpu_group, moe, synthetic.expert, x, T)[:rows]
+        y = y[:rows]
+        if y.shape[0]:
             worst = max(worst, rel_l2(y, ref) if y.isfinite().all() else math.inf)
-    return next_tokens, worst, time.perf_counter() - reference_start
+    return worst, time.perf_counter() - reference_start
+
+
+def check_step(decoder: Decoder, dep, tokens: torch.Tensor, T: int):
+    """Run the step eagerly and compare every MoE layer with its float64 reference on the same
+    input (`check_layers`); returns the next tokens (int64 [n]), this rank's largest relative L2
+    error and the seconds the references took. Collective."""
+    record: list = []
+    next_tokens = decoder.forward(tokens, T, record)
+    next_tokens.tolist()  # the step itself is done (a device sync) before the reference starts
+    return (next_tokens, *check_layers(decoder, dep, record, T))
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -437,10 +543,11 @@ def serve(args, ctx, dep, decoder: Decoder, scheduler: Scheduler, tolerance: flo
     numbers (rank 0's also hold the per-step counts of every rank)."""
     on_gpu = ctx.device.type == "cuda"
     graphs = None
-    if on_gpu:  # a server's start: compile every step size, capture every decode bucket
-        for moe in decoder.layers:
-            warm_buckets(decoder.routed, moe.experts, range(1, args.step_tokens + 1))
-        graphs = DecodeGraphs(decoder, args.buckets)
+    if on_gpu or args.emulate_graphs:  # a server's start: compile every step size, capture
+        if on_gpu:  # every decode bucket
+            for moe in decoder.layers:
+                warm_buckets(decoder.routed, moe.experts, range(1, args.step_tokens + 1))
+        graphs = DecodeGraphs(decoder, args.buckets, emulated=not on_gpu)
         for bucket in args.buckets:
             graphs.capture(bucket)
     total = sum(
@@ -449,7 +556,8 @@ def serve(args, ctx, dep, decoder: Decoder, scheduler: Scheduler, tolerance: flo
     )
     progress = Progress(total, ctx.rank == 0)
     counts = torch.zeros(ctx.world_size, COUNT_COLUMNS, dtype=torch.int64)
-    steps = checks = idle_rank_steps = 0
+    steps = idle_rank_steps = 0
+    checks = {"replayed": 0, "eager": 0}  # reference checks of replayed and of eager steps
     worst_error = 0.0
     history: list[list[int]] = []  # per step: every rank's token count
     dist.barrier(group=ctx.cpu_group)
@@ -490,17 +598,20 @@ def serve(args, ctx, dep, decoder: Decoder, scheduler: Scheduler, tolerance: flo
         decode_only = int(counts[:, COUNT_PREFILL].sum()) == 0
         check = steps % args.check_every == 0
         bucket = graphs.bucket(T) if graphs is not None and decode_only else None
-        if check:
+        if bucket is not None:  # a replay, checked against the reference as it ran
+            next_tokens = graphs.run(tokens, bucket)
+            if check:
+                error, reference_s = graphs.check(dep, tokens.numel(), bucket)
+        elif check:
             next_tokens, error, reference_s = check_step(decoder, dep, tokens, T)
-            checks += 1
+        else:
+            next_tokens = decoder.forward(tokens, T)
+        if check:
+            checks["replayed" if bucket is not None else "eager"] += 1
             worst = torch.tensor([error, reference_s], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
             worst_error = max(worst_error, float(worst[0]))
             paused += float(worst[1])
-        elif bucket is not None:
-            next_tokens = graphs.run(tokens, bucket)
-        else:
-            next_tokens = decoder.forward(tokens, T)
         poll_all()  # what a replayed step's kernels recorded, once per step, outside any capture
         scheduler.complete(batch, next_tokens.tolist(), clock())
         idle_rank_steps += per_rank.count(0)
@@ -515,9 +626,12 @@ def serve(args, ctx, dep, decoder: Decoder, scheduler: Scheduler, tolerance: flo
         "rank": ctx.rank,
         "elapsed_s": elapsed,
         "steps": steps,
-        "checks": checks,
+        "checks": sum(checks.values()),
+        "checks_replayed": checks["replayed"],
+        "checks_eager": checks["eager"],
         "worst_error": worst_error,
         "idle_rank_steps": idle_rank_steps,
+        "graphs": "none" if graphs is None else "emulated" if graphs.emulated else "cuda",
         "graph_replays": graphs.replays if graphs else 0,
         "requests": scheduler.total,
         "finished": len(scheduler.finished),
@@ -556,8 +670,11 @@ def summarize(args, ctx, geometry, backend: str, tolerance: float, ranks: list[d
         "processed_tokens_per_s": (generated + prompt) / elapsed,
         "steps": ranks[0]["steps"],
         "idle_rank_steps": ranks[0]["idle_rank_steps"],
+        "graphs": ranks[0]["graphs"],
         "graph_replays": ranks[0]["graph_replays"],
         "checks": ranks[0]["checks"],
+        "checks_replayed": ranks[0]["checks_replayed"],
+        "checks_eager": ranks[0]["checks_eager"],
         "worst_error": max(r["worst_error"] for r in ranks),
         "tolerance": tolerance,
         "ttft": percentiles([t for r in ranks for t in r["ttft_s"]]),
@@ -571,6 +688,7 @@ def report(results: dict) -> None:
         return " ".join(f"{k[:3]} {'-' if v is None else f'{v:.1f}'} ms" for k, v in p.items())
 
     r = results
+    emulated = ", emulated on the CPU" if r["graphs"] == "emulated" else ""
     print(
         f"dp_server: {r['world_size']} rank(s) on {r['device']}, preset {r['preset']}, experts"
         f" {r['experts_backend']}, {r['layers']} MoE layer(s)\n"
@@ -581,9 +699,11 @@ def report(results: dict) -> None:
         f" {r['processed_tokens_per_s']:.1f} tokens/s in all\n"
         f"  TTFT: {ms(r['ttft'])}; inter-token: {ms(r['inter_token'])}\n"
         f"  steps: {r['steps']} ({r['idle_rank_steps']} idle rank-steps,"
-        f" {r['graph_replays']} graph replays)\n"
-        f"  checks: {r['checks']}, worst relative L2 error {r['worst_error']:.2e} (tolerance"
-        f" {r['tolerance']:g}): {'ok' if r['worst_error'] <= r['tolerance'] else 'FAILED'}\n"
+        f" {r['graph_replays']} graph replays{emulated})\n"
+        f"  checks: {r['checks']} ({r['checks_replayed']} of replayed steps,"
+        f" {r['checks_eager']} of eager steps), worst relative L2 error {r['worst_error']:.2e}"
+        f" (tolerance {r['tolerance']:g}):"
+        f" {'ok' if r['worst_error'] <= r['tolerance'] else 'FAILED'}\n"
         "  (host wall clock; ranks sharing a device are time-sliced)",
         flush=True,
     )
@@ -644,6 +764,11 @@ def main() -> int:
     ctx = init_rank_context(device, timeout_s=args.timeout)
     dep = new_dep_group(ctx, args.dep_size or ctx.world_size)
     on_gpu = ctx.device.type == "cuda"
+    if on_gpu and args.emulate_graphs:
+        teardown(ctx)
+        raise SystemExit(
+            "dp_server: --emulate-graphs is for CPU runs; on CUDA the buckets are graphs"
+        )
     geometry = PRESETS[("k3" if on_gpu else "tiny") if args.preset == "auto" else args.preset]
     decoder = Decoder(args, ctx, dep, geometry)
     experts = decoder.layers[0].experts

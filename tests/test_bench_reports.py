@@ -1,13 +1,15 @@
 """The CPU parts of the benchmarks: every bench module imports and every benchmark's --help runs;
 a page through bench/report.py (header, table, a plot or the line saying it is missing) and the
 command it names; bench_routed_experts reading the peer's log and writing its page; bench_dep's
-page with and without its peer; bench_humming_tuning naming humming's distinct kernels;
+page with and without its peer; bench_integration end to end on one CPU process (tiny preset)
+and its page's graph-replay table; bench_humming_tuning naming humming's distinct kernels;
 timing.pair_timed_us's argument check; profile_combine reading Nsight Compute's table."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 import types
@@ -17,7 +19,10 @@ import pytest
 
 from bench import bench_dep, profile_combine, report, timing
 from bench import bench_humming_tuning as tuning
+from bench import bench_integration as integration
 from bench import bench_routed_experts as routed_experts
+
+from helpers.launchers import launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every module of the package, found on disk so that a new one is covered without listing it.
@@ -162,6 +167,59 @@ def test_dep_report_puts_the_peer_beside_ours(tmp_path):
     assert "| 1 | uniform | 12.0 (1.2x) | 30.0 (1.5x) | 15.0 (1.5x) | 40.0 (2.0x) | graph |" in page
     assert note in page and "torchrun --nproc-per-node 2 -m bench.bench_dep --out docs`" in page
     assert "# DEP benchmark, 2 GPUs, one process per GPU" in page
+
+
+def test_integration_benchmark_runs_on_one_cpu_process(tmp_path):
+    """The whole module under torchrun, one CPU process, tiny preset, a few calls: every path's
+    row at every T with numbers, the integrations' outputs equal EpRouted.routed's bit for bit
+    (the reference experts rerun bitwise), the graph section saying it needs CUDA, the plot."""
+    out = tmp_path / "results"
+    arguments = ["--preset", "tiny", "--layers", "2", "--tokens", "4", "1", "--samples", "3"]
+    arguments += ["--reps", "1", "--device", "cpu", "--out", str(out)]
+    command = [launcher("torchrun"), "--nproc-per-node", "1", "-m", "bench.bench_integration"]
+    run = subprocess.run(command + arguments, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    page = (out / "bench_integration.md").read_text()
+    assert (
+        "- Command: `torchrun --nproc-per-node 1 -m bench.bench_integration --preset tiny" in page
+    )
+    assert "2 layers sharing one EpRouted and one experts backend: ReferenceExperts" in page
+    number = r"-?\d+\.\d"
+    for tokens in (1, 4):  # sorted, each once
+        for path in integration.PATHS:
+            cells = rf"\| {tokens} \| {re.escape(path)} \| {number} \| {number} \| "
+            if path in integration.INTEGRATIONS:
+                cells += rf"{number} \| {number} \| (yes|NO) \| yes \|$"
+            else:
+                cells += r"- \| - \| - \| - \|$"
+            assert len(re.findall(cells, page, re.M)) == 1, (cells, page)
+    assert "Not run: CUDA graphs need a CUDA device (this run: cpu)." in page
+    assert (out / "bench_integration.png").stat().st_size > 10_000
+
+
+def test_integration_page_puts_each_path_beside_the_call_it_wraps(tmp_path):
+    def row(tokens: int, direct: float) -> dict:
+        eager = {name: (direct + 3.0, direct + 5.0, 80) for name in integration.PATHS}
+        eager[integration.DIRECT] = (direct, direct + 1.0, 80)
+        eager[integration.OP] = (direct + 9.5, direct + 20.0, 80)
+        graph = {name: 2 * direct for name in integration.PATHS}
+        graph[integration.VLLM] = 2 * direct + 1.5
+        same = {name: None for name in integration.INTEGRATIONS}  # not compared: see meta
+        return dict(tokens=tokens, eager=eager, graph=graph, same_eager=same, same_graph=same)
+
+    meta = dict(preset="k3", geometry=integration.PRESETS["k3"], layers=4, reps=2, samples=100)
+    meta.update(backend="HopperExperts (HummingEngine)", deterministic=False, device="cuda")
+    run = torchrun(1, "bench.bench_integration")
+    integration.write_report(tmp_path, [row(1, 40.0), row(256, 60.0)], meta, run)
+    page = (tmp_path / "bench_integration.md").read_text()
+    assert "| 1 | EpRouted.routed | 40.0 | 41.0 | - | - | - | - |" in page, page
+    assert "| 1 | vLLM DepEpKimiExperts.forward | 43.0 | 45.0 | 3.0 | 4.0 | yes | - |" in page
+    assert "| 256 | torch.ops.dep_ep.routed | 69.5 | 80.0 | 9.5 | 19.0 | NO | - |" in page
+    assert "| 256 | vLLM DepEpKimiExperts.forward | 121.5 | 1.5 | - |" in page, page
+    assert "| 256 | SGLang forward_mega_experts | 120.0 | 0.0 | - |" in page
+    assert "| 1 | EpMoeLayer | 80.0 | - | - |" in page
+    assert "the experts backend's reruns are not bitwise equal" in page
+    assert "Not run" not in page and (tmp_path / "bench_integration.png").exists()
 
 
 def test_pair_timing_needs_two_pairs():

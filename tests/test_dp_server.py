@@ -1,11 +1,15 @@
-"""examples/dp_server.py: its continuous batching in-process, and the whole loop under torchrun
-on 2 and 4 CPU ranks (malformed requests refused, idle ranks, the reference checks, nothing
-lost)."""
+"""examples/dp_server.py: its continuous batching in-process; the bucket logic of its CUDA graphs
+in-process (the emulated capture and replay, the padding rows given no expert); the whole loop
+under torchrun on 2 and 4 CPU ranks (malformed requests refused, idle ranks, the reference
+checks, nothing lost); and on 2 CPU ranks with the decode buckets emulated, the poll counted at
+every step and the checks of replayed steps."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -15,9 +19,12 @@ import sys
 import pytest
 import torch
 
+from dep_ep.integrations import common
+
 from helpers.launchers import ROOT, launcher
 
 SERVER = os.path.join(ROOT, "examples", "dp_server.py")
+TESTS = os.path.join(ROOT, "tests")
 
 
 def load_server():
@@ -116,6 +123,9 @@ def test_serving_loop_on_cpu_ranks(ranks, tmp_path):
         assert server.refusal_line(rank, rid, why) + "\n" in proc.stdout, log
     # the checks ran and compared real numbers; the ranks were unequal, some idle
     assert results["checks"] >= 1 and 0 < results["worst_error"] <= results["tolerance"]
+    # no graphs on the CPU unless emulated: every check is of an eager step
+    assert results["graphs"] == "none" and results["graph_replays"] == 0, results
+    assert results["checks_eager"] == results["checks"] and results["checks_replayed"] == 0
     assert results["idle_rank_steps"] > 0
     history = results["tokens_per_step"]
     assert len(history) == results["steps"] and all(len(row) == ranks for row in history)
@@ -126,4 +136,121 @@ def test_serving_loop_on_cpu_ranks(ranks, tmp_path):
     assert results["generated_tokens_per_s"] > 0 and results["ttft"]["p50_ms"] is not None
     assert "dp_server [" in proc.stderr  # the progress bar
     assert png.stat().st_size > 10_000  # the plot (matplotlib is in the test extra)
-    assert re.search(r"checks: \d+, worst relative L2 error .* ok$", proc.stdout, re.M), log
+    checks = r"checks: \d+ \(0 of replayed steps, \d+ of eager steps\), worst relative L2 error"
+    assert re.search(checks + " .* ok$", proc.stdout, re.M), log
+
+
+class FakeLayer:
+    """What padded_moe calls of an EpMoeLayer, recording the ids its routed path gets."""
+
+    topk, layer_index = 3, 7
+
+    def __init__(self):
+        self.routed_ids = None
+
+    def front(self, x):
+        return x * 2
+
+    def router(self, x):
+        ids = torch.arange(x.shape[0] * self.topk, dtype=torch.int32).view(-1, self.topk)
+        return ids, torch.ones(x.shape[0], self.topk)
+
+    def shared(self, front):
+        return front + 1
+
+    def latent_of(self, front):
+        return front
+
+    def routed_path(self, latent, ids, weights, *, tokens, tag):
+        self.routed_ids, self.call = ids, (tokens, tag)
+        return latent
+
+    def up(self, normed, shared):
+        return normed + shared
+
+
+def test_padding_rows_go_to_no_expert_through_the_integrations_path(monkeypatch):
+    """padded_moe masks the router's ids with padding_to_no_expert (the integrations' function,
+    called, not copied) between the router and the routed path, tags with the layer index."""
+    server = load_server()
+    masked = []
+
+    def spy(ids, is_padding, rows=None):
+        masked.append(is_padding)
+        return common.padding_to_no_expert(ids, is_padding, rows)
+
+    monkeypatch.setattr(server, "padding_to_no_expert", spy)
+    layer, x = FakeLayer(), torch.ones(4, 2)
+    is_padding = torch.tensor([False, False, True, True])
+    y = server.padded_moe(layer, x, 4, is_padding)
+    assert masked == [is_padding]
+    assert layer.routed_ids.tolist() == [[0, 1, 2], [3, 4, 5], [-1] * 3, [-1] * 3]
+    assert layer.call == (4, 7)
+    assert torch.equal(y, 2 * x + 2 * x + 1)
+
+
+def test_emulated_capture_replays_into_the_same_outputs():
+    """The CPU stand-in of a CUDA graph: the captured outputs are the tensors every replay
+    writes (the step run again on the static inputs), nested records included."""
+    server = load_server()
+    static = torch.tensor([1.0, 2.0])
+
+    def step():
+        doubled = static * 2
+        return doubled, [(static + 0, doubled + 1)]
+
+    (out, record), replay = server.capture_step(step, emulated=True)
+    first = out
+    static.copy_(torch.tensor([5.0, 7.0]))
+    replay()
+    assert out is first and out.tolist() == [10.0, 14.0]
+    assert record[0][0].tolist() == [5.0, 7.0] and record[0][1].tolist() == [11.0, 15.0]
+
+
+def seed_with_a_decode_only_step(server, ranks: int) -> int:
+    """A fresh seed whose workload (the test's below, every request arrived at once) has a step
+    with no prefill row on any rank, which replays a bucket: about 1 seed in 1000 has none (every
+    request's last token comes out with the last prefill chunk)."""
+    while True:
+        seed = int(torch.randint(0, 2**31, ()))
+        args = settings(requests=6, max_prompt=24, max_new=8, step_tokens=16, max_running=6)
+        args.vocab, args.seed = 256, seed
+        schedulers = [
+            server.Scheduler(server.workload(args, r, ranks), args, r) for r in range(ranks)
+        ]
+        with contextlib.redirect_stdout(io.StringIO()):  # the refusals' lines
+            for scheduler in schedulers:
+                scheduler.admit(now_s=float("inf"))
+        while any(scheduler.pending for scheduler in schedulers):
+            batches = [scheduler.plan() for scheduler in schedulers]
+            if sum(b.prefill_rows for b in batches) == 0 and any(b.emits for b in batches):
+                return seed
+            for scheduler, batch in zip(schedulers, batches):
+                scheduler.complete(batch, [0] * len(batch.emits), now_s=0.0)
+
+
+def test_emulated_buckets_replay_check_and_poll_every_step(tmp_path):
+    """2 CPU ranks, the decode buckets emulated (--emulate-graphs), a check every step: replayed
+    steps are checked against the reference as the graph recorded them (padding rows sent to no
+    expert), eager ones too, and poll_all runs once per step on every rank."""
+    metrics = tmp_path / "metrics.json"
+    seed = seed_with_a_decode_only_step(load_server(), ranks=2)
+    arguments = ["--requests", "6", "--rate", "1e6", "--check-every", "1", "--seed", str(seed)]
+    arguments += ["--emulate-graphs", "--metrics", str(metrics)]
+    cmd = [launcher("torchrun"), "--nproc-per-node", "2", "-m", "helpers.dp_server_polls"]
+    proc = subprocess.run(
+        cmd + [str(tmp_path), *arguments], cwd=TESTS, capture_output=True, text=True, timeout=300
+    )
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    results = json.loads(metrics.read_text())
+    assert results["lost"] == 0 and results["wrong_length"] == 0, results
+    assert results["graphs"] == "emulated" and results["graph_replays"] >= 1, results
+    assert results["checks"] == results["steps"], results  # --check-every 1
+    assert results["checks_replayed"] >= 1 and results["checks_eager"] >= 1, results
+    assert results["checks_replayed"] + results["checks_eager"] == results["checks"]
+    assert 0 < results["worst_error"] <= results["tolerance"], results
+    for rank in range(2):
+        polls = json.loads((tmp_path / f"polls{rank}.json").read_text())
+        assert polls["polls"] == results["steps"] > 0, (rank, polls, results["steps"])
+    assert "graph replays, emulated on the CPU)" in proc.stdout, log

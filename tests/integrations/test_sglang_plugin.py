@@ -1,12 +1,14 @@
 """dep_ep.integrations.sglang in one process, against the SGLang 0.5.23 stand-ins
 (standins/sglang_standin.py): register() is a no-op without DEP_EP_SGLANG=1, refuses another
 SGLang version naming the one it was written against, and registers its hooks with the
-registry's hook types; the per-step poll; the step's T and padding rules; and the stand-ins
-themselves read as the SIGNATUREs they carry (which test_sglang_real.py compares with the
-installed SGLang's source)."""
+registry's hook types; importing the integration imports no SGLang; the per-step poll; the
+step's T and padding rules; and the stand-ins themselves read as the SIGNATUREs they carry
+(which test_sglang_real.py compares with the installed SGLang's source)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,22 @@ def test_register_registers_every_hook(standin, monkeypatch):
     plugin.register()
     want = {target: [kind] for target, kind in EXPECTED_HOOKS.items()}
     assert registered(standin) == want
+
+
+def test_importing_the_integration_imports_no_sglang():
+    """Run in a fresh interpreter: importing every module of the integration (the plugin the
+    entry point names, the hooks, the dispatcher, the seam, the step rules) imports no module
+    named sglang*, so installing dep_ep beside SGLang costs SGLang's processes nothing until
+    DEP_EP_SGLANG=1."""
+    modules = ("plugin", "kimi_k3", "dispatcher", "engine", "steps")
+    probe = (
+        "import sys; "
+        + "; ".join(f"import dep_ep.integrations.sglang.{name}" for name in modules)
+        + "; print(sorted(m for m in sys.modules if m.split('.')[0] == 'sglang'))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_poll_after_each_step(standin, monkeypatch):

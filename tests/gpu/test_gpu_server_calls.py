@@ -1,0 +1,267 @@
+"""The server calls on a GPU: after `EpRouted.warmup(T, experts)` capturing a routed call of T in a
+CUDA graph compiles nothing (no eager call in between) and its replay equals the eager call;
+`torch.ops.dep_ep.routed` equals `EpRouted.routed` bit for bit, eager and in graph replay.
+
+Compilations counted while the capture runs: CuTeDSL's (`device_transport.compiled_count()`, the
+library's cache of the dispatch and combine kernels), triton's (its JIT's post-compile hook,
+where the installed triton has one), humming's kernel runtimes (`humming.jit.runtime.
+KernelRuntime._instances`, where humming is installed) and HopperExperts' humming kernel choices
+(the library's per-pair-count cache, `HummingGemm.tunings`). Experts: K3's widths over 32 experts
+(the humming engine's shapes), every HopperExperts engine that runs here and the device's
+default backend. Runs under mpirun with any number of processes (tests/gpu/conftest.py);
+importable on a machine without CUDA, where the folder is not collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dep_ep.comm.device_transport import compiled_count
+from dep_ep.config import EpConfig
+from dep_ep.ep import K3, EpRouted, MoeGeometry
+from dep_ep.ep.custom_op import register_routed, routed_op, unregister_routed
+from dep_ep.experts import default_experts
+from dep_ep.experts.hopper import HopperExperts, HummingEngine, TritonEngine
+from dep_ep.experts.hopper.humming_engine import humming_installed
+from dep_ep.testing import SyntheticLayer, allgather_reference
+from dep_ep.testing.compare import compare_rel_l2
+from dep_ep.testing.tolerance import EXPERTS_REL_L2, ROUTED_HUMMING_REL_L2, ROUTED_REL_L2
+
+from helpers.cases import agreed_seed, make_case
+from helpers.collective import collective_assert
+
+# K3's widths (L 3584, I 3072: the humming engine's shapes) over 32 experts: 16 local at N = 2.
+K3_32 = MoeGeometry(
+    "k3-32",
+    hidden=K3.hidden,
+    latent=K3.latent,
+    experts=32,
+    topk=K3.topk,
+    intermediate=K3.intermediate,
+)
+MAX_TOKENS = 16
+BUCKETS = (1, 5, MAX_TOKENS)  # T of each capture; 5: a receive-row count no other T gives
+TAG = 7
+# The experts a test builds: the device's default backend, and HopperExperts' engines by name.
+BACKENDS = ("default", "hopper-triton", "hopper-humming-deterministic")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def backend_gap(name: str) -> str | None:
+    """Why backend `name` cannot run here, or None."""
+    if name == "default":
+        return None
+    reason = HopperExperts.unsupported_reason(torch.device("cuda"))
+    if reason is not None:
+        return f"HopperExperts: {reason}"
+    if name == "hopper-humming-deterministic" and not humming_installed():
+        return "the humming-kernels release HummingEngine wraps is not installed"
+    return None
+
+
+def build(name: str, weights):
+    if name == "default":
+        return default_experts(weights)
+    if name == "hopper-triton":
+        return HopperExperts(weights, engine=TritonEngine())
+    return HopperExperts(weights, engine=HummingEngine(deterministic=True))
+
+
+def bound_of(experts) -> float:
+    """The modelled relative L2 bound of the routed output with this backend's numerics."""
+    if getattr(experts, "activation_format", "bf16") == "mxfp8":
+        return ROUTED_HUMMING_REL_L2
+    return max(ROUTED_REL_L2, EXPERTS_REL_L2)
+
+
+@pytest.fixture(scope="module")
+def routed_k3(gpu_dep):
+    if K3_32.experts % gpu_dep.size:
+        pytest.skip(f"{K3_32.experts} experts do not split over {gpu_dep.size} ranks")
+    routed = EpRouted(
+        gpu_dep.cpu_group,
+        MAX_TOKENS,
+        torch.device("cuda"),
+        num_experts=K3_32.experts,
+        latent=K3_32.latent,
+        topk=K3_32.topk,
+        config=EpConfig(timeout_s=60.0),
+    )
+    yield routed
+    routed.close()
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """A list that gets one entry per triton kernel this process compiles inside the block (its
+    JIT's post-compile hook; a cache hit calls nothing); None where this triton has no such
+    hook or triton is missing."""
+    try:
+        import triton
+
+        runtime = triton.knobs.runtime
+        previous = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        yield None
+        return
+    compiled: list[str] = []
+
+    def hook(*args, **kwargs):
+        compiled.append(str(kwargs.get("repr", kwargs.get("key", "a kernel"))))
+        return previous(*args, **kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield compiled
+    finally:
+        runtime.jit_post_compile_hook = previous
+
+
+def library_caches(experts) -> dict[str, int]:
+    """The caches that grow when something is compiled: CuTeDSL's kernels, humming's kernel
+    runtimes (where humming is installed) and the backend's humming kernel choices."""
+    sizes = {"CuTeDSL kernels": compiled_count()}
+    if importlib.util.find_spec("humming") is not None:
+        from humming.jit.runtime import KernelRuntime
+
+        sizes["humming kernel runtimes"] = len(KernelRuntime._instances)
+    prepared = getattr(experts, "prepared", None)
+    for name in ("fc1", "fc2"):
+        tunings = getattr(getattr(prepared, name, None), "tunings", None)
+        if tunings is not None:
+            sizes[f"HopperExperts {name} humming choices"] = len(tunings)
+    return sizes
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def case_on_gpu(rank: int, n: int, tokens: int, seed: int):
+    case = make_case(K3_32, n, tokens, seed, "random")
+    return tuple(t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[rank]))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capture_after_warmup_compiles_nothing_and_replays_the_eager_call(
+    gpu_dep, routed_k3, backend
+):
+    gap = backend_gap(backend)
+    if gap is not None:
+        pytest.skip(gap)
+    n, rank, group = gpu_dep.size, gpu_dep.rank, gpu_dep.cpu_group
+    seed = agreed_seed(group, 53)
+    layer = SyntheticLayer(K3_32, seed)
+    per_rank = K3_32.experts // n
+    experts = build(backend, layer.local_weights(rank * per_rank, per_rank).to("cuda"))
+    deterministic = getattr(experts, "deterministic", True)
+    norm = layer.norm_weight().cuda()
+    label = f"{backend}: {type(experts).__name__} {type(getattr(experts, 'engine', None)).__name__}"
+    failures = []
+    for tokens in BUCKETS:
+        latent, ids, probs = case_on_gpu(rank, n, tokens, seed + tokens)
+        routed_k3.warmup(tokens, experts)  # local: all that runs before the capture
+        torch.cuda.synchronize()
+        before = library_caches(experts)
+        dist.barrier(group)
+        graph, compiled, refused = torch.cuda.CUDAGraph(), None, None
+        try:
+            with triton_compiles() as compiled, torch.cuda.graph(graph):
+                captured = routed_k3.routed(latent, ids, probs, norm, experts=experts, tag=TAG)
+        except Exception as err:  # a compile inside a capture often fails the capture itself
+            refused = err
+        captures = torch.tensor([0 if refused is not None else 1])
+        dist.all_reduce(captures, op=dist.ReduceOp.MIN, group=group)
+        if refused is not None:
+            failures.append(f"{label}, T={tokens}: the capture failed: {refused!r}")
+        if not int(captures):  # no rank replays a graph that one rank lacks
+            break
+        after = library_caches(experts)
+        grown = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+        if grown:
+            failures.append(f"{label}, T={tokens}: the capture compiled: {grown}")
+        if compiled:
+            failures.append(f"{label}, T={tokens}: triton compiled in the capture: {compiled[:3]}")
+        graph.replay()
+        routed_k3.synchronize()
+        replayed = captured.clone()
+        eager = routed_k3.routed(latent, ids, probs, norm, experts=experts, tag=TAG)
+        routed_k3.synchronize()
+        eager = eager.clone()
+        ref = allgather_reference(group, latent, ids, probs, norm, layer.expert)
+        where = f"{label}, T={tokens}"
+        failures += compare_rel_l2(replayed.cpu(), ref.cpu(), bound_of(experts), f"{where} replay")
+        if deterministic and not bitwise_equal(replayed, eager):
+            failures.append(f"{where}: the replay differs from the eager call")
+        del graph, captured
+    collective_assert(group, failures, seeds={"layer and cases": seed})
+
+
+def deterministic_experts(weights):
+    """Experts whose reruns on the same rows are bitwise equal: HopperExperts' triton engine on
+    SM90, else the device's default backend (None when it says it is not)."""
+    if backend_gap("hopper-triton") is None:
+        return HopperExperts(weights, engine=TritonEngine())
+    experts = default_experts(weights)
+    return experts if getattr(experts, "deterministic", True) else None
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens", [1, 9, MAX_TOKENS])
+def test_custom_op_equals_the_routed_call_eager_and_replayed(gpu_dep, routed_k3, tokens):
+    n, rank, group = gpu_dep.size, gpu_dep.rank, gpu_dep.cpu_group
+    seed = agreed_seed(group, 59)
+    layer = SyntheticLayer(K3_32, seed)
+    per_rank = K3_32.experts // n
+    experts = deterministic_experts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
+    if experts is None:
+        pytest.skip("the device's default experts backend does not rerun bitwise")
+    routed_k3.warmup(tokens, experts)
+    latent, ids, probs = case_on_gpu(rank, n, tokens, seed + tokens)
+    norm = layer.norm_weight().cuda()
+    handle = register_routed(routed_k3, experts)
+    failures = []
+
+    def direct() -> torch.Tensor:
+        return routed_k3.routed(latent, ids, probs, norm, experts=experts, tokens=tokens, tag=TAG)
+
+    def op() -> torch.Tensor:
+        return routed_op(latent, ids, probs, norm, handle, tokens=tokens, tag=TAG)
+
+    try:
+        eager_direct = direct().clone()
+        eager_op = op().clone()
+        routed_k3.synchronize()
+        if not bitwise_equal(eager_op, eager_direct):
+            failures.append(f"T={tokens}: torch.ops.dep_ep.routed differs from EpRouted.routed")
+        # Both calls in one graph, after one step of each on the capture's stream.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            direct()
+            op()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_direct = direct()
+            graph_op = op()
+        graph.replay()
+        routed_k3.synchronize()
+        if not bitwise_equal(graph_op, graph_direct):
+            failures.append(f"T={tokens}: in graph replay the op differs from EpRouted.routed")
+        if not bitwise_equal(graph_op, eager_op):
+            failures.append(f"T={tokens}: the op's replay differs from its eager call")
+        if not torch.isfinite(eager_op.float()).all():
+            failures.append(f"T={tokens}: the eager outputs are not finite")
+    finally:
+        unregister_routed(handle)
+    collective_assert(group, failures, seeds={"layer and case": seed})
