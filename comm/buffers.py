@@ -84,7 +84,8 @@ class RankRegions:
 
     @property
     def flags(self) -> torch.Tensor:
-        """int64 [2, N, 4]: GPU step flags per phase (dispatch, combine) and source rank."""
+        """int64 [3, N, 4]: GPU step flags per phase (dispatch, combine, combine-end) and source
+        rank."""
         return self._view("flags", None)
 
     def out(self, rows: int) -> torch.Tensor:

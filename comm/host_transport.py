@@ -1,13 +1,15 @@
 """HostTransport: dispatch and combine between CPU ranks over POSIX shared memory.
 
-Each call writes with the torch reference (dep_ep.comm.reference) and then runs one barrier of
-the buffers' object (comm/host_channel.py) carrying this rank's status, T, tag and, when it
-failed the call, why and its error. Every rank reads every rank's message of that barrier and
-decides alike: tags that differ among the ranks that did not fail give EpDesyncError, a failed
-rank gives its own error there and EpPeerError (with its cause and error) on the others, token
-counts that differ give ValueError; nothing written in the call is used, and the buffers stay
-usable for the next call. A message is read only under its own barrier's key, so no rank ever
-takes another call's (or another object's) message for this one's.
+A dispatch writes with the torch reference (dep_ep.comm.reference), then runs one barrier of the
+buffers' object (comm/host_channel.py); a combine runs that barrier first, then reads its tokens'
+expert rows where they lie, then runs one more ("combine-end": every rank has read this rank's
+rows, so the caller may rewrite them once it returns). The first barrier carries this rank's
+status, T, tag and, when it failed the call, why and its error. Every rank reads every rank's
+message of that barrier and decides alike: tags that differ among the ranks that did not fail
+give EpDesyncError, a failed rank gives its own error there and EpPeerError (with its cause and
+error) on the others, token counts that differ give ValueError; nothing written in the call is
+used, and the buffers stay usable for the next call. A message is read only under its own
+barrier's key, so no rank ever takes another call's (or another object's) message for this one's.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class HostTransport(Transport):
         tokens = ids.shape[0]
         self._agree("combine", rejected, cause, tokens, tag)
         normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
+        # Return only once every rank has read this rank's rows: the caller may rewrite them.
+        self.buffers.barriers.exchange("combine-end", {}, self.timeout_s)
         return normed if out is None else out.copy_(normed)
 
     def check(self) -> None:

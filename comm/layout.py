@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dep_ep.constants import FLAG_WORDS, SCALE_BLOCK
+from dep_ep.constants import FLAG_PHASES, FLAG_WORDS, SCALE_BLOCK
 
 ALIGN_BYTES = 256  # every region starts on this boundary (16-byte vector stores, TMA-friendly)
 
@@ -43,7 +43,7 @@ class EpLayout:
       weights  fp32  [max_rows, topk]     routing weights as the source sent them
       out      bf16  [max_rows, latent]   this rank's expert sum for the receive row (the
                                           experts write it; the sources' combines read it)
-      flags    int64 [2, num_ranks, 4]    GPU step flags per phase and source (signals.py)
+      flags    int64 [3, num_ranks, 4]    GPU step flags per phase and source (signals.py)
     """
 
     num_ranks: int
@@ -81,7 +81,7 @@ class EpLayout:
             ("ids", (rows, K), torch.int32),
             ("weights", (rows, K), torch.float32),
             ("out", (rows, L), torch.bfloat16),
-            ("flags", (2, self.num_ranks, FLAG_WORDS), torch.int64),
+            ("flags", (FLAG_PHASES, self.num_ranks, FLAG_WORDS), torch.int64),
         )
         out, offset = {}, 0
         for name, shape, dtype in specs:

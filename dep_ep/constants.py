@@ -18,11 +18,18 @@ MAX_RANKS = 32
 MAX_TOPK = 128
 
 # The GPU step protocol (comm/kernels/signals.py): the host transport reads the same numbers.
-PHASE_DISPATCH, PHASE_COMBINE = 1, 2
-PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
+# The combine has two flags: "my rows of the call are written" (PHASE_COMBINE, at its start) and
+# "I have read your rows of the call" (PHASE_COMBINE_END, at its end: a rank's combine completes
+# only when every rank is done reading its rows, so they can be rewritten after it).
+PHASE_DISPATCH, PHASE_COMBINE, PHASE_COMBINE_END = 1, 2, 3
+PHASE_NAMES = {
+    PHASE_DISPATCH: "dispatch",
+    PHASE_COMBINE: "combine",
+    PHASE_COMBINE_END: "combine-end",
+}
 # Step flags: int64 words per (phase, source rank) in every rank's symmetric allocation:
 # [flag = call << 2 | status, unused, tokens, tag]; tokens and tag share one 16-byte load.
-FLAG_PHASES = 2  # dispatch, then combine: slot (phase - PHASE_DISPATCH, source)
+FLAG_PHASES = 3  # dispatch, combine, combine-end: slot (phase - PHASE_DISPATCH, source)
 FLAG_WORDS = 4
 FLAG_CALL, FLAG_TOKENS, FLAG_TAG = 0, 2, 3
 # A flag's status: the source took part with its payload, rejected its input (or called

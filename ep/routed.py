@@ -335,9 +335,9 @@ class EpRouted:
         dispatch pending, the views for a step of `tokens` tokens (for callers that set up where
         their experts write before the dispatch). Local. Every call for the same T returns the
         same view objects (read and write through them; do not resize them). `out` lies in the
-        symmetric allocation and the sources' combines read it there: write it only between a
-        step's dispatch and its combine (stream-ordered after the dispatch on CUDA); written
-        before the dispatch, it can change rows a peer is still summing."""
+        symmetric allocation and the sources' combines read it there, during this rank's
+        combine: a combine returns (CPU) or completes on the stream (CUDA) only once every rank
+        has read it, so any write ordered after the combine is safe."""
         fn = "EpRouted.receive"
         self._check_usable(fn)
         step = self._step
@@ -586,7 +586,8 @@ class EpRouted:
     ) -> torch.Tensor:
         """Read each of this rank's tokens' expert sums where they lie (`receive().out` of every
         rank owning one of the token's experts: the experts wrote them there since the
-        dispatch), sum them over ranks in fp32 in rank order, then RMSNorm with `norm_weight`
+        dispatch; the combine completes only once every rank has read this rank's rows), sum
+        them over ranks in fp32 in rank order, then RMSNorm with `norm_weight`
         (bf16 [L]) and `eps`; norm_weight None returns the plain sum rounded to BF16 (for a
         caller that applies the norm itself, or a model without a latent norm).
 

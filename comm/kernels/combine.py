@@ -16,7 +16,10 @@ rank's weighted sum over its local experts for token t of source rank s). One la
    (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in chunk and element order; tree
    16, 8, 4, 2, 1; a row whose squares overflow is summed again scaled by a power of two from its
    largest magnitude).
-4. done: the launch's last CTA stores the call as done in the device state.
+4. done: the launch's last CTA stores the call as done in the device state; with several ranks
+   it then stores this rank's combine-end flag ("I have read your rows") into every rank and
+   waits (bounded) for every rank's, so the launch completes only when no rank reads this rank's
+   rows any more: whatever runs after it on the stream may rewrite them.
 
 Each byte of an expert output row is read once, where it lies, and each output row is written
 once (at EP = 1 and T = 4096: 58.7 MB, against 117 MB for returning the rows to their sources
@@ -26,11 +29,10 @@ be co-resident (`signal_first_cta`).
 Why a reader may load a peer's rows after its flag, and why the owner may overwrite them later:
 the owner's experts wrote the rows in launches that completed before its combine launch stored
 the flag after a system-scope fence (release, cumulative); the reader's acquire of the flag,
-then the CTA barrier, order its loads after those writes. The owner overwrites its `out` rows
-only in the experts of a later call, which run after that call's dispatch waited for every
-source's dispatch flag; a source dispatches only after its combine of this call completed
-(stream order; with programmatic dependent launch the dispatch waits for the combine grid
-before it touches memory), so every read of this call's rows is done by then.
+then the CTA barrier, order its loads after those writes. A reader's loads have returned their
+values before its CTA counts itself done (the values were summed and stored); the count, then
+the last CTA's fence and release store, order them before its combine-end flag, which the owner
+acquires before its launch completes.
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ from dep_ep.comm.kernels.signals import (
     flag_slot,
     is_last_cta,
     load_token_ids,
+    signal_all,
     signal_first_cta,
     token_ids_tensor,
+    wait_flag,
 )
 from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
@@ -78,10 +82,12 @@ from dep_ep.constants import (
     NORM_SCALE_MAX_EXP,
     NORM_SCALE_MIN_EXP,
     PHASE_COMBINE,
+    PHASE_COMBINE_END,
     STATE_CALL,
     STATE_DONE_COMBINE,
     STATE_READY_COMBINE,
     STATE_STEP_STATUS,
+    STATUS_OK,
     WARP_LANES,
 )
 
@@ -210,11 +216,30 @@ class CombineKernel:
                     hits, sNormWeight, mNormed, regions, control.rank, eps, normalize, T, t, lane
                 )
         cute.arch.barrier()
+        last = Int32(0)
         if tidx == 0:
-            if is_last_cta(control, STATE_DONE_COMBINE, grid) != 0:
+            last = is_last_cta(control, STATE_DONE_COMBINE, grid)
+            if last != 0:
                 # Every CTA read STATE_CALL and counted its arrival before it counted itself done.
                 mState[STATE_READY_COMBINE] = Int64(0)
                 mState[STATE_CALL] = call
+        if cutlass.const_expr(N > 1):
+            # The last CTA: every read of the peers' rows is done; tell them, and complete only
+            # once every rank is done reading this rank's rows (so that anything stream-ordered
+            # after this launch may rewrite them). One rank alone reads only its own rows.
+            if barrier_or(last) != 0:
+                if tidx == 0:
+                    cute.arch.fence_acq_rel_sys()
+                    signal_all(regions, control, step, call, PHASE_COMBINE_END, STATUS_OK, N)
+                cute.arch.barrier()
+                if tidx < N:
+                    wait_flag(
+                        flag_slot(own.flags, PHASE_COMBINE_END, tidx),
+                        call << 2,
+                        control,
+                        PHASE_COMBINE_END,
+                        tidx,
+                    )
 
     @cute.jit
     def mark_token(self, mNormed: cute.Tensor, t: Int32, lane: Int32):

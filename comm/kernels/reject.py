@@ -4,8 +4,9 @@ A rank that rejects its dispatch input (or whose experts failed before the combi
 part in the call, so that no peer waits out its timeout: thread s < N stores this rank's flag
 with a failure status into rank s (STATUS_REJECTED: the dispatch flag and the combine flag for
 a rejected dispatch, the combine flag alone for a rejected combine; STATUS_FAILED: the combine
-flag of a call whose experts failed), then waits (bounded) for rank s's combine flag of the
-same call, so that this rank's next call cannot overwrite rows or flags a peer still reads.
+flag of a call whose experts failed) and its combine-end flag (it reads no rows), then waits
+(bounded) for rank s's combine-end flag of the same call, so that this rank's next call cannot
+overwrite rows or flags a peer still reads.
 The peers record the rejection (with its status) and mark their outputs (combine.py); the call
 then counts as done on every rank and the next one is in step.
 """
@@ -23,9 +24,11 @@ from dep_ep.comm.kernels.tensors import flag_slots, peer_base, state_words
 from dep_ep.constants import (
     MAX_RANKS,
     PHASE_COMBINE,
+    PHASE_COMBINE_END,
     PHASE_DISPATCH,
     STATE_CALL,
     STATUS_FAILED,
+    STATUS_OK,
     STATUS_REJECTED,
     WARP_LANES,
 )
@@ -65,12 +68,15 @@ class RejectKernel:
                     flag_slot(mPeerFlags, PHASE_DISPATCH, control.rank), call, STATUS_REJECTED, step
                 )
             signal_step(flag_slot(mPeerFlags, PHASE_COMBINE, control.rank), call, self.status, step)
+            # This rank reads no rows in this call: its reading is done at once.
+            end = flag_slot(mPeerFlags, PHASE_COMBINE_END, control.rank)
+            signal_step(end, call, STATUS_OK, step)
             mOwnFlags = flag_slots(regions.own, regions, N)
             wait_flag(
-                flag_slot(mOwnFlags, PHASE_COMBINE, tidx),
+                flag_slot(mOwnFlags, PHASE_COMBINE_END, tidx),
                 call << 2,
                 control,
-                PHASE_COMBINE,
+                PHASE_COMBINE_END,
                 Int32(tidx),
             )
         cute.arch.barrier()

@@ -153,6 +153,22 @@ def signal_step(mSlot: cute.Tensor, call: Int64, status: int, step: Step):
 
 
 @cute.jit
+def signal_all(
+    regions: SymmetricRegions,
+    control: RankControl,
+    step: Step,
+    call: Int64,
+    phase: int,
+    status: int,
+    num_ranks: cutlass.Constexpr[int],
+):
+    """One thread: store this rank's flag of (phase, call) with `status` into every rank."""
+    for d in cutlass.range_constexpr(num_ranks):
+        mFlags = flag_slots(peer_base(regions, d, num_ranks), regions, num_ranks)
+        signal_step(flag_slot(mFlags, phase, control.rank), call, status, step)
+
+
+@cute.jit
 def is_last_cta(control: RankControl, counter: int, grid: Int32) -> Int32:
     """Thread 0 of each CTA, after the CTA's payload and fence: 1 for the last CTA of the launch
     to get here, which also zeroes the counter (state word `counter`) for the next launch, else
@@ -202,9 +218,7 @@ def signal_after_cta(
     if tidx == 0:
         cute.arch.fence_acq_rel_sys()
         if is_last_cta(control, counter, grid) != 0:
-            for d in cutlass.range_constexpr(num_ranks):
-                mFlags = flag_slots(peer_base(regions, d, num_ranks), regions, num_ranks)
-                signal_step(flag_slot(mFlags, phase, control.rank), call, STATUS_OK, step)
+            signal_all(regions, control, step, call, phase, STATUS_OK, num_ranks)
             signalled = Int32(1)
     return signalled
 
@@ -239,9 +253,7 @@ def signal_first_cta(
         )
         if arrived == 0:
             cute.arch.fence_acq_rel_sys()
-            for d in cutlass.range_constexpr(num_ranks):
-                mFlags = flag_slots(peer_base(regions, d, num_ranks), regions, num_ranks)
-                signal_step(flag_slot(mFlags, phase, control.rank), call, STATUS_OK, step)
+            signal_all(regions, control, step, call, phase, STATUS_OK, num_ranks)
 
 
 def id_vector(topk: int) -> int:

@@ -448,6 +448,43 @@ def test_many_layers_back_to_back(gpu_dep, routed):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_out_rows_are_free_once_combine_completes(gpu_dep, routed):
+    """The peers read this rank's expert output rows where they lie; a combine launch completes
+    only once every rank has read them (its combine-end flags). Rank 0 overwrites its rows on
+    the stream right after each call, with no host sync or collective between the steps: every
+    rank's outputs stay the reference's (the overwrite is NaN: a row read after it shows)."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, 31)
+    layer = SyntheticLayer(TINY, seed)
+    experts = experts_for(DenseExperts, layer, rank, n)
+    norm = layer.norm_weight().cuda()
+    cases = [make_case(TINY, n, 16, seed + i) for i in range(3)]
+    refs = [
+        allgather_reference(
+            gpu_dep.cpu_group,
+            c.latent[rank],
+            c.ids[rank],
+            c.weights[rank],
+            layer.norm_weight(),
+            layer.expert,
+        )
+        for c in cases
+    ]
+    inputs = [on_gpu(c, rank) for c in cases]
+    dist.barrier(gpu_dep.cpu_group)
+    outs = []
+    for step in range(60):
+        outs.append(routed.routed(*inputs[step % 3], norm, experts=experts))
+        if rank == 0:
+            routed.receive(16).out.fill_(float("nan"))
+    routed.synchronize()
+    failures = []
+    for step, out in enumerate(outs):
+        failures += compare(out.cpu(), refs[step % 3], f"step {step}")
+    collective_assert(gpu_dep.cpu_group, failures[:3], seeds=seed)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_strided_latent_and_out_buffer(gpu_dep, routed):
     """The dispatch kernel reading a latent that is a column slice of a wider tensor (rows of
     S + L + 16 elements) gives the bits of the contiguous latent, on fresh rows; combine into a
