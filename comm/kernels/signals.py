@@ -235,11 +235,11 @@ def signal_first_cta(
     tidx: Int32,
 ):
     """Every thread of the CTA, before it waits: thread 0 of the first CTA of the launch to get
-    here (state word `counter` counts the arrivals; the launch's last CTA zeroes it, see
-    `count_done`) stores this rank's flag of (phase, call) into every rank, after a system-scope
-    fence. For a payload that earlier launches on this stream wrote: they completed before this
-    launch read anything (stream order, or griddepcontrol.wait), and the fence, cumulative, orders
-    their writes before the flag that peers acquire.
+    here (state word `counter` counts the arrivals; the launch's last CTA, found by
+    `is_last_cta`, zeroes it) stores this rank's flag of (phase, call) into every rank, after a
+    system-scope fence. For a payload that earlier launches on this stream wrote: they completed
+    before this launch read anything (stream order, or griddepcontrol.wait), and the fence,
+    cumulative, orders their writes before the flag that peers acquire.
 
     Why the first CTA and not CTA 0 or the last one: the launch's CTAs then never wait for one
     another. A CTA that waits for the peers' flags holds its SM, and the peers wait for this
