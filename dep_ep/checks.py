@@ -167,11 +167,23 @@ def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
     return t
 
 
+# The norm adds eps in fp32 (the combine kernel's Float32 argument, comm/reference.py): an eps
+# that rounds to 0.0 there (below 2^-149 by more than half of it) leaves 0 / sqrt(0) = NaN for an
+# all-padding row, and one that rounds to inf (from 2^128 - 2^103 up) makes every row 0. Allowed:
+# what rounds to fp32's positive finite range, EPS_MIN = 2^-149 (1.4e-45) to EPS_MAX (3.4e38).
+EPS_MIN, EPS_MAX = 2.0**-149, float(torch.finfo(torch.float32).max)
+
+
 def check_eps(fn: str, eps: object) -> float:
-    """A finite real > 0, returned as a float."""
+    """A real whose fp32 rounding is finite and > 0 (the norm adds it in fp32), returned as a
+    float (the caller's value, not its rounding)."""
     value = check_real(fn, "eps", eps)
-    if not 0 < value < math.inf:
-        raise ValueError(f"{fn}: eps={eps!r}; expected a finite number > 0")
+    rounded = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+    if not (value > 0 and 0 < rounded < math.inf):
+        raise ValueError(
+            f"{fn}: eps={eps!r} (fp32: {rounded!r}); expected a real > 0 whose fp32 rounding is"
+            f" finite and > 0: {EPS_MIN:.4g} (2^-149) to {EPS_MAX:.8g} (fp32's largest)"
+        )
     return value
 
 

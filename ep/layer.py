@@ -120,9 +120,9 @@ class EpMoeLayer:
       layout as a tuple or list (w13, s13, w2, s2) (experts/weights.py; first_expert and
       num_experts from routed), from which the layer builds `experts.default_experts`
       (HopperExperts on SM90, TrtllmExperts on SM100/103, ReferenceExperts elsewhere); topk: K,
-      equal to
-      routed.topk; eps: the latent RMSNorm's eps (finite, > 0); routed_scaling_factor: multiplies
-      the routing weights (finite, > 0; 1.0 for K3).
+      equal to routed.topk; eps: the latent RMSNorm's eps (finite and > 0 once rounded to fp32,
+      where the norm adds it); routed_scaling_factor: multiplies the routing weights (finite,
+      > 0; 1.0 for K3).
     schedule: "overlap" (on CUDA: the router and the shared experts on a side stream beside the
       projections and the routed path; docs/layer.md) or "serial" (everything on the current
       stream, in the formula's order). Both run the same GEMMs on the same data, so their results

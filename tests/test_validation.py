@@ -64,3 +64,8 @@ def test_check_eps_takes_reals():
     for bad in (0.0, -1e-5, math.inf, math.nan, True, "1e-5", torch.tensor([1e-5])):
         with pytest.raises((TypeError, ValueError), match="f: eps="):
             check_eps("f", bad)
+    # Finite and > 0, but 0.0 or inf in fp32, where the norm adds it.
+    for bad in (1e-46, 5e-324, 3.5e38, 1e300):
+        with pytest.raises(ValueError, match="fp32"):
+            check_eps("f", bad)
+    assert check_eps("f", 2.0**-149) == 2.0**-149
