@@ -14,6 +14,14 @@ TAGS_DIFFER = (
     " another order without layer_index= (pass each layer's number in the model)"
 )
 
+# What to do after differing tags: a rank that skipped a call stays a call apart (its later tags
+# differ too), so no later call would pair; EpRouted refuses calls until then.
+MISALIGNED = (
+    "The ranks' calls no longer pair (a skipped call stays skipped): every call of this EpRouted"
+    " is refused until reset() on every rank (collective), which restarts the pairing and the"
+    " EpMoeLayers' call counts (tags the caller gives must agree again after it)"
+)
+
 
 def tag_text(tag: int) -> str:
     """A step tag as error messages show it: "no tag" for a call that gave none, "layer i
@@ -54,10 +62,12 @@ class EpTimeoutError(EpError):
 class EpDesyncError(EpError):
     """The ranks are out of step: in the same call they passed different tags (one rank skipped
     a step, or ran the layers in another order), or they are in different calls (another phase,
-    another EpRouted, a reset on one rank). Names the ranks and what each ran. `recovery` is
-    "none" when every rank saw the same mismatch in the same call, "reset" otherwise."""
+    another EpRouted, a reset on one rank). Names the ranks and what each ran. Their calls no
+    longer pair (a rank that skipped a call stays one call apart, and so do its tags): `recovery`
+    is "reset", and the EpRouted refuses every call until reset() on every rank, which restarts
+    the pairing (and EpMoeLayer's call counts)."""
 
-    def __init__(self, message: str, recovery: str = RECOVERY_NONE) -> None:
+    def __init__(self, message: str, recovery: str = RECOVERY_RESET) -> None:
         super().__init__(message)
         self.recovery = recovery
 

@@ -3,7 +3,8 @@
 Each call writes with the torch reference (dep_ep.comm.reference) and then runs one barrier of
 the buffers' object (comm/host_channel.py) carrying this rank's status, T, tag and, when it
 failed the call, why and its error. Every rank reads every rank's message of that barrier and
-decides alike: tags that differ among the ranks that did not fail give EpDesyncError, a failed
+decides alike: tags that differ among the ranks that did not fail give EpDesyncError (the
+ranks' calls no longer pair: reset() on every rank), a failed
 rank gives its own error there and EpPeerError (with its cause and error) on the others, token
 counts that differ give ValueError; nothing written in the call is used, and the buffers stay
 usable for the next call. A message is read only under its own barrier's key, so no rank ever
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import (
+    MISALIGNED,
+    RECOVERY_RESET,
     TAGS_DIFFER,
     EpDesyncError,
     EpPeerError,
@@ -97,7 +100,8 @@ class HostTransport(Transport):
             ranks = "; ".join(f"rank {r}: {tag_text(t)}" for r, t in enumerate(tags))
             raise EpDesyncError(
                 f"EpRouted.{phase}: the ranks are out of step ({ranks}): {TAGS_DIFFER}; nothing"
-                " was used, and the next call (with tags in step again) is good"
+                f" was used. {MISALIGNED}",
+                RECOVERY_RESET,
             )
         if error is not None:
             raise error

@@ -414,15 +414,22 @@ class EpMoeLayer:
         Collective over routed's group. On CUDA stream-ordered (no host sync unless the EpRouted
         reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
+        calls, entered = self._calls, self.routed._entered
         if tag is None:
-            tag = layer_tag(self.layer_index, self.fingerprint, self._calls)
-        self._calls += 1
-        error = self._check_call(fn, x, tokens)
-        if error is not None:
-            self._reject(fn, error, tag, tokens)
-        if self._side is None:
-            return self._forward_serial(fn, x, tokens, tag)
-        return self._forward_overlap(fn, x, tokens, tag)
+            tag = layer_tag(self.layer_index, self.fingerprint, calls)
+        try:
+            error = self._check_call(fn, x, tokens)
+            if error is not None:
+                self._reject(fn, error, tag, tokens)
+            if self._side is None:
+                return self._forward_serial(fn, x, tokens, tag)
+            return self._forward_overlap(fn, x, tokens, tag)
+        finally:
+            # The call counts once it reached the EpRouted's transport (as its peers' calls do):
+            # an exception before that (a KeyboardInterrupt in this rank's own work) leaves the
+            # count where the peers' is, and the next call pairs with theirs.
+            if self.routed._entered != entered:
+                self._calls = calls + 1
 
     __call__ = forward
 

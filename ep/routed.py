@@ -163,8 +163,9 @@ class EpRouted:
     a call whose input one rank rejects raises on every rank (ValueError/TypeError on the
     rejecting rank, EpPeerError elsewhere: in the same call on CPU, at the next call, `poll()` or
     `synchronize()` on CUDA, whose outputs of that call are NaN); the buffers stay usable. After
-    a timeout, a desync between calls or an interrupted call, every call raises until `reset()`
-    on every rank; after a lost peer (EpPeerLostError) only `close()` is left.
+    a timeout, a desync (differing tags included: the ranks' calls no longer pair) or an
+    interrupted call, every call raises until `reset()` on every rank; after a lost peer
+    (EpPeerLostError) only `close()` is left.
     """
 
     def __init__(
@@ -230,6 +231,10 @@ class EpRouted:
         self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
         self._weights = torch.empty(max_tokens, topk, dtype=torch.float32, **on)
         self._step: _Step | None = None  # the dispatched step awaiting its combine
+        # Dispatches (and rejections) handed to the transport: an EpMoeLayer counts a call (its
+        # tags' call count) only once it got this far, so that an exception before it (a
+        # KeyboardInterrupt in the layer's own work) does not put its count ahead of the peers'.
+        self._entered = 0
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
         self._step_failure: str | None = None  # why the last step failed on this rank
         self._broken: str | None = None  # why calls are refused until reset()
@@ -553,6 +558,7 @@ class EpRouted:
             if real < tokens or not vector_start(weights):
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
+        self._entered += 1
         self._run(
             fn,
             lambda: self._transport.dispatch(
@@ -626,6 +632,7 @@ class EpRouted:
     def _reject_piece(self, fn, error, cause, tag, checked) -> None:
         """Take part in one step (or piece) without payload, rejecting it with `error` and
         `cause`; returns (the caller raises `error`). Other errors propagate."""
+        self._entered += 1
         try:
             self._run(
                 fn,
@@ -860,7 +867,7 @@ class EpRouted:
 
     def reset(self) -> None:
         """Collective, blocks the host: bring every rank back to a clean state after a failed or
-        interrupted call (a timeout, a desync between calls, an interrupt): every rank leaves
+        interrupted call (a timeout, a desync, an interrupt): every rank leaves
         whatever call it was in, the host barriers start a new epoch (no message or flag of an
         earlier call can match a later one), a pending dispatch is dropped and the layers'
         step counts restart. Every rank calls it, with no call of this group queued on its

@@ -395,8 +395,8 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     """n > tokens on one rank, tokens above max_tokens on one rank (its step runs in pieces: a
     desync), ranks that disagree on tokens, a float T, a wrong dtype and non-finite x on one
     rank: every rank raises in the same call (the bad rank its ValueError/TypeError, the others
-    EpPeerError, or the same error where every rank sees the fault); after each, a good call
-    matches the reference."""
+    EpPeerError, or the same error where every rank sees the fault); after each (and the reset()
+    a desync asks for), a good call matches the reference."""
     seeds = {
         "experts": rank.seed,
         "dense": agreed_seed(dep.cpu_group, 10),
@@ -425,11 +425,13 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     failures: list[str] = []
     for step, (label, bad, call, error, match) in enumerate(cases):
         if bad is None or bad == r:
-            expect_raises(failures, label, error, match, call)
+            err = expect_raises(failures, label, error, match, call)
         else:
-            expect_raises(
+            err = expect_raises(
                 failures, f"{label} (peer)", EpPeerError, None, lambda: layer(x[:T], tokens=T)
             )
+        if isinstance(err, EpDesyncError):
+            rank.routed.reset()  # what a desync says: the ranks' calls no longer pair
         seeds[f"good call {step}"] = agreed_seed(dep.cpu_group, 20 + step)
         failures += good_call(rank, layer, dense, seeds[f"good call {step}"], f"after {label}")
     collective_assert(dep.cpu_group, failures, seeds=seeds)

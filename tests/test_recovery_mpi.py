@@ -248,9 +248,9 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(120)
 def test_layers_called_in_different_orders(dep, layer):
     """Two EpMoeLayers on one EpRouted, no tag= anywhere: rank 0 calls A then B, the others B then
-    A. Every call raises EpDesyncError on every rank within 1 s (the layers tag their calls).
-    Called in the same order afterwards they give the bits a fresh EpRouted gives for the same
-    calls.
+    A. Every call raises EpDesyncError on every rank within 1 s (the layers tag their calls),
+    saying to reset() on every rank, which each rank does. Called in the same order afterwards
+    they give the bits a fresh EpRouted gives for the same calls.
     Before: both calls returned an output on every rank, without an error."""
     seed = agreed_seed(dep.cpu_group, 330)
     gen = torch.Generator().manual_seed(seed)
@@ -266,12 +266,17 @@ def test_layers_called_in_different_orders(dep, layer):
         for i, moe in enumerate(order):
             start = time.monotonic()
             expect_raises(
-                failures, f"call {i} out of order", EpDesyncError, "out of step", lambda: moe(mine)
+                failures,
+                f"call {i} out of order",
+                EpDesyncError,
+                "out of step.*reset\\(\\) on every rank",
+                lambda: moe(mine),
             )
             took = time.monotonic() - start
             print(f"TIME-TO-ERROR layers called in other orders, call {i}: {took:.4f} s")
             if took > 1.0:
                 failures.append(f"call {i} out of order: the error took {took:.2f} s")
+            routed.reset()  # what the error says: the calls no longer pair
         got = [a(mine), b(mine)]
     with build(dep) as fresh:
         a2 = EpMoeLayer(dense_weights(seed + 1), fresh, experts, topk=TINY.topk)
@@ -285,15 +290,60 @@ def test_layers_called_in_different_orders(dep, layer):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep, layer):
+    """A KeyboardInterrupt in rank 0's EpMoeLayer call before the call reaches the EpRouted
+    (where the layer checks its input) while the others wait in that call: rank 0 calls again,
+    and that call pairs with the others' (the interrupted call did not count: the same layer
+    call count, so the same tag). Every output of that call and of two more equals a fresh
+    EpRouted's for the same calls, on every rank.
+    Before: the interrupted call had advanced rank 0's call count, so its retry carried call 1
+    against the others' call 0, and that call and every later one raised EpDesyncError on
+    every rank (with recovery "none": "the next call is good", which it never was)."""
+    seed = agreed_seed(dep.cpu_group, 340)
+    gen = torch.Generator().manual_seed(seed + dep.rank)
+    xs = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    experts = Batches(dep, layer, seed, T).experts
+    failures: list[str] = []
+    with build(dep) as fresh:
+        moe = EpMoeLayer(dense_weights(seed), fresh, experts, topk=TINY.topk)
+        want = [moe(x) for x in xs]
+    with build(dep) as routed:
+        moe = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        if dep.rank == 0:
+            checks = moe._check_call
+
+            def interrupted(*args):
+                moe._check_call = checks  # once
+                raise KeyboardInterrupt("Ctrl-C in the layer's own work")
+
+            moe._check_call = interrupted
+            err, _ = timed(lambda: moe(xs[0]))
+            if not isinstance(err, KeyboardInterrupt):
+                failures.append(f"the interrupted call: {type(err).__name__}: {err}")
+        got = []
+        for i, x in enumerate(xs):
+            try:
+                got.append(moe(x))
+            except Exception as err:  # reported collectively
+                failures.append(f"call {i} after the interrupt: {type(err).__name__}: {err}")
+                break
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
+            failures.append(f"call {i} after the interrupt: not the fresh object's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 def test_layers_built_in_different_orders(dep, layer):
     """Two EpMoeLayers on one EpRouted, no layer_index= and no tag=: rank 0 builds A then B, the
     others B then A, and each rank calls its layers in its own build order (so each call's
-    default layer index is the same on every rank, but not its layer). Every call raises
-    EpDesyncError on every rank within 1 s, naming layer_index= (the layers' tags carry a
-    fingerprint of their dense weights, the same on every rank for the same layer). The
-    documented recovery, layers built with layer_index= (the model's layer number) in the same
-    per-rank orders and called in the model's order, gives the bits of a fresh EpRouted's
-    layers.
+    default layer index is the same on every rank, but not its layer). Every call (each after a
+    reset(), which the error asks for) raises EpDesyncError on every rank within 1 s, naming
+    layer_index= (the layers' tags carry a fingerprint of their dense weights, the same on every
+    rank for the same layer). The documented recovery, reset() and layers built with
+    layer_index= (the model's layer number) in the same per-rank orders and called in the
+    model's order, gives the bits of a fresh EpRouted's layers.
     Before (ep/layer.py tagging index and call count only, run once with this test): both calls
     returned on every rank without an error, each rank's rows paired with the other layer's."""
     seed = agreed_seed(dep.cpu_group, 335)
@@ -326,6 +376,7 @@ def test_layers_built_in_different_orders(dep, layer):
                 failures.append(f"call {i}: the desync does not name layer_index=: {err}")
             if took > 1.0:
                 failures.append(f"call {i}: the error took {took:.2f} s")
+            routed.reset()  # what the error says: the calls no longer pair
         _, by_name = build_layers(routed, {"A": 10, "B": 11})
         got = [by_name["A"](mine), by_name["B"](mine)]
     with build(dep) as fresh:
@@ -625,5 +676,6 @@ def test_errors_say_what_happened(dep, layer):
         )
         if err is not None and ("tag 0" in str(err) or "no tag" not in str(err)):
             failures.append(f"the desync misnames an untagged rank: {err}")
+        routed.reset()  # what the desync says
         failures += compare(batches.run(routed, 3), batches.reference(3), "the next batch")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
