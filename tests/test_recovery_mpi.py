@@ -10,6 +10,7 @@ at 6f889cd, run once with this file as it is)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
+from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpPeerLostError, EpTimeoutError
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.config import TINY, EpConfig
 from dep_ep.constants import ABORT_PEER_RESET, ERROR_ABORT, ERROR_WORDS
@@ -331,6 +332,51 @@ def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep,
         if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
             failures.append(f"call {i} after the interrupt: not the fresh object's bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_reset_after_a_peer_closed_names_it_at_once(dep, layer):
+    """The last rank closes its EpRouted; the others then call reset(), as a desync or a timeout
+    asks. Within 1 s each raises EpPeerLostError naming the last rank and saying it closed the
+    object (close it here too), and so does every later call. The same when the last rank had
+    reset first (its reset round ahead: it timed out waiting for the others) and then closed.
+    Before: the first reset() waited out timeout_s and raised EpTimeoutError (recovery reset),
+    every retry the same; after a peer's earlier reset it returned as if every rank had reset."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 345), T)
+    closer = dep.rank == dep.size - 1
+    failures: list[str] = []
+    for ahead in (False, True):
+        label = "after the peer's own reset" if ahead else "the peer closed"
+        routed = build(dep, config=EpConfig(timeout_s=0.5 if ahead else TIMEOUT_S))
+        try:
+            failures += compare(batches.run(routed, 0), batches.reference(0), f"{label}: step")
+            dist.barrier(group=dep.cpu_group)
+            if closer:
+                if ahead:  # the others are not in reset(): this one times out
+                    err, _ = timed(routed.reset)
+                    if not isinstance(err, EpTimeoutError):
+                        failures.append(f"{label}: the closer's reset gave {err!r}")
+                routed.close()
+            dist.barrier(group=dep.cpu_group)  # the close is published
+            if not closer:
+                err, took = timed(routed.reset)
+                print(f"TIME-TO-ERROR reset after a peer closed ({label}): {took:.4f} s")
+                want = f"rank {dep.size - 1}\\b.*closed"  # (others may have closed since)
+                if not isinstance(err, EpPeerLostError) or not re.search(want, str(err)):
+                    failures.append(f"{label}: reset() gave {err!r}; expected EpPeerLostError")
+                if took > 1.0:
+                    failures.append(f"{label}: reset() took {took:.2f} s")
+                expect_raises(
+                    failures,
+                    f"{label}: a call",
+                    EpPeerLostError,
+                    "close",
+                    lambda: batches.run(routed, 1),
+                )
+        finally:
+            routed.close()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
 @pytest.mark.mpi(min_size=2)
