@@ -106,6 +106,9 @@ class GroupChannel:
         # when it is before that; a barrier this rank never entered waits for ever).
         self.closed: dict[str, ObjectBarriers] = {}
         self.identities: list[ProcessIdentity] | None = None  # every rank's, once agreed
+        # (constructions' barrier count, job): the job this rank proposed there, which a retry
+        # at the same count proposes again (comm/agreement.py).
+        self.proposed_job: tuple[int, str] | None = None
         self.checkable: list[bool] = [False] * self.size
         self.constructions = ObjectBarriers(self, CONSTRUCTION, "the group's constructions")
 

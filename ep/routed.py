@@ -201,6 +201,22 @@ class EpRouted:
             "version": __version__,
         }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
+        self._buffers: EpBuffers | None = None
+        self._transport = None
+        try:
+            self._open(group, agreement, config, max_tokens, num_experts, latent, topk, rank)
+        except BaseException:
+            # Abandoned after the ranks agreed (an error, or a KeyboardInterrupt, past the last
+            # construction barrier: the peers may hold complete objects already). Close what
+            # exists, publishing this rank's closed mark: the peers' next call raises
+            # EpPeerLostError naming this rank instead of waiting for it, and a construction
+            # retried on every rank pairs at once.
+            self._abandon(agreement)
+            raise
+
+    def _open(self, group, agreement, config, max_tokens, num_experts, latent, topk, rank):
+        """The constructor after the agreement: the buffers, the transport and the state."""
+        num_ranks = dist.get_world_size(group)
         self.num_experts, self.latent, self.topk = num_experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = num_experts // num_ranks
@@ -216,11 +232,7 @@ class EpRouted:
             timeout_s=config.timeout_s,
             agreement=agreement,
         )
-        try:
-            self._transport = open_transport(self._buffers, self.experts_per_rank, config)
-        except BaseException:
-            self._buffers.close()
-            raise
+        self._transport = open_transport(self._buffers, self.experts_per_rank, config)
         # Value checks (ids range, weights) read the tensors: free where calls complete on
         # return, a host sync where they are stream-ordered.
         check = config.check_values
@@ -248,6 +260,18 @@ class EpRouted:
         self._layers: weakref.WeakSet = weakref.WeakSet()  # EpMoeLayers tagging their calls
         self._layer_indices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._next_layer_index = 0  # the default layer index of the next EpMoeLayer
+
+    def _abandon(self, agreement) -> None:
+        """Close what a construction abandoned after the agreement built (local): the transport,
+        the buffers and the object's barriers (this rank's closed mark)."""
+        transport, buffers = self._transport, self._buffers
+        try:
+            if transport is not None:
+                transport.close()
+        finally:
+            if buffers is not None:
+                buffers.close()  # closes the barriers too
+            agreement.barriers.close()  # idempotent
 
     @staticmethod
     def _check_construction(fn, num_ranks, max_tokens, num_experts, latent, topk, config):

@@ -19,7 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dep_ep.ep.routed as routed_module
 from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpPeerLostError, EpTimeoutError
+from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.config import TINY, EpConfig
 from dep_ep.constants import ABORT_PEER_RESET, ERROR_ABORT, ERROR_WORDS
@@ -376,6 +378,91 @@ def test_reset_after_a_peer_closed_names_it_at_once(dep, layer):
                 )
         finally:
             routed.close()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+def interrupt_once_in_construction(monkeypatch, where: str) -> None:
+    """A KeyboardInterrupt in this rank's next EpRouted construction, once: "end" where the
+    constructor builds its layer registry (after every construction barrier and the
+    transport), "exchange" right after every rank's construction message has arrived (the
+    peers may pass the exchange and go on into the new object's barriers)."""
+    if where == "end":
+        real = routed_module.weakref
+
+        class Interrupting:
+            WeakValueDictionary = real.WeakValueDictionary
+
+            @staticmethod
+            def WeakSet():
+                monkeypatch.setattr(routed_module, "weakref", real)
+                raise KeyboardInterrupt("Ctrl-C at the end of the constructor")
+
+        monkeypatch.setattr(routed_module, "weakref", Interrupting)
+        return
+    wait_all = ObjectBarriers._wait_all
+
+    def wait_then_interrupt(self, store, keys, phase, timeout_s):
+        values = wait_all(self, store, keys, phase, timeout_s)
+        if phase == "construction":
+            monkeypatch.setattr(ObjectBarriers, "_wait_all", wait_all)
+            raise KeyboardInterrupt("Ctrl-C after every construction message arrived")
+        return values
+
+    monkeypatch.setattr(ObjectBarriers, "_wait_all", wait_then_interrupt)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["end", "exchange"])
+def test_a_construction_interrupted_on_one_rank_is_retried_at_once(dep, layer, monkeypatch, where):
+    """A KeyboardInterrupt in EpRouted(...) on one rank, at the constructor's end (the last
+    rank: the others hold complete objects) or right after the construction exchange's
+    messages arrived (rank 0, whose job names the object: the others have gone on into its
+    barriers). At the end: the others' first call raises EpPeerLostError within 1 s naming that
+    rank and saying it closed the object; they close it. Then the rank (and at the end, every
+    rank) constructs again, and that construction succeeds at the first try on every rank; a
+    step on it matches the reference.
+    Before: at the end, the interrupted rank left its object half-built and open, so the
+    others' first call saw it waiting in a new construction (EpDesyncError: call reset(), whose
+    reset then timed out), and the retried constructions did not pair; in the exchange, the
+    retry proposed a new job, the others waited in the first job's barriers (EpDesyncError)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 347), T)
+    victim = dep.rank == (dep.size - 1 if where == "end" else 0)
+    failures: list[str] = []
+    built: list[EpRouted] = []
+
+    def construct():
+        built.append(build(dep))
+
+    if victim:
+        interrupt_once_in_construction(monkeypatch, where)
+        err, _ = timed(construct)
+        if not isinstance(err, KeyboardInterrupt):
+            failures.append(f"{where}: the interrupted construction gave {err!r}")
+    else:
+        err, _ = timed(construct)
+        if err is not None:
+            failures.append(f"{where}: the first construction: {type(err).__name__}: {err}")
+        if where == "end" and built:
+            err, took = timed(lambda: batches.run(built[0], 0))
+            print(f"TIME-TO-ERROR a peer's construction interrupted at its end: {took:.4f} s")
+            want = f"rank {dep.size - 1}\\b.*closed"
+            if not isinstance(err, EpPeerLostError) or not re.search(want, str(err)):
+                failures.append(f"{where}: the first call gave {err!r}; expected EpPeerLostError")
+            if took > 1.0:
+                failures.append(f"{where}: the first call's error took {took:.2f} s")
+            built.pop().close()
+    if victim or where == "end":
+        err, _ = timed(construct)
+        if err is not None:
+            failures.append(f"{where}: the retried construction: {type(err).__name__}: {err}")
+    if built:
+        routed = built[-1]
+        try:
+            failures += compare(batches.run(routed, 1), batches.reference(1), f"{where}: step")
+        except Exception as err:  # reported collectively
+            failures.append(f"{where}: a step after the retry: {type(err).__name__}: {err}")
+        routed.close()
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
