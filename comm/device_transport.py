@@ -19,7 +19,6 @@ from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import (
     MISALIGNED,
     RECOVERY_RESET,
-    TAGS_DIFFER,
     EpDesyncError,
     EpPeerError,
     EpPeerLostError,
@@ -27,9 +26,11 @@ from dep_ep.comm.errors import (
     EpTokenCountError,
     ranks_text,
     tag_text,
+    tags_differ_text,
 )
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.peer_watch import PeerWatch
+from dep_ep.comm.tags import first_piece
 from dep_ep.comm.transport import (
     CAUSE_EXPERTS,
     CAUSE_INPUT,
@@ -345,9 +346,19 @@ class DeviceTransport(Transport):
         # calls until reset() on every rank).
         nan = f"; this rank's output of that call is NaN. {MISALIGNED}"
         if kind == KIND_TAG:
+            pieces = [first_piece(theirs), first_piece(mine)]
+            if None not in pieces and pieces[0][1] == pieces[1][1]:
+                # The first pieces of one call's steps run in pieces, with different T: the
+                # ranks may have run different piece counts since.
+                raise EpDesyncError(
+                    f"{where}: the ranks passed different token counts T to a step run in pieces"
+                    f" (rank {peer}: T={pieces[0][0]}, this rank: T={pieces[1][0]}), found in its"
+                    f" first piece (whose tag carries T); every rank must pass the same T{nan}",
+                    RECOVERY_RESET,
+                )
             raise EpDesyncError(
                 f"{where}: the ranks are out of step: rank {peer} ran {tag_text(theirs)} where"
-                f" this rank ran {tag_text(mine)} ({TAGS_DIFFER}){nan}",
+                f" this rank ran {tag_text(mine)} ({tags_differ_text([theirs, mine])}){nan}",
                 RECOVERY_RESET,
             )
         raise EpDesyncError(

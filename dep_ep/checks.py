@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from dep_ep.constants import NO_TAG, VECTOR_BYTES
+from dep_ep.constants import NO_TAG, STEP_TOKENS_BITS, VECTOR_BYTES
 
 # The largest routing weight magnitude a value check accepts. The combine's output of a token is
 # finite when the BF16 sum h = sum_k w_k o_k over its K <= MAX_TOPK = 2^7 expert outputs o_k is
@@ -159,9 +159,30 @@ def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
-    """T as a Python int in 1..max_tokens: TypeError for what is not an int, else ValueError."""
+# The largest T of a step (EpRouted.routed and EpMoeLayer run a T above max_tokens in pieces): T
+# travels as an int32 and in the first piece's tag (constants.STEP_TOKENS_BITS); a larger one
+# (2**70 say) would ask for ~1e20 pieces.
+MAX_STEP_TOKENS = (1 << STEP_TOKENS_BITS) - 1
+
+
+def check_step_tokens(fn: str, tokens: object) -> int:
+    """A step's T as a Python int in 1..MAX_STEP_TOKENS: TypeError for what is not an int, else
+    ValueError naming the bound."""
     t = check_int(fn, "tokens", tokens)
+    if not 1 <= t <= MAX_STEP_TOKENS:
+        raise ValueError(
+            f"{fn}: tokens={t}; expected 1..{MAX_STEP_TOKENS} (a step's T is below 2^31; above"
+            " max_tokens it runs in pieces)"
+        )
+    return t
+
+
+def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
+    """T as a Python int in 1..max_tokens: TypeError for what is not an int, else ValueError
+    (naming 2^31 for a T at or past it, the bound of a step run in pieces)."""
+    t = check_int(fn, "tokens", tokens)
+    if t > max_tokens:
+        check_step_tokens(fn, t)
     if not 1 <= t <= max_tokens:
         raise ValueError(f"{fn}: tokens={t} outside 1..{max_tokens} (max_tokens)")
     return t

@@ -10,7 +10,14 @@ from typing import Mapping
 
 import torch
 
-from dep_ep.checks import check_eps, check_int, check_real, vector_rows, vector_start
+from dep_ep.checks import (
+    check_eps,
+    check_int,
+    check_real,
+    check_step_tokens,
+    vector_rows,
+    vector_start,
+)
 from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
 from dep_ep.constants import (
     LAYER_FINGERPRINT_BITS,
@@ -318,11 +325,9 @@ class EpMoeLayer:
             return ValueError(f"{fn}: x has 0 rows and tokens=None; pass tokens= (T >= 1)")
         if tokens is not None:
             try:  # above max_tokens, EpRouted.routed runs the step in max_tokens pieces
-                tokens = check_int(fn, "tokens", tokens)
-            except TypeError as err:
+                tokens = check_step_tokens(fn, tokens)
+            except (TypeError, ValueError) as err:
                 return err
-            if tokens < 1:
-                return ValueError(f"{fn}: tokens={tokens}; expected >= 1")
             if rows > tokens:
                 return ValueError(f"{fn}: x has {rows} rows, more than tokens={tokens}")
         # EpRouted reads its inputs where that costs no host sync (check_values); so does the

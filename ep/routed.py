@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import weakref
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.checks import (
+    MAX_STEP_TOKENS,
     check_aligned,
     check_eps,
     check_ids,
@@ -31,6 +31,7 @@ from dep_ep.comm.errors import (
     EpPeerLostError,
 )
 from dep_ep.comm.layout import EpLayout
+from dep_ep.comm.tags import piece_tag
 from dep_ep.comm.transport import (
     CAUSE_ABORT_STEP,
     CAUSE_EARLIER_PIECE,
@@ -98,27 +99,14 @@ def _wire_tag(tag: object) -> int:
     return NO_TAG if value is None else value
 
 
-_MASK63 = (1 << 63) - 1
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit words that spreads every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _chunk_tag(tag: object, steps: int, index: int) -> int:
-    """The tag of step `index` of the `steps` a step of more than max_tokens runs as: the
-    caller's tag (or none), the step count and the index hashed into a non-negative int64, so
-    ranks that run different step counts (their T differ), another tag (no tag and tag 0
-    included) or steps of another call differ except by a 2^-63 chance."""
-    base = _mix64(_wire_tag(tag) & _MASK64)
-    return _mix64(base ^ _mix64((steps << 32) | index)) & _MASK63
+def _in_piece(err: BaseException, index: int, steps: int, total: int, max_tokens: int) -> None:
+    """Say in a protocol error's message which piece of a step run in pieces raised it (its
+    tags and token counts are the piece's, not the caller's)."""
+    if not isinstance(err, EpError) or not err.args or not isinstance(err.args[0], str):
+        return
+    where = f"(in piece {index + 1} of {steps} of a step of T={total}, max_tokens {max_tokens})"
+    if where not in err.args[0]:
+        err.args = (f"{err.args[0]} {where}", *err.args[1:])
 
 
 def _as_exception(fn: str, error: object) -> BaseException:
@@ -642,13 +630,22 @@ class EpRouted:
         if self._step is not None:
             raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
         self._step_failure = f"{type(error).__name__} in {fn}"
+        try:  # an int of any kind, as routed takes it; anything else rejects one step
+            total = None if tokens is None else check_int(fn, "tokens", tokens)
+        except TypeError:
+            total = None
         steps = 1
-        if isinstance(tokens, numbers.Integral) and tokens > self.max_tokens:
-            steps = -(-int(tokens) // self.max_tokens)
+        if total is not None and self.max_tokens < total <= MAX_STEP_TOKENS:
+            steps = -(-total // self.max_tokens)
         for index in range(steps):
-            piece_tag = tag if steps == 1 else _chunk_tag(tag, steps, index)
+            this_tag = tag if steps == 1 else piece_tag(_wire_tag(tag), total, index)
             cause = CAUSE_REJECT_STEP if index == 0 else CAUSE_EARLIER_PIECE
-            self._reject_piece(fn, error, cause, piece_tag, checked=index == 0)
+            try:
+                self._reject_piece(fn, error, cause, this_tag, checked=index == 0)
+            except BaseException as err:
+                if steps > 1:
+                    _in_piece(err, index, steps, total, self.max_tokens)
+                raise
             if self._transport.completes_on_return:
                 break  # CPU: every peer raised in this piece
         raise error
@@ -753,15 +750,18 @@ class EpRouted:
         and the combine treat every token alone, so the result is that of one step of T bit for
         bit with an experts backend whose rows do not depend on the rows beside them; the
         library's backends group a call's rows into GEMMs, whose sums may run in another order
-        for another row count (within the rounding model). The steps' tags carry T's step
-        count, so ranks whose T differ raise on every rank (EpDesyncError, or ValueError naming
-        the token counts when only the last step's T differs)."""
+        for another row count (within the rounding model). T is below 2^31 (a larger one is
+        refused, as one step). The first piece's tag carries T (comm/tags.py), so ranks whose T
+        differ raise in it on every rank, naming each rank's T (CPU: EpTokenCountError, a
+        ValueError; CUDA: EpDesyncError, since the ranks may run different piece counts), and an
+        error raised in a piece says which piece of which step."""
         fn = "EpRouted.routed"
         try:
             total = latent.shape[0] if tokens is None else check_int(fn, "tokens", tokens)
         except (AttributeError, TypeError):
             total = None  # the step's validation rejects it on this rank, collectively
-        if total is None or total <= self.max_tokens:
+        if total is None or total <= self.max_tokens or total > MAX_STEP_TOKENS:
+            # One step (a T past the bound is refused in it, on every rank: no 1e20 pieces).
             return self._routed_step(
                 fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out
             )
@@ -795,11 +795,15 @@ class EpRouted:
         counts = None if self._counts is None else torch.zeros_like(self._counts)
         failure, cause = refused, CAUSE_INPUT
         for index in range(steps):
-            piece_tag = _chunk_tag(tag, steps, index)
+            this_tag = piece_tag(_wire_tag(tag), total, index)
             checked = index == 0  # later pieces run to the end on every rank
             if failure is not None:
                 self._step_failure = f"{type(failure).__name__} in {fn}"
-                self._reject_piece(fn, failure, cause, piece_tag, checked)
+                try:
+                    self._reject_piece(fn, failure, cause, this_tag, checked)
+                except BaseException as err:
+                    _in_piece(err, index, steps, total, self.max_tokens)
+                    raise
                 if self._transport.completes_on_return:
                     break  # CPU: every peer raised in this piece
                 cause = CAUSE_EARLIER_PIECE
@@ -818,12 +822,13 @@ class EpRouted:
                     experts,
                     eps,
                     step_tokens,
-                    piece_tag,
+                    this_tag,
                     result[lo:hi],
                     checked=checked,
                 )
             except BaseException as err:
                 if err is not self._own_failure or self._transport.completes_on_return:
+                    _in_piece(err, index, steps, total, self.max_tokens)
                     raise
                 failure, cause = err, CAUSE_EARLIER_PIECE
                 continue
