@@ -41,9 +41,16 @@ def agree_on_construction(
     error, if any: that rank raises it and every other rank EpPeerError naming it and its error.
     Raises ValueError on every rank when the fingerprints differ."""
     channel = GroupChannel.of(group)
+    # A construction retried at the same barrier (the last attempt raised inside the exchange, a
+    # KeyboardInterrupt say, after its message was published) proposes the same job: a peer may
+    # have read that message and gone on into the new object's barriers under its id.
+    count = channel.constructions.count
+    proposed = channel.proposed_job
+    job = proposed[1] if proposed is not None and proposed[0] == count else uuid.uuid4().hex[:16]
+    channel.proposed_job = (count, job)
     payload = {
         "fingerprint": {field: repr(value) for field, value in fingerprint.items()},
-        "job": uuid.uuid4().hex[:16],
+        "job": job,
         "rejected": None if rejected is None else f"{type(rejected).__name__}: {rejected}",
         "identity": ProcessIdentity.mine().as_dict(),
     }

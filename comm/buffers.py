@@ -145,14 +145,20 @@ class EpBuffers(RankRegions):
         except BaseException:
             self.barriers.close()
             raise
-        super().__init__(segments[rank], layout)
-        self.group, self.rank, self.num_ranks = group, rank, ranks
-        self.device, self.layout, self.timeout_s = device, layout, timeout_s
-        self.peers = [RankRegions(seg, layout) for seg in segments]
-        # int64 [N] on the device: base address of every rank's allocation, for the kernels.
-        self.peer_addresses = torch.tensor(
-            [seg.data_ptr() for seg in segments], dtype=torch.int64, device=device
-        )
+        try:
+            super().__init__(segments[rank], layout)
+            self.group, self.rank, self.num_ranks = group, rank, ranks
+            self.device, self.layout, self.timeout_s = device, layout, timeout_s
+            self.peers = [RankRegions(seg, layout) for seg in segments]
+            # int64 [N] on the device: base address of every rank's allocation, for the kernels.
+            self.peer_addresses = torch.tensor(
+                [seg.data_ptr() for seg in segments], dtype=torch.int64, device=device
+            )
+        except BaseException:  # a KeyboardInterrupt, say: leave as close() would
+            self.barriers.close()
+            if device.type == "cuda":
+                free_nvshmem(segments[rank])
+            raise
         self._closed = False
 
     @staticmethod

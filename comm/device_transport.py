@@ -17,8 +17,8 @@ import torch
 
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import (
+    MISALIGNED,
     RECOVERY_RESET,
-    TAGS_DIFFER,
     EpDesyncError,
     EpPeerError,
     EpPeerLostError,
@@ -26,9 +26,11 @@ from dep_ep.comm.errors import (
     EpTokenCountError,
     ranks_text,
     tag_text,
+    tags_differ_text,
 )
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.peer_watch import PeerWatch
+from dep_ep.comm.tags import first_piece
 from dep_ep.comm.transport import (
     CAUSE_EXPERTS,
     CAUSE_INPUT,
@@ -290,7 +292,9 @@ class DeviceTransport(Transport):
     def check(self) -> None:
         """Raise the error a kernel recorded (host-mapped memory: no sync). A timeout or an abort
         stays (every later call raises it) until reset(), or for a lost peer until the object is
-        closed; any other error is cleared once raised, and the next call runs in step."""
+        closed; any other error is cleared once raised. The next call then runs in step, except
+        after differing tags or call indices (EpDesyncError: the ranks' calls no longer pair),
+        after which EpRouted refuses calls until reset() on every rank."""
         if self.watch.lost:
             self._raise_lost("poll")
         if int(self.error[ERROR_STATUS]) != ERROR_COMPLETE:
@@ -338,13 +342,28 @@ class DeviceTransport(Transport):
                 f"{where}: ranks passed different token counts (rank {peer}: {theirs}, this rank:"
                 f" {mine}); every rank must pass the same T{after}"
             )
+        # Differing tags or call indices: the ranks' calls no longer pair (EpRouted refuses
+        # calls until reset() on every rank).
+        nan = f"; this rank's output of that call is NaN. {MISALIGNED}"
         if kind == KIND_TAG:
+            pieces = [first_piece(theirs), first_piece(mine)]
+            if None not in pieces and pieces[0][1] == pieces[1][1]:
+                # The first pieces of one call's steps run in pieces, with different T: the
+                # ranks may have run different piece counts since.
+                raise EpDesyncError(
+                    f"{where}: the ranks passed different token counts T to a step run in pieces"
+                    f" (rank {peer}: T={pieces[0][0]}, this rank: T={pieces[1][0]}), found in its"
+                    f" first piece (whose tag carries T); every rank must pass the same T{nan}",
+                    RECOVERY_RESET,
+                )
             raise EpDesyncError(
                 f"{where}: the ranks are out of step: rank {peer} ran {tag_text(theirs)} where"
-                f" this rank ran {tag_text(mine)} ({TAGS_DIFFER}){after}"
+                f" this rank ran {tag_text(mine)} ({tags_differ_text([theirs, mine])}){nan}",
+                RECOVERY_RESET,
             )
         raise EpDesyncError(
-            f"{where}: the ranks are out of step: rank {peer} was at call {theirs}{after}"
+            f"{where}: the ranks are out of step: rank {peer} was at call {theirs}{nan}",
+            RECOVERY_RESET,
         )
 
     def _raise_peer_reset(self, ended: str) -> None:

@@ -5,6 +5,7 @@ EpRouted; the job's processes must be restarted)."""
 
 from __future__ import annotations
 
+from dep_ep.comm.tags import first_piece
 from dep_ep.constants import LAYER_FINGERPRINT_BITS, LAYER_INDEX_BITS, LAYER_TAG_BASE, NO_TAG
 
 RECOVERY_NONE, RECOVERY_RESET, RECOVERY_REBUILD = "none", "reset", "rebuild"
@@ -14,13 +15,35 @@ TAGS_DIFFER = (
     " another order without layer_index= (pass each layer's number in the model)"
 )
 
+# What to do after differing tags: a rank that skipped a call stays a call apart (its later tags
+# differ too), so no later call would pair; EpRouted refuses calls until then.
+MISALIGNED = (
+    "The ranks' calls no longer pair (a skipped call stays skipped): every call of this EpRouted"
+    " is refused until reset() on every rank (collective), which restarts the pairing and the"
+    " EpMoeLayers' call counts (tags the caller gives must agree again after it)"
+)
+
+
+def tags_differ_text(tags: list[int]) -> str:
+    """Why these tags of one call may differ: TAGS_DIFFER, led by different T when one of them is
+    the first piece of a step run in pieces (that tag carries its T)."""
+    if all(first_piece(t) is None for t in tags):
+        return TAGS_DIFFER
+    return (
+        "the ranks passed different T (a step above max_tokens runs in pieces, and its first"
+        " piece's tag carries T), or " + TAGS_DIFFER
+    )
+
 
 def tag_text(tag: int) -> str:
     """A step tag as error messages show it: "no tag" for a call that gave none, "layer i
     (weights f) call s" for an EpMoeLayer's own tag (f: its dense weights' fingerprint, hex),
-    else "tag <n>"."""
+    "piece 1 of a step of T=<T>" for the first piece of a step run in pieces, else "tag <n>"."""
     if tag == NO_TAG:
         return "no tag"
+    piece = first_piece(tag)
+    if piece is not None:
+        return f"piece 1 of a step of T={piece[0]} (tag digest {piece[1]:08x})"
     if LAYER_TAG_BASE <= tag < 0:
         offset = tag - LAYER_TAG_BASE
         index = offset & ((1 << LAYER_INDEX_BITS) - 1)
@@ -54,10 +77,12 @@ class EpTimeoutError(EpError):
 class EpDesyncError(EpError):
     """The ranks are out of step: in the same call they passed different tags (one rank skipped
     a step, or ran the layers in another order), or they are in different calls (another phase,
-    another EpRouted, a reset on one rank). Names the ranks and what each ran. `recovery` is
-    "none" when every rank saw the same mismatch in the same call, "reset" otherwise."""
+    another EpRouted, a reset on one rank). Names the ranks and what each ran. Their calls no
+    longer pair (a rank that skipped a call stays one call apart, and so do its tags): `recovery`
+    is "reset", and the EpRouted refuses every call until reset() on every rank, which restarts
+    the pairing (and EpMoeLayer's call counts)."""
 
-    def __init__(self, message: str, recovery: str = RECOVERY_NONE) -> None:
+    def __init__(self, message: str, recovery: str = RECOVERY_RESET) -> None:
         super().__init__(message)
         self.recovery = recovery
 

@@ -29,6 +29,9 @@ Why a wait for a partner that will not come ends at once:
   rank reads the positions of the ranks it lacks and raises EpDesyncError when one waits where
   this rank will not go (a barrier of another object this rank has not entered, a reset, a
   construction): the two would wait for each other until the deadline.
+- A rank that closes an object marks it (`<object>/closed/<rank>`, kept): a barrier or a reset
+  of that object on another rank raises EpPeerLostError naming it at its next look, also after
+  the closer's position has moved on (to a new construction, say).
 - It checks the processes of those ranks (comm/liveness.py): EpPeerLostError for one that is
   gone, and for a store that stops answering.
 - At the deadline it raises EpTimeoutError naming the ranks whose message is missing. It waits
@@ -103,6 +106,9 @@ class GroupChannel:
         # when it is before that; a barrier this rank never entered waits for ever).
         self.closed: dict[str, ObjectBarriers] = {}
         self.identities: list[ProcessIdentity] | None = None  # every rank's, once agreed
+        # (constructions' barrier count, job): the job this rank proposed there, which a retry
+        # at the same count proposes again (comm/agreement.py).
+        self.proposed_job: tuple[int, str] | None = None
         self.checkable: list[bool] = [False] * self.size
         self.constructions = ObjectBarriers(self, CONSTRUCTION, "the group's constructions")
 
@@ -172,6 +178,10 @@ class ObjectBarriers:
         gone = " (closed on this rank)" if obj in ch.closed else ""
         if phase == "closed":
             return None  # it left another object: its next barrier is still to come
+        if obj in ch.closed:
+            # This rank closed that object: the peer waiting there finds this rank's closed mark
+            # and leaves it (EpPeerLostError), so it does not wait for this rank for ever.
+            return None
         if phase == "reset":
             if peer_where["round"] > target.reset_round:
                 return f"is in reset() of {target.label}{gone}"
@@ -193,6 +203,7 @@ class ObjectBarriers:
         dead = ch.gone(missing)
         if dead:
             raise ch.lost(phase)
+        self._check_closed(store, missing, phase)
         wheres = [ch.key("where", r) for r in missing]
         if not store.check(wheres):
             return
@@ -201,9 +212,7 @@ class ObjectBarriers:
                 continue  # it published after all
             where = json.loads(raw)
             if where.get("obj") == self.obj and where.get("phase") == "closed":
-                raise EpPeerLostError(
-                    ch.rank, phase, f"rank {r}", f"it closed {self.label}; close it here too"
-                )
+                raise self._closed_by([r], phase)
             why = self._blocking(where)
             if why is not None:
                 raise EpDesyncError(
@@ -212,6 +221,28 @@ class ObjectBarriers:
                     " orders, or one rank reset); call reset() on every rank",
                     RECOVERY_RESET,
                 )
+
+    def _closed_key(self, rank: int) -> str:
+        """Where rank `rank` marks that it closed this object (set once, kept: unlike its
+        position, which its next barrier of another object overwrites)."""
+        return self.channel.key(self.obj, "closed", rank)
+
+    def _closed_by(self, ranks: list[int], phase: str) -> EpPeerLostError:
+        they = "it" if len(ranks) == 1 else "they"
+        return EpPeerLostError(
+            self.channel.rank,
+            phase,
+            ranks_text(ranks),
+            f"{they} closed {self.label}; close it here too",
+        )
+
+    def _check_closed(self, store, ranks: list[int], phase: str) -> None:
+        """EpPeerLostError naming those of `ranks` that closed this object: they take part in
+        none of its barriers or resets again."""
+        me = self.channel.rank
+        closed = [r for r in ranks if r != me and store.check([self._closed_key(r)])]
+        if closed:
+            raise self._closed_by(closed, phase)
 
     # ------------------------------------------------------------------------ barriers
     def exchange(self, phase: str, payload: dict, timeout_s: float) -> list[dict]:
@@ -304,6 +335,9 @@ class ObjectBarriers:
             store.add(round_keys[me], target - mine)
             while True:
                 rounds = [store.add(k, 0) for k in round_keys]
+                # A rank that closed the object never resets it again; one whose round is
+                # already past this one (it reset, then closed) would let this reset return.
+                self._check_closed(store, list(range(ch.size)), "reset")
                 missing = [r for r, n in enumerate(rounds) if n < target]
                 if not missing:
                     break
@@ -368,14 +402,16 @@ class ObjectBarriers:
                     )
 
     def close(self) -> None:
-        """This rank leaves the object (local): a peer still waiting in one of its barriers
-        raises EpPeerLostError naming this rank at its next look."""
+        """This rank leaves the object (local): a peer waiting in one of its barriers or in its
+        reset(), now or later, raises EpPeerLostError naming this rank at its next look (this
+        rank's position says "closed" until its next barrier elsewhere; its closed mark stays)."""
         ch = self.channel
         if ch.objects.get(self.obj) is self:
             del ch.objects[self.obj]
             ch.closed[self.obj] = self
             if ch.size > 1:
                 try:
+                    ch.store.set(self._closed_key(ch.rank), "1")
                     self._set_where(ch.store, "closed")
                 except dist.DistError:
                     pass  # the store is gone: the peers learn that from it

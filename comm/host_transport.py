@@ -6,9 +6,10 @@ expert rows where they lie, then runs one more ("combine-end": every rank has re
 rows, so the caller may rewrite them once it returns). The first barrier carries this rank's
 status, T, tag and, when it failed the call, why and its error. Every rank reads every rank's
 message of that barrier and decides alike: tags that differ among the ranks that did not fail
-give EpDesyncError, a failed rank gives its own error there and EpPeerError (with its cause and
-error) on the others, token counts that differ give ValueError; nothing written in the call is
-used, and the buffers stay usable for the next call. A message is read only under its own
+give EpDesyncError (the ranks' calls no longer pair: reset() on every rank), a failed rank gives
+its own error there and EpPeerError (with its cause and error) on the others, token counts that
+differ give ValueError; nothing written in the call is used, and the buffers stay usable for the
+next call. A message is read only under its own
 barrier's key, so no rank ever takes another call's (or another object's) message for this one's.
 """
 
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import (
-    TAGS_DIFFER,
+    MISALIGNED,
+    RECOVERY_RESET,
     EpDesyncError,
     EpPeerError,
     EpTokenCountError,
     tag_text,
+    tags_differ_text,
 )
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import combine_pull, dispatch_write
+from dep_ep.comm.tags import step_totals
 from dep_ep.comm.transport import CAUSE_INPUT, Transport
 from dep_ep.config import EpConfig
 from dep_ep.constants import NO_TAG
@@ -96,12 +100,25 @@ class HostTransport(Transport):
         failures = {r: m["failed"] for r, m in enumerate(messages) if m["failed"]}
         # A failed rank's tag may be the argument it rejected: only the others' must agree.
         tags = [m["tag"] for m in messages]
-        accepted_tags = {t for r, t in enumerate(tags) if r not in failures}
-        if len(accepted_tags) > 1:
+        accepted = {r: t for r, t in enumerate(tags) if r not in failures}
+        if len(set(accepted.values())) > 1:
+            counts = [messages[r]["tokens"] for r in accepted]
+            totals = step_totals(list(accepted.values()), counts)
+            if totals is not None:
+                # A step in pieces on some rank (its first piece), the same call's tag on every
+                # rank: the ranks passed different T (every rank raises here, in step).
+                named = ", ".join(f"rank {r}: T={t}" for r, t in zip(accepted, totals))
+                raise EpTokenCountError(
+                    f"EpRouted.{phase}: the ranks passed different token counts T to a step run"
+                    f" in pieces ({named}), found in its first piece (whose tag carries T);"
+                    " every rank must pass the same T (pad with rows of -1 ids); nothing was used"
+                )
             ranks = "; ".join(f"rank {r}: {tag_text(t)}" for r, t in enumerate(tags))
+            why = tags_differ_text(list(accepted.values()))
             raise EpDesyncError(
-                f"EpRouted.{phase}: the ranks are out of step ({ranks}): {TAGS_DIFFER}; nothing"
-                " was used, and the next call (with tags in step again) is good"
+                f"EpRouted.{phase}: the ranks are out of step ({ranks}): {why}; nothing was used."
+                f" {MISALIGNED}",
+                RECOVERY_RESET,
             )
         if error is not None:
             raise error

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from dep_ep.constants import NO_TAG, VECTOR_BYTES
+from dep_ep.constants import NO_TAG, STEP_TOKENS_BITS, VECTOR_BYTES
 
 # The largest routing weight magnitude a value check accepts. The combine's output of a token is
 # finite when the BF16 sum h = sum_k w_k o_k over its K <= MAX_TOPK = 2^7 expert outputs o_k is
@@ -159,19 +159,52 @@ def check_aligned(fn: str, name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
-    """T as a Python int in 1..max_tokens: TypeError for what is not an int, else ValueError."""
+# The largest T of a step (EpRouted.routed and EpMoeLayer run a T above max_tokens in pieces): T
+# travels as an int32 and in the first piece's tag (constants.STEP_TOKENS_BITS); a larger one
+# (2**70 say) would ask for ~1e20 pieces.
+MAX_STEP_TOKENS = (1 << STEP_TOKENS_BITS) - 1
+
+
+def check_step_tokens(fn: str, tokens: object) -> int:
+    """A step's T as a Python int in 1..MAX_STEP_TOKENS: TypeError for what is not an int, else
+    ValueError naming the bound."""
     t = check_int(fn, "tokens", tokens)
+    if not 1 <= t <= MAX_STEP_TOKENS:
+        raise ValueError(
+            f"{fn}: tokens={t}; expected 1..{MAX_STEP_TOKENS} (a step's T is below 2^31; above"
+            " max_tokens it runs in pieces)"
+        )
+    return t
+
+
+def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
+    """T as a Python int in 1..max_tokens: TypeError for what is not an int, else ValueError
+    (naming 2^31 for a T at or past it, the bound of a step run in pieces)."""
+    t = check_int(fn, "tokens", tokens)
+    if t > max_tokens:
+        check_step_tokens(fn, t)
     if not 1 <= t <= max_tokens:
         raise ValueError(f"{fn}: tokens={t} outside 1..{max_tokens} (max_tokens)")
     return t
 
 
+# The norm adds eps in fp32 (the combine kernel's Float32 argument, comm/reference.py): an eps
+# that rounds to 0.0 there (below 2^-149 by more than half of it) leaves 0 / sqrt(0) = NaN for an
+# all-padding row, and one that rounds to inf (from 2^128 - 2^103 up) makes every row 0. Allowed:
+# what rounds to fp32's positive finite range, EPS_MIN = 2^-149 (1.4e-45) to EPS_MAX (3.4e38).
+EPS_MIN, EPS_MAX = 2.0**-149, float(torch.finfo(torch.float32).max)
+
+
 def check_eps(fn: str, eps: object) -> float:
-    """A finite real > 0, returned as a float."""
+    """A real whose fp32 rounding is finite and > 0 (the norm adds it in fp32), returned as a
+    float (the caller's value, not its rounding)."""
     value = check_real(fn, "eps", eps)
-    if not 0 < value < math.inf:
-        raise ValueError(f"{fn}: eps={eps!r}; expected a finite number > 0")
+    rounded = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+    if not (value > 0 and 0 < rounded < math.inf):
+        raise ValueError(
+            f"{fn}: eps={eps!r} (fp32: {rounded!r}); expected a real > 0 whose fp32 rounding is"
+            f" finite and > 0: {EPS_MIN:.4g} (2^-149) to {EPS_MAX:.8g} (fp32's largest)"
+        )
     return value
 
 

@@ -46,6 +46,15 @@ MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1  # the largest EpMoeLayer.layer_in
 LAYER_FINGERPRINT_BITS = 24
 LAYER_STEP_BITS = 62 - LAYER_FINGERPRINT_BITS - LAYER_INDEX_BITS  # 22: the call count wraps
 LAYER_TAG_BASE = -(1 << 62)
+# A step's T (tokens) is below 2^STEP_TOKENS_BITS (checks.MAX_STEP_TOKENS). The first piece of a
+# step run in pieces (T above max_tokens, EpRouted.routed) carries T in its tag, so that ranks
+# whose T differ are told in that piece: FIRST_PIECE_TAG_BASE + (T << PIECE_DIGEST_BITS) + a
+# digest of the caller's tag (its low PIECE_DIGEST_BITS bits), negative, between NO_TAG and
+# LAYER_TAG_BASE; messages show it as "piece 1 of a step of T=<T>". The later pieces' tags
+# hash the caller's tag, T and the piece's index (ep/routed.py, _piece_tag).
+STEP_TOKENS_BITS = 31
+PIECE_DIGEST_BITS = 30
+FIRST_PIECE_TAG_BASE = -(1 << 63) + (1 << 61)
 # Device state of one rank (int64 words, device memory, not symmetric).
 STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c
 STATE_STEP_STATUS = 1  # 0, or the error kind a kernel of the current call met

@@ -21,7 +21,7 @@ import itertools
 
 import torch
 
-from dep_ep.checks import check_int, check_tag
+from dep_ep.checks import check_step_tokens, check_tag
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import NO_TAG
 from dep_ep.ep.routed import EpRouted, check_experts_match
@@ -100,7 +100,7 @@ def routed_op(
     if handle not in _REGISTERED:
         raise ValueError(f"{fn}: handle {handle!r} is not registered (register_routed)")
     try:
-        tokens = None if tokens is None else check_int(fn, "tokens", tokens)
+        tokens = None if tokens is None else check_step_tokens(fn, tokens)
         tag = check_tag(fn, tag)
         eps = float(eps)
     except (TypeError, ValueError) as err:

@@ -10,7 +10,14 @@ from typing import Mapping
 
 import torch
 
-from dep_ep.checks import check_eps, check_int, check_real, vector_rows, vector_start
+from dep_ep.checks import (
+    check_eps,
+    check_int,
+    check_real,
+    check_step_tokens,
+    vector_rows,
+    vector_start,
+)
 from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
 from dep_ep.constants import (
     LAYER_FINGERPRINT_BITS,
@@ -120,9 +127,9 @@ class EpMoeLayer:
       layout as a tuple or list (w13, s13, w2, s2) (experts/weights.py; first_expert and
       num_experts from routed), from which the layer builds `experts.default_experts`
       (HopperExperts on SM90, TrtllmExperts on SM100/103, ReferenceExperts elsewhere); topk: K,
-      equal to
-      routed.topk; eps: the latent RMSNorm's eps (finite, > 0); routed_scaling_factor: multiplies
-      the routing weights (finite, > 0; 1.0 for K3).
+      equal to routed.topk; eps: the latent RMSNorm's eps (finite and > 0 once rounded to fp32,
+      where the norm adds it); routed_scaling_factor: multiplies the routing weights (finite,
+      > 0; 1.0 for K3).
     schedule: "overlap" (on CUDA: the router and the shared experts on a side stream beside the
       projections and the routed path; docs/layer.md) or "serial" (everything on the current
       stream, in the formula's order). Both run the same GEMMs on the same data, so their results
@@ -318,11 +325,9 @@ class EpMoeLayer:
             return ValueError(f"{fn}: x has 0 rows and tokens=None; pass tokens= (T >= 1)")
         if tokens is not None:
             try:  # above max_tokens, EpRouted.routed runs the step in max_tokens pieces
-                tokens = check_int(fn, "tokens", tokens)
-            except TypeError as err:
+                tokens = check_step_tokens(fn, tokens)
+            except (TypeError, ValueError) as err:
                 return err
-            if tokens < 1:
-                return ValueError(f"{fn}: tokens={tokens}; expected >= 1")
             if rows > tokens:
                 return ValueError(f"{fn}: x has {rows} rows, more than tokens={tokens}")
         # EpRouted reads its inputs where that costs no host sync (check_values); so does the
@@ -414,15 +419,22 @@ class EpMoeLayer:
         Collective over routed's group. On CUDA stream-ordered (no host sync unless the EpRouted
         reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
+        calls, entered = self._calls, self.routed._entered
         if tag is None:
-            tag = layer_tag(self.layer_index, self.fingerprint, self._calls)
-        self._calls += 1
-        error = self._check_call(fn, x, tokens)
-        if error is not None:
-            self._reject(fn, error, tag, tokens)
-        if self._side is None:
-            return self._forward_serial(fn, x, tokens, tag)
-        return self._forward_overlap(fn, x, tokens, tag)
+            tag = layer_tag(self.layer_index, self.fingerprint, calls)
+        try:
+            error = self._check_call(fn, x, tokens)
+            if error is not None:
+                self._reject(fn, error, tag, tokens)
+            if self._side is None:
+                return self._forward_serial(fn, x, tokens, tag)
+            return self._forward_overlap(fn, x, tokens, tag)
+        finally:
+            # The call counts once it reached the EpRouted's transport (as its peers' calls do):
+            # an exception before that (a KeyboardInterrupt in this rank's own work) leaves the
+            # count where the peers' is, and the next call pairs with theirs.
+            if self.routed._entered != entered:
+                self._calls = calls + 1
 
     __call__ = forward
 

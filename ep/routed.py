@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import weakref
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.checks import (
+    MAX_STEP_TOKENS,
     check_aligned,
     check_eps,
     check_ids,
@@ -31,6 +31,7 @@ from dep_ep.comm.errors import (
     EpPeerLostError,
 )
 from dep_ep.comm.layout import EpLayout
+from dep_ep.comm.tags import piece_tag
 from dep_ep.comm.transport import (
     CAUSE_ABORT_STEP,
     CAUSE_EARLIER_PIECE,
@@ -98,27 +99,14 @@ def _wire_tag(tag: object) -> int:
     return NO_TAG if value is None else value
 
 
-_MASK63 = (1 << 63) - 1
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit words that spreads every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _chunk_tag(tag: object, steps: int, index: int) -> int:
-    """The tag of step `index` of the `steps` a step of more than max_tokens runs as: the
-    caller's tag (or none), the step count and the index hashed into a non-negative int64, so
-    ranks that run different step counts (their T differ), another tag (no tag and tag 0
-    included) or steps of another call differ except by a 2^-63 chance."""
-    base = _mix64(_wire_tag(tag) & _MASK64)
-    return _mix64(base ^ _mix64((steps << 32) | index)) & _MASK63
+def _in_piece(err: BaseException, index: int, steps: int, total: int, max_tokens: int) -> None:
+    """Say in a protocol error's message which piece of a step run in pieces raised it (its
+    tags and token counts are the piece's, not the caller's)."""
+    if not isinstance(err, EpError) or not err.args or not isinstance(err.args[0], str):
+        return
+    where = f"(in piece {index + 1} of {steps} of a step of T={total}, max_tokens {max_tokens})"
+    if where not in err.args[0]:
+        err.args = (f"{err.args[0]} {where}", *err.args[1:])
 
 
 def _as_exception(fn: str, error: object) -> BaseException:
@@ -163,8 +151,9 @@ class EpRouted:
     a call whose input one rank rejects raises on every rank (ValueError/TypeError on the
     rejecting rank, EpPeerError elsewhere: in the same call on CPU, at the next call, `poll()` or
     `synchronize()` on CUDA, whose outputs of that call are NaN); the buffers stay usable. After
-    a timeout, a desync between calls or an interrupted call, every call raises until `reset()`
-    on every rank; after a lost peer (EpPeerLostError) only `close()` is left.
+    a timeout, a desync (differing tags included: the ranks' calls no longer pair) or an
+    interrupted call, every call raises until `reset()` on every rank; after a lost peer
+    (EpPeerLostError) only `close()` is left.
     """
 
     def __init__(
@@ -200,6 +189,22 @@ class EpRouted:
             "version": __version__,
         }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
+        self._buffers: EpBuffers | None = None
+        self._transport = None
+        try:
+            self._open(group, agreement, config, max_tokens, num_experts, latent, topk, rank)
+        except BaseException:
+            # Abandoned after the ranks agreed (an error, or a KeyboardInterrupt, past the last
+            # construction barrier: the peers may hold complete objects already). Close what
+            # exists, publishing this rank's closed mark: the peers' next call raises
+            # EpPeerLostError naming this rank instead of waiting for it, and a construction
+            # retried on every rank pairs at once.
+            self._abandon(agreement)
+            raise
+
+    def _open(self, group, agreement, config, max_tokens, num_experts, latent, topk, rank):
+        """The constructor after the agreement: the buffers, the transport and the state."""
+        num_ranks = dist.get_world_size(group)
         self.num_experts, self.latent, self.topk = num_experts, latent, topk
         self.num_ranks, self.rank, self.max_tokens = num_ranks, rank, max_tokens
         self.experts_per_rank = num_experts // num_ranks
@@ -215,11 +220,7 @@ class EpRouted:
             timeout_s=config.timeout_s,
             agreement=agreement,
         )
-        try:
-            self._transport = open_transport(self._buffers, self.experts_per_rank, config)
-        except BaseException:
-            self._buffers.close()
-            raise
+        self._transport = open_transport(self._buffers, self.experts_per_rank, config)
         # Value checks (ids range, weights) read the tensors: free where calls complete on
         # return, a host sync where they are stream-ordered.
         check = config.check_values
@@ -230,6 +231,10 @@ class EpRouted:
         self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
         self._weights = torch.empty(max_tokens, topk, dtype=torch.float32, **on)
         self._step: _Step | None = None  # the dispatched step awaiting its combine
+        # Dispatches (and rejections) handed to the transport: an EpMoeLayer counts a call (its
+        # tags' call count) only once it got this far, so that an exception before it (a
+        # KeyboardInterrupt in the layer's own work) does not put its count ahead of the peers'.
+        self._entered = 0
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
         self._step_failure: str | None = None  # why the last step failed on this rank
         self._broken: str | None = None  # why calls are refused until reset()
@@ -243,6 +248,18 @@ class EpRouted:
         self._layers: weakref.WeakSet = weakref.WeakSet()  # EpMoeLayers tagging their calls
         self._layer_indices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._next_layer_index = 0  # the default layer index of the next EpMoeLayer
+
+    def _abandon(self, agreement) -> None:
+        """Close what a construction abandoned after the agreement built (local): the transport,
+        the buffers and the object's barriers (this rank's closed mark)."""
+        transport, buffers = self._transport, self._buffers
+        try:
+            if transport is not None:
+                transport.close()
+        finally:
+            if buffers is not None:
+                buffers.close()  # closes the barriers too
+            agreement.barriers.close()  # idempotent
 
     @staticmethod
     def _check_construction(fn, num_ranks, max_tokens, num_experts, latent, topk, config):
@@ -553,6 +570,7 @@ class EpRouted:
             if real < tokens or not vector_start(weights):
                 self._weights[:real].copy_(weights)
                 weights = self._weights[:tokens]
+        self._entered += 1
         self._run(
             fn,
             lambda: self._transport.dispatch(
@@ -613,13 +631,22 @@ class EpRouted:
         if self._step is not None:
             raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
         self._step_failure = f"{type(error).__name__} in {fn}"
+        try:  # an int of any kind, as routed takes it; anything else rejects one step
+            total = None if tokens is None else check_int(fn, "tokens", tokens)
+        except TypeError:
+            total = None
         steps = 1
-        if isinstance(tokens, numbers.Integral) and tokens > self.max_tokens:
-            steps = -(-int(tokens) // self.max_tokens)
+        if total is not None and self.max_tokens < total <= MAX_STEP_TOKENS:
+            steps = -(-total // self.max_tokens)
         for index in range(steps):
-            piece_tag = tag if steps == 1 else _chunk_tag(tag, steps, index)
+            this_tag = tag if steps == 1 else piece_tag(_wire_tag(tag), total, index)
             cause = CAUSE_REJECT_STEP if index == 0 else CAUSE_EARLIER_PIECE
-            self._reject_piece(fn, error, cause, piece_tag, checked=index == 0)
+            try:
+                self._reject_piece(fn, error, cause, this_tag, checked=index == 0)
+            except BaseException as err:
+                if steps > 1:
+                    _in_piece(err, index, steps, total, self.max_tokens)
+                raise
             if self._transport.completes_on_return:
                 break  # CPU: every peer raised in this piece
         raise error
@@ -627,6 +654,7 @@ class EpRouted:
     def _reject_piece(self, fn, error, cause, tag, checked) -> None:
         """Take part in one step (or piece) without payload, rejecting it with `error` and
         `cause`; returns (the caller raises `error`). Other errors propagate."""
+        self._entered += 1
         try:
             self._run(
                 fn,
@@ -723,15 +751,18 @@ class EpRouted:
         and the combine treat every token alone, so the result is that of one step of T bit for
         bit with an experts backend whose rows do not depend on the rows beside them; the
         library's backends group a call's rows into GEMMs, whose sums may run in another order
-        for another row count (within the rounding model). The steps' tags carry T's step
-        count, so ranks whose T differ raise on every rank (EpDesyncError, or ValueError naming
-        the token counts when only the last step's T differs)."""
+        for another row count (within the rounding model). T is below 2^31 (a larger one is
+        refused, as one step). The first piece's tag carries T (comm/tags.py), so ranks whose T
+        differ raise in it on every rank, naming each rank's T (CPU: EpTokenCountError, a
+        ValueError; CUDA: EpDesyncError, since the ranks may run different piece counts), and an
+        error raised in a piece says which piece of which step."""
         fn = "EpRouted.routed"
         try:
             total = latent.shape[0] if tokens is None else check_int(fn, "tokens", tokens)
         except (AttributeError, TypeError):
             total = None  # the step's validation rejects it on this rank, collectively
-        if total is None or total <= self.max_tokens:
+        if total is None or total <= self.max_tokens or total > MAX_STEP_TOKENS:
+            # One step (a T past the bound is refused in it, on every rank: no 1e20 pieces).
             return self._routed_step(
                 fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out
             )
@@ -765,11 +796,15 @@ class EpRouted:
         counts = None if self._counts is None else torch.zeros_like(self._counts)
         failure, cause = refused, CAUSE_INPUT
         for index in range(steps):
-            piece_tag = _chunk_tag(tag, steps, index)
+            this_tag = piece_tag(_wire_tag(tag), total, index)
             checked = index == 0  # later pieces run to the end on every rank
             if failure is not None:
                 self._step_failure = f"{type(failure).__name__} in {fn}"
-                self._reject_piece(fn, failure, cause, piece_tag, checked)
+                try:
+                    self._reject_piece(fn, failure, cause, this_tag, checked)
+                except BaseException as err:
+                    _in_piece(err, index, steps, total, self.max_tokens)
+                    raise
                 if self._transport.completes_on_return:
                     break  # CPU: every peer raised in this piece
                 cause = CAUSE_EARLIER_PIECE
@@ -788,12 +823,13 @@ class EpRouted:
                     experts,
                     eps,
                     step_tokens,
-                    piece_tag,
+                    this_tag,
                     result[lo:hi],
                     checked=checked,
                 )
             except BaseException as err:
                 if err is not self._own_failure or self._transport.completes_on_return:
+                    _in_piece(err, index, steps, total, self.max_tokens)
                     raise
                 failure, cause = err, CAUSE_EARLIER_PIECE
                 continue
@@ -861,7 +897,7 @@ class EpRouted:
 
     def reset(self) -> None:
         """Collective, blocks the host: bring every rank back to a clean state after a failed or
-        interrupted call (a timeout, a desync between calls, an interrupt): every rank leaves
+        interrupted call (a timeout, a desync, an interrupt): every rank leaves
         whatever call it was in, the host barriers start a new epoch (no message or flag of an
         earlier call can match a later one), a pending dispatch is dropped and the layers'
         step counts restart. Every rank calls it, with no call of this group queued on its

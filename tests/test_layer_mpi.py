@@ -392,11 +392,12 @@ def test_bad_construction_names_the_tensor(dep, rank):
 
 @pytest.mark.mpi(min_size=2)
 def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
-    """n > tokens on one rank, tokens above max_tokens on one rank (its step runs in pieces: a
-    desync), ranks that disagree on tokens, a float T, a wrong dtype and non-finite x on one
+    """n > tokens on one rank, tokens above max_tokens on one rank (its step runs in pieces,
+    whose first tag carries T), tokens=2**31 (past a step's bound), ranks that disagree on
+    tokens, a float T, a wrong dtype and non-finite x on one
     rank: every rank raises in the same call (the bad rank its ValueError/TypeError, the others
-    EpPeerError, or the same error where every rank sees the fault); after each, a good call
-    matches the reference."""
+    EpPeerError, or the same error where every rank sees the fault); after each (and the reset()
+    a desync asks for), a good call matches the reference."""
     seeds = {
         "experts": rank.seed,
         "dense": agreed_seed(dep.cpu_group, 10),
@@ -411,10 +412,12 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     cases = [
         # (label, the bad rank or None for every rank, its call, its error, its message)
         ("n > tokens", 0, lambda: layer(x, tokens=T), ValueError, f"{T + 1} rows.*tokens={T}"),
-        # Above max_tokens the step runs in pieces; T differing across ranks is a desync then.
+        # Above max_tokens the step runs in pieces, whose first tag carries T: a ValueError
+        # naming every rank's T (EpTokenCountError) in the first piece.
         ("tokens > max_tokens on one rank", None,
-         lambda: layer(x[:T], tokens=MAX_TOKENS + 1 if r == last else T), EpDesyncError,
-         "out of step"),
+         lambda: layer(x[:T], tokens=MAX_TOKENS + 1 if r == last else T), ValueError,
+         f"token counts.*T={T}\\b.*T={MAX_TOKENS + 1}\\b"),
+        ("tokens=2**31", 0, lambda: layer(x[:T], tokens=2**31), ValueError, "2\\^31"),
         ("tokens=6.0", 0, lambda: layer(x[:T], tokens=float(T)), TypeError, "expected an int"),
         ("ranks disagree on tokens", None, lambda: layer(x[:T], tokens=T + r),
          ValueError, "token counts"),
@@ -425,11 +428,13 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     failures: list[str] = []
     for step, (label, bad, call, error, match) in enumerate(cases):
         if bad is None or bad == r:
-            expect_raises(failures, label, error, match, call)
+            err = expect_raises(failures, label, error, match, call)
         else:
-            expect_raises(
+            err = expect_raises(
                 failures, f"{label} (peer)", EpPeerError, None, lambda: layer(x[:T], tokens=T)
             )
+        if isinstance(err, EpDesyncError):
+            rank.routed.reset()  # what a desync says: the ranks' calls no longer pair
         seeds[f"good call {step}"] = agreed_seed(dep.cpu_group, 20 + step)
         failures += good_call(rank, layer, dense, seeds[f"good call {step}"], f"after {label}")
     collective_assert(dep.cpu_group, failures, seeds=seeds)

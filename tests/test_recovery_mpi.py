@@ -10,6 +10,7 @@ at 6f889cd, run once with this file as it is)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -18,7 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTimeoutError
+import dep_ep.ep.routed as routed_module
+from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpPeerLostError, EpTimeoutError
+from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.config import TINY, EpConfig
 from dep_ep.constants import ABORT_PEER_RESET, ERROR_ABORT, ERROR_WORDS
@@ -248,9 +251,9 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(120)
 def test_layers_called_in_different_orders(dep, layer):
     """Two EpMoeLayers on one EpRouted, no tag= anywhere: rank 0 calls A then B, the others B then
-    A. Every call raises EpDesyncError on every rank within 1 s (the layers tag their calls).
-    Called in the same order afterwards they give the bits a fresh EpRouted gives for the same
-    calls.
+    A. Every call raises EpDesyncError on every rank within 1 s (the layers tag their calls),
+    saying to reset() on every rank, which each rank does. Called in the same order afterwards
+    they give the bits a fresh EpRouted gives for the same calls.
     Before: both calls returned an output on every rank, without an error."""
     seed = agreed_seed(dep.cpu_group, 330)
     gen = torch.Generator().manual_seed(seed)
@@ -266,12 +269,17 @@ def test_layers_called_in_different_orders(dep, layer):
         for i, moe in enumerate(order):
             start = time.monotonic()
             expect_raises(
-                failures, f"call {i} out of order", EpDesyncError, "out of step", lambda: moe(mine)
+                failures,
+                f"call {i} out of order",
+                EpDesyncError,
+                "out of step.*reset\\(\\) on every rank",
+                lambda: moe(mine),
             )
             took = time.monotonic() - start
             print(f"TIME-TO-ERROR layers called in other orders, call {i}: {took:.4f} s")
             if took > 1.0:
                 failures.append(f"call {i} out of order: the error took {took:.2f} s")
+            routed.reset()  # what the error says: the calls no longer pair
         got = [a(mine), b(mine)]
     with build(dep) as fresh:
         a2 = EpMoeLayer(dense_weights(seed + 1), fresh, experts, topk=TINY.topk)
@@ -285,15 +293,190 @@ def test_layers_called_in_different_orders(dep, layer):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep, layer):
+    """A KeyboardInterrupt in rank 0's EpMoeLayer call before the call reaches the EpRouted
+    (where the layer checks its input) while the others wait in that call: rank 0 calls again,
+    and that call pairs with the others' (the interrupted call did not count: the same layer
+    call count, so the same tag). Every output of that call and of two more equals a fresh
+    EpRouted's for the same calls, on every rank.
+    Before: the interrupted call had advanced rank 0's call count, so its retry carried call 1
+    against the others' call 0, and that call and every later one raised EpDesyncError on
+    every rank (with recovery "none": "the next call is good", which it never was)."""
+    seed = agreed_seed(dep.cpu_group, 340)
+    gen = torch.Generator().manual_seed(seed + dep.rank)
+    xs = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    experts = Batches(dep, layer, seed, T).experts
+    failures: list[str] = []
+    with build(dep) as fresh:
+        moe = EpMoeLayer(dense_weights(seed), fresh, experts, topk=TINY.topk)
+        want = [moe(x) for x in xs]
+    with build(dep) as routed:
+        moe = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        if dep.rank == 0:
+            checks = moe._check_call
+
+            def interrupted(*args):
+                moe._check_call = checks  # once
+                raise KeyboardInterrupt("Ctrl-C in the layer's own work")
+
+            moe._check_call = interrupted
+            err, _ = timed(lambda: moe(xs[0]))
+            if not isinstance(err, KeyboardInterrupt):
+                failures.append(f"the interrupted call: {type(err).__name__}: {err}")
+        got = []
+        for i, x in enumerate(xs):
+            try:
+                got.append(moe(x))
+            except Exception as err:  # reported collectively
+                failures.append(f"call {i} after the interrupt: {type(err).__name__}: {err}")
+                break
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
+            failures.append(f"call {i} after the interrupt: not the fresh object's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_reset_after_a_peer_closed_names_it_at_once(dep, layer):
+    """The last rank closes its EpRouted; the others then call reset(), as a desync or a timeout
+    asks. Within 1 s each raises EpPeerLostError naming the last rank and saying it closed the
+    object (close it here too), and so does every later call. The same when the last rank had
+    reset first (its reset round ahead: it timed out waiting for the others) and then closed.
+    Before: the first reset() waited out timeout_s and raised EpTimeoutError (recovery reset),
+    every retry the same; after a peer's earlier reset it returned as if every rank had reset."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 345), T)
+    closer = dep.rank == dep.size - 1
+    failures: list[str] = []
+    for ahead in (False, True):
+        label = "after the peer's own reset" if ahead else "the peer closed"
+        routed = build(dep, config=EpConfig(timeout_s=0.5 if ahead else TIMEOUT_S))
+        try:
+            failures += compare(batches.run(routed, 0), batches.reference(0), f"{label}: step")
+            dist.barrier(group=dep.cpu_group)
+            if closer:
+                if ahead:  # the others are not in reset(): this one times out
+                    err, _ = timed(routed.reset)
+                    if not isinstance(err, EpTimeoutError):
+                        failures.append(f"{label}: the closer's reset gave {err!r}")
+                routed.close()
+            dist.barrier(group=dep.cpu_group)  # the close is published
+            if not closer:
+                err, took = timed(routed.reset)
+                print(f"TIME-TO-ERROR reset after a peer closed ({label}): {took:.4f} s")
+                want = f"rank {dep.size - 1}\\b.*closed"  # (others may have closed since)
+                if not isinstance(err, EpPeerLostError) or not re.search(want, str(err)):
+                    failures.append(f"{label}: reset() gave {err!r}; expected EpPeerLostError")
+                if took > 1.0:
+                    failures.append(f"{label}: reset() took {took:.2f} s")
+                expect_raises(
+                    failures,
+                    f"{label}: a call",
+                    EpPeerLostError,
+                    "close",
+                    lambda: batches.run(routed, 1),
+                )
+        finally:
+            routed.close()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+def interrupt_once_in_construction(monkeypatch, where: str) -> None:
+    """A KeyboardInterrupt in this rank's next EpRouted construction, once: "end" where the
+    constructor builds its layer registry (after every construction barrier and the
+    transport), "exchange" right after every rank's construction message has arrived (the
+    peers may pass the exchange and go on into the new object's barriers)."""
+    if where == "end":
+        real = routed_module.weakref
+
+        class Interrupting:
+            WeakValueDictionary = real.WeakValueDictionary
+
+            @staticmethod
+            def WeakSet():
+                monkeypatch.setattr(routed_module, "weakref", real)
+                raise KeyboardInterrupt("Ctrl-C at the end of the constructor")
+
+        monkeypatch.setattr(routed_module, "weakref", Interrupting)
+        return
+    wait_all = ObjectBarriers._wait_all
+
+    def wait_then_interrupt(self, store, keys, phase, timeout_s):
+        values = wait_all(self, store, keys, phase, timeout_s)
+        if phase == "construction":
+            monkeypatch.setattr(ObjectBarriers, "_wait_all", wait_all)
+            raise KeyboardInterrupt("Ctrl-C after every construction message arrived")
+        return values
+
+    monkeypatch.setattr(ObjectBarriers, "_wait_all", wait_then_interrupt)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["end", "exchange"])
+def test_a_construction_interrupted_on_one_rank_is_retried_at_once(dep, layer, monkeypatch, where):
+    """A KeyboardInterrupt in EpRouted(...) on one rank, at the constructor's end (the last
+    rank: the others hold complete objects) or right after the construction exchange's
+    messages arrived (rank 0, whose job names the object: the others have gone on into its
+    barriers). At the end: the others' first call raises EpPeerLostError within 1 s naming that
+    rank and saying it closed the object; they close it. Then the rank (and at the end, every
+    rank) constructs again, and that construction succeeds at the first try on every rank; a
+    step on it matches the reference.
+    Before: at the end, the interrupted rank left its object half-built and open, so the
+    others' first call saw it waiting in a new construction (EpDesyncError: call reset(), whose
+    reset then timed out), and the retried constructions did not pair; in the exchange, the
+    retry proposed a new job, the others waited in the first job's barriers (EpDesyncError)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 347), T)
+    victim = dep.rank == (dep.size - 1 if where == "end" else 0)
+    failures: list[str] = []
+    built: list[EpRouted] = []
+
+    def construct():
+        built.append(build(dep))
+
+    if victim:
+        interrupt_once_in_construction(monkeypatch, where)
+        err, _ = timed(construct)
+        if not isinstance(err, KeyboardInterrupt):
+            failures.append(f"{where}: the interrupted construction gave {err!r}")
+    else:
+        err, _ = timed(construct)
+        if err is not None:
+            failures.append(f"{where}: the first construction: {type(err).__name__}: {err}")
+        if where == "end" and built:
+            err, took = timed(lambda: batches.run(built[0], 0))
+            print(f"TIME-TO-ERROR a peer's construction interrupted at its end: {took:.4f} s")
+            want = f"rank {dep.size - 1}\\b.*closed"
+            if not isinstance(err, EpPeerLostError) or not re.search(want, str(err)):
+                failures.append(f"{where}: the first call gave {err!r}; expected EpPeerLostError")
+            if took > 1.0:
+                failures.append(f"{where}: the first call's error took {took:.2f} s")
+            built.pop().close()
+    if victim or where == "end":
+        err, _ = timed(construct)
+        if err is not None:
+            failures.append(f"{where}: the retried construction: {type(err).__name__}: {err}")
+    if built:
+        routed = built[-1]
+        try:
+            failures += compare(batches.run(routed, 1), batches.reference(1), f"{where}: step")
+        except Exception as err:  # reported collectively
+            failures.append(f"{where}: a step after the retry: {type(err).__name__}: {err}")
+        routed.close()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 def test_layers_built_in_different_orders(dep, layer):
     """Two EpMoeLayers on one EpRouted, no layer_index= and no tag=: rank 0 builds A then B, the
     others B then A, and each rank calls its layers in its own build order (so each call's
-    default layer index is the same on every rank, but not its layer). Every call raises
-    EpDesyncError on every rank within 1 s, naming layer_index= (the layers' tags carry a
-    fingerprint of their dense weights, the same on every rank for the same layer). The
-    documented recovery, layers built with layer_index= (the model's layer number) in the same
-    per-rank orders and called in the model's order, gives the bits of a fresh EpRouted's
-    layers.
+    default layer index is the same on every rank, but not its layer). Every call (each after a
+    reset(), which the error asks for) raises EpDesyncError on every rank within 1 s, naming
+    layer_index= (the layers' tags carry a fingerprint of their dense weights, the same on every
+    rank for the same layer). The documented recovery, reset() and layers built with
+    layer_index= (the model's layer number) in the same per-rank orders and called in the
+    model's order, gives the bits of a fresh EpRouted's layers.
     Before (ep/layer.py tagging index and call count only, run once with this test): both calls
     returned on every rank without an error, each rank's rows paired with the other layer's."""
     seed = agreed_seed(dep.cpu_group, 335)
@@ -326,6 +509,7 @@ def test_layers_built_in_different_orders(dep, layer):
                 failures.append(f"call {i}: the desync does not name layer_index=: {err}")
             if took > 1.0:
                 failures.append(f"call {i}: the error took {took:.2f} s")
+            routed.reset()  # what the error says: the calls no longer pair
         _, by_name = build_layers(routed, {"A": 10, "B": 11})
         got = [by_name["A"](mine), by_name["B"](mine)]
     with build(dep) as fresh:
@@ -625,5 +809,6 @@ def test_errors_say_what_happened(dep, layer):
         )
         if err is not None and ("tag 0" in str(err) or "no tag" not in str(err)):
             failures.append(f"the desync misnames an untagged rank: {err}")
+        routed.reset()  # what the desync says
         failures += compare(batches.run(routed, 3), batches.reference(3), "the next batch")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)

@@ -105,8 +105,12 @@ def test_construction_arguments_differ(dep, field):
 
 @pytest.mark.mpi(min_size=2)
 def test_skipped_step_with_tags_is_a_desync_on_every_rank(dep, layer):
-    """The last rank skips step 1; with tags every rank raises EpDesyncError naming the tags, and
-    the next step (tags in step again) is correct."""
+    """The last rank skips step 1; with tags every rank raises EpDesyncError naming the tags,
+    with recovery "reset" and a message saying to call reset() on every rank (the ranks' calls no
+    longer pair: the skipper stays a step ahead); every call is then refused on every rank until
+    reset(), after which the next step is correct.
+    Before: recovery "none", a message saying the next call (with tags in step again) would be
+    good, and the next call ran, a step apart again (EpDesyncError again, and so on for ever)."""
     experts = make_experts(layer, dep.rank, dep.size)
     failures: list[str] = []
     seeds = {}
@@ -120,11 +124,23 @@ def test_skipped_step_with_tags_is_a_desync_on_every_rank(dep, layer):
             failures,
             "skipped step",
             EpDesyncError,
-            "out of step",
+            "out of step.*reset\\(\\) on every rank",
             lambda: step.run(routed, experts, tag=tag),
         )
         if err is not None and not ("tag 1" in str(err) and "tag 2" in str(err)):
             failures.append(f"desync message names no tags: {err}")
+        if err is not None and getattr(err, "recovery", None) != "reset":
+            failures.append(f"desync recovery {getattr(err, 'recovery', None)!r}; expected 'reset'")
+        refused = expect_raises(
+            failures,
+            "a call before reset()",
+            RuntimeError,
+            "reset\\(\\) on every rank",
+            lambda: step.run(routed, experts, tag=3 if skipper else 2),
+        )
+        if isinstance(refused, EpDesyncError):  # it ran, a step apart again
+            failures.append(f"the call before reset() was not refused: {refused}")
+        routed.reset()
         seeds["step2"] = good_step(dep, routed, layer, experts, 2, "after", failures, tag=3)
     collective_assert(dep.cpu_group, failures, seeds=seeds)
 

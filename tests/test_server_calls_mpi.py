@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from dep_ep.comm.errors import EpDesyncError, EpPeerError
+from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTokenCountError
+from dep_ep.comm.tags import first_piece
 from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpRouted, register_routed, routed_op
 from dep_ep.experts import ExpertsBackend
@@ -128,9 +129,8 @@ def test_a_step_above_max_tokens_runs_in_pieces(dep, layer, total):
     """tokens=T above max_tokens = 4 (ranks with unequal real rows, the last one none at 3+
     ranks): with experts computed row by row the result equals one step of T on an EpRouted of
     max_tokens 16 bit for bit (the pieces change nothing but which rows share a call), and with
-    ReferenceExperts the reference within tolerance; ranks whose T differ (T and T + 1) raise on
-    every rank (EpDesyncError when their piece counts differ, ValueError naming the token counts
-    when a piece's T differs)."""
+    ReferenceExperts the reference within tolerance; ranks whose T differ (T and T + 1) raise
+    EpTokenCountError (a ValueError) on every rank naming both T, and the next call is good."""
     seed = agreed_seed(dep.cpu_group, 630)
     case = make_case(TINY, dep.size, total, seed, "ragged")
     r = dep.rank
@@ -154,8 +154,8 @@ def test_a_step_above_max_tokens_runs_in_pieces(dep, layer, total):
         expect_raises(
             failures,
             "T differs",
-            (EpDesyncError, ValueError),
-            "out of step|token counts",
+            EpTokenCountError,
+            f"token counts.*T={total}\\b.*T={total + 1}\\b",
             lambda: small(latent, ids, weights, norm, experts=experts, tokens=other),
         )
         # The split API stays bounded: a dispatch of T above max_tokens is the caller's mistake.
@@ -248,6 +248,108 @@ def test_a_step_in_pieces_refuses_bad_arguments_on_every_rank(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
+class CountingExperts(ExpertsBackend):
+    """Another backend's rows, counting its calls."""
+
+    def __init__(self, inner: ExpertsBackend):
+        self.inner, self.calls = inner, 0
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out):
+        self.calls += 1
+        return self.inner.forward(x, sf, ids, weights, out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_step_in_pieces_names_the_ranks_T_and_its_piece(dep, layer, monkeypatch):
+    """max_tokens 4. Ranks passing different T to a step run in pieces (10 and 9: the same piece
+    count; 12 and 5; 17 and 4: one rank in pieces, the other one step) raise EpTokenCountError
+    on every rank in the first piece (no experts ran), naming every rank's T, and the next call
+    is good. Tags that differ in a step in pieces: EpDesyncError saying "in piece 1 of 3 of a
+    step of T=10". tokens=2**70 (or 2**31) on one rank: ValueError naming 2^31 there,
+    EpPeerError on the others, and on every rank: ValueError everywhere, each within 1 s.
+    reject_step(tokens=torch.tensor(10)) rejects the peers' pieces: its first piece carries
+    T = 10 in its tag, as the peers' does.
+    Before: 10 against 9 ran the pieces and raised in the last one, "different token counts
+    [2, 1]" (piece sizes the caller never passed), with the experts run twice; 12 against 5
+    named hashed tags; tokens=2**70 gave a desync of hashed tags, and on every rank would have
+    run ~3e20 pieces; reject_step(tokens=torch.tensor(10)) ran one step with no piece tag."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 675), 10)
+    latent, ids, weights = batches.inputs(0)
+    counting = CountingExperts(batches.experts)
+    norm = layer.norm_weight()
+    r, last = dep.rank, dep.size - 1
+    failures: list[str] = []
+
+    def call(routed, tokens, tag=None):
+        n = min(tokens, latent.shape[0])
+        return routed(
+            latent[:n], ids[:n], weights[:n], norm, experts=counting, tokens=tokens, tag=tag
+        )
+
+    with build(dep, 4) as small:
+        for mine, theirs in ((10, 9), (12, 5), (17, 4)):
+            counting.calls = 0
+            tokens = theirs if r == last else mine
+            match = f"token counts.*T={mine}\\b.*T={theirs}\\b"
+            expect_raises(
+                failures,
+                f"T {mine} / {theirs}",
+                EpTokenCountError,
+                match,
+                lambda: call(small, tokens),
+            )
+            if counting.calls:
+                failures.append(f"T {mine} / {theirs}: the experts ran {counting.calls} time(s)")
+            failures += compare(call(small, 10), batches.reference(0), f"after T {mine} / {theirs}")
+        expect_raises(
+            failures,
+            "tags differ in pieces",
+            EpDesyncError,
+            "in piece 1 of 3 of a step of T=10, max_tokens 4",
+            lambda: call(small, 10, tag=6 if r == last else 5),
+        )
+        small.reset()  # what the desync says
+        for huge in (2**70, 2**31):
+            bad = r == 0
+            expected, match = (ValueError, "2\\^31") if bad else (EpPeerError, "rank 0")
+            for label, tokens, error, text in (
+                (f"tokens={huge} on rank 0", huge if bad else 10, expected, match),
+                (f"tokens={huge} everywhere", huge, ValueError, "2\\^31"),
+            ):
+                start = time.monotonic()
+                expect_raises(failures, label, error, text, lambda: call(small, tokens))
+                if time.monotonic() - start > 1.0:
+                    failures.append(f"{label}: the error took {time.monotonic() - start:.2f} s")
+        seen = []
+        if r == 0:
+            reject_piece = EpRouted._reject_piece
+
+            def recording(self, fn, error, cause, tag, checked):
+                seen.append(tag)
+                return reject_piece(self, fn, error, cause, tag, checked)
+
+            monkeypatch.setattr(EpRouted, "_reject_piece", recording)
+            expect_raises(
+                failures,
+                "reject_step(tokens=tensor(10))",
+                RuntimeError,
+                "no input",
+                lambda: small.reject_step(RuntimeError("no input"), tokens=torch.tensor(10)),
+            )
+            monkeypatch.undo()
+            piece = first_piece(seen[0]) if seen and seen[0] is not None else None
+            if piece is None or piece[0] != 10:
+                failures.append(f"reject_step's first piece carried tag {seen[:1]}; expected T=10")
+        else:
+            expect_raises(
+                failures, "a peer's reject_step", EpPeerError, "rank 0", lambda: call(small, 10)
+            )
+        failures += compare(call(small, 10), batches.reference(0), "the last call")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_pieces_keep_tags_apart_and_count_every_piece(dep, layer):
     """In a step run in pieces, tag 0 on one rank and no tag on the others raise EpDesyncError on
@@ -275,6 +377,7 @@ def test_pieces_keep_tags_apart_and_count_every_piece(dep, layer):
                 "out of step",
                 lambda: small(latent, ids, weights, norm, experts=experts, tokens=total, tag=tag),
             )
+            small.reset()  # what the desync says
         small(latent, ids, weights, norm, experts=experts, tokens=total)
         got = small.expert_counts()
         if not torch.equal(got, want):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dep_ep.checks import check_eps, check_int, check_tokens
+from dep_ep.checks import check_eps, check_int, check_step_tokens, check_tokens
 from dep_ep.ep import EpRouted
 
 
@@ -56,6 +56,13 @@ def test_check_int_and_tokens():
         check_tokens("f", 4.0, 8)
     with pytest.raises(ValueError, match="tokens=9 outside 1..8"):
         check_tokens("f", 9, 8)
+    # A step's T is below 2^31 (routed runs a T above max_tokens in pieces, up to that).
+    assert check_step_tokens("f", np.int64(2**31 - 1)) == 2**31 - 1
+    for bad in (0, 2**31, 2**70):
+        with pytest.raises(ValueError, match=f"tokens={bad}; expected .*2\\^31"):
+            check_step_tokens("f", bad)
+    with pytest.raises(ValueError, match="2\\^31"):
+        check_tokens("f", 2**70, 8)
 
 
 def test_check_eps_takes_reals():
@@ -64,3 +71,8 @@ def test_check_eps_takes_reals():
     for bad in (0.0, -1e-5, math.inf, math.nan, True, "1e-5", torch.tensor([1e-5])):
         with pytest.raises((TypeError, ValueError), match="f: eps="):
             check_eps("f", bad)
+    # Finite and > 0, but 0.0 or inf in fp32, where the norm adds it.
+    for bad in (1e-46, 5e-324, 3.5e38, 1e300):
+        with pytest.raises(ValueError, match="fp32"):
+            check_eps("f", bad)
+    assert check_eps("f", 2.0**-149) == 2.0**-149

@@ -18,7 +18,7 @@ from dep_ep.comm.errors import EpPeerError
 from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpMoeLayer, EpRouted
 from dep_ep.experts.checkpoint import dense_shapes
-from dep_ep.testing import SyntheticLayer
+from dep_ep.testing import SyntheticLayer, routed_reference
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed
@@ -232,3 +232,48 @@ def test_layer_takes_numpy_scalars_and_refuses_a_float_token_count(dep, layer):
             if not torch.equal(again.view(torch.int16), want.view(torch.int16)):
                 failures.append("the call after tokens=4.0: other bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_eps_that_rounds_to_0_or_inf_in_fp32_is_refused(dep, layer):
+    """eps=1e-46, 1e-300 and 5e-324 (finite and > 0, but 0.0 in fp32, where the norm adds it)
+    and 3.5e38 (inf in fp32) on rank 0: ValueError there naming fp32's range, EpPeerError on
+    the others, and the next call is good; EpMoeLayer refuses them at construction. The edges
+    of the range, 2^-149 and fp32's largest, give the reference's rows, a row with no expert 0.
+    Before: those calls returned without an error, the row with no expert NaN (eps 0.0 in
+    fp32) or every row 0 (eps inf)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 460), T)
+    failures: list[str] = []
+    norm = layer.norm_weight()
+    latent, ids, weights = batches.inputs(0)
+    ids = ids.clone()
+    ids[1] = -1  # a real row routed nowhere (an engine's padding row): its output is 0
+    with build(dep) as routed:
+        for eps in (1e-46, 1e-300, 5e-324, 3.5e38):
+            bad = dep.rank == 0
+            mine = eps if bad else 1e-5
+            expected, match = (ValueError, "fp32.*2\\^-149") if bad else (EpPeerError, "rank 0")
+            expect_raises(
+                failures,
+                f"eps={eps}",
+                expected,
+                match,
+                lambda: routed(latent, ids, weights, norm, experts=batches.experts, eps=mine),
+            )
+            expect_raises(
+                failures,
+                f"EpMoeLayer eps={eps}",
+                ValueError,
+                "fp32",
+                lambda: EpMoeLayer(
+                    dense_weights(1), routed, batches.experts, topk=TINY.topk, eps=eps
+                ),
+            )
+            failures += compare(batches.run(routed, 1), batches.reference(1), f"after eps={eps}")
+        for eps in (2.0**-149, float(torch.finfo(torch.float32).max)):
+            out = routed(latent, ids, weights, norm, experts=batches.experts, eps=eps)
+            ref = routed_reference(latent, ids, weights, norm, layer.expert, eps=eps)
+            failures += compare(out, ref, f"eps={eps}")
+            if not torch.equal(out[1], torch.zeros_like(out[1])):
+                failures.append(f"eps={eps}: the row with no expert is {out[1, :4].tolist()}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)

@@ -16,7 +16,8 @@ ERROR_ABORT is the host's: a reason (constants.ABORT_*) when it wants every wait
 process is gone, reset() runs). A wait that has lasted HOST_ABORT_POLL_NS reads it on every spin
 and ends with KIND_ABORTED; a flag that comes sooner costs no read over PCIe. A timeout or an
 abort also sets the state's abort word, which makes every later wait return at once (until
-reset() zeroes the state); the other kinds leave the protocol in step and the next call is good.
+reset() zeroes the state); the other kinds leave the flags in step (the host refuses calls
+after differing tags or call indices until reset(): comm/device_transport.py, check).
 """
 
 from __future__ import annotations

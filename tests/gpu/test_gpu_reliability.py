@@ -177,7 +177,9 @@ def test_failing_experts_fail_every_rank_fast(gpu_dep, routed, layer, experts):
 @pytest.mark.parametrize("mismatch", ["tag", "tokens"])
 def test_ranks_out_of_step_raise_on_every_rank(gpu_dep, routed, layer, experts, mismatch):
     """Differing tags (a skipped step) give EpDesyncError, differing T a ValueError, on every
-    rank at synchronize(); the outputs of that call are NaN; the next step is correct."""
+    rank at synchronize(); the outputs of that call are NaN; after differing tags every call is
+    refused until reset() on every rank; then (and after differing T at once) the next step is
+    correct."""
     failures: list[str] = []
     odd = gpu_dep.rank == gpu_dep.size - 1
     tokens = 9 if (odd and mismatch == "tokens") else 8
@@ -195,6 +197,11 @@ def test_ranks_out_of_step_raise_on_every_rank(gpu_dep, routed, layer, experts, 
     fails_fast(
         failures, f"{mismatch} mismatch", (None, expected), (None, match), routed, call, bad=False
     )
+    if mismatch == "tag":
+        refused = expect_raises(failures, "a call before reset()", RuntimeError, "reset", call)
+        if isinstance(refused, EpDesyncError):
+            failures.append(f"the call before reset() was not refused: {refused}")
+        routed.reset()
     failures += good_step(gpu_dep, routed, layer, experts, 300, "next good step")
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
