@@ -20,6 +20,7 @@ import csv
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -75,24 +76,32 @@ def child(tokens: list[int]) -> None:
 
 def metrics(text: str) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str], list[str]]]:
     """ncu's `--csv --page details` output -> (the (section, metric, unit) keys in order, the
-    values of each key, one per profiled launch in launch order)."""
+    values of each key, one per profiled launch in launch order). Rows without a metric name
+    (the sections' rule results) are left out."""
     start = text.find('"ID"')
     if start < 0:
         raise SystemExit(f"bench.profile_combine: no ncu table in its output:\n{text[-2000:]}")
     keys: list[tuple[str, str, str]] = []
-    values: dict[tuple[str, str], list[str]] = {}
+    by_launch: dict[tuple[str, str], dict[str, str]] = {}
+    launches: list[str] = []
     for row in csv.DictReader(io.StringIO(text[start:])):
-        key = (row["Section Name"], row["Metric Name"])
-        if key not in values:
+        if not row.get("Metric Name"):
+            continue
+        key, launch = (row["Section Name"], row["Metric Name"]), row["ID"]
+        if launch not in launches:
+            launches.append(launch)
+        if key not in by_launch:
             keys.append((*key, row["Metric Unit"]))
-            values[key] = []
-        values[key].append(row["Metric Value"])
+            by_launch[key] = {}
+        by_launch[key].setdefault(launch, row["Metric Value"])
+    values = {k: [seen.get(launch, "-") for launch in launches] for k, seen in by_launch.items()}
     return keys, values
 
 
 def main() -> int:
     p = cli.parser(__doc__, page="profile_combine.md", tokens=TOKENS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--raw", type=Path, default=None, help="also keep ncu's CSV output here")
     args = p.parse_args()
     if args.child:
         child(args.tokens)
@@ -104,6 +113,8 @@ def main() -> int:
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise SystemExit(f"bench.profile_combine: ncu failed:\n{done.stdout[-2000:]}{done.stderr}")
+    if args.raw is not None:
+        args.raw.write_text(done.stdout)
     keys, values = metrics(done.stdout)
     write_report(args.out, args.tokens, keys, values)
     return 0
