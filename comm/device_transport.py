@@ -34,6 +34,7 @@ from dep_ep.comm.tags import first_piece
 from dep_ep.comm.transport import (
     CAUSE_EXPERTS,
     CAUSE_INPUT,
+    CAUSE_UNUSABLE,
     EXPERT_CAUSES,
     Transport,
 )
@@ -68,6 +69,7 @@ from dep_ep.constants import (
     STATE_WORDS,
     STATUS_FAILED,
     STATUS_REJECTED,
+    STATUS_UNUSABLE,
 )
 from dep_ep.launch.nvshmem import GPU_EXTRA
 from dep_ep.launch.store import group_store
@@ -335,7 +337,9 @@ class DeviceTransport(Transport):
         where = f"EpRouted (rank {rank}): call {call} ({phase})"
         after = "; this rank's output of that call is NaN. This call did not start: call it again"
         if kind == KIND_REJECTED:
-            cause = CAUSE_EXPERTS if theirs == STATUS_FAILED else CAUSE_INPUT
+            cause = {STATUS_FAILED: CAUSE_EXPERTS, STATUS_UNUSABLE: CAUSE_UNUSABLE}.get(
+                theirs, CAUSE_INPUT
+            )
             raise EpPeerError(f"{where}: rank {peer} {cause}{after}")
         if kind == KIND_TOKENS:
             raise EpTokenCountError(

@@ -22,6 +22,8 @@ CAUSE_EXPERTS = "failed in its experts"
 CAUSE_REJECT_STEP = "called reject_step"
 CAUSE_ABORT_STEP = "called abort_step"
 CAUSE_EARLIER_PIECE = "failed an earlier piece of this step"
+# Not a caller's: the GPU combine's ready flag of a rank whose dispatch of the step had failed.
+CAUSE_UNUSABLE = "had failed in its dispatch of this step (its rows were not used)"
 # The causes the device transport tells apart in its step flags (STATUS_FAILED: the experts);
 # the others travel as STATUS_REJECTED.
 EXPERT_CAUSES = (CAUSE_EXPERTS, CAUSE_ABORT_STEP)

@@ -33,8 +33,10 @@ FLAG_PHASES = 3  # dispatch, combine, combine-end: slot (phase - PHASE_DISPATCH,
 FLAG_WORDS = 4
 FLAG_CALL, FLAG_TOKENS, FLAG_TAG = 0, 2, 3
 # A flag's status: the source took part with its payload, rejected its input (or called
-# reject_step), or failed in its experts (or called abort_step).
-STATUS_OK, STATUS_REJECTED, STATUS_FAILED = 0, 1, 2
+# reject_step), failed in its experts (or called abort_step), or ran the step after its own
+# dispatch of it had failed (a wait timed out or was aborted, or a source's flag was wrong):
+# its expert rows may come from receive rows a late peer had not finished writing.
+STATUS_OK, STATUS_REJECTED, STATUS_FAILED, STATUS_UNUSABLE = 0, 1, 2, 3
 NO_TAG = -(1 << 63)  # the tag word of a call that gave none
 # EpMoeLayer's own tags (a call given no tag=): LAYER_TAG_BASE + (step mod 2^LAYER_STEP_BITS)
 # << (LAYER_FINGERPRINT_BITS + LAYER_INDEX_BITS) + fingerprint << LAYER_INDEX_BITS + layer index,

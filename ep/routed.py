@@ -588,8 +588,8 @@ class EpRouted:
         self._step = _Step(tokens, real, wire_tag, staged_ids)
         self._last_tokens = tokens
         if self.config.check_expert_rows:
-            # After the dispatch, never before: until every source has dispatched this step
-            # (the dispatch waits for that), a peer's combine may still read the last step's rows.
+            # Every expert output row of the step is marked; the experts overwrite the rows they
+            # own, and the combine's check finds the marks left on rows with a local id.
             self._rows(tokens).out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
         if self._counts is not None:
             self._count_experts(tokens)

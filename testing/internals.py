@@ -4,7 +4,7 @@ returns can break the contract the public calls keep. No library module imports 
 
 `transport(routed)`: the transport EpRouted drives (a benchmark of one phase alone calls its
 dispatch or combine directly). `buffers(routed)`: its symmetric buffers, whose receive rows and
-partials a test poisons before a call or whose layout it measures.
+expert output rows a test poisons before a call or whose layout it measures.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm.device_transport import DeviceTransport
-from dep_ep.comm.errors import RECOVERY_RESET, EpDesyncError
+from dep_ep.comm.errors import RECOVERY_RESET, EpDesyncError, EpPeerError
 from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.constants import (
@@ -29,7 +29,11 @@ from dep_ep.constants import (
     ERROR_THEIRS,
     ERROR_WORDS,
     KIND_ABORTED,
+    KIND_REJECTED,
     PHASE_COMBINE,
+    STATUS_FAILED,
+    STATUS_REJECTED,
+    STATUS_UNUSABLE,
 )
 
 
@@ -178,3 +182,24 @@ def test_check_raises_a_peer_reset_as_a_desync_to_reset():
     for _ in range(2):
         with pytest.raises(EpDesyncError, match=r"rank 1 called reset\(\).*combine for rank 1"):
             transport.check()
+
+
+@pytest.mark.parametrize(
+    "status,cause",
+    [
+        (STATUS_REJECTED, "rejected its input"),
+        (STATUS_FAILED, "failed in its experts"),
+        (STATUS_UNUSABLE, "had failed in its dispatch of this step"),
+    ],
+)
+def test_check_names_why_a_peer_s_combine_flag_failed(status, cause):
+    """A peer's combine flag carries its status: check() raises EpPeerError naming the peer and
+    the cause, STATUS_UNUSABLE included (a rank whose dispatch of the step had failed, whose
+    rows its peers must not use). Then the next call is in step: the record is cleared."""
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 1, status
+    transport = transport_with(error, [])
+    with pytest.raises(EpPeerError, match=f"rank 1 {cause}"):
+        transport.check()
+    transport.check()

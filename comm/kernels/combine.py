@@ -83,11 +83,13 @@ from dep_ep.constants import (
     NORM_SCALE_MIN_EXP,
     PHASE_COMBINE,
     PHASE_COMBINE_END,
+    STATE_ABORT,
     STATE_CALL,
     STATE_DONE_COMBINE,
     STATE_READY_COMBINE,
     STATE_STEP_STATUS,
     STATUS_OK,
+    STATUS_UNUSABLE,
     WARP_LANES,
 )
 
@@ -173,7 +175,14 @@ class CombineKernel:
         call = mState[STATE_CALL] + 1
         # What the dispatch of this call found (stream-ordered before this launch).
         dispatch_failed = mState[STATE_STEP_STATUS]
-        signal_first_cta(regions, control, step, call, PHASE_COMBINE, STATE_READY_COMBINE, N, tidx)
+        # Rows computed after a failed dispatch may hold a late peer's half-written input: the
+        # ready flag says so, and every rank then marks its output instead of using them.
+        status = Int32(STATUS_OK)
+        if dispatch_failed != 0 or mState[STATE_ABORT] != 0:
+            status = Int32(STATUS_UNUSABLE)
+        signal_first_cta(
+            regions, control, step, call, PHASE_COMBINE, status, STATE_READY_COMBINE, N, tidx
+        )
         # The norm weight, once per CTA into shared memory: read from global memory after the
         # output stores of a token, its loads could not be hoisted above them (the tensors may
         # alias), and a lane's 14 chunks at L = 3584 cost 14 L2 round trips a token.

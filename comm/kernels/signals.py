@@ -143,9 +143,10 @@ def wait_flag(
 
 
 @cute.jit
-def signal_step(mSlot: cute.Tensor, call: Int64, status: int, step: Step):
+def signal_step(mSlot: cute.Tensor, call: Int64, status, step: Step):
     """Store a step's tokens and tag into a destination's flag slot for this source, then the
-    flag `call << 2 | status` with release semantics at system scope (after the payload)."""
+    flag `call << 2 | status` (status a constant or an Int32) with release semantics at system
+    scope (after the payload)."""
     mSlot[FLAG_TOKENS] = Int64(step.tokens)
     mSlot[FLAG_TAG] = step.tag
     cute.arch.store(
@@ -160,10 +161,11 @@ def signal_all(
     step: Step,
     call: Int64,
     phase: int,
-    status: int,
+    status,
     num_ranks: cutlass.Constexpr[int],
 ):
-    """One thread: store this rank's flag of (phase, call) with `status` into every rank."""
+    """One thread: store this rank's flag of (phase, call) with `status` (a constant or an
+    Int32) into every rank."""
     for d in cutlass.range_constexpr(num_ranks):
         mFlags = flag_slots(peer_base(regions, d, num_ranks), regions, num_ranks)
         signal_step(flag_slot(mFlags, phase, control.rank), call, status, step)
@@ -171,13 +173,16 @@ def signal_all(
 
 @cute.jit
 def is_last_cta(control: RankControl, counter: int, grid: Int32) -> Int32:
-    """Thread 0 of each CTA, after the CTA's payload and fence: 1 for the last CTA of the launch
-    to get here, which also zeroes the counter (state word `counter`) for the next launch, else
-    0. Two launches never count at once: with programmatic dependent launch the next one may
-    start early, but it touches the counter only after its griddepcontrol.wait, when this launch
-    has completed. A one-CTA launch skips the count. The count is an acquire-release atomic at
-    GPU scope (every CTA is on this GPU): it orders every CTA's fenced payload before the last
-    CTA's release stores at system scope, which peers acquire."""
+    """Thread 0 of each CTA, after a CTA barrier that follows the CTA's work: 1 for the last CTA
+    of the launch to get here, which also zeroes the counter (state word `counter`) for the next
+    launch, else 0. Two launches never count at once: with programmatic dependent launch the
+    next one may start early, but it touches the counter only after its griddepcontrol.wait,
+    when this launch has completed. A one-CTA launch skips the count. The count is an
+    acquire-release atomic at GPU scope (every CTA is on this GPU): it orders every CTA's work
+    (the dispatch's payload stores, each CTA fenced at system scope first; the combine's loads,
+    whose values were summed and stored before the barrier) before what the last CTA does next
+    (its release stores at system scope, which peers acquire; in the combine after its own
+    system-scope fence)."""
     last = Int32(1)
     if grid > 1:
         mState = state_words(control)
@@ -231,16 +236,17 @@ def signal_first_cta(
     step: Step,
     call: Int64,
     phase: int,
+    status: Int32,
     counter: int,
     num_ranks: cutlass.Constexpr[int],
     tidx: Int32,
 ):
     """Every thread of the CTA, before it waits: thread 0 of the first CTA of the launch to get
     here (state word `counter` counts the arrivals; the launch's last CTA, found by
-    `is_last_cta`, zeroes it) stores this rank's flag of (phase, call) into every rank, after a
-    system-scope fence. For a payload that earlier launches on this stream wrote: they completed
-    before this launch read anything (stream order, or griddepcontrol.wait), and the fence,
-    cumulative, orders their writes before the flag that peers acquire.
+    `is_last_cta`, zeroes it) stores this rank's flag of (phase, call) with `status` into every
+    rank, after a system-scope fence. For a payload that earlier launches on this stream wrote:
+    they completed before this launch read anything (stream order, or griddepcontrol.wait), and
+    the fence, cumulative, orders their writes before the flag that peers acquire.
 
     Why the first CTA and not CTA 0 or the last one: the launch's CTAs then never wait for one
     another. A CTA that waits for the peers' flags holds its SM, and the peers wait for this
@@ -254,7 +260,7 @@ def signal_first_cta(
         )
         if arrived == 0:
             cute.arch.fence_acq_rel_sys()
-            signal_all(regions, control, step, call, phase, STATUS_OK, num_ranks)
+            signal_all(regions, control, step, call, phase, status, num_ranks)
 
 
 def id_vector(topk: int) -> int:

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dep_ep.comm import EpDesyncError, EpPeerError
+from dep_ep.comm import EpDesyncError, EpPeerError, EpTimeoutError
 from dep_ep.comm.device_transport import DeviceTransport
 from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpRouted
@@ -44,6 +44,8 @@ TIMEOUT_S = 20.0  # a kernel that waited this out would fail the reset's bound b
 RESET_S = 1.0
 SIGNAL_S = 0.5  # from a SIGINT to its KeyboardInterrupt (synchronize() polls every 0.2 ms)
 LATE_S = 1.0  # the other ranks call this late, so that rank 0's kernels wait for them
+SHORT_TIMEOUT_S = 2.0  # rank 0's dispatch times out after this ...
+LATE_TIMEOUT_S = 1.0  # ... and the other ranks dispatch this much later still
 
 
 def build(dep) -> EpRouted:
@@ -92,9 +94,9 @@ def test_interrupt_in_dispatch_then_reset(gpu_dep, monkeypatch, where):
     rank 0 refuses calls until reset(). Then, after a host barrier (the times measure the reset
     alone), reset() on every rank returns within RESET_S (the kernels still waiting are ended by
     the abort request, not timed out), and three fresh steps match the reference.
-    The earlier form of this test (run on one H200, 2026-12-02) raised the KeyboardInterrupt
-    from a patched dispatch, no signal, and bounded each rank's reset() by 3 s from its own
-    call; this form is written, not run on a GPU yet."""
+    The earlier form of this test raised the KeyboardInterrupt from a patched dispatch, no
+    signal, and bounded each rank's reset() by 3 s from its own call; this form passed on one
+    H200 with 2 processes (2026-12-02)."""
     seed = agreed_seed(gpu_dep.cpu_group, 500)
     layer = SyntheticLayer(TINY, seed)
     experts = dense_experts(layer, gpu_dep.rank, gpu_dep.size)
@@ -169,7 +171,8 @@ def test_reset_reaches_a_peer_whose_kernels_wait(gpu_dep):
     watch was first) raises EpDesyncError naming rank 0 and saying to reset() within 1 s of the
     call; they reset(), rank 0's reset() returns within 2 s, and three fresh steps match the
     reference.
-    Written, not run on a GPU yet. Before (read from the code, not run): their kernels waited
+    Passed on one H200 with 2 processes (2026-12-02). Before (read from the code, not run):
+    their kernels waited
     for rank 0 until timeout_s (20 s) and synchronize() raised EpTimeoutError then, by which time
     rank 0's reset() had waited its own 20 s for them."""
     seed = agreed_seed(gpu_dep.cpu_group, 520)
@@ -385,4 +388,52 @@ def test_a_piece_that_fails_keeps_the_pieces_paired(gpu_dep):
             failures.append(f"the failed step took {took:.1f} s: a wait ran out")
         dist.barrier(group=gpu_dep.cpu_group)
         failures += good_step(gpu_dep, routed, layer, experts, seed + 1, "the next step")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_dispatch_that_timed_out_poisons_the_step_on_every_rank(gpu_dep):
+    """Rank 0's dispatch times out waiting for the other ranks, which call LATE_TIMEOUT_S later
+    than rank 0's timeout: rank 0's experts and combine still run (stream-ordered) on receive
+    rows the late ranks had not written yet. Its combine's ready flag says so (STATUS_UNUSABLE),
+    so the late ranks, whose own dispatch saw nothing wrong, output NaN and raise EpPeerError
+    naming rank 0 at synchronize(); rank 0 raises EpTimeoutError. After reset() on every rank
+    three fresh steps match the reference. Before (read from the code, not run): the late ranks
+    summed rank 0's rows and returned them with no error. Written, not run on a GPU yet."""
+    seed = agreed_seed(gpu_dep.cpu_group, 540)
+    layer = SyntheticLayer(TINY, seed)
+    r = gpu_dep.rank
+    experts = dense_experts(layer, r, gpu_dep.size)
+    failures: list[str] = []
+    routed = EpRouted(
+        gpu_dep.cpu_group,
+        MAX_TOKENS,
+        "cuda",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(timeout_s=SHORT_TIMEOUT_S),
+    )
+    try:
+        case = make_case(TINY, gpu_dep.size, T, seed + 1)
+        args = [t.cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+        norm = layer.norm_weight().cuda()
+        dist.barrier(group=gpu_dep.cpu_group)
+        if r != 0:
+            time.sleep(SHORT_TIMEOUT_S + LATE_TIMEOUT_S)
+        out = routed(*args, norm, experts=experts)
+        if r == 0:
+            expect_raises(failures, "rank 0", EpTimeoutError, "dispatch", routed.synchronize)
+        else:
+            expect_raises(
+                failures, f"rank {r}", EpPeerError, "rank 0 had failed", routed.synchronize
+            )
+            if not bool(out.isnan().all()):
+                failures.append(f"rank {r}: rows of the poisoned step are not all NaN")
+        dist.barrier(group=gpu_dep.cpu_group)
+        routed.reset()
+        for i in range(3):
+            failures += good_step(gpu_dep, routed, layer, experts, seed + 2 + i, f"after {i}")
+    finally:
+        routed.close()
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
