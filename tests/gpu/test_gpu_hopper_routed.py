@@ -9,28 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dep_ep.config import EpConfig
-from dep_ep.ep import K3, EpRouted, MoeGeometry
 from dep_ep.experts import default_experts
 from dep_ep.experts.hopper import HopperExperts
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.compare import compare_rel_l2
-from dep_ep.testing.tolerance import EXPERTS_REL_L2, ROUTED_HUMMING_REL_L2, ROUTED_REL_L2
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert
-
-# K3's widths (L 3584, I 3072: where the humming engine is the default) over 32 experts, so that
-# the float64 reference (on the GPU) stays quick: 16 local experts a rank at N = 2, 4 at N = 8.
-K3_32 = MoeGeometry(
-    "k3-32",
-    hidden=K3.hidden,
-    latent=K3.latent,
-    experts=32,
-    topk=K3.topk,
-    intermediate=K3.intermediate,
-)
-MAX_TOKENS = 16
+from helpers.k3_32 import K3_32, MAX_TOKENS, bound_of, build_routed
 
 
 def hopper_gap() -> str | None:
@@ -44,26 +30,9 @@ pytestmark = pytest.mark.skipif(hopper_gap() is not None, reason=f"HopperExperts
 
 @pytest.fixture(scope="module")
 def routed_k3(gpu_dep):
-    if K3_32.experts % gpu_dep.size:
-        pytest.skip(f"{K3_32.experts} experts do not split over {gpu_dep.size} ranks")
-    routed = EpRouted(
-        gpu_dep.cpu_group,
-        MAX_TOKENS,
-        torch.device("cuda"),
-        num_experts=K3_32.experts,
-        latent=K3_32.latent,
-        topk=K3_32.topk,
-        config=EpConfig(timeout_s=60.0),
-    )
+    routed = build_routed(gpu_dep)
     yield routed
     routed.close()
-
-
-def bound_of(experts) -> float:
-    """The modelled relative L2 bound of the routed output with this backend's numerics."""
-    if getattr(experts, "activation_format", "bf16") == "mxfp8":
-        return ROUTED_HUMMING_REL_L2
-    return max(ROUTED_REL_L2, EXPERTS_REL_L2)
 
 
 @pytest.mark.mpi(min_size=1)
