@@ -48,7 +48,7 @@ SHORT_TIMEOUT_S = 2.0  # rank 0's dispatch times out after this ...
 LATE_TIMEOUT_S = 1.0  # ... and the other ranks dispatch this much later still
 
 
-def build(dep) -> EpRouted:
+def build(dep, timeout_s: float = TIMEOUT_S) -> EpRouted:
     return EpRouted(
         dep.cpu_group,
         MAX_TOKENS,
@@ -56,7 +56,7 @@ def build(dep) -> EpRouted:
         num_experts=TINY.experts,
         latent=TINY.latent,
         topk=TINY.topk,
-        config=EpConfig(timeout_s=TIMEOUT_S),
+        config=EpConfig(timeout_s=timeout_s),
     )
 
 
@@ -405,15 +405,7 @@ def test_a_dispatch_that_timed_out_poisons_the_step_on_every_rank(gpu_dep):
     r = gpu_dep.rank
     experts = dense_experts(layer, r, gpu_dep.size)
     failures: list[str] = []
-    routed = EpRouted(
-        gpu_dep.cpu_group,
-        MAX_TOKENS,
-        "cuda",
-        num_experts=TINY.experts,
-        latent=TINY.latent,
-        topk=TINY.topk,
-        config=EpConfig(timeout_s=SHORT_TIMEOUT_S),
-    )
+    routed = build(gpu_dep, SHORT_TIMEOUT_S)
     try:
         case = make_case(TINY, gpu_dep.size, T, seed + 1)
         args = [t.cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
