@@ -62,7 +62,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 from bench import cli, report
-from bench.timing import time_us
+from bench.timing import capture, time_us
 from dep_ep.config import DEFAULT_ROUTED_SCALING_FACTOR, PRESETS, EpConfig
 from dep_ep.ep import EpMoeLayer
 from dep_ep.ep.custom_op import register_routed, routed_op, unregister_routed
@@ -260,19 +260,13 @@ def host_times(
 
 def capture_step(calls: list[Callable[[], torch.Tensor]], reps: int):
     """(graph, the last step's outputs): `reps` steps of `calls` captured in one CUDA graph, after
-    one step on the capture's stream (bench.timing.capture's warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            outs = [call() for call in calls]
-    return graph, outs
+    one step on the capture's stream (bench.timing.capture)."""
+    outs: list[torch.Tensor] = []
+
+    def step() -> None:
+        outs[:] = [call() for call in calls]
+
+    return capture(step, reps), outs
 
 
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
