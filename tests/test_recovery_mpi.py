@@ -60,6 +60,20 @@ def served_to_the_end(done: list[int], last: int, label: str) -> list[str]:
     return [] if done[-3:] == tail else [f"{label}: batches returned {done}, not ending {tail}"]
 
 
+def fresh_bits_failures(dep, dense, experts, x, got, label) -> list[str]:
+    """Layers A and B (`dense`: their two dense weight sets) on a fresh EpRouted, called in
+    order on `x`: a failure for each of `got` (A's and B's outputs on the object under test)
+    whose bits differ from the fresh object's."""
+    with build(dep) as fresh:
+        layers = [EpMoeLayer(d, fresh, experts, topk=TINY.topk) for d in dense]
+        want = [layer(x) for layer in layers]
+    return [
+        f"layer {name} {label}: not the fresh object's bits"
+        for name, g, w in zip("AB", got, want)
+        if not torch.equal(g.view(torch.int16), w.view(torch.int16))
+    ]
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_reset_while_a_peer_is_in_a_call(dep, layer):
@@ -281,13 +295,8 @@ def test_layers_called_in_different_orders(dep, layer):
                 failures.append(f"call {i} out of order: the error took {took:.2f} s")
             routed.reset()  # what the error says: the calls no longer pair
         got = [a(mine), b(mine)]
-    with build(dep) as fresh:
-        a2 = EpMoeLayer(dense_weights(seed + 1), fresh, experts, topk=TINY.topk)
-        b2 = EpMoeLayer(dense_weights(seed + 2), fresh, experts, topk=TINY.topk)
-        want = [a2(mine), b2(mine)]
-    for name, g, w in zip("AB", got, want):
-        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
-            failures.append(f"layer {name} in order after the desync: not the fresh object's bits")
+    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
+    failures += fresh_bits_failures(dep, dense, experts, mine, got, "in order after the desync")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
@@ -512,13 +521,8 @@ def test_layers_built_in_different_orders(dep, layer):
             routed.reset()  # what the error says: the calls no longer pair
         _, by_name = build_layers(routed, {"A": 10, "B": 11})
         got = [by_name["A"](mine), by_name["B"](mine)]
-    with build(dep) as fresh:
-        a2 = EpMoeLayer(dense["A"], fresh, experts, topk=TINY.topk)
-        b2 = EpMoeLayer(dense["B"], fresh, experts, topk=TINY.topk)
-        want = [a2(mine), b2(mine)]
-    for name, g, w in zip("AB", got, want):
-        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
-            failures.append(f"layer {name} with layer_index=: not the fresh object's bits")
+    pair = [dense["A"], dense["B"]]
+    failures += fresh_bits_failures(dep, pair, experts, mine, got, "with layer_index=")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
