@@ -225,6 +225,24 @@ def check_tag(fn: str, tag: object) -> int | None:
     return value
 
 
+def check_padding(fn: str, padding: object, rows: int, device: torch.device) -> torch.Tensor:
+    """A padding mask: bool [>= rows] on `device`, one element a row (True: a padding row; the
+    elements past `rows` are not read), contiguous or strided. TypeError for the type or dtype,
+    ValueError for the rest."""
+    if not isinstance(padding, torch.Tensor):
+        raise TypeError(f"{fn}: padding is {type(padding).__name__}; expected a torch.Tensor")
+    if padding.dtype != torch.bool:
+        raise TypeError(f"{fn}: padding dtype {padding.dtype}; expected torch.bool")
+    if padding.dim() != 1 or padding.shape[0] < rows:
+        raise ValueError(
+            f"{fn}: padding shape {tuple(padding.shape)}; expected [m] with m >= {rows} (one"
+            " element a row of the latent)"
+        )
+    if padding.device != device:
+        raise ValueError(f"{fn}: padding on {padding.device}; expected {device}")
+    return padding
+
+
 def check_ids(fn: str, ids: torch.Tensor, num_experts: int) -> None:
     """Values in -1..num_experts-1 (reads the tensor: a host sync on GPU)."""
     if ids.numel() == 0:

@@ -391,9 +391,10 @@ class EpMoeLayer:
         *,
         tokens: int | None = None,
         tag: int | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """bf16 [n, L]: EpRouted.routed with this layer's experts, norm weight and eps.
-        Collective."""
+        """bf16 [n, L]: EpRouted.routed with this layer's experts, norm weight and eps (padding:
+        as EpRouted.dispatch). Collective."""
         return self.routed.routed(
             latent,
             ids,
@@ -403,6 +404,7 @@ class EpMoeLayer:
             eps=self.eps,
             tokens=tokens,
             tag=tag,
+            padding=padding,
         )
 
     def up(self, normed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -412,10 +414,16 @@ class EpMoeLayer:
 
     # ----------------------------------------------------------------------------- the call
     def forward(
-        self, x: torch.Tensor, *, tokens: int | None = None, tag: int | None = None
+        self,
+        x: torch.Tensor,
+        *,
+        tokens: int | None = None,
+        tag: int | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x bf16 [n, H] (0 <= n <= tokens) -> bf16 [n, H]. tokens: T, the step's token count,
-        the same on every rank (None: n; n = 0 needs tokens >= 1); tag: as EpRouted.dispatch.
+        the same on every rank (None: n; n = 0 needs tokens >= 1); tag, padding (bool [>= n],
+        True: the row selects no expert; an engine's persistent mask): as EpRouted.dispatch.
         Collective over routed's group. On CUDA stream-ordered (no host sync unless the EpRouted
         reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
@@ -427,8 +435,8 @@ class EpMoeLayer:
             if error is not None:
                 self._reject(fn, error, tag, tokens)
             if self._side is None:
-                return self._forward_serial(fn, x, tokens, tag)
-            return self._forward_overlap(fn, x, tokens, tag)
+                return self._forward_serial(fn, x, tokens, tag, padding)
+            return self._forward_overlap(fn, x, tokens, tag, padding)
         finally:
             # The call counts once it reached the EpRouted's transport (as its peers' calls do):
             # an exception before that (a KeyboardInterrupt in this rank's own work) leaves the
@@ -438,7 +446,7 @@ class EpMoeLayer:
 
     __call__ = forward
 
-    def _forward_serial(self, fn, x, tokens, tag) -> torch.Tensor:
+    def _forward_serial(self, fn, x, tokens, tag, padding) -> torch.Tensor:
         n, on = x.shape[0], dict(device=self.device)
         ids = torch.empty(n, self.topk, dtype=torch.int32, **on)
         weights = torch.empty(n, self.topk, dtype=torch.float32, **on)
@@ -448,21 +456,32 @@ class EpMoeLayer:
             self._route_into(x, ids, weights)
             self._shared_into(front, shared)
             latent = self.latent_of(front)
-            error = self._check_overflow(fn, x, latent, weights)
+            error = self._check_overflow(fn, x, latent, weights, padding)
         except BaseException as err:  # every rank must still complete the step
             self._reject(fn, err, tag, tokens)
         if error is not None:
             self._reject(fn, error, tag, tokens)
-        normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
+        normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag, padding=padding)
         return self.up(normed, shared)
 
-    def _check_overflow(self, fn, x, latent, weights) -> ValueError | None:
+    def _check_overflow(self, fn, x, latent, weights, padding) -> ValueError | None:
         """Where values are read (check_values): a finite x whose projections overflow (a latent
         or a routing weight that is not finite) is the caller's x, named as such; unchecked it
-        would give NaN rows."""
+        would give NaN rows. Padding rows are not read (a malformed `padding` is EpRouted's to
+        refuse, on every rank)."""
         if not self.routed.check_values or x.shape[0] == 0:
             return None
         bad = ~(latent.isfinite().all(dim=1) & weights.isfinite().all(dim=1))
+        n = x.shape[0]
+        usable = (
+            isinstance(padding, torch.Tensor)
+            and padding.dtype == torch.bool
+            and padding.dim() == 1
+            and padding.shape[0] >= n
+            and padding.device == bad.device
+        )
+        if usable:
+            bad &= ~padding[:n]
         if not bool(bad.any()):
             return None
         row = int(bad.nonzero()[0])
@@ -472,7 +491,7 @@ class EpMoeLayer:
             " layer's input"
         )
 
-    def _forward_overlap(self, fn, x, tokens, tag) -> torch.Tensor:
+    def _forward_overlap(self, fn, x, tokens, tag, padding) -> torch.Tensor:
         """The serial order's operations on two streams:
 
             main: front GEMM ------------> latent copy, wait router -> routed path -> wait side, up
@@ -505,7 +524,7 @@ class EpMoeLayer:
                 self._shared_into(front, shared)
             latent = self.latent_of(front)
             main.wait_event(routed_ready)
-            error = self._check_overflow(fn, x, latent, weights)
+            error = self._check_overflow(fn, x, latent, weights, padding)
         except BaseException as err:  # every rank must still complete the step
             main.wait_stream(side)
             self._reject(fn, err, tag, tokens)
@@ -513,7 +532,7 @@ class EpMoeLayer:
             main.wait_stream(side)
             self._reject(fn, error, tag, tokens)
         try:
-            normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag)
+            normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag, padding=padding)
         finally:
             main.wait_stream(side)
         return self.up(normed, shared)

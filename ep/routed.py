@@ -14,6 +14,7 @@ from dep_ep.checks import (
     check_eps,
     check_ids,
     check_int,
+    check_padding,
     check_positive_int,
     check_rows,
     check_tag,
@@ -229,6 +230,9 @@ class EpRouted:
         self._rows_of: dict[int, ReceiveRows] = {}  # T -> the step's views (EpRouted._rows)
         # Staged ids and weights of the step: padded to T with -1 ids, owned by this object.
         self._ids = torch.empty(max_tokens, topk, dtype=torch.int32, **on)
+        # The id a padding row's ids become (`padding=`), as a device scalar: torch.where writes
+        # the staged ids from it without a host-to-device copy of its own.
+        self._no_expert = torch.full((), -1, dtype=torch.int32, **on)
         self._weights = torch.empty(max_tokens, topk, dtype=torch.float32, **on)
         self._step: _Step | None = None  # the dispatched step awaiting its combine
         # Dispatches (and rejections) handed to the transport: an EpMoeLayer counts a call (its
@@ -431,11 +435,12 @@ class EpRouted:
 
     # ----------------------------------------------------------------------------- validation
     def _check_inputs(
-        self, fn, latent, ids, weights, experts, need_experts, tokens, tag, limit=None
+        self, fn, latent, ids, weights, experts, need_experts, tokens, tag, limit=None, padding=None
     ):
         """Returns (T, n) for latent [n, L] padded to T tokens. `need_experts`: None is an error
         (routed runs them), not "not given" (dispatch). `limit`: the largest T (max_tokens when
-        None; a step run in pieces checks its whole arguments against its own T)."""
+        None; a step run in pieces checks its whole arguments against its own T). `padding`:
+        None or bool [>= n] on the device."""
         if not isinstance(latent, torch.Tensor) or latent.dim() != 2:
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent)
             raise ValueError(f"{fn}: latent {shape}; expected a 2-D tensor [n, {self.latent}]")
@@ -452,7 +457,12 @@ class EpRouted:
         shape = (real, self.topk)
         check_tensor(fn, "ids", ids, (torch.int32, torch.int64), shape, self.device)
         check_tensor(fn, "weights", weights, (torch.float32,), shape, self.device)
+        if padding is not None:
+            check_padding(fn, padding, real, self.device)
         if self.check_values:
+            # A padding row's ids and weights are never read: whatever they hold is no error.
+            if padding is not None:
+                ids = torch.where(padding[:real, None], self._no_expert, ids)
             check_ids(fn, ids, self.num_experts)
             check_weights(fn, weights, ids)
         if experts is not None or need_experts:
@@ -524,6 +534,7 @@ class EpRouted:
         experts: ExpertsBackend | None = None,
         tokens: int | None = None,
         tag: int | None = None,
+        padding: torch.Tensor | None = None,
     ) -> ReceiveRows:
         """Quantize each token to MXFP8 once and deliver it to every rank owning one of its experts.
 
@@ -531,14 +542,30 @@ class EpRouted:
         -1..E-1 select no expert when the values are not checked); weights fp32 [n, K]. tokens: T,
         the step's token count, the same on every rank (None: n); rows n..T-1 are padding (no
         expert). tag: an int identifying the step, or None (see the class docstring).
+        padding: None, or bool [>= n] on the device, True for a padding row among the n (an
+        engine's persistent mask: vLLM's `is_padding`): such a row selects no expert whatever its
+        ids and weights hold. Applied where the ids are staged (the one kernel that copies them
+        either way), so it costs no launch and a CUDA graph reads the live mask at each replay.
         Collective; on CPU it blocks until every rank has delivered. Returns this rank's receive
         rows. `experts`, when given, is validated with the inputs.
         """
         return self._dispatch(
-            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag
+            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag, padding=padding
         )
 
-    def _dispatch(self, fn, latent, ids, weights, experts, need_experts, tokens, tag, checked=True):
+    def _dispatch(
+        self,
+        fn,
+        latent,
+        ids,
+        weights,
+        experts,
+        need_experts,
+        tokens,
+        tag,
+        checked=True,
+        padding=None,
+    ):
         self._check_usable(fn)
         if self._step is not None:
             raise RuntimeError(
@@ -549,7 +576,7 @@ class EpRouted:
         error, real = None, 0
         try:
             tokens, real = self._check_inputs(
-                fn, latent, ids, weights, experts, need_experts, tokens, tag
+                fn, latent, ids, weights, experts, need_experts, tokens, tag, padding=padding
             )
         except (TypeError, ValueError) as err:
             error, tokens = err, 0
@@ -557,14 +584,18 @@ class EpRouted:
         staged_ids = self._ids[:tokens]
         if error is None:
             # The ids are copied, never referenced: combine reads them again and the caller may
-            # reuse its tensor in between; padding rows get -1 ids. int64 ids outside int32 would
-            # wrap in the copy (2**32 + 3 becomes expert 3): clamped to -1..E first, and E, like
-            # any id past the last rank's experts, selects no rank. The weights are read by the
-            # dispatch alone: staged only when padding rows must follow the caller's n rows, or
-            # when they do not start on the 16-byte boundary the GPU kernel's loads need.
+            # reuse its tensor in between; padding rows (rows n..T-1, and those `padding` marks)
+            # get -1 ids. int64 ids outside int32 would wrap in the copy (2**32 + 3 becomes
+            # expert 3): clamped to -1..E first, and E, like any id past the last rank's experts,
+            # selects no rank. The weights are read by the dispatch alone: staged only when
+            # padding rows must follow the caller's n rows, or when they do not start on the
+            # 16-byte boundary the GPU kernel's loads need.
             if ids.dtype == torch.int64:
                 ids = ids.clamp(-1, self.num_experts)
-            staged_ids[:real].copy_(ids)
+            if padding is None:
+                staged_ids[:real].copy_(ids)
+            else:  # one kernel, as the copy: the mask read on the device
+                torch.where(padding[:real, None], self._no_expert, ids, out=staged_ids[:real])
             if real < tokens:
                 staged_ids[real:].fill_(-1)
             if real < tokens or not vector_start(weights):
@@ -737,6 +768,7 @@ class EpRouted:
         tokens: int | None = None,
         tag: int | None = None,
         out: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """dispatch -> experts.forward on the receive rows -> combine. Returns bf16 [n, L] =
         RMSNorm(sum over the token's experts of weight * expert(latent)) (norm_weight None: the
@@ -764,23 +796,48 @@ class EpRouted:
         if total is None or total <= self.max_tokens or total > MAX_STEP_TOKENS:
             # One step (a T past the bound is refused in it, on every rank: no 1e20 pieces).
             return self._routed_step(
-                fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out
+                fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out, padding
             )
         refused, n = None, 0
         try:  # the whole call's arguments, before they are cut: a piece sees only its rows
             _, n = self._check_inputs(
-                fn, latent, ids, weights, experts, True, total, tag, limit=total
+                fn, latent, ids, weights, experts, True, total, tag, limit=total, padding=padding
             )
             if out is not None:
                 self._check_out(fn, out, n)
         except (TypeError, ValueError) as err:
             refused = err
         return self._routed_pieces(
-            fn, latent, ids, weights, norm_weight, experts, eps, total, tag, out, n, refused
+            fn,
+            latent,
+            ids,
+            weights,
+            norm_weight,
+            experts,
+            eps,
+            total,
+            tag,
+            out,
+            padding,
+            n,
+            refused,
         )
 
     def _routed_pieces(
-        self, fn, latent, ids, weights, norm_weight, experts, eps, total, tag, out, n, refused
+        self,
+        fn,
+        latent,
+        ids,
+        weights,
+        norm_weight,
+        experts,
+        eps,
+        total,
+        tag,
+        out,
+        padding,
+        n,
+        refused,
     ) -> torch.Tensor:
         """A step of T = `total` > max_tokens tokens as ceil(T / max_tokens) pieces (`routed`),
         the latent's n rows cut along them. A rank whose arguments were refused (`refused`) or
@@ -825,6 +882,7 @@ class EpRouted:
                     step_tokens,
                     this_tag,
                     result[lo:hi],
+                    None if padding is None else padding[lo:hi],
                     checked=checked,
                 )
             except BaseException as err:
@@ -842,12 +900,26 @@ class EpRouted:
         return result
 
     def _routed_step(
-        self, fn, latent, ids, weights, norm_weight, experts, eps, tokens, tag, out, checked=True
+        self,
+        fn,
+        latent,
+        ids,
+        weights,
+        norm_weight,
+        experts,
+        eps,
+        tokens,
+        tag,
+        out,
+        padding=None,
+        checked=True,
     ):
         """One step of at most max_tokens tokens into `out` (or a new tensor). `checked`: as
         Transport.dispatch."""
         # experts=None is caught by the dispatch's validation, which every rank takes part in.
-        rows = self._dispatch(fn, latent, ids, weights, experts, True, tokens, tag, checked)
+        rows = self._dispatch(
+            fn, latent, ids, weights, experts, True, tokens, tag, checked, padding=padding
+        )
         error = None
         try:
             experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)

@@ -30,12 +30,11 @@ smallest bucket >= T). Before serving starts, as a server starts, the experts ar
 T up to --step-tokens (`warm_buckets`) and every bucket is captured after one eager step of it;
 all ranks decide from the same all-reduced counts, so they replay the same graphs in the same
 order. A bucket's rows past the step's tokens are padding, as an engine's are: the graph reads a
-persistent is_padding mask at every replay and sends those rows to no expert
-(`integrations.common.padding_to_no_expert`, the engine integrations' padding path), the layers
-running EpMoeLayer's parts in its serial order with the ids masked between the router and the
-routed path. After every step `poll_all()` raises what a failed replayed step would otherwise
-only show as NaN rows. --emulate-graphs runs the same bucket logic on the CPU, where a "graph" is
-its step run again on the same static buffers (CI checks the logic; only CUDA captures).
+persistent is_padding mask at every replay and sends those rows to no expert (EpMoeLayer's
+`padding=`, the mask the engine integrations pass to the routed call). After every step
+`poll_all()` raises what a failed replayed step would otherwise only show as NaN rows.
+--emulate-graphs runs the same bucket logic on the CPU, where a "graph" is its step run again on
+the same static buffers (CI checks the logic; only CUDA captures).
 
 Checks: every --check-every steps each MoE layer's output is compared with the float64 reference
 of that layer on the same input (dep_ep.testing.layer_reference, collective over the DEP group):
@@ -75,7 +74,6 @@ from dep_ep.experts import default_experts
 from dep_ep.integrations.common import (
     close_shared,
     common_tokens,
-    padding_to_no_expert,
     poll_all,
     shared_routed,
     warm_buckets,
@@ -365,18 +363,11 @@ class Decoder:
 
 
 def padded_moe(moe: EpMoeLayer, x: torch.Tensor, T: int, is_padding: torch.Tensor) -> torch.Tensor:
-    """EpMoeLayer's call as its parts in the serial order (the same operations), with the rows
-    `is_padding` marks given no expert between the router and the routed path:
-    `padding_to_no_expert`, the engine integrations' padding path, which reads the mask on the
-    device (a graph reads the live mask at every replay). Tagged with the layer index, as the
-    integrations tag their calls. Collective."""
-    front = moe.front(x)
-    ids, weights = moe.router(x)
-    ids = padding_to_no_expert(ids, is_padding)
-    shared = moe.shared(front)
-    latent = moe.latent_of(front)
-    normed = moe.routed_path(latent, ids, weights, tokens=T, tag=moe.layer_index)
-    return moe.up(normed, shared)
+    """The layer's call with the rows `is_padding` (bool [>= n]) marks sent to no expert:
+    EpMoeLayer's `padding=`, as the engine integrations pass their engine's mask to the routed
+    call (read on the device where the ids are staged: a graph reads the live mask at every
+    replay). Tagged with the layer index, as the integrations tag their calls. Collective."""
+    return moe(x, tokens=T, tag=moe.layer_index, padding=is_padding)
 
 
 def copy_into(static: object, fresh: object) -> None:

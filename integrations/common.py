@@ -1,6 +1,7 @@
 """What a server around dep_ep needs whatever the engine: the step's common token count from the
-per-rank counts, padding rows turned into "no expert" ids, one EpRouted per process and group
-for every MoE layer, the warm-up of every CUDA-graph bucket, and the per-step poll.
+per-rank counts, one EpRouted per process and group for every MoE layer, the warm-up of every
+CUDA-graph bucket, and the per-step poll. (Padding rows reach no rank through the routed call's
+`padding=` mask: EpRouted.dispatch.)
 
 Engine-free: the vLLM and SGLang integrations and examples/dp_server.py use these functions,
 so the logic a test checks on CPU ranks is the logic an engine runs.
@@ -25,26 +26,19 @@ def common_tokens(counts: Sequence[int], sequence_parallel: int = 1) -> int:
     padding rows). `counts`: every data-parallel rank's token count; `sequence_parallel`: the
     ranks a DP rank's tokens are split over (vLLM's sequence-parallel MoE shards each DP rank's
     tokens over its TP ranks, ceil(n / sp) each)."""
-    sp = check_int("common_tokens", "sequence_parallel", sequence_parallel)
+    sp = sequence_parallel
+    if type(sp) is not int:  # the per-layer fast path; a bool (a subclass) is checked
+        sp = check_int("common_tokens", "sequence_parallel", sp)
     if sp < 1:
         raise ValueError(f"common_tokens: sequence_parallel={sp}; expected >= 1")
-    values = [check_int("common_tokens", "counts[i]", c) for c in counts]
-    if any(c < 0 for c in values):
-        raise ValueError(f"common_tokens: counts {values} hold a negative count")
-    return max([-(-c // sp) for c in values] + [1])
-
-
-def padding_to_no_expert(
-    ids: torch.Tensor, is_padding: torch.Tensor | None, rows: int | None = None
-) -> torch.Tensor:
-    """ids int32 [n, K] with the rows that `is_padding` (bool [>= n], True for padding) marks set
-    to -1 (no expert), so they reach no rank. Stream-ordered and graph-safe: the mask is read on
-    the device, so a graph captured once reads the engine's live mask at every replay. None:
-    the ids as they are. `rows`: n, when ids hold more rows than the step's."""
-    if is_padding is None:
-        return ids
-    n = ids.shape[0] if rows is None else rows
-    return torch.where(is_padding[:n, None], torch.full_like(ids[:n], -1), ids[:n])
+    # Called once a MoE layer: plain ints (an engine's tolist()) take the short path.
+    values = counts if all(type(c) is int for c in counts) else None
+    if values is None:
+        values = [check_int("common_tokens", "counts[i]", c) for c in counts]
+    if values and min(values) < 0:
+        raise ValueError(f"common_tokens: counts {list(values)} hold a negative count")
+    most = max(values, default=0)
+    return max(-(-most // sp), 1)
 
 
 # (group, device, E, L, K, max_tokens) -> the EpRouted every MoE layer of the process shares.

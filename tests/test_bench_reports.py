@@ -171,8 +171,9 @@ def test_dep_report_puts_the_peer_beside_ours(tmp_path):
 
 def test_integration_benchmark_runs_on_one_cpu_process(tmp_path):
     """The whole module under torchrun, one CPU process, tiny preset, a few calls: every path's
-    row at every T with numbers, the integrations' outputs equal EpRouted.routed's bit for bit
-    (the reference experts rerun bitwise), the graph section saying it needs CUDA, the plot."""
+    row at every T with numbers, every integration's own host time with its verdict, the
+    integrations' outputs equal EpRouted.routed's bit for bit (the reference experts rerun
+    bitwise), the graph section saying it needs CUDA, the plot."""
     out = tmp_path / "results"
     arguments = ["--preset", "tiny", "--layers", "2", "--tokens", "4", "1", "--samples", "3"]
     arguments += ["--reps", "1", "--device", "cpu", "--out", str(out)]
@@ -189,9 +190,11 @@ def test_integration_benchmark_runs_on_one_cpu_process(tmp_path):
         for path in integration.PATHS:
             cells = rf"\| {tokens} \| {re.escape(path)} \| {number} \| {number} \| "
             if path in integration.INTEGRATIONS:
-                cells += rf"{number} \| {number} \| (yes|NO) \| yes \|$"
+                own = cells + r"(yes|NO) \|$"
+                assert len(re.findall(own, page, re.M)) == 1, (own, page)
+                cells += rf"{number} \| {number} \| yes \|$"
             else:
-                cells += r"- \| - \| - \| - \|$"
+                cells += r"- \| - \| - \|$"
             assert len(re.findall(cells, page, re.M)) == 1, (cells, page)
     assert "Not run: CUDA graphs need a CUDA device (this run: cpu)." in page
     assert (out / "bench_integration.png").stat().st_size > 10_000
@@ -204,17 +207,25 @@ def test_integration_page_puts_each_path_beside_the_call_it_wraps(tmp_path):
         eager[integration.OP] = (direct + 9.5, direct + 20.0, 80)
         graph = {name: 2 * direct for name in integration.PATHS}
         graph[integration.VLLM] = 2 * direct + 1.5
+        own = {name: (6.0, 7.0, 80) for name in integration.PATHS}  # under the stub
+        own[integration.DIRECT] = (0.5, 0.8, 80)
+        own[integration.OP] = (4.5, 9.0, 80)
         same = {name: None for name in integration.INTEGRATIONS}  # not compared: see meta
-        return dict(tokens=tokens, eager=eager, graph=graph, same_eager=same, same_graph=same)
+        return dict(
+            tokens=tokens, eager=eager, own=own, graph=graph, same_eager=same, same_graph=same
+        )
 
     meta = dict(preset="k3", geometry=integration.PRESETS["k3"], layers=4, reps=2, samples=100)
     meta.update(backend="HopperExperts (HummingEngine)", deterministic=False, device="cuda")
     run = torchrun(1, "bench.bench_integration")
     integration.write_report(tmp_path, [row(1, 40.0), row(256, 60.0)], meta, run)
     page = (tmp_path / "bench_integration.md").read_text()
-    assert "| 1 | EpRouted.routed | 40.0 | 41.0 | - | - | - | - |" in page, page
-    assert "| 1 | vLLM DepEpKimiExperts.forward | 43.0 | 45.0 | 3.0 | 4.0 | yes | - |" in page
-    assert "| 256 | torch.ops.dep_ep.routed | 69.5 | 80.0 | 9.5 | 19.0 | NO | - |" in page
+    assert "| 1 | EpRouted.routed | 40.0 | 41.0 | - | - | - |" in page, page
+    assert "| 1 | vLLM DepEpKimiExperts.forward | 43.0 | 45.0 | 3.0 | 4.0 | - |" in page
+    assert "| 256 | torch.ops.dep_ep.routed | 69.5 | 80.0 | 9.5 | 19.0 | - |" in page
+    # Own host time: the path under the stub less the stub's own call, the verdict on its median.
+    assert "| 1 | vLLM DepEpKimiExperts.forward | 5.5 | 6.2 | NO |" in page, page
+    assert "| 256 | torch.ops.dep_ep.routed | 4.0 | 8.2 | yes |" in page
     assert "| 256 | vLLM DepEpKimiExperts.forward | 121.5 | 1.5 | - |" in page, page
     assert "| 256 | SGLang forward_mega_experts | 120.0 | 0.0 | - |" in page
     assert "| 1 | EpMoeLayer | 80.0 | - | - |" in page

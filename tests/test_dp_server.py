@@ -19,8 +19,6 @@ import sys
 import pytest
 import torch
 
-from dep_ep.integrations import common
-
 from helpers.launchers import ROOT, launcher
 
 SERVER = os.path.join(ROOT, "examples", "dp_server.py")
@@ -141,52 +139,27 @@ def test_serving_loop_on_cpu_ranks(ranks, tmp_path):
 
 
 class FakeLayer:
-    """What padded_moe calls of an EpMoeLayer, recording the ids its routed path gets."""
+    """What padded_moe calls of an EpMoeLayer: its call, recording the keywords."""
 
-    topk, layer_index = 3, 7
+    layer_index = 7
 
     def __init__(self):
-        self.routed_ids = None
+        self.call = None
 
-    def front(self, x):
-        return x * 2
-
-    def router(self, x):
-        ids = torch.arange(x.shape[0] * self.topk, dtype=torch.int32).view(-1, self.topk)
-        return ids, torch.ones(x.shape[0], self.topk)
-
-    def shared(self, front):
-        return front + 1
-
-    def latent_of(self, front):
-        return front
-
-    def routed_path(self, latent, ids, weights, *, tokens, tag):
-        self.routed_ids, self.call = ids, (tokens, tag)
-        return latent
-
-    def up(self, normed, shared):
-        return normed + shared
+    def __call__(self, x, **kw):
+        self.call = kw
+        return x + 1
 
 
-def test_padding_rows_go_to_no_expert_through_the_integrations_path(monkeypatch):
-    """padded_moe masks the router's ids with padding_to_no_expert (the integrations' function,
-    called, not copied) between the router and the routed path, tags with the layer index."""
+def test_padding_rows_go_to_no_expert_through_the_layers_padding_mask():
+    """padded_moe passes the step's is_padding to the layer as `padding=` (the mask the engine
+    integrations pass to the routed call) with T and the layer index as the tag."""
     server = load_server()
-    masked = []
-
-    def spy(ids, is_padding, rows=None):
-        masked.append(is_padding)
-        return common.padding_to_no_expert(ids, is_padding, rows)
-
-    monkeypatch.setattr(server, "padding_to_no_expert", spy)
     layer, x = FakeLayer(), torch.ones(4, 2)
     is_padding = torch.tensor([False, False, True, True])
     y = server.padded_moe(layer, x, 4, is_padding)
-    assert masked == [is_padding]
-    assert layer.routed_ids.tolist() == [[0, 1, 2], [3, 4, 5], [-1] * 3, [-1] * 3]
-    assert layer.call == (4, 7)
-    assert torch.equal(y, 2 * x + 2 * x + 1)
+    assert layer.call == {"tokens": 4, "tag": 7, "padding": is_padding}
+    assert torch.equal(y, x + 1)
 
 
 def test_emulated_capture_replays_into_the_same_outputs():

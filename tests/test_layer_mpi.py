@@ -266,11 +266,12 @@ def test_workspace_bytes_is_what_an_eprouted_holds(dep, rank):
     routed = rank.routed
     buffers = internals.buffers(routed)
     layout = buffers.layout
-    # The expert counts (E_local int32, EpConfig.count_experts) are control words, as the state.
+    # The expert counts (E_local int32, EpConfig.count_experts) and the padding rows' id (one
+    # int32) are control words, as the state.
     held = sum(
         t.nbytes
         for name, t in vars(routed).items()
-        if isinstance(t, torch.Tensor) and name != "_counts"
+        if isinstance(t, torch.Tensor) and name not in ("_counts", "_no_expert")
     )
     flags = buffers.flags
     segment_end = flags.data_ptr() + flags.nbytes - buffers.base_address

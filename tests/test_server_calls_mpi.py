@@ -386,6 +386,92 @@ def test_pieces_keep_tags_apart_and_count_every_piece(dep, layer):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_padding_mask_sends_its_rows_to_no_expert(dep, layer):
+    """padding= (bool [m >= n], rows mid-batch, different on every rank) gives the bits of the
+    same call with those rows' ids -1, whatever the padding rows' ids and weights hold (valid
+    ids, NaN weights: never read, not even by the value checks), through routed, dispatch
+    + combine, the custom op, EpMoeLayer-style calls with n < T, and a step in pieces; a
+    malformed mask on one rank (int dtype, too short, 2-D, on another device, not a tensor) is
+    that rank's error and EpPeerError on the others, and the next call is good."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 660), 8)
+    norm, experts = layer.norm_weight(), batches.experts
+    gen = torch.Generator().manual_seed(batches.seed + 17 * dep.rank)
+    failures: list[str] = []
+    with build(dep) as routed:
+        latent, ids, weights = batches.inputs(0)
+        mask = torch.rand(12, generator=gen) < 0.4  # longer than n, as an engine's buffer is
+        mask[3] = True  # at least one padding row mid-batch on every rank
+        clean = torch.where(mask[:8, None], -1, ids)
+        want = routed(latent, clean, weights, norm, experts=experts)
+        # Padding rows hold other rows' (valid) ids and NaN weights: read, they would change the
+        # output (ids past the experts would not: those select no rank anyway).
+        dirty_ids = torch.where(mask[:8, None], ids.flip(0), ids)
+        dirty_weights = torch.where(mask[:8, None], float("nan"), weights)
+        got = routed(latent, dirty_ids, dirty_weights, norm, experts=experts, padding=mask)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("routed(padding=): other bits than the ids set to -1")
+        rows = routed.dispatch(latent, dirty_ids, dirty_weights, padding=mask)
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        got = routed.combine(norm)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("dispatch(padding=) + combine: other bits")
+        handle = register_routed(routed, experts)
+        got = routed_op(latent, dirty_ids, dirty_weights, norm, handle, padding=mask)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("routed_op(padding=): other bits")
+        # n = 5 < T = 8: rows 5..7 are padding by count, rows the mask marks among 0..4 by mask.
+        want5 = routed(latent[:5], clean[:5], weights[:5], norm, experts=experts, tokens=8)
+        got5 = routed(
+            latent[:5],
+            dirty_ids[:5],
+            dirty_weights[:5],
+            norm,
+            experts=experts,
+            tokens=8,
+            padding=mask,
+        )
+        if not torch.equal(bits(got5), bits(want5)):
+            failures.append("padding= with n < T: other bits")
+        bad = dep.rank == 0
+        cases = (
+            ("int mask", mask.int(), TypeError, "padding dtype"),
+            ("short mask", mask[:7], ValueError, "padding shape"),
+            ("2-D mask", mask[:8, None], ValueError, "padding shape"),
+            ("meta mask", mask.to("meta"), ValueError, "padding on meta"),
+            ("list mask", mask.tolist(), TypeError, "padding is list"),
+        )
+        for label, malformed, error, match in cases:
+            expected, text = (error, match) if bad else (EpPeerError, "rank 0")
+            given = malformed if bad else mask
+            expect_raises(
+                failures,
+                label,
+                expected,
+                text,
+                lambda: routed(latent, ids, weights, norm, experts=experts, padding=given),
+            )
+        expected, text = (TypeError, "padding is list") if bad else (EpPeerError, "rank 0")
+        expect_raises(
+            failures,
+            "op: list mask",
+            expected,
+            text,
+            lambda: routed_op(
+                latent, ids, weights, norm, handle, padding=mask.tolist() if bad else mask
+            ),
+        )
+        got = routed(latent, dirty_ids, dirty_weights, norm, experts=experts, padding=mask)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the call after the refusals: other bits")
+    with build(dep, 3) as small:  # T = 8 in 3 pieces, the mask cut along them
+        got = small(latent, dirty_ids, dirty_weights, norm, experts=experts, padding=mask)
+        failures += compare(
+            got, Batches.reference_of(layer, latent, clean, weights), "pieces with padding="
+        )
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
     """routed_op with tokens=0 or tokens=6.0 on one rank: that rank raises (ValueError,
     TypeError), the others EpPeerError, in the same call; an unknown handle is a ValueError on
@@ -503,11 +589,6 @@ def test_situ_check_and_integration_helpers(dep, layer):
     for (counts, sp), want in cases:
         if common.common_tokens(counts, sp) != want:
             failures.append(f"common_tokens({counts}, {sp}) != {want}")
-    ids = torch.arange(12, dtype=torch.int32).view(4, 3)
-    mask = torch.tensor([False, True, False, True, True])
-    got = common.padding_to_no_expert(ids, mask)
-    if got[1].tolist() != [-1] * 3 or got[3].tolist() != [-1] * 3 or got[2].tolist() != [6, 7, 8]:
-        failures.append(f"padding_to_no_expert: {got.tolist()}")
     kw = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk, max_tokens=8)
     first = common.shared_routed(dep.cpu_group, "cpu", **kw)
     second = common.shared_routed(dep.cpu_group, "cpu", **kw)

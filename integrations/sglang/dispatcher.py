@@ -14,7 +14,7 @@ import torch
 
 from dep_ep.integrations.common import shared_routed
 from dep_ep.integrations.sglang.engine import engine
-from dep_ep.integrations.sglang.steps import mask_padding, routing, step_tokens
+from dep_ep.integrations.sglang.steps import padding_mask, routing, step_tokens
 
 # BaseDispatcher (SGLang's or a stand-in) -> the dispatcher class derived from it.
 _CLASSES: dict[type, type] = {}
@@ -100,10 +100,10 @@ class DepEpDispatch:
         eng = engine()
         rows = hidden_states.shape[0]
         ids, weights = routing(topk_output, rows, self.routed.topk, hidden_states.device)
-        ids = mask_padding(eng, ids)
+        padding = padding_mask(eng, rows, hidden_states.device)
         tokens = step_tokens(eng.dp_global_num_tokens(), eng.attn_tp_size(), rows)
         received = self.routed.dispatch(
-            hidden_states, ids, weights, tokens=tokens, tag=self.layer_id
+            hidden_states, ids, weights, tokens=tokens, tag=self.layer_id, padding=padding
         )
         local_ids = received.ids
         if self.invalid_expert_id != -1:

@@ -1,6 +1,6 @@
 """What one MoE step under SGLang takes from the engine's per-forward state, for the Kimi K3 hook
 and the dispatcher alike: the common token count T, the routing as EpRouted takes it, and the
-padding rows turned into "no expert"."""
+padding mask (EpRouted's `padding=`: those rows reach no rank)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dep_ep.integrations.common import common_tokens, padding_to_no_expert
+from dep_ep.integrations.common import common_tokens
 from dep_ep.integrations.sglang.engine import SglangEngine
 
 
@@ -24,23 +24,41 @@ def step_tokens(counts: Sequence[int] | None, attn_tp_size: int, rows: int) -> i
 
 
 def routing(topk_output: object, rows: int, topk: int, device: torch.device):
-    """(ids int32 [rows, K], weights fp32 [rows, K]) from SGLang's StandardTopKOutput
+    """(ids int32|int64 [rows, K], weights fp32 [rows, K]) from SGLang's StandardTopKOutput
     (`topk_ids` int32 or int64, -1 = no expert; `topk_weights` fp32 or bf16); empty [0, K]
     tensors for an idle rank, whose top-k output may hold nothing usable (SGLang's megamoe path
     builds them so too)."""
     if rows == 0:
         ids = torch.empty(0, topk, dtype=torch.int32, device=device)
         return ids, torch.empty(0, topk, dtype=torch.float32, device=device)
-    return topk_output.topk_ids.to(torch.int32), topk_output.topk_weights.to(torch.float32)
+    ids, weights = topk_output.topk_ids, topk_output.topk_weights
+    # EpRouted takes int32 and int64 ids as they are (int64 clamped where it stages them);
+    # a conversion of what needs none still cost ~1 us of host time each.
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int32)
+    if weights.dtype != torch.float32:
+        weights = weights.to(torch.float32)
+    return ids, weights
 
 
-def mask_padding(engine: SglangEngine, ids: torch.Tensor) -> torch.Tensor:
-    """ids with the rows at or past the forward's real-row bound (`num_token_non_padded`, a
-    device scalar: the tail of a CUDA-graph bucket) set to -1, so padding reaches no rank.
-    SGLang's top-k masks them itself, but its fused K3 front (`_ep_front`) hands ids it did not
-    mask. Graph-safe: the bound is read on the device at every replay."""
+# device -> int64 [m]: 0..m-1, so that a step's padding mask is one comparison (one launch).
+_ROW_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch.Tensor | None:
+    """bool [rows] on `device`, True for the rows at or past the forward's real-row bound
+    (`num_token_non_padded`, a device scalar: the tail of a CUDA-graph bucket), for EpRouted's
+    `padding=`; None when the forward publishes no bound or the rank has no rows. SGLang's
+    top-k masks those rows' ids itself, but its fused K3 front (`_ep_front`) hands ids it did
+    not mask. Graph-safe: the bound is read on the device at every replay. The row indices are
+    kept per device (made outside any capture: a tensor a capture fills holds nothing until
+    the graph runs)."""
     bound = engine.num_token_non_padded()
-    if bound is None or ids.shape[0] == 0:
-        return ids
-    rows = torch.arange(ids.shape[0], device=ids.device)
-    return padding_to_no_expert(ids, rows >= bound)
+    if bound is None or rows == 0:
+        return None
+    index = _ROW_INDEX.get(device)
+    if index is None or index.shape[0] < rows:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return torch.arange(rows, device=device) >= bound
+        index = _ROW_INDEX[device] = torch.arange(max(rows, 256), device=device)
+    return index[:rows] >= bound

@@ -31,7 +31,7 @@ from dep_ep.integrations.common import shared_routed, warm_buckets
 from dep_ep.integrations.vllm.engine import check_version, engine
 from dep_ep.integrations.vllm.options import options_from
 from dep_ep.integrations.vllm.step_poll import install_step_poll
-from dep_ep.integrations.vllm.steps import no_expert_ids, sequence_parallel_size, step_tokens
+from dep_ep.integrations.vllm.steps import padding_mask, sequence_parallel_size, step_tokens
 
 MODEL_CLASS_NAME = "DepEpKimiK3ForConditionalGeneration"
 # vLLM's module global that KimiMoE.__init__ builds its mega-MoE experts with.
@@ -292,19 +292,19 @@ class DepEpKimiExperts(nn.Module):
         rows = hidden_states.shape[0]
         context = engine().forward_context()
         tokens = step_tokens(context, rows, self.sequence_parallel)
-        ids = no_expert_ids(context, topk_ids, rows)
         if self.capture_fn is not None:
             self.capture_fn(topk_ids)
         norm = self.fused_norm
         out = self.routed.routed(
             hidden_states,
-            ids,
+            topk_ids,
             topk_weights,
             None if norm is None else norm.weight,
             experts=self.backend,
             eps=DEFAULT_NORM_EPS if norm is None else norm.variance_epsilon,
             tokens=tokens,
             tag=self.layer_index,
+            padding=padding_mask(context),
         )
         if shared_experts is not None:
             out += shared_experts(hidden_states)

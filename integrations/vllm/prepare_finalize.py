@@ -23,7 +23,7 @@ import torch
 from dep_ep.ep.routed import EpRouted
 from dep_ep.integrations.vllm.engine import engine
 from dep_ep.integrations.vllm.step_poll import install_step_poll
-from dep_ep.integrations.vllm.steps import no_expert_ids, step_tokens
+from dep_ep.integrations.vllm.steps import padding_mask, step_tokens
 
 CLASS_NAME = "DepEpPrepareAndFinalize"
 _CLASSES: dict[type, type] = {}
@@ -119,8 +119,9 @@ def prepare_finalize_class() -> type:
             context = engine().forward_context()
             rows = a1.shape[0]
             tokens = step_tokens(context, rows, self.sequence_parallel)
-            ids = no_expert_ids(context, topk_ids, rows)
-            got = self.routed.dispatch(a1, ids, topk_weights, tokens=tokens)
+            got = self.routed.dispatch(
+                a1, topk_ids, topk_weights, tokens=tokens, padding=padding_mask(context)
+            )
             return got.x.view(torch.float8_e4m3fn), got.sf, None, got.ids, got.weights
 
         def allocate_fused_expert_output(

@@ -1,7 +1,8 @@
 """What a step of dep_ep needs from vLLM's forward context: the step's common token count T and
-the ids with vLLM's padding rows made "no expert". Both read vLLM 0.33.0's ForwardContext
-(`dp_metadata`, `is_padding`) and DPMetadata (`num_tokens_across_dp_cpu`, `local_sizes`) as
-docs/integrations.md ("vLLM") describes them; the arithmetic is dep_ep.integrations.common's."""
+vLLM's padding mask (EpRouted's `padding=`: those rows reach no rank). Both read vLLM 0.33.0's
+ForwardContext (`dp_metadata`, `is_padding`) and DPMetadata (`num_tokens_across_dp_cpu`,
+`local_sizes`) as docs/integrations.md ("vLLM") describes them; the arithmetic is
+dep_ep.integrations.common's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dep_ep.integrations.common import common_tokens, padding_to_no_expert
+from dep_ep.integrations.common import common_tokens
 
 
 def sequence_parallel_size(parallel_config: Any) -> int:
@@ -47,9 +48,9 @@ def step_tokens(context: Any | None, rows: int, sequence_parallel: int = 1) -> i
     return common_tokens(dp.num_tokens_across_dp_cpu.tolist(), sequence_parallel)
 
 
-def no_expert_ids(context: Any | None, ids: torch.Tensor, rows: int) -> torch.Tensor:
-    """ids int32|int64 [rows, K] with the rows the context's `is_padding` (bool [>= rows], True
-    for padding; vLLM keeps it in a persistent buffer, so a captured graph reads the live mask)
-    marks set to -1: padding rows reach no rank. No context or no mask: the ids as they are."""
-    mask = None if context is None else context.is_padding
-    return padding_to_no_expert(ids, mask, rows)
+def padding_mask(context: Any | None) -> torch.Tensor | None:
+    """The context's `is_padding` (bool [>= rows], True for padding), for EpRouted's `padding=`:
+    vLLM keeps it in a persistent buffer, so a captured graph reads the live mask at each
+    replay, and EpRouted applies it where it stages the ids (no launch of its own). None
+    without a context or a mask."""
+    return None if context is None else context.is_padding

@@ -18,7 +18,7 @@ from standins import sglang_standin as ss
 from dep_ep.integrations import common
 from dep_ep.integrations.sglang import engine as sglang_engine
 from dep_ep.integrations.sglang import plugin
-from dep_ep.integrations.sglang.steps import mask_padding, step_tokens
+from dep_ep.integrations.sglang.steps import padding_mask, step_tokens
 
 from helpers.source_signatures import signature_of
 
@@ -124,16 +124,16 @@ def test_step_tokens_refuses_a_negative_count():
 
 
 def test_padding_rows_from_the_bound(standin):
-    """Rows at or past the forward's real-row bound get -1 ids; no bound or no rows: as given."""
+    """The rows at or past the forward's real-row bound are padding (every row count, with the
+    row indices kept and grown); no bound or no rows: no mask."""
     engine = sglang_engine.engine()
-    ids = torch.arange(12, dtype=torch.int32).view(4, 3)
-    assert mask_padding(engine, ids) is ids
-    with standin.step([4], torch.tensor([2], dtype=torch.int32)):
-        masked = mask_padding(engine, ids)
-        empty = mask_padding(engine, ids[:0])
-    assert masked[:2].tolist() == ids[:2].tolist()
-    assert masked[2:].tolist() == [[-1] * 3] * 2
-    assert empty.shape == (0, 3)
+    cpu = torch.device("cpu")
+    assert padding_mask(engine, 4, cpu) is None
+    for rows, bound in ((4, 2), (1, 0), (300, 299), (1000, 7)):
+        with standin.step([rows], torch.tensor([bound], dtype=torch.int32)):
+            mask = padding_mask(engine, rows, cpu)
+            assert padding_mask(engine, 0, cpu) is None
+        assert mask.dtype == torch.bool and mask.tolist() == [i >= bound for i in range(rows)]
 
 
 def standin_signatures():

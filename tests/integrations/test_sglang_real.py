@@ -30,7 +30,7 @@ from standins import sglang_standin as ss
 
 from dep_ep.integrations.sglang import plugin
 from dep_ep.integrations.sglang.engine import SGLANG_VERSIONS, SglangEngine
-from dep_ep.integrations.sglang.steps import mask_padding, step_tokens
+from dep_ep.integrations.sglang.steps import padding_mask, step_tokens
 
 from helpers.source_signatures import assigned_attributes, class_fields, signature_of, source_of
 
@@ -412,14 +412,13 @@ def test_the_real_seam_reads_the_real_modules():
     previous = dp.get_dp_global_num_tokens()
     dp.set_dp_buffer_len(14, 7, False, [7, 3, 0, 5])
     try:
-        ids = torch.arange(21, dtype=torch.int32).view(7, 3)
         ctx = context.ForwardContext(
             attn_backend=None, moe_num_token_non_padded=lambda: torch.tensor([5])
         )
         with context.forward_context(ctx):
             assert torch.equal(real.num_token_non_padded(), torch.tensor([5]))
-            masked = mask_padding(real, ids)
-        assert masked[5:].eq(-1).all() and torch.equal(masked[:5], ids[:5])
+            mask = padding_mask(real, 7, torch.device("cpu"))
+        assert mask.tolist() == [False] * 5 + [True] * 2
         group = types.SimpleNamespace(cpu_group="the gloo group")
         with runtime.get_parallel().override(attn_tp_size=2, moe_ep_group=group):
             assert real.ep_group() == "the gloo group"

@@ -132,12 +132,19 @@ def step_context(counts, is_padding):
     return vs.override_forward_context(vs.ForwardContext(dp_metadata=dp, is_padding=is_padding))
 
 
-def layer_reference(layer, up, latent, ids, weights, shared, padding):
-    """float64 [n, H]: shared + up(RMSNorm(routed sum)) with padding rows' ids -1, and the
-    bound of the layer's relative L2 error (module docstring)."""
+def masked_ids(ids, padding):
+    """ids [n, K] with the rows `padding` (bool [>= n] or None) marks set to -1: what the
+    adapters' padding= must amount to."""
     masked = ids.clone()
     if padding is not None:
         masked[padding[: ids.shape[0]]] = -1
+    return masked
+
+
+def layer_reference(layer, up, latent, ids, weights, shared, padding):
+    """float64 [n, H]: shared + up(RMSNorm(routed sum)) with padding rows' ids -1, and the
+    bound of the layer's relative L2 error (module docstring)."""
+    masked = masked_ids(ids, padding)
     normed = routed_reference(latent, masked, weights, layer.norm_weight(), layer.expert)
     routed = normed @ up.double().T
     out = shared.double() + routed
@@ -156,7 +163,7 @@ def step_and_check(served, seed, counts, rows, padding, failures, label, tokens,
             calls = moe.routed_expert_norm.calls
             out = moe.forward_after_router(latent, weights, ids, shared.clone())
             ran = moe.routed_expert_norm.calls - calls
-        masked = common.padding_to_no_expert(ids, padding, rows)
+        masked = masked_ids(ids, padding)
         want = moe.experts.routed.routed(
             latent,
             masked,
@@ -526,7 +533,7 @@ def test_prepare_finalize_is_routed(dep, standin):
             failures.append(f"prepare returned x {x.dtype}, metadata {meta!r}")
         moe.experts.backend.forward(x.view(torch.uint8), sf, recv_ids, recv_weights, buf)
         pf.finalize(output, buf, weights, ids, False, None)
-    masked = common.padding_to_no_expert(ids, padding, rows)
+    masked = masked_ids(ids, padding)
     want = moe.experts.routed.routed(
         latent, masked, weights, None, experts=moe.experts.backend, tokens=max(counts)
     )

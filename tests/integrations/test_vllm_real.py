@@ -21,7 +21,7 @@ from standins import vllm_standin as vs
 
 from dep_ep.integrations.vllm import engine as vllm_engine
 from dep_ep.integrations.vllm import plugin
-from dep_ep.integrations.vllm.steps import no_expert_ids, step_tokens
+from dep_ep.integrations.vllm.steps import padding_mask, step_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = ROOT / ".engines" / "vllm"
@@ -124,7 +124,7 @@ def test_engine_rms_norm_is_the_standins():
 
 
 def test_t_and_padding_on_the_real_forward_context():
-    """step_tokens and no_expert_ids through the real engine seam, on vLLM's ForwardContext and
+    """step_tokens and padding_mask through the real engine seam, on vLLM's ForwardContext and
     DPMetadata (inside and outside sp_local_sizes)."""
     fc = importlib.import_module("vllm.forward_context")
     seam = vllm_engine.VllmEngine()
@@ -134,7 +134,6 @@ def test_t_and_padding_on_the_real_forward_context():
     context = fc.ForwardContext(
         no_compile_layers={}, attn_metadata={}, slot_mapping={}, dp_metadata=dp, is_padding=mask
     )
-    ids = torch.arange(12, dtype=torch.int32).view(4, 3)
     with fc.override_forward_context(context):
         got = seam.forward_context()
         assert got is context
@@ -142,11 +141,9 @@ def test_t_and_padding_on_the_real_forward_context():
         with dp.sp_local_sizes(2) as sizes:
             assert sizes == [2, 2, 4, 4, 0, 0, 3, 3]
             assert step_tokens(got, 2) == 4
-        masked = no_expert_ids(got, ids, 4)
-    assert masked[1].tolist() == [-1] * 3 and masked[0].tolist() == [0, 1, 2]
-    assert masked[2:].tolist() == ids[2:].tolist()
+        assert padding_mask(got) is mask
     none = fc.ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
-    assert step_tokens(none, 5) == 5 and no_expert_ids(none, ids, 4) is ids
+    assert step_tokens(none, 5) == 5 and padding_mask(none) is None and padding_mask(None) is None
 
 
 def test_plugin_through_vllms_loader(monkeypatch):
