@@ -24,7 +24,8 @@ rank's weighted sum over its local experts for token t of source rank s). One la
 Each byte of an expert output row is read once, where it lies, and each output row is written
 once (at EP = 1 and T = 4096: 58.7 MB, against 117 MB for returning the rows to their sources
 first and summing them there). No CTA waits for another CTA of its launch, so the grid need not
-be co-resident (`signal_first_cta`).
+be co-resident (`signal_first_cta`). CombineLaunch, at the end, is the host side: the compile, the
+grid rule and the launch.
 
 Why a reader may load a peer's rows after its flag, and why the owner may overwrite them later:
 the owner's experts wrote the rows in launches that completed before its combine launch stored

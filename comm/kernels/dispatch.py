@@ -270,8 +270,8 @@ class DispatchLaunch:
       CTAs of its launch, but none of them waits for anything, so they need not be resident at
       once: they run on whatever SM slots are free, in several waves if need be, and only CTA 0
       holds a slot while it waits.
-    - Beside other streams (the layer's side stream runs the router, SiTU and the shared down
-      GEMM concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only
+    - Beside other streams (the layer's side stream runs SiTU and the shared down GEMM
+      concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only
       delay the dispatch CTAs not yet started; they complete without waiting for the dispatch,
       so the dispatch completes. What the grid rule guarantees: at most CTAS_PER_SM CTAs an SM
       (the kernel is compiled with that many as its launch bounds), so on an otherwise idle
