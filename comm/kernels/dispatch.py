@@ -279,10 +279,10 @@ class DispatchLaunch:
       for this rank's dispatch or combine (a collective of another stream or another transport
       that waits for a peer can wait, in the worst case, for a peer whose dispatch waits for
       this one).
-    - A kernel launched after it with programmatic dependent launch can start only once every
-      dispatch CTA has run its griddepcontrol.launch_dependents (the kernel's first
-      instructions): every dispatch CTA then holds a slot or is done, so the dependent's waiting
-      CTAs cannot keep a dispatch CTA from starting.
+    - A kernel launched after it with programmatic dependent launch (with `tuning.pdl`) can
+      start only once every dispatch CTA has run its griddepcontrol.launch_dependents (among the
+      kernel's first instructions): every dispatch CTA then holds a slot or is done, so the
+      dependent's waiting CTAs cannot keep a dispatch CTA from starting.
     """
 
     NAME = "dispatch"
