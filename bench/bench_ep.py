@@ -174,26 +174,17 @@ def time_step(transport, routed, tokens, latent, ids, weights, norm, reps: int, 
 def quantize_speedup(tokens: int) -> tuple[int, float, float]:
     """(tokens, kernel us, torch us) for MXFP8 quantization of [tokens, L] on the GPU."""
     from dep_ep.comm.device_transport import import_cute
-    from dep_ep.comm.kernels.mxfp8_quantize import Mxfp8QuantizeKernel
 
-    cuda, _, cute = import_cute()
-    from cutlass import Int32, Int64
+    import_cute()
+    from dep_ep.comm.kernels.mxfp8_quantize import Mxfp8QuantizeLaunch
 
     x = torch.randn(tokens, K3.latent, device="cuda").to(torch.bfloat16)
     q = torch.empty(tokens, K3.latent, dtype=torch.uint8, device="cuda")
     sf = torch.empty(tokens, K3.latent // SCALE_BLOCK, dtype=torch.uint8, device="cuda")
-    kernel = cute.compile(
-        Mxfp8QuantizeKernel(K3.latent), Int64(0), Int64(0), Int64(0), Int32(1), cuda.CUstream(0)
-    )
+    quantize = Mxfp8QuantizeLaunch(K3.latent)
 
     def run():
-        kernel(
-            x.data_ptr(),
-            q.data_ptr(),
-            sf.data_ptr(),
-            tokens,
-            cuda.CUstream(torch.cuda.current_stream().cuda_stream),
-        )
+        quantize(x, q, sf, torch.cuda.current_stream().cuda_stream)
 
     want = mxfp8_quantize(x)
     run()

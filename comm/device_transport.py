@@ -1,16 +1,17 @@
 """DeviceTransport: dispatch and combine between CUDA ranks over NVSHMEM, with CuTeDSL kernels.
 
-Compiles the kernels once per geometry and process (at construction, before any graph capture; T
-is a runtime argument, so no compile per token count), keeps the device state (the calls done,
-the step status, the launches' CTA counters, the abort word) and the host-mapped error record,
-and launches on the current stream. No host synchronisation and no memset between calls: every
-launch can be captured in a CUDA graph (a call's tag is a launch argument: a graph replays the tag
-it was captured with).
+Composes the kernels' launchers (comm/kernels/: DispatchLaunch, CombineLaunch, RejectLaunch, each
+beside its kernel with its compile, grid rule, launch parameters and constraints), built at
+construction (before any graph capture; the compiled kernels are cached per geometry and
+process, and T is a runtime argument, so no compile per token count); keeps the device state
+(the calls done, the step status, the launches' CTA counters, the abort word) and the
+host-mapped error record, and launches on the current stream. No host synchronisation and no
+memset between calls: every launch can be captured in a CUDA graph (a call's tag is a launch
+argument: a graph replays the tag it was captured with).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -28,6 +29,9 @@ from dep_ep.comm.errors import (
     tag_text,
     tags_differ_text,
 )
+
+# compiled_count: the process's compile cache's size, read here by the tests and benchmarks.
+from dep_ep.comm.kernels.launcher import compiled_count as compiled_count
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.comm.tags import first_piece
@@ -38,12 +42,11 @@ from dep_ep.comm.transport import (
     EXPERT_CAUSES,
     Transport,
 )
-from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
+from dep_ep.config import EpConfig
 from dep_ep.constants import (
     ABORT_PEER_LOST,
     ABORT_PEER_RESET,
     ABORT_RESET,
-    CTAS_PER_SM,
     ERROR_ABORT,
     ERROR_CALL,
     ERROR_COMPLETE,
@@ -68,7 +71,6 @@ from dep_ep.constants import (
     STATE_STEP_STATUS,
     STATE_WORDS,
     STATUS_FAILED,
-    STATUS_REJECTED,
     STATUS_UNUSABLE,
 )
 from dep_ep.launch.nvshmem import GPU_EXTRA
@@ -94,22 +96,9 @@ def import_cute():
     return cuda, cutlass, cute
 
 
-# (num_ranks, latent, topk, experts_per_rank, kernel name, arch, tuning) -> compiled kernel.
-_COMPILED: dict[tuple, object] = {}
-
-
-def compiled_count() -> int:
-    """Kernels compiled so far in this process (the cache's size)."""
-    return len(_COMPILED)
-
-
-# RejectKernel variants: (phase where the call failed, the flags' status).
-REJECT_KERNELS = {
-    "reject_dispatch": ("dispatch", STATUS_REJECTED),
-    "reject_combine": ("combine", STATUS_REJECTED),
-    "fail_combine": ("combine", STATUS_FAILED),
-}
-KERNEL_NAMES = ("dispatch", "combine", *REJECT_KERNELS)
+# The kernels a DeviceTransport launches: the dispatch, the combine and the RejectKernel
+# variants (comm/kernels/reject.py, REJECT_KERNELS).
+KERNEL_NAMES = ("dispatch", "combine", "reject_dispatch", "reject_combine", "fail_combine")
 
 
 def compile_kernels(
@@ -122,50 +111,31 @@ def compile_kernels(
     names: tuple[str, ...] = KERNEL_NAMES,
     tuning=None,
 ) -> dict:
-    """Compile the kernels `names` (of KERNEL_NAMES) for one geometry. `arch` (e.g.
-    "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps the PTX;
-    `tuning` a KernelTuning (None: the default, the measured best: docs/perf_notes.md).
-    Returns {name: compiled function}. Compiled kernels are cached in the process per geometry
-    and mode, so a second DeviceTransport of the same geometry (a rebuild after a timeout, a test
-    fixture) compiles nothing (`compiled_count()` counts the cache's entries)."""
-    cuda, cutlass, cute = import_cute()
-    from cutlass import Float32, Int32, Int64
-
-    from dep_ep.comm.kernels.combine import CombineKernel
-    from dep_ep.comm.kernels.dispatch import DispatchKernel
-    from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
-    from dep_ep.comm.kernels.reject import RejectKernel
+    """Compile the kernels `names` (of KERNEL_NAMES) for one geometry, each through its
+    launcher's `compile` (comm/kernels/: DispatchLaunch, CombineLaunch, RejectLaunch). `arch`
+    (e.g. "sm_90a", "sm_100a") compiles for that GPU without needing one; `keep_ptx_dir` keeps
+    the PTX; `tuning` a KernelTuning (None: the default, the measured best:
+    docs/perf_notes.md). Returns {name: compiled function}. Compiled kernels are cached in the
+    process per geometry and mode, so a second DeviceTransport of the same geometry (a rebuild
+    after a timeout, a test fixture) compiles nothing (`compiled_count()` counts the cache's
+    entries)."""
+    import_cute()
+    from dep_ep.comm.kernels.combine import CombineLaunch
+    from dep_ep.comm.kernels.dispatch import DispatchLaunch
+    from dep_ep.comm.kernels.launch_args import KernelTuning
+    from dep_ep.comm.kernels.launcher import KernelGeometry
+    from dep_ep.comm.kernels.reject import RejectLaunch
 
     tuning = KernelTuning() if tuning is None else tuning
-
-    options = []
-    if arch:
-        options.append(f"--gpu-arch {arch}")
-    if keep_ptx_dir:
-        options += ["--keep-ptx", f"--dump-dir {keep_ptx_dir}"]
-    kw = {"options": " ".join(options)} if options else {}
-    z, one, stream = Int64(0), Int32(1), cuda.CUstream(0)
-    # Placeholders of the launch arguments: only their types reach the compiled kernel.
-    structs = (SymmetricRegions(*[z] * 8), RankControl(z, z, Int32(0), z), Step(one, z))
+    geometry = KernelGeometry(num_ranks, latent, topk, experts_per_rank)
     kernels = {}
     for name in names:
-        key = (num_ranks, latent, topk, experts_per_rank, name, arch, tuning)
-        if key in _COMPILED and keep_ptx_dir is None:  # a PTX dump asks for a fresh compile
-            kernels[name] = _COMPILED[key]
-            continue
-        if name == "dispatch":
-            kernel = DispatchKernel(num_ranks, latent, topk, experts_per_rank, tuning)
-            # latent, its row stride in words, ids, weights, structs, grid
-            args = (z, Int32(latent // 2), z, z, *structs, one)
-        elif name == "combine":
-            kernel = CombineKernel(num_ranks, latent, topk, experts_per_rank, tuning)
-            # ids, norm_weight, normed, structs, eps, normalize, grid
-            args = (z, z, z, *structs, Float32(DEFAULT_NORM_EPS), one, one)
+        if name == DispatchLaunch.NAME:
+            kernels[name] = DispatchLaunch.compile(geometry, tuning, arch, keep_ptx_dir)
+        elif name == CombineLaunch.NAME:
+            kernels[name] = CombineLaunch.compile(geometry, tuning, arch, keep_ptx_dir)
         else:
-            kernel = RejectKernel(num_ranks, *REJECT_KERNELS[name])
-            args = structs
-        kernels[name] = cute.compile(kernel, *args, stream, **kw)
-        _COMPILED[key] = kernels[name]
+            kernels[name] = RejectLaunch.compile(name, geometry, tuning, arch, keep_ptx_dir)
     return kernels
 
 
@@ -191,55 +161,6 @@ def check_kernel_limits(layout: EpLayout) -> None:
         )
 
 
-class LaunchParams:
-    """The kernels' launch parameters of one DeviceTransport, in HostParams written in place at
-    each launch (comm/kernels/host_params.py: CuTeDSL's conversion of Python arguments took ~115
-    us of host time a launch on an H200 machine).
-    The regions and the control words are the same at every call; the rest is set per launch."""
-
-    def __init__(
-        self,
-        buffers: EpBuffers,
-        state: torch.Tensor,
-        error: torch.Tensor,
-        rank: int,
-        timeout_ns: int,
-    ):
-        from cutlass import Float32, Int32, Int64
-
-        from dep_ep.comm.kernels.host_params import STREAM, HostParams
-        from dep_ep.comm.kernels.launch_args import RankControl, Step, SymmetricRegions
-
-        offsets = {name: r.offset for name, r in buffers.layout.regions.items()}
-        self.regions = HostParams.of(
-            SymmetricRegions(
-                buffers.peer_addresses.data_ptr(),
-                buffers.base_address,
-                offsets["x"],
-                offsets["sf"],
-                offsets["ids"],
-                offsets["weights"],
-                offsets["out"],
-                offsets["flags"],
-            )
-        )
-        self.control = HostParams.of(
-            RankControl(state.data_ptr(), error.data_ptr(), rank, timeout_ns)
-        )
-        self.step = HostParams(*(f.type for f in dataclasses.fields(Step)))
-        # Addresses of the call's tensors (dispatch: latent, ids, weights; combine: ids,
-        # norm_weight, normed), the combine's eps and normalize flag, the grid, the stream.
-        for name in ("latent", "ids", "weights", "norm_weight", "normed"):
-            setattr(self, name, HostParams(Int64))
-        self.latent_row_words = HostParams(Int32)  # the latent's row stride, 32-bit words
-        self.eps, self.normalize, self.grid = (
-            HostParams(Float32),
-            HostParams(Int32),
-            HostParams(Int32),
-        )
-        self.stream = HostParams(STREAM)
-
-
 class DeviceTransport(Transport):
     """The CUDA transport of one EpBuffers (docs/design.md, "GPU protocol").
 
@@ -257,6 +178,8 @@ class DeviceTransport(Transport):
         layout = buffers.layout
         check_kernel_limits(layout)
         import_cute()  # ImportError with the pip line when CuTeDSL is missing
+        from dep_ep.comm.kernels.launcher import KernelGeometry, TransportParams
+
         self.buffers = buffers
         self.num_ranks, self.rank, self.device = buffers.num_ranks, buffers.rank, buffers.device
         self.experts_per_rank = experts_per_rank
@@ -265,9 +188,13 @@ class DeviceTransport(Transport):
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=self.device)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int64).pin_memory()
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.max_ctas = CTAS_PER_SM * self.num_sms
+        self.geometry = KernelGeometry(
+            layout.num_ranks, layout.latent, layout.topk, experts_per_rank
+        )
+        # The launch parameters every kernel shares (regions, control words), then the
+        # launchers (retune), which own the rest.
+        self._fixed = TransportParams(buffers, self.state, self.error, self.rank, self.timeout_ns)
         self.retune(None)
-        self._params = LaunchParams(buffers, self.state, self.error, self.rank, self.timeout_ns)
         self.barriers = buffers.barriers
         channel = self.barriers.channel
         # The watch's thread reads the peers' reset rounds on a store connection of its own.
@@ -277,16 +204,22 @@ class DeviceTransport(Transport):
         self.watch = PeerWatch(channel, self.error, config.peer_watch_s, self.barriers, store)
 
     def retune(self, tuning) -> None:
-        """Compile (or take from the cache) this geometry's kernels with `tuning` (a KernelTuning;
-        None: the default) and launch those from now on. Local; for benchmarks that compare
-        tunings on one set of buffers. The results do not depend on the tuning."""
+        """Build this geometry's launchers with `tuning` (a KernelTuning; None: the default),
+        compiling their kernels or taking them from the cache, and launch those from now on.
+        Local; for benchmarks that compare tunings on one set of buffers. The results do not
+        depend on the tuning."""
+        from dep_ep.comm.kernels.combine import CombineLaunch
+        from dep_ep.comm.kernels.dispatch import DispatchLaunch
         from dep_ep.comm.kernels.launch_args import KernelTuning
+        from dep_ep.comm.kernels.reject import REJECT_KERNELS, RejectLaunch
 
-        layout = self.buffers.layout
         self.tuning = KernelTuning() if tuning is None else tuning
-        self.kernels = compile_kernels(
-            layout.num_ranks, layout.latent, layout.topk, self.experts_per_rank, tuning=self.tuning
-        )
+        geometry, fixed = self.geometry, self._fixed
+        self.dispatch_launch = DispatchLaunch(geometry, self.tuning, fixed, self.num_sms)
+        self.combine_launch = CombineLaunch(geometry, self.tuning, fixed, self.num_sms)
+        self.reject_launches = {
+            name: RejectLaunch(name, geometry, self.tuning, fixed) for name in REJECT_KERNELS
+        }
 
     def _stream_handle(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -460,19 +393,7 @@ class DeviceTransport(Transport):
         if rejected is not None:
             self._reject("reject_dispatch", tag)
             raise rejected
-        p = self._params
-        row_words = latent.stride(0) // 2 if latent.shape[0] > 1 else latent.shape[1] // 2
-        self.kernels["dispatch"](
-            p.latent.set(latent.data_ptr()),
-            p.latent_row_words.set(row_words),
-            p.ids.set(ids.data_ptr()),
-            p.weights.set(weights.data_ptr()),
-            p.regions,
-            p.control,
-            p.step.set(tokens, tag),
-            p.grid.set(min(tokens, self.max_ctas)),
-            p.stream.set(self._stream_handle()),
-        )
+        self.dispatch_launch(latent, ids, weights, tokens, tag, self._stream_handle())
 
     def combine(
         self,
@@ -499,27 +420,8 @@ class DeviceTransport(Transport):
             normed = torch.empty(
                 tokens, self.buffers.layout.latent, dtype=torch.bfloat16, device=self.device
             )
-        p = self._params
-        # One warp a token (no CTA waits for another: any grid would do).
-        grid = -(-tokens // self.tuning.combine_warps)
-        if self.tuning.combine_ctas_per_sm:
-            grid = min(grid, self.tuning.combine_ctas_per_sm * self.num_sms)
-        self.kernels["combine"](
-            p.ids.set(ids.data_ptr()),
-            p.norm_weight.set(0 if norm_weight is None else norm_weight.data_ptr()),
-            p.normed.set(normed.data_ptr()),
-            p.regions,
-            p.control,
-            p.step.set(tokens, tag),
-            p.eps.set(float(eps)),
-            p.normalize.set(0 if norm_weight is None else 1),
-            p.grid.set(grid),
-            p.stream.set(self._stream_handle()),
-        )
+        self.combine_launch(ids, norm_weight, normed, eps, tokens, tag, self._stream_handle())
         return normed
 
     def _reject(self, name: str, tag: int) -> None:
-        p = self._params
-        self.kernels[name](
-            p.regions, p.control, p.step.set(-1, tag), p.stream.set(self._stream_handle())
-        )
+        self.reject_launches[name](tag, self._stream_handle())

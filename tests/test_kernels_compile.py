@@ -2,7 +2,8 @@
 PTX holds what the protocol relies on: 16-byte vector stores, system-scope release/acquire with
 each fence by one signalling thread, bounded waits on %globaltimer, exact-rounding arithmetic,
 programmatic dependent launch, no local-memory arrays; the launch parameters marshal as
-CuTeDSL's own."""
+CuTeDSL's own, and each kernel's launcher (comm/kernels/) hands its kernel the arguments and grid
+of its rule."""
 
 from __future__ import annotations
 
@@ -200,3 +201,152 @@ def test_host_params_marshal_like_cutedsl(kernel):
 
     for i, (w, g, size) in enumerate(zip(want, got, sizes)):
         assert target(w, size) == target(g, size), f"{kernel}: parameter {i} differs"
+
+
+def fake_transport_params(rank: int = 1, timeout_ns: int = 20 * 10**9):
+    """TransportParams of made-up addresses (no GPU): (the params, the regions' values, the
+    control's values)."""
+    from types import SimpleNamespace
+
+    from dep_ep.comm.kernels.launcher import TransportParams
+
+    names = ("x", "sf", "ids", "weights", "out", "flags")
+    offsets = {name: 0x1000 * (i + 1) for i, name in enumerate(names)}
+    peers, base, state, error = 0x7F0000001000, 0x7F0000100000, 0x7F0000009000, 0x7F000000A000
+    buffers = SimpleNamespace(
+        layout=SimpleNamespace(regions={n: SimpleNamespace(offset=o) for n, o in offsets.items()}),
+        peer_addresses=SimpleNamespace(data_ptr=lambda: peers),
+        base_address=base,
+    )
+    fixed = TransportParams(
+        buffers,
+        SimpleNamespace(data_ptr=lambda: state),
+        SimpleNamespace(data_ptr=lambda: error),
+        rank,
+        timeout_ns,
+    )
+    return fixed, [peers, base, *offsets.values()], [state, error, rank, timeout_ns]
+
+
+def test_launcher_grid_rules():
+    """The launchers' grids: the dispatch one CTA a token, at most CTAS_PER_SM an SM; the
+    combine ceil(T / combine_warps), at most combine_ctas_per_sm an SM (0: no cap)."""
+    from dep_ep.comm.kernels.combine import CombineLaunch
+    from dep_ep.comm.kernels.dispatch import DispatchLaunch
+    from dep_ep.comm.kernels.launcher import KernelGeometry
+    from dep_ep.constants import CTAS_PER_SM
+
+    geometry, sms = KernelGeometry(2, 64, 4, 3), 132
+    fixed, _, _ = fake_transport_params()
+    dispatch = DispatchLaunch(geometry, KernelTuning(), fixed, sms, arch="sm_90a")
+    for tokens in (1, 7, CTAS_PER_SM * sms, CTAS_PER_SM * sms + 1, 10**5):
+        assert dispatch.grid(tokens) == min(tokens, CTAS_PER_SM * sms), tokens
+    cases = [  # (tuning, T, grid)
+        (KernelTuning(), 1, 1),
+        (KernelTuning(), 8 * sms, sms),
+        (KernelTuning(), 4096, sms),
+        (KernelTuning(combine_ctas_per_sm=0), 4096, 512),
+        (KernelTuning(combine_ctas_per_sm=0), 9, 2),
+        (KernelTuning(combine_warps=4, combine_ctas_per_sm=2), 4096, 2 * sms),
+        (KernelTuning(combine_warps=4, combine_ctas_per_sm=2), 100, 25),
+    ]
+    for tuning, tokens, grid in cases:
+        combine = CombineLaunch(geometry, tuning, fixed, sms, arch="sm_90a")
+        assert combine.grid(tokens) == grid, (tuning, tokens)
+
+
+class Tensor:
+    """What a launcher reads of a torch tensor: its address, shape and row stride."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], row_stride: int | None = None):
+        self.address, self.shape = address, shape
+        self.row_stride = shape[-1] if row_stride is None else row_stride
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def stride(self, dim: int) -> int:
+        assert dim == 0
+        return self.row_stride
+
+
+@pytest.mark.parametrize("kernel", ["dispatch", "combine", "fail_combine"])
+def test_launchers_pass_the_kernel_its_arguments(kernel):
+    """Each launcher hands its compiled kernel the parameter bytes of the typed arguments the
+    kernel's signature names (CuTeDSL's own conversion): the tensors' addresses, the latent's
+    row stride in words, the step, the grid of its rule, the stream; the shared structs."""
+    import ctypes
+
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32, Int64
+
+    from dep_ep.comm.kernels.combine import CombineLaunch
+    from dep_ep.comm.kernels.dispatch import DispatchLaunch
+    from dep_ep.comm.kernels.launch_args import RankControl, Step, SymmetricRegions
+    from dep_ep.comm.kernels.launcher import KernelGeometry
+    from dep_ep.comm.kernels.reject import RejectLaunch
+
+    geometry, sms, tokens, tag, stream = KernelGeometry(2, 64, 4, 3), 132, 37, -(2**62), 0xABC0
+    fixed, regions, control = fake_transport_params()
+    structs = [
+        SymmetricRegions(*map(Int64, regions)),
+        RankControl(Int64(control[0]), Int64(control[1]), Int32(control[2]), Int64(control[3])),
+    ]
+    if kernel == "dispatch":
+        launch = DispatchLaunch(geometry, KernelTuning(), fixed, sms, arch="sm_90a")
+        latent = Tensor(0x7F00000B0000, (tokens, 64), row_stride=96)  # a column slice
+        ids, weights = Tensor(0x7F00000C0000, (tokens, 4)), Tensor(0x7F00000D0000, (tokens, 4))
+        call = (latent, ids, weights, tokens, tag, stream)
+        head = [Int64(latent.address), Int32(48), Int64(ids.address), Int64(weights.address)]
+        tail = [Int32(tokens)]  # min(T, CTAS_PER_SM * SMs)
+        step = Step(Int32(tokens), Int64(tag))
+    elif kernel == "combine":
+        launch = CombineLaunch(geometry, KernelTuning(), fixed, sms, arch="sm_90a")
+        ids, norm = Tensor(0x7F00000C0000, (tokens, 4)), Tensor(0x7F00000E0000, (64,))
+        normed = Tensor(0x7F00000F0000, (tokens, 64))
+        call = (ids, norm, normed, 1e-5, tokens, tag, stream)
+        head = [Int64(ids.address), Int64(norm.address), Int64(normed.address)]
+        tail = [Float32(1e-5), Int32(1), Int32(5)]  # eps, normalize, ceil(37 / 8)
+        step = Step(Int32(tokens), Int64(tag))
+    else:
+        launch = RejectLaunch(kernel, geometry, KernelTuning(), fixed, arch="sm_90a")
+        call, head, tail, step = (tag, stream), [], [], Step(Int32(-1), Int64(tag))
+    typed = (*head, *structs, step, *tail, cuda.CUstream(stream))
+    compiled, seen = launch.compiled, []
+    launch.compiled = lambda *args: seen.extend(args)  # what the launch hands the kernel
+    launch(*call)
+    binder = compiled.execution_args
+    want, _ = binder.generate_execution_args(typed, {})
+    got, _ = binder.generate_execution_args(tuple(seen), {})
+    sizes = parameter_sizes(typed)
+    assert len(want) == len(got) == len(sizes), (len(want), len(got), len(sizes))
+
+    def target(pointer, size: int) -> bytes:  # CuTeDSL hands c_void_p or plain addresses
+        return ctypes.string_at(getattr(pointer, "value", pointer), size)
+
+    for i, (w, g, size) in enumerate(zip(want, got, sizes)):
+        assert target(w, size) == target(g, size), f"{kernel}: parameter {i} differs"
+
+
+def parameter_sizes(typed) -> list[int]:
+    """The bytes of each kernel parameter of typed launch arguments (a struct's fields each)."""
+    import dataclasses
+
+    from cutlass import Float32, Int32, Int64
+
+    size = {Int32: 4, Float32: 4, Int64: 8}
+    sizes = []
+    for arg in typed:
+        if dataclasses.is_dataclass(arg):
+            sizes += [size[f.type] for f in dataclasses.fields(arg)]
+        else:
+            sizes.append(size.get(type(arg), 8))  # the stream: a pointer
+    return sizes
+
+
+def test_quantize_launcher_compiles():
+    """Mxfp8QuantizeLaunch compiles its kernel without a GPU; its grid is one CTA a row."""
+    from dep_ep.comm.kernels.mxfp8_quantize import Mxfp8QuantizeLaunch
+
+    quantize = Mxfp8QuantizeLaunch(64, arch="sm_90a")
+    assert quantize.grid(5) == 5

@@ -24,7 +24,8 @@ rank's weighted sum over its local experts for token t of source rank s). One la
 Each byte of an expert output row is read once, where it lies, and each output row is written
 once (at EP = 1 and T = 4096: 58.7 MB, against 117 MB for returning the rows to their sources
 first and summing them there). No CTA waits for another CTA of its launch, so the grid need not
-be co-resident (`signal_first_cta`).
+be co-resident (`signal_first_cta`). CombineLaunch, at the end, is the host side: the compile, the
+grid rule and the launch.
 
 Why a reader may load a peer's rows after its flag, and why the owner may overwrite them later:
 the owner's experts wrote the rows in launches that completed before its combine launch stored
@@ -37,13 +38,22 @@ acquires before its launch completes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
+from dep_ep.comm.kernels.host_params import STREAM, HostParams
 from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
+from dep_ep.comm.kernels.launcher import (
+    KernelGeometry,
+    TransportParams,
+    compile_cached,
+    placeholder_structs,
+)
 from dep_ep.comm.kernels.ptx import (
     add_rn,
     barrier_or,
@@ -75,6 +85,7 @@ from dep_ep.comm.kernels.tensors import (
     state_words,
     vectors,
 )
+from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import (
     MAX_RANKS,
     NORM_CHUNK,
@@ -110,7 +121,7 @@ def _hi(word):
 class CombineKernel:
     """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank; the CTA's warps
     W (`tuning.combine_warps`). T is runtime. Grid: any size (CTA b takes tokens Wb + w,
-    Wb + w + WG, ...); the host launches ceil(T / W) CTAs."""
+    Wb + w + WG, ...); the host's rule is CombineLaunch.grid."""
 
     def __init__(
         self, num_ranks: int, latent: int, topk: int, experts_per_rank: int, tuning: KernelTuning
@@ -396,3 +407,117 @@ class CombineKernel:
                         z1 = bf16_round(rH[i * CHUNK + 2 * j + 1])
                         rWords[j] = z0 | (z1 << 16)
                 cute.autovec_copy(rWords, gNormed[(0, None), (t, c)])
+
+
+class CombineLaunch:
+    """CombineKernel's launch, for one geometry and one transport: its compile (cached per
+    geometry, tuning and arch), its grid rule, its launch parameters in HostParams written in
+    place, and the launch.
+
+    Constraints (stated here once; the callers that check them are named):
+    - Geometry: 1 <= N <= MAX_RANKS, L a multiple of CHUNK (8; asserted by CombineKernel; the
+      transport's L is a multiple of SCALE_BLOCK), K <= MAX_TOPK, N * max_tokens * max(L / 2,
+      K) < 2^31 (check_kernel_limits, at DeviceTransport's construction).
+    - T: 1 <= T, the T of this call's dispatch, which ran before it on this rank (so T and the
+      tag are the same on every rank: the dispatch checked them).
+    - Tensors: ids int32 [T, K] as dispatched, contiguous; norm_weight bf16 [L] (read only when
+      given); normed bf16 [T, L] contiguous, the output. All 16-byte aligned (EpRouted checks
+      the caller's norm weight and output and stages its ids).
+    - Stream order: this call's dispatch, then the experts that wrote this rank's rows into its
+      `out` region, come before the launch on its stream (with `tuning.pdl` the kernel may
+      start while the kernel before it finishes; it waits for that grid, griddepcontrol.wait,
+      before it reads anything). Once it completes, no rank reads this rank's rows any more
+      (the combine-end flags): whatever follows it on the stream may rewrite them.
+    - Co-residency: none needed. No CTA waits for another CTA of its launch: every CTA waits
+      (bounded) for every rank's combine flag, and this rank's is stored by the first CTA of
+      the launch to start, which is resident by definition (signal_first_cta); the last CTA to
+      finish waits for the peers' combine-end flags, after every CTA of its launch is done.
+    - Beside other streams (the layer's side stream runs SiTU and the shared down GEMM
+      concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only delay
+      the combine CTAs not yet started, and they complete without waiting for the combine. The
+      other way, a combine CTA holds its SM while it waits for the slowest rank's flag: with
+      the default tuning a CTA at K3's L is 8 warps of 255 registers a thread
+      (docs/perf_notes.md), the SM's whole register file, so no GEMM CTA fits beside it, and
+      once ceil(T / 8) >= SMs the combine holds every SM from its start until it completes.
+      That costs the side stream time, never progress. As for the dispatch (DispatchLaunch),
+      this holds while the kernels beside it complete without waiting for this rank's dispatch
+      or combine, and a kernel launched after it with programmatic dependent launch cannot keep a
+      combine CTA from starting (it starts once every combine CTA has run its first
+      instructions, griddepcontrol.launch_dependents among them).
+    """
+
+    NAME = "combine"
+
+    def __init__(
+        self,
+        geometry: KernelGeometry,
+        tuning: KernelTuning,
+        fixed: TransportParams,
+        num_sms: int,
+        arch: str | None = None,
+    ):
+        """Compile (or take from the cache) the kernel for `arch` (None: this process's GPU);
+        `fixed`: the transport's regions and control words; `num_sms`: the GPU's SM count (the
+        grid rule)."""
+        self.compiled = self.compile(geometry, tuning, arch)
+        self.fixed = fixed
+        self.warps = tuning.combine_warps
+        self.max_ctas = tuning.combine_ctas_per_sm * num_sms  # 0: no cap
+        # The call's tensors' addresses, the step, eps, the normalize flag, the grid and the
+        # stream: written at each launch.
+        self.ids, self.norm_weight, self.normed = (HostParams(Int64) for _ in range(3))
+        self.step = HostParams(*(f.type for f in dataclasses.fields(Step)))
+        self.eps, self.normalize = HostParams(Float32), HostParams(Int32)
+        self.grid_size = HostParams(Int32)
+        self.stream = HostParams(STREAM)
+
+    @staticmethod
+    def compile(
+        geometry: KernelGeometry,
+        tuning: KernelTuning,
+        arch: str | None = None,
+        keep_ptx_dir: str | None = None,
+    ):
+        """The compiled kernel of `geometry` and `tuning` for `arch` (None: this process's GPU),
+        from the process's cache (comm/kernels/launcher.py, compile_cached)."""
+
+        def build():
+            kernel = CombineKernel(
+                geometry.num_ranks,
+                geometry.latent,
+                geometry.topk,
+                geometry.experts_per_rank,
+                tuning,
+            )
+            z, one = Int64(0), Int32(1)
+            # ids, norm_weight, normed, the structs, eps, normalize, the grid
+            args = (z, z, z, *placeholder_structs(), Float32(DEFAULT_NORM_EPS), one, one)
+            return kernel, args
+
+        return compile_cached(geometry, CombineLaunch.NAME, arch, tuning, build, keep_ptx_dir)
+
+    def grid(self, tokens: int) -> int:
+        """CTAs for T = `tokens`: ceil(T / combine_warps) (one warp a token), at most
+        combine_ctas_per_sm an SM when that is > 0 (the warps then loop over the tokens)."""
+        grid = -(-tokens // self.warps)
+        return min(grid, self.max_ctas) if self.max_ctas else grid
+
+    def __call__(
+        self, ids, norm_weight, normed, eps: float, tokens: int, tag: int, stream: int
+    ) -> None:
+        """Launch on `stream` (a CUstream handle) the combine of T = `tokens` with `tag`: ids
+        int32 [T, K] as dispatched, norm_weight bf16 [L] or None (the plain sum, rounded to
+        BF16), normed bf16 [T, L] (the output), torch tensors on this rank's GPU; `eps` the
+        norm's (added in fp32)."""
+        self.compiled(
+            self.ids.set(ids.data_ptr()),
+            self.norm_weight.set(0 if norm_weight is None else norm_weight.data_ptr()),
+            self.normed.set(normed.data_ptr()),
+            self.fixed.regions,
+            self.fixed.control,
+            self.step.set(tokens, tag),
+            self.eps.set(float(eps)),
+            self.normalize.set(0 if norm_weight is None else 1),
+            self.grid_size.set(self.grid(tokens)),
+            self.stream.set(stream),
+        )

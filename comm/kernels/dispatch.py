@@ -1,7 +1,10 @@
 """DispatchKernel: quantize each token to MXFP8 once and push it to every rank owning one of its
-experts (the row contract of docs/design.md), then wait until every source has delivered."""
+experts (the row contract of docs/design.md), then wait until every source has delivered.
+DispatchLaunch: its compile, grid rule and launch (the host side)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -9,7 +12,14 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
+from dep_ep.comm.kernels.host_params import STREAM, HostParams
 from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
+from dep_ep.comm.kernels.launcher import (
+    KernelGeometry,
+    TransportParams,
+    compile_cached,
+    placeholder_structs,
+)
 from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_IN, BLOCK_WORDS_OUT, quantize_block
 from dep_ep.comm.kernels.signals import (
     check_step,
@@ -233,3 +243,118 @@ class DispatchKernel:
                     cute.autovec_copy(gWeights[(0, None), (t, g)], rWeights)
                     cute.autovec_copy(rWeights, vectors(dst.weights, V)[(0, None), (row, g)])
         return hits
+
+
+class DispatchLaunch:
+    """DispatchKernel's launch, for one geometry and one transport: its compile (cached per
+    geometry, tuning and arch), its grid rule, its launch parameters in HostParams written in
+    place, and the launch.
+
+    Constraints (stated here once; the callers that check them are named):
+    - Geometry: 1 <= N <= MAX_RANKS, L a multiple of SCALE_BLOCK (asserted by DispatchKernel),
+      K <= MAX_TOPK, N * max_tokens * max(L / 2, K) < 2^31 (check_kernel_limits, at
+      DeviceTransport's construction).
+    - T: 1 <= T <= max_tokens (EpRouted, check_tokens; T = 0 would be an empty grid, which CUDA
+      refuses). Every rank launches the call with the same T and tag (a difference is recorded,
+      never waited out).
+    - Tensors: latent bf16 [n, L], n <= T, 16-byte aligned, its rows 16 bytes apart (its row
+      stride a multiple of 8 elements; contiguous or a column slice); ids int32 [T, K] and
+      weights fp32 [T, K] contiguous, 16-byte aligned. The latent row of a token without an
+      expert (ids all -1: the padding tokens n..T-1) is never read.
+    - Stream order: the writers of latent, ids and weights, and this rank's previous call (its
+      combine or RejectKernel: the dispatch reads the call index it stored), come before the
+      launch on its stream. With `tuning.pdl` the kernel may start while the kernel before it
+      finishes; it waits for that grid (griddepcontrol.wait) before it reads anything.
+    - Co-residency: none needed. CTA 0 waits (bounded) for every source's dispatch flag, this
+      rank's included, which the launch's last CTA to finish stores: CTA 0 waits for the other
+      CTAs of its launch, but none of them waits for anything, so they need not be resident at
+      once: they run on whatever SM slots are free, in several waves if need be, and only CTA 0
+      holds a slot while it waits.
+    - Beside other streams (the layer's side stream runs SiTU and the shared down GEMM
+      concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only
+      delay the dispatch CTAs not yet started; they complete without waiting for the dispatch,
+      so the dispatch completes. What the grid rule guarantees: at most CTAS_PER_SM CTAs an SM
+      (the kernel is compiled with that many as its launch bounds), so on an otherwise idle
+      GPU the grid is one wave. This holds while the kernels beside it complete without waiting
+      for this rank's dispatch or combine (a collective of another stream or another transport
+      that waits for a peer can wait, in the worst case, for a peer whose dispatch waits for
+      this one).
+    - A kernel launched after it with programmatic dependent launch (with `tuning.pdl`) can
+      start only once every dispatch CTA has run its griddepcontrol.launch_dependents (among the
+      kernel's first instructions): every dispatch CTA then holds a slot or is done, so the
+      dependent's waiting CTAs cannot keep a dispatch CTA from starting.
+    """
+
+    NAME = "dispatch"
+
+    def __init__(
+        self,
+        geometry: KernelGeometry,
+        tuning: KernelTuning,
+        fixed: TransportParams,
+        num_sms: int,
+        arch: str | None = None,
+    ):
+        """Compile (or take from the cache) the kernel for `arch` (None: this process's GPU);
+        `fixed`: the transport's regions and control words; `num_sms`: the GPU's SM count (the
+        grid rule)."""
+        self.compiled = self.compile(geometry, tuning, arch)
+        self.fixed = fixed
+        self.max_ctas = CTAS_PER_SM * num_sms
+        # The call's tensors' addresses, the latent's row stride (32-bit words), the step, the
+        # grid and the stream: written at each launch.
+        self.latent, self.ids, self.weights = (
+            HostParams(Int64),
+            HostParams(Int64),
+            HostParams(Int64),
+        )
+        self.latent_row_words = HostParams(Int32)
+        self.step = HostParams(*(f.type for f in dataclasses.fields(Step)))
+        self.grid_size = HostParams(Int32)
+        self.stream = HostParams(STREAM)
+
+    @staticmethod
+    def compile(
+        geometry: KernelGeometry,
+        tuning: KernelTuning,
+        arch: str | None = None,
+        keep_ptx_dir: str | None = None,
+    ):
+        """The compiled kernel of `geometry` and `tuning` for `arch` (None: this process's GPU),
+        from the process's cache (comm/kernels/launcher.py, compile_cached)."""
+
+        def build():
+            kernel = DispatchKernel(
+                geometry.num_ranks,
+                geometry.latent,
+                geometry.topk,
+                geometry.experts_per_rank,
+                tuning,
+            )
+            z = Int64(0)
+            # latent, its row stride in words, ids, weights, the structs, the grid
+            args = (z, Int32(geometry.latent // 2), z, z, *placeholder_structs(), Int32(1))
+            return kernel, args
+
+        return compile_cached(geometry, DispatchLaunch.NAME, arch, tuning, build, keep_ptx_dir)
+
+    def grid(self, tokens: int) -> int:
+        """CTAs for T = `tokens`: one a token, at most CTAS_PER_SM an SM (one wave)."""
+        return min(tokens, self.max_ctas)
+
+    def __call__(self, latent, ids, weights, tokens: int, tag: int, stream: int) -> None:
+        """Launch on `stream` (a CUstream handle) the dispatch of T = `tokens` with `tag`:
+        latent bf16 [n <= T, L], ids int32 [T, K], weights fp32 [T, K] (torch tensors on this
+        rank's GPU, as the class's constraints say)."""
+        row_words = latent.stride(0) // 2 if latent.shape[0] > 1 else latent.shape[1] // 2
+        self.compiled(
+            self.latent.set(latent.data_ptr()),
+            self.latent_row_words.set(row_words),
+            self.ids.set(ids.data_ptr()),
+            self.weights.set(weights.data_ptr()),
+            self.fixed.regions,
+            self.fixed.control,
+            self.step.set(tokens, tag),
+            self.grid_size.set(self.grid(tokens)),
+            self.stream.set(stream),
+        )

@@ -9,9 +9,11 @@ HostParams stands in for one parameter (a number, a stream) or one launch struct
 order), at call time only: compile with the typed values (Int64, the dataclasses of
 launch_args.py).
 
-Mutable and not thread-safe. DeviceTransport keeps one set (LaunchParams) that its launches
-share, each written right before its own launch from the one thread that drives the transport
-(the transport is not thread-safe either: its calls are collective and ordered). The launch
+Mutable and not thread-safe. Each kernel's launcher (DispatchLaunch, CombineLaunch,
+RejectLaunch) keeps its own, written right before its launch from the one thread that drives the
+transport (the transport is not thread-safe either: its calls are collective and ordered); the
+regions and control words, the same at every call, are one set that a transport's launchers
+share (launcher.py, TransportParams). The launch
 copies the values when it is issued (a CUDA graph captures them then), so the next write cannot
 change a launch already made.
 """

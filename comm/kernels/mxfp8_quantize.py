@@ -1,7 +1,8 @@
 """Mxfp8QuantizeKernel: BF16 [rows, L] -> MXFP8 bytes [rows, L] + E8M0 scales [rows, L/32].
 
-Used by the tests (bit-exact against comm/mxfp8.py) and the benchmark; dispatch quantizes
-in-kernel with the same device function (comm/kernels/mxfp8_block.py).
+Used by the tests (bit-exact against comm/mxfp8.py) and the benchmark, through
+Mxfp8QuantizeLaunch; dispatch quantizes in-kernel with the same device function
+(comm/kernels/mxfp8_block.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8, Uint32
 
+from dep_ep.comm.kernels.launcher import compile_kernel
 from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_IN, BLOCK_WORDS_OUT, quantize_block
 from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
@@ -54,3 +56,39 @@ class Mxfp8QuantizeKernel:
             scale = quantize_block(rIn, rOut)
             cute.autovec_copy(rOut, gQ[(0, None), (row, b)])
             mSf[row, b] = Uint8(scale)
+
+
+class Mxfp8QuantizeLaunch:
+    """Mxfp8QuantizeKernel's launch for one latent width L: its compile (not cached: the tests
+    and the benchmark compile it once each) and its launch.
+
+    Constraints (stated here once): L a multiple of SCALE_BLOCK (asserted by the kernel);
+    rows >= 1 (the grid is one CTA a row; an empty grid is refused by CUDA); src bf16
+    [rows, L] and q uint8 [rows, L] contiguous and 16-byte aligned, sf uint8 [rows, L / 32]
+    contiguous. The writers of src come before the launch on its stream. No CTA waits for
+    another: no co-residency, and kernels beside it only delay it.
+    """
+
+    def __init__(self, latent: int, arch: str | None = None):
+        """Compile for `arch` (None: this process's GPU)."""
+        self.latent = latent
+        z = Int64(0)
+        self.compiled = compile_kernel(
+            lambda: (Mxfp8QuantizeKernel(latent), (z, z, z, Int32(1))), arch
+        )
+
+    @staticmethod
+    def grid(rows: int) -> int:
+        """CTAs for `rows` rows: one a row."""
+        return rows
+
+    def __call__(self, src, q, sf, stream: int) -> None:
+        """Launch on `stream` (a CUstream handle): src bf16 [rows, L] -> q uint8 [rows, L]
+        (e4m3 bytes), sf uint8 [rows, L / 32] (E8M0), torch tensors on this process's GPU."""
+        self.compiled(
+            src.data_ptr(),
+            q.data_ptr(),
+            sf.data_ptr(),
+            self.grid(src.shape[0]),
+            cuda.CUstream(stream),
+        )

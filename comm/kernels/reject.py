@@ -9,16 +9,26 @@ flag of a call whose experts failed) and its combine-end flag (it reads no rows)
 overwrite rows or flags a peer still reads.
 The peers record the rejection (with its status) and mark their outputs (combine.py); the call
 then counts as done on every rank and the next one is in step.
+RejectLaunch: a variant's compile and launch (the host side).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from dep_ep.comm.kernels.launch_args import RankControl, Step, SymmetricRegions
+from dep_ep.comm.kernels.host_params import STREAM, HostParams
+from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
+from dep_ep.comm.kernels.launcher import (
+    KernelGeometry,
+    TransportParams,
+    compile_cached,
+    placeholder_structs,
+)
 from dep_ep.comm.kernels.signals import flag_slot, signal_step, wait_flag
 from dep_ep.comm.kernels.tensors import flag_slots, peer_base, state_words
 from dep_ep.constants import (
@@ -82,3 +92,68 @@ class RejectKernel:
         cute.arch.barrier()
         if tidx == 0:
             mState[STATE_CALL] = call
+
+
+# The RejectKernel variants by launcher name: (phase where the call failed, the flags' status).
+REJECT_KERNELS = {
+    "reject_dispatch": ("dispatch", STATUS_REJECTED),
+    "reject_combine": ("combine", STATUS_REJECTED),
+    "fail_combine": ("combine", STATUS_FAILED),
+}
+
+
+class RejectLaunch:
+    """One RejectKernel variant's launch (`name`, of REJECT_KERNELS), for one geometry and one
+    transport: its compile (cached per geometry, tuning and arch, as the other kernels'; the
+    kernel depends on N alone), its launch parameters in HostParams written in place, and the
+    launch.
+
+    Constraints (stated here once):
+    - Geometry: 1 <= N <= MAX_RANKS. Grid: one CTA of one warp (thread s signals and waits for
+      rank s), whatever T is.
+    - It replaces this rank's dispatch ("reject_dispatch") or combine ("reject_combine",
+      "fail_combine") of a call: the step's T is -1, its tag the call's. Stream order: this
+      rank's previous call (for "reject_dispatch") or this call's dispatch (for the others)
+      comes before it on its stream.
+    - Co-residency: one CTA, nothing to share. It waits (bounded) for every rank's combine-end
+      flag; kernels beside it on other streams only delay its start.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        geometry: KernelGeometry,
+        tuning: KernelTuning,
+        fixed: TransportParams,
+        arch: str | None = None,
+    ):
+        """Compile (or take from the cache) variant `name` for `arch` (None: this process's
+        GPU); `fixed`: the transport's regions and control words."""
+        self.name = name
+        self.compiled = self.compile(name, geometry, tuning, arch)
+        self.fixed = fixed
+        self.step = HostParams(*(f.type for f in dataclasses.fields(Step)))
+        self.stream = HostParams(STREAM)
+
+    @staticmethod
+    def compile(
+        name: str,
+        geometry: KernelGeometry,
+        tuning: KernelTuning,
+        arch: str | None = None,
+        keep_ptx_dir: str | None = None,
+    ):
+        """The compiled variant `name` (of REJECT_KERNELS) for `arch` (None: this process's
+        GPU), from the process's cache (comm/kernels/launcher.py, compile_cached)."""
+
+        def build():
+            return RejectKernel(geometry.num_ranks, *REJECT_KERNELS[name]), placeholder_structs()
+
+        return compile_cached(geometry, name, arch, tuning, build, keep_ptx_dir)
+
+    def __call__(self, tag: int, stream: int) -> None:
+        """Launch on `stream` (a CUstream handle) this rank's part without payload in the call
+        with `tag`."""
+        self.compiled(
+            self.fixed.regions, self.fixed.control, self.step.set(-1, tag), self.stream.set(stream)
+        )
