@@ -774,9 +774,13 @@ def test_gpu_finalize_equals_torch(rows):
     y = y.to(torch.bfloat16)
     weights = torch.randint(0, 17, (rows, topk), device="cuda", generator=gen).float() / 16
     out = torch.full((rows, latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+    record = torch.zeros(1, dtype=torch.int32, device="cuda")
+    budget = (groups.num_pairs, groups.pair_capacity, record)  # y holds every pair: no overflow
+    slots = groups.pair_slot.reshape(rows, topk)
     finalize_kernel[(rows, latent // block_l)](
-        y, groups.pair_slot.reshape(rows, topk), weights, out, latent, topk, block_l
+        y, slots, weights, out, *budget, latent, topk, block_l
     )
+    assert int(record) == 0, f"seed {seed}: overflow recorded within the capacity"
     slot = groups.pair_slot.reshape(rows, topk).long()
     local = slot >= 0
     gathered = y[slot.clamp(min=0)].double() * (weights * local).double()[:, :, None]
