@@ -1,24 +1,34 @@
-"""Experts backends on one GPU at K3 geometry: HopperExperts against the weight-read floor, beside
-ReferenceExperts, at 56, 112 and 448 local experts (rank 0 of 16, 8 and 2 ranks), T = 1..256 tokens
-per rank, all measured in the same run.
+"""Experts backends on one GPU at K3 geometry: HopperExperts against the hardware floor, beside
+ReferenceExperts, at 56, 112 and 448 local experts (rank 0 of 16, 8 and 2 ranks), T = 1..2048
+tokens per rank (powers of two), uniform, Zipf and hot-expert routing, all measured in the same run.
 
     python -m bench.bench_experts     # writes docs/results/bench_experts.md and .png
 
 Receive rows as rank 0 of `ranks` would get them: ranks * T tokens, each with K3's 16 distinct
-random experts of 896, keeping the tokens with at least one of rank 0's experts.
-- HopperExperts (VARIANTS: HummingEngine, its kernels chosen for the pairs expected from
-  num_experts, with the one-launch grouping kernel (the default) and with the torch grouping;
-  HummingEngine(tune_for_capacity=True), its kernels chosen for the pair capacity; TritonEngine):
-  CUDA-graph replay of `--reps` back-to-back calls on the same rows (a call has no host
-  synchronisation), median of `--samples` replays, per call; one eager call first (humming
-  compiles its kernels for a new pair count there).
+experts of 896 drawn by synthetic_ids (--routing: uniform; zipf; hot, expert 0 of rank 0 every
+token's first choice), keeping the tokens with at least one of rank 0's experts.
+- HopperExperts (VARIANTS, --variants: "humming", HummingEngine, its kernels chosen for the
+  pairs expected from num_experts, with the one-launch grouping kernel (the default);
+  "humming-torch-grouping", the same with the torch grouping; "humming-capacity",
+  HummingEngine(tune_for_capacity=True), its kernels chosen for the pair capacity; "triton",
+  TritonEngine): CUDA-graph replay of back-to-back calls on the same rows (a call has no host
+  synchronisation), median of `--samples` replays, per call; `--reps` calls a graph, fewer where
+  one eager call takes longer than REPLAY_BUDGET_US / reps (`graph_reps`); one eager call first
+  (humming compiles its kernels for a new pair count there).
 - ReferenceExperts: eager (it reads sizes back to the host), median of CUDA-event-timed calls;
   skipped at 448 local experts (its BF16 cache would take 29.6 GB).
-- Floor: the MXFP4 weights and scales of the experts the rows touch (17,547,264 bytes each at K3)
-  read once at the copy bandwidth measured in the same run.
+- The floor (`floors`), the larger of two, both measured in the same run:
+  weight read: the MXFP4 weights and scales of the experts the rows touch (17,547,264 bytes
+  each at K3) read once at the device-to-device copy bandwidth (`copy_gbs`);
+  FP8 MMA: the pairs' FLOPs, FC1 2 * pairs * L * 2I plus FC2 2 * pairs * I * L (`mma_flops`), at
+  the dense FP8 rate of torch._scaled_mm on e4m3 [8192, 8192] x [8192, 8192] (`fp8_tflops`,
+  graph replay). % of floor = floor / time.
 - diff: relative L2 between each variant and ReferenceExperts on the same rows.
 - grouping: the grouping and tile routes alone (block_n 16), group_pairs + tile_routes (torch)
   and group_and_route (one Triton launch), graph replay like HopperExperts.
+
+A part of the run (e.g. --local 56, or --tokens 1024 2048) writes a page of its own rows: give
+each part its own --out.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import datetime
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,16 +48,75 @@ from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, HummingEngine, TritonEngine
-from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
+from dep_ep.experts.hopper.grouping import Grouping, group_pairs, tile_routes
 from dep_ep.experts.hopper.grouping_kernel import group_and_route
-from dep_ep.testing.synthetic import SyntheticLayer, synthetic_ids
+from dep_ep.testing.synthetic import ROUTINGS, SyntheticLayer, synthetic_ids
 
-TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+TOKENS = [1 << i for i in range(12)]  # 1 .. 2048
 LOCAL_EXPERTS = [56, 112, 448]
 REFERENCE_MAX_LOCAL = 112
 REPS, SAMPLES = 10, 20  # calls per captured graph, timed replays (median)
+# A replay holds at most this long of calls (at least one call): at T = 2048 one triton call
+# takes tens of ms, and 10 of them per replay would make the run long without a better median.
+REPLAY_BUDGET_US = 20_000.0
 # w13 + s13 + w2 + s2 of one K3 expert: 3 * I * L / 2 code bytes + 3 * I * L / 32 scale bytes.
 EXPERT_BYTES = 3 * K3.intermediate * K3.latent // 2 + 3 * K3.intermediate * K3.latent // SCALE_BLOCK
+FP8_GEMM = 8192  # fp8_tflops' square GEMM: M = N = K
+
+
+def mma_flops(pairs: int, latent: int, intermediate: int) -> int:
+    """FLOPs of the experts' GEMMs over `pairs` (row, local expert) pairs: FC1 [L] -> [2I] (gate and
+    up) is 2 * pairs * L * 2I, FC2 [I] -> [L] is 2 * pairs * I * L (a multiply-add counts 2)."""
+    return 2 * pairs * latent * 2 * intermediate + 2 * pairs * intermediate * latent
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The hardware floor of one call, us: weight_us, the touched experts' bytes read once at the
+    copy bandwidth; mma_us, the pairs' FLOPs at the dense FP8 rate; floor_us, the larger."""
+
+    weight_us: float
+    mma_us: float
+
+    @property
+    def floor_us(self) -> float:
+        return max(self.weight_us, self.mma_us)
+
+    def percent(self, us: float) -> float:
+        """% of the floor a call of `us` microseconds reaches: 100 * floor / time."""
+        return 100.0 * self.floor_us / us
+
+
+def floors(
+    touched: int,
+    pairs: int,
+    copy_gbs: float,
+    fp8_tflops: float,
+    *,
+    expert_bytes: int = EXPERT_BYTES,
+    latent: int = K3.latent,
+    intermediate: int = K3.intermediate,
+) -> Floor:
+    """The floor of a call whose rows hold `pairs` pairs over `touched` local experts (ints >= 0),
+    at `copy_gbs` GB/s (1e9 bytes a second) and `fp8_tflops` TFLOP/s (1e12; both > 0);
+    `expert_bytes` a touched expert's weights and scales (default K3's MXFP4 expert)."""
+    for name, value in (("touched", touched), ("pairs", pairs)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"floors: {name}={value!r}; expected an int >= 0")
+    for name, rate in (("copy_gbs", copy_gbs), ("fp8_tflops", fp8_tflops)):
+        if not rate > 0 or math.isinf(rate):
+            raise ValueError(f"floors: {name}={rate!r}; expected a finite rate > 0")
+    weight_us = touched * expert_bytes / (copy_gbs * 1e9) * 1e6
+    mma_us = mma_flops(pairs, latent, intermediate) / (fp8_tflops * 1e12) * 1e6
+    return Floor(weight_us, mma_us)
+
+
+def graph_reps(call_us: float, reps: int, budget_us: float = REPLAY_BUDGET_US) -> int:
+    """Calls a captured graph holds: `reps`, fewer when that many calls of `call_us` (one eager
+    call's time) would take longer than `budget_us`, at least 1."""
+    if not call_us > 0:
+        return reps
+    return max(1, min(reps, int(budget_us // call_us)))
 
 
 def copy_gbs() -> float:
@@ -55,6 +125,23 @@ def copy_gbs() -> float:
     dst = torch.empty_like(src)
     us = time_us(lambda: dst.copy_(src), 1, 10)
     return 2 * 4 * src.numel() / (us * 1e-6) / 1e9
+
+
+def fp8_tflops(size: int = FP8_GEMM, reps: int = 5, samples: int = 10) -> float:
+    """Dense FP8 rate, TFLOP/s: torch._scaled_mm of e4m3 [size, size] x [size, size] (the second
+    column-major, as cuBLAS takes it), unit per-tensor scales, BF16 output, fast accumulation (no
+    periodic promotion to fp32: the highest rate the MMA gives, so the floor stays a lower bound),
+    `reps` GEMMs a captured graph, median of `samples` replays."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(size, size, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda", generator=gen).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+
+    def gemm():
+        return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    us = replay_us(capture(gemm, reps), reps, samples)
+    return 2 * size**3 / (us * 1e-6) / 1e12
 
 
 def receive_rows(
@@ -70,20 +157,32 @@ def receive_rows(
     return x, sf, ids, weights
 
 
-def graph_us(backend, rows, launches: int, samples: int) -> float:
-    """Median us per call of `backend` on `rows`, in graph replay."""
-    out = torch.empty(rows[0].shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
-    graph = capture(lambda: backend.forward(*rows, out), launches)
+def eager_us(fn) -> float:
+    """Microseconds of one eager call of `fn` (after its warm-up elsewhere), CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def graph_us(fn, reps: int, samples: int) -> float:
+    """Median us per call of `fn` in graph replay, `graph_reps` calls a graph (`fn` has run
+    eagerly before: its compilation is done)."""
+    launches = graph_reps(eager_us(fn), reps)
+    graph = capture(fn, launches)
     return replay_us(graph, launches, samples)
 
 
-# (column, HopperExperts engine): every engine setting timed in the run.
+# (column, HopperExperts engine): every engine setting timed in the run (--variants picks).
 VARIANTS = [
     ("humming", HummingEngine()),
-    ("humming, torch grouping", HummingEngine(tiles=HopperTiles(grouping="torch"))),
-    ("humming capacity", HummingEngine(tune_for_capacity=True)),
+    ("humming-torch-grouping", HummingEngine(tiles=HopperTiles(grouping=Grouping.TORCH))),
+    ("humming-capacity", HummingEngine(tune_for_capacity=True)),
     ("triton", TritonEngine()),
 ]
+VARIANT_NAMES = [name for name, _ in VARIANTS]
 
 
 GROUPING_BLOCK_N = 16
@@ -93,42 +192,50 @@ GROUPINGS = {
 }
 
 
-def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> list[dict]:
+def bench_local(local: int, args, bandwidth: float, tflops: float, gen: torch.Generator):
+    """The rows of one shard (`local` experts of rank 0) at every --tokens and --routing."""
     ranks = K3.experts // local
     weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, local)
     variants = {}
     for name, engine in VARIANTS:
+        if name not in args.variants:
+            continue
         try:
             variants[name] = HopperExperts(weights, engine=engine)
         except (RuntimeError, ValueError) as error:  # e.g. humming-kernels not installed
             print(f"{name}: not measured: {error}", flush=True)
     reference = None
-    if local <= REFERENCE_MAX_LOCAL:
+    if local <= REFERENCE_MAX_LOCAL and not args.no_reference:
         reference = ReferenceExperts(weights)
     results = []
     for tokens, routing in [(t, r) for t in args.tokens for r in args.routing]:
         rows = receive_rows(ranks, tokens, local, gen, routing)
         ids = rows[2]
         touched = int(ids[ids < local].unique().numel())
+        pairs = int((ids < local).sum())
+        floor = floors(touched, pairs, bandwidth, tflops)
         result = {
             "local": local,
             "ranks": ranks,
             "tokens": tokens,
             "routing": routing,
             "rows": ids.shape[0],
-            "pairs": int((ids < local).sum()),
+            "pairs": pairs,
             "touched": touched,
-            "floor_us": touched * EXPERT_BYTES / (bandwidth * 1e9) * 1e6,
+            "weight_us": floor.weight_us,
+            "mma_us": floor.mma_us,
+            "floor_us": floor.floor_us,
         }
         outputs = {}
         for name, backend in variants.items():
             out = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
             backend.forward(*rows, out)  # eager first: compiles outside the capture
             outputs[name] = out.clone()
-            result[name] = graph_us(backend, rows, args.reps, args.samples)
-        for name, grouping in GROUPINGS.items():  # capture's warm-up call compiles the kernel
-            graph = capture(lambda grouping=grouping: grouping(ids, local), args.reps)
-            result[name] = replay_us(graph, args.reps, args.samples)
+            result[name] = graph_us(lambda b=backend, o=out: b.forward(*rows, o), *timing(args))
+            result[f"{name} workspace"] = backend.workspace_bytes(ids.shape[0], K3.topk)
+        for name, grouping in GROUPINGS.items():  # the eager call compiles the kernel
+            grouping(ids, local)
+            result[name] = graph_us(lambda g=grouping: g(ids, local), *timing(args))
         if reference is not None:
             want = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
             result["reference"] = time_us(lambda: reference.forward(*rows, want), 1, 10)
@@ -141,12 +248,16 @@ def bench_local(local: int, args, bandwidth: float, gen: torch.Generator) -> lis
     return results
 
 
+def timing(args) -> tuple[int, int]:
+    return args.reps, args.samples
+
+
 def main() -> int:
     p = cli.parser(
         __doc__,
         page="bench_experts.md and .png",
         tokens=TOKENS,
-        routing=["uniform"],
+        routing=list(ROUTINGS),
         timing=(REPS, SAMPLES),
     )
     p.add_argument(
@@ -156,72 +267,111 @@ def main() -> int:
         default=LOCAL_EXPERTS,
         help="local experts of rank 0, each a case (896 / local ranks)",
     )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANT_NAMES,
+        default=VARIANT_NAMES,
+        metavar="NAME",
+        help="HopperExperts engine settings to time (VARIANTS)",
+    )
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip ReferenceExperts (its time and the diff columns)",
+    )
     args = p.parse_args()
-    bandwidth = copy_gbs()
+    bandwidth, tflops = copy_gbs(), fp8_tflops()
+    print(f"copy {bandwidth:.0f} GB/s, FP8 {tflops:.0f} TFLOP/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     for local in args.local:
-        results += bench_local(local, args, bandwidth, gen)
+        results += bench_local(local, args, bandwidth, tflops, gen)
         torch.cuda.empty_cache()
-    write_report(args.out, results, bandwidth, args.reps, args.samples)
+    write_report(args.out, results, bandwidth, tflops, args.reps, args.samples)
     return 0
+
+
+def default_variant(result: dict) -> str | None:
+    """The variant the plot shows: the default engine's ("humming"), else the first measured."""
+    return next((name for name in VARIANT_NAMES if name in result), None)
 
 
 def write_report(
     out: Path,
     results: list[dict],
     bandwidth: float,
+    tflops: float,
     reps: int,
     samples: int,
     run: report.Run | None = None,
 ) -> Path:
     """OUTDIR/bench_experts.md and .png from the rows of `bench_local`."""
     run = run or report.Run.this_process()
-    names = [name for name, _ in VARIANTS if any(name in r for r in results)]
+    names = [name for name in VARIANT_NAMES if any(name in r for r in results)]
+    groupings = [name for name in GROUPINGS if any(name in r for r in results)]
     title = "Experts backends on one GPU, K3 geometry"
     page = report.Page(out / "bench_experts.md", title, report.summary(__doc__), run)
     page.text(
-        f"One process. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.",
+        f"One process. Measured in the run: copy bandwidth {bandwidth:.0f} GB/s, dense FP8 rate"
+        f" {tflops:.0f} TFLOP/s (torch._scaled_mm, e4m3 {FP8_GEMM}^3).",
         "Rows: rank 0's receive rows when `ranks` ranks each route T tokens (16 distinct experts"
         " of 896 by synthetic_ids: uniform; zipf; hot, expert 0 of rank 0 in every token).",
         "pairs: (row, local expert) pairs; touched: local experts with rows.",
-        f"HopperExperts (engine, math): graph replay of {reps} calls, median of {samples}"
-        " replays, per call. ReferenceExperts: eager, median of 10 calls. floor: the touched"
-        " experts' MXFP4 weights and scales (17.5 MB each) read once at the measured copy"
-        " bandwidth; % = floor / time. diff: relative L2 against ReferenceExperts.",
+        "weight us: the touched experts' MXFP4 weights and scales (17.5 MB each) read once at the"
+        " copy bandwidth; MMA us: the pairs' FLOPs (FC1 2 * pairs * L * 2I, FC2 2 * pairs * I * L)"
+        " at the FP8 rate; floor us: the larger; % = floor / time.",
+        f"HopperExperts (engine, math): graph replay of up to {reps} calls (fewer past"
+        f" {REPLAY_BUDGET_US / 1e3:.0f} ms a replay), median of {samples} replays, per call;"
+        " workspace: `HopperExperts.workspace_bytes` of the call, MiB. ReferenceExperts: eager,"
+        " median of 10 calls. diff: relative L2 against ReferenceExperts.",
     )
-    columns = ["local (ranks)", "T", "routing", "rows", "pairs", "touched", "floor us"]
+    columns = ["local (ranks)", "T", "routing", "rows", "pairs", "touched"]
+    columns += ["weight us", "MMA us", "floor us"]
     columns += [f"{n} {unit}" for n in names for unit in ("us", "%")]
-    columns += ["Reference us", *(f"{n} diff" for n in names), *(f"{n} us" for n in GROUPINGS)]
+    columns += [f"{n} workspace MiB" for n in names]
+    columns += ["Reference us", *(f"{n} diff" for n in names), *(f"{n} us" for n in groupings)]
     rows = []
     for r in results:
-        cells = [
-            f"{r['local']} ({r['ranks']})",
-            r["tokens"],
-            r["routing"],
-            r["rows"],
-            r["pairs"],
-            r["touched"],
-            f"{r['floor_us']:.0f}",
-        ]
+        floor = Floor(r["weight_us"], r["mma_us"])
+        cells = [f"{r['local']} ({r['ranks']})", r["tokens"], r["routing"], r["rows"], r["pairs"]]
+        cells += [r["touched"], f"{r['weight_us']:.0f}", f"{r['mma_us']:.0f}"]
+        cells.append(f"{floor.floor_us:.0f}")
         for n in names:
-            cells += [f"{r[n]:.0f}", f"{100 * r['floor_us'] / r[n]:.0f}%"] if n in r else ["-", "-"]
+            cells += [f"{r[n]:.0f}", f"{floor.percent(r[n]):.0f}%"] if n in r else ["-", "-"]
+        for n in names:
+            key = f"{n} workspace"
+            cells.append(f"{r[key] / 2**20:.0f}" if key in r else "-")
         cells.append(f"{r['reference']:.0f}" if "reference" in r else "-")
         cells += [f"{r[f'{n} diff']:.1e}" if f"{n} diff" in r else "-" for n in names]
-        cells += [f"{r[n]:.1f}" for n in GROUPINGS]
+        cells += [f"{r[n]:.1f}" if n in r else "-" for n in groupings]
         rows.append(cells)
     page.table(columns, rows)
-    series = []
-    for local, routing in sorted({(r["local"], r["routing"]) for r in results}):
-        mine = [r for r in results if r["local"] == local and r["routing"] == routing]
-        t = [r["tokens"] for r in mine]
-        us = [r.get("humming", r.get("triton", math.nan)) for r in mine]  # nan: not measured
-        series.append(report.Series(f"HopperExperts, {local}, {routing}", t, us))
-        floor = [r["floor_us"] for r in mine]
-        label = f"weight-read floor, {local}, {routing}"
-        series.append(report.Series(label, t, floor, "--", color_of_previous=True))
-    panel = report.Panel("tokens per rank (T)", "us per call", series, x_log=2, y_log=10)
-    page.plot(report.Figure(f"K3 experts on {run.hardware} (local experts)", [panel]))
+    panels = []
+    for local in sorted({r["local"] for r in results}):
+        series = []
+        for routing in [r for r in ROUTINGS if any(x["routing"] == r for x in results)]:
+            mine = [r for r in results if r["local"] == local and r["routing"] == routing]
+            mine = [r for r in mine if default_variant(r) is not None]
+            if not mine:
+                continue
+            t = [r["tokens"] for r in mine]
+            percent = [
+                Floor(r["weight_us"], r["mma_us"]).percent(r[default_variant(r)]) for r in mine
+            ]
+            series.append(report.Series(f"{default_variant(mine[0])}, {routing}", t, percent))
+        ranks = K3.experts // local
+        panels.append(
+            report.Panel(
+                "tokens per rank (T)",
+                "% of floor",
+                series,
+                title=f"{local} local experts ({ranks} ranks)",
+                x_log=2,
+                reference=(100.0, "floor"),
+            )
+        )
+    page.plot(report.Figure(f"K3 experts on {run.hardware}: % of the floor", panels))
     return page.write()
 
 

@@ -76,14 +76,18 @@ def grouping_times(ids: torch.Tensor, local: int, timed) -> dict[str, float]:
 
 
 def finalize_times(y, pair_slot, weights, rows: int, timed) -> dict[str, float]:
-    """{shape: us} of finalize_kernel with each FINALIZE shape; outputs bitwise equal."""
+    """{shape: us} of finalize_kernel with each FINALIZE shape; outputs bitwise equal. y holds
+    every slot's row (the capacity): the pair budget never overflows."""
     times, first = {}, None
+    # The pair budget's arguments: the pair count (at most the slots), y's rows, the record.
+    num_pairs = torch.full((1,), y.shape[0], dtype=torch.int32, device="cuda")
+    budget = (num_pairs, y.shape[0], torch.zeros(1, dtype=torch.int32, device="cuda"))
     for columns, warps in FINALIZE:
         out = torch.full((rows, K3.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
 
         def call(columns=columns, warps=warps, out=out):
             kernels.finalize_kernel[(rows, K3.latent // columns)](
-                y, pair_slot, weights, out, K3.latent, K3.topk, columns, num_warps=warps
+                y, pair_slot, weights, out, *budget, K3.latent, K3.topk, columns, num_warps=warps
             )
 
         times[f"{columns}/{warps}"] = timed(call)

@@ -23,6 +23,7 @@ from dep_ep.config import K3
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import EpRouted
 from dep_ep.experts.hopper import HummingEngine, TritonEngine
+from dep_ep.experts.hopper.engine import PAIR_BUDGET_SKEW, pair_budget
 
 BYTES = {"dispatch": K3.latent + K3.latent // SCALE_BLOCK + K3.topk * 8, "combine": K3.latent * 2}
 # docs/results/bench_dep2.md, 2026-11-29 (two H200, NV18), us: T -> (dispatch, combine).
@@ -88,19 +89,24 @@ def main() -> None:
             print(f"{n} | {tokens} | {d:.0f} | {c:.0f} | {d + c:.0f} | {best:.0f}")
     print(
         "\nmemory per rank, MiB: N | max_tokens | EpRouted (symmetric part) | HopperExperts"
-        " humming / triton workspace at T = max_tokens"
+        " humming / triton workspace at T = max_tokens | triton at"
+        f" pair_skew={PAIR_BUDGET_SKEW} (its pair budget)"
     )
     for n in [1, *RANKS]:
-        for tokens in (256, 1024, 4096):
+        for tokens in (256, 1024, 2048, 4096):
             routed = EpRouted.workspace_bytes(n, tokens, latent=K3.latent, topk=K3.topk)
             symmetric = EpLayout(n, tokens, K3.latent, K3.topk).total_bytes
+            rows, local = n * tokens, K3.experts // n
+            shape = (rows, K3.topk, K3.latent, K3.intermediate)
             hum, tri = (
-                engine.workspace_bytes(n * tokens, K3.topk, K3.latent, K3.intermediate)
+                engine.workspace_bytes(*shape, num_local=local)
                 for engine in (HummingEngine(), TritonEngine())
             )
+            budget = pair_budget(rows, K3.topk, local, K3.experts, PAIR_BUDGET_SKEW)
+            skewed = TritonEngine().workspace_bytes(*shape, num_local=local, max_pairs=budget)
             print(
                 f"{n} | {tokens} | {routed / 2**20:.0f} ({symmetric / 2**20:.0f}) |"
-                f" {hum / 2**20:.0f} / {tri / 2**20:.0f}"
+                f" {hum / 2**20:,.0f} / {tri / 2**20:,.0f} | {skewed / 2**20:,.0f} ({budget:,})"
             )
 
 

@@ -1,7 +1,8 @@
 """The CPU parts of the benchmarks: every bench module imports and every benchmark's --help runs;
 a page through bench/report.py (header, table, a plot or the line saying it is missing) and the
 command it names; bench_routed_experts reading the peer's log and writing its page; bench_dep's
-page with and without its peer; bench_integration end to end on one CPU process (tiny preset)
+page with and without its peer; bench_experts' floors (hand-computed) and its
+page; bench_integration end to end on one CPU process (tiny preset)
 and its page's graph-replay table; bench_humming_tuning naming humming's distinct kernels;
 timing.pair_timed_us's argument check; profile_combine reading Nsight Compute's table."""
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_dep, profile_combine, report, timing
+from bench import bench_experts as experts
 from bench import bench_humming_tuning as tuning
 from bench import bench_integration as integration
 from bench import bench_routed_experts as routed_experts
@@ -310,3 +312,87 @@ def test_profile_combine_reads_ncu_and_writes_a_column_per_t(tmp_path):
         profile_combine.write_report(tmp_path, [1, 16, 4096], keys, values, run)
     with pytest.raises(SystemExit, match="no ncu table"):
         profile_combine.metrics("==ERROR== no kernels were profiled")
+
+
+def test_experts_mma_flops_count_fc1_and_fc2():
+    # FC1 [L=2] -> [2I=6]: 2 * 1 * 2 * 6 = 24; FC2 [I=3] -> [L=2]: 2 * 1 * 3 * 2 = 12.
+    assert experts.mma_flops(1, 2, 3) == 36
+    assert experts.mma_flops(0, 3584, 3072) == 0
+    # K3: 6 * L * I = 66,060,288 FLOPs a pair.
+    assert experts.mma_flops(1000, 3584, 3072) == 66_060_288_000
+    assert experts.EXPERT_BYTES == 17_547_264  # 3 * I * L / 2 codes + 3 * I * L / 32 scales
+
+
+def test_experts_floor_is_the_larger_of_weight_read_and_fp8_mma():
+    # Few pairs: the weights bound. 56 experts * 17,547,264 B at 4000 GB/s = 245.661696 us;
+    # 100 pairs * 66,060,288 FLOPs at 1000 TFLOP/s = 6.6060288 us.
+    few = experts.floors(56, 100, 4000.0, 1000.0)
+    assert few.weight_us == pytest.approx(245.661696, rel=1e-12)
+    assert few.mma_us == pytest.approx(6.6060288, rel=1e-12)
+    assert few.floor_us == few.weight_us
+    assert few.percent(491.323392) == pytest.approx(50.0, rel=1e-12)
+    # Many pairs: the MMA bounds. 2 experts: 8.773632 us; 1000 pairs: 66.060288 us.
+    many = experts.floors(2, 1000, 4000.0, 1000.0)
+    assert many.weight_us == pytest.approx(8.773632, rel=1e-12)
+    assert many.mma_us == pytest.approx(66.060288, rel=1e-12)
+    assert many.floor_us == many.mma_us
+    # Other geometry: 1 expert of 1e6 B at 1000 GB/s = 1 us; 10 pairs * 36 FLOPs at 1e-6 TFLOP/s.
+    other = experts.floors(1, 10, 1000.0, 1e-6, expert_bytes=10**6, latent=2, intermediate=3)
+    assert (other.weight_us, other.mma_us) == (pytest.approx(1.0), pytest.approx(360.0))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((-1, 1, 1.0, 1.0), "touched=-1"),
+        ((1, 2.5, 1.0, 1.0), "pairs=2.5"),
+        ((1, 1, 0.0, 1.0), "copy_gbs=0.0"),
+        ((1, 1, 1.0, float("nan")), "fp8_tflops=nan"),
+        ((1, 1, float("inf"), 1.0), "copy_gbs=inf"),
+    ],
+)
+def test_experts_floors_refuse_bad_inputs(args, match):
+    with pytest.raises(ValueError, match=f"floors: {match}"):
+        experts.floors(*args)
+
+
+def test_experts_graph_reps_fit_the_replay_budget():
+    assert experts.graph_reps(100.0, 10) == 10  # 10 calls of 0.1 ms: within 20 ms
+    assert experts.graph_reps(5_000.0, 10) == 4  # 4 calls of 5 ms fill 20 ms
+    assert experts.graph_reps(50_000.0, 10) == 1  # one call past the budget still runs
+    assert experts.graph_reps(0.0, 7) == 7  # no time measured: as asked
+
+
+def experts_row(local, tokens, routing, touched=50, pairs=400, **columns):
+    """A row of bench_experts.bench_local: 300 rows, the floor at 4000 GB/s and 1000 TFLOP/s."""
+    floor = experts.floors(touched, pairs, 4000.0, 1000.0)
+    row = {"local": local, "ranks": 896 // local, "tokens": tokens, "routing": routing}
+    row.update(rows=300, pairs=pairs, touched=touched, floor_us=floor.floor_us)
+    return {**row, "weight_us": floor.weight_us, "mma_us": floor.mma_us, **columns}
+
+
+def test_experts_page_shows_both_floors_and_the_percent_of_the_larger(tmp_path):
+    results = [
+        experts_row(56, 1, "uniform", humming=438.6, triton=877.2, **{"humming workspace": 2**21}),
+        experts_row(56, 2048, "hot", touched=56, pairs=65536, humming=10_000.0),
+        experts_row(448, 1, "zipf", triton=1000.0, reference=2000.0, **{"triton diff": 2e-4}),
+    ]
+    run = report.Run("python -m bench.bench_experts", "1 x H200", "torch", "2026-12-03")
+    text = experts.write_report(tmp_path, results, 4000.0, 1000.0, 10, 20, run).read_text()
+    assert "- Command: `python -m bench.bench_experts`" in text
+    assert "copy bandwidth 4000 GB/s, dense FP8 rate 1000 TFLOP/s" in text, text
+    header = (
+        "| local (ranks) | T | routing | rows | pairs | touched | weight us | MMA us | floor us"
+        " | humming us | humming % | triton us | triton % | humming workspace MiB"
+        " | triton workspace MiB | Reference us | humming diff | triton diff |"
+    )
+    assert header in text, text
+    # 50 experts: 219.3 us of weights, 400 pairs: 26.4 us of MMA; 438.6 us is 50%, 877.2 25%.
+    uniform = "| 56 (16) | 1 | uniform | 300 | 400 | 50 | 219 | 26 | 219 | 439 | 50% | 877 | 25% |"
+    assert uniform + " 2 | - | - | - | - |" in text, text
+    # 65,536 pairs: 4329.3 us of MMA bound the 245.7 us of weights: 43% at 10 ms.
+    hot = "| 56 (16) | 2048 | hot | 300 | 65536 | 56 | 246 | 4329 | 4329 | 10000 | 43% | - | - |"
+    assert hot in text, text
+    assert "| 448 (2) | 1 | zipf |" in text and "| 2000 | - | 2.0e-04 |" in text, text
+    assert "![K3 experts on 1 x H200: % of the floor](bench_experts.png)" in text
+    assert (tmp_path / "bench_experts.png").stat().st_size > 0

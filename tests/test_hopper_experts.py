@@ -29,7 +29,10 @@ from dep_ep.experts.hopper import (
     humming_engine,
     tuning_pairs,
 )
+from dep_ep.experts.hopper import engine as engine_module
+from dep_ep.experts.hopper.engine import PAIR_BUDGET_LEAST, pair_budget
 from dep_ep.experts.hopper.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
+from dep_ep.experts.hopper.triton_engine import fused_experts
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
@@ -193,6 +196,15 @@ def test_kernels_in_triton_interpreter(case):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+def test_pair_budget_in_triton_interpreter():
+    """A budget of exactly the pairs changes nothing (bitwise); one pair less gives NaN in every row
+    with a local id and the overflow record; the call allocates workspace_parts' bytes exactly."""
+    skip_without_interpreter_loops()
+    seed = fresh_seed()
+    run_in_interpreter("helpers.hopper_interpreter_case", "budget", str(seed), expect="ok budget")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
 def test_grouping_kernel_in_triton_interpreter():
     """experts/hopper/grouping_kernel.py gives group_pairs' and tile_routes' tensors bitwise."""
     skip_without_interpreter_loops()
@@ -323,6 +335,70 @@ def test_refuses_cpu_after_checking_arguments():
             HopperExperts(weights, engine=engine)
     with pytest.raises(TypeError, match="HopperExperts: weights is tuple; expected an ExpertW"):
         HopperExperts(SyntheticLayer(TINY, 0).local(0, 4))
+
+
+def test_pair_budget_arithmetic():
+    """pair_budget: the capacity without a skew; else skew x the uniform mean, at least
+    PAIR_BUDGET_LEAST, at most the capacity (hand-computed)."""
+    assert pair_budget(32768, 16, 56, 896, None) == 524_288  # R * K
+    # K3, 16 ranks, T = 2048: mean 32768 * 16 * 56 / 896 = 32,768 pairs; x 2.25 = 73,728.
+    assert pair_budget(32768, 16, 56, 896, 2.25) == 73_728
+    assert pair_budget(4096, 16, 56, 896, 2.25) == 9_216  # T = 256: mean 4,096
+    assert pair_budget(1000, 16, 56, 896, 2.25) == PAIR_BUDGET_LEAST == 4096  # 2,250 < least
+    assert pair_budget(256, 16, 56, 896, 2.25) == 4096  # T = 16: the capacity 4,096
+    assert pair_budget(10, 16, 56, 896, 2.25) == 160  # the capacity below least
+    assert pair_budget(1000, 16, 56, 896, 1.0001) == 4096  # 1,001 pairs: least
+    assert pair_budget(9000, 16, 56, 896, 1.5) == 13_500  # ceil(1.5 * 9,000)
+    # Hot routing (one expert every token's first choice, here) fits the default skew at K3 on
+    # 2..16 ranks and T = 1..4096: R * (1 + (K - 1)(E_local - 1)/(E - 1)) pairs.
+    for ranks in (2, 4, 8, 16):
+        local = 896 // ranks
+        for tokens in (1, 16, 256, 2048, 4096):
+            rows = ranks * tokens
+            hot = rows * (1 + 15 * (local - 1) / 895)
+            assert hot <= pair_budget(rows, 16, local, 896, engine_module.PAIR_BUDGET_SKEW)
+
+
+def test_triton_workspace_at_the_budget_is_under_a_gib_at_k3_dep16_t2048():
+    """TritonEngine.workspace_bytes, term by term (the interpreter case checks the terms against
+    what a call allocates): N = 16 ranks, T = 2048, 56 local experts, the default skew."""
+    rows, slots, pairs = 32768, 524_288, 73_728
+    tiles = slots // 16 + 56  # tile_capacity at block_n 16
+    want = pairs * (K3.intermediate + K3.latent) * 2  # BF16 act and y
+    want += (3 * slots + 1) * 4 + 56 * 8  # pair tables, num_pairs, expert_pairs
+    want += (3 * tiles + 1) * 4 + (2 * tiles * 16 + 1) * 4  # tiles and routes
+    want += (slots // 1024) * 64 * 4  # histogram: 512 chunks x 64 bins
+    got = TritonEngine().workspace_bytes(
+        rows, 16, K3.latent, K3.intermediate, num_local=56, max_pairs=pairs
+    )
+    assert got == want == 992_485_484 and got < 2**30
+    capacity = TritonEngine().workspace_bytes(rows, 16, K3.latent, K3.intermediate, num_local=56)
+    assert capacity == want + (slots - pairs) * (K3.intermediate + K3.latent) * 2
+    # A budget above the capacity is cut to it.
+    assert capacity == TritonEngine().workspace_bytes(
+        rows, 16, K3.latent, K3.intermediate, num_local=56, max_pairs=10**9
+    )
+    with pytest.raises(ValueError, match="max_pairs=100 below the capacity R \\* K = 160"):
+        HummingEngine().workspace_bytes(10, 16, K3.latent, K3.intermediate, max_pairs=100)
+
+
+def test_pair_skew_checked_before_the_device():
+    weights = SyntheticLayer(TINY, 0).local_weights(0, 4)
+    for skew, error, message in (
+        ("2", TypeError, "pair_skew='2'; expected None or a number >= 1"),
+        (True, TypeError, "pair_skew=True; expected None or a number >= 1"),
+        (0.5, ValueError, "pair_skew=0.5; expected None or a finite number >= 1"),
+        (float("inf"), ValueError, "pair_skew=inf"),
+        (float("nan"), ValueError, "pair_skew=nan"),
+    ):
+        with pytest.raises(error, match=f"HopperExperts: {message}"):
+            HopperExperts(weights, engine=TritonEngine(), pair_skew=skew)
+    with pytest.raises(ValueError, match="pair_skew=2.0; HummingEngine takes no pair budget"):
+        HopperExperts(weights, engine=HummingEngine(), pair_skew=2.0)
+    # Valid arguments on CPU: the device refusal.
+    with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
+        HopperExperts(weights, engine=TritonEngine(), pair_skew=2)
+    assert TritonEngine.takes_pair_budget and not HummingEngine.takes_pair_budget
 
 
 def test_engines_check_their_options():
@@ -513,6 +589,90 @@ def test_gpu_bitwise_reruns_and_graph_replay(name):
 
 
 @GPU
+def test_gpu_pair_budget_fits_overflows_and_replays(monkeypatch):
+    """TritonEngine with a pair budget (PAIR_BUDGET_LEAST lowered so a small call has one): rows
+    within it against the float64 reference; rows over it (every row holding all 8 local experts,
+    384 pairs over a budget of 288) NaN in every row, the overflow record raised by
+    check_pair_budget, in eager and in graph replay (no host synchronisation), then a
+    replay on rows within the budget equal to eager, bitwise. Outputs poisoned, fresh data."""
+    monkeypatch.setattr(engine_module, "PAIR_BUDGET_LEAST", 1)
+    seed = fresh_seed()
+    _, layer, latent, x, sf, ids, weights = gpu_case(48, seed, TritonEngine())
+    backend = HopperExperts(
+        layer.local_weights(0, 8).to("cuda"), pair_skew=1.5, engine=TritonEngine()
+    )
+    assert backend.max_pairs(48, 16) == 288  # 1.5 x the mean 48 * 16 * 8 / 32 = 192
+    where = f"seed {seed}"
+    local = (ids >= 0) & (ids < 8)
+    assert int(local.sum()) <= 288, f"{where}: {int(local.sum())} pairs drawn"  # 8 sd above 192
+    written = local.any(dim=1)
+    out = backend.forward(x, sf, ids, weights, poisoned(48))
+    want = expert_sums(latent.cuda(), torch.where(local, ids, -1), weights, layer.expert)
+    err = float((out[written].double() - want[written]).norm() / want[written].norm())
+    assert err < EXPERTS_REL_L2, f"{where}: relative L2 {err:.2e}"
+    assert out[~written].isnan().all(), f"{where}: a row without a local id changed"
+    backend.check_pair_budget()  # nothing over the budget
+
+    # Every row holds the 8 local experts: 384 pairs, over the budget of 288.
+    full = ids.clone()
+    full[:, :8] = torch.stack([torch.randperm(8) for _ in range(48)]).int().cuda()
+    full[:, 8:] = torch.where(full[:, 8:] < 8, -1, full[:, 8:])
+    full[::2, 8:] = -1  # half the rows: only the local ids; all rows still hold one
+    finite = torch.full((48, K3.latent), 3.0, dtype=torch.bfloat16, device="cuda")
+    over = backend.forward(x, sf, full, weights, finite.clone())
+    assert over.isnan().all(), f"{where}: an overflowing call wrote a finite local row"
+    with pytest.raises(RuntimeError, match="a call held 384 \\(row, local expert\\) pairs"):
+        backend.check_pair_budget()  # 384 pairs: 8 per row
+    backend.check_pair_budget()  # zeroed by the check
+
+    # The same in a CUDA graph: capture on fitting rows, replay overflowing ones, then fitting.
+    rows = [t.clone() for t in (x, sf, ids, weights)]
+    graph_out = poisoned(48)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(*rows, graph_out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(*rows, graph_out)
+    rows[2].copy_(full)
+    graph_out.fill_(3.0)
+    graph.replay()
+    assert graph_out.isnan().all(), f"{where}: an overflowing replay wrote a finite local row"
+    with pytest.raises(RuntimeError, match="more than its pair budget"):
+        backend.check_pair_budget()
+    rows[2].copy_(ids)
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    eager = backend.forward(x, sf, ids, weights, poisoned(48))
+    same = torch.equal(graph_out[written].view(torch.int16), eager[written].view(torch.int16))
+    assert same, f"{where}: replay within the budget differs from eager"
+    backend.check_pair_budget()
+
+
+@GPU
+def test_gpu_fused_experts_budget_of_exactly_the_pairs_is_bitwise_the_capacity():
+    """fused_experts with max_pairs = the pairs present equals no budget bitwise; one less gives NaN
+    rows and the record (hot routing at K3 widths)."""
+    seed = fresh_seed()
+    backend, _, _, x, sf, ids, weights = gpu_case(40, seed, TritonEngine(), hot=True)
+    p = backend.prepared
+    pairs = int(((ids >= 0) & (ids < 8)).sum())
+    args = (p.w13, p.s13, p.w2, p.s2, 0, x, sf, ids, weights)
+    record = torch.zeros(1, dtype=torch.int32, device="cuda")
+    outs = {}
+    for budget in (None, pairs, pairs - 1):
+        outs[budget] = fused_experts(
+            *args, poisoned(40), p.tiles, p.programs, max_pairs=budget, pairs_over_budget=record
+        )
+    same = torch.equal(outs[None].view(torch.int16), outs[pairs].view(torch.int16))
+    assert same, f"seed {seed}: a budget of exactly the {pairs} pairs changed the output"
+    assert not outs[None].isnan().any() and outs[pairs - 1].isnan().all(), f"seed {seed}"
+    assert int(record) == pairs, f"seed {seed}: record {int(record)}, {pairs} pairs"
+
+
+@GPU
 @pytest.mark.parametrize(
     "rows,topk,num_local,first,block_ns",
     [
@@ -614,9 +774,13 @@ def test_gpu_finalize_equals_torch(rows):
     y = y.to(torch.bfloat16)
     weights = torch.randint(0, 17, (rows, topk), device="cuda", generator=gen).float() / 16
     out = torch.full((rows, latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+    record = torch.zeros(1, dtype=torch.int32, device="cuda")
+    budget = (groups.num_pairs, groups.pair_capacity, record)  # y holds every pair: no overflow
+    slots = groups.pair_slot.reshape(rows, topk)
     finalize_kernel[(rows, latent // block_l)](
-        y, groups.pair_slot.reshape(rows, topk), weights, out, latent, topk, block_l
+        y, slots, weights, out, *budget, latent, topk, block_l
     )
+    assert int(record) == 0, f"seed {seed}: overflow recorded within the capacity"
     slot = groups.pair_slot.reshape(rows, topk).long()
     local = slot >= 0
     gathered = y[slot.clamp(min=0)].double() * (weights * local).double()[:, :, None]

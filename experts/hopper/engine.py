@@ -16,6 +16,14 @@ from dep_ep.experts.weights import ExpertWeights
 # group_pairs' tensors per (row, k) slot: int64 key, order and position (and the sort's scratch
 # of about two more), int32 pair lists and slot map.
 GROUPING_BYTES_PER_SLOT = 64
+# pair_budget's defaults. SKEW: the budget is this multiple of the pairs a rank receives on average
+# (R * K * E_local / E). Under "hot" routing (one expert every token's first choice) the hot
+# expert's rank receives R * (1 + (K - 1)(E_local - 1)/(E - 1)) pairs: 1.92x the mean at K3 on 16
+# ranks; under synthetic "zipf" routing the busiest of 16 ranks received 1.6-2.2x the mean
+# (dep_ep.testing.synthetic). LEAST: a budget below this many pairs is not worth its overflow risk
+# (54 MB of the triton engine's act and y at K3): small calls keep their capacity R * K.
+PAIR_BUDGET_SKEW = 2.25
+PAIR_BUDGET_LEAST = 4096
 
 # A prepared engine: forward's contract on R >= 1 receive rows (x, sf, ids, weights, out),
 # returning out; HopperExperts calls it with the weights' device current.
@@ -43,6 +51,39 @@ def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) 
     return 1 << max(4, round(math.log2(max(pairs, 1.0))))
 
 
+def pair_budget(rows: int, topk: int, num_local: int, num_experts: int, skew: float | None) -> int:
+    """The most pairs a call over R = rows receive rows of topk ids computes (the rows of its
+    pair-sized workspace): skew None, the capacity R * K (a call never overflows); else
+    min(R * K, max(PAIR_BUDGET_LEAST, ceil(skew * R * K * num_local / num_experts))), skew times
+    the pairs R rows hold on average under uniform routing (K of num_experts experts, num_local of
+    them here). A call holding more pairs overflows: HopperExperts writes NaN rows instead.
+
+    The arithmetic at K3 (E = 896, K = 16) on N = 16 ranks (E_local = 56), T = 2048 tokens a rank:
+    R = N * T = 32,768 receive rows, capacity R * K = 524,288 pairs (every token choosing 16 of
+    this rank's experts); mean R * K * 56 / 896 = 32,768 pairs; hot routing with the hot expert here
+    R * (1 + 15 * 55 / 895) = 62,973 pairs; skew 2.25: 73,728 pairs. The triton engine's call then
+    takes 13,312 bytes a pair (BF16 act [I] and y [L]) and about 21 a slot (the grouping kernel's
+    tables): 0.99 GB (0.92 GiB; `TritonEngine.workspace_bytes`), where the capacity took
+    6.99 GB."""
+    capacity = pair_capacity(rows, topk)
+    if skew is None:
+        return capacity
+    mean = rows * topk * num_local / num_experts
+    return min(capacity, max(PAIR_BUDGET_LEAST, math.ceil(skew * mean)))
+
+
+def check_skew(owner: str, skew: object) -> float | None:
+    """None, or `skew` as a float >= 1 (a finite real number; bools refused); TypeError or
+    ValueError naming `owner`."""
+    if skew is None:
+        return None
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)):
+        raise TypeError(f"{owner}: pair_skew={skew!r}; expected None or a number >= 1")
+    if not 1.0 <= float(skew) < math.inf:
+        raise ValueError(f"{owner}: pair_skew={skew!r}; expected None or a finite number >= 1")
+    return float(skew)
+
+
 def check_flag(owner: str, name: str, value: object) -> None:
     """TypeError naming `owner` and the option unless `value` is a bool."""
     if not isinstance(value, bool):
@@ -63,10 +104,14 @@ class HopperEngine(ABC):
       name               "triton" or "humming"; str(engine) gives it (reports, labels)
       activation_format  FC2's input (ExpertsBackend.activation_format): "bf16" or "mxfp8"
       deterministic      True when reruns on the same rows are bitwise equal
+      takes_pair_budget  True when a call can be sized for a pair budget (HopperExperts'
+                         pair_skew): TritonEngine
     """
 
     name: ClassVar[str]
     activation_format: ClassVar[str]
+    # Whether a call can be sized for a pair budget below its capacity (`pair_budget`).
+    takes_pair_budget: ClassVar[bool] = False
     tiles: HopperTiles
     deterministic: bool
 
@@ -84,11 +129,26 @@ class HopperEngine(ABC):
         return tuning_pairs(rows, topk, num_local, num_experts)
 
     @abstractmethod
-    def workspace_bytes(self, rows: int, topk: int, latent: int, intermediate: int) -> int:
-        """About the bytes one call allocates (from torch's caching allocator) for R = rows
-        receive rows with topk ids each, at the pair capacity R * K."""
+    def workspace_bytes(
+        self,
+        rows: int,
+        topk: int,
+        latent: int,
+        intermediate: int,
+        *,
+        num_local: int | None = None,
+        max_pairs: int | None = None,
+    ) -> int:
+        """The bytes one call allocates (from torch's caching allocator) for R = rows receive
+        rows with topk ids each over num_local experts, its pair-sized tensors at max_pairs rows
+        (`pair_budget`; None: the capacity R * K). Each engine says how exact it is."""
 
     @abstractmethod
-    def prepare(self, owner: str, weights: ExpertWeights, sms: int) -> PreparedCall:
+    def prepare(
+        self, owner: str, weights: ExpertWeights, sms: int, skew: float | None = None
+    ) -> PreparedCall:
         """The engine's state for `weights` on their (SM90) device of `sms` SMs, as a callable
-        with forward's contract; errors name `owner`."""
+        with forward's contract, `max_pairs(rows, topk)` (the pairs a call is sized for:
+        `pair_budget` with `skew`) and `pairs_over_budget` (int32 [1] on the device, 0 or the
+        most pairs a call held over its budget); errors name `owner`. An engine that takes no
+        pair budget (takes_pair_budget False) refuses a skew with ValueError."""

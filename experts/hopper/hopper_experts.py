@@ -21,7 +21,7 @@ import importlib.util
 import torch
 
 from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
-from dep_ep.experts.hopper.engine import HopperEngine
+from dep_ep.experts.hopper.engine import HopperEngine, check_skew, pair_budget
 from dep_ep.experts.hopper.humming_engine import HummingEngine, humming_installed
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.hopper.triton_engine import TritonEngine
@@ -63,6 +63,18 @@ class HopperExperts(ExpertsBackend):
     deterministic=True) reruns on the same rows are bitwise equal (`deterministic`).
     humming's kernels are chosen for `tuning_pairs(rows, topk)`, from the weights' num_experts.
 
+    pair_skew: None (the default), every call sized for the most pairs its rows can hold, R * K
+      (R receive rows of K ids: N * T rows on N ranks), which no routing exceeds; or a number
+      >= 1 (TritonEngine only; ValueError with HummingEngine): a call's pair-sized workspace
+      (BF16 act [P, I] and y [P, L]) holds P = `pair_budget(R, K, E_local, E, pair_skew)` pairs,
+      pair_skew times the pairs R rows hold on average under uniform routing, so the memory
+      follows the work rather than the slots (K3, 16 ranks, T = 2048, pair_skew 2.25: 0.99 GB
+      where R * K took 6.99 GB). A call whose rows hold more pairs than P (counted on the
+      device: no host synchronisation, graph-capturable) computes nothing and writes NaN into
+      every row with a local id (never a partial sum), and raises `pairs_over_budget` to its
+      pair count; `check_pair_budget()` raises it on the host. EpRouted does not read it: the
+      NaN rows reach the tokens' outputs through the combine.
+
     Memory: the triton engine keeps the caller's weights (no copy when contiguous); humming keeps
     its own re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
     `workspace_bytes` from torch's caching allocator (inside a graph capture, the graph's pool).
@@ -71,8 +83,10 @@ class HopperExperts(ExpertsBackend):
     capturing a graph.
 
     Attributes beside the contract's: engine, tiles (the engine's), deterministic, num_experts,
-    intermediate, device, sms, prepared (the engine's state for these weights: TritonPrepared or
-    HummingPrepared, whose fc1 and fc2 the benchmarks time alone).
+    intermediate, device, sms, pair_skew, pairs_over_budget (int32 [1] on the device: 0, or the
+    most pairs a call held over its budget since `check_pair_budget`), prepared (the engine's
+    state for these weights: TritonPrepared or HummingPrepared, whose fc1 and fc2 the benchmarks
+    time alone).
 
     Rows without a local id keep whatever `out` held. A NaN or Inf in a row stays within the
     outputs of that row's pairs.
@@ -80,7 +94,13 @@ class HopperExperts(ExpertsBackend):
 
     requires = "an SM90 (Hopper) CUDA GPU and triton (and humming-kernels for HummingEngine)"
 
-    def __init__(self, weights: ExpertWeights, *, engine: HopperEngine | None = None) -> None:
+    def __init__(
+        self,
+        weights: ExpertWeights,
+        *,
+        engine: HopperEngine | None = None,
+        pair_skew: float | None = None,
+    ) -> None:
         owner = type(self).__name__
         self._take_weights(weights)
         # Arguments first, the device last: a mistake shows on any machine.
@@ -92,12 +112,19 @@ class HopperExperts(ExpertsBackend):
                 " (TritonEngine(...), HummingEngine(...))"
             )
         engine.check(owner, weights)
+        self.pair_skew = check_skew(owner, pair_skew)
+        if self.pair_skew is not None and not engine.takes_pair_budget:
+            raise ValueError(
+                f"{owner}: pair_skew={pair_skew}; {type(engine).__name__} takes no pair budget"
+                " (humming's FC1 output has a row per slot); use engine=TritonEngine()"
+            )
         self.check_device(weights.device)
         self.engine, self.tiles = engine, engine.tiles
         self.activation_format = engine.activation_format
         self.deterministic = engine.deterministic
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.prepared = engine.prepare(owner, weights, self.sms)
+        self.prepared = engine.prepare(owner, weights, self.sms, self.pair_skew)
+        self.pairs_over_budget = self.prepared.pairs_over_budget
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -113,9 +140,36 @@ class HopperExperts(ExpertsBackend):
         `engine.tuning_pairs(rows, topk, num_local_experts, num_experts)`."""
         return self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
 
+    def max_pairs(self, rows: int, topk: int) -> int:
+        """The pairs a call over `rows` receive rows of `topk` ids is sized for:
+        `pair_budget(rows, topk, num_local_experts, num_experts, pair_skew)`."""
+        return pair_budget(rows, topk, self.num_local_experts, self.num_experts, self.pair_skew)
+
     def workspace_bytes(self, rows: int, topk: int) -> int:
-        """Bytes a call over `rows` receive rows with `topk` ids each allocates (see the class)."""
-        return self.engine.workspace_bytes(rows, topk, self.latent, self.intermediate)
+        """Bytes a call over `rows` receive rows with `topk` ids each allocates, at its pair
+        budget (`max_pairs`): the engine's `workspace_bytes` (exact for TritonEngine with the
+        grouping kernel, an estimate for HummingEngine)."""
+        return self.engine.workspace_bytes(
+            rows,
+            topk,
+            self.latent,
+            self.intermediate,
+            num_local=self.num_local_experts,
+            max_pairs=self.max_pairs(rows, topk),
+        )
+
+    def check_pair_budget(self) -> None:
+        """Blocks the host (reads a device value): RuntimeError when a call since the last check
+        held more pairs than its budget (its rows with a local id came out NaN), naming the most
+        pairs seen; the record is zeroed either way. Not inside a CUDA graph capture."""
+        over = int(self.pairs_over_budget.item())
+        self.pairs_over_budget.zero_()
+        if over:
+            raise RuntimeError(
+                f"HopperExperts: a call held {over} (row, local expert) pairs, more than its pair"
+                f" budget (pair_skew={self.pair_skew}; max_pairs(rows, topk)); its rows with a"
+                " local id were written as NaN. Raise pair_skew, or None for the capacity"
+            )
 
     def forward(
         self,

@@ -95,11 +95,26 @@ class HummingEngine(HopperEngine):
         None) when tune_for_capacity."""
         return tuning_pairs(rows, topk, num_local, None if self.tune_for_capacity else num_experts)
 
-    def workspace_bytes(self, rows: int, topk: int, latent: int, intermediate: int) -> int:
-        """The grouping's temporaries (GROUPING_BYTES_PER_SLOT a slot), the rows' scales in fp32
-        [R, L/32], BF16 FC1 outputs [R * K, 2I], MXFP8 activations [P, I] with fp32 scales, the
-        tile routes of two groupings (ROUTE_BYTES_PER_SLOT a pair each) and BF16 expert outputs
-        [P, L], at the pair capacity P = R * K."""
+    def workspace_bytes(
+        self,
+        rows: int,
+        topk: int,
+        latent: int,
+        intermediate: int,
+        *,
+        num_local: int | None = None,
+        max_pairs: int | None = None,
+    ) -> int:
+        """About the bytes of a call: the grouping's temporaries (GROUPING_BYTES_PER_SLOT a slot),
+        the rows' scales in fp32 [R, L/32], BF16 FC1 outputs [R * K, 2I], MXFP8 activations
+        [P, I] with fp32 scales, the tile routes of two groupings (ROUTE_BYTES_PER_SLOT a pair
+        each) and BF16 expert outputs [P, L], at the pair capacity P = R * K (this engine takes
+        no pair budget: max_pairs must be None or at least R * K; num_local is not read)."""
+        if max_pairs is not None and max_pairs < pair_capacity(rows, topk):
+            raise ValueError(
+                f"HummingEngine.workspace_bytes: max_pairs={max_pairs} below the capacity"
+                f" R * K = {pair_capacity(rows, topk)}; this engine takes no pair budget"
+            )
         pairs = pair_capacity(rows, topk)
         grouping = rows * topk * GROUPING_BYTES_PER_SLOT
         scales = rows * (latent // SCALE_BLOCK) * 4
@@ -108,10 +123,18 @@ class HummingEngine(HopperEngine):
         fc1_out = rows * topk * 2 * intermediate * 2
         return grouping + scales + fc1_out + act + routing + pairs * latent * 2
 
-    def prepare(self, owner: str, weights: ExpertWeights, sms: int) -> PreparedCall:
+    def prepare(
+        self, owner: str, weights: ExpertWeights, sms: int, skew: float | None = None
+    ) -> PreparedCall:
         """humming's re-laid-out copy of the weights (the caller's are neither kept nor changed).
         RuntimeError without humming-kernels; ValueError naming the experts whose scale bytes
-        spread wider than humming keeps exact."""
+        spread wider than humming keeps exact, or a pair budget (skew not None): humming's FC1
+        writes one output row per slot (R * K rows of 2I), which a budget would not bound."""
+        if skew is not None:
+            raise ValueError(
+                f"{owner}: pair_skew={skew}; HummingEngine takes no pair budget (its FC1 output"
+                " has a row per slot); use engine=TritonEngine() for one"
+            )
         if not humming_installed():
             found = humming_release()
             raise RuntimeError(
@@ -139,6 +162,7 @@ class HummingEngine(HopperEngine):
             # SiTU's column block: the largest power of two <= SITU_MAX_BLOCK_I dividing I (>= 32:
             # I is a multiple of 32).
             situ_block_i=math.gcd(SITU_MAX_BLOCK_I, weights.intermediate),
+            pairs_over_budget=torch.zeros(1, dtype=torch.int32, device=weights.device),
         )
 
 
@@ -146,7 +170,8 @@ class HummingEngine(HopperEngine):
 class HummingPrepared:
     """One layer on the humming engine: humming's FC1 and FC2 (HummingGemm: the weights in its
     layout, its lock words, the kernels chosen so far), the engine, the weights' geometry, the
-    device's SMs and SiTU's column block."""
+    device's SMs, SiTU's column block, and the finalize's overflow record (int32 [1], stays 0:
+    every call is sized for its capacity)."""
 
     fc1: HummingGemm
     fc2: HummingGemm
@@ -158,6 +183,11 @@ class HummingPrepared:
     intermediate: int
     sms: int
     situ_block_i: int
+    pairs_over_budget: torch.Tensor
+
+    def max_pairs(self, rows: int, topk: int) -> int:
+        """The pairs a call over `rows` receive rows is sized for: the capacity R * K."""
+        return pair_capacity(rows, topk)
 
     @property
     def tiles(self) -> HopperTiles:
@@ -236,6 +266,9 @@ class HummingPrepared:
             fc1_groups.pair_slot,
             weights,
             out,
+            fc1_groups.num_pairs,  # never above the capacity: no overflow
+            capacity,
+            self.pairs_over_budget,
             latent,
             topk,
             columns,

@@ -226,6 +226,8 @@ def fc1_situ_kernel(
     tile_start_ptr,
     tile_rows_ptr,
     num_tiles_ptr,
+    num_pairs_ptr,
+    pair_cap,
     LATENT: tl.constexpr,
     INTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -234,16 +236,18 @@ def fc1_situ_kernel(
     MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
-    """act bf16 [pairs, I] = SiTU(x @ w1^T, x @ w3^T) of each pair's row and expert.
+    """act bf16 [pair_cap, I] = SiTU(x @ w1^T, x @ w3^T) of each pair's row and expert.
 
     x uint8 [R, L] e4m3, sf uint8 [R, L/32]; w13 uint8 [E, 2I, L/2] rows [w1; w3], s13 uint8
     [E, 2I, L/32]. A work item is (tile, BLOCK_M intermediate columns): it reads the gate rows
     [m0, m0 + BLOCK_M) and the up rows I + [m0, m0 + BLOCK_M), so SiTU runs in the epilogue on two
     fp32 accumulators and only the BF16 activation is written. PERSISTENT: each program walks work
     items w = pid, pid + programs, ...; else one item per program (the grid covers the capacity).
+    More pairs than pair_cap (the rows of act; num_pairs int32 [1] on the device): no work item
+    runs (the finalize writes NaN rows), so no pair past act's rows is written.
     """
     num_tiles = tl.load(num_tiles_ptr)
-    work = num_tiles * (INTER // BLOCK_M)
+    work = tl.where(tl.load(num_pairs_ptr) > pair_cap, 0, num_tiles * (INTER // BLOCK_M))
     w = tl.program_id(0)
     # Persistent: items pid, pid + programs, ...; one-shot: item pid alone (a step past the end).
     step = tl.num_programs(0) if PERSISTENT else work
@@ -320,6 +324,8 @@ def fc2_kernel(
     tile_start_ptr,
     tile_rows_ptr,
     num_tiles_ptr,
+    num_pairs_ptr,
+    pair_cap,
     LATENT: tl.constexpr,
     INTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -328,12 +334,13 @@ def fc2_kernel(
     MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
-    """y bf16 [pairs, L] = act [pairs, I] @ w2^T of each pair's expert (fp32 sums, one rounding).
+    """y bf16 [pair_cap, L] = act [pair_cap, I] @ w2^T of each pair's expert (fp32 sums, one
+    rounding).
 
     w2 uint8 [E, L, I/2], s2 uint8 [E, L, I/32]. A work item is (tile, BLOCK_M output columns);
-    PERSISTENT as in fc1_situ_kernel."""
+    PERSISTENT and pair_cap as in fc1_situ_kernel."""
     num_tiles = tl.load(num_tiles_ptr)
-    work = num_tiles * (LATENT // BLOCK_M)
+    work = tl.where(tl.load(num_pairs_ptr) > pair_cap, 0, num_tiles * (LATENT // BLOCK_M))
     w = tl.program_id(0)
     step = tl.num_programs(0) if PERSISTENT else work  # as in fc1_situ_kernel
     while w < work:
@@ -435,6 +442,9 @@ def finalize_kernel(
     pair_slot_ptr,
     weights_ptr,
     out_ptr,
+    num_pairs_ptr,
+    pair_cap,
+    over_ptr,
     LATENT: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -442,20 +452,31 @@ def finalize_kernel(
     """out[row] = BF16(sum over k in order of weights[row, k] * y[pair of (row, k)]) in fp32, for
     rows with a local id; rows without one are left as they are. Grid (R, L / BLOCK_L).
 
-    pair_slot int32 [R, K] (-1: not local), weights fp32 [R, K], y bf16 [pairs, L], out bf16 [R, L].
+    pair_slot int32 [R, K] (-1: not local), weights fp32 [R, K], y bf16 [pair_cap, L], out bf16
+    [R, L]. The pair budget: when the call holds more pairs than y's pair_cap rows (num_pairs
+    int32 [1] on the device), the GEMMs computed nothing and every row with a local id gets NaN
+    instead (no y row is read), and program (0, 0) raises over_ptr int32 [1] to num_pairs when
+    that is larger (a sticky record of the overflow for the host to read later; one program
+    writes it, so no atomics).
     The branch per k skips the loads of non-local slots (15 of 16 on a DEP16 shard): a branch-free
     variant with masked loads took 1.9x as long at T=64 there (9.2 against 4.8 us, BLOCK_L 512 over
     2 warps, H200).
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    num_pairs = tl.load(num_pairs_ptr)
+    fits = num_pairs <= pair_cap
     total = tl.zeros([BLOCK_L], dtype=tl.float32)
     found = 0
     for k in tl.static_range(TOPK):
         pair = tl.load(pair_slot_ptr + row * TOPK + k)
         if pair >= 0:
-            weight = tl.load(weights_ptr + row * TOPK + k)
-            total += weight * tl.load(y_ptr + pair.to(tl.int64) * LATENT + cols).to(tl.float32)
+            if fits:
+                weight = tl.load(weights_ptr + row * TOPK + k)
+                y = tl.load(y_ptr + pair.to(tl.int64) * LATENT + cols).to(tl.float32)
+                total += weight * y
             found += 1
     if found > 0:
-        tl.store(out_ptr + row * LATENT + cols, _round_bf16(total))
+        tl.store(out_ptr + row * LATENT + cols, _round_bf16(tl.where(fits, total, float("nan"))))
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(over_ptr, tl.maximum(tl.where(fits, 0, num_pairs), tl.load(over_ptr)))

@@ -14,8 +14,9 @@ from dep_ep.experts.hopper.engine import (
     HopperEngine,
     PreparedCall,
     check_tiles,
+    pair_budget,
 )
-from dep_ep.experts.hopper.grouping import grouped, pair_capacity
+from dep_ep.experts.hopper.grouping import Grouping, grouped, pair_capacity, tile_capacity
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.weights import ExpertWeights
 
@@ -34,33 +35,95 @@ class TritonEngine(HopperEngine):
     name: ClassVar[str] = "triton"
     activation_format: ClassVar[str] = "bf16"
     deterministic: ClassVar[bool] = True
+    takes_pair_budget: ClassVar[bool] = True
 
     tiles: HopperTiles = field(default_factory=HopperTiles)
 
     def __post_init__(self) -> None:
         check_tiles(type(self).__name__, self.tiles)
 
-    def workspace_bytes(self, rows: int, topk: int, latent: int, intermediate: int) -> int:
-        """The grouping's temporaries (GROUPING_BYTES_PER_SLOT a slot), BF16 activations [P, I]
-        and expert outputs [P, L] at the pair capacity P = R * K."""
-        grouping = rows * topk * GROUPING_BYTES_PER_SLOT
-        return grouping + pair_capacity(rows, topk) * (intermediate + latent) * 2
+    def workspace_bytes(
+        self,
+        rows: int,
+        topk: int,
+        latent: int,
+        intermediate: int,
+        *,
+        num_local: int | None = None,
+        max_pairs: int | None = None,
+    ) -> int:
+        """Bytes one call requests (`workspace_parts`' sum): exact with num_local and the grouping
+        kernel (Grouping.TRITON, the default); with Grouping.TORCH, or without num_local, the
+        grouping counts GROUPING_BYTES_PER_SLOT a slot, an estimate. torch's caching allocator
+        rounds each tensor up to 512 bytes."""
+        parts = workspace_parts(rows, topk, latent, intermediate, num_local, self.tiles, max_pairs)
+        return sum(parts.values())
 
-    def prepare(self, owner: str, weights: ExpertWeights, sms: int) -> PreparedCall:
+    def prepare(
+        self, owner: str, weights: ExpertWeights, sms: int, skew: float | None = None
+    ) -> PreparedCall:
         """The caller's uint8 weights as the kernels read them (contiguous: no copy when they
-        are) and tiles.programs_per_sm persistent programs per SM."""
+        are), tiles.programs_per_sm persistent programs per SM, and the pair budget's skew
+        (`pair_budget`; None: every call sized for its capacity R * K)."""
         return TritonPrepared(
             *(t.contiguous() for t in weights.tensors),
             first_expert=weights.first_expert,
             tiles=self.tiles,
             programs=sms * self.tiles.programs_per_sm,
+            num_experts=weights.num_experts,
+            skew=skew,
+            pairs_over_budget=torch.zeros(1, dtype=torch.int32, device=weights.device),
         )
+
+
+def workspace_parts(
+    rows: int,
+    topk: int,
+    latent: int,
+    intermediate: int,
+    num_local: int | None,
+    tiles: HopperTiles,
+    max_pairs: int | None = None,
+) -> dict[str, int]:
+    """Bytes of each tensor a triton-engine call over R = rows receive rows allocates, by name:
+    "act" BF16 [P, I] and "y" BF16 [P, L] at P = max_pairs (None: the capacity R * K; larger is
+    cut to it), and the grouping's. With num_local and Grouping.TRITON (block_n up to the kernel's
+    MAX_BLOCK_N) the grouping kernel's tensors, each as `grouping_kernel._launch` makes it:
+    "pairs" int32 pair_row, pair_flat, pair_slot [R * K] and num_pairs [1]; "expert_pairs" int64
+    [E_local]; "tiles" int32 tile_expert, tile_start, tile_rows [TC] and num_tiles [1] (TC =
+    tile_capacity); "routes" int32 flat, pair [TC * block_n] and num_padded [1]; "histogram" int32
+    [chunks, bins]. Otherwise "grouping" GROUPING_BYTES_PER_SLOT a slot (group_pairs' temporaries,
+    an estimate)."""
+    slots = pair_capacity(rows, topk)
+    pairs = slots if max_pairs is None else min(slots, max_pairs)
+    parts = {"act": pairs * intermediate * 2, "y": pairs * latent * 2}
+    kernel = tiles.grouping is Grouping.TRITON and num_local is not None
+    if kernel:
+        from dep_ep.experts.hopper import grouping_kernel  # imports triton
+
+        kernel = grouping_kernel.fits(tiles.block_n)
+    if not kernel:
+        return {"grouping": slots * GROUPING_BYTES_PER_SLOT, **parts}
+    tile_cap = tile_capacity(rows, topk, num_local, tiles.block_n)
+    chunks = max(1, -(-slots // grouping_kernel.BLOCK_S))
+    bins = 1 << (num_local + 1).bit_length()  # triton.next_power_of_2(num_local + 2)
+    return {
+        "pairs": (3 * slots + 1) * 4,
+        "expert_pairs": num_local * 8,
+        "tiles": (3 * tile_cap + 1) * 4,
+        "routes": (2 * tile_cap * tiles.block_n + 1) * 4,
+        "histogram": chunks * bins * 4,
+        **parts,
+    }
 
 
 @dataclass(frozen=True)
 class TritonPrepared:
     """One layer on the triton engine: w13, s13, w2, s2 in the checkpoint layout (contiguous),
-    the global id of local expert 0, the tiles and the persistent programs per GEMM."""
+    the global id of local expert 0, the tiles, the persistent programs per GEMM, the model's
+    expert count and the pair budget's skew (`pair_budget`), and pairs_over_budget int32 [1] on
+    the device: 0, or the most pairs a call held over its budget since it was last zeroed (written
+    by the finalize of such a call, whose rows with a local id are NaN)."""
 
     w13: torch.Tensor
     s13: torch.Tensor
@@ -69,11 +132,29 @@ class TritonPrepared:
     first_expert: int
     tiles: HopperTiles
     programs: int
+    num_experts: int
+    skew: float | None
+    pairs_over_budget: torch.Tensor
+
+    def max_pairs(self, rows: int, topk: int) -> int:
+        """The pair budget of a call over `rows` receive rows: `pair_budget(...)`."""
+        num_local = self.w13.shape[0]
+        return pair_budget(rows, topk, num_local, self.num_experts, self.skew)
 
     def __call__(self, x, sf, ids, weights, out) -> torch.Tensor:
         tensors = (self.w13, self.s13, self.w2, self.s2)
         return fused_experts(
-            *tensors, self.first_expert, x, sf, ids, weights, out, self.tiles, self.programs
+            *tensors,
+            self.first_expert,
+            x,
+            sf,
+            ids,
+            weights,
+            out,
+            self.tiles,
+            self.programs,
+            max_pairs=self.max_pairs(*ids.shape),
+            pairs_over_budget=self.pairs_over_budget,
         )
 
 
@@ -90,20 +171,35 @@ def fused_experts(
     out: torch.Tensor,
     tiles: HopperTiles,
     programs: int,
+    *,
+    max_pairs: int | None = None,
+    pairs_over_budget: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The three kernels over the rows (HopperExperts.forward's contract); `programs` persistent
-    programs per GEMM. Runs wherever Triton does, its CPU interpreter included (math="fp32")."""
+    programs per GEMM. Runs wherever Triton does, its CPU interpreter included (math="fp32").
+
+    max_pairs: the pair budget (an int >= 1; None: the capacity R * K): act and y take
+    P = min(R * K, max_pairs) rows. A call whose rows hold more pairs (counted on the device)
+    computes nothing and writes NaN into every row with a local id, and raises
+    pairs_over_budget int32 [1] (on x's device; None: a scratch one) to its pair count when that
+    is larger: no host synchronisation, so a CUDA graph replays it as it is."""
     from dep_ep.experts.hopper import kernels  # triton is imported on first use
 
     num_local, two_inter, half_latent = w13.shape
     latent, inter = 2 * half_latent, two_inter // 2
     rows, topk = ids.shape
-    # The kernel grouping also writes tile routes, which this engine does not read: about
-    # 8 * (R * K + E_local * block_n) bytes, within workspace_bytes' grouping share.
+    # The kernel grouping also writes tile routes, which this engine does not read (workspace_parts
+    # counts them).
     groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping)
-    act = torch.empty(groups.pair_capacity, inter, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(groups.pair_capacity, latent, dtype=torch.bfloat16, device=x.device)
+    pairs = groups.pair_capacity if max_pairs is None else min(groups.pair_capacity, max_pairs)
+    if pairs < 1:
+        raise ValueError(f"fused_experts: max_pairs={max_pairs}; expected None or >= 1")
+    if pairs_over_budget is None:
+        pairs_over_budget = torch.zeros(1, dtype=torch.int32, device=x.device)
+    act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(pairs, latent, dtype=torch.bfloat16, device=x.device)
     launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    budget = (groups.num_pairs, pairs)
     tile_args = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
     fc1_work = groups.tile_capacity * (inter // tiles.fc1_block_m)
     fc1_programs = min(programs, fc1_work) if tiles.persistent else fc1_work
@@ -115,6 +211,7 @@ def fused_experts(
         act,
         groups.pair_row,
         *tile_args,
+        *budget,
         latent,
         inter,
         tiles.fc1_block_m,
@@ -132,6 +229,7 @@ def fused_experts(
         s2,
         y,
         *tile_args,
+        *budget,
         latent,
         inter,
         tiles.fc2_block_m,
@@ -144,6 +242,15 @@ def fused_experts(
     if rows:  # forward returns before this for R = 0; a direct call may not
         columns = tiles.finalize_columns(latent)
         kernels.finalize_kernel[(rows, latent // columns)](
-            y, groups.pair_slot, weights, out, latent, topk, columns, num_warps=tiles.finalize_warps
+            y,
+            groups.pair_slot,
+            weights,
+            out,
+            *budget,
+            pairs_over_budget,
+            latent,
+            topk,
+            columns,
+            num_warps=tiles.finalize_warps,
         )
     return out

@@ -10,7 +10,10 @@ reference's float64 expert sums. Exits 0 and prints "ok ..." when every check ho
 CASE: "mixed" (rows without a local id, -1 slots, one NaN input row), "hot" (every row's first
 id is the same local expert; the other local experts have no rows), "single" (one row),
 "hot-grouping-kernel" ("hot" grouped by experts/hopper/grouping_kernel.py; the others group in
-torch).
+torch), "budget" (the pair budget, `budget`: the "mixed" rows grouped by the kernel, with a budget
+of exactly their pairs bitwise equal to no budget, and one pair less NaN in every row with a local
+id and nowhere else, the overflow record the most pairs seen; the bytes the call allocates equal
+`workspace_parts`).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import os
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import MoeGeometry
 from dep_ep.experts.hopper import Grouping, HopperTiles
-from dep_ep.experts.hopper.triton_engine import fused_experts
+from dep_ep.experts.hopper.triton_engine import fused_experts, workspace_parts
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2
@@ -100,5 +104,68 @@ def main(case: str, seed: int) -> None:
     print(f"ok {name} seed {seed}: {int(finite.sum())} rows, relative L2 {err:.2e}")
 
 
+class CountAllocations(TorchDispatchMode):
+    """Sums the bytes of the tensors torch's empty/zeros/full factories make while active."""
+
+    FACTORIES = ("empty", "empty_strided", "zeros", "full", "empty_like", "zeros_like")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.FACTORIES:
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def budget(seed: int) -> None:
+    """The "budget" case (module docstring)."""
+    tiles = dataclasses.replace(TILES, grouping=Grouping.TRITON)
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyntheticLayer(GEOMETRY, seed)
+    w13, s13, w2, s2 = layer.local(FIRST, COUNT)
+    ids, weights = rows_for("mixed", gen)
+    latent = torch.randn(ids.shape[0], GEOMETRY.latent, generator=gen).to(torch.bfloat16)
+    x, sf = mxfp8_quantize(latent)
+    local = (ids >= FIRST) & (ids < FIRST + COUNT)
+    written, pairs = local.any(dim=1), int(local.sum())
+    rows, topk = ids.shape
+    where = f"budget seed {seed}, {pairs} pairs"
+
+    def call(max_pairs, record):
+        out = torch.full((rows, GEOMETRY.latent), 7.0, dtype=torch.bfloat16)
+        args = (w13, s13, w2, s2, FIRST, x, sf, ids, weights, out, tiles, PROGRAMS)
+        counted = CountAllocations()
+        with counted:
+            fused_experts(*args, max_pairs=max_pairs, pairs_over_budget=record)
+        parts = workspace_parts(rows, topk, GEOMETRY.latent, GEOMETRY.intermediate, COUNT, tiles)
+        if max_pairs is not None:
+            parts = workspace_parts(
+                rows, topk, GEOMETRY.latent, GEOMETRY.intermediate, COUNT, tiles, max_pairs
+            )
+        assert counted.bytes == sum(parts.values()), f"{where}: {counted.bytes} bytes != {parts}"
+        assert (out[~written] == 7.0).all(), f"{where}: a row without a local id changed"
+        return out
+
+    record = torch.zeros(1, dtype=torch.int32)
+    free = call(None, record)
+    assert not free[written].isnan().any(), f"{where}: NaN in a row with a local id"
+    exact = call(pairs, record)
+    same = torch.equal(exact.view(torch.int16), free.view(torch.int16))
+    assert same and int(record) == 0, f"{where}: a budget of exactly the pairs changed the call"
+    over = call(pairs - 1, record)
+    assert over[written].isnan().all(), f"{where}: budget {pairs - 1}: a local row is not NaN"
+    assert int(record) == pairs, f"{where}: overflow record {int(record)}"
+    call(1, record)  # overflows by as many pairs: the record keeps the most seen
+    call(pairs, record)  # fits: the record stays
+    assert int(record) == pairs, f"{where}: overflow record {int(record)} after a fitting call"
+    print(f"ok budget seed {seed}: {pairs} pairs, {int(written.sum())} rows")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    if sys.argv[1] == "budget":
+        budget(int(sys.argv[2]))
+    else:
+        main(sys.argv[1], int(sys.argv[2]))
