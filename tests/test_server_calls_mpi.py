@@ -630,6 +630,10 @@ def test_situ_check_and_integration_helpers(dep, layer):
     for (counts, sp), want in cases:
         if common.common_tokens(counts, sp) != want:
             failures.append(f"common_tokens({counts}, {sp}) != {want}")
+    # An iterator is read once (before: the fast path's type scan consumed it, then min() of
+    # nothing raised ValueError).
+    if common.common_tokens(iter([3, 7, 0, 5]), 2) != 4:
+        failures.append("common_tokens(an iterator, 2) != 4")
     kw = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk, max_tokens=8)
     first = common.shared_routed(dep.cpu_group, "cpu", **kw)
     second = common.shared_routed(dep.cpu_group, "cpu", **kw)
