@@ -591,8 +591,13 @@ class EpRouted:
             # padding rows must follow the caller's n rows, or when they do not start on the
             # 16-byte boundary the GPU kernel's loads need.
             if ids.dtype == torch.int64:
+                # torch.where into the int32 staged ids would need int32 ids: the mask is applied
+                # to the clamp's own copy instead.
                 ids = ids.clamp(-1, self.num_experts)
-            if padding is None:
+                if padding is not None:
+                    ids.masked_fill_(padding[:real, None], -1)
+                staged_ids[:real].copy_(ids)
+            elif padding is None:
                 staged_ids[:real].copy_(ids)
             else:  # one kernel, as the copy: the mask read on the device
                 torch.where(padding[:real, None], self._no_expert, ids, out=staged_ids[:real])

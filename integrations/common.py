@@ -32,8 +32,10 @@ def common_tokens(counts: Sequence[int], sequence_parallel: int = 1) -> int:
     if sp < 1:
         raise ValueError(f"common_tokens: sequence_parallel={sp}; expected >= 1")
     # Called once a MoE layer: plain ints (an engine's tolist()) take the short path.
-    values = counts if all(type(c) is int for c in counts) else None
-    if values is None:
+    # Anything else (an iterator included: read once) is checked element by element.
+    if isinstance(counts, (list, tuple)) and all(type(c) is int for c in counts):
+        values = counts
+    else:
         values = [check_int("common_tokens", "counts[i]", c) for c in counts]
     if values and min(values) < 0:
         raise ValueError(f"common_tokens: counts {list(values)} hold a negative count")

@@ -472,6 +472,47 @@ def test_padding_mask_sends_its_rows_to_no_expert(dep, layer):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check_values", [False, True])
+def test_padding_mask_with_int64_ids(dep, layer, check_values):
+    """int64 ids (SGLang's and vLLM's top-k may hand them so) with padding= give the bits of the
+    int32 ids with the padding rows -1, the padding rows holding ids past int32 (2**32 + 3
+    would wrap to expert 3); on a rank with padding= where its peers pass none (an idle SGLang
+    rank gets no mask), through routed, dispatch and a step in pieces. Before: the staging's
+    torch.where wrote int64 into the int32 staged ids and raised RuntimeError on the ranks with
+    a mask alone, before the exchange: their peers' calls then paired with their next ones."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 665), 8)
+    norm, experts = layer.norm_weight(), batches.experts
+    failures: list[str] = []
+    latent, ids, weights = batches.inputs(0)
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[[1, 4 + dep.rank]] = True
+    clean = torch.where(mask[:8, None], -1, ids)
+    wide = torch.where(mask[:8, None], 2**32 + 3, ids.long())
+    with build(dep, check_values=check_values) as routed:
+        want = routed(latent, clean, weights, norm, experts=experts)
+        got = routed(latent, wide, weights, norm, experts=experts, padding=mask)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("routed(int64 ids, padding=): other bits than the ids set to -1")
+        rows = routed.dispatch(latent, wide, weights, padding=mask)
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        if not torch.equal(bits(routed.combine(norm)), bits(want)):
+            failures.append("dispatch(int64 ids, padding=) + combine: other bits")
+        # Only rank 0 passes a mask (the others their clean ids): the step is the same one.
+        given = (wide, mask) if dep.rank == 0 else (clean, None)
+        got = routed(latent, given[0], weights, norm, experts=experts, padding=given[1])
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("padding= on rank 0 alone: other bits")
+        if not torch.equal(bits(routed(latent, clean, weights, norm, experts=experts)), bits(want)):
+            failures.append("the next call: other bits")
+    with build(dep, 3, check_values=check_values) as small:  # T = 8 in 3 pieces
+        got = small(latent, wide, weights, norm, experts=experts, padding=mask)
+        failures += compare(
+            got, Batches.reference_of(layer, latent, clean, weights), "pieces, int64 ids"
+        )
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
     """routed_op with tokens=0 or tokens=6.0 on one rank: that rank raises (ValueError,
     TypeError), the others EpPeerError, in the same call; an unknown handle is a ValueError on
@@ -589,6 +630,10 @@ def test_situ_check_and_integration_helpers(dep, layer):
     for (counts, sp), want in cases:
         if common.common_tokens(counts, sp) != want:
             failures.append(f"common_tokens({counts}, {sp}) != {want}")
+    # An iterator is read once (before: the fast path's type scan consumed it, then min() of
+    # nothing raised ValueError).
+    if common.common_tokens(iter([3, 7, 0, 5]), 2) != 4:
+        failures.append("common_tokens(an iterator, 2) != 4")
     kw = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk, max_tokens=8)
     first = common.shared_routed(dep.cpu_group, "cpu", **kw)
     second = common.shared_routed(dep.cpu_group, "cpu", **kw)
