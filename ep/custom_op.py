@@ -53,7 +53,8 @@ def unregister_routed(handle: int) -> None:
     _REGISTERED.pop(handle, None)
 
 
-_LIBRARY = torch.library.Library("dep_ep", "DEF")
+# FRAGMENT: another module may define operators in the dep_ep namespace too ("DEF" claims it).
+_LIBRARY = torch.library.Library("dep_ep", "FRAGMENT")
 _LIBRARY.define(
     "routed(Tensor latent, Tensor ids, Tensor weights, Tensor? norm_weight, int handle,"
     " int? tokens, int tag, float eps, Tensor? padding) -> Tensor"

@@ -105,6 +105,20 @@ def _packed_in_place(parts: list[torch.Tensor], width: int) -> torch.Tensor | No
     return first.as_strided((rows, width), (width, 1), offset)
 
 
+def padding_rows(padding: object, rows: int, device: torch.device) -> torch.Tensor | None:
+    """padding[:rows] when `padding` is a mask EpRouted accepts (bool [>= rows] on `device`), else
+    None: the layer's own value checks skip padding rows, and leave a malformed mask to
+    EpRouted, which refuses it on every rank."""
+    usable = (
+        isinstance(padding, torch.Tensor)
+        and padding.dtype == torch.bool
+        and padding.dim() == 1
+        and padding.shape[0] >= rows
+        and padding.device == device
+    )
+    return padding[:rows] if usable else None
+
+
 class EpMoeLayer:
     """One MoE layer of one DEP rank: x bf16 [n, H] -> bf16 [n, H] (docs/formats.md):
 
@@ -310,8 +324,9 @@ class EpMoeLayer:
                 )
         return H, S
 
-    def _check_call(self, fn: str, x: object, tokens: object) -> Exception | None:
-        """The error of a bad call, or None."""
+    def _check_call(self, fn: str, x: object, tokens: object, padding: object) -> Exception | None:
+        """The error of a bad call, or None. Padding rows are not read (a malformed `padding`
+        is EpRouted's to refuse, on every rank)."""
         if not isinstance(x, torch.Tensor):
             return TypeError(f"{fn}: x is {type(x).__name__}; expected a torch.Tensor")
         if x.dim() != 2 or x.shape[1] != self.hidden:
@@ -332,9 +347,14 @@ class EpMoeLayer:
                 return ValueError(f"{fn}: x has {rows} rows, more than tokens={tokens}")
         # EpRouted reads its inputs where that costs no host sync (check_values); so does the
         # layer: a non-finite x would reach the router and give NaN routing weights.
-        if self.routed.check_values and rows and not bool(x.isfinite().all()):
-            row = int((~x.isfinite()).any(dim=1).nonzero()[0])
-            return ValueError(f"{fn}: x holds non-finite values (first in row {row})")
+        if self.routed.check_values and rows:
+            bad = ~x.isfinite().all(dim=1)
+            mask = padding_rows(padding, rows, x.device)
+            if mask is not None:
+                bad &= ~mask
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0])
+                return ValueError(f"{fn}: x holds non-finite values (first in row {row})")
         return None
 
     def _reject(self, fn: str, error: BaseException, tag, tokens) -> None:
@@ -431,7 +451,7 @@ class EpMoeLayer:
         if tag is None:
             tag = layer_tag(self.layer_index, self.fingerprint, calls)
         try:
-            error = self._check_call(fn, x, tokens)
+            error = self._check_call(fn, x, tokens, padding)
             if error is not None:
                 self._reject(fn, error, tag, tokens)
             if self._side is None:
@@ -472,16 +492,9 @@ class EpMoeLayer:
         if not self.routed.check_values or x.shape[0] == 0:
             return None
         bad = ~(latent.isfinite().all(dim=1) & weights.isfinite().all(dim=1))
-        n = x.shape[0]
-        usable = (
-            isinstance(padding, torch.Tensor)
-            and padding.dtype == torch.bool
-            and padding.dim() == 1
-            and padding.shape[0] >= n
-            and padding.device == bad.device
-        )
-        if usable:
-            bad &= ~padding[:n]
+        mask = padding_rows(padding, x.shape[0], bad.device)
+        if mask is not None:
+            bad &= ~mask
         if not bool(bad.any()):
             return None
         row = int(bad.nonzero()[0])

@@ -578,34 +578,13 @@ class EpRouted:
             tokens, real = self._check_inputs(
                 fn, latent, ids, weights, experts, need_experts, tokens, tag, padding=padding
             )
-        except (TypeError, ValueError) as err:
+            weights = self._stage(ids, weights, padding, tokens, real)
+        except Exception as err:
+            # Bad input, or a torch error while staging it: this rank rejects the step through
+            # the transport, so its peers raise too instead of pairing with its next call.
             error, tokens = err, 0
         wire_tag = _wire_tag(tag)
         staged_ids = self._ids[:tokens]
-        if error is None:
-            # The ids are copied, never referenced: combine reads them again and the caller may
-            # reuse its tensor in between; padding rows (rows n..T-1, and those `padding` marks)
-            # get -1 ids. int64 ids outside int32 would wrap in the copy (2**32 + 3 becomes
-            # expert 3): clamped to -1..E first, and E, like any id past the last rank's experts,
-            # selects no rank. The weights are read by the dispatch alone: staged only when
-            # padding rows must follow the caller's n rows, or when they do not start on the
-            # 16-byte boundary the GPU kernel's loads need.
-            if ids.dtype == torch.int64:
-                # torch.where into the int32 staged ids would need int32 ids: the mask is applied
-                # to the clamp's own copy instead.
-                ids = ids.clamp(-1, self.num_experts)
-                if padding is not None:
-                    ids.masked_fill_(padding[:real, None], -1)
-                staged_ids[:real].copy_(ids)
-            elif padding is None:
-                staged_ids[:real].copy_(ids)
-            else:  # one kernel, as the copy: the mask read on the device
-                torch.where(padding[:real, None], self._no_expert, ids, out=staged_ids[:real])
-            if real < tokens:
-                staged_ids[real:].fill_(-1)
-            if real < tokens or not vector_start(weights):
-                self._weights[:real].copy_(weights)
-                weights = self._weights[:tokens]
         self._entered += 1
         self._run(
             fn,
@@ -630,6 +609,35 @@ class EpRouted:
         if self._counts is not None:
             self._count_experts(tokens)
         return self._rows(tokens)
+
+    def _stage(self, ids, weights, padding, tokens: int, real: int) -> torch.Tensor:
+        """Write the step's ids into the staged ids [T, K] (int32; rows n..T-1 and those
+        `padding` marks get -1) and return the weights the dispatch reads (staged fp32 [T, K]
+        when padding rows must follow the caller's n rows or its tensor does not start on the
+        16-byte boundary the GPU kernel's loads need; else the caller's).
+
+        The ids are copied, never referenced: combine reads them again and the caller may reuse
+        its tensor in between. int64 ids outside int32 would wrap in the copy (2**32 + 3 becomes
+        expert 3): they are clamped to -1..E first, and E, like any id past the last rank's
+        experts, selects no rank."""
+        staged_ids = self._ids[:tokens]
+        if ids.dtype == torch.int64:
+            # torch.where into the int32 staged ids needs int32 ids: the mask is applied to the
+            # clamp's own copy instead (one launch more than int32 ids take).
+            ids = ids.clamp(-1, self.num_experts)
+            if padding is not None:
+                ids.masked_fill_(padding[:real, None], -1)
+            staged_ids[:real].copy_(ids)
+        elif padding is None:
+            staged_ids[:real].copy_(ids)
+        else:  # one launch, as the copy: the mask read on the device
+            torch.where(padding[:real, None], self._no_expert, ids, out=staged_ids[:real])
+        if real < tokens:
+            staged_ids[real:].fill_(-1)
+        if real < tokens or not vector_start(weights):
+            self._weights[:real].copy_(weights)
+            return self._weights[:tokens]
+        return weights
 
     def combine(
         self,

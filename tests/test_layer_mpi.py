@@ -398,7 +398,8 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     tokens, a float T, a wrong dtype and non-finite x on one
     rank: every rank raises in the same call (the bad rank its ValueError/TypeError, the others
     EpPeerError, or the same error where every rank sees the fault); after each (and the reset()
-    a desync asks for), a good call matches the reference."""
+    a desync asks for), a good call matches the reference. Non-finite x in a row `padding`
+    marks is no error."""
     seeds = {
         "experts": rank.seed,
         "dense": agreed_seed(dep.cpu_group, 10),
@@ -438,4 +439,18 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
             rank.routed.reset()  # what a desync says: the ranks' calls no longer pair
         seeds[f"good call {step}"] = agreed_seed(dep.cpu_group, 20 + step)
         failures += good_call(rank, layer, dense, seeds[f"good call {step}"], f"after {label}")
+    # A padding row is not read: non-finite values there are no error, and the other rows are
+    # those of the same call with that row zeroed.
+    padding = torch.zeros(T, dtype=torch.bool)
+    padding[2] = True
+    zeroed = nan_x.clone()
+    zeroed[2] = 0
+    try:
+        got = layer(nan_x, tokens=T, padding=padding)
+        want = layer(zeroed, tokens=T, padding=padding)
+        keep = ~padding
+        if not torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16)):
+            failures.append("non-finite x in a padding row: the other rows changed")
+    except Exception as err:
+        failures.append(f"non-finite x in a padding row: {type(err).__name__}: {err}")
     collective_assert(dep.cpu_group, failures, seeds=seeds)

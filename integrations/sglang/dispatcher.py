@@ -96,12 +96,22 @@ class DepEpDispatch:
         [R, K]: global ids this rank owns, the runner's "no expert" id elsewhere,
         router_logits), moe_output bf16 [R, H] (where the runner writes each row's weighted
         sum over its local experts), output_dtype): this rank's R = N T receive rows, rank-major
-        (docs/design.md, "The row contract"). Valid until the combine."""
+        (docs/design.md, "The row contract"). Valid until the combine. A rank whose top-k
+        output or step counts are malformed rejects the step: its ValueError here, EpPeerError
+        on its peers."""
+        fn = "dep_ep.integrations.sglang.dispatcher.DepEpDispatcher.dispatch"
         eng = engine()
         rows = hidden_states.shape[0]
-        ids, weights = routing(topk_output, rows, self.routed.topk, hidden_states.device)
-        padding = padding_mask(eng, rows, hidden_states.device)
-        tokens = step_tokens(eng.dp_global_num_tokens(), eng.attn_tp_size(), rows)
+        try:
+            ids, weights = routing(topk_output, rows, self.routed.topk, hidden_states.device)
+            padding = padding_mask(eng, rows, hidden_states.device)
+            tokens = step_tokens(eng.dp_global_num_tokens(), eng.attn_tp_size(), rows)
+        except (AttributeError, TypeError, ValueError, RuntimeError) as err:
+            layer = self.layer_id
+            error = ValueError(f"{fn}: layer {layer}: the top-k output or the counts: {err}")
+            error.__cause__ = err
+            # Rejected through the step, so the peers raise EpPeerError instead of waiting.
+            self.routed.reject_step(error, tag=self.layer_id)  # takes part, then raises `error`
         received = self.routed.dispatch(
             hidden_states, ids, weights, tokens=tokens, tag=self.layer_id, padding=padding
         )

@@ -158,7 +158,7 @@ def forward_mega_experts(
         ids, weights = routing(topk_output, rows, routed.topk, routed_input.device)
         padding = padding_mask(eng, rows, routed_input.device)
         tokens = step_tokens(eng.dp_global_num_tokens(), eng.attn_tp_size(), rows)
-    except (AttributeError, TypeError, ValueError) as err:
+    except (AttributeError, TypeError, ValueError, RuntimeError) as err:  # torch's: RuntimeError
         error = ValueError(f"{fn}: layer {tag}: the top-k output or the step's counts: {err}")
         error.__cause__ = err
         # Rejected through the step, so the peers raise EpPeerError instead of waiting for it.

@@ -384,8 +384,9 @@ def test_weights_taken_before_the_deepgemm_conversion(dep, monkeypatch):
 # ---------------------------------------------------------------------------------- errors
 @pytest.mark.mpi(min_size=2)
 def test_a_peers_failure_raises_on_every_rank(dep, monkeypatch):
-    """Rank 0's malformed top-k output (no ids), its ids of K - 1 columns, its failing experts:
-    its own error there, EpPeerError on every other rank; DP counts that differ between ranks:
+    """Rank 0's malformed top-k output (no ids), its ids of K - 1 columns, a real-row bound of
+    two elements (a torch RuntimeError in its mask's comparison), its failing experts: its own
+    error there, EpPeerError on every other rank; DP counts that differ between ranks:
     ValueError on every rank; each time the next step is good."""
     seed = agreed_seed(dep.cpu_group, 750)
     counts = [5] * dep.size
@@ -401,22 +402,31 @@ def test_a_peers_failure_raises_on_every_rank(dep, monkeypatch):
         good = ss.StandardTopKOutput(weights, ids, None)
         bad = dep.rank == 0
 
-        def forward(topk, step_counts=counts):
-            with sglang.step(step_counts):
+        def forward(topk, step_counts=counts, bound=None):
+            with sglang.step(step_counts, bound):
                 return moe.forward_routed(latent, topk)
 
+        two = torch.tensor([5, 5], dtype=torch.int32)  # a bound [2]: no broadcast against [5]
         cases = [
-            ("no ids", ss.StandardTopKOutput(weights, None, None), "top-k output", counts),
-            ("K - 1 ids", ss.StandardTopKOutput(weights, ids[:, 1:], None), "ids shape", counts),
-            ("failing experts", good, "fail on purpose", counts),
+            ("no ids", ss.StandardTopKOutput(weights, None, None), "top-k output", None),
+            ("K - 1 ids", ss.StandardTopKOutput(weights, ids[:, 1:], None), "ids shape", None),
+            ("bound [2]", good, "the top-k output or the step's counts", two),
+            ("failing experts", good, "fail on purpose", None),
         ]
-        for label, topk, match, step_counts in cases:
+        for label, topk, match, bound in cases:
             experts.fail = bad and label == "failing experts"
             expected_error, pattern = (ValueError, match) if bad else (EpPeerError, "rank 0")
             if experts.fail:
                 expected_error = RuntimeError
             mine = topk if bad else good
-            expect_raises(failures, label, expected_error, pattern, lambda: forward(mine))
+            my_bound = bound if bad else None
+            expect_raises(
+                failures,
+                label,
+                expected_error,
+                pattern,
+                lambda: forward(mine, bound=my_bound),
+            )
             experts.fail = False
             again = forward(good)
             ref = routed_reference(latent, ids, weights, synthetic.norm_weight(), synthetic.expert)
@@ -490,6 +500,24 @@ def test_dispatcher_for_other_models(dep, monkeypatch, runner_backend, in_place)
             sentinels = set(ids_seen.unique().tolist()) - set(range(E))
             if sentinels != {invalid}:
                 failures.append(f"{label}: no-expert ids {sorted(sentinels)}; expected {invalid}")
+        # Rank 0's top-k output without ids: its ValueError, EpPeerError on the others (not a
+        # wait); the next step is good.
+        bad = dep.rank == 0
+        topk = ss.StandardTopKOutput(weights, None if bad else ids, None)
+        expected, match = (
+            (ValueError, "the top-k output or the counts")
+            if bad
+            else (
+                EpPeerError,
+                "rank 0",
+            )
+        )
+        with sglang.step(counts):
+            expect_raises(failures, "no ids", expected, match, lambda: layer(latent, topk))
+        with sglang.step(counts):
+            got = layer(latent, ss.StandardTopKOutput(weights, ids, None))
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the step after rank 0's malformed top-k output: other bits")
     with serving(dep, monkeypatch, a2a="flashinfer") as (sglang, _):
         expect_raises(
             failures,
