@@ -193,7 +193,9 @@ class DeviceTransport(Transport):
         )
         # The launch parameters every kernel shares (regions, control words), then the
         # launchers (retune), which own the rest.
-        self._fixed = TransportParams(buffers, self.state, self.error, self.rank, self.timeout_ns)
+        self._shared_params = TransportParams(
+            buffers, self.state, self.error, self.rank, self.timeout_ns
+        )
         self.retune(None)
         self.barriers = buffers.barriers
         channel = self.barriers.channel
@@ -213,13 +215,14 @@ class DeviceTransport(Transport):
         from dep_ep.comm.kernels.launch_args import KernelTuning
         from dep_ep.comm.kernels.reject import REJECT_KERNELS, RejectLaunch
 
-        self.tuning = KernelTuning() if tuning is None else tuning
-        geometry, fixed = self.geometry, self._fixed
-        self.dispatch_launch = DispatchLaunch(geometry, self.tuning, fixed, self.num_sms)
-        self.combine_launch = CombineLaunch(geometry, self.tuning, fixed, self.num_sms)
-        self.reject_launches = {
-            name: RejectLaunch(name, geometry, self.tuning, fixed) for name in REJECT_KERNELS
-        }
+        tuning = KernelTuning() if tuning is None else tuning
+        geometry, shared = self.geometry, self._shared_params
+        # Built first, assigned together: a compile that fails leaves the previous set whole.
+        dispatch = DispatchLaunch(geometry, tuning, shared, self.num_sms)
+        combine = CombineLaunch(geometry, tuning, shared, self.num_sms)
+        rejects = {name: RejectLaunch(name, geometry, tuning, shared) for name in REJECT_KERNELS}
+        self.tuning, self.dispatch_launch, self.combine_launch = tuning, dispatch, combine
+        self.reject_launches = rejects
 
     def _stream_handle(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream

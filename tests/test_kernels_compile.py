@@ -218,14 +218,14 @@ def fake_transport_params(rank: int = 1, timeout_ns: int = 20 * 10**9):
         peer_addresses=SimpleNamespace(data_ptr=lambda: peers),
         base_address=base,
     )
-    fixed = TransportParams(
+    shared = TransportParams(
         buffers,
         SimpleNamespace(data_ptr=lambda: state),
         SimpleNamespace(data_ptr=lambda: error),
         rank,
         timeout_ns,
     )
-    return fixed, [peers, base, *offsets.values()], [state, error, rank, timeout_ns]
+    return shared, [peers, base, *offsets.values()], [state, error, rank, timeout_ns]
 
 
 def test_launcher_grid_rules():
@@ -237,8 +237,8 @@ def test_launcher_grid_rules():
     from dep_ep.constants import CTAS_PER_SM
 
     geometry, sms = KernelGeometry(2, 64, 4, 3), 132
-    fixed, _, _ = fake_transport_params()
-    dispatch = DispatchLaunch(geometry, KernelTuning(), fixed, sms, arch="sm_90a")
+    shared, _, _ = fake_transport_params()
+    dispatch = DispatchLaunch(geometry, KernelTuning(), shared, sms, arch="sm_90a")
     for tokens in (1, 7, CTAS_PER_SM * sms, CTAS_PER_SM * sms + 1, 10**5):
         assert dispatch.grid(tokens) == min(tokens, CTAS_PER_SM * sms), tokens
     cases = [  # (tuning, T, grid)
@@ -251,7 +251,7 @@ def test_launcher_grid_rules():
         (KernelTuning(combine_warps=4, combine_ctas_per_sm=2), 100, 25),
     ]
     for tuning, tokens, grid in cases:
-        combine = CombineLaunch(geometry, tuning, fixed, sms, arch="sm_90a")
+        combine = CombineLaunch(geometry, tuning, shared, sms, arch="sm_90a")
         assert combine.grid(tokens) == grid, (tuning, tokens)
 
 
@@ -287,13 +287,13 @@ def test_launchers_pass_the_kernel_its_arguments(kernel):
     from dep_ep.comm.kernels.reject import RejectLaunch
 
     geometry, sms, tokens, tag, stream = KernelGeometry(2, 64, 4, 3), 132, 37, -(2**62), 0xABC0
-    fixed, regions, control = fake_transport_params()
+    shared, regions, control = fake_transport_params()
     structs = [
         SymmetricRegions(*map(Int64, regions)),
         RankControl(Int64(control[0]), Int64(control[1]), Int32(control[2]), Int64(control[3])),
     ]
     if kernel == "dispatch":
-        launch = DispatchLaunch(geometry, KernelTuning(), fixed, sms, arch="sm_90a")
+        launch = DispatchLaunch(geometry, KernelTuning(), shared, sms, arch="sm_90a")
         latent = Tensor(0x7F00000B0000, (tokens, 64), row_stride=96)  # a column slice
         ids, weights = Tensor(0x7F00000C0000, (tokens, 4)), Tensor(0x7F00000D0000, (tokens, 4))
         call = (latent, ids, weights, tokens, tag, stream)
@@ -301,7 +301,7 @@ def test_launchers_pass_the_kernel_its_arguments(kernel):
         tail = [Int32(tokens)]  # min(T, CTAS_PER_SM * SMs)
         step = Step(Int32(tokens), Int64(tag))
     elif kernel == "combine":
-        launch = CombineLaunch(geometry, KernelTuning(), fixed, sms, arch="sm_90a")
+        launch = CombineLaunch(geometry, KernelTuning(), shared, sms, arch="sm_90a")
         ids, norm = Tensor(0x7F00000C0000, (tokens, 4)), Tensor(0x7F00000E0000, (64,))
         normed = Tensor(0x7F00000F0000, (tokens, 64))
         call = (ids, norm, normed, 1e-5, tokens, tag, stream)
@@ -309,7 +309,7 @@ def test_launchers_pass_the_kernel_its_arguments(kernel):
         tail = [Float32(1e-5), Int32(1), Int32(5)]  # eps, normalize, ceil(37 / 8)
         step = Step(Int32(tokens), Int64(tag))
     else:
-        launch = RejectLaunch(kernel, geometry, KernelTuning(), fixed, arch="sm_90a")
+        launch = RejectLaunch(kernel, geometry, KernelTuning(), shared, arch="sm_90a")
         call, head, tail, step = (tag, stream), [], [], Step(Int32(-1), Int64(tag))
     typed = (*head, *structs, step, *tail, cuda.CUstream(stream))
     compiled, seen = launch.compiled, []

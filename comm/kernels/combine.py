@@ -452,15 +452,15 @@ class CombineLaunch:
         self,
         geometry: KernelGeometry,
         tuning: KernelTuning,
-        fixed: TransportParams,
+        transport: TransportParams,
         num_sms: int,
         arch: str | None = None,
     ):
         """Compile (or take from the cache) the kernel for `arch` (None: this process's GPU);
-        `fixed`: the transport's regions and control words; `num_sms`: the GPU's SM count (the
+        `transport`: the transport's regions and control words; `num_sms`: the GPU's SM count (the
         grid rule)."""
         self.compiled = self.compile(geometry, tuning, arch)
-        self.fixed = fixed
+        self.transport = transport
         self.warps = tuning.combine_warps
         self.max_ctas = tuning.combine_ctas_per_sm * num_sms  # 0: no cap
         # The call's tensors' addresses, the step, eps, the normalize flag, the grid and the
@@ -513,8 +513,8 @@ class CombineLaunch:
             self.ids.set(ids.data_ptr()),
             self.norm_weight.set(0 if norm_weight is None else norm_weight.data_ptr()),
             self.normed.set(normed.data_ptr()),
-            self.fixed.regions,
-            self.fixed.control,
+            self.transport.regions,
+            self.transport.control,
             self.step.set(tokens, tag),
             self.eps.set(float(eps)),
             self.normalize.set(0 if norm_weight is None else 1),

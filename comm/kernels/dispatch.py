@@ -273,12 +273,12 @@ class DispatchLaunch:
     - Beside other streams (the layer's side stream runs SiTU and the shared down GEMM
       concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only
       delay the dispatch CTAs not yet started; they complete without waiting for the dispatch,
-      so the dispatch completes. What the grid rule guarantees: at most CTAS_PER_SM CTAs an SM
-      (the kernel is compiled with that many as its launch bounds), so on an otherwise idle
-      GPU the grid is one wave. This holds while the kernels beside it complete without waiting
-      for this rank's dispatch or combine (a collective of another stream or another transport
-      that waits for a peer can wait, in the worst case, for a peer whose dispatch waits for
-      this one).
+      so the dispatch completes. What the grid rule guarantees: at most CTAS_PER_SM x SMs CTAs
+      in all, and the kernel is compiled so that CTAS_PER_SM fit on an SM (its launch bounds),
+      so on an otherwise idle GPU the grid is one wave. This holds while the kernels beside it
+      complete without waiting for this rank's dispatch or combine (a collective of another
+      stream or another transport that waits for a peer can wait, in the worst case, for a
+      peer whose dispatch waits for this one).
     - A kernel launched after it with programmatic dependent launch (with `tuning.pdl`) can
       start only once every dispatch CTA has run its griddepcontrol.launch_dependents (among the
       kernel's first instructions): every dispatch CTA then holds a slot or is done, so the
@@ -291,15 +291,15 @@ class DispatchLaunch:
         self,
         geometry: KernelGeometry,
         tuning: KernelTuning,
-        fixed: TransportParams,
+        transport: TransportParams,
         num_sms: int,
         arch: str | None = None,
     ):
         """Compile (or take from the cache) the kernel for `arch` (None: this process's GPU);
-        `fixed`: the transport's regions and control words; `num_sms`: the GPU's SM count (the
+        `transport`: the transport's regions and control words; `num_sms`: the GPU's SM count (the
         grid rule)."""
         self.compiled = self.compile(geometry, tuning, arch)
-        self.fixed = fixed
+        self.transport = transport
         self.max_ctas = CTAS_PER_SM * num_sms
         # The call's tensors' addresses, the latent's row stride (32-bit words), the step, the
         # grid and the stream: written at each launch.
@@ -352,8 +352,8 @@ class DispatchLaunch:
             self.latent_row_words.set(row_words),
             self.ids.set(ids.data_ptr()),
             self.weights.set(weights.data_ptr()),
-            self.fixed.regions,
-            self.fixed.control,
+            self.transport.regions,
+            self.transport.control,
             self.step.set(tokens, tag),
             self.grid_size.set(self.grid(tokens)),
             self.stream.set(stream),

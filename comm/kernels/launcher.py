@@ -4,7 +4,8 @@ compiled kernels, and the launch parameters that are the same for every kernel o
 Each kernel's module holds its launcher beside the kernel (DispatchLaunch in dispatch.py,
 CombineLaunch in combine.py, RejectLaunch in reject.py, Mxfp8QuantizeLaunch in
 mxfp8_quantize.py): the compile for a geometry with placeholder arguments, the grid rule, the
-HostParams it writes in place at each launch, and the launch with typed parameters. The device
+HostParams it writes in place at each launch (but Mxfp8QuantizeLaunch, a test and benchmark
+path, which passes plain values), and the launch with typed parameters. The device
 transport (comm/device_transport.py) composes them.
 
 Importing this module needs no CuTeDSL (`compiled_count` is read where it may be missing);
@@ -51,12 +52,12 @@ def compile_cached(
     build: Callable[[], tuple[object, tuple]],
     keep_ptx_dir: str | None = None,
 ):
-    """The compiled kernel `name` of `geometry` and `tuning` (a KernelTuning, or None for a
-    kernel it does not change) for `arch` ("sm_90a", "sm_100a"; None: this process's GPU),
-    from the process's cache or compiled now: `build()` returns (the kernel object, its
-    placeholder launch arguments but the stream, of which only the types reach the compiled
-    kernel). `keep_ptx_dir` keeps the PTX there and always compiles afresh (the cached entry is
-    replaced). The key is (N, L, K, experts_per_rank, name, arch, tuning)."""
+    """The compiled kernel `name` of `geometry` and `tuning` (a KernelTuning) for `arch`
+    ("sm_90a", "sm_100a"; None: this process's GPU), from the process's cache or compiled now:
+    `build()` returns (the kernel object, its placeholder launch arguments but the stream, of
+    which only the types reach the compiled kernel). `keep_ptx_dir` keeps the PTX there and
+    always compiles afresh (the cached entry is replaced). The key is (N, L, K,
+    experts_per_rank, name, arch, tuning)."""
     key = (
         geometry.num_ranks,
         geometry.latent,

@@ -84,7 +84,13 @@ class Mxfp8QuantizeLaunch:
 
     def __call__(self, src, q, sf, stream: int) -> None:
         """Launch on `stream` (a CUstream handle): src bf16 [rows, L] -> q uint8 [rows, L]
-        (e4m3 bytes), sf uint8 [rows, L / 32] (E8M0), torch tensors on this process's GPU."""
+        (e4m3 bytes), sf uint8 [rows, L / 32] (E8M0), torch tensors on this process's GPU.
+        ValueError for another L (the kernel would read its rows at its own width)."""
+        if src.dim() != 2 or src.shape[1] != self.latent:
+            shape, latent = tuple(src.shape), self.latent
+            raise ValueError(
+                f"Mxfp8QuantizeLaunch: src shape {shape}; compiled for [rows, {latent}]"
+            )
         self.compiled(
             src.data_ptr(),
             q.data_ptr(),

@@ -124,14 +124,14 @@ class RejectLaunch:
         name: str,
         geometry: KernelGeometry,
         tuning: KernelTuning,
-        fixed: TransportParams,
+        transport: TransportParams,
         arch: str | None = None,
     ):
         """Compile (or take from the cache) variant `name` for `arch` (None: this process's
-        GPU); `fixed`: the transport's regions and control words."""
+        GPU); `transport`: the transport's regions and control words."""
         self.name = name
         self.compiled = self.compile(name, geometry, tuning, arch)
-        self.fixed = fixed
+        self.transport = transport
         self.step = HostParams(*(f.type for f in dataclasses.fields(Step)))
         self.stream = HostParams(STREAM)
 
@@ -155,5 +155,8 @@ class RejectLaunch:
         """Launch on `stream` (a CUstream handle) this rank's part without payload in the call
         with `tag`."""
         self.compiled(
-            self.fixed.regions, self.fixed.control, self.step.set(-1, tag), self.stream.set(stream)
+            self.transport.regions,
+            self.transport.control,
+            self.step.set(-1, tag),
+            self.stream.set(stream),
         )
