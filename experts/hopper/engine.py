@@ -150,5 +150,5 @@ class HopperEngine(ABC):
         """The engine's state for `weights` on their (SM90) device of `sms` SMs, as a callable
         with forward's contract, `max_pairs(rows, topk)` (the pairs a call is sized for:
         `pair_budget` with `skew`) and `pairs_over_budget` (int32 [1] on the device, 0 or the
-        most pairs a call held over its budget); errors name `owner`. An engine that takes no
+        largest pair count of a call over its budget); errors name `owner`. An engine that takes no
         pair budget (takes_pair_budget False) refuses a skew with ValueError."""

@@ -21,7 +21,7 @@ import importlib.util
 import torch
 
 from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
-from dep_ep.experts.hopper.engine import HopperEngine, check_skew, pair_budget
+from dep_ep.experts.hopper.engine import HopperEngine, check_skew
 from dep_ep.experts.hopper.humming_engine import HummingEngine, humming_installed
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.hopper.triton_engine import TritonEngine
@@ -84,7 +84,7 @@ class HopperExperts(ExpertsBackend):
 
     Attributes beside the contract's: engine, tiles (the engine's), deterministic, num_experts,
     intermediate, device, sms, pair_skew, pairs_over_budget (int32 [1] on the device: 0, or the
-    most pairs a call held over its budget since `check_pair_budget`), prepared (the engine's
+    largest pair count of a call over its budget since `check_pair_budget`), prepared (the engine's
     state for these weights: TritonPrepared or HummingPrepared, whose fc1 and fc2 the benchmarks
     time alone).
 
@@ -141,9 +141,10 @@ class HopperExperts(ExpertsBackend):
         return self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
 
     def max_pairs(self, rows: int, topk: int) -> int:
-        """The pairs a call over `rows` receive rows of `topk` ids is sized for:
-        `pair_budget(rows, topk, num_local_experts, num_experts, pair_skew)`."""
-        return pair_budget(rows, topk, self.num_local_experts, self.num_experts, self.pair_skew)
+        """The pairs a call over `rows` receive rows of `topk` ids is sized for: the prepared
+        call's (`pair_budget(rows, topk, num_local_experts, num_experts, pair_skew)` on the
+        triton engine, the capacity rows * topk on humming), so this and the call agree."""
+        return self.prepared.max_pairs(rows, topk)
 
     def workspace_bytes(self, rows: int, topk: int) -> int:
         """Bytes a call over `rows` receive rows with `topk` ids each allocates, at its pair
@@ -160,8 +161,10 @@ class HopperExperts(ExpertsBackend):
 
     def check_pair_budget(self) -> None:
         """Blocks the host (reads a device value): RuntimeError when a call since the last check
-        held more pairs than its budget (its rows with a local id came out NaN), naming the most
-        pairs seen; the record is zeroed either way. Not inside a CUDA graph capture."""
+        held more pairs than its budget (its rows with a local id came out NaN), naming the
+        largest pair count of such a call; the record is zeroed either way. Call it on the
+        stream that ran forward (or after waiting for it): the read and the zeroing are ordered
+        on the current stream. Not inside a CUDA graph capture."""
         over = int(self.pairs_over_budget.item())
         self.pairs_over_budget.zero_()
         if over:

@@ -214,7 +214,9 @@ def _fc1_item(
     tl.store(act_ptr + pairs[None, :] * INTER + cols[:, None], act, mask=in_tile[None, :])
 
 
-@triton.jit
+# pair_cap follows T: specialising on it (its value 1, or divisible by 16) would compile
+# again for a new T, mid-serving or inside a capture.
+@triton.jit(do_not_specialize=["pair_cap"])
 def fc1_situ_kernel(
     x_ptr,
     sf_ptr,
@@ -314,7 +316,9 @@ def _fc2_item(
     )
 
 
-@triton.jit
+# pair_cap follows T: specialising on it (its value 1, or divisible by 16) would compile
+# again for a new T, mid-serving or inside a capture.
+@triton.jit(do_not_specialize=["pair_cap"])
 def fc2_kernel(
     act_ptr,
     w2_ptr,
@@ -436,7 +440,9 @@ def situ_mxfp8_kernel(
         first += tl.num_programs(0) * ROWS
 
 
-@triton.jit
+# pair_cap follows T: specialising on it (its value 1, or divisible by 16) would compile
+# again for a new T, mid-serving or inside a capture.
+@triton.jit(do_not_specialize=["pair_cap"])
 def finalize_kernel(
     y_ptr,
     pair_slot_ptr,

@@ -122,8 +122,8 @@ class TritonPrepared:
     """One layer on the triton engine: w13, s13, w2, s2 in the checkpoint layout (contiguous),
     the global id of local expert 0, the tiles, the persistent programs per GEMM, the model's
     expert count and the pair budget's skew (`pair_budget`), and pairs_over_budget int32 [1] on
-    the device: 0, or the most pairs a call held over its budget since it was last zeroed (written
-    by the finalize of such a call, whose rows with a local id are NaN)."""
+    the device: 0, or the largest pair count of a call over its budget since it was last zeroed
+    (written by the finalize of such a call, whose rows with a local id are NaN)."""
 
     w13: torch.Tensor
     s13: torch.Tensor
@@ -191,9 +191,12 @@ def fused_experts(
     # The kernel grouping also writes tile routes, which this engine does not read (workspace_parts
     # counts them).
     groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping)
-    pairs = groups.pair_capacity if max_pairs is None else min(groups.pair_capacity, max_pairs)
-    if pairs < 1:
+    if max_pairs is not None and max_pairs < 1:
         raise ValueError(f"fused_experts: max_pairs={max_pairs}; expected None or >= 1")
+    # At least one row: R = 0 (a direct call; forward returns before) launches on empty work.
+    pairs = max(
+        1, groups.pair_capacity if max_pairs is None else min(groups.pair_capacity, max_pairs)
+    )
     if pairs_over_budget is None:
         pairs_over_budget = torch.zeros(1, dtype=torch.int32, device=x.device)
     act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
