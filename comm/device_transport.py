@@ -31,6 +31,7 @@ from dep_ep.comm.errors import (
 )
 
 # compiled_count: the process's compile cache's size, read here by the tests and benchmarks.
+from dep_ep.comm.kernels.launcher import REJECT_KERNELS
 from dep_ep.comm.kernels.launcher import compiled_count as compiled_count
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.peer_watch import PeerWatch
@@ -97,8 +98,8 @@ def import_cute():
 
 
 # The kernels a DeviceTransport launches: the dispatch, the combine and the RejectKernel
-# variants (comm/kernels/reject.py, REJECT_KERNELS).
-KERNEL_NAMES = ("dispatch", "combine", "reject_dispatch", "reject_combine", "fail_combine")
+# variants (comm/kernels/launcher.py, REJECT_KERNELS).
+KERNEL_NAMES = ("dispatch", "combine", *REJECT_KERNELS)
 
 
 def compile_kernels(
@@ -213,7 +214,7 @@ class DeviceTransport(Transport):
         from dep_ep.comm.kernels.combine import CombineLaunch
         from dep_ep.comm.kernels.dispatch import DispatchLaunch
         from dep_ep.comm.kernels.launch_args import KernelTuning
-        from dep_ep.comm.kernels.reject import REJECT_KERNELS, RejectLaunch
+        from dep_ep.comm.kernels.reject import RejectLaunch
 
         tuning = KernelTuning() if tuning is None else tuning
         geometry, shared = self.geometry, self._shared_params

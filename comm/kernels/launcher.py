@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dep_ep.constants import STATUS_FAILED, STATUS_REJECTED
+
 if TYPE_CHECKING:
     import torch
 
@@ -30,6 +32,15 @@ _COMPILED: dict[tuple, object] = {}
 def compiled_count() -> int:
     """Kernels compiled so far in this process (the cache's size)."""
     return len(_COMPILED)
+
+
+# The RejectKernel variants by launcher name: (phase where the call failed, the flags' status).
+# Here, not in reject.py, so that the transport names its kernels without importing CuTeDSL.
+REJECT_KERNELS = {
+    "reject_dispatch": ("dispatch", STATUS_REJECTED),
+    "reject_combine": ("combine", STATUS_REJECTED),
+    "fail_combine": ("combine", STATUS_FAILED),
+}
 
 
 @dataclass(frozen=True)

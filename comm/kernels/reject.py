@@ -24,6 +24,7 @@ from cutlass import Int32
 from dep_ep.comm.kernels.host_params import STREAM, HostParams
 from dep_ep.comm.kernels.launch_args import KernelTuning, RankControl, Step, SymmetricRegions
 from dep_ep.comm.kernels.launcher import (
+    REJECT_KERNELS,
     KernelGeometry,
     TransportParams,
     compile_cached,
@@ -92,14 +93,6 @@ class RejectKernel:
         cute.arch.barrier()
         if tidx == 0:
             mState[STATE_CALL] = call
-
-
-# The RejectKernel variants by launcher name: (phase where the call failed, the flags' status).
-REJECT_KERNELS = {
-    "reject_dispatch": ("dispatch", STATUS_REJECTED),
-    "reject_combine": ("combine", STATUS_REJECTED),
-    "fail_combine": ("combine", STATUS_FAILED),
-}
 
 
 class RejectLaunch:
