@@ -415,9 +415,8 @@ class CombineLaunch:
     place, and the launch.
 
     Constraints (stated here once; the callers that check them are named):
-    - Geometry: 1 <= N <= MAX_RANKS, L a multiple of CHUNK (8; asserted by CombineKernel; the
-      transport's L is a multiple of SCALE_BLOCK), K <= MAX_TOPK, N * max_tokens * max(L / 2,
-      K) < 2^31 (check_kernel_limits, at DeviceTransport's construction).
+    - Geometry: KernelGeometry's bounds (the kernel itself asserts only L a multiple of CHUNK,
+      8).
     - T: 1 <= T, the T of this call's dispatch, which ran before it on this rank (so T and the
       tag are the same on every rank: the dispatch checked them).
     - Tensors: ids int32 [T, K] as dispatched, contiguous; norm_weight bf16 [L] (read only when

@@ -251,9 +251,8 @@ class DispatchLaunch:
     place, and the launch.
 
     Constraints (stated here once; the callers that check them are named):
-    - Geometry: 1 <= N <= MAX_RANKS, L a multiple of SCALE_BLOCK (asserted by DispatchKernel),
-      K <= MAX_TOPK, N * max_tokens * max(L / 2, K) < 2^31 (check_kernel_limits, at
-      DeviceTransport's construction).
+    - Geometry: KernelGeometry's bounds (L a multiple of SCALE_BLOCK asserted by
+      DispatchKernel).
     - T: 1 <= T <= max_tokens (EpRouted, check_tokens; T = 0 would be an empty grid, which CUDA
       refuses). Every rank launches the call with the same T and tag (a difference is recorded,
       never waited out).

@@ -47,7 +47,9 @@ REJECT_KERNELS = {
 class KernelGeometry:
     """The compile-time geometry of the dispatch, combine and reject kernels: num_ranks N
     (1..MAX_RANKS), latent L (a multiple of SCALE_BLOCK), topk K (1..MAX_TOPK),
-    experts_per_rank. T is a runtime argument: no compile per token count."""
+    experts_per_rank. T is a runtime argument: no compile per token count. The bounds every
+    launcher shares, stated here once: those, and N * max_tokens * max(L / 2, K) < 2^31 (the
+    kernels index in int32; check_kernel_limits, at DeviceTransport's construction)."""
 
     num_ranks: int
     latent: int

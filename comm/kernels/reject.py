@@ -102,8 +102,8 @@ class RejectLaunch:
     launch.
 
     Constraints (stated here once):
-    - Geometry: 1 <= N <= MAX_RANKS. Grid: one CTA of one warp (thread s signals and waits for
-      rank s), whatever T is.
+    - Geometry: KernelGeometry's (the kernel depends on N alone). Grid: one CTA of one warp
+      (thread s signals and waits for rank s), whatever T is.
     - It replaces this rank's dispatch ("reject_dispatch") or combine ("reject_combine",
       "fail_combine") of a call: the step's T is -1, its tag the call's. Stream order: this
       rank's previous call (for "reject_dispatch") or this call's dispatch (for the others)
