@@ -1,6 +1,7 @@
 """The server calls on a GPU: after `EpRouted.warmup(T, experts)` capturing a routed call of T in a
 CUDA graph compiles nothing (no eager call in between) and its replay equals the eager call;
-`torch.ops.dep_ep.routed` equals `EpRouted.routed` bit for bit, eager and in graph replay.
+`torch.ops.dep_ep.routed` equals `EpRouted.routed` bit for bit, eager and in graph replay; a
+persistent `padding=` mask is read live at each replay (int32 and int64 ids).
 
 Compilations counted while the capture runs: CuTeDSL's (`device_transport.compiled_count()`, the
 library's cache of the dispatch and combine kernels), triton's (its JIT's post-compile hook,
@@ -235,4 +236,82 @@ def test_custom_op_equals_the_routed_call_eager_and_replayed(gpu_dep, routed_k3,
             failures.append(f"T={tokens}: the eager outputs are not finite")
     finally:
         unregister_routed(handle)
+    collective_assert(group, failures, seeds={"layer and case": seed})
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_padding_mask_is_read_live_under_graph_replay(gpu_dep, routed_k3, ids_dtype):
+    """routed(..., padding=mask) with a persistent mask (as vLLM's is_padding): eager, its bits
+    equal the call with the masked rows' ids set to -1, whatever those rows' ids and weights
+    hold (other rows' ids, NaN weights); captured once and replayed after the mask changed in
+    place, the replay equals the eager call with the new mask (the graph reads the live mask);
+    int32 and int64 ids (int64: the mask applied to the clamp's copy)."""
+    n, rank, group = gpu_dep.size, gpu_dep.rank, gpu_dep.cpu_group
+    tokens = 9
+    seed = agreed_seed(group, 61)
+    layer = SyntheticLayer(K3_32, seed)
+    per_rank = K3_32.experts // n
+    experts = deterministic_experts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
+    if experts is None:
+        pytest.skip("the device's default experts backend does not rerun bitwise")
+    routed_k3.warmup(tokens, experts)
+    latent, ids, probs = case_on_gpu(rank, n, tokens, seed + tokens)
+    ids = ids.to(ids_dtype)
+    norm = layer.norm_weight().cuda()
+    gen = torch.Generator().manual_seed(seed + 100 * rank)
+    masks = [(torch.rand(tokens + 3, generator=gen) < 0.4).cuda() for _ in range(2)]
+    for m in masks:
+        m[rank % tokens] = True  # every mask marks a row on every rank
+    mask = masks[0].clone()  # the persistent buffer the graph reads
+    failures = []
+
+    def dirty(m):  # the masked rows hold other rows' ids and NaN weights
+        rows = m[:tokens, None]
+        return torch.where(rows, ids.flip(0), ids), torch.where(rows, float("nan"), probs)
+
+    def clean_call(m):
+        clean = torch.where(m[:tokens, None], -1, ids)
+        return routed_k3.routed(latent, clean, probs, norm, experts=experts, tokens=tokens, tag=TAG)
+
+    dirty_ids, dirty_probs = dirty(mask)  # rewritten in place before each replay
+
+    def masked_call():
+        return routed_k3.routed(
+            latent,
+            dirty_ids,
+            dirty_probs,
+            norm,
+            experts=experts,
+            tokens=tokens,
+            tag=TAG,
+            padding=mask,
+        )
+
+    want = [clean_call(m).clone() for m in masks]
+    eager = masked_call().clone()
+    routed_k3.synchronize()
+    if not bitwise_equal(eager, want[0]):
+        failures.append(f"{ids_dtype}: eager padding= differs from the ids set to -1")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        masked_call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = masked_call()
+    for index, m in enumerate(masks):
+        mask.copy_(m)
+        # The dirty rows follow the mask: rows it marks hold other rows' ids and NaN weights.
+        new_ids, new_probs = dirty(m)
+        dirty_ids.copy_(new_ids)
+        dirty_probs.copy_(new_probs)
+        replayed.fill_(float("nan"))  # poisoned: the replay must write every row
+        graph.replay()
+        routed_k3.synchronize()
+        if not bitwise_equal(replayed, want[index]):
+            failures.append(f"{ids_dtype}: replay {index} differs from the ids set to -1")
     collective_assert(group, failures, seeds={"layer and case": seed})
