@@ -13,6 +13,7 @@ import torch
 from dep_ep.checks import (
     check_eps,
     check_int,
+    check_padding,
     check_real,
     check_step_tokens,
     vector_rows,
@@ -109,14 +110,13 @@ def padding_rows(padding: object, rows: int, device: torch.device) -> torch.Tens
     """padding[:rows] when `padding` is a mask EpRouted accepts (bool [>= rows] on `device`), else
     None: the layer's own value checks skip padding rows, and leave a malformed mask to
     EpRouted, which refuses it on every rank."""
-    usable = (
-        isinstance(padding, torch.Tensor)
-        and padding.dtype == torch.bool
-        and padding.dim() == 1
-        and padding.shape[0] >= rows
-        and padding.device == device
-    )
-    return padding[:rows] if usable else None
+    if padding is None:
+        return None
+    try:
+        check_padding("EpMoeLayer", padding, rows, device)
+    except (TypeError, ValueError):
+        return None
+    return padding[:rows]
 
 
 class EpMoeLayer:

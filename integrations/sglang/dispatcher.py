@@ -14,7 +14,7 @@ import torch
 
 from dep_ep.integrations.common import shared_routed
 from dep_ep.integrations.sglang.engine import engine
-from dep_ep.integrations.sglang.steps import padding_mask, routing, step_tokens
+from dep_ep.integrations.sglang.steps import step_inputs
 
 # BaseDispatcher (SGLang's or a stand-in) -> the dispatcher class derived from it.
 _CLASSES: dict[type, type] = {}
@@ -100,18 +100,9 @@ class DepEpDispatch:
         output or step counts are malformed rejects the step: its ValueError here, EpPeerError
         on its peers."""
         fn = "dep_ep.integrations.sglang.dispatcher.DepEpDispatcher.dispatch"
-        eng = engine()
-        rows = hidden_states.shape[0]
-        try:
-            ids, weights = routing(topk_output, rows, self.routed.topk, hidden_states.device)
-            padding = padding_mask(eng, rows, hidden_states.device)
-            tokens = step_tokens(eng.dp_global_num_tokens(), eng.attn_tp_size(), rows)
-        except (AttributeError, TypeError, ValueError, RuntimeError) as err:
-            layer = self.layer_id
-            error = ValueError(f"{fn}: layer {layer}: the top-k output or the counts: {err}")
-            error.__cause__ = err
-            # Rejected through the step, so the peers raise EpPeerError instead of waiting.
-            self.routed.reject_step(error, tag=self.layer_id)  # takes part, then raises `error`
+        ids, weights, padding, tokens = step_inputs(
+            fn, engine(), self.routed, topk_output, hidden_states, self.layer_id
+        )
         received = self.routed.dispatch(
             hidden_states, ids, weights, tokens=tokens, tag=self.layer_id, padding=padding
         )

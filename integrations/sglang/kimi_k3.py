@@ -23,7 +23,7 @@ from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.weights import ExpertWeights
 from dep_ep.integrations.common import shared_routed
 from dep_ep.integrations.sglang.engine import engine
-from dep_ep.integrations.sglang.steps import padding_mask, routing, step_tokens
+from dep_ep.integrations.sglang.steps import step_inputs
 
 # Attributes dep_ep sets on a K3 layer's experts module (SGLang's FusedMoE).
 LAYER_INDEX = "_dep_ep_layer_index"  # int: KimiK3MoE.layer_idx, set at construction
@@ -153,17 +153,8 @@ def forward_mega_experts(
             f"{fn}: layer {moe.layer_idx}'s experts were not built by dep_ep (its"
             " Mxfp4MoEMethod.process_weights_after_loading did not run under DEP_EP_SGLANG=1)"
         )
-    tag, rows = moe.layer_idx, routed_input.shape[0]
-    try:
-        ids, weights = routing(topk_output, rows, routed.topk, routed_input.device)
-        padding = padding_mask(eng, rows, routed_input.device)
-        tokens = step_tokens(eng.dp_global_num_tokens(), eng.attn_tp_size(), rows)
-    except (AttributeError, TypeError, ValueError, RuntimeError) as err:  # torch's: RuntimeError
-        error = ValueError(f"{fn}: layer {tag}: the top-k output or the step's counts: {err}")
-        error.__cause__ = err
-        # Rejected through the step, so the peers raise EpPeerError instead of waiting for it.
-        routed.reject_step(error, tag=tag)  # takes part in the step, then raises `error`
-        raise error  # not reached
+    tag = moe.layer_idx
+    ids, weights, padding, tokens = step_inputs(fn, eng, routed, topk_output, routed_input, tag)
     y = routed.routed(
         routed_input, ids, weights, None, experts=experts, tokens=tokens, tag=tag, padding=padding
     )

@@ -62,3 +62,22 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
             return torch.arange(rows, device=device) >= bound
         index = _ROW_INDEX[device] = torch.arange(max(rows, 256), device=device)
     return index[:rows] >= bound
+
+
+def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, latent, tag: int):
+    """(ids, weights, padding, T) of one MoE step on `latent` ([n, L], n = 0 on an idle rank):
+    `routing`, `padding_mask` and `step_tokens` from the engine's per-forward state. A
+    malformed top-k output or step counts (any error of those, torch's RuntimeError included)
+    rejects the step through `routed` (EpRouted.reject_step, tagged `tag`): ValueError naming
+    `fn` and the layer here, EpPeerError on the peers, instead of this rank raising alone."""
+    rows = latent.shape[0]
+    try:
+        ids, weights = routing(topk_output, rows, routed.topk, latent.device)
+        padding = padding_mask(engine, rows, latent.device)
+        tokens = step_tokens(engine.dp_global_num_tokens(), engine.attn_tp_size(), rows)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as err:
+        error = ValueError(f"{fn}: layer {tag}: the top-k output or the step's counts: {err}")
+        error.__cause__ = err
+        routed.reject_step(error, tag=tag)  # takes part in the step, then raises `error`
+        raise error  # not reached
+    return ids, weights, padding, tokens

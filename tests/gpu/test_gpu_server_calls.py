@@ -185,11 +185,12 @@ def deterministic_experts(weights):
     return experts if getattr(experts, "deterministic", True) else None
 
 
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("tokens", [1, 9, MAX_TOKENS])
-def test_custom_op_equals_the_routed_call_eager_and_replayed(gpu_dep, routed_k3, tokens):
-    n, rank, group = gpu_dep.size, gpu_dep.rank, gpu_dep.cpu_group
-    seed = agreed_seed(group, 59)
+def deterministic_case(gpu_dep, routed_k3, tokens: int, salt: int):
+    """(seed, experts, latent, ids, probs, norm) of a routed call of T = `tokens` on this rank:
+    K3_32's experts of this rank on a backend that reruns bitwise (the test skips where none
+    does), warmed for T, and the rank's rows of a random case; the seed agreed from `salt`."""
+    n, rank = gpu_dep.size, gpu_dep.rank
+    seed = agreed_seed(gpu_dep.cpu_group, salt)
     layer = SyntheticLayer(K3_32, seed)
     per_rank = K3_32.experts // n
     experts = deterministic_experts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
@@ -197,7 +198,30 @@ def test_custom_op_equals_the_routed_call_eager_and_replayed(gpu_dep, routed_k3,
         pytest.skip("the device's default experts backend does not rerun bitwise")
     routed_k3.warmup(tokens, experts)
     latent, ids, probs = case_on_gpu(rank, n, tokens, seed + tokens)
-    norm = layer.norm_weight().cuda()
+    return seed, experts, latent, ids, probs, layer.norm_weight().cuda()
+
+
+def capture_after_one_step(step, group):
+    """(graph, step()'s outputs in it): one step on the capture's side stream first (outside the
+    graph), every rank lined up at a host barrier, then the step captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens", [1, 9, MAX_TOKENS])
+def test_custom_op_equals_the_routed_call_eager_and_replayed(gpu_dep, routed_k3, tokens):
+    group = gpu_dep.cpu_group
+    seed, experts, latent, ids, probs, norm = deterministic_case(gpu_dep, routed_k3, tokens, 59)
     handle = register_routed(routed_k3, experts)
     failures = []
 
@@ -214,18 +238,7 @@ def test_custom_op_equals_the_routed_call_eager_and_replayed(gpu_dep, routed_k3,
         if not bitwise_equal(eager_op, eager_direct):
             failures.append(f"T={tokens}: torch.ops.dep_ep.routed differs from EpRouted.routed")
         # Both calls in one graph, after one step of each on the capture's stream.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            direct()
-            op()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_direct = direct()
-            graph_op = op()
+        graph, (graph_direct, graph_op) = capture_after_one_step(lambda: (direct(), op()), group)
         graph.replay()
         routed_k3.synchronize()
         if not bitwise_equal(graph_op, graph_direct):
@@ -247,18 +260,9 @@ def test_padding_mask_is_read_live_under_graph_replay(gpu_dep, routed_k3, ids_dt
     hold (other rows' ids, NaN weights); captured once and replayed after the mask changed in
     place, the replay equals the eager call with the new mask (the graph reads the live mask);
     int32 and int64 ids (int64: the mask applied to the clamp's copy)."""
-    n, rank, group = gpu_dep.size, gpu_dep.rank, gpu_dep.cpu_group
-    tokens = 9
-    seed = agreed_seed(group, 61)
-    layer = SyntheticLayer(K3_32, seed)
-    per_rank = K3_32.experts // n
-    experts = deterministic_experts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
-    if experts is None:
-        pytest.skip("the device's default experts backend does not rerun bitwise")
-    routed_k3.warmup(tokens, experts)
-    latent, ids, probs = case_on_gpu(rank, n, tokens, seed + tokens)
+    rank, group, tokens = gpu_dep.rank, gpu_dep.cpu_group, 9
+    seed, experts, latent, ids, probs, norm = deterministic_case(gpu_dep, routed_k3, tokens, 61)
     ids = ids.to(ids_dtype)
-    norm = layer.norm_weight().cuda()
     gen = torch.Generator().manual_seed(seed + 100 * rank)
     masks = [(torch.rand(tokens + 3, generator=gen) < 0.4).cuda() for _ in range(2)]
     for m in masks:
@@ -293,16 +297,7 @@ def test_padding_mask_is_read_live_under_graph_replay(gpu_dep, routed_k3, ids_dt
     routed_k3.synchronize()
     if not bitwise_equal(eager, want[0]):
         failures.append(f"{ids_dtype}: eager padding= differs from the ids set to -1")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        masked_call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = masked_call()
+    graph, replayed = capture_after_one_step(masked_call, group)
     for index, m in enumerate(masks):
         mask.copy_(m)
         # The dirty rows follow the mask: rows it marks hold other rows' ids and NaN weights.

@@ -505,7 +505,7 @@ def test_dispatcher_for_other_models(dep, monkeypatch, runner_backend, in_place)
         bad = dep.rank == 0
         topk = ss.StandardTopKOutput(weights, None if bad else ids, None)
         expected, match = (
-            (ValueError, "the top-k output or the counts")
+            (ValueError, "the top-k output or the step's counts")
             if bad
             else (
                 EpPeerError,
