@@ -29,16 +29,18 @@ ids_i and weights_i from layer i's own front GEMM and router on x_i. The paths, 
   `KimiK3MoE._forward_mega_experts`, on a layer holding what `build_experts` sets; T and the
   real-row bound come through the seam (`engine.SglangEngine`) from stand-in modules registered
   under SGLang 0.5.23's names: `get_dp_global_num_tokens()` = [T], attn_tp_size 1,
-  `moe_num_token_non_padded` a device scalar T; routed_scaling_factor 1.0 (K3's). No SGLang is
-  imported.
+  `moe_num_token_non_padded` a device scalar T, a new ForwardContext for every model step (as
+  SGLang publishes one a forward); routed_scaling_factor 1.0 (K3's). No SGLang is imported.
 - custom op: `custom_op.routed_op(latent_i, ids_i, weights_i, None, handle, tokens=T, tag=i)`,
   which calls `torch.ops.dep_ep.routed`.
 
 Own: the host time of each integration's own code, the same calls with the shared EpRouted's
 `routed` replaced (on the instance) by a stub that returns a preallocated output at once:
 what the path adds on top of the call it wraps, free of that call's noise; the stub's own
-call (EpRouted.routed through the stub) is subtracted. This is the number the target is read
-against. Eager: the host time of each call, perf_counter around the Python call (its kernels
+call (EpRouted.routed through the stub) is subtracted. Reported as the medians of a step's first
+layer call and of its later ones, and their mean over a step of --layers calls, which the target
+is read against. Every call runs under torch.no_grad(), as SGLang's scheduler runs its forwards.
+Eager: the host time of each call, perf_counter around the Python call (its kernels
 queued, no device sync inside); --reps model steps (one call per layer each) per batch, the device
 synchronised before and after each batch, the paths' batches interleaved so that every path
 runs under the same conditions, --samples batches per path and T, the garbage collector off
@@ -130,6 +132,8 @@ class EngineState:
         self.vllm_context: SimpleNamespace | None = None
         self.sglang_counts: list[int] | None = None
         self.sglang_bound: torch.Tensor | None = None
+        # SGLang's ForwardContext: a fresh object for every forward (`new_forward`).
+        self.sglang_forward: SimpleNamespace | None = None
         # vLLM's is_padding: a persistent buffer of the model runner, filled before each step.
         self.is_padding = torch.zeros(max_tokens, dtype=torch.bool, device=device)
         self.device = device
@@ -140,6 +144,14 @@ class EngineState:
         self.vllm_context = SimpleNamespace(dp_metadata=dp, is_padding=self.is_padding)
         self.sglang_counts = [tokens]
         self.sglang_bound = torch.tensor([tokens], dtype=torch.int32, device=self.device)
+        self.new_forward()
+
+    def new_forward(self) -> None:
+        """The start of a model forward: SGLang publishes a new ForwardContext (whose identity
+        scopes the hook's per-forward padding mask); vLLM's stand-in context stays (the adapter
+        keeps nothing across its calls)."""
+        bound = self.sglang_bound
+        self.sglang_forward = SimpleNamespace(moe_num_token_non_padded=lambda: bound)
 
     def modules(self) -> dict[str, ModuleType]:
         """Stand-ins of the engine modules the seams import per call (vLLM 0.33.0's
@@ -151,7 +163,6 @@ class EngineState:
             return self.vllm_context
 
         parallel = SimpleNamespace(attn_tp_size=1)
-        sglang_forward = SimpleNamespace(moe_num_token_non_padded=lambda: self.sglang_bound)
         return {
             "vllm": module("vllm"),
             "vllm.forward_context": module(
@@ -177,8 +188,8 @@ class EngineState:
             "sglang.srt.model_executor": module("sglang.srt.model_executor"),
             "sglang.srt.model_executor.forward_context": module(
                 "sglang.srt.model_executor.forward_context",
-                has_forward_context=lambda: True,
-                get_forward_context=lambda: sglang_forward,
+                has_forward_context=lambda: self.sglang_forward is not None,
+                get_forward_context=lambda: self.sglang_forward,
             ),
         }
 
@@ -234,11 +245,16 @@ def nearest_rank(values: list[float], q: float) -> float:
 
 
 def host_times(
-    steps: dict[str, list[Callable[[], object]]], batches: int, reps: int, sync
+    steps: dict[str, list[Callable[[], object]]],
+    batches: int,
+    reps: int,
+    sync: Callable[[], object],
+    begin: Callable[[], object],
 ) -> dict[str, list[float]]:
-    """{path: host seconds of each call}: `batches` rounds, each running every path's batch of
-    `reps` steps (a step: its calls in order) between two syncs; outputs kept until the batch's
-    sync, so that no free lands inside a timed call; the garbage collector off."""
+    """{path: host seconds of each call, in call order (call i is layer i % layers)}: `batches`
+    rounds, each running every path's batch of `reps` steps (a step: `begin()`, untimed, then
+    its calls in order) between two syncs; outputs kept until the batch's sync, so that no
+    free lands inside a timed call; the garbage collector off."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     clock = time.perf_counter
     gc.collect()
@@ -249,6 +265,7 @@ def host_times(
                 record, kept = times[name], []
                 sync()
                 for _ in range(reps):
+                    begin()
                     for call in calls:
                         start = clock()
                         out = call()
@@ -282,12 +299,13 @@ def routed_stubbed(routed, latent: int, device: torch.device) -> Iterator[None]:
         del routed.routed
 
 
-def capture_step(calls: list[Callable[[], torch.Tensor]], reps: int):
-    """(graph, the last step's outputs): `reps` steps of `calls` captured in one CUDA graph, after
-    one step on the capture's stream (bench.timing.capture)."""
+def capture_step(calls: list[Callable[[], torch.Tensor]], reps: int, begin: Callable[[], object]):
+    """(graph, the last step's outputs): `reps` steps (each `begin()`, then `calls`) captured in
+    one CUDA graph, after one step on the capture's stream (bench.timing.capture)."""
     outs: list[torch.Tensor] = []
 
     def step() -> None:
+        begin()
         outs[:] = [call() for call in calls]
 
     return capture(step, reps), outs
@@ -336,7 +354,8 @@ def main() -> int:
         )
     dep = new_dep_group(ctx, 1)
     try:
-        results, meta = run(args, dep, ctx.device)
+        with torch.no_grad():  # as SGLang's scheduler runs its forwards
+            results, meta = run(args, dep, ctx.device)
     finally:
         close_shared()
     path = write_report(args.out, results, meta)
@@ -407,11 +426,15 @@ def run(args, dep, device: torch.device) -> tuple[list[dict], dict]:
             steps = {name: [calls[name] for calls in bound] for name in PATHS}
             for _ in range(WARMUP_STEPS):  # untimed: first calls of every path
                 for calls in steps.values():
+                    state.new_forward()
                     for call in calls:
                         call()
             sync()
             routed.synchronize()
-            eager_outs = {name: [call().clone() for call in steps[name]] for name in PATHS}
+            eager_outs = {}
+            for name in PATHS:
+                state.new_forward()
+                eager_outs[name] = [call().clone() for call in steps[name]]
             sync()
             row = {
                 "tokens": tokens,
@@ -424,7 +447,7 @@ def run(args, dep, device: torch.device) -> tuple[list[dict], dict]:
             for name in INTEGRATIONS:
                 same = same_bits(eager_outs[name], eager_outs[DIRECT])
                 row["same_eager"][name] = same if deterministic else None
-            times = host_times(steps, args.samples, args.reps, sync)
+            times = host_times(steps, args.samples, args.reps, sync, state.new_forward)
             routed.synchronize()
             for name, values in times.items():
                 us = [1e6 * v for v in values]
@@ -432,16 +455,24 @@ def run(args, dep, device: torch.device) -> tuple[list[dict], dict]:
             with routed_stubbed(routed, geometry.latent, device):
                 own = {name: steps[name] for name in (DIRECT, *INTEGRATIONS)}
                 for calls in own.values():  # untimed: the stub's first outputs
+                    state.new_forward()
                     for call in calls:
                         call()
-                times = host_times(own, args.samples, args.reps, sync)
+                times = host_times(own, args.samples, args.reps, sync, state.new_forward)
             for name, values in times.items():
                 us = [1e6 * v for v in values]
-                row["own"][name] = (statistics.median(us), nearest_rank(us, 0.9), len(us))
+                first, later = us[:: args.layers], [v for i, v in enumerate(us) if i % args.layers]
+                row["own"][name] = {
+                    "median": statistics.median(us),
+                    "p90": nearest_rank(us, 0.9),
+                    "calls": len(us),
+                    "first": statistics.median(first),
+                    "later": statistics.median(later) if later else None,
+                }
             if on_gpu:
                 replayed = {}
                 for name in PATHS:
-                    graph, outs = capture_step(steps[name], args.reps)
+                    graph, outs = capture_step(steps[name], args.reps, state.new_forward)
                     launches = args.reps * args.layers
                     row["graph"][name] = time_us(graph.replay, launches, args.samples)
                     routed.synchronize()
@@ -451,7 +482,7 @@ def run(args, dep, device: torch.device) -> tuple[list[dict], dict]:
                     same = same_bits(replayed[name], eager_outs[DIRECT])
                     row["same_graph"][name] = same if deterministic else None
             results.append(row)
-            print(summary_line(row), flush=True)
+            print(summary_line(row, args.layers), flush=True)
     unregister_routed(handle)
     meta = {
         "preset": geometry.name,
@@ -472,11 +503,11 @@ def backend_name(experts) -> str:
     return f"{name} ({type(engine).__name__})" if engine is not None else name
 
 
-def summary_line(row: dict) -> str:
+def summary_line(row: dict, layers: int) -> str:
     eager = ", ".join(f"{name} {row['eager'][name][0]:.1f}" for name in PATHS)
     text = f"T={row['tokens']}: host us per call (median): {eager}"
-    own = ", ".join(f"{name} {added_own(row, name)[0]:.1f}" for name in INTEGRATIONS)
-    text += f"; own host us per call (median): {own}"
+    own = ", ".join(f"{name} {added_own(row, name, layers)['layer']:.1f}" for name in INTEGRATIONS)
+    text += f"; own host us a layer call: {own}"
     if row["graph"]:
         text += "; replay us per call: " + ", ".join(
             f"{name} {row['graph'][name]:.1f}" for name in PATHS
@@ -484,12 +515,16 @@ def summary_line(row: dict) -> str:
     return text
 
 
-def added_own(row: dict, name: str) -> tuple[float, float]:
-    """(median, p90) host us of path `name`'s own code: its time with the stub less the stub's
-    own call's."""
-    median, p90, _ = row["own"][name]
-    stub_median, stub_p90, _ = row["own"][DIRECT]
-    return median - stub_median, p90 - stub_p90
+def added_own(row: dict, name: str, layers: int) -> dict[str, float]:
+    """Host us of path `name`'s own code (its time with the stub less the stub's own call's):
+    "first" and "later", the medians of a forward's first layer call and of its later ones
+    (SGLang's hook makes its padding mask in the first); "layer", their mean over a forward
+    of `layers` calls, what the target is read against; "p90" over every call."""
+    own, stub = row["own"][name], row["own"][DIRECT]
+    first = own["first"] - stub["first"]
+    later = first if layers == 1 else own["later"] - stub["later"]
+    layer = (first + (layers - 1) * later) / layers
+    return {"first": first, "later": later, "layer": layer, "p90": own["p90"] - stub["p90"]}
 
 
 # ------------------------------------------------------------------------------- the page
@@ -515,9 +550,13 @@ def write_report(out: Path, results: list[dict], meta: dict, run: report.Run | N
         f"Target (issue 23): an integration adds at most {TARGET_US:g} us of host time per layer"
         " call in eager mode, and nothing under graph replay, against the call it wraps"
         " (EpRouted.routed with the same arguments). Own: the integration's own code, timed"
-        " around a stub of EpRouted.routed (the stub's call subtracted); the target is read"
-        " against its median. Added: the path's time minus EpRouted.routed's, both real, in the"
-        " same run: the same quantity plus the difference of two noisy host times of about a"
+        " around a stub of EpRouted.routed (the stub's call subtracted), as the medians of a"
+        " forward's first layer call and of its later ones (the SGLang hook makes its padding"
+        " mask once a forward, in the first); the target is read against their mean over a"
+        f" forward of {meta['layers']} layer calls. Every call runs under torch.no_grad(), as"
+        " SGLang's scheduler runs its forwards (vLLM runs them under inference_mode). Added:"
+        " the path's time minus EpRouted.routed's, both real, in the same run: the same quantity"
+        " plus the difference of two noisy host times of about a"
         " millisecond. EpMoeLayer (the whole layer: projections, router, shared experts and the"
         " routed path) is there for scale. Same bits: the path's outputs equal EpRouted.routed's"
         " bit for bit"
@@ -531,10 +570,12 @@ def write_report(out: Path, results: list[dict], meta: dict, run: report.Run | N
     rows = []
     for r in results:
         for name in INTEGRATIONS:
-            median, p90 = added_own(r, name)
-            met = "yes" if median <= TARGET_US else "NO"
-            rows.append([r["tokens"], name, f"{median:.1f}", f"{p90:.1f}", met])
-    page.table(["T", "path", "own median", "own p90", "target"], rows)
+            own = added_own(r, name, meta["layers"])
+            met = "yes" if own["layer"] <= TARGET_US else "NO"
+            numbers = [f"{own[key]:.1f}" for key in ("first", "later", "layer", "p90")]
+            rows.append([r["tokens"], name, *numbers, met])
+    columns = ["T", "path", "first layer", "later layers", "a layer call", "p90", "target"]
+    page.table(columns, rows)
     page.section("Eager: host time per layer call (us)")
     columns = ["T", "path", "median", "p90", "added median", "added p90", "same bits"]
     rows = []
@@ -565,22 +606,24 @@ def write_report(out: Path, results: list[dict], meta: dict, run: report.Run | N
             "The replay runs no Python: what an integration adds there is the device work of its"
             " padding path and of nothing else (vLLM: none, its is_padding goes to EpRouted's"
             " `padding=`, which stages the ids with it in the one kernel that copies them either"
-            " way; SGLang: one comparison of the row indices with the real-row bound)."
+            " way; SGLang: one comparison of the row indices with the real-row bound a forward,"
+            " made in its first layer call)."
         )
     else:
         page.text(f"Not run: CUDA graphs need a CUDA device (this run: {meta['device']}).")
-    page.plot(figure(results, run))
+    page.plot(figure(results, run, meta["layers"]))
     return page.write()
 
 
-def figure(results: list[dict], run: report.Run) -> report.Figure:
+def figure(results: list[dict], run: report.Run, layers: int) -> report.Figure:
     ts = [r["tokens"] for r in results]
     host = [
         report.Series(name, ts, [r["eager"][name][0] for r in results], bold=name == DIRECT)
         for name in PATHS
     ]
     added = [
-        report.Series(name, ts, [added_own(r, name)[0] for r in results]) for name in INTEGRATIONS
+        report.Series(name, ts, [added_own(r, name, layers)["layer"] for r in results])
+        for name in INTEGRATIONS
     ]
     panels = [
         report.Panel(
@@ -590,7 +633,7 @@ def figure(results: list[dict], run: report.Run) -> report.Figure:
             "tokens per rank T",
             "us",
             added,
-            title="eager: the integration's own host time, median",
+            title="eager: the integration's own host time a layer call",
             x_log=2,
             reference=(TARGET_US, f"target {TARGET_US:g} us"),
         ),

@@ -188,16 +188,17 @@ def test_integration_benchmark_runs_on_one_cpu_process(tmp_path):
     )
     assert "2 layers sharing one EpRouted and one experts backend: ReferenceExperts" in page
     number = r"-?\d+\.\d"
+    own_section, eager_section = page.split("## Eager: host time per layer call (us)")
     for tokens in (1, 4):  # sorted, each once
         for path in integration.PATHS:
             cells = rf"\| {tokens} \| {re.escape(path)} \| {number} \| {number} \| "
             if path in integration.INTEGRATIONS:
-                own = cells + r"(yes|NO) \|$"
-                assert len(re.findall(own, page, re.M)) == 1, (own, page)
+                own = cells + rf"{number} \| {number} \| (yes|NO) \|$"
+                assert len(re.findall(own, own_section, re.M)) == 1, (own, page)
                 cells += rf"{number} \| {number} \| yes \|$"
             else:
                 cells += r"- \| - \| - \|$"
-            assert len(re.findall(cells, page, re.M)) == 1, (cells, page)
+            assert len(re.findall(cells, eager_section, re.M)) == 1, (cells, page)
     assert "Not run: CUDA graphs need a CUDA device (this run: cpu)." in page
     assert (out / "bench_integration.png").stat().st_size > 10_000
 
@@ -209,9 +210,14 @@ def test_integration_page_puts_each_path_beside_the_call_it_wraps(tmp_path):
         eager[integration.OP] = (direct + 9.5, direct + 20.0, 80)
         graph = {name: 2 * direct for name in integration.PATHS}
         graph[integration.VLLM] = 2 * direct + 1.5
-        own = {name: (6.0, 7.0, 80) for name in integration.PATHS}  # under the stub
-        own[integration.DIRECT] = (0.5, 0.8, 80)
-        own[integration.OP] = (4.5, 9.0, 80)
+
+        def own_times(first: float, later: float, p90: float) -> dict:
+            return dict(median=later, p90=p90, calls=80, first=first, later=later)
+
+        own = {name: own_times(6.0, 6.0, 7.0) for name in integration.PATHS}  # under the stub
+        own[integration.DIRECT] = own_times(0.5, 0.5, 0.8)
+        own[integration.OP] = own_times(4.5, 4.5, 9.0)
+        own[integration.SGLANG] = own_times(14.5, 2.5, 16.0)  # the mask in the first call
         same = {name: None for name in integration.INTEGRATIONS}  # not compared: see meta
         return dict(
             tokens=tokens, eager=eager, own=own, graph=graph, same_eager=same, same_graph=same
@@ -225,9 +231,11 @@ def test_integration_page_puts_each_path_beside_the_call_it_wraps(tmp_path):
     assert "| 1 | EpRouted.routed | 40.0 | 41.0 | - | - | - |" in page, page
     assert "| 1 | vLLM DepEpKimiExperts.forward | 43.0 | 45.0 | 3.0 | 4.0 | - |" in page
     assert "| 256 | torch.ops.dep_ep.routed | 69.5 | 80.0 | 9.5 | 19.0 | - |" in page
-    # Own host time: the path under the stub less the stub's own call, the verdict on its median.
-    assert "| 1 | vLLM DepEpKimiExperts.forward | 5.5 | 6.2 | NO |" in page, page
-    assert "| 256 | torch.ops.dep_ep.routed | 4.0 | 8.2 | yes |" in page
+    # Own host time: the path under the stub less the stub's own call, first and later layer
+    # calls, the verdict on their mean over a forward of 4 layers.
+    assert "| 1 | vLLM DepEpKimiExperts.forward | 5.5 | 5.5 | 5.5 | 6.2 | NO |" in page, page
+    assert "| 256 | torch.ops.dep_ep.routed | 4.0 | 4.0 | 4.0 | 8.2 | yes |" in page
+    assert "| 1 | SGLang forward_mega_experts | 14.0 | 2.0 | 5.0 | 15.2 | yes |" in page
     assert "| 256 | vLLM DepEpKimiExperts.forward | 121.5 | 1.5 | - |" in page, page
     assert "| 256 | SGLang forward_mega_experts | 120.0 | 0.0 | - |" in page
     assert "| 1 | EpMoeLayer | 80.0 | - | - |" in page

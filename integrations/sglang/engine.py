@@ -82,13 +82,24 @@ class SglangEngine:
         padding mode; the capture batch's during CUDA-graph capture), None outside DP."""
         return self._module("sglang.srt.layers.dp_attention").get_dp_global_num_tokens()
 
-    def num_token_non_padded(self) -> torch.Tensor | None:
-        """The device scalar bounding this rank's real MoE rows (rows at or past it are padding:
-        a CUDA-graph bucket's tail), None when the forward publishes none."""
+    def forward_context(self) -> object | None:
+        """The running forward's ForwardContext, None outside a forward. SGLang publishes a fresh
+        frozen one for every forward (ModelRunner, and each warm-up and capture run of its
+        graph runners, through `forward_context(...)`, which always builds a new object), so
+        its identity scopes one forward."""
         context = self._module("sglang.srt.model_executor.forward_context")
-        if not context.has_forward_context():
-            return None
-        bound = context.get_forward_context().moe_num_token_non_padded
+        return context.get_forward_context() if context.has_forward_context() else None
+
+    def num_token_non_padded(self, forward: object | None = None) -> torch.Tensor | None:
+        """The device scalar bounding this rank's real MoE rows (rows at or past it are padding:
+        a CUDA-graph bucket's tail) of `forward` (a ForwardContext; None: the running one),
+        None when there is no forward or it publishes no bound. The getter returns a tensor
+        the forward batch holds (a graph runner's static buffer under capture)."""
+        if forward is None:
+            forward = self.forward_context()
+            if forward is None:
+                return None
+        bound = forward.moe_num_token_non_padded
         return None if bound is None else bound()
 
     def a2a_backend(self) -> object:

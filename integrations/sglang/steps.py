@@ -5,6 +5,7 @@ padding mask (EpRouted's `padding=`: those rows reach no rank)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -41,8 +42,50 @@ def routing(topk_output: object, rows: int, topk: int, device: torch.device):
     return ids, weights
 
 
-# device -> int64 [m]: 0..m-1, so that a step's padding mask is one comparison (one launch).
-_ROW_INDEX: dict[torch.device, torch.Tensor] = {}
+# (device, dtype) -> [m] of that dtype: 0..m-1, so that a step's padding mask is one comparison
+# (one launch), in the bound's dtype (a comparison that promotes costs ~1 us more host time).
+_ROW_INDEX: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class _ForwardMask:
+    """The padding mask of one forward's MoE layers, and what it was made for. The forward and
+    the bound are held (not their ids): while this entry lives, no later forward can be
+    another object at the same address. Holding the forward keeps its forward batch (the
+    bound's getter belongs to it) alive until the next forward's first MoE layer replaces the
+    entry."""
+
+    forward: object  # SGLang's ForwardContext
+    bound: torch.Tensor  # the forward's real-row bound the mask compares against
+    rows: int
+    device: torch.device
+    capture: int | None  # the id of the CUDA-graph capture it was recorded in; None: eager
+    mask: torch.Tensor  # bool [rows]
+
+
+# The last forward's mask: every MoE layer of a forward has the same rows and bound, so the
+# first makes the mask and the others reuse it (one comparison a forward instead of one a
+# layer: a kernel launch of host time, and ~1.3 us a layer under graph replay).
+_FORWARD_MASK: _ForwardMask | None = None
+
+
+def capture_id(device: torch.device) -> int | None:
+    """The id of the CUDA-graph capture running on `device`'s current stream (unique in the
+    process), None when none runs. -1 when a capture runs but its id cannot be read (no
+    cuda-python): the caller must then not share tensors between calls."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return -1
+    stream = torch.cuda.current_stream(device).cuda_stream
+    result, status, capture, *_ = driver.cuStreamGetCaptureInfo(stream)
+    if result != driver.CUresult.CUDA_SUCCESS or (
+        status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+    ):
+        return -1
+    return int(capture)
 
 
 def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch.Tensor | None:
@@ -50,18 +93,47 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
     (`num_token_non_padded`, a device scalar: the tail of a CUDA-graph bucket), for EpRouted's
     `padding=`; None when the forward publishes no bound or the rank has no rows. SGLang's
     top-k masks those rows' ids itself, but its fused K3 front (`_ep_front`) hands ids it did
-    not mask. Graph-safe: the bound is read on the device at every replay. The row indices are
+    not mask. Graph-safe: the bound is read on the device at every replay.
+
+    One mask a forward: a later layer of the same forward (the same ForwardContext object,
+    which SGLang makes fresh for each forward, the same bound tensor, rows and device) gets
+    the first layer's mask, made in the same stream order after the bound was written. Inside
+    a CUDA-graph capture the mask is shared only within that capture (its id, `capture_id`),
+    so a graph never reads a mask another graph or an eager call made. The row indices are
     kept per device (made outside any capture: a tensor a capture fills holds nothing until
     the graph runs)."""
-    bound = engine.num_token_non_padded()
-    if bound is None or rows == 0:
+    global _FORWARD_MASK
+    if rows == 0:
         return None
-    index = _ROW_INDEX.get(device)
+    forward = engine.forward_context()
+    bound = None if forward is None else engine.num_token_non_padded(forward)
+    if bound is None:
+        return None
+    capture = capture_id(device)
+    last = _FORWARD_MASK
+    if (
+        last is not None
+        and last.forward is forward
+        and last.bound is bound
+        and last.rows == rows
+        and last.device == device
+        and last.capture == capture
+        and capture != -1
+    ):
+        return last.mask
+    key = (device, bound.dtype)
+    index = _ROW_INDEX.get(key)
     if index is None or index.shape[0] < rows:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return torch.arange(rows, device=device) >= bound
-        index = _ROW_INDEX[device] = torch.arange(max(rows, 256), device=device)
-    return index[:rows] >= bound
+        if capture is not None:
+            mask = torch.arange(rows, dtype=bound.dtype, device=device) >= bound
+        else:
+            index = torch.arange(max(rows, 256), dtype=bound.dtype, device=device)
+            _ROW_INDEX[key] = index
+            mask = index[:rows] >= bound
+    else:
+        mask = index[:rows] >= bound
+    _FORWARD_MASK = _ForwardMask(forward, bound, rows, device, capture, mask)
+    return mask
 
 
 def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, latent, tag: int):

@@ -1,7 +1,8 @@
 """The server calls on a GPU: after `EpRouted.warmup(T, experts)` capturing a routed call of T in a
 CUDA graph compiles nothing (no eager call in between) and its replay equals the eager call;
 `torch.ops.dep_ep.routed` equals `EpRouted.routed` bit for bit, eager and in graph replay; a
-persistent `padding=` mask is read live at each replay (int32 and int64 ids).
+persistent `padding=` mask is read live at each replay (int32 and int64 ids); SGLang's per-forward
+padding mask is shared within one capture only.
 
 Compilations counted while the capture runs: CuTeDSL's (`device_transport.compiled_count()`, the
 library's cache of the dispatch and combine kernels), triton's (its JIT's post-compile hook,
@@ -310,3 +311,57 @@ def test_padding_mask_is_read_live_under_graph_replay(gpu_dep, routed_k3, ids_dt
         if not bitwise_equal(replayed, want[index]):
             failures.append(f"{ids_dtype}: replay {index} differs from the ids set to -1")
     collective_assert(group, failures, seeds={"layer and case": seed})
+
+
+class OneForward:
+    """The SglangEngine reads `padding_mask` makes: one ForwardContext object (a stand-in: only
+    its identity matters) and its real-row bound."""
+
+    def __init__(self, bound: torch.Tensor) -> None:
+        self.forward, self.bound = object(), bound
+
+    def forward_context(self) -> object:
+        return self.forward
+
+    def num_token_non_padded(self, forward: object) -> torch.Tensor:
+        assert forward is self.forward
+        return self.bound
+
+
+def test_sglang_padding_mask_is_shared_within_one_capture_only():
+    """SGLang's hook makes one padding mask a forward. Captured, the layers of one capture share
+    it (one comparison a replay); two captures made in the same ForwardContext (SGLang makes a
+    new one for each, a custom runner might not) each get their own, so each graph's replay
+    reads the bound as it is at that replay, and neither writes the other's mask."""
+    from dep_ep.integrations.sglang.steps import capture_id, padding_mask
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = 8
+    bound = torch.full((1,), rows, dtype=torch.int32, device=device)
+    engine = OneForward(bound)
+    assert capture_id(device) is None
+    graphs, masks = [], []
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                assert capture_id(device) not in (None, -1)
+                first = padding_mask(engine, rows, device)
+                assert padding_mask(engine, rows, device) is first  # a later layer
+            graphs.append(graph)
+            masks.append(first)
+    assert masks[0] is not masks[1]
+    for count in (3, 6):
+        bound.fill_(count)
+        graphs[0].replay()
+        torch.cuda.synchronize()
+        assert masks[0].tolist() == [i >= count for i in range(rows)]
+        bound.fill_(count - 2)
+        graphs[1].replay()
+        torch.cuda.synchronize()
+        assert masks[1].tolist() == [i >= count - 2 for i in range(rows)]
+        assert masks[0].tolist() == [i >= count for i in range(rows)]
+    eager = padding_mask(engine, rows, device)  # outside any capture: not a graph's mask
+    assert eager is not masks[0] and eager is not masks[1]
+    assert eager.tolist() == [i >= 4 for i in range(rows)]

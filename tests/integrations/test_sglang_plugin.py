@@ -136,6 +136,28 @@ def test_padding_rows_from_the_bound(standin):
         assert mask.dtype == torch.bool and mask.tolist() == [i >= bound for i in range(rows)]
 
 
+def test_one_padding_mask_a_forward(standin):
+    """The layers of one forward share its mask; a new forward (a new ForwardContext, as SGLang
+    makes one for each) gets a new mask even when its bound is the same tensor holding another
+    count (a graph runner's static buffer), and so does another row count."""
+    engine = sglang_engine.engine()
+    cpu = torch.device("cpu")
+    bound = torch.tensor([3], dtype=torch.int32)
+    with standin.step([6], bound):
+        first = padding_mask(engine, 6, cpu)
+        assert padding_mask(engine, 6, cpu) is first  # a later layer of the forward
+        other_rows = padding_mask(engine, 5, cpu)
+        assert other_rows is not first and other_rows.tolist() == [i >= 3 for i in range(5)]
+    assert first.tolist() == [i >= 3 for i in range(6)]
+    bound.fill_(5)  # the next forward writes its count into the same buffer
+    with standin.step([6], bound):
+        second = padding_mask(engine, 6, cpu)
+        assert second is not first and second.tolist() == [i >= 5 for i in range(6)]
+    assert first.tolist() == [i >= 3 for i in range(6)]  # the earlier mask is not rewritten
+    with standin.step([6], torch.tensor([1], dtype=torch.int32)):  # another bound tensor
+        assert padding_mask(engine, 6, cpu).tolist() == [i >= 1 for i in range(6)]
+
+
 def standin_signatures():
     """(qualname, SIGNATURE) of every stand-in that carries one."""
     for name in dir(ss):

@@ -429,6 +429,27 @@ def test_the_real_seam_reads_the_real_modules():
     assert real.hook_registry()[0] is _import("sglang.srt.plugins.hook_registry").HookRegistry
 
 
+def test_a_real_forward_context_scopes_one_padding_mask():
+    """The hook's padding mask is made once a forward, keyed on the ForwardContext object:
+    SGLang's `forward_context(ctx, forward_batch=...)`, as its runners enter every forward,
+    publishes a new object each time, even for the same ctx and batch, so a forward whose
+    bound buffer now holds another count gets a new mask."""
+    context = _import("sglang.srt.model_executor.forward_context")
+    real, cpu = SglangEngine(), torch.device("cpu")
+    bound = torch.tensor([5], dtype=torch.int32)
+    batch = types.SimpleNamespace(moe_num_token_non_padded=lambda: bound)
+    base = context.ForwardContext(attn_backend=None)
+    with context.forward_context(base, forward_batch=batch):
+        first = padding_mask(real, 7, cpu)
+        assert padding_mask(real, 7, cpu) is first  # the forward's later layers
+    bound.fill_(3)
+    with context.forward_context(base, forward_batch=batch):
+        second = padding_mask(real, 7, cpu)
+    assert second is not first
+    assert first.tolist() == [i >= 5 for i in range(7)]
+    assert second.tolist() == [i >= 3 for i in range(7)]
+
+
 # The modules whose objects the hooks patch, call or derive from. In 0.5.23 each imports
 # sglang.srt.configs, whose nano_nemotron_vl imports torchvision, whose PyPI wheels are built
 # against a CUDA torch: these checks then skip, naming the error.
