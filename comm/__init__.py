@@ -4,6 +4,7 @@ from dep_ep.comm.buffers import EpBuffers, RankRegions
 from dep_ep.comm.errors import (
     EpDesyncError,
     EpError,
+    EpPairBudgetError,
     EpPeerError,
     EpPeerLostError,
     EpTimeoutError,
@@ -17,6 +18,7 @@ __all__ = [
     "EpLayout",
     "EpDesyncError",
     "EpError",
+    "EpPairBudgetError",
     "EpPeerError",
     "EpPeerLostError",
     "EpTimeoutError",

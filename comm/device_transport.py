@@ -31,6 +31,7 @@ from dep_ep.comm.errors import (
 )
 
 # compiled_count: the process's compile cache's size, read here by the tests and benchmarks.
+from dep_ep.comm.failure import StepFailure, failure_error, new_record
 from dep_ep.comm.kernels.launcher import REJECT_KERNELS
 from dep_ep.comm.kernels.launcher import compiled_count as compiled_count
 from dep_ep.comm.layout import EpLayout
@@ -170,7 +171,8 @@ class DeviceTransport(Transport):
     The error record (int64 [ERROR_WORDS], host-mapped): the first error a kernel met, read by
     `check()` without a device sync, and the host's abort request (a PeerWatch thread sets it
     when a peer's process is gone or a peer called reset(); reset() sets it so that waits end at
-    once).
+    once). The failure record (int64 [4], host-mapped): an experts backend's failure of a step on
+    the device (comm/failure.py), which check() raises as this rank's error.
     """
 
     completes_on_return = False
@@ -188,6 +190,10 @@ class DeviceTransport(Transport):
         self.timeout_ns = int(config.timeout_s * 1e9)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=self.device)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int64).pin_memory()
+        # Where an experts backend fails a step on the device (comm/failure.py): the state's step
+        # status word, which the combine reads, and a host-mapped record of the failure.
+        self.failure_record = new_record(pinned=True)
+        self._status_word = self.state[STATE_STEP_STATUS : STATE_STEP_STATUS + 1]
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.geometry = KernelGeometry(
             layout.num_ranks, layout.latent, layout.topk, experts_per_rank
@@ -274,6 +280,15 @@ class DeviceTransport(Transport):
         where = f"EpRouted (rank {rank}): call {call} ({phase})"
         after = "; this rank's output of that call is NaN. This call did not start: call it again"
         if kind == KIND_REJECTED:
+            # This rank's own experts failed a step on the device (its combine then recorded its
+            # own STATUS_UNUSABLE flag, or a peer's rejection came first): its own error first.
+            outcome = (
+                "this rank's output of that call is NaN, and so is every peer's (they raise"
+                f" EpPeerError naming rank {rank}). This call did not start: call it again"
+            )
+            failure = failure_error(self.failure_record, where, outcome)
+            if failure is not None:
+                raise failure
             cause = {STATUS_FAILED: CAUSE_EXPERTS, STATUS_UNUSABLE: CAUSE_UNUSABLE}.get(
                 theirs, CAUSE_INPUT
             )
@@ -373,12 +388,16 @@ class DeviceTransport(Transport):
         self.state.zero_()
         with self.watch.lock:  # after reset_round rose: the watch aborts for no earlier round
             self.error.zero_()
+            self.failure_record.zero_()
             self.watch.cleared()
         torch.cuda.synchronize(self.device)
         self.barriers.exchange("reset-done", {}, self.timeout_s)
 
     def close(self) -> None:
         self.watch.stop()
+
+    def step_failure(self, tag: int) -> StepFailure:
+        return StepFailure(self._status_word, self.failure_record, tag)
 
     def step_ok(self) -> torch.Tensor:
         """bool [] on the device, stream-ordered: the last call passed every check on this rank

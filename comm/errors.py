@@ -101,6 +101,19 @@ class EpPeerError(EpError):
     """
 
 
+class EpPairBudgetError(EpError):
+    """This rank's experts received more (row, local expert) pairs in a step than the pair budget
+    their workspace was sized for (HopperExperts' pair_skew), counted on the device: they computed
+    nothing, and the step failed on every rank (every rank's output of it is NaN on GPU, nothing
+    is returned on CPU; the peers raise EpPeerError naming this rank). Names the rank, the step's
+    tag, the pair count and the budget. The ranks stay in step: `recovery` is "none", the next
+    step runs as usual (and overflows again under the same routing: raise pair_skew)."""
+
+    def __init__(self, message: str, pairs: int, budget: int, tag: int) -> None:
+        super().__init__(message)
+        self.pairs, self.budget, self.tag = pairs, budget, tag
+
+
 class EpPeerLostError(EpError):
     """A rank of the group is gone (its process exited or was killed, or the rendezvous store it
     hosted is unreachable): names the rank that noticed, the phase and the lost rank. Nothing of

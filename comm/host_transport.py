@@ -9,11 +9,15 @@ message of that barrier and decides alike: tags that differ among the ranks that
 give EpDesyncError (the ranks' calls no longer pair: reset() on every rank), a failed rank gives
 its own error there and EpPeerError (with its cause and error) on the others, token counts that
 differ give ValueError; nothing written in the call is used, and the buffers stay usable for the
-next call. A message is read only under its own
+next call. A combine whose step status word an experts backend set (comm/failure.py: over its
+pair budget) fails as failed experts, with the backend's error (EpPairBudgetError) on this rank.
+A message is read only under its own
 barrier's key, so no rank ever takes another call's (or another object's) message for this one's.
 """
 
 from __future__ import annotations
+
+import torch
 
 from dep_ep.comm.buffers import EpBuffers
 from dep_ep.comm.errors import (
@@ -25,10 +29,11 @@ from dep_ep.comm.errors import (
     tag_text,
     tags_differ_text,
 )
+from dep_ep.comm.failure import StepFailure, failure_error, new_record
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import combine_pull, dispatch_write
 from dep_ep.comm.tags import step_totals
-from dep_ep.comm.transport import CAUSE_INPUT, Transport
+from dep_ep.comm.transport import CAUSE_EXPERTS, CAUSE_INPUT, Transport
 from dep_ep.config import EpConfig
 from dep_ep.constants import NO_TAG
 
@@ -42,11 +47,20 @@ class HostTransport(Transport):
         self.buffers = buffers
         self.experts_per_rank = experts_per_rank
         self.timeout_s = config.timeout_s
+        # The step status word and failure record an experts backend fails a step through
+        # (comm/failure.py): the combine reads them, as the GPU combine reads its state word.
+        self._status = torch.zeros(1, dtype=torch.int64)
+        self._record = new_record(pinned=False)
+
+    def step_failure(self, tag: int) -> StepFailure:
+        return StepFailure(self._status, self._record, tag)
 
     def dispatch(
         self, latent, ids, weights, *, tokens, rejected, cause=CAUSE_INPUT, tag=NO_TAG, checked=True
     ):
         # `checked` changes nothing here: every host call completes or raises before it returns.
+        self._status.zero_()
+        self._record.zero_()  # read in this step's combine, or never (its experts raised)
         if rejected is None:
             q, sf = mxfp8_quantize(latent)
             dispatch_write(self.buffers, q, sf, ids, weights, self.experts_per_rank)
@@ -66,11 +80,25 @@ class HostTransport(Transport):
         # The experts wrote this rank's rows into its `out` region; the barrier tells every rank
         # they are ready, then each reads its tokens' rows where they lie.
         tokens = ids.shape[0]
+        if rejected is None and int(self._status[0]) != 0:
+            # The experts failed the step (over their pair budget): every rank raises here.
+            rejected, cause = self._experts_failure(), CAUSE_EXPERTS
         self._agree("combine", rejected, cause, tokens, tag)
         normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
         # Return only once every rank has read this rank's rows: the caller may rewrite them.
         self.buffers.barriers.exchange("combine-end", {}, self.timeout_s)
         return normed if out is None else out.copy_(normed)
+
+    def _experts_failure(self) -> Exception:
+        """The error of the failure the experts stored (comm/failure.py); both words zeroed."""
+        self._status.zero_()
+        where = f"EpRouted.combine (rank {self.buffers.rank})"
+        outcome = "the step failed on every rank in this call (the peers raise EpPeerError naming"
+        outcome += " this rank) and nothing was used; the next call runs as usual"
+        error = failure_error(self._record, where, outcome)
+        if error is None:  # a status without a record: a backend that stored only half
+            error = RuntimeError(f"{where}: the experts failed the step on the device ({outcome})")
+        return error
 
     def check(self) -> None:
         """Every host call completes (or raises) before it returns: nothing is left to report."""
@@ -86,6 +114,8 @@ class HostTransport(Transport):
 
     def reset(self) -> None:
         self.buffers.barriers.reset(self.timeout_s)
+        self._status.zero_()
+        self._record.zero_()
 
     def close(self) -> None:
         """Nothing beyond the buffers."""

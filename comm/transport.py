@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from dep_ep.comm.buffers import EpBuffers
+from dep_ep.comm.failure import StepFailure
 from dep_ep.config import EpConfig
 from dep_ep.constants import NO_TAG
 
@@ -23,7 +24,10 @@ CAUSE_REJECT_STEP = "called reject_step"
 CAUSE_ABORT_STEP = "called abort_step"
 CAUSE_EARLIER_PIECE = "failed an earlier piece of this step"
 # Not a caller's: the GPU combine's ready flag of a rank whose dispatch of the step had failed.
-CAUSE_UNUSABLE = "had failed in its dispatch of this step (its rows were not used)"
+CAUSE_UNUSABLE = (
+    "had failed this step before its combine (its dispatch, or its experts on the device: over"
+    " their pair budget); its rows were not used"
+)
 # The causes the device transport tells apart in its step flags (STATUS_FAILED: the experts);
 # the others travel as STATUS_REJECTED.
 EXPERT_CAUSES = (CAUSE_EXPERTS, CAUSE_ABORT_STEP)
@@ -85,6 +89,12 @@ class Transport(ABC):
         the sum rounded to BF16); returns bf16 [T, L], `out` (contiguous bf16 [T, L]) when
         given. ids int32 [T, K] are the ids this rank dispatched in the step; `tag` is the
         dispatch's."""
+
+    @abstractmethod
+    def step_failure(self, tag: int) -> StepFailure:
+        """Where an experts backend fails the current step on the device (comm/failure.py): this
+        transport's step status word and failure record, with the step's `tag`. Local, cheap;
+        the tensors are the same every call (a CUDA graph may capture them)."""
 
     @abstractmethod
     def check(self) -> None:

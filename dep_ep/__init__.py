@@ -14,6 +14,7 @@ tolerance model), which no library module imports.
 from dep_ep.comm import (
     EpDesyncError,
     EpError,
+    EpPairBudgetError,
     EpPeerError,
     EpPeerLostError,
     EpTimeoutError,
@@ -43,6 +44,7 @@ __all__ = [
     "EpDesyncError",
     "EpError",
     "EpMoeLayer",
+    "EpPairBudgetError",
     "EpPeerError",
     "EpPeerLostError",
     "EpRouted",

@@ -59,7 +59,8 @@ PIECE_DIGEST_BITS = 30
 FIRST_PIECE_TAG_BASE = -(1 << 63) + (1 << 61)
 # Device state of one rank (int64 words, device memory, not symmetric).
 STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c
-STATE_STEP_STATUS = 1  # 0, or the error kind a kernel of the current call met
+STATE_STEP_STATUS = 1  # 0, or the error kind a kernel of the current call met (KIND_EXPERTS:
+# the rank's experts failed the call on the device, comm/failure.py; the combine then marks it)
 STATE_DONE_DISPATCH = 2  # CTAs of the running dispatch launch done with their payload (int32)
 STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their tokens
 STATE_ABORT = 4  # 1 after a timeout: every later wait returns at once
@@ -76,6 +77,9 @@ ERROR_KERNEL_WORDS = 8  # the words above: the host clears these, never the abor
 ERROR_ABORT = 8
 ERROR_WRITING, ERROR_COMPLETE = 1, 2
 KIND_TIMEOUT, KIND_REJECTED, KIND_TAG, KIND_TOKENS, KIND_CALL, KIND_ABORTED = 1, 2, 3, 4, 5, 6
+# Written into the state's step status only (never into the error record) by an experts backend
+# that failed the call on the device (comm/failure.py, StepFailure): over its pair budget.
+KIND_EXPERTS = 7
 # Why the host asked the kernels' waits to end: a peer's process is gone, reset() is running on
 # this rank, or a peer called reset() (comm/peer_watch.py: this rank must reset too).
 ABORT_PEER_LOST, ABORT_RESET, ABORT_PEER_RESET = 1, 2, 3

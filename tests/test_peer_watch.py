@@ -14,13 +14,15 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm.device_transport import DeviceTransport
-from dep_ep.comm.errors import RECOVERY_RESET, EpDesyncError, EpPeerError
+from dep_ep.comm.errors import RECOVERY_RESET, EpDesyncError, EpPairBudgetError, EpPeerError
+from dep_ep.comm.failure import FAILURE_PAIR_BUDGET, StepFailure, new_record
 from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.constants import (
     ABORT_PEER_LOST,
     ABORT_PEER_RESET,
     ERROR_ABORT,
+    ERROR_CALL,
     ERROR_COMPLETE,
     ERROR_KIND,
     ERROR_PEER,
@@ -159,6 +161,7 @@ def transport_with(error: torch.Tensor, resetting: list[int]) -> DeviceTransport
     """A DeviceTransport without a GPU: only what check() reads (rank 0, its watch, the record)."""
     transport = DeviceTransport.__new__(DeviceTransport)
     transport.rank, transport.error = 0, error
+    transport.failure_record = new_record(pinned=False)
     transport.watch = PeerWatch(StoreChannel(2), error, None)
     transport.watch.resetting = resetting
     return transport
@@ -189,7 +192,7 @@ def test_check_raises_a_peer_reset_as_a_desync_to_reset():
     [
         (STATUS_REJECTED, "rejected its input"),
         (STATUS_FAILED, "failed in its experts"),
-        (STATUS_UNUSABLE, "had failed in its dispatch of this step"),
+        (STATUS_UNUSABLE, "had failed this step before its combine"),
     ],
 )
 def test_check_names_why_a_peer_s_combine_flag_failed(status, cause):
@@ -203,3 +206,53 @@ def test_check_names_why_a_peer_s_combine_flag_failed(status, cause):
     with pytest.raises(EpPeerError, match=f"rank 1 {cause}"):
         transport.check()
     transport.check()
+
+
+@pytest.mark.parametrize(
+    "peer,status", [(0, STATUS_UNUSABLE), (1, STATUS_UNUSABLE), (1, STATUS_REJECTED)]
+)
+def test_check_raises_this_rank_s_pair_budget_failure_first(peer, status):
+    """A step whose experts stored a pair-budget failure (comm/failure.py) on this rank: its
+    combine recorded its own STATUS_UNUSABLE flag (peer 0 = this rank), or a peer's failure came
+    first in the record. check() raises EpPairBudgetError naming the call, the tag, the pair
+    count, the budget and the fix, recovery "none", and clears both records: the next check is
+    clean. Without the failure record the same error record raises EpPeerError (the peer's, or
+    this rank's own flag: "had failed this step before its combine")."""
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+    transport = transport_with(error, [])
+    tag = -(1 << 62) + 5
+    transport.failure_record[:] = torch.tensor([FAILURE_PAIR_BUDGET, 96, 32, tag])
+    for with_record in (True, False):
+        error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+        error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, peer, status
+        error[ERROR_CALL] = 7
+        if with_record:
+            with pytest.raises(EpPairBudgetError) as info:
+                transport.check()
+            text = str(info.value)
+            for part in (
+                "rank 0",
+                "call 7",
+                "layer 5",
+                "96 (row, local expert) pairs",
+                "budget of 32 pairs",
+                "Raise pair_skew",
+                "NaN",
+            ):
+                assert part in text, (part, text)
+            assert (info.value.pairs, info.value.budget, info.value.tag) == (96, 32, tag)
+            assert info.value.recovery == "none"
+            assert not transport.failure_record.any()
+        else:
+            with pytest.raises(EpPeerError, match=f"rank {peer} "):
+                transport.check()
+        transport.check()
+
+
+def test_step_failure_tag_halves_rebuild_the_tag():
+    """StepFailure.tag_halves: two int32 values whose (high << 32) | (low & 0xFFFFFFFF) is the
+    tag, for the extremes of int64 and the library's tag kinds."""
+    for tag in (0, 1, -1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), -(1 << 62) + 12345):
+        high, low = StepFailure(torch.zeros(1), torch.zeros(4), tag).tag_halves()
+        assert -(2**31) <= high < 2**31 and -(2**31) <= low < 2**31
+        assert (high << 32) | (low & 0xFFFFFFFF) == tag

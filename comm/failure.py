@@ -1,0 +1,81 @@
+"""StepFailure: how an experts backend fails a step on the device, for every rank, with no host
+synchronisation (docs/design.md, "Experts failures on the device").
+
+A transport hands EpRouted one per step (`Transport.step_failure(tag)`), and EpRouted hands it to
+a backend whose `device_failures` is True (experts/base.py). The backend, when a call cannot be
+computed (HopperExperts: more (row, local expert) pairs than its pair budget), does two stores
+from its own kernels, stream-ordered before the step's combine:
+- `status`: KIND_EXPERTS into the transport's step status word. The combine reads that word:
+  on GPU (comm/kernels/combine.py) a nonzero status makes this rank publish STATUS_UNUSABLE in
+  its ready flag, so every rank marks its tokens of the step NaN and the peers record the
+  rejection (EpPeerError at their next call, poll() or synchronize()); this rank records its own
+  flag and raises the failure below at the same point. On CPU (comm/host_transport.py) the
+  combine fails the call on every rank in that call.
+- `record`, when its code word is still 0 (the first failure since the host read it wins):
+  [code, count, limit, tag], the code last. Host-readable without a sync (host-mapped pinned
+  memory on GPU, CPU memory on CPU); the transport turns it into the error this rank raises
+  (`failure_error`) and zeroes it.
+The dispatch of every step zeroes the status word (GPU: the dispatch kernel; CPU: the host
+transport), so the next step runs as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dep_ep.comm.errors import EpPairBudgetError, tag_text
+
+# The record's words (int64) and its codes.
+FAILURE_WORDS = 4
+FAILURE_CODE, FAILURE_COUNT, FAILURE_LIMIT, FAILURE_TAG = 0, 1, 2, 3
+FAILURE_PAIR_BUDGET = 1  # count: the call's (row, local expert) pairs; limit: its pair budget
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """Where a backend fails the current step (module docstring): `status` int64 [1] on the
+    experts' device (the transport's step status word), `record` int64 [FAILURE_WORDS] the host
+    reads without a sync, `tag` the step's tag (the one its dispatch sent; a CUDA graph replays
+    the tag it was captured with, as the transport's kernels do)."""
+
+    status: torch.Tensor
+    record: torch.Tensor
+    tag: int
+
+    def tag_halves(self) -> tuple[int, int]:
+        """The tag as two signed 32-bit ints (high, low), so that a kernel taking them as int32
+        arguments compiles once whatever the tag: `(high << 32) | (low & 0xFFFFFFFF)`."""
+        low = self.tag & 0xFFFFFFFF
+        return self.tag >> 32, low - (1 << 32) if low >= 1 << 31 else low
+
+
+def new_record(pinned: bool) -> torch.Tensor:
+    """A zeroed record: int64 [FAILURE_WORDS] in CPU memory, page-locked (host-mapped under UVA, so
+    a CUDA kernel stores into it and the host reads it without a sync) when `pinned`."""
+    record = torch.zeros(FAILURE_WORDS, dtype=torch.int64)
+    return record.pin_memory() if pinned else record
+
+
+def failure_error(record: torch.Tensor, where: str, outcome: str) -> EpPairBudgetError | None:
+    """The error of a failure `record` holds (zeroing it), or None when it holds none. `where`
+    names the rank and the call, `outcome` says what became of the step and what follows."""
+    code, count, limit, tag = (int(v) for v in record.tolist())
+    if code == 0:
+        return None
+    record.zero_()
+    if code != FAILURE_PAIR_BUDGET:  # no other code exists: a stray write
+        raise RuntimeError(
+            f"{where}: unknown experts failure code {code} (counts {count}, {limit})"
+        )
+    return EpPairBudgetError(
+        f"{where}, {tag_text(tag)}: this rank's experts received {count} (row, local expert)"
+        f" pairs, more than their pair budget of {limit} pairs (the workspace HopperExperts sized"
+        f" for its pair_skew), so they computed nothing; {outcome}. Raise pair_skew"
+        " (HopperExperts(pair_skew=...); None sizes every call for its capacity R * K) if such"
+        " routing is expected",
+        count,
+        limit,
+        tag,
+    )
