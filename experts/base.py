@@ -53,11 +53,21 @@ class ExpertsBackend(ABC):
     order of weights[row, k] * expert_{ids[row, k]}(x[row]) (each expert output BF16). Rows with no
     local id may hold anything in x/sf/weights; a backend may leave their output or write anything
     there (combine never reads them).
+
+    A backend that can fail a call on the device, where raising would need a host sync
+    (HopperExperts over its pair budget), sets `device_failures` True and takes forward's keyword
+    `failure`: None (called alone), or a comm.failure.StepFailure from EpRouted, through which it
+    fails the step on every rank (its status word and record, comm/failure.py; the combine then
+    marks every rank's output of the step NaN on GPU, and every rank raises: this one
+    EpPairBudgetError, the peers EpPeerError). EpRouted passes `failure` only to such backends;
+    the others (`device_failures` False, the default) take the five arguments alone.
     """
 
     first_expert: int
     num_local_experts: int
     latent: int
+    # True when forward takes `failure=` and may fail a call through it (the class docstring).
+    device_failures: bool = False
     # Human-readable hardware the backend needs, for error messages ("any torch device", ...).
     requires: str = "any torch device"
     # Format of FC2's input (the SiTU activation): "bf16", or "mxfp8" (e4m3 elements with one

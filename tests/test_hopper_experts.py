@@ -399,6 +399,11 @@ def test_pair_skew_checked_before_the_device():
     with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
         HopperExperts(weights, engine=TritonEngine(), pair_skew=2)
     assert TritonEngine.takes_pair_budget and not HummingEngine.takes_pair_budget
+    # The default "auto" refuses nothing on either engine (humming gets no budget): the device
+    # refusal is all that is left on CPU.
+    for engine in (TritonEngine(), HummingEngine()):
+        with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
+            HopperExperts(weights, engine=engine)
 
 
 def test_engines_check_their_options():
@@ -854,3 +859,13 @@ def test_gpu_default_experts_is_hopper():
     # Expected pairs: R x 16 x (4/32) / (1 - (28/32)^16) = 2.27 R; capacity R x min(16, 4).
     assert backend.tuning_pairs(12, 16) == 32  # 27.2 expected
     assert backend.tuning_pairs(64, 16) == 128  # 145 expected
+
+
+@GPU
+def test_gpu_default_pair_skew_is_the_budget_on_triton():
+    """pair_skew="auto" (the default) on the triton engine: PAIR_BUDGET_SKEW, with
+    device_failures (EpRouted hands it the step's StepFailure); None: neither."""
+    weights = SyntheticLayer(TINY, 0).local_weights(0, 4).to("cuda")
+    triton = HopperExperts(weights, engine=TritonEngine())
+    assert triton.pair_skew == engine_module.PAIR_BUDGET_SKEW and triton.device_failures
+    assert HopperExperts(weights, engine=TritonEngine(), pair_skew=None).device_failures is False

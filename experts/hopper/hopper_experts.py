@@ -20,8 +20,9 @@ import importlib.util
 
 import torch
 
+from dep_ep.comm.failure import StepFailure
 from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
-from dep_ep.experts.hopper.engine import HopperEngine, check_skew
+from dep_ep.experts.hopper.engine import PAIR_BUDGET_SKEW, HopperEngine, check_skew
 from dep_ep.experts.hopper.humming_engine import HummingEngine, humming_installed
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.hopper.triton_engine import TritonEngine
@@ -63,17 +64,27 @@ class HopperExperts(ExpertsBackend):
     deterministic=True) reruns on the same rows are bitwise equal (`deterministic`).
     humming's kernels are chosen for `tuning_pairs(rows, topk)`, from the weights' num_experts.
 
-    pair_skew: None (the default), every call sized for the most pairs its rows can hold, R * K
-      (R receive rows of K ids: N * T rows on N ranks), which no routing exceeds; or a number
-      >= 1 (TritonEngine only; ValueError with HummingEngine): a call's pair-sized workspace
-      (BF16 act [P, I] and y [P, L]) holds P = `pair_budget(R, K, E_local, E, pair_skew)` pairs,
-      pair_skew times the pairs R rows hold on average under uniform routing, so the memory
-      follows the work rather than the slots (K3, 16 ranks, T = 2048, pair_skew 2.25: 0.99 GB
-      where R * K took 6.99 GB). A call whose rows hold more pairs than P (counted on the
-      device: no host synchronisation, graph-capturable) computes nothing and writes NaN into
-      every row with a local id (never a partial sum), and raises `pairs_over_budget` to its
-      pair count; `check_pair_budget()` raises it on the host. EpRouted does not read it: the
-      NaN rows reach the tokens' outputs through the combine.
+    pair_skew: "auto" (the default): PAIR_BUDGET_SKEW (2.25) on an engine that takes a pair
+      budget (TritonEngine), None on one that does not (HummingEngine); None: every call sized
+      for the most pairs its rows can hold, R * K (R receive rows of K ids: N * T rows on N
+      ranks), which no routing exceeds; or a number >= 1 (TritonEngine only; ValueError with
+      HummingEngine): a call's pair-sized workspace (BF16 act [P, I] and y [P, L]) holds
+      P = `pair_budget(R, K, E_local, E, pair_skew)` pairs, pair_skew times the pairs R rows
+      hold on average under uniform routing (at least PAIR_BUDGET_LEAST, at most R * K), so the
+      memory follows the work rather than the slots (K3, 16 ranks, T = 2048, 2.25: 0.99 GB,
+      0.92 GiB, where R * K took 6.99 GB; hot-expert routing, every token's first choice one
+      expert, holds 1.92x the mean there and fits). A call whose rows hold more pairs than P
+      (counted on the device: no host synchronisation, graph-capturable) computes nothing and
+      writes NaN into every row with a local id (never a partial sum), and raises
+      `pairs_over_budget` to its pair count (`check_pair_budget()` raises it on the host). Under
+      EpRouted the step fails on every rank (`failure`, below): this rank raises
+      EpPairBudgetError naming the pair count, the budget, the step's tag and the fix (raise
+      pair_skew), every peer EpPeerError naming this rank; in that call on CPU, at the next
+      call, poll() or synchronize() on GPU, where every rank's output of the step is NaN. The
+      next step runs as usual (and overflows again under the same routing).
+    failure (forward's keyword, from EpRouted; `device_failures` is True with a pair budget):
+      a comm.failure.StepFailure through which an overflowing call fails the step on every rank
+      (experts/base.py).
 
     Memory: the triton engine keeps the caller's weights (no copy when contiguous); humming keeps
     its own re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
@@ -99,7 +110,7 @@ class HopperExperts(ExpertsBackend):
         weights: ExpertWeights,
         *,
         engine: HopperEngine | None = None,
-        pair_skew: float | None = None,
+        pair_skew: float | str | None = "auto",
     ) -> None:
         owner = type(self).__name__
         self._take_weights(weights)
@@ -112,6 +123,8 @@ class HopperExperts(ExpertsBackend):
                 " (TritonEngine(...), HummingEngine(...))"
             )
         engine.check(owner, weights)
+        if isinstance(pair_skew, str) and pair_skew == "auto":
+            pair_skew = PAIR_BUDGET_SKEW if engine.takes_pair_budget else None
         self.pair_skew = check_skew(owner, pair_skew)
         if self.pair_skew is not None and not engine.takes_pair_budget:
             raise ValueError(
@@ -125,6 +138,8 @@ class HopperExperts(ExpertsBackend):
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.prepared = engine.prepare(owner, weights, self.sms, self.pair_skew)
         self.pairs_over_budget = self.prepared.pairs_over_budget
+        # A call can overflow (and fail its step through forward's `failure`) only under a budget.
+        self.device_failures = self.pair_skew is not None
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -181,9 +196,12 @@ class HopperExperts(ExpertsBackend):
         ids: torch.Tensor,
         weights: torch.Tensor,
         out: torch.Tensor,
+        failure: StepFailure | None = None,
     ) -> torch.Tensor:
         check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent, self.device)
         if ids.shape[0] == 0:
             return out
         with torch.cuda.device(self.device):  # triton and humming launch on the current device
-            return self.prepared(x, sf, ids, weights, out)
+            if failure is None or not self.device_failures:  # no budget: nothing to fail
+                return self.prepared(x, sf, ids, weights, out)
+            return self.prepared(x, sf, ids, weights, out, failure=failure)

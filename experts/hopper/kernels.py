@@ -31,12 +31,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dep_ep.constants import E4M3_MAX, RCP_448, SCALE_BLOCK
+from dep_ep.comm.failure import FAILURE_PAIR_BUDGET
+from dep_ep.constants import E4M3_MAX, KIND_EXPERTS, RCP_448, SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 
 SCALE_BLOCK_C = tl.constexpr(SCALE_BLOCK)
 SITU_BETA_C = tl.constexpr(SITU_BETA)
 SITU_LINEAR_BETA_C = tl.constexpr(SITU_LINEAR_BETA)
+KIND_EXPERTS_C = tl.constexpr(KIND_EXPERTS)
+FAILURE_PAIR_BUDGET_C = tl.constexpr(FAILURE_PAIR_BUDGET)
 # E2M1 code bits placed in an fp32's top bits: sign (code bit 3) to bit 31, exponent and mantissa
 # (code bits 2..0) to bits 24..22. That fp32 is the E2M1 value times 2^-126, subnormal codes 0.5
 # and -0.5 included; the E8M0 factor and TWO_POW_126 restore it exactly.
@@ -442,7 +445,8 @@ def situ_mxfp8_kernel(
 
 # pair_cap follows T: specialising on it (its value 1, or divisible by 16) would compile
 # again for a new T, mid-serving or inside a capture.
-@triton.jit(do_not_specialize=["pair_cap"])
+# The tag's halves vary per step (comm/failure.py, StepFailure.tag_halves): not specialised either.
+@triton.jit(do_not_specialize=["pair_cap", "tag_high", "tag_low"])
 def finalize_kernel(
     y_ptr,
     pair_slot_ptr,
@@ -454,6 +458,11 @@ def finalize_kernel(
     LATENT: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    FAIL_STEP: tl.constexpr = False,
+    status_ptr=None,
+    record_ptr=None,
+    tag_high=0,
+    tag_low=0,
 ):
     """out[row] = BF16(sum over k in order of weights[row, k] * y[pair of (row, k)]) in fp32, for
     rows with a local id; rows without one are left as they are. Grid (R, L / BLOCK_L).
@@ -463,7 +472,11 @@ def finalize_kernel(
     int32 [1] on the device), the GEMMs computed nothing and every row with a local id gets NaN
     instead (no y row is read), and program (0, 0) raises over_ptr int32 [1] to num_pairs when
     that is larger (a sticky record of the overflow for the host to read later; one program
-    writes it, so no atomics).
+    writes it, so no atomics). With FAIL_STEP (a StepFailure given, comm/failure.py), program
+    (0, 0) of an overflowing call also fails the step: KIND_EXPERTS into status int64 [1] (the
+    transport's step status word, which the step's combine reads) and, when record int64 [4]'s
+    code word is 0, [FAILURE_PAIR_BUDGET, num_pairs, pair_cap, tag] into it, the code last (the
+    tag from its int32 halves).
     The branch per k skips the loads of non-local slots (15 of 16 on a DEP16 shard): a branch-free
     variant with masked loads took 1.9x as long at T=64 there (9.2 against 4.8 us, BLOCK_L 512 over
     2 warps, H200).
@@ -486,3 +499,12 @@ def finalize_kernel(
         tl.store(out_ptr + row * LATENT + cols, _round_bf16(tl.where(fits, total, float("nan"))))
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(over_ptr, tl.maximum(tl.where(fits, 0, num_pairs), tl.load(over_ptr)))
+        if FAIL_STEP:
+            if num_pairs > pair_cap:
+                tl.store(status_ptr, KIND_EXPERTS_C)
+                if tl.load(record_ptr) == 0:
+                    tag = (tag_high.to(tl.int64) << 32) | (tag_low.to(tl.int64) & 0xFFFFFFFF)
+                    tl.store(record_ptr + 1, num_pairs)  # stores cast to int64
+                    tl.store(record_ptr + 2, pair_cap)
+                    tl.store(record_ptr + 3, tag)
+                    tl.store(record_ptr, FAILURE_PAIR_BUDGET_C)

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import torch
 
+from dep_ep.comm.failure import StepFailure
 from dep_ep.experts.hopper.engine import (
     GROUPING_BYTES_PER_SLOT,
     HopperEngine,
@@ -76,6 +77,20 @@ class TritonEngine(HopperEngine):
         )
 
 
+def fail_step(failure: StepFailure | None) -> dict:
+    """finalize_kernel's keyword arguments that fail the step through `failure` (none for None)."""
+    if failure is None:
+        return {}
+    high, low = failure.tag_halves()
+    return dict(
+        FAIL_STEP=True,
+        status_ptr=failure.status,
+        record_ptr=failure.record,
+        tag_high=high,
+        tag_low=low,
+    )
+
+
 def workspace_parts(
     rows: int,
     topk: int,
@@ -141,7 +156,9 @@ class TritonPrepared:
         num_local = self.w13.shape[0]
         return pair_budget(rows, topk, num_local, self.num_experts, self.skew)
 
-    def __call__(self, x, sf, ids, weights, out) -> torch.Tensor:
+    def __call__(
+        self, x, sf, ids, weights, out, failure: StepFailure | None = None
+    ) -> torch.Tensor:
         tensors = (self.w13, self.s13, self.w2, self.s2)
         return fused_experts(
             *tensors,
@@ -155,6 +172,7 @@ class TritonPrepared:
             self.programs,
             max_pairs=self.max_pairs(*ids.shape),
             pairs_over_budget=self.pairs_over_budget,
+            failure=failure,
         )
 
 
@@ -174,6 +192,7 @@ def fused_experts(
     *,
     max_pairs: int | None = None,
     pairs_over_budget: torch.Tensor | None = None,
+    failure: StepFailure | None = None,
 ) -> torch.Tensor:
     """The three kernels over the rows (HopperExperts.forward's contract); `programs` persistent
     programs per GEMM. Runs wherever Triton does, its CPU interpreter included (math="fp32").
@@ -182,7 +201,9 @@ def fused_experts(
     P = min(R * K, max_pairs) rows. A call whose rows hold more pairs (counted on the device)
     computes nothing and writes NaN into every row with a local id, and raises
     pairs_over_budget int32 [1] (on x's device; None: a scratch one) to its pair count when that
-    is larger: no host synchronisation, so a CUDA graph replays it as it is."""
+    is larger: no host synchronisation, so a CUDA graph replays it as it is. `failure` (a
+    StepFailure, from EpRouted): such a call also fails the step on every rank through it
+    (comm/failure.py: the status word and the record [FAILURE_PAIR_BUDGET, pairs, P, tag])."""
     from dep_ep.experts.hopper import kernels  # triton is imported on first use
 
     num_local, two_inter, half_latent = w13.shape
@@ -254,6 +275,7 @@ def fused_experts(
             latent,
             topk,
             columns,
+            **fail_step(failure),
             num_warps=tiles.finalize_warps,
         )
     return out

@@ -13,7 +13,8 @@ id is the same local expert; the other local experts have no rows), "single" (on
 torch), "budget" (the pair budget, `budget`: the "mixed" rows grouped by the kernel, with a budget
 of exactly their pairs bitwise equal to no budget, and one pair less NaN in every row with a local
 id and nowhere else, the overflow record the most pairs seen; the bytes the call allocates equal
-`workspace_parts`).
+`workspace_parts`; with a StepFailure an overflowing call stores KIND_EXPERTS and its first
+failure's [code, pairs, budget, tag], a fitting one nothing).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dep_ep.comm.failure import FAILURE_PAIR_BUDGET, StepFailure, new_record
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import MoeGeometry
+from dep_ep.constants import KIND_EXPERTS
 from dep_ep.experts.hopper import Grouping, HopperTiles
 from dep_ep.experts.hopper.triton_engine import fused_experts, workspace_parts
 from dep_ep.testing.allgather_reference import expert_sums
@@ -134,12 +137,12 @@ def budget(seed: int) -> None:
     rows, topk = ids.shape
     where = f"budget seed {seed}, {pairs} pairs"
 
-    def call(max_pairs, record):
+    def call(max_pairs, record, failure=None):
         out = torch.full((rows, GEOMETRY.latent), 7.0, dtype=torch.bfloat16)
         args = (w13, s13, w2, s2, FIRST, x, sf, ids, weights, out, tiles, PROGRAMS)
         counted = CountAllocations()
         with counted:
-            fused_experts(*args, max_pairs=max_pairs, pairs_over_budget=record)
+            fused_experts(*args, max_pairs=max_pairs, pairs_over_budget=record, failure=failure)
         parts = workspace_parts(rows, topk, GEOMETRY.latent, GEOMETRY.intermediate, COUNT, tiles)
         if max_pairs is not None:
             parts = workspace_parts(
@@ -161,6 +164,23 @@ def budget(seed: int) -> None:
     call(1, record)  # overflows by as many pairs: the record keeps the most seen
     call(pairs, record)  # fits: the record stays
     assert int(record) == pairs, f"{where}: overflow record {int(record)} after a fitting call"
+    # With a StepFailure (comm/failure.py): a fitting call stores nothing; an overflowing one
+    # KIND_EXPERTS into the status word and [code, pairs, budget, tag] into the record, whose
+    # first failure stays until the host zeroes it.
+    status, failed = torch.zeros(1, dtype=torch.int64), new_record(pinned=False)
+    tag = -(1 << 62) + seed % 1000  # an EpMoeLayer tag: needs 64 bits
+    failure = StepFailure(status, failed, tag)
+    call(pairs, record, failure)
+    assert not status.any() and not failed.any(), f"{where}: a fitting call failed the step"
+    over = call(pairs - 1, record, failure)
+    assert over[written].isnan().all(), f"{where}: a failed step's local row is not NaN"
+    want = [FAILURE_PAIR_BUDGET, pairs, pairs - 1, tag]
+    assert int(status) == KIND_EXPERTS, f"{where}: status {status.tolist()}"
+    assert failed.tolist() == want, f"{where}: failure record {failed.tolist()} != {want}"
+    status.zero_()
+    call(1, record, StepFailure(status, failed, 5))
+    assert int(status) == KIND_EXPERTS, f"{where}: the second overflow left status {status}"
+    assert failed.tolist() == want, f"{where}: the second overflow replaced the first's record"
     print(f"ok budget seed {seed}: {pairs} pairs, {int(written.sum())} rows")
 
 
