@@ -31,6 +31,7 @@ from dep_ep.comm.errors import (
     EpError,
     EpPeerLostError,
 )
+from dep_ep.comm.failure import StepFailure
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.tags import piece_tag
 from dep_ep.comm.transport import (
@@ -371,6 +372,17 @@ class EpRouted:
                 f"{fn}: tokens={tokens!r}, but the pending dispatch has T={step.tokens}"
             )
         return self._rows(step.tokens)
+
+    def step_failure(self) -> StepFailure:
+        """For a caller that runs its experts itself between `dispatch` and `combine`: the
+        dispatched step's StepFailure (comm/failure.py), to pass as `failure=` to a backend whose
+        `device_failures` is True, as `routed` does, so that a call those experts cannot compute
+        (over HopperExperts' pair budget) fails the step on every rank at the combine. Local."""
+        fn = "EpRouted.step_failure"
+        self._check_usable(fn)
+        if self._step is None:
+            raise RuntimeError(f"{fn}: no dispatch is pending")
+        return self._transport.step_failure(self._step.tag)
 
     def _rows(self, tokens: int) -> ReceiveRows:
         """The views of a step of T tokens, made once per T (each call of a step took them twice:
@@ -788,7 +800,11 @@ class EpRouted:
         plain sum), into `out` when given (as `combine`). Arguments as `dispatch` and `combine`.
         Collective. An exception inside the experts (KeyboardInterrupt included) still completes
         the step on every rank (this rank aborts it; its peers' EpPeerError names the experts
-        and, on CPU, the error) and is then raised.
+        and, on CPU, the error) and is then raised. A backend with `device_failures` gets the
+        step's StepFailure (`step_failure()`): a call it finds on the device it cannot compute
+        (HopperExperts over its pair budget) fails the step on every rank, this rank raising
+        EpPairBudgetError and its peers EpPeerError (CPU: in this call; GPU: at the next call,
+        poll() or synchronize(), every rank's output of the step NaN).
 
         A step of more than `max_tokens` tokens (T = `tokens`, the same on every rank) runs as
         ceil(T / max_tokens) steps of at most max_tokens tokens each, rank r passing its rows of
@@ -935,7 +951,14 @@ class EpRouted:
         )
         error = None
         try:
-            experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+            if experts.device_failures:
+                # A call the experts cannot compute (over a pair budget, found on the device)
+                # fails the step through the transport's status word: the combine then fails it
+                # on every rank (comm/failure.py).
+                failure = self.step_failure()
+                experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out, failure=failure)
+            else:
+                experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
         except BaseException as err:  # every rank must still complete the step
             error = err
         return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)

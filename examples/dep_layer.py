@@ -220,7 +220,10 @@ def main() -> int:
         routed.synchronize()
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        # A backend that may fail a call on the device (HopperExperts over its pair budget)
+        # fails the step on every rank through the step's StepFailure, as EpRouted.routed does.
+        failure = {"failure": routed.step_failure()} if experts.device_failures else {}
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out, **failure)
         routed.synchronize()
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
