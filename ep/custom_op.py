@@ -17,7 +17,12 @@ until their timeout). It has no backward (inference only).
 Registered with `torch.library.Library` (the schema, a CompositeExplicitAutograd kernel and a
 fake), not the `torch.library.custom_op` decorator: the decorator's Python autograd and dispatch
 wrappers took 11-16 us of host time a call on a 2-core x86 machine, the plain registration 4
-(bench/bench_integration.py, own host time; the target is 5 us a layer call).
+(bench/bench_integration.py, own host time; the target is 5 us a layer call). Eager, `routed_op`
+calls the operator's kernel itself: torch's dispatcher into a Python kernel alone took 7-8 us a
+call on the H200 machine's host, in every grad mode and for every dispatch key the kernel was
+registered under. Where a compiler traces the call (`torch.compiler.is_compiling()`, or tensors
+that are not plain torch.Tensor: fake, functional or proxy tensors) it calls the operator, so the
+traced graph holds the one opaque node.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def _routed_fake(latent, ids, weights, norm_weight, handle, tokens, tag, eps, pa
 
 
 _OPERATOR = torch.ops.dep_ep.routed.default  # its one overload, resolved once
+_is_compiling = torch.compiler.is_compiling
 
 
 def routed_op(
@@ -121,6 +127,10 @@ def routed_op(
             raise TypeError(f"{fn}: padding is {type(padding).__name__}; expected a torch.Tensor")
     except (TypeError, ValueError) as err:
         _REGISTERED[handle][0].reject_step(err, tag=None, tokens=tokens)
+    if type(latent) is torch.Tensor and not _is_compiling():
+        # Eager: the operator's kernel without the dispatcher (module docstring).
+        wire_tag = NO_TAG if tag is None else tag
+        return _routed(latent, ids, weights, norm_weight, handle, tokens, wire_tag, eps, padding)
     return _OPERATOR(
         latent,
         ids,

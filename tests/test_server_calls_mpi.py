@@ -593,7 +593,9 @@ def test_warmup_is_local_and_counts_accumulate(dep, layer):
 @pytest.mark.mpi(min_size=2)
 def test_custom_op_under_torch_compile(dep, layer):
     """torch.ops.dep_ep.routed inside torch.compile(fullgraph=True) (aot_eager: the op is
-    opaque, its fake impl gives the shape) returns the bits of EpRouted.routed."""
+    opaque, its fake impl gives the shape) returns the bits of EpRouted.routed, and the graph
+    dynamo traces holds the operator as one node (routed_op calls the kernel directly only
+    when nothing traces it)."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 650), 6)
     norm = layer.norm_weight()
     failures: list[str] = []
@@ -605,10 +607,18 @@ def test_custom_op_under_torch_compile(dep, layer):
         def layer_call(latent, ids, weights, norm):
             return routed_op(latent, ids, weights, norm, handle, tag=3) * 1
 
-        compiled = torch.compile(layer_call, backend="aot_eager", fullgraph=True)
+        traced: list[object] = []
+
+        def backend(graph_module, example_inputs):
+            traced.extend(node.target for node in graph_module.graph.nodes)
+            return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+        compiled = torch.compile(layer_call, backend=backend, fullgraph=True)
         got = compiled(latent, ids, weights, norm)
         if not torch.equal(bits(got), bits(want)):
             failures.append("the compiled op gives other bits than routed()")
+        if traced.count(torch.ops.dep_ep.routed.default) != 1:
+            failures.append(f"the traced graph does not hold the operator once: {traced}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 

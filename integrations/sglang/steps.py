@@ -5,7 +5,7 @@ padding mask (EpRouted's `padding=`: those rows reach no rank)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,10 +45,32 @@ def routing(topk_output: object, rows: int, topk: int, device: torch.device):
 # (device, dtype) -> [m] of that dtype: 0..m-1, so that a step's padding mask is one comparison
 # (one launch), in the bound's dtype (a comparison that promotes costs ~1 us more host time).
 _ROW_INDEX: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# (device, dtype, rows) -> the first `rows` of _ROW_INDEX's: the slice cost as much host time as
+# the comparison's launch on the H200 machine's host (~4 us). Cleared past _MAX_ROW_VIEWS.
+_ROW_VIEWS: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+_MAX_ROW_VIEWS = 1024
 
 
-@dataclass(frozen=True)
-class _ForwardMask:
+def row_index(rows: int, dtype: torch.dtype, device: torch.device, capturing: bool) -> torch.Tensor:
+    """[rows] of `dtype` on `device`, 0..rows-1: a view of the indices kept per device, made
+    outside any capture (a tensor a capture fills holds nothing until the graph runs); while
+    capturing with too few kept, a new one the capture records."""
+    view = _ROW_VIEWS.get((device, dtype, rows))
+    if view is not None:
+        return view
+    index = _ROW_INDEX.get((device, dtype))
+    if index is None or index.shape[0] < rows:
+        if capturing:
+            return torch.arange(rows, dtype=dtype, device=device)
+        index = torch.arange(max(rows, 256), dtype=dtype, device=device)
+        _ROW_INDEX[(device, dtype)] = index
+    if len(_ROW_VIEWS) >= _MAX_ROW_VIEWS:
+        _ROW_VIEWS.clear()
+    view = _ROW_VIEWS[(device, dtype, rows)] = index[:rows]
+    return view
+
+
+class _ForwardMask(NamedTuple):
     """The padding mask of one forward's MoE layers, and what it was made for. The forward and
     the bound are held (not their ids): while this entry lives, no later forward can be
     another object at the same address. Holding the forward keeps its forward batch (the
@@ -99,9 +121,8 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
     which SGLang makes fresh for each forward, the same bound tensor, rows and device) gets
     the first layer's mask, made in the same stream order after the bound was written. Inside
     a CUDA-graph capture the mask is shared only within that capture (its id, `capture_id`),
-    so a graph never reads a mask another graph or an eager call made. The row indices are
-    kept per device (made outside any capture: a tensor a capture fills holds nothing until
-    the graph runs)."""
+    so a graph never reads a mask another graph or an eager call made. The row indices:
+    `row_index`."""
     global _FORWARD_MASK
     if rows == 0:
         return None
@@ -121,17 +142,7 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
         and capture != -1
     ):
         return last.mask
-    key = (device, bound.dtype)
-    index = _ROW_INDEX.get(key)
-    if index is None or index.shape[0] < rows:
-        if capture is not None:
-            mask = torch.arange(rows, dtype=bound.dtype, device=device) >= bound
-        else:
-            index = torch.arange(max(rows, 256), dtype=bound.dtype, device=device)
-            _ROW_INDEX[key] = index
-            mask = index[:rows] >= bound
-    else:
-        mask = index[:rows] >= bound
+    mask = row_index(rows, bound.dtype, device, capture is not None) >= bound
     _FORWARD_MASK = _ForwardMask(forward, bound, rows, device, capture, mask)
     return mask
 
