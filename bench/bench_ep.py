@@ -44,9 +44,10 @@ TUNINGS = {
     "default": {},
     "no-pdl": {"pdl": False},
     "blocks-1": {"dispatch_blocks_in_flight": 1},
-    "warps-2": {"combine_warps": 2, "combine_ctas_per_sm": 4},
     "waves": {"combine_ctas_per_sm": 0},
-    "warps-4": {"combine_warps": 4, "combine_ctas_per_sm": 2},
+    "ctas-4": {"combine_ctas_per_sm": 4},
+    "ctas-6": {"combine_ctas_per_sm": 6},
+    "warps-8": {"combine_warps": 8, "combine_ctas_per_sm": 2},
 }
 
 

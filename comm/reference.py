@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from dep_ep.comm.buffers import EpBuffers
-from dep_ep.constants import NORM_CHUNK, NORM_LANES, NORM_SCALE_MAX_EXP, NORM_SCALE_MIN_EXP
+from dep_ep.constants import (
+    NORM_CHUNK,
+    NORM_LANES,
+    NORM_SCALE_MAX_EXP,
+    NORM_SCALE_MIN_EXP,
+    NORM_WARPS,
+    WARP_LANES,
+)
 
 
 def owner_ranks(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
@@ -78,9 +85,11 @@ def combine_pull(
 
 
 def _lane_ordered_sumsq(h: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, 1]: the sum of squares of each row of h fp32 [T, L] in the combine kernel's order
-    (lane l of NORM_LANES adds its NORM_CHUNK-element chunks l, l+32, ... in order; then the
-    tree over the lanes)."""
+    """fp32 [T, 1]: the sum of squares of each row of h fp32 [T, L] in the combine kernel's order:
+    lane l of NORM_LANES (128, a group of NORM_WARPS warps) adds its NORM_CHUNK-element chunks
+    l, l+128, ... in chunk and element order; then the tree x[i] += x[i + o], o = 16, 8, 4, 2, 1
+    over each warp's 32 lanes; then the same tree over the warps' totals, o = 2, 1 (so
+    (w0 + w2) + (w1 + w3))."""
     tokens, latent = h.shape
     chunks = latent // NORM_CHUNK
     per_lane = -(-chunks // NORM_LANES)
@@ -92,24 +101,31 @@ def _lane_ordered_sumsq(h: torch.Tensor) -> torch.Tensor:
         valid = min(NORM_LANES, chunks - i * NORM_LANES)
         for j in range(NORM_CHUNK):
             lanes[:, :valid] = lanes[:, :valid] + squares[:, i, :valid, j]
-    width = NORM_LANES
+    return _tree(_tree(lanes.view(tokens, NORM_WARPS, WARP_LANES)).view(tokens, NORM_WARPS))
+
+
+def _tree(x: torch.Tensor) -> torch.Tensor:
+    """The tree x[i] += x[i + o], o = n/2, ..., 2, 1 over the last dimension (n a power of two),
+    which it keeps as 1: [..., n] -> [..., 1], every addition rounded to fp32."""
+    width = x.shape[-1]
     while width > 1:
         width //= 2
-        lanes = lanes[:, :width] + lanes[:, width : 2 * width]
-    return lanes
+        x = x[..., :width] + x[..., width : 2 * width]
+    return x
 
 
 def rms_norm(total: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The latent norm of the HF block, in the exact order of the combine kernel.
 
-    h = BF16(total) (as HF's block casts the expert sum); sum of squares in fp32: lane l of 32 adds
-    h*h over its chunks l, l+32, ... (8 elements each) in order, then the lanes are reduced by the
-    tree x[i] += x[i + o], o = 16, 8, 4, 2, 1; inv = 1 / sqrt(sumsq / L + eps) (IEEE division and
-    square root); out = BF16(BF16(h * inv) * weight). A row whose sum of squares overflows (Inf
-    or NaN) is summed again as h*s with s = 2^(127 - clamp(E, 127, 253)), E the fp32 biased
-    exponent of max |h| over the row, and eps*s*s: scaling by a power of two is exact and
-    commutes with every rounding above, so the normalised row is the one the unscaled formula
-    would give without overflow. total fp32 [T, L] -> bf16 [T, L].
+    h = BF16(total) (as HF's block casts the expert sum); sum of squares in fp32: lane l of 128
+    adds h*h over its chunks l, l+128, ... (8 elements each) in order, then each warp's 32 lanes
+    are reduced by the tree x[i] += x[i + o], o = 16, 8, 4, 2, 1, then the 4 warps' totals by
+    the same tree, o = 2, 1 (`_lane_ordered_sumsq`); inv = 1 / sqrt(sumsq / L + eps) (IEEE
+    division and square root); out = BF16(BF16(h * inv) * weight). A row whose sum of squares
+    overflows (Inf or NaN) is summed again as h*s with s = 2^(127 - clamp(E, 127, 253)), E the
+    fp32 biased exponent of max |h| over the row, and eps*s*s: scaling by a power of two is
+    exact and commutes with every rounding above, so the normalised row is the one the unscaled
+    formula would give without overflow. total fp32 [T, L] -> bf16 [T, L].
     """
     tokens, latent = total.shape
     h = total.to(torch.bfloat16).float()

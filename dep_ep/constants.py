@@ -95,14 +95,23 @@ VECTOR_BYTES = 16
 # Launch geometry of the CuTeDSL kernels, read by their host launch code too.
 WARP_LANES = 32
 DISPATCH_THREADS = 128  # 4 warps: one 32-element block per thread and pass
-COMBINE_WARPS = 8  # warps of a combine CTA (KernelTuning's default), one token each
+COMBINE_WARPS = 4  # warps of a combine CTA (KernelTuning's default): one token at a time
+COMBINE_CTAS_PER_SM = 8  # combine CTAs an SM (KernelTuning's default): 64 registers a thread
+# Shared memory of an SM on Hopper and Blackwell (sm_90a, sm_100a), and what the driver keeps of
+# it for each resident CTA: the combine's carveout is sized from them (no device query).
+SM_SHARED_BYTES = 228 * 1024
+CTA_RESERVED_SHARED_BYTES = 1024
 # The dispatch grid takes up to this many CTAs an SM; the kernel is compiled for it (launch
 # bounds: at most 64 registers a thread), so the whole grid is one wave.
 CTAS_PER_SM = 8
 
-# The combine kernel normalises one token per warp: lane l owns the 8-element (16-byte) chunks
-# l, l + 32, ... of the row. The torch reference sums squares in the same order (bitwise equal).
-NORM_LANES = WARP_LANES
+# The combine kernel reduces and normalises one token per group of NORM_WARPS warps: lane l of
+# the group's NORM_LANES owns the 8-element (16-byte) chunks l, l + 128, ... of the row (4 at
+# L = 3584). Its sum of squares: each lane's in chunk and element order, the tree over each
+# warp's 32 lanes, then the tree over the group's warps. The torch reference sums squares in the
+# same order (bitwise equal); the order is the same for every launch (any T, any tuning).
+NORM_WARPS = 4
+NORM_LANES = NORM_WARPS * WARP_LANES
 NORM_CHUNK = VECTOR_BYTES // 2  # bf16 elements in one vector
 # The norm scales a row by 2^(127 - clamp(E, 127, 253)), E the biased fp32 exponent of its largest
 # magnitude: exact, 1 below 2.0, and no square can overflow (comm/reference.py rms_norm).

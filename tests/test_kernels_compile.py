@@ -33,7 +33,9 @@ REQUIRED = {
     "dispatch": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS, *PDL,
                  r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"mul\.rn\.f32"],
     "combine": [r"st\.global\.v4\.b32", r"ld\.global\.v4\.b32", *SIGNALS, *WAITS, *PDL,
-                r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync", r"bar\.red\.or\.pred"],
+                r"sqrt\.rn\.f32", r"div\.rn\.f32", r"shfl\.sync", r"bar\.red\.or\.pred",
+                # a group of 4 warps reduces a token (its named barrier); BF16 rounding in pairs
+                r"bar\.sync\s+1, 128", r"cvt\.rn\.bf16x2\.f32"],
     # A rank that rejects its input still signals both phases (flags only) and waits, bounded.
     "reject_dispatch": [r"st\.release\.sys\.global", *WAITS],
     "reject_combine": [r"st\.release\.sys\.global", *WAITS],
@@ -113,6 +115,7 @@ BAD_COUNTS = (0, 9, 2.0, True)
     "field,value",
     [
         *((f, v) for f in ("dispatch_blocks_in_flight", "combine_warps") for v in BAD_COUNTS),
+        *(("combine_warps", v) for v in (2, 6)),  # not whole groups of NORM_WARPS
         *(("combine_ctas_per_sm", v) for v in (-1, 9, 1.0, False)),
     ],
 )
@@ -230,7 +233,8 @@ def fake_transport_params(rank: int = 1, timeout_ns: int = 20 * 10**9):
 
 def test_launcher_grid_rules():
     """The launchers' grids: the dispatch one CTA a token, at most CTAS_PER_SM an SM; the
-    combine ceil(T / combine_warps), at most combine_ctas_per_sm an SM (0: no cap)."""
+    combine ceil(T / groups), groups = combine_warps / NORM_WARPS, at most combine_ctas_per_sm an
+    SM (0: no cap)."""
     from dep_ep.comm.kernels.combine import CombineLaunch
     from dep_ep.comm.kernels.dispatch import DispatchLaunch
     from dep_ep.comm.kernels.launcher import KernelGeometry
@@ -243,12 +247,12 @@ def test_launcher_grid_rules():
         assert dispatch.grid(tokens) == min(tokens, CTAS_PER_SM * sms), tokens
     cases = [  # (tuning, T, grid)
         (KernelTuning(), 1, 1),
-        (KernelTuning(), 8 * sms, sms),
-        (KernelTuning(), 4096, sms),
-        (KernelTuning(combine_ctas_per_sm=0), 4096, 512),
-        (KernelTuning(combine_ctas_per_sm=0), 9, 2),
-        (KernelTuning(combine_warps=4, combine_ctas_per_sm=2), 4096, 2 * sms),
-        (KernelTuning(combine_warps=4, combine_ctas_per_sm=2), 100, 25),
+        (KernelTuning(), 500, 500),
+        (KernelTuning(), 4096, 8 * sms),
+        (KernelTuning(combine_ctas_per_sm=0), 4096, 4096),
+        (KernelTuning(combine_warps=8, combine_ctas_per_sm=0), 9, 5),
+        (KernelTuning(combine_warps=8, combine_ctas_per_sm=2), 4096, 2 * sms),
+        (KernelTuning(combine_warps=8, combine_ctas_per_sm=2), 100, 50),
     ]
     for tuning, tokens, grid in cases:
         combine = CombineLaunch(geometry, tuning, shared, sms, arch="sm_90a")
@@ -306,7 +310,7 @@ def test_launchers_pass_the_kernel_its_arguments(kernel):
         normed = Tensor(0x7F00000F0000, (tokens, 64))
         call = (ids, norm, normed, 1e-5, tokens, tag, stream)
         head = [Int64(ids.address), Int64(norm.address), Int64(normed.address)]
-        tail = [Float32(1e-5), Int32(1), Int32(5)]  # eps, normalize, ceil(37 / 8)
+        tail = [Float32(1e-5), Int32(1), Int32(37)]  # eps, normalize, one CTA a token
         step = Step(Int32(tokens), Int64(tag))
     else:
         launch = RejectLaunch(kernel, geometry, KernelTuning(), shared, arch="sm_90a")

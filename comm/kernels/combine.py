@@ -9,13 +9,16 @@ rank's weighted sum over its local experts for token t of source rank s). One la
 2. wait: every CTA waits (acquire, bounded) for every rank's combine flag of this call and votes
    across the CTA on the outcome (a rank rejected its input or failed in its experts, or the
    dispatch found the ranks out of step: every output row of the call is NaN instead).
-3. pull and reduce: warp w of CTA b takes this rank's tokens t = Wb + w, Wb + w + WG, ...: it
-   reads row rank*T + t of the `out` region of each rank that owns one of the token's experts
-   (local loads for this rank, NVLink loads for a peer), sums them in fp32 in rank order, and
-   when `normalize` is set applies RMSNorm in the exact order of comm/reference.py `rms_norm`
-   (lane l owns the 8-element chunks l, l+32, ...; per-lane sums in chunk and element order; tree
-   16, 8, 4, 2, 1; a row whose squares overflow is summed again scaled by a power of two from its
-   largest magnitude).
+3. pull and reduce: a group of NORM_WARPS (4) warps takes one token at a time (group g of CTA b
+   with G groups a CTA: tokens Gb + g, Gb + g + G grid, ...); thread m of the group's 128 holds
+   the 16-byte chunks m, m + 128, ... of the row (4 at L = 3584: 64 registers a thread). It reads
+   row rank*T + t of the `out` region of each rank that owns one of the token's experts (local
+   loads for this rank, NVLink loads for a peer), sums them in fp32 in rank order, and when
+   `normalize` is set applies RMSNorm in the exact order of comm/reference.py `rms_norm` (per
+   thread in chunk and element order; the tree 16, 8, 4, 2, 1 over a warp's lanes; the tree 2, 1
+   over the group's 4 warps, their totals exchanged through shared memory behind the group's
+   named barrier; a row whose squares overflow is summed again scaled by a power of two from its
+   largest magnitude). The norm weight is staged once per CTA in shared memory as fp32.
 4. done: the launch's last CTA stores the call as done in the device state; with several ranks
    it then stores this rank's combine-end flag ("I have read your rows") into every rank and
    waits (bounded) for every rank's, so the launch completes only when no rank reads this rank's
@@ -57,7 +60,7 @@ from dep_ep.comm.kernels.launcher import (
 from dep_ep.comm.kernels.ptx import (
     add_rn,
     barrier_or,
-    bf16_round,
+    bf16x2_round,
     bits_f32,
     div_rn,
     f32_bits,
@@ -78,6 +81,7 @@ from dep_ep.comm.kernels.signals import (
 from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
     VECTOR_WORDS,
+    WORD_BYTES,
     gmem_tensor,
     peer_base,
     receive_regions,
@@ -87,13 +91,16 @@ from dep_ep.comm.kernels.tensors import (
 )
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import (
+    CTA_RESERVED_SHARED_BYTES,
     MAX_RANKS,
     NORM_CHUNK,
     NORM_LANES,
     NORM_SCALE_MAX_EXP,
     NORM_SCALE_MIN_EXP,
+    NORM_WARPS,
     PHASE_COMBINE,
     PHASE_COMBINE_END,
+    SM_SHARED_BYTES,
     STATE_ABORT,
     STATE_CALL,
     STATE_DONE_COMBINE,
@@ -101,13 +108,19 @@ from dep_ep.constants import (
     STATE_STEP_STATUS,
     STATUS_OK,
     STATUS_UNUSABLE,
+    VECTOR_BYTES,
     WARP_LANES,
 )
 
-LANES = NORM_LANES  # one warp per token
+GROUP = NORM_LANES  # threads that reduce one token: a group of NORM_WARPS warps
 CHUNK = NORM_CHUNK  # bf16 elements per 16-byte vector
-assert CHUNK == VECTOR_WORDS * BF16_PER_WORD
+assert CHUNK == VECTOR_BYTES // 2 and GROUP == NORM_WARPS * WARP_LANES
 BF16_NAN_PAIR = 0x7FC07FC0  # two bf16 quiet NaNs: the mark of an output row of a failed call
+# Shared-memory slots of a group's exchanges, per token: the warps' sums of squares, their
+# largest magnitudes (the rescaled path) and the rescaled sums of squares; two sets, by the
+# parity of the group's token.
+SLOT_SUMSQ, SLOT_AMAX, SLOT_RESCALED, SLOTS = 0, 1, 2, 3
+FIRST_GROUP_BARRIER = 1  # named barrier 1 + g: the group g's warps; barrier 0 is the CTA's
 
 
 def _lo(word):
@@ -120,18 +133,23 @@ def _hi(word):
 
 class CombineKernel:
     """Static geometry: num_ranks N (<= 32), latent L, topk K, experts_per_rank; the CTA's warps
-    W (`tuning.combine_warps`). T is runtime. Grid: any size (CTA b takes tokens Wb + w,
-    Wb + w + WG, ...); the host's rule is CombineLaunch.grid."""
+    W (`tuning.combine_warps`, a multiple of NORM_WARPS): G = W / NORM_WARPS groups of
+    NORM_WARPS warps, each taking one token at a time. T is runtime. Grid: any size (group g of
+    CTA b takes tokens Gb + g, Gb + g + G grid, ...); the host's rule is CombineLaunch.grid."""
 
     def __init__(
         self, num_ranks: int, latent: int, topk: int, experts_per_rank: int, tuning: KernelTuning
     ):
         assert 1 <= num_ranks <= MAX_RANKS and latent % CHUNK == 0
+        assert tuning.combine_warps % NORM_WARPS == 0
         self.pdl, self.warps = tuning.pdl, tuning.combine_warps
+        self.groups = self.warps // NORM_WARPS
+        # Launch bounds: the kernel is compiled so that `combine_ctas_per_sm` CTAs fit an SM.
+        self.ctas_per_sm = tuning.combine_ctas_per_sm
         self.num_ranks, self.latent, self.topk = num_ranks, latent, topk
         self.experts_per_rank = experts_per_rank
         self.chunks = latent // CHUNK  # 16-byte vectors per row
-        self.chunks_per_lane = (self.chunks + LANES - 1) // LANES
+        self.chunks_per_lane = (self.chunks + GROUP - 1) // GROUP
 
     @cute.jit
     def __call__(
@@ -154,12 +172,31 @@ class CombineKernel:
         mIds = gmem_tensor(Int32, ids, row_major(T, self.topk))
         mNormWeight = gmem_tensor(Uint32, norm_weight, row_major(1, W))
         mNormed = gmem_tensor(Uint32, normed, row_major(T, W))
+        threads = self.warps * WARP_LANES
+        bounds = {"min_blocks_per_mp": self.ctas_per_sm} if self.ctas_per_sm else {}
+        # Enough shared memory for `combine_ctas_per_sm` CTAs an SM (CuTeDSL would ask the GPU).
         self.kernel(mIds, mNormWeight, mNormed, regions, control, step, eps, normalize).launch(
             grid=[grid, 1, 1],
-            block=[self.warps * WARP_LANES, 1, 1],
+            block=[threads, 1, 1],
+            max_number_threads=[threads, 1, 1],
+            **bounds,
+            preferred_smem_carveout=self.smem_carveout(),
             stream=stream,
             use_pdl=self.pdl,
         )
+
+    def smem_bytes(self) -> int:
+        """Shared memory of a CTA: the norm weight in fp32, the groups' exchange slots."""
+        return WORD_BYTES * (self.latent + 2 * SLOTS * self.groups * NORM_WARPS) + VECTOR_BYTES
+
+    def smem_carveout(self) -> int:
+        """The shared-memory carveout (percent of SM_SHARED_BYTES) that fits
+        `combine_ctas_per_sm` CTAs (each with the driver's CTA_RESERVED_SHARED_BYTES); all of it
+        when the grid is not capped (0)."""
+        if not self.ctas_per_sm:
+            return 100
+        need = self.ctas_per_sm * (self.smem_bytes() + CTA_RESERVED_SHARED_BYTES)
+        return min(100, -(-100 * need // SM_SHARED_BYTES))
 
     @cute.kernel
     def kernel(
@@ -194,21 +231,36 @@ class CombineKernel:
         signal_first_cta(
             regions, control, step, call, PHASE_COMBINE, status, STATE_READY_COMBINE, N, tidx
         )
-        # The norm weight, once per CTA into shared memory: read from global memory after the
-        # output stores of a token, its loads could not be hoisted above them (the tensors may
-        # alias), and a lane's 14 chunks at L = 3584 cost 14 L2 round trips a token.
+        # The norm weight, once per CTA into shared memory, widened to fp32 (no unpacking per
+        # token): read from global memory after the output stores of a token, its loads could
+        # not be hoisted above them (the tensors may alias).
         smem = SmemAllocator()
-        sNormWeight = smem.allocate_tensor(
-            Uint32, row_major(1, self.latent // BF16_PER_WORD), byte_alignment=16
+        sNormWeight = smem.allocate_tensor(Uint32, row_major(1, self.latent), byte_alignment=16)
+        # The groups' exchanges: fp32 bits [2 (token parity), SLOTS, G, NORM_WARPS].
+        G, NW = self.groups, NORM_WARPS
+        sExchange = smem.allocate_tensor(
+            Uint32,
+            cute.make_layout((2, SLOTS, G, NW), stride=(SLOTS * G * NW, G * NW, NW, 1)),
+            byte_alignment=16,
         )
         if normalize != 0:
             gNormWeight, gStaged = vectors(mNormWeight), vectors(sNormWeight)
+            rPair = cute.make_rmem_tensor(cute.make_layout(VECTOR_WORDS), Uint32)
+            rWide = cute.make_rmem_tensor(cute.make_layout(2 * VECTOR_WORDS), Uint32)
             for c in cutlass.range(tidx, self.chunks, self.warps * WARP_LANES):
-                cute.autovec_copy(gNormWeight[(0, None), (0, c)], gStaged[(0, None), (0, c)])
-        lane, warp = tidx % LANES, tidx // LANES
-        first, stride = bidx * self.warps + warp, grid * self.warps
+                cute.autovec_copy(gNormWeight[(0, None), (0, c)], rPair)
+                for j in cutlass.range_constexpr(VECTOR_WORDS):
+                    rWide[2 * j] = rPair[j] << 16
+                    rWide[2 * j + 1] = rPair[j] & Uint32(0xFFFF0000)
+                for h in cutlass.range_constexpr(2):
+                    for j in cutlass.range_constexpr(VECTOR_WORDS):
+                        rPair[j] = rWide[h * VECTOR_WORDS + j]
+                    cute.autovec_copy(rPair, gStaged[(0, None), (0, 2 * c + h)])
+        lane, warp = tidx % WARP_LANES, tidx // WARP_LANES
+        group, member = warp // NORM_WARPS, tidx % GROUP
+        first, stride = bidx * self.groups + group, grid * self.groups
         # The first token's ids (the caller's, ready since the dispatch): the load is in flight
-        # while the CTA waits for the flags.
+        # while the CTA waits for the flags. Each warp of a group reads them (the same 64 bytes).
         rIds = token_ids_tensor(self.topk)
         load_token_ids(mIds, first, T, lane, self.topk, rIds)
         own = receive_regions(regions.own, regions, T * N, self.latent, self.topk, N)
@@ -226,14 +278,28 @@ class CombineKernel:
         failed = barrier_or(kind | Int32(dispatch_failed != 0))  # also: sNormWeight is filled
         for t in cutlass.range(first, T, stride):
             if failed != 0:
-                self.mark_token(mNormed, t, lane)
+                self.mark_token(mNormed, t, member)
             else:
                 hits = destinations(rIds, self.topk, self.experts_per_rank, N)
                 # The next token's ids, in flight with this token's rows (one memory round trip
                 # a token instead of two).
                 load_token_ids(mIds, t + stride, T, lane, self.topk, rIds)
+                # This group's exchange slots for token t: first < stride, so t // stride counts
+                # the group's tokens.
+                sSlots = sExchange[(t // stride) % 2, None, group, None]
                 self.reduce_token(
-                    hits, sNormWeight, mNormed, regions, control.rank, eps, normalize, T, t, lane
+                    hits,
+                    sNormWeight,
+                    sSlots,
+                    mNormed,
+                    regions,
+                    control.rank,
+                    eps,
+                    normalize,
+                    T,
+                    t,
+                    group,
+                    member,
                 )
         cute.arch.barrier()
         last = Int32(0)
@@ -262,14 +328,14 @@ class CombineKernel:
                     )
 
     @cute.jit
-    def mark_token(self, mNormed: cute.Tensor, t: Int32, lane: Int32):
-        """One warp: token t's output row all NaN (the call failed on some rank)."""
+    def mark_token(self, mNormed: cute.Tensor, t: Int32, member: Int32):
+        """One group: token t's output row all NaN (the call failed on some rank)."""
         rWords = cute.make_rmem_tensor(cute.make_layout(VECTOR_WORDS), Uint32)
         for j in cutlass.range_constexpr(VECTOR_WORDS):
             rWords[j] = Uint32(BF16_NAN_PAIR)
         gNormed = vectors(mNormed)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
-            c = lane + LANES * i
+            c = member + GROUP * i
             if c < self.chunks:
                 cute.autovec_copy(rWords, gNormed[(0, None), (t, c)])
 
@@ -281,13 +347,13 @@ class CombineKernel:
         tokens: Int32,
         t: Int32,
         hits: Uint32,
-        lane: Int32,
+        member: Int32,
         rH: cute.Tensor,
     ):
-        """Token t's row, this lane's chunks: rH[8i + j] = the fp32 sum, in rank order from +0.0,
-        of element j of chunk lane + 32i of row rank*T + t in the `out` region of every rank d
-        whose bit is set in `hits`. Per rank, the lane loads all its chunks before it adds
-        any: a row's loads are in flight together (one memory round trip per rank)."""
+        """Token t's row, this thread's chunks: rH[8i + j] = the fp32 sum, in rank order from
+        +0.0, of element j of chunk member + 128i of row rank*T + t in the `out` region of every
+        rank d whose bit is set in `hits`. Per rank, the thread loads all its chunks before it
+        adds any: a row's loads are in flight together (one memory round trip per rank)."""
         N, L, K = self.num_ranks, self.latent, self.topk
         rWords = cute.make_rmem_tensor(
             cute.make_layout((self.chunks_per_lane, VECTOR_WORDS), stride=(VECTOR_WORDS, 1)),
@@ -302,48 +368,80 @@ class CombineKernel:
                 src = receive_regions(peer_base(regions, d, N), regions, tokens * N, L, K, N)
                 gOut = vectors(src.out)  # ((1, 4), (N*T, L/8)): 16-byte vectors
                 for i in cutlass.range_constexpr(self.chunks_per_lane):
-                    c = lane + LANES * i
+                    c = member + GROUP * i
                     if c < self.chunks:
                         cute.autovec_copy(gOut[(0, None), (row, c)], rWords[i, None])
                 for i in cutlass.range_constexpr(self.chunks_per_lane):
-                    if lane + LANES * i < self.chunks:
+                    if member + GROUP * i < self.chunks:
                         for j in cutlass.range_constexpr(VECTOR_WORDS):
                             k = i * CHUNK + 2 * j
                             rH[k] = add_rn(rH[k], _lo(rWords[i, j]))
                             rH[k + 1] = add_rn(rH[k + 1], _hi(rWords[i, j]))
 
     @cute.jit
-    def lane_sumsq(self, rH: cute.Tensor, lane: Int32) -> Float32:
-        """This lane's sum of squares of rH, in chunk and element order."""
+    def lane_sumsq(self, rH: cute.Tensor, member: Int32) -> Float32:
+        """This thread's sum of squares of rH, in chunk and element order."""
         sumsq = Float32(0.0)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
-            if lane + LANES * i < self.chunks:
+            if member + GROUP * i < self.chunks:
                 for j in cutlass.range_constexpr(CHUNK):
                     h = rH[i * CHUNK + j]
                     sumsq = add_rn(sumsq, mul_rn(h, h))
         return sumsq
 
     @cute.jit
-    def warp_total(self, sumsq: Float32) -> Float32:
-        """The tree x[i] += x[i + o], o = 16, 8, 4, 2, 1 over the lanes, on every lane."""
+    def group_total(
+        self, sumsq: Float32, sSlots: cute.Tensor, slot: int, group: Int32, member: Int32
+    ) -> Float32:
+        """The group's sum of its threads' `sumsq`, on every thread: the tree x[i] += x[i + o],
+        o = 16, 8, 4, 2, 1 over each warp's lanes, then the same tree over the warps' totals
+        (o = 2, 1 for 4 warps), exchanged through `slot` of sSlots (shared memory)."""
         for step in cutlass.range_constexpr(5):
             sumsq = add_rn(sumsq, cute.arch.shuffle_sync_down(sumsq, 16 >> step))
-        return cute.arch.shuffle_sync(sumsq, 0)
+        rTotals = self.exchange(f32_bits(sumsq), sSlots, slot, group, member)
+        for level in cutlass.range_constexpr(NORM_WARPS.bit_length() - 1):
+            width = NORM_WARPS >> (level + 1)
+            for w in cutlass.range_constexpr(width):
+                rTotals[w] = f32_bits(add_rn(bits_f32(rTotals[w]), bits_f32(rTotals[w + width])))
+        return bits_f32(rTotals[0])
 
     @cute.jit
-    def rescale(self, rH: cute.Tensor, eps: Float32, lane: Int32) -> Float32:
+    def exchange(
+        self, word: Uint32, sSlots: cute.Tensor, slot: int, group: Int32, member: Int32
+    ) -> cute.Tensor:
+        """Every warp's lane 0 stores `word` into `slot`; after the group's named barrier, every
+        thread holds the group's NORM_WARPS words in warp order (a register tensor). The slot
+        is written again two tokens later, after the group's barrier of the token between: by
+        then every thread has read it."""
+        if member % WARP_LANES == 0:
+            sSlots[slot, member // WARP_LANES] = word
+        # A barrier id known at compile time per group: a runtime id makes ptxas reserve all 16.
+        for g in cutlass.range_constexpr(self.groups):
+            if group == g:
+                cute.arch.barrier(barrier_id=FIRST_GROUP_BARRIER + g, number_of_threads=GROUP)
+        rWords = cute.make_rmem_tensor(cute.make_layout(NORM_WARPS), Uint32)
+        cute.autovec_copy(sSlots[slot, None], rWords)
+        return rWords
+
+    @cute.jit
+    def rescale(
+        self, rH: cute.Tensor, eps: Float32, sSlots: cute.Tensor, group: Int32, member: Int32
+    ) -> Float32:
         """The rare path of a row whose squares overflow: multiply rH by the power of two
         2^(127 - clamp(E, 127, 253)), E the biased exponent of the row's largest magnitude (the
         max is exact in any order); returns eps times the square of that scale."""
         amax = Uint32(0)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
-            # A lane's last chunk may not exist (L not a multiple of 256): its registers hold
+            # A thread's last chunk may not exist (L not a multiple of 1024): its registers hold
             # the +0.0 pull_rows started from, which must not reach the max either way.
-            if lane + LANES * i < self.chunks:
+            if member + GROUP * i < self.chunks:
                 for j in cutlass.range_constexpr(CHUNK):
                     amax = cutlass.max(amax, f32_bits(rH[i * CHUNK + j]) & Uint32(0x7FFFFFFF))
         for step in cutlass.range_constexpr(5):
             amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 16 >> step))
+        rAmax = self.exchange(amax, sSlots, SLOT_AMAX, group, member)
+        for w in cutlass.range_constexpr(NORM_WARPS):
+            amax = cutlass.max(amax, rAmax[w])
         exponent = cutlass.min(
             cutlass.max((amax >> 23) & Uint32(0xFF), Uint32(NORM_SCALE_MIN_EXP)),
             Uint32(NORM_SCALE_MAX_EXP),
@@ -359,6 +457,7 @@ class CombineKernel:
         self,
         hits: Uint32,
         sNormWeight: cute.Tensor,
+        sSlots: cute.Tensor,
         mNormed: cute.Tensor,
         regions: SymmetricRegions,
         rank: Int32,
@@ -366,46 +465,53 @@ class CombineKernel:
         normalize: Int32,
         tokens: Int32,
         t: Int32,
-        lane: Int32,
+        group: Int32,
+        member: Int32,
     ):
-        """One warp: token t's rank-ordered fp32 sum of the rows pulled from the ranks in `hits`
+        """One group: token t's rank-ordered fp32 sum of the rows pulled from the ranks in `hits`
         (bit d: rank d owns one of its experts), rounded to BF16, then (when `normalize`)
-        RMSNorm with the norm weight (sNormWeight, shared memory), to `normed`."""
+        RMSNorm with the norm weight (sNormWeight, fp32 in shared memory), to `normed`."""
         L = self.latent
         rH = cute.make_rmem_tensor(cute.make_layout(self.chunks_per_lane * CHUNK), Float32)
-        self.pull_rows(regions, rank, tokens, t, hits, lane, rH)
-        # The sum rounded to BF16 (kept as fp32: exact), as the reference does before its norm.
-        for i in cutlass.range_constexpr(self.chunks_per_lane):
-            for j in cutlass.range_constexpr(CHUNK):
-                rH[i * CHUNK + j] = bits_f32(bf16_round(rH[i * CHUNK + j]) << 16)
+        self.pull_rows(regions, rank, tokens, t, hits, member, rH)
+        # The sum rounded to BF16 (kept as fp32: exact), as the reference does before its norm;
+        # two values an instruction.
+        for k in cutlass.range_constexpr(self.chunks_per_lane * CHUNK // 2):
+            pair = bf16x2_round(rH[2 * k + 1], rH[2 * k])
+            rH[2 * k], rH[2 * k + 1] = _lo(pair), _hi(pair)
         inv = Float32(1.0)
         if normalize != 0:
-            total = self.warp_total(self.lane_sumsq(rH, lane))
+            total = self.group_total(self.lane_sumsq(rH, member), sSlots, SLOT_SUMSQ, group, member)
             eps_row = eps
-            # Squares that overflow (the total is Inf or NaN; the same on every lane): scale the
-            # row by a power of two and sum again (docs/design.md, "RMSNorm").
+            # Squares that overflow (the total is Inf or NaN; the same on every thread of the
+            # group): scale the row by a power of two and sum again (docs/design.md, "RMSNorm").
             if (f32_bits(total) & Uint32(0x7F800000)) == Uint32(0x7F800000):
-                eps_row = self.rescale(rH, eps, lane)
-                total = self.warp_total(self.lane_sumsq(rH, lane))
+                eps_row = self.rescale(rH, eps, sSlots, group, member)
+                total = self.group_total(
+                    self.lane_sumsq(rH, member), sSlots, SLOT_RESCALED, group, member
+                )
             inv = div_rn(Float32(1.0), sqrt_rn(add_rn(div_rn(total, Float32(L)), eps_row)))
         rWords = cute.make_rmem_tensor(cute.make_layout(VECTOR_WORDS), Uint32)
+        rWeight = cute.make_rmem_tensor(
+            cute.make_layout((2, VECTOR_WORDS), stride=(VECTOR_WORDS, 1)), Uint32
+        )
         sWeight, gNormed = vectors(sNormWeight), vectors(mNormed)
         for i in cutlass.range_constexpr(self.chunks_per_lane):
-            c = lane + LANES * i
+            c = member + GROUP * i
             if c < self.chunks:
                 if normalize != 0:
-                    cute.autovec_copy(sWeight[(0, None), (0, c)], rWords)
+                    for h in cutlass.range_constexpr(2):
+                        cute.autovec_copy(sWeight[(0, None), (0, 2 * c + h)], rWeight[h, None])
                     for j in cutlass.range_constexpr(VECTOR_WORDS):
-                        y0 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j], inv)) << 16)
-                        y1 = bits_f32(bf16_round(mul_rn(rH[i * CHUNK + 2 * j + 1], inv)) << 16)
-                        z0 = bf16_round(mul_rn(y0, _lo(rWords[j])))
-                        z1 = bf16_round(mul_rn(y1, _hi(rWords[j])))
-                        rWords[j] = z0 | (z1 << 16)
+                        k = i * CHUNK + 2 * j
+                        y = bf16x2_round(mul_rn(rH[k + 1], inv), mul_rn(rH[k], inv))
+                        z0 = mul_rn(_lo(y), bits_f32(rWeight[(2 * j) // 4, (2 * j) % 4]))
+                        z1 = mul_rn(_hi(y), bits_f32(rWeight[(2 * j + 1) // 4, (2 * j + 1) % 4]))
+                        rWords[j] = bf16x2_round(z1, z0)
                 else:
                     for j in cutlass.range_constexpr(VECTOR_WORDS):
-                        z0 = bf16_round(rH[i * CHUNK + 2 * j])
-                        z1 = bf16_round(rH[i * CHUNK + 2 * j + 1])
-                        rWords[j] = z0 | (z1 << 16)
+                        k = i * CHUNK + 2 * j
+                        rWords[j] = bf16x2_round(rH[k + 1], rH[k])
                 cute.autovec_copy(rWords, gNormed[(0, None), (t, c)])
 
 
@@ -430,14 +536,16 @@ class CombineLaunch:
     - Co-residency: none needed. No CTA waits for another CTA of its launch: every CTA waits
       (bounded) for every rank's combine flag, and this rank's is stored by the first CTA of
       the launch to start, which is resident by definition (signal_first_cta); the last CTA to
-      finish waits for the peers' combine-end flags, after every CTA of its launch is done.
+      finish waits for the peers' combine-end flags, after every CTA of its launch is done. The
+      groups of a CTA wait only for one another (a named barrier a group, within a token).
     - Beside other streams (the layer's side stream runs SiTU and the shared down GEMM
       concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only delay
       the combine CTAs not yet started, and they complete without waiting for the combine. The
       other way, a combine CTA holds its SM while it waits for the slowest rank's flag: with
-      the default tuning a CTA at K3's L is 8 warps of 255 registers a thread
-      (docs/perf_notes.md), the SM's whole register file, so no GEMM CTA fits beside it, and
-      once ceil(T / 8) >= SMs the combine holds every SM from its start until it completes.
+      the default tuning a CTA at K3's L is 4 warps of 64 registers a thread and 15 KB of
+      shared memory, an eighth of the SM's register file: once T >= 8 x SMs the
+      combine holds every SM's registers from its start until it completes, and at smaller T
+      GEMM CTAs fit beside its CTAs.
       That costs the side stream time, never progress. As for the dispatch (DispatchLaunch),
       this holds while the kernels beside it complete without waiting for this rank's dispatch
       or combine, and a kernel launched after it with programmatic dependent launch cannot keep a
@@ -460,7 +568,7 @@ class CombineLaunch:
         grid rule)."""
         self.compiled = self.compile(geometry, tuning, arch)
         self.transport = transport
-        self.warps = tuning.combine_warps
+        self.groups = tuning.combine_warps // NORM_WARPS
         self.max_ctas = tuning.combine_ctas_per_sm * num_sms  # 0: no cap
         # The call's tensors' addresses, the step, eps, the normalize flag, the grid and the
         # stream: written at each launch.
@@ -496,9 +604,10 @@ class CombineLaunch:
         return compile_cached(geometry, CombineLaunch.NAME, arch, tuning, build, keep_ptx_dir)
 
     def grid(self, tokens: int) -> int:
-        """CTAs for T = `tokens`: ceil(T / combine_warps) (one warp a token), at most
-        combine_ctas_per_sm an SM when that is > 0 (the warps then loop over the tokens)."""
-        grid = -(-tokens // self.warps)
+        """CTAs for T = `tokens`: ceil(T / G), G = combine_warps / NORM_WARPS groups a CTA (one
+        token a group at a time), at most combine_ctas_per_sm an SM when that is > 0 (the groups
+        then loop over the tokens; the kernel is compiled so that that many CTAs fit an SM)."""
+        grid = -(-tokens // self.groups)
         return min(grid, self.max_ctas) if self.max_ctas else grid
 
     def __call__(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cutlass import Int32, Int64
 
 from dep_ep.checks import check_int_in
-from dep_ep.constants import COMBINE_WARPS
+from dep_ep.constants import COMBINE_CTAS_PER_SM, COMBINE_WARPS, NORM_WARPS
 
 
 @dataclass(frozen=True)
@@ -58,20 +58,22 @@ class KernelTuning:
     compile cache's key). pdl: launch with programmatic dependent launch (each kernel waits for
     the grid before it, griddepcontrol.wait, before it reads, and lets the next launch early);
     dispatch_blocks_in_flight: 32-element blocks a dispatch thread loads before it quantizes;
-    combine_warps: warps of a combine CTA, one token each; combine_ctas_per_sm: 0 launches
-    ceil(T / combine_warps) CTAs, c > 0 at most c CTAs an SM (each CTA's warps then loop over
-    the tokens: one wave where c CTAs fit an SM).
+    combine_warps: warps of a combine CTA, a multiple of NORM_WARPS (4 or 8): each group of
+    NORM_WARPS warps reduces one token at a time; combine_ctas_per_sm: 0 launches
+    ceil(T / groups) CTAs, c > 0 at most c CTAs an SM (each CTA's groups then loop over the
+    tokens) and compiles the kernel so that c CTAs fit an SM (launch bounds: at most
+    65536 / (c x 32 x combine_warps) registers a thread; a shared-memory carveout for c CTAs).
 
     The defaults, measured at EP=1 on an H200 (docs/results/bench_ep1.md): PDL took the T = 1 pair
-    from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us; one
-    combine CTA an SM (the kernel takes 255 registers a thread: one 8-warp CTA fits an SM) the
-    T = 4096 combine from 38.2 to 30.2 us in the run of that page (no change up to T = 1024,
-    where ceil(T / 8) CTAs are one wave anyway)."""
+    from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us. The
+    combine's (4 warps, 8 CTAs an SM: 64 registers a thread, no spills, 32 warps an SM) replace
+    one 8-warp CTA an SM of the kernel that held a token's row in one warp (255 registers a
+    thread); docs/perf_notes.md, "What bounds the combine"."""
 
     pdl: bool = True
     dispatch_blocks_in_flight: int = 2
     combine_warps: int = COMBINE_WARPS
-    combine_ctas_per_sm: int = 1
+    combine_ctas_per_sm: int = COMBINE_CTAS_PER_SM
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -81,3 +83,8 @@ class KernelTuning:
         ):
             value = check_int_in("KernelTuning", name, getattr(self, name), low, 8)
             object.__setattr__(self, name, value)  # a Python int: part of the compile cache's key
+        if self.combine_warps % NORM_WARPS:
+            raise ValueError(
+                f"KernelTuning: combine_warps={self.combine_warps}; expected a multiple of"
+                f" {NORM_WARPS} (a token's row is reduced by a group of {NORM_WARPS} warps)"
+            )

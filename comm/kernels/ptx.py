@@ -68,6 +68,14 @@ def bf16_round(a: Float32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def bf16x2_round(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> two bf16 (round to nearest even, as bf16_round each) in one u32: `lo` in bits
+    0-15, `hi` in bits 16-31. One instruction for two values, and the pair is a packed word."""
+    text = "cvt.rn.bf16x2.f32 $0, $1, $2;"
+    return Uint32(_asm(T.i32(), [Float32(hi), Float32(lo)], text, "=r,f,f", loc=loc, ip=ip))
+
+
+@dsl_user_op
 def e4m3x2(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Uint32:
     """Two fp32 -> two e4m3 bytes (nearest even, saturating to +-448, NaN -> 0x7F) in the low 16
     bits: `lo` in bits 0-7, `hi` in bits 8-15."""
@@ -113,6 +121,7 @@ __all__ = [
     "add_rn",
     "barrier_or",
     "bf16_round",
+    "bf16x2_round",
     "bits_f32",
     "div_rn",
     "e4m3x2",

@@ -301,6 +301,38 @@ def test_combine_bitwise_wide(gpu_dep, routed_wide_path, tokens, routing):
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
 
 
+# The combine's tunings other than the default (docs/perf_notes.md): two groups a CTA (their
+# own named barriers and exchange slots), fewer CTAs an SM (more tokens a group), no cap.
+COMBINE_TUNINGS = {
+    "warps-8": {"combine_warps": 8, "combine_ctas_per_sm": 2},
+    "ctas-1": {"combine_ctas_per_sm": 1},
+    "waves": {"combine_ctas_per_sm": 0},
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tuning", sorted(COMBINE_TUNINGS))
+@pytest.mark.parametrize("case", ["wide-many", "odd-overflow"])
+def test_combine_bitwise_tunings(gpu_dep, routed_wide_path, routed_odd, tuning, case):
+    """Every combine tuning gives the reference's bits: WIDE at many_passes_tokens() (the groups
+    loop over several tokens, their exchange slots reused), and ODD at 1e30 (every row takes
+    the rescaled norm, three exchanges a token)."""
+    from dep_ep.comm.kernels.launch_args import KernelTuning
+
+    routed, geometry, tokens, routing, scale = (
+        (routed_wide_path, WIDE, many_passes_tokens(), "padded", 1.0)
+        if case == "wide-many"
+        else (routed_odd, ODD, 13, "padded", 1e30)
+    )
+    transport = internals.transport(routed)
+    transport.retune(KernelTuning(**COMBINE_TUNINGS[tuning]))
+    try:
+        failures, seed = check_combine_bitwise(gpu_dep, routed, geometry, tokens, routing, scale)
+    finally:
+        transport.retune(None)
+    collective_assert(gpu_dep.cpu_group, [f"{tuning}: {f}" for f in failures], seeds=seed)
+
+
 def experts_for(kind, layer, rank, n):
     per_rank = TINY.experts // n
     return kind(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
