@@ -16,13 +16,14 @@ from dep_ep.comm import EpPairBudgetError, EpPeerError
 from dep_ep.config import EpConfig, MoeGeometry
 from dep_ep.ep import EpRouted
 from dep_ep.experts import ExpertsBackend
-from dep_ep.experts.hopper import Grouping, HopperTiles, TritonEngine
+from dep_ep.experts.hopper import TritonEngine
 from dep_ep.experts.hopper import engine as engine_module
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert, expect_raises
+from helpers.hopper_interpreter_case import TILES  # small blocks, fp32 math
 
 # Triton chooses its interpreter when a kernel is decorated, at the first import of its module,
 # and its own helpers (tl.*) must be interpreted alike: the whole process needs TRITON_INTERPRET=1
@@ -35,18 +36,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 PER_RANK, TOPK, T, TAG = 4, 4, 8, 1234
-# Small blocks (tests/helpers/hopper_interpreter_case.py); fp32 math: the interpreter multiplies
-# BF16 wrongly.
-TILES = HopperTiles(
-    block_n=16,
-    fc1_block_m=32,
-    fc1_block_k=64,
-    fc2_block_m=64,
-    fc2_block_k=64,
-    finalize_block_l=64,
-    math="fp32",
-    grouping=Grouping.TORCH,
-)
 
 
 def geometry(num_ranks: int) -> MoeGeometry:
