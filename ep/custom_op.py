@@ -20,9 +20,10 @@ wrappers took 11-16 us of host time a call on a 2-core x86 machine, the plain re
 (bench/bench_integration.py, own host time; the target is 5 us a layer call). Eager, `routed_op`
 calls the operator's kernel itself: torch's dispatcher into a Python kernel alone took 7-8 us a
 call on the H200 machine's host, in every grad mode and for every dispatch key the kernel was
-registered under. Where a compiler traces the call (`torch.compiler.is_compiling()`, or tensors
-that are not plain torch.Tensor: fake, functional or proxy tensors) it calls the operator, so the
-traced graph holds the one opaque node.
+registered under. Where a compiler or tracer sees the call (`torch.compiler.is_compiling()`,
+tensors that are not plain torch.Tensor: fake, functional or proxy tensors, a torch dispatch mode
+such as make_fx's real-tensor tracing, or torch.jit.trace's tracing state) it calls the operator,
+so the traced graph holds the one opaque node.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def _routed_fake(latent, ids, weights, norm_weight, handle, tokens, tag, eps, pa
 
 _OPERATOR = torch.ops.dep_ep.routed.default  # its one overload, resolved once
 _is_compiling = torch.compiler.is_compiling
+# Tracers of plain tensors (make_fx's real mode pushes a dispatch mode; torch.jit.trace sets a
+# tracing state): each check is a C call of ~0.1 us.
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_jit_tracing = torch._C._get_tracing_state
 
 
 def routed_op(
@@ -127,7 +132,12 @@ def routed_op(
             raise TypeError(f"{fn}: padding is {type(padding).__name__}; expected a torch.Tensor")
     except (TypeError, ValueError) as err:
         _REGISTERED[handle][0].reject_step(err, tag=None, tokens=tokens)
-    if type(latent) is torch.Tensor and not _is_compiling():
+    if (
+        type(latent) is torch.Tensor
+        and not _is_compiling()
+        and not _dispatch_modes()
+        and _jit_tracing() is None
+    ):
         # Eager: the operator's kernel without the dispatcher (module docstring).
         wire_tag = NO_TAG if tag is None else tag
         return _routed(latent, ids, weights, norm_weight, handle, tokens, wire_tag, eps, padding)

@@ -623,6 +623,48 @@ def test_custom_op_under_torch_compile(dep, layer):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_custom_op_under_make_fx_and_jit_trace(dep, layer):
+    """Tracers that see plain torch.Tensors (make_fx's real mode, a dispatch mode; torch.jit.trace,
+    a tracing state) record the operator as one node, and the recorded graph's replay gives the
+    bits of EpRouted.routed: routed_op calls the kernel directly only when nothing traces it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 660), 6)
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep) as routed:
+        handle = register_routed(routed, batches.experts)
+        latent, ids, weights = batches.inputs(0)
+        want = routed(latent, ids, weights, norm, experts=batches.experts, tag=3)
+
+        def layer_call(latent, ids, weights, norm):
+            return routed_op(latent, ids, weights, norm, handle, tag=3)
+
+        args = (latent, ids, weights, norm)
+        for name, trace, holds in (
+            (
+                "make_fx",
+                lambda: make_fx(layer_call)(*args),
+                lambda g: torch.ops.dep_ep.routed.default in [n.target for n in g.graph.nodes],
+            ),
+            (
+                "jit.trace",
+                lambda: torch.jit.trace(layer_call, args, check_trace=False),
+                lambda g: "dep_ep::routed" in str(g.graph),
+            ),
+        ):
+            try:
+                graph = trace()
+                if not holds(graph):
+                    failures.append(f"{name}: the recorded graph lacks the operator")
+                elif not torch.equal(bits(graph(*args)), bits(want)):
+                    failures.append(f"{name}: the replayed graph gives other bits than routed()")
+            except Exception as err:
+                failures.append(f"{name}: {type(err).__name__}: {str(err)[:200]}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_situ_check_and_integration_helpers(dep, layer):
     """A backend accepts Kimi K3's SiTU constants and refuses others; common_tokens, the padding
     mask, the shared EpRouted (one per group and geometry) and poll_all."""
