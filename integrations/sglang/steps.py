@@ -110,6 +110,16 @@ def capture_id(device: torch.device) -> int | None:
     return int(capture)
 
 
+def _index_dtype(bound: torch.dtype) -> torch.dtype:
+    """The row indices' dtype for a bound of dtype `bound`: the bound's own when it holds every
+    row index exactly (int32, int64, float32 up to 2^24 rows, float64), so the comparison does not
+    promote; else int64 (narrower ints and bool: an index in int8 wraps past row 127) or float64
+    (half floats round row indices past 256 onto their neighbours; the comparison promotes)."""
+    if bound in (torch.int32, torch.int64, torch.float32, torch.float64):
+        return bound
+    return torch.float64 if bound.is_floating_point else torch.int64
+
+
 def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch.Tensor | None:
     """bool [rows] on `device`, True for the rows at or past the forward's real-row bound
     (`num_token_non_padded`, a device scalar: the tail of a CUDA-graph bucket), for EpRouted's
@@ -142,7 +152,7 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
         and capture != -1
     ):
         return last.mask
-    mask = row_index(rows, bound.dtype, device, capture is not None) >= bound
+    mask = row_index(rows, _index_dtype(bound.dtype), device, capture is not None) >= bound
     _FORWARD_MASK = _ForwardMask(forward, bound, rows, device, capture, mask)
     return mask
 

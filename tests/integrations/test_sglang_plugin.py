@@ -158,6 +158,30 @@ def test_one_padding_mask_a_forward(standin):
         assert padding_mask(engine, 6, cpu).tolist() == [i >= 1 for i in range(6)]
 
 
+@pytest.mark.parametrize(
+    "dtype, rows, bound",
+    [
+        (torch.int8, 200, 100),
+        (torch.uint8, 300, 250),
+        (torch.int16, 40000, 30000),
+        (torch.bfloat16, 300, 260),
+        (torch.float16, 3000, 2052),
+        (torch.float32, 10, 3.5),
+    ],
+)
+def test_padding_mask_with_a_narrow_bound(standin, dtype, rows, bound):
+    """A bound of a dtype narrower than int32 (or a half-precision float; bounds it holds exactly)
+    still bounds every row:
+    the row indices are not made in a dtype that cannot hold them (int8 wrapped rows 128+ to
+    negative indices, sending padding rows to the experts with no error)."""
+    engine = sglang_engine.engine()
+    cpu = torch.device("cpu")
+    with standin.step([rows], torch.tensor([bound], dtype=dtype)):
+        mask = padding_mask(engine, rows, cpu)
+    wrong = [i for i, padded in enumerate(mask.tolist()) if padded != (i >= bound)]
+    assert not wrong, f"{dtype} bound {bound}: {len(wrong)} rows masked wrongly, first {wrong[:3]}"
+
+
 def standin_signatures():
     """(qualname, SIGNATURE) of every stand-in that carries one."""
     for name in dir(ss):
