@@ -170,10 +170,9 @@ def test_one_padding_mask_a_forward(standin):
     ],
 )
 def test_padding_mask_with_a_narrow_bound(standin, dtype, rows, bound):
-    """A bound of a dtype narrower than int32 (or a half-precision float; bounds it holds exactly)
-    still bounds every row:
-    the row indices are not made in a dtype that cannot hold them (int8 wrapped rows 128+ to
-    negative indices, sending padding rows to the experts with no error)."""
+    """A bound of a dtype narrower than int32, or a half float (bounds it holds exactly), still
+    bounds every row: the row indices are not made in a dtype that cannot hold them (int8
+    wrapped rows 128+ to negative indices, sending padding rows to the experts with no error)."""
     engine = sglang_engine.engine()
     cpu = torch.device("cpu")
     with standin.step([rows], torch.tensor([bound], dtype=dtype)):
