@@ -385,7 +385,8 @@ def test_triton_workspace_at_the_budget_is_under_a_gib_at_k3_dep16_t2048():
 def test_pair_skew_checked_before_the_device():
     weights = SyntheticLayer(TINY, 0).local_weights(0, 4)
     for skew, error, message in (
-        ("2", TypeError, "pair_skew='2'; expected None or a number >= 1"),
+        ("2", TypeError, "pair_skew='2'; expected \"auto\", None or a number >= 1"),
+        ("AUTO", TypeError, "pair_skew='AUTO'; expected \"auto\", None or a number >= 1"),
         (True, TypeError, "pair_skew=True; expected None or a number >= 1"),
         (0.5, ValueError, "pair_skew=0.5; expected None or a finite number >= 1"),
         (float("inf"), ValueError, "pair_skew=inf"),

@@ -123,7 +123,11 @@ class HopperExperts(ExpertsBackend):
                 " (TritonEngine(...), HummingEngine(...))"
             )
         engine.check(owner, weights)
-        if isinstance(pair_skew, str) and pair_skew == "auto":
+        if isinstance(pair_skew, str):  # the default's spelling; check_skew names numbers only
+            if pair_skew != "auto":
+                raise TypeError(
+                    f'{owner}: pair_skew={pair_skew!r}; expected "auto", None or a number >= 1'
+                )
             pair_skew = PAIR_BUDGET_SKEW if engine.takes_pair_budget else None
         self.pair_skew = check_skew(owner, pair_skew)
         if self.pair_skew is not None and not engine.takes_pair_budget:
