@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -397,8 +398,9 @@ def test_pair_skew_checked_before_the_device():
     with pytest.raises(ValueError, match="pair_skew=2.0; HummingEngine takes no pair budget"):
         HopperExperts(weights, engine=HummingEngine(), pair_skew=2.0)
     # Valid arguments on CPU: the device refusal.
-    with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
-        HopperExperts(weights, engine=TritonEngine(), pair_skew=2)
+    for skew in (2, 2.5, np.int64(2), np.float32(2.5)):  # any real number, NumPy's too
+        with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
+            HopperExperts(weights, engine=TritonEngine(), pair_skew=skew)
     assert TritonEngine.takes_pair_budget and not HummingEngine.takes_pair_budget
     # The default "auto" refuses nothing on either engine (humming gets no budget): the device
     # refusal is all that is left on CPU.

@@ -4,6 +4,7 @@ pair counts both size their work by."""
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
@@ -73,11 +74,11 @@ def pair_budget(rows: int, topk: int, num_local: int, num_experts: int, skew: fl
 
 
 def check_skew(owner: str, skew: object) -> float | None:
-    """None, or `skew` as a float >= 1 (a finite real number; bools refused); TypeError or
-    ValueError naming `owner`."""
+    """None, or `skew` as a float >= 1 (a finite real number, NumPy's included; bools refused);
+    TypeError or ValueError naming `owner`."""
     if skew is None:
         return None
-    if isinstance(skew, bool) or not isinstance(skew, (int, float)):
+    if isinstance(skew, bool) or not isinstance(skew, numbers.Real):
         raise TypeError(f"{owner}: pair_skew={skew!r}; expected None or a number >= 1")
     if not 1.0 <= float(skew) < math.inf:
         raise ValueError(f"{owner}: pair_skew={skew!r}; expected None or a finite number >= 1")
