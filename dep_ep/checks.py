@@ -24,6 +24,8 @@ WEIGHT_MAX = 2.0**64
 
 def check_int(fn: str, name: str, value: object) -> int:
     """`value` as a Python int when it is an integer of any kind (not a bool), else TypeError."""
+    if type(value) is int:  # per call: 0.06 us on an x86 host where the checks below took 0.8
+        return value
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and not (value.is_floating_point() or value.is_complex()):
             if value.dtype != torch.bool:
