@@ -32,10 +32,10 @@ import itertools
 
 import torch
 
-from dep_ep.checks import check_step_tokens, check_tag
+from dep_ep.checks import check_eps, check_step_tokens, check_tag
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import NO_TAG
-from dep_ep.ep.routed import EpRouted, check_experts_match
+from dep_ep.ep.routed import EpRouted, check_experts_match, step_total
 from dep_ep.experts.base import ExpertsBackend
 
 # handle -> (EpRouted, its experts backend); handles are never reused within a process.
@@ -116,7 +116,7 @@ def routed_op(
 ) -> torch.Tensor:
     """`torch.ops.dep_ep.routed` with EpRouted.routed's arguments (tokens None: n; tag None: no
     tag; padding None: no padding mask). Returns bf16 [n, L]; collective, like EpRouted.routed:
-    a `tokens` or `tag` that is not an int in range, an `eps` that is not a number, or a
+    a `tokens` or `tag` that is not an int in range, an `eps` EpRouted.routed refuses, or a
     `padding` that is not a tensor, fails the step on every rank (this rank raises its error,
     the others EpPeerError). An unknown handle raises ValueError on this rank alone."""
     fn = "routed_op"
@@ -125,13 +125,15 @@ def routed_op(
     try:
         tokens = None if tokens is None else check_step_tokens(fn, tokens)
         tag = check_tag(fn, tag)
-        eps = float(eps)
+        eps = check_eps(fn, eps)
         if padding is not None and not isinstance(padding, torch.Tensor):
             # The operator's schema takes a Tensor or None: anything else would fail in torch's
             # dispatcher on this rank alone. Its dtype and shape are EpRouted's to check.
             raise TypeError(f"{fn}: padding is {type(padding).__name__}; expected a torch.Tensor")
     except (TypeError, ValueError) as err:
-        _REGISTERED[handle][0].reject_step(err, tag=None, tokens=tokens)
+        # Rejected in every piece the peers run when T (None: the latent's rows) is above
+        # max_tokens; the tag of a rank that rejects is not compared.
+        _REGISTERED[handle][0].reject_step(err, tag=None, tokens=step_total(tokens, latent))
     if (
         type(latent) is torch.Tensor
         and not _is_compiling()

@@ -76,3 +76,23 @@ def test_check_eps_takes_reals():
         with pytest.raises(ValueError, match="fp32"):
             check_eps("f", bad)
     assert check_eps("f", 2.0**-149) == 2.0**-149
+
+
+def test_check_eps_plain_floats_as_their_fp32_rounding_rules():
+    """Python floats take check_eps' short path: it accepts exactly the floats whose fp32
+    rounding is finite and > 0 (the rule the tensor round trip checks), at the range's ends,
+    just past them (2^-150 rounds to 0, fp32's largest plus half its last step to inf) and at
+    random magnitudes."""
+    big = float(torch.finfo(torch.float32).max)
+    ulp = 2.0 ** (127 - 23)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    exponents = torch.rand(64, generator=gen, dtype=torch.float64) * 300 - 160
+    values = [2.0**-149, 2.0**-150, 0.75 * 2.0**-149, 1e-46, big, big + 0.49 * ulp, big + ulp]
+    values += [float(10.0**e) for e in exponents]
+    for value in values:
+        rounded = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+        if 0 < rounded < math.inf:
+            assert check_eps("f", value) == value
+        else:
+            with pytest.raises(ValueError, match="fp32"):
+                check_eps("f", value)
