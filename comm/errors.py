@@ -26,9 +26,16 @@ MISALIGNED = (
 
 def tags_differ_text(tags: list[int]) -> str:
     """Why these tags of one call may differ: TAGS_DIFFER, led by different T when one of them is
-    the first piece of a step run in pieces (that tag carries its T)."""
-    if all(first_piece(t) is None for t in tags):
+    the first piece of a step run in pieces (that tag carries its T), or by different tags when
+    every one is such a first piece of the same T (the caller's tags differ: their digests)."""
+    pieces = [first_piece(t) for t in tags]
+    if all(piece is None for piece in pieces):
         return TAGS_DIFFER
+    if all(piece is not None for piece in pieces) and len({p[0] for p in pieces}) == 1:
+        return (
+            "the ranks passed the same T but different tags to a step run in pieces (its first"
+            " piece's tag carries T and a digest of the call's tag): " + TAGS_DIFFER
+        )
     return (
         "the ranks passed different T (a step above max_tokens runs in pieces, and its first"
         " piece's tag carries T), or " + TAGS_DIFFER

@@ -13,6 +13,7 @@ import torch
 from dep_ep.checks import (
     check_eps,
     check_int,
+    check_layer_index,
     check_padding,
     check_real,
     check_step_tokens,
@@ -25,9 +26,8 @@ from dep_ep.constants import (
     LAYER_INDEX_BITS,
     LAYER_STEP_BITS,
     LAYER_TAG_BASE,
-    MAX_LAYER_INDEX,
 )
-from dep_ep.ep.routed import EpRouted, check_experts_match
+from dep_ep.ep.routed import EpRouted, check_experts_match, step_total
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.checkpoint import (  # the dense tensors' checkpoint names
@@ -219,9 +219,7 @@ class EpMoeLayer:
         if schedule not in SCHEDULES:
             raise ValueError(f"{fn}: schedule={schedule!r}; allowed {SCHEDULES}")
         if layer_index is not None:
-            layer_index = check_int(fn, "layer_index", layer_index)
-            if not 0 <= layer_index <= MAX_LAYER_INDEX:
-                raise ValueError(f"{fn}: layer_index={layer_index} outside 0..{MAX_LAYER_INDEX}")
+            layer_index = check_layer_index(fn, layer_index)
         self.routed, self.experts, self.topk = routed, experts, routed.topk
         self.eps = check_eps(fn, eps)
         self.routed_scaling_factor = factor
@@ -357,12 +355,13 @@ class EpMoeLayer:
                 return ValueError(f"{fn}: x holds non-finite values (first in row {row})")
         return None
 
-    def _reject(self, fn: str, error: BaseException, tag, tokens) -> None:
+    def _reject(self, fn: str, error: BaseException, tag, tokens, x) -> None:
         """Take part in the step as a rank that rejects its input, then raise `error`
         (EpRouted.reject_step: every peer raises EpPeerError; CPU: in this call, CUDA: at its
-        next call). `tokens`: the call's T, so that a step above max_tokens is rejected in
-        every piece the peers run. Collective, like a call."""
-        self.routed.reject_step(error, tag=tag, tokens=tokens)
+        next call). `tokens` (None: x's rows, as forward takes it): the call's T, so that a
+        step above max_tokens is rejected in every piece the peers run. Collective, like a
+        call."""
+        self.routed.reject_step(error, tag=tag, tokens=step_total(tokens, x))
 
     # ----------------------------------------------------------------------------- the parts
     def front(self, x: torch.Tensor) -> torch.Tensor:
@@ -453,7 +452,7 @@ class EpMoeLayer:
         try:
             error = self._check_call(fn, x, tokens, padding)
             if error is not None:
-                self._reject(fn, error, tag, tokens)
+                self._reject(fn, error, tag, tokens, x)
             if self._side is None:
                 return self._forward_serial(fn, x, tokens, tag, padding)
             return self._forward_overlap(fn, x, tokens, tag, padding)
@@ -478,9 +477,9 @@ class EpMoeLayer:
             latent = self.latent_of(front)
             error = self._check_overflow(fn, x, latent, weights, padding)
         except BaseException as err:  # every rank must still complete the step
-            self._reject(fn, err, tag, tokens)
+            self._reject(fn, err, tag, tokens, x)
         if error is not None:
-            self._reject(fn, error, tag, tokens)
+            self._reject(fn, error, tag, tokens, x)
         normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag, padding=padding)
         return self.up(normed, shared)
 
@@ -540,10 +539,10 @@ class EpMoeLayer:
             error = self._check_overflow(fn, x, latent, weights, padding)
         except BaseException as err:  # every rank must still complete the step
             main.wait_stream(side)
-            self._reject(fn, err, tag, tokens)
+            self._reject(fn, err, tag, tokens, x)
         if error is not None:
             main.wait_stream(side)
-            self._reject(fn, error, tag, tokens)
+            self._reject(fn, error, tag, tokens, x)
         try:
             normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag, padding=padding)
         finally:

@@ -14,6 +14,7 @@ from dep_ep.checks import (
     check_eps,
     check_ids,
     check_int,
+    check_layer_index,
     check_padding,
     check_positive_int,
     check_rows,
@@ -89,6 +90,34 @@ def check_experts_match(fn: str, routed: EpRouted, experts: object) -> None:
             f" {theirs[2]}; rank {routed.rank} owns experts {mine[0]}..{mine[0] + mine[1] - 1}"
             f" (first_expert={mine[0]}, {mine[1]} experts) of latent {mine[2]}"
         )
+
+
+def step_total(tokens: object, latent: object) -> object:
+    """The T of a call given `tokens` on `latent`, for reject_step's `tokens`: `tokens` as
+    given, or for None the latent's rows (routed's rule), None when it has none to give."""
+    if tokens is not None:
+        return tokens
+    shape = getattr(latent, "shape", None)
+    return shape[0] if shape is not None and len(shape) >= 1 else None
+
+
+def partly_aliased(out: torch.Tensor, latent: torch.Tensor) -> bool:
+    """True when `out` and `latent` (2-D, rows contiguous) share any byte, unless `out` is the
+    latent itself (same start and row stride: each piece then overwrites only the rows it has
+    read). Conservative: the byte spans are compared, so interleaved column slices of one
+    buffer count as sharing."""
+    if out.numel() == 0 or latent.numel() == 0:
+        return False
+    if out.data_ptr() == latent.data_ptr() and out.stride() == latent.stride():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return start, start + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(out), span(latent)
+    return a0 < b1 and b0 < a1
 
 
 def _wire_tag(tag: object) -> int:
@@ -250,7 +279,7 @@ class EpRouted:
         self._counts = None  # int32 [E_local]: the last dispatch's pairs per local expert
         if config.count_experts:
             self._counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, **on)
-        self._layers: weakref.WeakSet = weakref.WeakSet()  # EpMoeLayers tagging their calls
+        self._layers: weakref.WeakSet = weakref.WeakSet()  # layers tagging their calls
         self._layer_indices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._next_layer_index = 0  # the default layer index of the next EpMoeLayer
 
@@ -322,13 +351,14 @@ class EpRouted:
         return layout.total_bytes + staged
 
     def register_layer(self, layer: object, index: int | None = None) -> int:
-        """Record an EpMoeLayer that tags its calls: returns its layer index, `index` or, for
+        """Record a layer that tags its calls (an EpMoeLayer, an engine's per-layer adapter;
+        reset() calls its `restart_steps()`): returns its layer index, `index` or, for
         None, the next index in this EpRouted's construction order, skipping those live layers
         took with layer_index= (a dropped layer's index is not given again, so the indices do
         not depend on when the garbage collector frees layers). Local: ranks that build their
         layers in the same order get the same indices. A call of another layer's index on
         another rank raises EpDesyncError on every rank, and so does a call of one index by
-        different layers on different ranks (built in other orders): the layer's tag carries
+        different layers on different ranks (built in other orders): an EpMoeLayer's tag carries
         its dense weights' fingerprint too (ep/layer.py, layer_tag)."""
         if index is None:
             index = self._next_layer_index
@@ -336,12 +366,19 @@ class EpRouted:
                 index += 1
             if index > MAX_LAYER_INDEX:
                 raise ValueError(
-                    f"EpMoeLayer: this EpRouted has numbered {index} layers, past"
+                    f"{type(layer).__name__}: this EpRouted has numbered {index} layers, past"
                     f" {MAX_LAYER_INDEX}; pass layer_index= (the model's layer number)"
                 )
             self._next_layer_index = index + 1
-        elif index in self._layer_indices:
-            raise ValueError(f"EpMoeLayer: layer_index={index} is taken by another layer")
+            return self._record_layer(layer, index)
+        index = check_layer_index(type(layer).__name__, index)
+        if index in self._layer_indices:
+            raise ValueError(
+                f"{type(layer).__name__}: layer_index={index} is taken by another layer"
+            )
+        return self._record_layer(layer, index)
+
+    def _record_layer(self, layer: object, index: int) -> int:
         self._layer_indices[index] = layer
         self._layers.add(layer)
         return index
@@ -876,7 +913,10 @@ class EpRouted:
         failing piece. Then it raises its error."""
         steps = -(-total // self.max_tokens)
         result = out
-        if result is None and refused is None:
+        if refused is None and (out is None or partly_aliased(out, latent)):
+            # A piece's output rows must not land on a later piece's latent rows before that
+            # piece reads them: an `out` sharing memory with the latent (other than the latent
+            # itself) takes the result by one copy at the end.
             result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
         # The pieces' expert counts, summed: expert_counts() gives the whole step's.
         counts = None if self._counts is None else torch.zeros_like(self._counts)
@@ -926,6 +966,9 @@ class EpRouted:
             raise failure
         if counts is not None:
             self._counts.copy_(counts)
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
         return result
 
     def _routed_step(

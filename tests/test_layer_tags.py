@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from dep_ep.comm.errors import tag_text
+from dep_ep.comm.errors import TAGS_DIFFER, tag_text, tags_differ_text
+from dep_ep.comm.tags import piece_tag
 from dep_ep.config import TINY
 from dep_ep.constants import LAYER_STEP_BITS, LAYER_TAG_BASE, MAX_LAYER_INDEX, NO_TAG
 from dep_ep.ep.layer import dense_fingerprint, layer_tag
@@ -46,3 +47,16 @@ def test_layer_tags_carry_index_fingerprint_and_call():
     # Any one field that differs gives another tag.
     base = layer_tag(1, 2, 3)
     assert len({base, layer_tag(0, 2, 3), layer_tag(1, 1, 3), layer_tag(1, 2, 2)}) == 4
+
+
+def test_what_differing_tags_of_a_step_in_pieces_are_said_to_mean():
+    """The desync message's reason: plain tags, TAGS_DIFFER alone; first pieces of the same T
+    whose call tags differ (5 and 6, or 9 and none), different tags, not different T; first
+    pieces of different T, different T first."""
+    assert tags_differ_text([5, 6]) == TAGS_DIFFER
+    for mine, theirs in ((5, 6), (9, NO_TAG)):
+        text = tags_differ_text([piece_tag(mine, 20, 0), piece_tag(theirs, 20, 0)])
+        assert text.startswith("the ranks passed the same T but different tags"), text
+        assert text.endswith(TAGS_DIFFER)
+    text = tags_differ_text([piece_tag(5, 20, 0), piece_tag(5, 17, 0)])
+    assert text.startswith("the ranks passed different T"), text

@@ -177,6 +177,44 @@ def test_a_step_above_max_tokens_runs_in_pieces(dep, layer, total):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_step_in_pieces_into_a_buffer_sharing_the_latents_memory(dep, layer):
+    """A step of T = 20 in pieces of 8 whose `out` shares memory with the latent: rows [1, 21)
+    and [0, 20) of one buffer (out one row ahead: before, each piece's output overwrote the first
+    latent row of the next piece before it was read, on every rank, silently), one row behind,
+    and the latent itself: every one the bits of the same step into a fresh tensor."""
+    seed = agreed_seed(dep.cpu_group, 640)
+    total, r = 20, dep.rank
+    case = make_case(TINY, dep.size, total, seed, "random")
+    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
+    experts = Batches(dep, layer, seed, total).experts
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep, 8) as routed:
+        want = routed(latent, ids, weights, norm, experts=experts, tokens=total).clone()
+        for label, lat_rows, out_rows in (
+            ("out one row ahead", slice(0, total), slice(1, total + 1)),
+            ("out one row behind", slice(1, total + 1), slice(0, total)),
+            ("out is the latent", slice(0, total), slice(0, total)),
+        ):
+            store = torch.empty(total + 1, TINY.latent, dtype=torch.bfloat16)
+            store[lat_rows] = latent
+            got = routed(
+                store[lat_rows],
+                ids,
+                weights,
+                norm,
+                experts=experts,
+                tokens=total,
+                out=store[out_rows],
+            )
+            if got.data_ptr() != store[out_rows].data_ptr():
+                failures.append(f"{label}: the result is not the caller's buffer")
+            if not torch.equal(bits(store[out_rows]), bits(want)):
+                failures.append(f"{label}: other bits than the step into a fresh tensor")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_step_in_pieces_refuses_bad_arguments_on_every_rank(dep, layer):
     """Above max_tokens the whole call's arguments are checked before they are cut, on the bad
     rank (its error) and in the same call on the others (EpPeerError), within a second: a latent
@@ -514,9 +552,10 @@ def test_padding_mask_with_int64_ids(dep, layer, check_values):
 
 @pytest.mark.mpi(min_size=2)
 def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
-    """routed_op with tokens=0 or tokens=6.0 on one rank: that rank raises (ValueError,
-    TypeError), the others EpPeerError, in the same call; an unknown handle is a ValueError on
-    its rank before any exchange; the next call is good."""
+    """routed_op with tokens=0 or tokens=6.0, or an eps EpRouted.routed refuses (True, "0.5",
+    None, 0.0), on one rank: that rank raises (ValueError, TypeError) naming routed_op and the
+    argument, the others EpPeerError, in the same call; an unknown handle is a ValueError on its
+    rank before any exchange; the next call is good."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 670), 6)
     norm = layer.norm_weight()
     failures: list[str] = []
@@ -534,6 +573,22 @@ def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
                 text,
                 lambda: routed_op(latent, ids, weights, norm, handle, tokens=tokens if bad else 6),
             )
+        # eps as EpRouted.routed takes it (before: float(eps), so True ran as eps 1.0 and "0.5"
+        # as 0.5, silently; None failed in float() with a message naming neither).
+        for eps, error in (
+            (True, TypeError),
+            ("0.5", TypeError),
+            (None, TypeError),
+            (0.0, ValueError),
+        ):
+            expected, text = (error, "routed_op: eps=") if bad else (EpPeerError, "rank 0")
+            expect_raises(
+                failures,
+                f"eps={eps!r}",
+                expected,
+                text,
+                lambda: routed_op(latent, ids, weights, norm, handle, eps=eps if bad else 1e-6),
+            )
         expect_raises(
             failures,
             "unknown handle",
@@ -545,6 +600,46 @@ def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
         if not torch.equal(bits(got), bits(want)):
             failures.append("the call after the refusals: other bits")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_custom_op_rejects_every_piece_of_a_step_given_no_tokens(dep, layer, monkeypatch):
+    """routed_op given no tokens on a latent of 10 rows over max_tokens 4, eps=True on rank 0:
+    rank 0 rejects the step as one of T = 10 (before: of no T, one piece, where the peers run
+    three: paired on CPU, where every rank stops in the first piece, out of step on GPU), raises
+    TypeError, the others EpPeerError; the next call is good."""
+    seed = agreed_seed(dep.cpu_group, 675)
+    total, r = 10, dep.rank
+    case = make_case(TINY, dep.size, total, seed, "random")
+    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
+    experts = Batches(dep, layer, seed, total).experts
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep, 4) as routed:
+        handle = register_routed(routed, experts)
+        want = routed(latent, ids, weights, norm, experts=experts).clone()
+        asked: list[object] = []
+        reject = routed.reject_step
+
+        def spy(error, *, tag=None, tokens=None):
+            asked.append(tokens)
+            return reject(error, tag=tag, tokens=tokens)
+
+        monkeypatch.setattr(routed, "reject_step", spy)
+        bad = r == 0
+        expected = (TypeError, "routed_op: eps=True") if bad else (EpPeerError, "rank 0")
+        expect_raises(
+            failures,
+            "eps=True",
+            *expected,
+            lambda: routed_op(latent, ids, weights, norm, handle, eps=True if bad else 1e-6),
+        )
+        if asked != ([total] if bad else []):
+            failures.append(f"reject_step was asked for tokens {asked}; expected [{total}]")
+        got = routed_op(latent, ids, weights, norm, handle)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the call after the refusal: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
 @pytest.mark.mpi(min_size=2)
