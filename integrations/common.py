@@ -43,6 +43,23 @@ def common_tokens(counts: Sequence[int], sequence_parallel: int = 1) -> int:
     return max(-(-most // sp), 1)
 
 
+# What a server's step reads from the engine before the routed call may fail on one rank alone
+# (a malformed forward context, top-k output or count): the errors `reject_bad_step` turns into
+# a rejected step. Others (KeyboardInterrupt, MemoryError) propagate as they are.
+STEP_INPUT_ERRORS = (AttributeError, TypeError, ValueError, RuntimeError, IndexError, KeyError)
+
+
+def reject_bad_step(routed: EpRouted, fn: str, tag: int | None, what: str, err: Exception):
+    """Reject the step `err` kept this rank from entering, on every rank: ValueError naming
+    `fn`, the layer's `tag` and `what` was read (caused by `err`) here, EpPeerError on the peers
+    (EpRouted.reject_step, tagged `tag`), instead of this rank raising alone and its peers
+    pairing their call with its next one. Never returns."""
+    error = ValueError(f"{fn}: layer {tag}: {what}: {err}")
+    error.__cause__ = err
+    routed.reject_step(error, tag=tag)  # takes part in the step, then raises `error`
+    raise error  # not reached
+
+
 # (group, device, E, L, K, max_tokens) -> the EpRouted every MoE layer of the process shares.
 _SHARED: dict[tuple, EpRouted] = {}
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from dep_ep.integrations.common import common_tokens
+from dep_ep.integrations.common import STEP_INPUT_ERRORS, common_tokens, reject_bad_step
 from dep_ep.integrations.sglang.engine import SglangEngine
 
 
@@ -168,9 +168,6 @@ def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, late
         ids, weights = routing(topk_output, rows, routed.topk, latent.device)
         padding = padding_mask(engine, rows, latent.device)
         tokens = step_tokens(engine.dp_global_num_tokens(), engine.attn_tp_size(), rows)
-    except (AttributeError, TypeError, ValueError, RuntimeError) as err:
-        error = ValueError(f"{fn}: layer {tag}: the top-k output or the step's counts: {err}")
-        error.__cause__ = err
-        routed.reject_step(error, tag=tag)  # takes part in the step, then raises `error`
-        raise error  # not reached
+    except STEP_INPUT_ERRORS as err:
+        reject_bad_step(routed, fn, tag, "the top-k output or the step's counts", err)
     return ids, weights, padding, tokens

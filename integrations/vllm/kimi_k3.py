@@ -27,7 +27,12 @@ from dep_ep.checks import check_int, check_positive_int
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts import ExpertWeights, default_experts
-from dep_ep.integrations.common import shared_routed, warm_buckets
+from dep_ep.integrations.common import (
+    STEP_INPUT_ERRORS,
+    reject_bad_step,
+    shared_routed,
+    warm_buckets,
+)
 from dep_ep.integrations.vllm.engine import check_version, engine
 from dep_ep.integrations.vllm.options import options_from
 from dep_ep.integrations.vllm.step_poll import install_step_poll
@@ -283,17 +288,25 @@ class DepEpKimiExperts(nn.Module):
         """bf16 [n, L]: the routed experts' weighted sum of this rank's n tokens (hidden_states
         bf16 [n, L], topk_weights fp32 [n, K], topk_ids int32 [n, K] logical ids), RMS-normed
         only when the norm is fused, plus `shared_experts(hidden_states)` when given.
-        Collective over the EP group (every rank runs every MoE layer of every step)."""
+        Collective over the EP group (every rank runs every MoE layer of every step). A
+        forward context this rank cannot read T or the padding rows from, or an error of the
+        engine's top-k capture, rejects the step on every rank (ValueError naming the layer
+        here, EpPeerError on the peers)."""
         if self.routed is None:
             raise RuntimeError(
                 f"{self.prefix}.forward: called before process_weights_after_loading built the"
                 " experts"
             )
         rows = hidden_states.shape[0]
-        context = engine().forward_context()
-        tokens = step_tokens(context, rows, self.sequence_parallel)
-        if self.capture_fn is not None:
-            self.capture_fn(topk_ids)
+        try:
+            context = engine().forward_context()
+            tokens = step_tokens(context, rows, self.sequence_parallel)
+            padding = padding_mask(context)
+            if self.capture_fn is not None:
+                self.capture_fn(topk_ids)
+        except STEP_INPUT_ERRORS as err:  # on this rank alone: every rank must raise
+            fn = f"{self.prefix}.forward"
+            reject_bad_step(self.routed, fn, self.layer_index, "the forward context", err)
         norm = self.fused_norm
         out = self.routed.routed(
             hidden_states,
@@ -304,7 +317,7 @@ class DepEpKimiExperts(nn.Module):
             eps=DEFAULT_NORM_EPS if norm is None else norm.variance_epsilon,
             tokens=tokens,
             tag=self.layer_index,
-            padding=padding_mask(context),
+            padding=padding,
         )
         if shared_experts is not None:
             out += shared_experts(hidden_states)

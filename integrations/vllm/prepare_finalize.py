@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dep_ep.ep.routed import EpRouted
+from dep_ep.integrations.common import STEP_INPUT_ERRORS, reject_bad_step
 from dep_ep.integrations.vllm.engine import engine
 from dep_ep.integrations.vllm.step_poll import install_step_poll
 from dep_ep.integrations.vllm.steps import padding_mask, step_tokens
@@ -55,8 +56,9 @@ def _refusal(
 
 
 def prepare_finalize_class() -> type:
-    """DepEpPrepareAndFinalize(routed, *, sequence_parallel=1, num_dispatchers=1), a subclass
-    of the engine's FusedMoEPrepareAndFinalizeModular (made once per base class)."""
+    """DepEpPrepareAndFinalize(routed, *, sequence_parallel=1, num_dispatchers=1,
+    layer_index=None), a subclass of the engine's FusedMoEPrepareAndFinalizeModular (made once
+    per base class)."""
     base, standard_format = engine().prepare_finalize_base()
     made = _CLASSES.get(base)
     if made is not None:
@@ -66,10 +68,19 @@ def prepare_finalize_class() -> type:
         """routed: the EpRouted the layer's steps run on (its E, L, K are the layer's);
         sequence_parallel: the ranks a DP rank's tokens are split over, for T when the forward
         context gives the DP counts without per-rank sizes; num_dispatchers: vLLM's count of
-        the ranks that dispatch to this one's experts."""
+        the ranks that dispatch to this one's experts; layer_index: the tag of this layer's
+        steps (`EpRouted.register_layer`: None takes the next index in construction order).
+        One instance per MoE layer, built in the same order on every rank (or each given the
+        model's layer number): the tag makes a rank whose call is another layer's than its
+        peers' raise EpDesyncError on every rank instead of pairing with it."""
 
         def __init__(
-            self, routed: EpRouted, *, sequence_parallel: int = 1, num_dispatchers: int = 1
+            self,
+            routed: EpRouted,
+            *,
+            sequence_parallel: int = 1,
+            num_dispatchers: int = 1,
+            layer_index: int | None = None,
         ) -> None:
             super().__init__()
             if not isinstance(routed, EpRouted):
@@ -79,6 +90,11 @@ def prepare_finalize_class() -> type:
             self.routed = routed
             self.sequence_parallel = sequence_parallel
             self.num_dispatchers_ = num_dispatchers
+            self.layer_index = routed.register_layer(self, layer_index)
+
+        def restart_steps(self) -> None:
+            """EpRouted.reset's call to its registered layers: nothing to restart (the tag is
+            the layer index alone)."""
 
         @property
         def activation_format(self) -> Any:
@@ -108,19 +124,24 @@ def prepare_finalize_class() -> type:
             defer_input_quant: bool = False,
         ) -> tuple:
             """Dispatch a1 bf16 [n, L] with its ids and weights [n, K] (padding rows' ids -1)
-            for a step of T tokens (the forward context's). Collective: a rank that refuses its
-            arguments takes part without payload (its peers raise EpPeerError)."""
+            for a step of T tokens (the forward context's), tagged with the layer index.
+            Collective: a rank that refuses its arguments, or cannot read T from its forward
+            context, takes part without payload (its peers raise EpPeerError)."""
             fn = f"{CLASS_NAME}.prepare"
+            tag = self.layer_index
             refusal = _refusal(
                 fn, apply_router_weight_on_input, defer_input_quant, self.routed, num_experts
             )
             if refusal is not None:
-                self.routed.reject_step(refusal)
-            context = engine().forward_context()
-            rows = a1.shape[0]
-            tokens = step_tokens(context, rows, self.sequence_parallel)
+                self.routed.reject_step(refusal, tag=tag)
+            try:
+                context = engine().forward_context()
+                tokens = step_tokens(context, a1.shape[0], self.sequence_parallel)
+                padding = padding_mask(context)
+            except STEP_INPUT_ERRORS as err:  # on this rank alone: every rank must raise
+                reject_bad_step(self.routed, fn, tag, "the forward context", err)
             got = self.routed.dispatch(
-                a1, topk_ids, topk_weights, tokens=tokens, padding=padding_mask(context)
+                a1, topk_ids, topk_weights, tokens=tokens, tag=tag, padding=padding
             )
             return got.x.view(torch.float8_e4m3fn), got.sf, None, got.ids, got.weights
 
@@ -182,11 +203,18 @@ def prepare_finalize_class() -> type:
 
 
 def make_prepare_finalize(
-    routed: EpRouted, *, sequence_parallel: int = 1, num_dispatchers: int = 1
+    routed: EpRouted,
+    *,
+    sequence_parallel: int = 1,
+    num_dispatchers: int = 1,
+    layer_index: int | None = None,
 ) -> Any:
-    """A DepEpPrepareAndFinalize on `routed`, with the per-step poll installed (it is built in
-    a worker process)."""
+    """A DepEpPrepareAndFinalize on `routed` for one MoE layer, with the per-step poll installed
+    (it is built in a worker process)."""
     install_step_poll()
     return prepare_finalize_class()(
-        routed, sequence_parallel=sequence_parallel, num_dispatchers=num_dispatchers
+        routed,
+        sequence_parallel=sequence_parallel,
+        num_dispatchers=num_dispatchers,
+        layer_index=layer_index,
     )

@@ -540,3 +540,76 @@ def test_prepare_finalize_is_routed(dep, standin):
     if not torch.equal(bits(output), bits(want)):
         failures.append("prepare/experts/finalize differ from EpRouted.routed's bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_context_or_layer_a_rank_alone_gets_wrong_raises_on_every_rank(dep, standin):
+    """What one rank alone gets wrong before the routed call fails the step on every rank:
+    - a malformed forward context (a DP count of -1) on the last rank in the K3 adapter's
+      forward and in the modular prepare: ValueError naming the layer and the context there,
+      EpPeerError elsewhere (before: that rank raised alone, and its peers' call paired with
+      its next one);
+    - two layers' prepare/finalize on one EpRouted, each tagged with its layer index: the last
+      rank abandons a forward between them, so its next call is layer 0's where its peers call
+      layer 1's: EpDesyncError on every rank (before: untagged calls paired, and every later
+      step returned rows computed with the other layer's experts, silently).
+    The next step is good each time (after reset() for the desync)."""
+    seed = agreed_seed(dep.cpu_group, 770)
+    served = serve(standin, seed, data_parallel_size=dep.size)
+    moe = served.moes[0]
+    counts = [6] * dep.size
+    latent, ids, weights, _ = draw(seed, 6)
+    failures: list[str] = []
+    last = dep.rank == dep.size - 1
+    routed = moe.experts.routed
+    want = routed.routed(
+        latent, ids, weights, None, experts=moe.experts.backend, tokens=6, tag=0
+    ).clone()
+    bad_counts = counts[:-1] + [-1] if last else counts
+    expected = (ValueError, "layer 0: the forward context") if last else (EpPeerError, None)
+    with step_context(bad_counts, None):
+        expect_raises(
+            failures, "K3 bad context", *expected, lambda: moe.experts(latent, weights, ids)
+        )
+    with step_context(counts, None):
+        if not torch.equal(bits(moe.experts(latent, weights, ids)), bits(want)):
+            failures.append("K3 after the bad context: other bits")
+
+    backends = [m.experts.backend for m in served.moes]
+    pfs = [make_prepare_finalize(routed, layer_index=100 + i) for i in range(2)]
+
+    def modular(i: int) -> torch.Tensor:
+        output = torch.empty(6, TINY.latent, dtype=torch.bfloat16)
+        x, sf, _, recv_ids, recv_weights = pfs[i].prepare(
+            latent, weights, ids, TINY.experts, None, False, None, False
+        )
+        buf = pfs[i].allocate_fused_expert_output(
+            (x.shape[0], TINY.latent), torch.bfloat16, torch.device("cpu"), None
+        )
+        backends[i].forward(x.view(torch.uint8), sf, recv_ids, recv_weights, buf)
+        pfs[i].finalize(output, buf, weights, ids, False, None)
+        return output
+
+    with step_context(counts, None):
+        clean = [modular(0).clone(), modular(1).clone()]
+        if torch.equal(bits(clean[0]), bits(clean[1])):
+            failures.append("the two layers' outputs are equal: the desync case tests nothing")
+        modular(0)
+        # The last rank abandons the forward here; its next call is the next forward's layer 0.
+        expect_raises(
+            failures,
+            "layers out of step",
+            EpDesyncError,
+            "out of step",
+            lambda: modular(0 if last else 1),
+        )
+        routed.reset()
+        if not torch.equal(bits(modular(0)), bits(clean[0])):
+            failures.append("layer 0 after reset: other bits")
+    expected = (ValueError, "layer 101: the forward context") if last else (EpPeerError, None)
+    with step_context(bad_counts, None):
+        expect_raises(failures, "modular bad context", *expected, lambda: modular(1))
+    with step_context(counts, None):
+        if not torch.equal(bits(modular(1)), bits(clean[1])):
+            failures.append("layer 1 after the bad context: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
