@@ -40,12 +40,19 @@ def check_real(fn: str, name: str, value: object) -> float:
     TypeError. Finiteness is the caller's rule."""
     if type(value) is float:
         return value
+    real = False
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
-            return float(value)
+        real = value.dim() == 0 and value.dtype != torch.bool and not value.is_complex()
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        real = True
+    if not real:
+        raise TypeError(f"{fn}: {name}={value!r}; expected a real number")
+    try:
         return float(value)
-    raise TypeError(f"{fn}: {name}={value!r}; expected a real number")
+    except OverflowError:  # an int or Fraction past the float range: 2**1024
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ValueError(f"{fn}: {name}={shown} is outside the float range") from None
 
 
 def check_positive_int(fn: str, name: str, value: object, multiple_of: int = 1) -> int:
@@ -197,14 +204,16 @@ def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
 # all-padding row, and one that rounds to inf (from 2^128 - 2^103 up) makes every row 0. Allowed:
 # what rounds to fp32's positive finite range, EPS_MIN = 2^-149 (1.4e-45) to EPS_MAX (3.4e38).
 EPS_MIN, EPS_MAX = 2.0**-149, float(torch.finfo(torch.float32).max)
+EPS_NORMAL = float(torch.finfo(torch.float32).tiny)  # 2^-126, fp32's smallest normal
 
 
 def check_eps(fn: str, eps: object) -> float:
     """A real whose fp32 rounding is finite and > 0 (the norm adds it in fp32), returned as a
     float (the caller's value, not its rounding)."""
-    if type(eps) is float and EPS_MIN <= eps <= EPS_MAX:
-        # In fp32's positive finite range whatever the rounding: 0.12 us a call on an x86 host,
-        # where the tensor round trip below took 11.
+    if type(eps) is float and EPS_NORMAL <= eps <= EPS_MAX:
+        # A normal fp32 magnitude, so its rounding is finite and > 0 even where denormals are
+        # flushed (torch.set_flush_denormal): 0.12 us a call on an x86 host, where the tensor
+        # round trip below took 11.
         return eps
     value = check_real(fn, "eps", eps)
     rounded = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))

@@ -101,11 +101,11 @@ def step_total(tokens: object, latent: object) -> object:
     return shape[0] if shape is not None and len(shape) >= 1 else None
 
 
-def partly_aliased(out: torch.Tensor, latent: torch.Tensor) -> bool:
-    """True when `out` and `latent` (2-D, rows contiguous) share any byte, unless `out` is the
-    latent itself (same start and row stride: each piece then overwrites only the rows it has
-    read). Conservative: the byte spans are compared, so interleaved column slices of one
-    buffer count as sharing."""
+def may_overlap(out: torch.Tensor, latent: torch.Tensor) -> bool:
+    """True when the byte spans of `out` and `latent` (2-D, rows contiguous) intersect, unless
+    `out` is the latent itself (same start and strides: each piece of a step then overwrites
+    only the rows it has read). Conservative: interleaved column slices of one buffer, which
+    share no byte, count as overlapping (they cost a copy, never a wrong row)."""
     if out.numel() == 0 or latent.numel() == 0:
         return False
     if out.data_ptr() == latent.data_ptr() and out.stride() == latent.stride():
@@ -273,15 +273,18 @@ class EpRouted:
         self._step_failure: str | None = None  # why the last step failed on this rank
         self._broken: str | None = None  # why calls are refused until reset()
         self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
-        # The error this rank raised after taking part in its last transport call (its input
-        # or its experts failed): a step run in pieces goes on without payload after it.
+        # Inside a step run in pieces only (`_in_pieces`): the error this rank raised after
+        # taking part in its last transport call (its input or its experts failed), after which
+        # the step goes on without payload. Not kept past the step: its traceback holds the
+        # caller's frames (a layer registered by weak reference among them).
+        self._in_pieces = False
         self._own_failure: BaseException | None = None
         self._counts = None  # int32 [E_local]: the last dispatch's pairs per local expert
         if config.count_experts:
             self._counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, **on)
         self._layers: weakref.WeakSet = weakref.WeakSet()  # layers tagging their calls
         self._layer_indices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._next_layer_index = 0  # the default layer index of the next EpMoeLayer
+        self._next_layer_index = 0  # the default index of the next layer registered
 
     def _abandon(self, agreement) -> None:
         """Close what a construction abandoned after the agreement built (local): the transport,
@@ -359,23 +362,32 @@ class EpRouted:
         layers in the same order get the same indices. A call of another layer's index on
         another rank raises EpDesyncError on every rank, and so does a call of one index by
         different layers on different ranks (built in other orders): an EpMoeLayer's tag carries
-        its dense weights' fingerprint too (ep/layer.py, layer_tag)."""
+        its dense weights' fingerprint too (ep/layer.py, layer_tag). TypeError, before anything
+        is recorded, for a layer without `restart_steps` or that cannot be weakly referenced."""
+        owner = type(layer).__name__
+        if not callable(getattr(layer, "restart_steps", None)):
+            raise TypeError(f"register_layer: {owner} has no restart_steps() for reset() to call")
+        try:
+            weakref.ref(layer)
+        except TypeError:
+            raise TypeError(
+                f"register_layer: {owner} cannot be weakly referenced (the EpRouted must not keep"
+                " its layers alive)"
+            ) from None
         if index is None:
             index = self._next_layer_index
             while index in self._layer_indices:
                 index += 1
             if index > MAX_LAYER_INDEX:
                 raise ValueError(
-                    f"{type(layer).__name__}: this EpRouted has numbered {index} layers, past"
+                    f"{owner}: this EpRouted has numbered {index} layers, past"
                     f" {MAX_LAYER_INDEX}; pass layer_index= (the model's layer number)"
                 )
             self._next_layer_index = index + 1
             return self._record_layer(layer, index)
-        index = check_layer_index(type(layer).__name__, index)
+        index = check_layer_index(owner, index)
         if index in self._layer_indices:
-            raise ValueError(
-                f"{type(layer).__name__}: layer_index={index} is taken by another layer"
-            )
+            raise ValueError(f"{owner}: layer_index={index} is taken by another layer")
         return self._record_layer(layer, index)
 
     def _record_layer(self, layer: object, index: int) -> int:
@@ -556,7 +568,8 @@ class EpRouted:
         except BaseException as err:
             self._step_failure = f"{type(err).__name__} in {fn}"
             if err is rejected:
-                self._own_failure = err  # this rank took part in the call, then raised its error
+                if self._in_pieces:  # this rank took part in the call, then raised its error
+                    self._own_failure = err
                 raise
             recovery = getattr(err, "recovery", None)
             if isinstance(err, EpError) and recovery == RECOVERY_REBUILD:
@@ -849,7 +862,10 @@ class EpRouted:
         and the combine treat every token alone, so the result is that of one step of T bit for
         bit with an experts backend whose rows do not depend on the rows beside them; the
         library's backends group a call's rows into GEMMs, whose sums may run in another order
-        for another row count (within the rounding model). T is below 2^31 (a larger one is
+        for another row count (within the rounding model). An `out` that may share memory with
+        the latent (`may_overlap`; the latent itself excepted) gets the step's rows by one copy
+        at the end, so no piece writes a row a later piece has yet to read; a step that fails
+        leaves `out` without a defined result. T is below 2^31 (a larger one is
         refused, as one step). The first piece's tag carries T (comm/tags.py), so ranks whose T
         differ raise in it on every rank, naming each rank's T (CPU: EpTokenCountError, a
         ValueError; CUDA: EpDesyncError, since the ranks may run different piece counts), and an
@@ -857,7 +873,7 @@ class EpRouted:
         fn = "EpRouted.routed"
         try:
             total = latent.shape[0] if tokens is None else check_int(fn, "tokens", tokens)
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, IndexError):  # IndexError: a 0-dim latent
             total = None  # the step's validation rejects it on this rank, collectively
         if total is None or total <= self.max_tokens or total > MAX_STEP_TOKENS:
             # One step (a T past the bound is refused in it, on every rank: no 1e20 pieces).
@@ -911,65 +927,69 @@ class EpRouted:
         payload where the peers learn of a failure only at their next call (CUDA), so every
         rank runs every piece and the pieces stay paired; on CPU every rank raises in the
         failing piece. Then it raises its error."""
-        steps = -(-total // self.max_tokens)
-        result = out
-        if refused is None and (out is None or partly_aliased(out, latent)):
-            # A piece's output rows must not land on a later piece's latent rows before that
-            # piece reads them: an `out` sharing memory with the latent (other than the latent
-            # itself) takes the result by one copy at the end.
-            result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
-        # The pieces' expert counts, summed: expert_counts() gives the whole step's.
-        counts = None if self._counts is None else torch.zeros_like(self._counts)
-        failure, cause = refused, CAUSE_INPUT
-        for index in range(steps):
-            this_tag = piece_tag(_wire_tag(tag), total, index)
-            checked = index == 0  # later pieces run to the end on every rank
-            if failure is not None:
-                self._step_failure = f"{type(failure).__name__} in {fn}"
+        self._in_pieces = True
+        try:
+            steps = -(-total // self.max_tokens)
+            result = out
+            if refused is None and (out is None or may_overlap(out, latent)):
+                # A piece's output rows must not land on a later piece's latent rows before that
+                # piece reads them: an `out` sharing memory with the latent (other than the latent
+                # itself) takes the result by one copy at the end.
+                result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
+            # The pieces' expert counts, summed: expert_counts() gives the whole step's.
+            counts = None if self._counts is None else torch.zeros_like(self._counts)
+            failure, cause = refused, CAUSE_INPUT
+            for index in range(steps):
+                this_tag = piece_tag(_wire_tag(tag), total, index)
+                checked = index == 0  # later pieces run to the end on every rank
+                if failure is not None:
+                    self._step_failure = f"{type(failure).__name__} in {fn}"
+                    try:
+                        self._reject_piece(fn, failure, cause, this_tag, checked)
+                    except BaseException as err:
+                        _in_piece(err, index, steps, total, self.max_tokens)
+                        raise
+                    if self._transport.completes_on_return:
+                        break  # CPU: every peer raised in this piece
+                    cause = CAUSE_EARLIER_PIECE
+                    continue
+                start = index * self.max_tokens
+                step_tokens = min(self.max_tokens, total - start)
+                lo, hi = min(start, n), min(start + step_tokens, n)
+                self._own_failure = None
                 try:
-                    self._reject_piece(fn, failure, cause, this_tag, checked)
+                    self._routed_step(
+                        fn,
+                        latent[lo:hi],
+                        ids[lo:hi],
+                        weights[lo:hi],
+                        norm_weight,
+                        experts,
+                        eps,
+                        step_tokens,
+                        this_tag,
+                        result[lo:hi],
+                        None if padding is None else padding[lo:hi],
+                        checked=checked,
+                    )
                 except BaseException as err:
-                    _in_piece(err, index, steps, total, self.max_tokens)
-                    raise
-                if self._transport.completes_on_return:
-                    break  # CPU: every peer raised in this piece
-                cause = CAUSE_EARLIER_PIECE
-                continue
-            start = index * self.max_tokens
-            step_tokens = min(self.max_tokens, total - start)
-            lo, hi = min(start, n), min(start + step_tokens, n)
-            self._own_failure = None
-            try:
-                self._routed_step(
-                    fn,
-                    latent[lo:hi],
-                    ids[lo:hi],
-                    weights[lo:hi],
-                    norm_weight,
-                    experts,
-                    eps,
-                    step_tokens,
-                    this_tag,
-                    result[lo:hi],
-                    None if padding is None else padding[lo:hi],
-                    checked=checked,
-                )
-            except BaseException as err:
-                if err is not self._own_failure or self._transport.completes_on_return:
-                    _in_piece(err, index, steps, total, self.max_tokens)
-                    raise
-                failure, cause = err, CAUSE_EARLIER_PIECE
-                continue
+                    if err is not self._own_failure or self._transport.completes_on_return:
+                        _in_piece(err, index, steps, total, self.max_tokens)
+                        raise
+                    failure, cause = err, CAUSE_EARLIER_PIECE
+                    continue
+                if counts is not None:
+                    counts += self._counts
+            if failure is not None:
+                raise failure
             if counts is not None:
-                counts += self._counts
-        if failure is not None:
-            raise failure
-        if counts is not None:
-            self._counts.copy_(counts)
-        if out is not None and result is not out:
-            out.copy_(result)
-            return out
-        return result
+                self._counts.copy_(counts)
+            if out is not None and result is not out:
+                out.copy_(result)
+                return out
+            return result
+        finally:
+            self._in_pieces, self._own_failure = False, None
 
     def _routed_step(
         self,

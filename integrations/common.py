@@ -10,6 +10,7 @@ so the logic a test checks on CPU ranks is the logic an engine runs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,13 +44,9 @@ def common_tokens(counts: Sequence[int], sequence_parallel: int = 1) -> int:
     return max(-(-most // sp), 1)
 
 
-# What a server's step reads from the engine before the routed call may fail on one rank alone
-# (a malformed forward context, top-k output or count): the errors `reject_bad_step` turns into
-# a rejected step. Others (KeyboardInterrupt, MemoryError) propagate as they are.
-STEP_INPUT_ERRORS = (AttributeError, TypeError, ValueError, RuntimeError, IndexError, KeyError)
-
-
-def reject_bad_step(routed: EpRouted, fn: str, tag: int | None, what: str, err: Exception):
+def reject_bad_step(
+    routed: EpRouted, fn: str, tag: int | None, what: str, err: Exception
+) -> NoReturn:
     """Reject the step `err` kept this rank from entering, on every rank: ValueError naming
     `fn`, the layer's `tag` and `what` was read (caused by `err`) here, EpPeerError on the peers
     (EpRouted.reject_step, tagged `tag`), instead of this rank raising alone and its peers

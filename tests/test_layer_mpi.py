@@ -454,3 +454,33 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     except Exception as err:
         failures.append(f"non-finite x in a padding row: {type(err).__name__}: {err}")
     collective_assert(dep.cpu_group, failures, seeds=seeds)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_refused_call_given_no_tokens_rejects_every_piece(dep, rank, monkeypatch):
+    """A call given no tokens on MAX_TOKENS + 2 rows (a step in pieces), a float32 x on rank 0:
+    rank 0 rejects the step as one of T = its rows, every piece the peers run (before: as one
+    of no T, one piece), raises TypeError, the others EpPeerError; a good call follows."""
+    seed = agreed_seed(dep.cpu_group, 30)
+    dense = make_dense(TINY, seed)
+    layer = EpMoeLayer(dense, rank.routed, rank.experts, topk=TINY.topk)
+    rows = MAX_TOKENS + 2
+    x = draw_hidden(TINY, dense, [rows], agreed_seed(dep.cpu_group, 31))[0]
+    asked: list[object] = []
+    reject = rank.routed.reject_step
+
+    def spy(error, *, tag=None, tokens=None):
+        asked.append(tokens)
+        return reject(error, tag=tag, tokens=tokens)
+
+    monkeypatch.setattr(rank.routed, "reject_step", spy)
+    bad = dep.rank == 0
+    failures: list[str] = []
+    expected = (TypeError, "float32") if bad else (EpPeerError, None)
+    expect_raises(failures, "float32 x", *expected, lambda: layer(x.float() if bad else x))
+    want = [rows] if bad else []
+    if asked != want:
+        failures.append(f"reject_step was asked for tokens {asked}; expected {want}")
+    monkeypatch.undo()
+    failures += good_call(rank, layer, dense, agreed_seed(dep.cpu_group, 32), "after it")
+    collective_assert(dep.cpu_group, failures, seeds=seed)

@@ -553,9 +553,9 @@ def test_padding_mask_with_int64_ids(dep, layer, check_values):
 @pytest.mark.mpi(min_size=2)
 def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
     """routed_op with tokens=0 or tokens=6.0, or an eps EpRouted.routed refuses (True, "0.5",
-    None, 0.0), on one rank: that rank raises (ValueError, TypeError) naming routed_op and the
-    argument, the others EpPeerError, in the same call; an unknown handle is a ValueError on its
-    rank before any exchange; the next call is good."""
+    None, 0.0, 2**1024), on one rank: that rank raises (ValueError, TypeError) naming routed_op
+    and the argument, the others EpPeerError, in the same call; an unknown handle is a
+    ValueError on its rank before any exchange; the next call is good."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 670), 6)
     norm = layer.norm_weight()
     failures: list[str] = []
@@ -580,6 +580,7 @@ def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
             ("0.5", TypeError),
             (None, TypeError),
             (0.0, ValueError),
+            (2**1024, ValueError),  # past the float range: OverflowError escaped on one rank
         ):
             expected, text = (error, "routed_op: eps=") if bad else (EpPeerError, "rank 0")
             expect_raises(
@@ -634,8 +635,9 @@ def test_custom_op_rejects_every_piece_of_a_step_given_no_tokens(dep, layer, mon
             *expected,
             lambda: routed_op(latent, ids, weights, norm, handle, eps=True if bad else 1e-6),
         )
-        if asked != ([total] if bad else []):
-            failures.append(f"reject_step was asked for tokens {asked}; expected [{total}]")
+        want_asked = [total] if bad else []
+        if asked != want_asked:
+            failures.append(f"reject_step was asked for tokens {asked}; expected {want_asked}")
         got = routed_op(latent, ids, weights, norm, handle)
         if not torch.equal(bits(got), bits(want)):
             failures.append("the call after the refusal: other bits")

@@ -8,12 +8,13 @@ Before these checks (main at 6f889cd): `EpRouted.workspace_bytes` returned 23960
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
-from dep_ep.checks import check_eps, check_int, check_step_tokens, check_tokens
+from dep_ep.checks import check_eps, check_int, check_real, check_step_tokens, check_tokens
 from dep_ep.ep import EpRouted
 
 
@@ -78,21 +79,40 @@ def test_check_eps_takes_reals():
     assert check_eps("f", 2.0**-149) == 2.0**-149
 
 
-def test_check_eps_plain_floats_as_their_fp32_rounding_rules():
-    """Python floats take check_eps' short path: it accepts exactly the floats whose fp32
-    rounding is finite and > 0 (the rule the tensor round trip checks), at the range's ends,
-    just past them (2^-150 rounds to 0, fp32's largest plus half its last step to inf) and at
-    random magnitudes."""
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_check_eps_plain_floats_as_their_fp32_rounding_rules(flush_denormal):
+    """Python floats take check_eps' short path where their magnitude is a normal fp32 one: it
+    accepts exactly the floats whose fp32 rounding is finite and > 0 (the rule the tensor round
+    trip checks), at the range's ends, just past them (2^-150 rounds to 0, fp32's largest plus
+    half its last step to inf), at subnormal magnitudes and at random ones, also where torch
+    flushes denormals to 0 (where 2^-149 is refused)."""
     big = float(torch.finfo(torch.float32).max)
     ulp = 2.0 ** (127 - 23)
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    seed = int(torch.randint(0, 2**31, ()).item())
+    gen = torch.Generator().manual_seed(seed)
     exponents = torch.rand(64, generator=gen, dtype=torch.float64) * 300 - 160
-    values = [2.0**-149, 2.0**-150, 0.75 * 2.0**-149, 1e-46, big, big + 0.49 * ulp, big + ulp]
-    values += [float(10.0**e) for e in exponents]
-    for value in values:
-        rounded = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
-        if 0 < rounded < math.inf:
-            assert check_eps("f", value) == value
-        else:
-            with pytest.raises(ValueError, match="fp32"):
-                check_eps("f", value)
+    values = [2.0**-149, 2.0**-150, 0.75 * 2.0**-149, 1e-46, 1e-40, 2.0**-126, 2.0**-127]
+    values += [big, big + 0.49 * ulp, big + ulp] + [float(10.0**e) for e in exponents]
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals (torch.set_flush_denormal returned False)")
+    try:
+        for value in values:
+            rounded = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+            if 0 < rounded < math.inf:
+                assert check_eps("f", value) == value, f"seed {seed}: {value!r} refused"
+            else:
+                with pytest.raises(ValueError, match="fp32"):
+                    check_eps("f", value)
+    finally:
+        torch.set_flush_denormal(False)  # torch's default; it has no getter
+
+
+def test_a_real_past_the_float_range_is_a_value_error():
+    """An int or Fraction past the float range (2**1024): ValueError naming the argument, as
+    the transport's collective refusal catches (before: OverflowError, which escaped it on
+    that rank alone); the message shortens the value."""
+    for value in (2**1024, -(2**1024), Fraction(10**400)):
+        with pytest.raises(ValueError, match="f: eps=.{1,40} is outside the float range"):
+            check_eps("f", value)
+        with pytest.raises(ValueError, match="outside the float range"):
+            check_real("f", "x", value)

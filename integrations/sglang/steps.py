@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from dep_ep.integrations.common import STEP_INPUT_ERRORS, common_tokens, reject_bad_step
+from dep_ep.integrations.common import common_tokens, reject_bad_step
 from dep_ep.integrations.sglang.engine import SglangEngine
 
 
@@ -160,14 +160,14 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
 def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, latent, tag: int):
     """(ids, weights, padding, T) of one MoE step on `latent` ([n, L], n = 0 on an idle rank):
     `routing`, `padding_mask` and `step_tokens` from the engine's per-forward state. A
-    malformed top-k output or step counts (any error of those, torch's RuntimeError included)
+    malformed top-k output or step counts (any Exception reading them, torch's included)
     rejects the step through `routed` (EpRouted.reject_step, tagged `tag`): ValueError naming
     `fn` and the layer here, EpPeerError on the peers, instead of this rank raising alone."""
-    rows = latent.shape[0]
     try:
+        rows = latent.shape[0]
         ids, weights = routing(topk_output, rows, routed.topk, latent.device)
         padding = padding_mask(engine, rows, latent.device)
         tokens = step_tokens(engine.dp_global_num_tokens(), engine.attn_tp_size(), rows)
-    except STEP_INPUT_ERRORS as err:
+    except Exception as err:  # on this rank alone: every rank must raise
         reject_bad_step(routed, fn, tag, "the top-k output or the step's counts", err)
     return ids, weights, padding, tokens

@@ -28,7 +28,6 @@ from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts import ExpertWeights, default_experts
 from dep_ep.integrations.common import (
-    STEP_INPUT_ERRORS,
     reject_bad_step,
     shared_routed,
     warm_buckets,
@@ -297,16 +296,16 @@ class DepEpKimiExperts(nn.Module):
                 f"{self.prefix}.forward: called before process_weights_after_loading built the"
                 " experts"
             )
-        rows = hidden_states.shape[0]
         try:
             context = engine().forward_context()
-            tokens = step_tokens(context, rows, self.sequence_parallel)
+            tokens = step_tokens(context, hidden_states.shape[0], self.sequence_parallel)
             padding = padding_mask(context)
             if self.capture_fn is not None:
                 self.capture_fn(topk_ids)
-        except STEP_INPUT_ERRORS as err:  # on this rank alone: every rank must raise
+        except Exception as err:  # on this rank alone: every rank must raise
             fn = f"{self.prefix}.forward"
-            reject_bad_step(self.routed, fn, self.layer_index, "the forward context", err)
+            what = "the forward context or the engine's top-k capture"
+            reject_bad_step(self.routed, fn, self.layer_index, what, err)
         norm = self.fused_norm
         out = self.routed.routed(
             hidden_states,

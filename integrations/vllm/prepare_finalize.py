@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dep_ep.ep.routed import EpRouted
-from dep_ep.integrations.common import STEP_INPUT_ERRORS, reject_bad_step
+from dep_ep.integrations.common import reject_bad_step
 from dep_ep.integrations.vllm.engine import engine
 from dep_ep.integrations.vllm.step_poll import install_step_poll
 from dep_ep.integrations.vllm.steps import padding_mask, step_tokens
@@ -138,7 +138,7 @@ def prepare_finalize_class() -> type:
                 context = engine().forward_context()
                 tokens = step_tokens(context, a1.shape[0], self.sequence_parallel)
                 padding = padding_mask(context)
-            except STEP_INPUT_ERRORS as err:  # on this rank alone: every rank must raise
+            except Exception as err:  # on this rank alone: every rank must raise
                 reject_bad_step(self.routed, fn, tag, "the forward context", err)
             got = self.routed.dispatch(
                 a1, topk_ids, topk_weights, tokens=tokens, tag=tag, padding=padding

@@ -17,6 +17,7 @@ BF16^2, and the bound is SAFETY (2) times e (test_layer_mpi.py derives the same 
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import pytest
@@ -612,4 +613,72 @@ def test_a_context_or_layer_a_rank_alone_gets_wrong_raises_on_every_rank(dep, st
     with step_context(counts, None):
         if not torch.equal(bits(modular(1)), bits(clean[1])):
             failures.append("layer 1 after the bad context: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_prepare_finalize_layer_indices(dep, standin):
+    """make_prepare_finalize's layer_index: -1, 70000 (ValueError) and True (TypeError)
+    refused; None numbers in construction order (the same on every rank); an index taken by
+    a live instance refused. A rank whose prepare rejected a step (a malformed context on the
+    last rank) keeps no reference to the instance: once dropped, its index is free on every
+    rank (before: the error kept on the rejecting rank held it there alone). register_layer
+    refuses what reset() could not restart or must not keep alive, before numbering it."""
+    seed = agreed_seed(dep.cpu_group, 780)
+    served = serve(standin, seed, data_parallel_size=dep.size)
+    routed = served.moes[0].experts.routed
+    failures: list[str] = []
+    for bad, error in ((-1, ValueError), (70000, ValueError), (True, TypeError)):
+        expect_raises(
+            failures,
+            f"layer_index={bad!r}",
+            error,
+            "layer_index",
+            lambda: make_prepare_finalize(routed, layer_index=bad),
+        )
+    first, second = make_prepare_finalize(routed), make_prepare_finalize(routed)
+    if second.layer_index != first.layer_index + 1:
+        failures.append(f"default indices {first.layer_index}, {second.layer_index}")
+    expect_raises(
+        failures,
+        "index taken",
+        ValueError,
+        "is taken",
+        lambda: make_prepare_finalize(routed, layer_index=first.layer_index),
+    )
+
+    class NoRestart:
+        pass
+
+    for made, match in ((NoRestart(), "restart_steps"), (object(), "restart_steps")):
+        expect_raises(
+            failures, type(made).__name__, TypeError, match, lambda: routed.register_layer(made)
+        )
+    third = make_prepare_finalize(routed)
+    if third.layer_index != second.layer_index + 1:
+        failures.append(f"a refused registration took an index: {third.layer_index}")
+
+    latent, ids, weights, _ = draw(seed, 6)
+    counts = [6] * dep.size
+    last = dep.rank == dep.size - 1
+
+    def reject_once() -> None:  # the instance lives in this frame only
+        rejecting = make_prepare_finalize(routed, layer_index=300)
+        expected = (ValueError, "layer 300") if last else (EpPeerError, None)
+        with step_context(counts[:-1] + [-1] if last else counts, None):
+            expect_raises(
+                failures,
+                "bad context",
+                *expected,
+                lambda: rejecting.prepare(
+                    latent, weights, ids, TINY.experts, None, False, None, False
+                ),
+            )
+
+    reject_once()
+    gc.collect()
+    try:
+        make_prepare_finalize(routed, layer_index=300)
+    except ValueError as err:
+        failures.append(f"index 300 still taken after its instance was dropped: {err}")
     collective_assert(dep.cpu_group, failures, seeds=seed)
