@@ -218,6 +218,9 @@ class EpRouted:
             "topk": topk,
             "device": self.device.type,
             "version": __version__,
+            # One rank reading the ids' range and another not would refuse a step on one rank
+            # and drop the same out-of-range id on another.
+            "check_values": config.check_values,
         }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
         self._buffers: EpBuffers | None = None
@@ -400,6 +403,28 @@ class EpRouted:
         """Check `tokens` and get ready for steps of that size; returns stride(T). Local, cheap."""
         tokens = check_tokens("EpRouted.prepare", tokens, self.max_tokens)
         return self._buffers.layout.stride(tokens)
+
+    @property
+    def pending(self) -> bool:
+        """True while a dispatch awaits its combine (or abort_step) on this rank. Local."""
+        return self._step is not None
+
+    def abort_stale_step(self, fn: str, tag: object) -> None:
+        """For an engine's split dispatch/combine hooks, at the next dispatch: when the pending
+        dispatch's combine never came on this rank (the engine raised between its hooks), take
+        part in that step's combine without payload (`abort_step`: its peers, which wait in it,
+        raise EpPeerError now instead of at their timeout) and raise RuntimeError naming `fn`
+        and the layer `tag` (this call did not start; the next one runs as usual). Nothing
+        when no dispatch is pending."""
+        if self._step is None:
+            return
+        self.abort_step(
+            RuntimeError(
+                f"{fn}: layer {tag}: this rank's previous dispatch was never combined (the engine"
+                " raised between its dispatch and combine); that step is aborted on every rank"
+                " and this call did not start: call it again"
+            )
+        )
 
     def receive(self, tokens: int | None = None) -> ReceiveRows:
         """This rank's receive rows of the dispatched step (valid until its combine), or, with no

@@ -212,13 +212,29 @@ def workload(args, rank: int, world_size: int) -> list[Request]:
     ]
 
 
-def refusal(request: Request, max_prompt: int) -> str | None:
-    """Why `request` cannot be served, or None."""
-    length = request.prompt.numel()
+def refusal(request: Request, max_prompt: int, vocab: int) -> str | None:
+    """Why `request` cannot be served, or None: a prompt that is not a 1-D tensor of integer
+    token ids in 0..vocab-1 (an embedding lookup would wrap a negative id onto another token,
+    and a float or bool prompt would be cast), empty or over `max_prompt` tokens; a max_new
+    that is not an int >= 1 (such a request would never finish); an arrival time that is not
+    a finite number."""
+    prompt = request.prompt
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1:
+        return "its prompt is not a 1-D tensor of token ids"
+    if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+        return f"its prompt holds {prompt.dtype} values, not integer token ids"
+    length = prompt.numel()
     if length == 0:
         return "its prompt is empty"
     if length > max_prompt:
         return f"its prompt of {length} tokens is over the limit of {max_prompt}"
+    low, high = int(prompt.min()), int(prompt.max())
+    if low < 0 or high >= vocab:
+        return f"its prompt holds token ids {low}..{high}, outside 0..{vocab - 1}"
+    if type(request.max_new) is not int or request.max_new < 1:
+        return f"max_new={request.max_new!r}; expected an int >= 1"
+    if not math.isfinite(request.arrival_s):
+        return f"its arrival time {request.arrival_s!r} is not finite"
     return None
 
 
@@ -257,9 +273,11 @@ class Scheduler:
         return len(self.future) + len(self.admitted) + len(self.running)
 
     def admit(self, now_s: float) -> None:
-        while self.future and self.future[0].arrival_s <= now_s:
+        # `not >`: a request whose arrival time is NaN is taken (and refused), not left to
+        # block the queue behind it.
+        while self.future and not self.future[0].arrival_s > now_s:
             request = self.future.popleft()
-            why = refusal(request, self.args.max_prompt)
+            why = refusal(request, self.args.max_prompt, self.args.vocab)
             if why is None:
                 self.admitted.append(request)
                 continue

@@ -83,6 +83,40 @@ def test_continuous_batching_serves_every_token_within_the_budget():
         assert fed[request.rid] == request.generated[:-1]
 
 
+def test_a_request_the_loop_cannot_serve_is_refused_not_served_or_left():
+    """refusal() names what is wrong with a request taken from outside: negative or too large
+    token ids (an embedding lookup wrapped -1 onto the last token and served it), float, bool
+    and 2-D prompts (cast or flattened before), max_new 0 or -1 (never finished), a NaN arrival
+    (it blocked every request behind it in the queue); a well-formed one passes, and the
+    scheduler takes a NaN arrival out of the queue."""
+    server = load_server()
+    args = settings(vocab=32, max_prompt=9)
+    ok = torch.tensor([1, 5, 31])
+    cases = [
+        (ok, 3, 0.0, None),
+        (torch.tensor([5, -1]), 3, 0.0, "outside 0..31"),
+        (torch.tensor([5, 32]), 3, 0.0, "outside 0..31"),
+        (torch.tensor([4.9, 5.2]), 3, 0.0, "float32 values"),
+        (torch.tensor([True, False]), 3, 0.0, "bool values"),
+        (ok[None], 3, 0.0, "1-D tensor"),
+        ([1, 2], 3, 0.0, "1-D tensor"),
+        (ok, 0, 0.0, "max_new=0"),
+        (ok, -1, 0.0, "max_new=-1"),
+        (ok, 2.0, 0.0, "max_new=2.0"),
+        (ok, 3, float("nan"), "not finite"),
+    ]
+    for rid, (prompt, max_new, arrival, why) in enumerate(cases):
+        request = server.Request(rid, arrival, prompt, max_new)
+        got = server.refusal(request, args.max_prompt, args.vocab)
+        assert (got is None) if why is None else (got is not None and why in got), (rid, got)
+    late = server.Request(1, 5.0, ok, 3)
+    scheduler = server.Scheduler([server.Request(0, float("nan"), ok, 3), late], args, rank=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        scheduler.admit(now_s=6.0)
+    assert [r.rid for r, _ in scheduler.refused] == [0]
+    assert [r.rid for r in scheduler.admitted] == [1]
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_serving_loop_on_cpu_ranks(ranks, tmp_path):
     server = load_server()

@@ -80,14 +80,22 @@ def good_step(dep, routed, layer, experts, base: int, label: str, failures: list
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("field", ["max_tokens", "topk", "num_experts"])
+@pytest.mark.parametrize("field", ["max_tokens", "topk", "num_experts", "check_values"])
 def test_construction_arguments_differ(dep, field):
     """Each rank consistent with itself but not with rank 0: every rank raises the same
-    ValueError naming the field and every rank's value."""
+    ValueError naming the field and every rank's value (EpConfig.check_values too: before, one
+    rank refused an out-of-range id its peer dropped)."""
     odd = dep.rank == dep.size - 1
-    values = {"max_tokens": (8, 16), "topk": (6, 8), "num_experts": (48, 96)}[field]
+    values = {
+        "max_tokens": (8, 16),
+        "topk": (6, 8),
+        "num_experts": (48, 96),
+        "check_values": (True, False),
+    }[field]
     kw = {field: values[1] if odd else values[0]}
     max_tokens = kw.pop("max_tokens", MAX_TOKENS)
+    if "check_values" in kw:
+        kw["config"] = EpConfig(timeout_s=30.0, check_values=kw.pop("check_values"))
     failures: list[str] = []
     err = expect_raises(
         failures,

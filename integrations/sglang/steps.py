@@ -26,7 +26,8 @@ def step_tokens(counts: Sequence[int] | None, attn_tp_size: int, rows: int) -> i
 
 def routing(topk_output: object, rows: int, topk: int, device: torch.device):
     """(ids int32|int64 [rows, K], weights fp32 [rows, K]) from SGLang's StandardTopKOutput
-    (`topk_ids` int32 or int64, -1 = no expert; `topk_weights` fp32 or bf16); empty [0, K]
+    (`topk_ids` of an integer dtype, -1 = no expert; `topk_weights` fp32 or another floating
+    dtype; TypeError for float or bool ids, or weights that are not floating); empty [0, K]
     tensors for an idle rank, whose top-k output may hold nothing usable (SGLang's megamoe path
     builds them so too)."""
     if rows == 0:
@@ -36,8 +37,13 @@ def routing(topk_output: object, rows: int, topk: int, device: torch.device):
     # EpRouted takes int32 and int64 ids as they are (int64 clamped where it stages them);
     # a conversion of what needs none still cost ~1 us of host time each.
     if ids.dtype not in (torch.int32, torch.int64):
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            # A cast would truncate 3.7 to expert 3: no expert id is a fraction.
+            raise TypeError(f"topk_ids dtype {ids.dtype}; expected integer expert ids")
         ids = ids.to(torch.int32)
     if weights.dtype != torch.float32:
+        if not weights.is_floating_point():
+            raise TypeError(f"topk_weights dtype {weights.dtype}; expected floating weights")
         weights = weights.to(torch.float32)
     return ids, weights
 
@@ -79,6 +85,7 @@ class _ForwardMask(NamedTuple):
 
     forward: object  # SGLang's ForwardContext
     bound: torch.Tensor  # the forward's real-row bound the mask compares against
+    version: int | None  # the bound's version counter then (`bound_version`)
     rows: int
     device: torch.device
     capture: int | None  # the id of the CUDA-graph capture it was recorded in; None: eager
@@ -110,6 +117,16 @@ def capture_id(device: torch.device) -> int | None:
     return int(capture)
 
 
+def bound_version(bound: torch.Tensor) -> int | None:
+    """The bound's version counter, which every in-place write through torch raises (a
+    `copy_` or `fill_` of the same tensor with another count); None for an inference tensor,
+    which keeps none (SGLANG_ENABLE_TORCH_INFERENCE_MODE)."""
+    try:
+        return bound._version
+    except RuntimeError:
+        return None
+
+
 def _index_dtype(bound: torch.dtype) -> torch.dtype:
     """The row indices' dtype for a bound of dtype `bound`: the bound's own when it holds every
     row index exactly (int32, int64, float32 up to 2^24 rows, float64), so the comparison does not
@@ -128,11 +145,11 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
     not mask. Graph-safe: the bound is read on the device at every replay.
 
     One mask a forward: a later layer of the same forward (the same ForwardContext object,
-    which SGLang makes fresh for each forward, the same bound tensor, rows and device) gets
-    the first layer's mask, made in the same stream order after the bound was written. Inside
-    a CUDA-graph capture the mask is shared only within that capture (its id, `capture_id`),
-    so a graph never reads a mask another graph or an eager call made. The row indices:
-    `row_index`."""
+    which SGLang makes fresh for each forward, the same bound tensor, not written in place
+    since (`bound_version`), rows and device) gets the first layer's mask, made in the same
+    stream order after the bound was written. Inside a CUDA-graph capture the mask is shared
+    only within that capture (its id, `capture_id`), so a graph never reads a mask another
+    graph or an eager call made. The row indices: `row_index`."""
     global _FORWARD_MASK
     if rows == 0:
         return None
@@ -141,11 +158,13 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
     if bound is None:
         return None
     capture = capture_id(device)
+    version = bound_version(bound)
     last = _FORWARD_MASK
     if (
         last is not None
         and last.forward is forward
         and last.bound is bound
+        and last.version == version
         and last.rows == rows
         and last.device == device
         and last.capture == capture
@@ -153,7 +172,7 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
     ):
         return last.mask
     mask = row_index(rows, _index_dtype(bound.dtype), device, capture is not None) >= bound
-    _FORWARD_MASK = _ForwardMask(forward, bound, rows, device, capture, mask)
+    _FORWARD_MASK = _ForwardMask(forward, bound, version, rows, device, capture, mask)
     return mask
 
 

@@ -126,9 +126,12 @@ def prepare_finalize_class() -> type:
             """Dispatch a1 bf16 [n, L] with its ids and weights [n, K] (padding rows' ids -1)
             for a step of T tokens (the forward context's), tagged with the layer index.
             Collective: a rank that refuses its arguments, or cannot read T from its forward
-            context, takes part without payload (its peers raise EpPeerError)."""
+            context, takes part without payload (its peers raise EpPeerError); a rank whose
+            previous prepare was never finalized aborts that step first
+            (`EpRouted.abort_stale_step`)."""
             fn = f"{CLASS_NAME}.prepare"
             tag = self.layer_index
+            self.routed.abort_stale_step(fn, tag)  # vLLM raised between prepare and finalize
             refusal = _refusal(
                 fn, apply_router_weight_on_input, defer_input_quant, self.routed, num_experts
             )

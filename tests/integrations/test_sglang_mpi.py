@@ -518,6 +518,36 @@ def test_dispatcher_for_other_models(dep, monkeypatch, runner_backend, in_place)
             got = layer(latent, ss.StandardTopKOutput(weights, ids, None))
         if not torch.equal(bits(got), bits(want)):
             failures.append("the step after rank 0's malformed top-k output: other bits")
+        # Rank 0's runner raises between dispatch and combine (SGLang's code, outside dep_ep):
+        # its next dispatch aborts that step, so the peers waiting in its combine raise
+        # EpPeerError then (before: they waited out their timeout, and rank 0's every later
+        # dispatch was refused as "not combined yet"); the step after is good.
+        topk = ss.StandardTopKOutput(weights, ids, None)
+        good_runner = layer.runner
+
+        def failing_runner(dispatch_output):
+            raise RuntimeError("the runner failed on purpose")
+
+        if bad:
+            layer.runner = failing_runner
+            with sglang.step(counts):
+                expect_raises(
+                    failures, "runner", RuntimeError, "on purpose", lambda: layer(latent, topk)
+                )
+            layer.runner = good_runner
+            with sglang.step(counts):
+                expect_raises(
+                    failures, "stale", RuntimeError, "never combined", lambda: layer(latent, topk)
+                )
+        else:
+            with sglang.step(counts):
+                expect_raises(
+                    failures, "peer's runner", EpPeerError, "rank 0", lambda: layer(latent, topk)
+                )
+        with sglang.step(counts):
+            got = layer(latent, topk)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the step after rank 0's runner failed: other bits")
     with serving(dep, monkeypatch, a2a="flashinfer") as (sglang, _):
         expect_raises(
             failures,

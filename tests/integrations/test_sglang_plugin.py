@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from standins import sglang_standin as ss
 from dep_ep.integrations import common
 from dep_ep.integrations.sglang import engine as sglang_engine
 from dep_ep.integrations.sglang import plugin
-from dep_ep.integrations.sglang.steps import padding_mask, step_tokens
+from dep_ep.integrations.sglang.steps import padding_mask, routing, step_tokens
 
 from helpers.source_signatures import signature_of
 
@@ -118,6 +119,32 @@ def test_step_tokens(counts, attn_tp, rows, want):
     assert step_tokens(counts, attn_tp, rows) == want
 
 
+def test_routing_takes_integer_ids_and_floating_weights_only():
+    """Integer ids of any width and floating weights of any width are converted (int32 and
+    int64 ids and fp32 weights kept as they are); float or bool ids (before: cast, 3.7 to
+    expert 3, silently) and integer weights raise TypeError, which the hook turns into a
+    rejected step."""
+    weights = torch.rand(2, 4)
+    for dtype in (torch.int32, torch.int64):
+        ids = torch.tensor([[0, 1, 2, -1], [3, 4, 5, 6]], dtype=dtype)
+        got_ids, got_weights = routing(
+            SimpleNamespace(topk_ids=ids, topk_weights=weights), 2, 4, "cpu"
+        )
+        assert got_ids is ids and got_weights is weights
+    small = torch.tensor([[0, 1, 2, -1], [3, 4, 5, 6]], dtype=torch.int16)
+    half = weights.to(torch.bfloat16)
+    got_ids, got_weights = routing(SimpleNamespace(topk_ids=small, topk_weights=half), 2, 4, "cpu")
+    assert got_ids.dtype == torch.int32 and got_ids.tolist() == small.tolist()
+    assert got_weights.dtype == torch.float32 and torch.equal(got_weights, half.float())
+    for ids, w, match in (
+        (small.float() + 0.7, weights, "topk_ids dtype torch.float32"),
+        (small >= 0, weights, "topk_ids dtype torch.bool"),
+        (small, torch.ones(2, 4, dtype=torch.int32), "topk_weights dtype torch.int32"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            routing(SimpleNamespace(topk_ids=ids, topk_weights=w), 2, 4, "cpu")
+
+
 def test_step_tokens_refuses_a_negative_count():
     with pytest.raises(ValueError, match="negative"):
         step_tokens([3, -1], 1, 3)
@@ -139,7 +166,8 @@ def test_padding_rows_from_the_bound(standin):
 def test_one_padding_mask_a_forward(standin):
     """The layers of one forward share its mask; a new forward (a new ForwardContext, as SGLang
     makes one for each) gets a new mask even when its bound is the same tensor holding another
-    count (a graph runner's static buffer), and so does another row count."""
+    count (a graph runner's static buffer), and so do another row count and a bound written in
+    place within one forward context."""
     engine = sglang_engine.engine()
     cpu = torch.device("cpu")
     bound = torch.tensor([3], dtype=torch.int32)
@@ -156,6 +184,25 @@ def test_one_padding_mask_a_forward(standin):
     assert first.tolist() == [i >= 3 for i in range(6)]  # the earlier mask is not rewritten
     with standin.step([6], torch.tensor([1], dtype=torch.int32)):  # another bound tensor
         assert padding_mask(engine, 6, cpu).tolist() == [i >= 1 for i in range(6)]
+    # The bound written in place inside one forward context (between two layers, or an engine
+    # that keeps one context over two forwards): the next layer gets a mask of the new count
+    # (before: the first layer's, its padding rows sent to experts or real rows dropped,
+    # silently). Under inference mode the bound keeps no version counter: shared as before.
+    bound = torch.tensor([5], dtype=torch.int32)
+    with standin.step([6], bound):
+        assert padding_mask(engine, 6, cpu).tolist() == [i >= 5 for i in range(6)]
+        bound.fill_(2)
+        assert padding_mask(engine, 6, cpu).tolist() == [i >= 2 for i in range(6)]
+        bound.copy_(torch.tensor([4]))
+        again = padding_mask(engine, 6, cpu)
+        assert again.tolist() == [i >= 4 for i in range(6)]
+        assert padding_mask(engine, 6, cpu) is again
+    with torch.inference_mode():
+        frozen = torch.tensor([3], dtype=torch.int32)
+    with standin.step([6], frozen):
+        shared = padding_mask(engine, 6, cpu)
+        assert shared.tolist() == [i >= 3 for i in range(6)]
+        assert padding_mask(engine, 6, cpu) is shared
 
 
 @pytest.mark.parametrize(

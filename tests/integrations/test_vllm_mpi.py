@@ -554,6 +554,8 @@ def test_a_context_or_layer_a_rank_alone_gets_wrong_raises_on_every_rank(dep, st
       rank abandons a forward between them, so its next call is layer 0's where its peers call
       layer 1's: EpDesyncError on every rank (before: untagged calls paired, and every later
       step returned rows computed with the other layer's experts, silently).
+    - vLLM raising between prepare and finalize on the last rank: its next prepare aborts that
+      step (RuntimeError there, EpPeerError on the peers waiting in its combine).
     The next step is good each time (after reset() for the desync)."""
     seed = agreed_seed(dep.cpu_group, 770)
     served = serve(standin, seed, data_parallel_size=dep.size)
@@ -613,6 +615,17 @@ def test_a_context_or_layer_a_rank_alone_gets_wrong_raises_on_every_rank(dep, st
     with step_context(counts, None):
         if not torch.equal(bits(modular(1)), bits(clean[1])):
             failures.append("layer 1 after the bad context: other bits")
+        # vLLM raises between prepare and finalize on the last rank: its next prepare aborts
+        # that step, so its peers, waiting in finalize's combine, raise EpPeerError then
+        # (before: they waited out their timeout, and the last rank's every later prepare was
+        # refused as "not combined yet").
+        if last:
+            pfs[0].prepare(latent, weights, ids, TINY.experts, None, False, None, False)
+            expect_raises(failures, "stale", RuntimeError, "never combined", lambda: modular(0))
+        else:
+            expect_raises(failures, "peer's stale", EpPeerError, None, lambda: modular(0))
+        if not torch.equal(bits(modular(0)), bits(clean[0])):
+            failures.append("layer 0 after the stale prepare: other bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
