@@ -71,7 +71,7 @@ def agree_on_construction(
     if differing:
         raise ValueError(
             f"{fn}: the ranks were built with different arguments: {'; '.join(differing)}."
-            " Every rank of the group must pass the same geometry"
+            " Every rank of the group must pass the same geometry and settings"
         )
     job = messages[0]["job"]
     number = channel.constructions.count

@@ -31,6 +31,7 @@ from dep_ep.comm.errors import (
     RECOVERY_REBUILD,
     EpError,
     EpPeerLostError,
+    tag_text,
 )
 from dep_ep.comm.failure import StepFailure
 from dep_ep.comm.layout import EpLayout
@@ -69,13 +70,15 @@ class ReceiveRows:
 
 @dataclass(frozen=True)
 class _Step:
-    """The dispatched step awaiting its combine: T, this rank's real rows n, the tag, and the
-    staged ids int32 [T, K] (a copy: the caller may reuse its tensor)."""
+    """The dispatched step awaiting its combine: T, this rank's real rows n, the tag, the
+    staged ids int32 [T, K] (a copy: the caller may reuse its tensor), and who dispatched it
+    (`dispatch`'s owner; None for a plain caller)."""
 
     tokens: int
     real: int
     tag: int
     ids: torch.Tensor
+    owner: object = None
 
 
 def check_experts_match(fn: str, routed: EpRouted, experts: object) -> None:
@@ -170,8 +173,9 @@ class EpRouted:
     device: "cpu" or a CUDA device; num_experts: E (divisible by the rank count; rank r owns
     [r*E/N, (r+1)*E/N)); latent: L (a multiple of 32); topk: K; config: runtime settings
     (timeouts, checks, combine path, the peer watch). Integers of any kind (numpy, 0-dim torch)
-    are taken. Construction compares every rank's arguments (and device kind and library
-    version) and raises ValueError on every rank naming the fields that differ; a rank whose own
+    are taken. Construction compares every rank's arguments (and device kind, library version
+    and whether the values are checked, `config.check_values` as resolved) and raises
+    ValueError on every rank naming the fields that differ; a rank whose own
     arguments are invalid raises its error and every other rank EpPeerError; a rank that never
     arrives gives EpTimeoutError within `config.timeout_s`.
 
@@ -219,8 +223,11 @@ class EpRouted:
             "device": self.device.type,
             "version": __version__,
             # One rank reading the ids' range and another not would refuse a step on one rank
-            # and drop the same out-of-range id on another.
-            "check_values": config.check_values,
+            # and drop the same out-of-range id on another. As resolved: None reads them on CPU
+            # (its host transport), not on CUDA.
+            "check_values": bool(
+                self.device.type == "cpu" if config.check_values is None else config.check_values
+            ),
         }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
         self._buffers: EpBuffers | None = None
@@ -409,20 +416,24 @@ class EpRouted:
         """True while a dispatch awaits its combine (or abort_step) on this rank. Local."""
         return self._step is not None
 
-    def abort_stale_step(self, fn: str, tag: object) -> None:
-        """For an engine's split dispatch/combine hooks, at the next dispatch: when the pending
-        dispatch's combine never came on this rank (the engine raised between its hooks), take
-        part in that step's combine without payload (`abort_step`: its peers, which wait in it,
-        raise EpPeerError now instead of at their timeout) and raise RuntimeError naming `fn`
-        and the layer `tag` (this call did not start; the next one runs as usual). Nothing
-        when no dispatch is pending."""
-        if self._step is None:
+    def abort_stale_step(self, fn: str, owner: object) -> None:
+        """For an engine's split dispatch and combine hooks, at the next dispatch: when the
+        pending dispatch is `owner`'s (`dispatch(..., owner=)`) and its combine never came on
+        this rank (the engine raised between its hooks), take part in that step's combine
+        without payload (`abort_step`) and raise RuntimeError naming `fn` and the stale step's
+        tag; this call did not start. The peers raise EpPeerError in that step: on CPU in the
+        combine they wait in, on GPU at their next call or poll(). Nothing when no dispatch is
+        pending or another caller's is (its own combine is still to come: the dispatch that
+        follows refuses to start, locally, as before)."""
+        step = self._step
+        if step is None or step.owner is not owner:
             return
         self.abort_step(
             RuntimeError(
-                f"{fn}: layer {tag}: this rank's previous dispatch was never combined (the engine"
-                " raised between its dispatch and combine); that step is aborted on every rank"
-                " and this call did not start: call it again"
+                f"{fn}: this rank's dispatch of {tag_text(step.tag)} was never combined (the"
+                " engine raised between its dispatch and combine); that step is aborted, and"
+                " this call did not start: call it again (after reset() on every rank where a"
+                " peer timed out or raised EpDesyncError)"
             )
         )
 
@@ -622,6 +633,7 @@ class EpRouted:
         tokens: int | None = None,
         tag: int | None = None,
         padding: torch.Tensor | None = None,
+        owner: object = None,
     ) -> ReceiveRows:
         """Quantize each token to MXFP8 once and deliver it to every rank owning one of its experts.
 
@@ -634,10 +646,20 @@ class EpRouted:
         ids and weights hold. Applied where the ids are staged (the one kernel that copies them
         either way), so it costs no launch and a CUDA graph reads the live mask at each replay.
         Collective; on CPU it blocks until every rank has delivered. Returns this rank's receive
-        rows. `experts`, when given, is validated with the inputs.
+        rows. `experts`, when given, is validated with the inputs. `owner`: who dispatches (an
+        engine hook's marker, for `abort_stale_step`), recorded with the pending step.
         """
         return self._dispatch(
-            "EpRouted.dispatch", latent, ids, weights, experts, False, tokens, tag, padding=padding
+            "EpRouted.dispatch",
+            latent,
+            ids,
+            weights,
+            experts,
+            False,
+            tokens,
+            tag,
+            padding=padding,
+            owner=owner,
         )
 
     def _dispatch(
@@ -652,6 +674,7 @@ class EpRouted:
         tag,
         checked=True,
         padding=None,
+        owner=None,
     ):
         self._check_usable(fn)
         if self._step is not None:
@@ -687,7 +710,7 @@ class EpRouted:
             ),
             error,
         )
-        self._step = _Step(tokens, real, wire_tag, staged_ids)
+        self._step = _Step(tokens, real, wire_tag, staged_ids, owner)
         self._last_tokens = tokens
         if self.config.check_expert_rows:
             # Every expert output row of the step is marked; the experts overwrite the rows they

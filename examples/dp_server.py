@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 import sys
 import time
 from collections import deque
@@ -221,21 +222,28 @@ def refusal(request: Request, max_prompt: int, vocab: int) -> str | None:
     prompt = request.prompt
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1:
         return "its prompt is not a 1-D tensor of token ids"
-    if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
-        return f"its prompt holds {prompt.dtype} values, not integer token ids"
     length = prompt.numel()
     if length == 0:
         return "its prompt is empty"
+    if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+        return f"its prompt holds {prompt.dtype} values, not integer token ids"
     if length > max_prompt:
         return f"its prompt of {length} tokens is over the limit of {max_prompt}"
     low, high = int(prompt.min()), int(prompt.max())
     if low < 0 or high >= vocab:
         return f"its prompt holds token ids {low}..{high}, outside 0..{vocab - 1}"
-    if type(request.max_new) is not int or request.max_new < 1:
-        return f"max_new={request.max_new!r}; expected an int >= 1"
-    if not math.isfinite(request.arrival_s):
-        return f"its arrival time {request.arrival_s!r} is not finite"
+    new = request.max_new
+    if not isinstance(new, numbers.Integral) or isinstance(new, bool) or new < 1:
+        return f"max_new={new!r}; expected an int >= 1"
+    if not finite_time(request.arrival_s):
+        return f"its arrival time {request.arrival_s!r} is not a finite number"
     return None
+
+
+def finite_time(value: object) -> bool:
+    """True for a real number (not a bool) that is finite."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return real and math.isfinite(value)
 
 
 def refusal_line(rank: int, rid: int, why: str) -> str:
@@ -273,9 +281,11 @@ class Scheduler:
         return len(self.future) + len(self.admitted) + len(self.running)
 
     def admit(self, now_s: float) -> None:
-        # `not >`: a request whose arrival time is NaN is taken (and refused), not left to
-        # block the queue behind it.
-        while self.future and not self.future[0].arrival_s > now_s:
+        # A request whose arrival time is not a finite number (NaN, inf, None) is taken (and
+        # refused), not left to block the queue behind it or to keep the loop waiting.
+        while self.future and not (
+            finite_time(self.future[0].arrival_s) and self.future[0].arrival_s > now_s
+        ):
             request = self.future.popleft()
             why = refusal(request, self.args.max_prompt, self.args.vocab)
             if why is None:

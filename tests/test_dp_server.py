@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,9 +87,10 @@ def test_continuous_batching_serves_every_token_within_the_budget():
 def test_a_request_the_loop_cannot_serve_is_refused_not_served_or_left():
     """refusal() names what is wrong with a request taken from outside: negative or too large
     token ids (an embedding lookup wrapped -1 onto the last token and served it), float, bool
-    and 2-D prompts (cast or flattened before), max_new 0 or -1 (never finished), a NaN arrival
-    (it blocked every request behind it in the queue); a well-formed one passes, and the
-    scheduler takes a NaN arrival out of the queue."""
+    and 2-D prompts (cast or flattened before), max_new 0 or -1 (never finished), a NaN, inf or
+    missing arrival (a NaN blocked every request behind it in the queue, an inf kept the loop
+    waiting); well-formed ones pass (int32 ids, a NumPy max_new), and the scheduler takes the
+    requests whose arrival is not a finite number out of the queue."""
     server = load_server()
     args = settings(vocab=32, max_prompt=9)
     ok = torch.tensor([1, 5, 31])
@@ -103,18 +105,25 @@ def test_a_request_the_loop_cannot_serve_is_refused_not_served_or_left():
         (ok, 0, 0.0, "max_new=0"),
         (ok, -1, 0.0, "max_new=-1"),
         (ok, 2.0, 0.0, "max_new=2.0"),
-        (ok, 3, float("nan"), "not finite"),
+        (ok, 3, float("nan"), "not a finite number"),
+        (ok, 3, float("inf"), "not a finite number"),
+        (ok, 3, None, "not a finite number"),
+        (ok.int(), np.int64(3), 1, None),  # int32 ids, a NumPy max_new, an int arrival
+        (torch.tensor([]), 3, 0.0, "empty"),
+        (torch.tensor(5), 3, 0.0, "1-D tensor"),
     ]
     for rid, (prompt, max_new, arrival, why) in enumerate(cases):
         request = server.Request(rid, arrival, prompt, max_new)
         got = server.refusal(request, args.max_prompt, args.vocab)
         assert (got is None) if why is None else (got is not None and why in got), (rid, got)
-    late = server.Request(1, 5.0, ok, 3)
-    scheduler = server.Scheduler([server.Request(0, float("nan"), ok, 3), late], args, rank=0)
+    queue = [server.Request(0, float("nan"), ok, 3), server.Request(1, 5.0, ok, 3)]
+    queue += [server.Request(2, float("inf"), ok, 3), server.Request(3, 7.0, ok, 3)]
+    scheduler = server.Scheduler(queue, args, rank=0)
     with contextlib.redirect_stdout(io.StringIO()):
         scheduler.admit(now_s=6.0)
-    assert [r.rid for r, _ in scheduler.refused] == [0]
+    assert [r.rid for r, _ in scheduler.refused] == [0, 2]
     assert [r.rid for r in scheduler.admitted] == [1]
+    assert [r.rid for r in scheduler.future] == [3]  # arrives later
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -804,3 +804,44 @@ def test_situ_check_and_integration_helpers(dep, layer):
     if not first.closed:
         failures.append("close_shared left the EpRouted open")
     collective_assert(dep.cpu_group, failures, seeds=None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_abort_stale_step_aborts_only_its_owners_pending_step(dep, layer):
+    """abort_stale_step: nothing with no dispatch pending or with another owner's pending (and
+    `pending` says so); with its owner's, rank 0 aborts that step (RuntimeError naming the stale
+    step's tag, 7, not the caller's layer) while the others, in its combine, raise EpPeerError;
+    the next step is good."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 680), 6)
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep) as routed:
+        latent, ids, weights = batches.inputs(0)
+        want = routed(latent, ids, weights, norm, experts=batches.experts)
+        routed.abort_stale_step("f", "hook")  # nothing pending: nothing happens
+        routed.dispatch(latent, ids, weights, tag=7, owner="hook")
+        if not routed.pending:
+            failures.append("pending is False after a dispatch")
+        rows = routed.receive()
+        batches.experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        if dep.rank == 0:
+            routed.abort_stale_step("f", "another hook")  # not its step: nothing happens
+            if not routed.pending:
+                failures.append("another owner's call aborted the pending step")
+            expect_raises(
+                failures,
+                "stale",
+                RuntimeError,
+                "f: this rank's dispatch of tag 7 was never combined",
+                lambda: routed.abort_stale_step("f", "hook"),
+            )
+        else:
+            expect_raises(
+                failures, "peer's stale", EpPeerError, "rank 0", lambda: routed.combine(norm)
+            )
+        if routed.pending:
+            failures.append("pending is True after the step")
+        got = routed(latent, ids, weights, norm, experts=batches.experts)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the step after the aborted one: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)

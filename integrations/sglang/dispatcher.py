@@ -98,16 +98,22 @@ class DepEpDispatch:
         sum over its local experts), output_dtype): this rank's R = N T receive rows, rank-major
         (docs/design.md, "The row contract"). Valid until the combine. A rank whose top-k
         output or step counts are malformed rejects the step: its ValueError here, EpPeerError
-        on its peers. A rank whose previous dispatch was never combined (SGLang raised between
-        the two) aborts that step first (`EpRouted.abort_stale_step`): RuntimeError here, the
-        peers waiting in its combine EpPeerError."""
+        on its peers. A rank whose previous dispatch (this class's, any layer's) was never
+        combined (SGLang raised between the two) aborts that step first
+        (`EpRouted.abort_stale_step`): RuntimeError here, EpPeerError on the peers."""
         fn = "dep_ep.integrations.sglang.dispatcher.DepEpDispatcher.dispatch"
-        self.routed.abort_stale_step(fn, self.layer_id)
+        self.routed.abort_stale_step(fn, DepEpDispatch)  # every layer's dispatcher
         ids, weights, padding, tokens = step_inputs(
             fn, engine(), self.routed, topk_output, hidden_states, self.layer_id
         )
         received = self.routed.dispatch(
-            hidden_states, ids, weights, tokens=tokens, tag=self.layer_id, padding=padding
+            hidden_states,
+            ids,
+            weights,
+            tokens=tokens,
+            tag=self.layer_id,
+            padding=padding,
+            owner=DepEpDispatch,
         )
         local_ids = received.ids
         if self.invalid_expert_id != -1:

@@ -131,7 +131,8 @@ def prepare_finalize_class() -> type:
             (`EpRouted.abort_stale_step`)."""
             fn = f"{CLASS_NAME}.prepare"
             tag = self.layer_index
-            self.routed.abort_stale_step(fn, tag)  # vLLM raised between prepare and finalize
+            # vLLM raised between an earlier prepare (any layer's) and its finalize:
+            self.routed.abort_stale_step(fn, CLASS_NAME)
             refusal = _refusal(
                 fn, apply_router_weight_on_input, defer_input_quant, self.routed, num_experts
             )
@@ -144,7 +145,13 @@ def prepare_finalize_class() -> type:
             except Exception as err:  # on this rank alone: every rank must raise
                 reject_bad_step(self.routed, fn, tag, "the forward context", err)
             got = self.routed.dispatch(
-                a1, topk_ids, topk_weights, tokens=tokens, tag=tag, padding=padding
+                a1,
+                topk_ids,
+                topk_weights,
+                tokens=tokens,
+                tag=tag,
+                padding=padding,
+                owner=CLASS_NAME,
             )
             return got.x.view(torch.float8_e4m3fn), got.sf, None, got.ids, got.weights
 
