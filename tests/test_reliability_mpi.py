@@ -112,6 +112,21 @@ def test_construction_arguments_differ(dep, field):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_check_values_are_compared_as_resolved(dep):
+    """check_values None on rank 0 and True on the others: on CPU both read the values, so the
+    ranks agree and build (the construction compares the resolved setting, not the spelling)."""
+    failures: list[str] = []
+    check = None if dep.rank == 0 else True
+    try:
+        with build(dep, config=EpConfig(timeout_s=30.0, check_values=check)) as routed:
+            if routed.check_values is not True:
+                failures.append(f"check_values resolved to {routed.check_values}")
+    except Exception as err:
+        failures.append(f"{type(err).__name__}: {err}")
+    collective_assert(dep.cpu_group, failures, seeds=None)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_skipped_step_with_tags_is_a_desync_on_every_rank(dep, layer):
     """The last rank skips step 1; with tags every rank raises EpDesyncError naming the tags,
     with recovery "reset" and a message saying to call reset() on every rank (the ranks' calls no
