@@ -27,11 +27,7 @@ from dep_ep.checks import check_int, check_positive_int
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts import ExpertWeights, default_experts
-from dep_ep.integrations.common import (
-    reject_bad_step,
-    shared_routed,
-    warm_buckets,
-)
+from dep_ep.integrations.common import reject_bad_step, shared_routed, warm_buckets
 from dep_ep.integrations.vllm.engine import check_version, engine
 from dep_ep.integrations.vllm.options import options_from
 from dep_ep.integrations.vllm.step_poll import install_step_poll
