@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 
@@ -205,6 +206,7 @@ def check_tokens(fn: str, tokens: object, max_tokens: int) -> int:
 # what rounds to fp32's positive finite range, EPS_MIN = 2^-149 (1.4e-45) to EPS_MAX (3.4e38).
 EPS_MIN, EPS_MAX = 2.0**-149, float(torch.finfo(torch.float32).max)
 EPS_NORMAL = float(torch.finfo(torch.float32).tiny)  # 2^-126, fp32's smallest normal
+EPS_TO_INF = 2.0**128 - 2.0**103  # fp32's largest plus half its last step: rounds to inf
 
 
 def check_eps(fn: str, eps: object) -> float:
@@ -212,11 +214,20 @@ def check_eps(fn: str, eps: object) -> float:
     float (the caller's value, not its rounding)."""
     if type(eps) is float and EPS_NORMAL <= eps <= EPS_MAX:
         # A normal fp32 magnitude, so its rounding is finite and > 0 even where denormals are
-        # flushed (torch.set_flush_denormal): 0.12 us a call on an x86 host, where the tensor
-        # round trip below took 11.
+        # flushed (torch.set_flush_denormal): 0.12 us a call on an x86 host, where a tensor
+        # round trip took 11.
         return eps
     value = check_real(fn, "eps", eps)
-    rounded = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+    if torch.compiler.is_compiling():
+        # Dynamo traces Python arithmetic, not struct or a tensor's value: fp32's rounding by
+        # its bounds (ties to even: 2^-150 to 0, fp32's largest plus half its last step to inf;
+        # denormals not flushed).
+        rounded = 0.0 if value <= 2.0**-150 else math.inf if value >= EPS_TO_INF else value
+    else:
+        try:  # the hardware's rounding, denormal flushing included, without a tensor
+            rounded = struct.unpack("f", struct.pack("f", value))[0]
+        except OverflowError:  # rounds past fp32's largest
+            rounded = math.inf
     if not (value > 0 and 0 < rounded < math.inf):
         raise ValueError(
             f"{fn}: eps={eps!r} (fp32: {rounded!r}); expected a real > 0 whose fp32 rounding is"

@@ -79,6 +79,10 @@ class _Step:
     tag: int
     ids: torch.Tensor
     owner: object = None
+    # Where an owner's dispatch ran, for `abort_stale_step`: inside a CUDA-graph capture, and
+    # on which CUDA stream (None on CPU and for a plain caller).
+    captured: bool = False
+    stream: object = None
 
 
 def check_experts_match(fn: str, routed: EpRouted, experts: object) -> None:
@@ -420,22 +424,49 @@ class EpRouted:
         """For an engine's split dispatch and combine hooks, at the next dispatch: when the
         pending dispatch is `owner`'s (`dispatch(..., owner=)`) and its combine never came on
         this rank (the engine raised between its hooks), take part in that step's combine
-        without payload (`abort_step`) and raise RuntimeError naming `fn` and the stale step's
-        tag; this call did not start. The peers raise EpPeerError in that step: on CPU in the
-        combine they wait in, on GPU at their next call or poll(). Nothing when no dispatch is
-        pending or another caller's is (its own combine is still to come: the dispatch that
-        follows refuses to start, locally, as before)."""
+        without payload (`abort_step`, ordered after the stale dispatch's stream) and raise
+        RuntimeError naming `fn` and the stale step's tag; this call did not start. Nothing
+        when no dispatch is pending or another caller's is (its own combine is still to come:
+        the dispatch that follows refuses to start, locally, as before).
+
+        CPU: the peers raise EpPeerError in the combine they wait in, and the next call runs
+        as usual. GPU: the peers' step is NaN and they raise EpPeerError at their next call or
+        poll(), but their later calls were queued already and no longer pair with this rank's:
+        this rank refuses calls until reset() on every rank (the error says so). While a
+        CUDA-graph capture runs, or when the stale dispatch was only captured (its graph never
+        replayed), nothing is launched: RuntimeError saying to reset() on every rank."""
         step = self._step
         if step is None or step.owner is not owner:
             return
-        self.abort_step(
-            RuntimeError(
-                f"{fn}: this rank's dispatch of {tag_text(step.tag)} was never combined (the"
-                " engine raised between its dispatch and combine); that step is aborted, and"
-                " this call did not start: call it again (after reset() on every rank where a"
-                " peer timed out or raised EpDesyncError)"
-            )
+        what = (
+            f"{fn}: this rank's dispatch of {tag_text(step.tag)} was never combined (the engine"
+            " raised between its dispatch and combine)"
         )
+        if step.captured or self._transport.capturing():
+            # A combine launched now would go into a graph the error ends, or pair with a
+            # dispatch that never ran on the device.
+            if step.captured:
+                self._step = None
+            self._broken = f"{what} inside a CUDA-graph capture; call reset() on every rank"
+            raise RuntimeError(self._broken)
+        if step.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(step.stream)
+        on_gpu = not self._transport.completes_on_return
+        after = (
+            "the peers' later calls were queued already: call reset() on every rank"
+            if on_gpu
+            else "call it again"
+        )
+        try:
+            self.abort_step(
+                RuntimeError(
+                    f"{what}; that step is aborted on every rank and this call did not start:"
+                    f" {after}"
+                )
+            )
+        finally:
+            if on_gpu:
+                self._broken = f"{what}, and that step was aborted; call reset() on every rank"
 
     def receive(self, tokens: int | None = None) -> ReceiveRows:
         """This rank's receive rows of the dispatched step (valid until its combine), or, with no
@@ -710,7 +741,11 @@ class EpRouted:
             ),
             error,
         )
-        self._step = _Step(tokens, real, wire_tag, staged_ids, owner)
+        captured, stream = False, None
+        if owner is not None and self.device.type == "cuda":  # only an engine hook's dispatch
+            captured = self._transport.capturing()
+            stream = torch.cuda.current_stream(self.device)
+        self._step = _Step(tokens, real, wire_tag, staged_ids, owner, captured, stream)
         self._last_tokens = tokens
         if self.config.check_expert_rows:
             # Every expert output row of the step is marked; the experts overwrite the rows they

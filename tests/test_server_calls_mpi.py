@@ -811,7 +811,8 @@ def test_abort_stale_step_aborts_only_its_owners_pending_step(dep, layer):
     """abort_stale_step: nothing with no dispatch pending or with another owner's pending (and
     `pending` says so); with its owner's, rank 0 aborts that step (RuntimeError naming the stale
     step's tag, 7, not the caller's layer) while the others, in its combine, raise EpPeerError;
-    the next step is good."""
+    the next step is good. Inside a CUDA-graph capture (forced on every rank) nothing is
+    launched and calls are refused until reset()."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 680), 6)
     norm = layer.norm_weight()
     failures: list[str] = []
@@ -844,4 +845,30 @@ def test_abort_stale_step_aborts_only_its_owners_pending_step(dep, layer):
         got = routed(latent, ids, weights, norm, experts=batches.experts)
         if not torch.equal(bits(got), bits(want)):
             failures.append("the step after the aborted one: other bits")
+        # While a CUDA-graph capture runs (the transport's capturing(), forced here on every
+        # rank): nothing is launched, the step is left to reset(), and calls are refused until
+        # then.
+        routed.dispatch(latent, ids, weights, tag=8, owner="hook")
+        routed._transport.capturing = lambda: True
+        try:
+            expect_raises(
+                failures,
+                "stale in a capture",
+                RuntimeError,
+                "tag 8 was never combined.*inside a CUDA-graph capture; call reset",
+                lambda: routed.abort_stale_step("f", "hook"),
+            )
+        finally:
+            del routed._transport.capturing
+        expect_raises(
+            failures,
+            "after the capture's refusal",
+            RuntimeError,
+            "reset",
+            lambda: routed(latent, ids, weights, norm, experts=batches.experts),
+        )
+        routed.reset()
+        got = routed(latent, ids, weights, norm, experts=batches.experts)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the step after reset: other bits")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)

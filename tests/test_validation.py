@@ -116,3 +116,17 @@ def test_a_real_past_the_float_range_is_a_value_error():
             check_eps("f", value)
         with pytest.raises(ValueError, match="outside the float range"):
             check_real("f", "x", value)
+
+
+def test_check_eps_traces_under_torch_compile():
+    """check_eps of an int, a normal and a subnormal eps inside a fullgraph torch.compile (as
+    routed_op's checks run when a model is compiled): it returns the caller's value (before,
+    its tensor round trip for ints and subnormals failed the compile)."""
+
+    def scaled(x, eps):
+        return x * check_eps("f", eps)
+
+    compiled = torch.compile(scaled, fullgraph=True, backend="eager")
+    x = torch.ones(2)
+    for eps in (1e-6, 1, 1e-40):
+        assert torch.equal(compiled(x, eps), scaled(x, eps)), eps
