@@ -183,10 +183,10 @@ def test_a_step_in_pieces_into_a_buffer_sharing_the_latents_memory(dep, layer):
     latent row of the next piece before it was read, on every rank, silently), one row behind,
     and the latent itself: every one the bits of the same step into a fresh tensor."""
     seed = agreed_seed(dep.cpu_group, 640)
-    total, r = 20, dep.rank
-    case = make_case(TINY, dep.size, total, seed, "random")
-    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
-    experts = Batches(dep, layer, seed, total).experts
+    total = 20
+    batches = Batches(dep, layer, seed, total)
+    latent, ids, weights = batches.inputs(0)
+    experts = batches.experts
     norm = layer.norm_weight()
     failures: list[str] = []
     with build(dep, 8) as routed:
@@ -225,9 +225,9 @@ def test_a_step_in_pieces_refuses_bad_arguments_on_every_rank(dep, layer):
     call gives the bits of a good call."""
     seed = agreed_seed(dep.cpu_group, 660)
     total, r = 10, dep.rank
-    case = make_case(TINY, dep.size, total, seed, "random")
-    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
-    experts = RowByRowExperts(Batches(dep, layer, seed, total).experts)
+    batches = Batches(dep, layer, seed, total)
+    latent, ids, weights = batches.inputs(0)
+    experts = RowByRowExperts(batches.experts)
     norm = layer.norm_weight()
     failures: list[str] = []
     bad = r == dep.size - 1
@@ -397,9 +397,9 @@ def test_pieces_keep_tags_apart_and_count_every_piece(dep, layer):
     equal to one step of T on a larger EpRouted (before: the last piece's)."""
     seed = agreed_seed(dep.cpu_group, 665)
     total, r = 10, dep.rank
-    case = make_case(TINY, dep.size, total, seed, "random")
-    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
-    experts = Batches(dep, layer, seed, total).experts
+    batches = Batches(dep, layer, seed, total)
+    latent, ids, weights = batches.inputs(0)
+    experts = batches.experts
     norm = layer.norm_weight()
     failures: list[str] = []
     with build(dep, 16, count_experts=True) as large:
@@ -611,9 +611,9 @@ def test_custom_op_rejects_every_piece_of_a_step_given_no_tokens(dep, layer, mon
     TypeError, the others EpPeerError; the next call is good."""
     seed = agreed_seed(dep.cpu_group, 675)
     total, r = 10, dep.rank
-    case = make_case(TINY, dep.size, total, seed, "random")
-    latent, ids, weights = case.latent[r], case.ids[r], case.weights[r]
-    experts = Batches(dep, layer, seed, total).experts
+    batches = Batches(dep, layer, seed, total)
+    latent, ids, weights = batches.inputs(0)
+    experts = batches.experts
     norm = layer.norm_weight()
     failures: list[str] = []
     with build(dep, 4) as routed:
