@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from dep_ep.checks import check_tensor
+from dep_ep.comm.failure import StepFailure, new_record
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.weights import ExpertWeights, expect_expert_weights
@@ -132,7 +133,10 @@ class ExpertsBackend(ABC):
         """Local: do once, on scratch receive rows, what a call over `rows` receive rows of
         `topk` ids does the first time (a backend that compiles per row count compiles here:
         HopperExperts' humming kernels), so that capturing such a call in a CUDA graph compiles
-        nothing. Every scratch row holds one local id; the outputs are thrown away."""
+        nothing. Every scratch row holds one local id; the outputs are thrown away. A backend
+        whose `device_failures` is True is called as EpRouted calls it, with a StepFailure (scratch
+        status and record words), so that the kernels of a call that may fail the step
+        (HopperExperts' finalize with FAIL_STEP) compile here too."""
         if rows < 1:
             return
         on = dict(device=self.device)
@@ -143,4 +147,9 @@ class ExpertsBackend(ABC):
         ids[:, 0] = self.first_expert + local
         weights = torch.ones(rows, topk, dtype=torch.float32, **on)
         out = torch.empty(rows, self.latent, dtype=torch.bfloat16, **on)
-        self.forward(x, sf, ids, weights, out)
+        if not self.device_failures:
+            self.forward(x, sf, ids, weights, out)
+            return
+        status = torch.zeros(1, dtype=torch.int64, **on)
+        record = new_record(pinned=self.device.type == "cuda")
+        self.forward(x, sf, ids, weights, out, failure=StepFailure(status, record, tag=0))

@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 import torch
 
+from dep_ep.comm.failure import FAILURE_WORDS, StepFailure
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.experts import DenseExperts, ExpertWeights, ReferenceExperts
@@ -121,3 +122,36 @@ def test_backend_matches_allgather_reference(name, device, geometry):
     err = (got - want[written]).norm() / want[written].norm()
     bound = TOLERANCE.get(name, EXPERTS_REL_L2)
     assert err < bound, f"{name} on {device} seed {seed}: relative L2 error {err:.2e} > {bound:.2e}"
+
+
+class _FailureRecorder(ReferenceExperts):
+    """ReferenceExperts that takes forward's `failure=` (device_failures True, as HopperExperts)
+    and keeps what each call got."""
+
+    device_failures = True
+
+    def forward(self, x, sf, ids, weights, out, failure=None):
+        self.failures.append(failure)
+        return super().forward(x, sf, ids, weights, out)
+
+
+def test_warmup_calls_a_device_failures_backend_with_a_step_failure():
+    """warmup runs forward as EpRouted does: with a StepFailure for a backend whose
+    device_failures is True (so HopperExperts' finalize kernel with FAIL_STEP is compiled
+    before a capture; before, the capture compiled it at T = 1 on one H200), and without one
+    for the others. Its scratch status and record stay zero: the scratch call fits."""
+    layer = SyntheticLayer(TINY, int(torch.randint(0, 2**31, (1,))))
+    recorder = _FailureRecorder(layer.local_weights(0, TINY.experts))
+    recorder.failures = []
+    recorder.warmup(3, TINY.topk)
+    assert len(recorder.failures) == 1
+    failure = recorder.failures[0]
+    assert isinstance(failure, StepFailure)
+    assert failure.status.shape == (1,) and failure.status.dtype == torch.int64
+    assert failure.record.shape == (FAILURE_WORDS,) and failure.record.dtype == torch.int64
+    assert int(failure.status.abs().sum()) == 0 and int(failure.record.abs().sum()) == 0
+    plain = ReferenceExperts(layer.local_weights(0, TINY.experts))
+    calls = []
+    plain.forward = lambda *args, **kwargs: calls.append(kwargs)
+    plain.warmup(3, TINY.topk)
+    assert calls == [{}]
