@@ -429,3 +429,57 @@ def test_a_dispatch_that_timed_out_poisons_the_step_on_every_rank(gpu_dep):
     finally:
         routed.close()
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_stale_split_dispatch_is_aborted_on_every_rank_and_reset_recovers(gpu_dep):
+    """An engine's split hooks on the device transport: every rank dispatches a step with an
+    owner (`dispatch(..., owner=)`) and runs its experts; the engine then raises on rank 0
+    between dispatch and combine, so rank 0's next dispatch by that owner calls
+    `abort_stale_step`: RuntimeError naming the stale step's tag and asking for reset() on every
+    rank; its next call is refused until then. The other ranks' combine returns NaN rows and
+    their poll() raises EpPeerError naming rank 0, within TIMEOUT_S / 2 (no wait runs out).
+    After reset() on every rank three fresh steps match the reference."""
+    seed = agreed_seed(gpu_dep.cpu_group, 560)
+    layer = SyntheticLayer(TINY, seed)
+    r = gpu_dep.rank
+    experts = dense_experts(layer, r, gpu_dep.size)
+    failures: list[str] = []
+    routed = build(gpu_dep)
+    try:
+        failures += good_step(gpu_dep, routed, layer, experts, seed + 1, "before")
+        case = make_case(TINY, gpu_dep.size, T, seed + 2)
+        args = [t.cuda() for t in (case.latent[r], case.ids[r], case.weights[r])]
+        norm = layer.norm_weight().cuda()
+        start = time.monotonic()
+        routed.dispatch(*args, tag=7, owner="hook")
+        rows = routed.receive()
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        if r == 0:
+            expect_raises(
+                failures,
+                "rank 0's stale step",
+                RuntimeError,
+                "tag 7 was never combined.*reset\\(\\) on every rank",
+                lambda: routed.abort_stale_step("f", "hook"),
+            )
+            expect_raises(failures, "rank 0's next call", RuntimeError, "reset", routed.poll)
+            torch.cuda.synchronize()
+        else:
+            out = routed.combine(norm)
+            torch.cuda.synchronize()
+            if not bool(out.isnan().all()):
+                failures.append(f"rank {r}: rows of the aborted step are not all NaN")
+            expect_raises(failures, f"rank {r}'s poll", EpPeerError, "rank 0", routed.poll)
+        took = time.monotonic() - start
+        if took > TIMEOUT_S / 2:
+            failures.append(f"the aborted step took {took:.1f} s: a wait ran out")
+        if routed.pending:
+            failures.append("pending is True after the aborted step")
+        dist.barrier(group=gpu_dep.cpu_group)
+        routed.reset()
+        for i in range(3):
+            failures += good_step(gpu_dep, routed, layer, experts, seed + 10 + i, f"after {i}")
+    finally:
+        routed.close()
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
