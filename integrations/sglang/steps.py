@@ -76,10 +76,10 @@ def row_index(rows: int, dtype: torch.dtype, device: torch.device, capturing: bo
     return view
 
 
-class _ForwardMask(NamedTuple):
-    """The padding mask of one forward's MoE layers, and what it was made for. The forward and
-    the bound are held (not their ids): while this entry lives, no later forward can be
-    another object at the same address. Holding the forward keeps its forward batch (the
+class _ForwardStep(NamedTuple):
+    """What every MoE layer of one forward shares, and what it was made for. The forward, the
+    bound and the counts are held (not their ids): while this entry lives, no later forward can
+    be another object at the same address. Holding the forward keeps its forward batch (the
     bound's getter belongs to it) alive until the next forward's first MoE layer replaces the
     entry."""
 
@@ -90,19 +90,26 @@ class _ForwardMask(NamedTuple):
     device: torch.device
     capture: int | None  # the id of the CUDA-graph capture it was recorded in; None: eager
     mask: torch.Tensor  # bool [rows]
+    counts: object  # the DP counts list `tokens` was computed from (that object)
+    tokens: int | None  # T of the forward's steps (`step_tokens`); None: not computed yet
 
 
-# The last forward's mask: every MoE layer of a forward has the same rows and bound, so the
-# first makes the mask and the others reuse it (one comparison a forward instead of one a
-# layer: a kernel launch of host time, and ~1.3 us a layer under graph replay).
-_FORWARD_MASK: _ForwardMask | None = None
+# The last forward's step: every MoE layer of a forward has the same rows, bound and counts, so
+# the first makes the mask and T and the others reuse them (one comparison a forward instead of
+# one a layer: ~10 us of host time on the H200 machine's host and ~1.3 us a layer under graph
+# replay; T's reads and arithmetic ~0.9 us a layer).
+_FORWARD_STEP: _ForwardStep | None = None
+
+# torch's C test behind torch.cuda.is_current_stream_capturing (its Python wrapper took 0.62 us
+# a call on the H200 machine's host, the C call alone less; None without CUDA support).
+_IS_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
 def capture_id(device: torch.device) -> int | None:
     """The id of the CUDA-graph capture running on `device`'s current stream (unique in the
     process), None when none runs. -1 when a capture runs but its id cannot be read (no
     cuda-python): the caller must then not share tensors between calls."""
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or not _IS_CAPTURING():
         return None
     try:
         from cuda.bindings import driver
@@ -135,6 +142,37 @@ def _index_dtype(bound: torch.dtype) -> torch.dtype:
     return torch.float64 if bound.is_floating_point else torch.int64
 
 
+def _cached(forward: object, bound: torch.Tensor, rows: int, device: torch.device):
+    """The last forward's step when it was made for this forward, this bound (not written in
+    place since: its version), rows and device, and in the same CUDA-graph capture (or none);
+    else None."""
+    last = _FORWARD_STEP
+    if (
+        last is None
+        or last.forward is not forward
+        or last.bound is not bound
+        or last.rows != rows
+        or last.device != device
+        or (last.version is not None and bound._version != last.version)
+    ):
+        return None
+    if last.capture is None:  # made eagerly: not for a capture (the usual case, tested first)
+        return None if device.type == "cuda" and _IS_CAPTURING() else last
+    return last if last.capture != -1 and capture_id(device) == last.capture else None
+
+
+def _new_step(forward, bound, rows, device, counts, tokens) -> _ForwardStep:
+    """The mask of `forward`'s rows (`padding_mask`), kept with T (None: not computed) as the
+    last forward's step."""
+    global _FORWARD_STEP
+    capture = capture_id(device)
+    mask = row_index(rows, _index_dtype(bound.dtype), device, capture is not None) >= bound
+    version = bound_version(bound)
+    step = _ForwardStep(forward, bound, version, rows, device, capture, mask, counts, tokens)
+    _FORWARD_STEP = step
+    return step
+
+
 def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch.Tensor | None:
     """bool [rows] on `device`, True for the rows at or past the forward's real-row bound
     (`num_token_non_padded`, a device scalar: the tail of a CUDA-graph bucket), for EpRouted's
@@ -148,30 +186,42 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
     stream order after the bound was written. Inside a CUDA-graph capture the mask is shared
     only within that capture (its id, `capture_id`), so a graph never reads a mask another
     graph or an eager call made. The row indices: `row_index`."""
-    global _FORWARD_MASK
     if rows == 0:
         return None
     forward = engine.forward_context()
     bound = None if forward is None else engine.num_token_non_padded(forward)
     if bound is None:
         return None
-    capture = capture_id(device)
-    version = bound_version(bound)
-    last = _FORWARD_MASK
-    if (
-        last is not None
-        and last.forward is forward
-        and last.bound is bound
-        and last.version == version
-        and last.rows == rows
-        and last.device == device
-        and last.capture == capture
-        and capture != -1
-    ):
-        return last.mask
-    mask = row_index(rows, _index_dtype(bound.dtype), device, capture is not None) >= bound
-    _FORWARD_MASK = _ForwardMask(forward, bound, version, rows, device, capture, mask)
-    return mask
+    step = _cached(forward, bound, rows, device)
+    if step is None:
+        step = _new_step(forward, bound, rows, device, None, None)
+    return step.mask
+
+
+def forward_step(
+    engine: SglangEngine, rows: int, device: torch.device
+) -> tuple[torch.Tensor | None, int]:
+    """(padding, T) of a MoE step on `rows` rows: `padding_mask` and `step_tokens` of the
+    engine's DP counts. Both are kept for the forward's later layers, as the mask alone is
+    (`padding_mask`): T again when the counts are the same list object (SGLang assigns a new
+    one when it sets a forward's counts; a T that a changed list would give differently
+    could not pass silently: the ranks' T disagree, EpTokenCountError on every rank, or the
+    rows exceed it, ValueError)."""
+    global _FORWARD_STEP
+    forward = engine.forward_context()
+    counts = engine.dp_global_num_tokens()
+    bound = None if forward is None or rows == 0 else engine.num_token_non_padded(forward)
+    step = None if bound is None else _cached(forward, bound, rows, device)
+    if step is not None and step.tokens is not None and step.counts is counts:
+        return step.mask, step.tokens
+    tokens = step_tokens(counts, engine.attn_tp_size(), rows)
+    if bound is None:
+        return None, tokens
+    if step is None:
+        step = _new_step(forward, bound, rows, device, counts, tokens)
+    else:  # the mask padding_mask made for this forward; T now too
+        step = _FORWARD_STEP = step._replace(counts=counts, tokens=tokens)
+    return step.mask, tokens
 
 
 def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, latent, tag: int):
@@ -181,10 +231,9 @@ def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, late
     rejects the step through `routed` (EpRouted.reject_step, tagged `tag`): ValueError naming
     `fn` and the layer here, EpPeerError on the peers, instead of this rank raising alone."""
     try:
-        rows = latent.shape[0]
-        ids, weights = routing(topk_output, rows, routed.topk, latent.device)
-        padding = padding_mask(engine, rows, latent.device)
-        tokens = step_tokens(engine.dp_global_num_tokens(), engine.attn_tp_size(), rows)
+        rows, device = latent.shape[0], latent.device
+        ids, weights = routing(topk_output, rows, routed.topk, device)
+        padding, tokens = forward_step(engine, rows, device)
     except Exception as err:  # on this rank alone: every rank must raise
         reject_bad_step(routed, fn, tag, "the top-k output or the step's counts", err)
     return ids, weights, padding, tokens

@@ -19,7 +19,7 @@ from standins import sglang_standin as ss
 from dep_ep.integrations import common
 from dep_ep.integrations.sglang import engine as sglang_engine
 from dep_ep.integrations.sglang import plugin
-from dep_ep.integrations.sglang.steps import padding_mask, routing, step_tokens
+from dep_ep.integrations.sglang.steps import forward_step, padding_mask, routing, step_tokens
 
 from helpers.source_signatures import signature_of
 
@@ -203,6 +203,41 @@ def test_one_padding_mask_a_forward(standin):
         shared = padding_mask(engine, 6, cpu)
         assert shared.tolist() == [i >= 3 for i in range(6)]
         assert padding_mask(engine, 6, cpu) is shared
+
+
+def test_forward_step_keeps_mask_and_tokens_for_the_forward_only(standin):
+    """forward_step: the layers of one forward share its mask and T; a new counts list (SGLang
+    assigns one per forward), a new forward, another row count or a bound written in place
+    give T and the mask again, each from what the engine publishes then; without a bound or
+    rows, T alone (no mask) from the counts of that call."""
+    engine = sglang_engine.engine()
+    cpu = torch.device("cpu")
+    bound = torch.tensor([4], dtype=torch.int32)
+    with standin.step([6, 9], bound):
+        mask, tokens = forward_step(engine, 6, cpu)
+        assert tokens == 9 and mask.tolist() == [i >= 4 for i in range(6)]
+        again, tokens_again = forward_step(engine, 6, cpu)
+        assert again is mask and tokens_again == 9  # a later layer of the forward
+        standin.dp_global_num_tokens = [6, 12]  # a new list: T again, the same mask
+        later, tokens = forward_step(engine, 6, cpu)
+        assert later is mask and tokens == 12
+        assert forward_step(engine, 5, cpu)[1] == 12  # another row count
+        bound.fill_(2)  # written in place: a new mask, T again
+        written, tokens = forward_step(engine, 6, cpu)
+        assert written.tolist() == [i >= 2 for i in range(6)] and tokens == 12
+    with standin.step([3, 2], bound):  # the next forward, the same bound buffer
+        mask, tokens = forward_step(engine, 3, cpu)
+        assert tokens == 3 and mask.tolist() == [i >= 2 for i in range(3)]
+    with standin.step([3, 7], None):  # no bound: no mask, T from this call's counts
+        assert forward_step(engine, 3, cpu) == (None, 7)
+        standin.dp_global_num_tokens = [3, 8]
+        assert forward_step(engine, 3, cpu) == (None, 8)
+    with standin.step([0, 5], torch.tensor([0], dtype=torch.int32)):  # an idle rank
+        assert forward_step(engine, 0, cpu) == (None, 5)
+    with standin.step([4, 2], bound):  # padding_mask's mask, then T for it
+        first = padding_mask(engine, 4, cpu)
+        mask, tokens = forward_step(engine, 4, cpu)
+        assert mask is first and tokens == 4
 
 
 @pytest.mark.parametrize(
