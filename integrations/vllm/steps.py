@@ -6,7 +6,7 @@ dep_ep.integrations.common's."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +29,24 @@ def sequence_parallel_size(parallel_config: Any) -> int:
     return tp if sharded else 1
 
 
+class _StepTokens(NamedTuple):
+    """T of the last forward's steps and what it was computed from: that forward's DPMetadata
+    (held: while this entry lives no other object has its address), its `local_sizes` list at
+    the time and the sequence-parallel width."""
+
+    dp: object
+    local: object
+    sequence_parallel: int
+    tokens: int
+
+
+# The last forward's T: every MoE layer of a forward reads the same DPMetadata, which vLLM makes
+# anew for each forward (DPMetadata.make) and never writes in place; only `local_sizes` is set
+# and cleared inside one (sp_local_sizes, a new list each time). Reading the counts again took
+# ~2.7 us a layer call on the H200 machine's host.
+_LAST_TOKENS: _StepTokens | None = None
+
+
 def step_tokens(context: Any | None, rows: int, sequence_parallel: int = 1) -> int:
     """T, the token count every EP rank passes for this step (>= 1), from the forward context:
 
@@ -38,14 +56,30 @@ def step_tokens(context: Any | None, rows: int, sequence_parallel: int = 1) -> i
       runner enters it): the largest of those per-rank sizes;
     - else the largest ceil(n / sequence_parallel) over `num_tokens_across_dp_cpu` (int [DP],
       on the host: eager steps hold each DP rank's own count, CUDA-graph steps the padded one).
-    """
+
+    The later layers of a forward get the first one's T (the same DPMetadata and local_sizes
+    objects and sequence_parallel). A T that counts written in place would give differently
+    could not pass silently: the ranks' T disagree (EpTokenCountError on every rank) or a
+    rank's rows exceed it (ValueError, the step rejected on every rank)."""
+    global _LAST_TOKENS
     dp = None if context is None else context.dp_metadata
     if dp is None:
         return max(int(rows), 1)
     local = getattr(dp, "local_sizes", None)
+    last = _LAST_TOKENS
+    if (
+        last is not None
+        and last.dp is dp
+        and last.local is local
+        and last.sequence_parallel == sequence_parallel
+    ):
+        return last.tokens
     if local is not None:
-        return common_tokens(local)
-    return common_tokens(dp.num_tokens_across_dp_cpu.tolist(), sequence_parallel)
+        tokens = common_tokens(local)
+    else:
+        tokens = common_tokens(dp.num_tokens_across_dp_cpu.tolist(), sequence_parallel)
+    _LAST_TOKENS = _StepTokens(dp, local, sequence_parallel, tokens)
+    return tokens
 
 
 def padding_mask(context: Any | None) -> torch.Tensor | None:

@@ -187,6 +187,24 @@ def test_step_tokens_and_sequence_parallel_size():
     assert layer_index("t", "a.layers.12.moe.experts") == 12
 
 
+def test_step_tokens_is_kept_for_one_forwards_dp_metadata():
+    """The later layers of a forward get its first layer's T; a new DPMetadata (vLLM makes one a
+    forward), local_sizes set or cleared, or another sequence-parallel width give T again from
+    the counts then."""
+    first = vs.ForwardContext(dp_metadata=vs.DPMetadata(torch.tensor([3, 7])))
+    assert step_tokens(first, 3) == 7
+    first.dp_metadata.num_tokens_across_dp_cpu = torch.tensor([3, 9])  # vLLM never does this
+    assert step_tokens(first, 3) == 7  # the forward's T, not read again
+    assert step_tokens(first, 3, 2) == 5  # another width: read again
+    with first.dp_metadata.sp_local_sizes(3):
+        assert step_tokens(first, 3, 2) == 3  # the runner's per-rank sizes, ceil(9 / 3)
+    assert step_tokens(first, 3, 2) == 5
+    second = vs.ForwardContext(dp_metadata=vs.DPMetadata(torch.tensor([2, 4])))
+    assert step_tokens(second, 2) == 4 and step_tokens(second, 2) == 4
+    assert step_tokens(vs.ForwardContext(), 6) == 6  # DP = 1: this rank's rows
+    assert step_tokens(first, 3) == 9
+
+
 def test_step_poll_wraps_the_worker_steps_once(monkeypatch):
     polls = []
     monkeypatch.setattr(step_poll, "poll_all", lambda: polls.append(1))
