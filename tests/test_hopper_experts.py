@@ -261,6 +261,34 @@ def test_grouping_kernel_refuses_bad_arguments():
         group_and_route(ids, 2**31, 4, 16)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_finalize_kernel_compiles_once_for_any_alignment_of_its_scalar_pointers():
+    """The device transport's step status word (the StepFailure a step hands HopperExperts) lies
+    8 bytes into its state, where warmup's scratch word is a fresh 16-byte-aligned allocation:
+    a finalize kernel specialised on that alignment compiled again inside the first CUDA-graph
+    capture after warmup (one H200, triton engine, T = 1). Every pointer it accesses one
+    element at a time is declared free of alignment specialisation."""
+    from dep_ep.constants import STATE_STEP_STATUS
+    from dep_ep.experts.hopper import kernels
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("Triton's interpreter compiles nothing: no specialisation to check")
+    assert STATE_STEP_STATUS * 8 % 16 != 0  # why the status word's pointer is not aligned
+    params = {p.name: p for p in kernels.finalize_kernel.params}
+    scalar = (
+        "pair_slot_ptr",
+        "weights_ptr",
+        "num_pairs_ptr",
+        "over_ptr",
+        "status_ptr",
+        "record_ptr",
+    )
+    assert [n for n in scalar if not params[n].do_not_specialize_on_alignment] == []
+    # The rows it loads and stores whole stay specialised (their vector accesses need it).
+    assert not params["y_ptr"].do_not_specialize_on_alignment
+    assert not params["out_ptr"].do_not_specialize_on_alignment
+
+
 def test_tuning_pairs_is_the_nearest_power_of_two_of_the_expected_pairs():
     """The pair counts of the measured table (docs/results/bench_humming_tuning.md): rank 0's
     receive rows on a DEP16 shard (56 of 896 experts, K = 16) at T = 1, 32, 64, 128, 256 hold about

@@ -217,6 +217,17 @@ def _fc1_item(
     tl.store(act_ptr + pairs[None, :] * INTER + cols[:, None], act, mask=in_tile[None, :])
 
 
+# finalize_kernel's pointers it accesses one element at a time (see its decorator).
+FINALIZE_SCALAR_POINTERS = (
+    "pair_slot_ptr",
+    "weights_ptr",
+    "num_pairs_ptr",
+    "over_ptr",
+    "status_ptr",
+    "record_ptr",
+)
+
+
 # pair_cap follows T: specialising on it (its value 1, or divisible by 16) would compile
 # again for a new T, mid-serving or inside a capture.
 @triton.jit(do_not_specialize=["pair_cap"])
@@ -446,7 +457,14 @@ def situ_mxfp8_kernel(
 # pair_cap follows T: specialising on it (its value 1, or divisible by 16) would compile
 # again for a new T, mid-serving or inside a capture.
 # The tag's halves vary per step (comm/failure.py, StepFailure.tag_halves): not specialised either.
-@triton.jit(do_not_specialize=["pair_cap", "tag_high", "tag_low"])
+# The pointers read or written one element at a time are not specialised on 16-byte alignment:
+# the step status word is the device transport's state word 1 (8 bytes in), where a warm-up's
+# scratch word is a fresh allocation, so a capture after warmup compiled this kernel again (one
+# H200, triton engine, T = 1); the alignment buys no vector access there.
+@triton.jit(
+    do_not_specialize=["pair_cap", "tag_high", "tag_low"],
+    do_not_specialize_on_alignment=FINALIZE_SCALAR_POINTERS,
+)
 def finalize_kernel(
     y_ptr,
     pair_slot_ptr,
