@@ -96,12 +96,13 @@ class _ForwardStep(NamedTuple):
 
 # The last forward's step: every MoE layer of a forward has the same rows, bound and counts, so
 # the first makes the mask and T and the others reuse them (one comparison a forward instead of
-# one a layer: ~10 us of host time on the H200 machine's host and ~1.3 us a layer under graph
-# replay; T's reads and arithmetic ~0.9 us a layer).
+# one a layer: its launch took 6-10 us of host time on the H200 machines' hosts, and 1.3 us a
+# layer under graph replay; reading the counts for T again took up to 0.9 us a layer).
 _FORWARD_STEP: _ForwardStep | None = None
 
-# torch's C test behind torch.cuda.is_current_stream_capturing (its Python wrapper took 0.62 us
-# a call on the H200 machine's host, the C call alone less; None without CUDA support).
+# torch's C test behind torch.cuda.is_current_stream_capturing, whose Python wrapper took
+# 0.3-0.6 us a call on the H200 machines' hosts. A CPU-only torch has a stand-in that raises
+# when called: it is called for CUDA devices only.
 _IS_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
@@ -226,7 +227,7 @@ def forward_step(
 
 def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, latent, tag: int):
     """(ids, weights, padding, T) of one MoE step on `latent` ([n, L], n = 0 on an idle rank):
-    `routing`, `padding_mask` and `step_tokens` from the engine's per-forward state. A
+    `routing`, and `forward_step` (the padding mask and T) from the engine's per-forward state. A
     malformed top-k output or step counts (any Exception reading them, torch's included)
     rejects the step through `routed` (EpRouted.reject_step, tagged `tag`): ValueError naming
     `fn` and the layer here, EpPeerError on the peers, instead of this rank raising alone."""
