@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from dep_ep.checks import check_tensor
-from dep_ep.comm.failure import StepFailure, new_record
+from dep_ep.comm.failure import FAILURE_WORDS, StepFailure
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.weights import ExpertWeights, expect_expert_weights
@@ -129,27 +129,39 @@ class ExpertsBackend(ABC):
                 f" computes SiTU with beta={mine[0]}, linear_beta={mine[1]}"
             )
 
+    def max_pairs(self, rows: int, topk: int) -> int:
+        """The (row, local expert) pairs a call over `rows` receive rows of `topk` ids is sized
+        for: its capacity rows * topk here; a backend with a pair budget (HopperExperts) says
+        its own."""
+        return rows * topk
+
     def warmup(self, rows: int, topk: int) -> None:
         """Local: do once, on scratch receive rows, what a call over `rows` receive rows of
         `topk` ids does the first time (a backend that compiles per row count compiles here:
         HopperExperts' humming kernels), so that capturing such a call in a CUDA graph compiles
-        nothing. Every scratch row holds one local id; the outputs are thrown away. A backend
-        whose `device_failures` is True is called as EpRouted calls it, with a StepFailure (scratch
-        status and record words), so that the kernels of a call that may fail the step
-        (HopperExperts' finalize with FAIL_STEP) compile here too."""
+        nothing. The first min(rows, max_pairs(rows, topk)) scratch rows hold one local id each
+        (no more pairs than the call's budget: an overflowing warm-up would set the backend's
+        over-budget record), the others none; the outputs are thrown away. A backend whose
+        `device_failures` is True is called as EpRouted calls it, with a StepFailure (scratch
+        status and record words on the device, written only by an overflow), so that the
+        kernels of a call that may fail the step (HopperExperts' finalize with FAIL_STEP)
+        compile here too."""
         if rows < 1:
             return
         on = dict(device=self.device)
         x = torch.zeros(rows, self.latent, dtype=torch.uint8, **on)
         sf = torch.full((rows, self.latent // SCALE_BLOCK), 127, dtype=torch.uint8, **on)
         ids = torch.full((rows, topk), -1, dtype=torch.int32, **on)
-        local = torch.arange(rows, dtype=torch.int32, **on) % self.num_local_experts
-        ids[:, 0] = self.first_expert + local
+        paired = min(rows, self.max_pairs(rows, topk))
+        local = torch.arange(paired, dtype=torch.int32, **on) % self.num_local_experts
+        ids[:paired, 0] = self.first_expert + local
         weights = torch.ones(rows, topk, dtype=torch.float32, **on)
         out = torch.empty(rows, self.latent, dtype=torch.bfloat16, **on)
         if not self.device_failures:
             self.forward(x, sf, ids, weights, out)
             return
+        # Device words, freed stream-ordered: a kernel's late store never lands in memory
+        # handed out again (a page-locked record would be, at once, when this returns).
         status = torch.zeros(1, dtype=torch.int64, **on)
-        record = new_record(pinned=self.device.type == "cuda")
+        record = torch.zeros(FAILURE_WORDS, dtype=torch.int64, **on)
         self.forward(x, sf, ids, weights, out, failure=StepFailure(status, record, tag=0))

@@ -132,7 +132,11 @@ class _FailureRecorder(ReferenceExperts):
 
     def forward(self, x, sf, ids, weights, out, failure=None):
         self.failures.append(failure)
+        self.pairs.append(int((ids >= 0).sum()))
         return super().forward(x, sf, ids, weights, out)
+
+    def max_pairs(self, rows, topk):
+        return self.budget
 
 
 def test_warmup_calls_a_device_failures_backend_with_a_step_failure():
@@ -142,9 +146,9 @@ def test_warmup_calls_a_device_failures_backend_with_a_step_failure():
     for the others. Its scratch status and record stay zero: the scratch call fits."""
     layer = SyntheticLayer(TINY, int(torch.randint(0, 2**31, (1,))))
     recorder = _FailureRecorder(layer.local_weights(0, TINY.experts))
-    recorder.failures = []
+    recorder.failures, recorder.pairs, recorder.budget = [], [], 48
     recorder.warmup(3, TINY.topk)
-    assert len(recorder.failures) == 1
+    assert len(recorder.failures) == 1 and recorder.pairs == [3]
     failure = recorder.failures[0]
     assert isinstance(failure, StepFailure)
     assert failure.status.shape == (1,) and failure.status.dtype == torch.int64
@@ -155,3 +159,18 @@ def test_warmup_calls_a_device_failures_backend_with_a_step_failure():
     plain.forward = lambda *args, **kwargs: calls.append(kwargs)
     plain.warmup(3, TINY.topk)
     assert calls == [{}]
+
+
+def test_warmup_holds_no_more_pairs_than_the_backends_budget():
+    """warmup's scratch rows hold one local id each up to max_pairs(rows, topk), and none past
+    it: a warm-up over a pair budget would set HopperExperts' sticky over-budget record (a later
+    check_pair_budget() raised for a call that never ran) and, with a StepFailure, write the
+    scratch record after warmup returned."""
+    layer = SyntheticLayer(TINY, int(torch.randint(0, 2**31, (1,))))
+    recorder = _FailureRecorder(layer.local_weights(0, TINY.experts))
+    recorder.failures, recorder.pairs = [], []
+    for rows, budget, want in ((40, 7, 7), (5, 100, 5), (9, 0, 0)):
+        recorder.budget = budget
+        recorder.warmup(rows, TINY.topk)
+        assert recorder.pairs[-1] == want, (rows, budget, recorder.pairs)
+    assert ReferenceExperts(layer.local_weights(0, 4)).max_pairs(6, TINY.topk) == 6 * TINY.topk
