@@ -55,12 +55,18 @@ _ROW_INDEX: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 # the comparison's launch on the H200 machine's host (~4 us). Cleared past _MAX_ROW_VIEWS.
 _ROW_VIEWS: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 _MAX_ROW_VIEWS = 1024
+# Row indices _ROW_INDEX held before it grew, kept for the life of the process: a CUDA graph
+# captured with a mask of them reads their memory at every replay, and freed memory handed out
+# again would make that mask compare garbage with the bound (real rows dropped as padding).
+# Each index at least doubles the last, so these hold less than the current one.
+_RETIRED_ROW_INDEX: list[torch.Tensor] = []
 
 
 def row_index(rows: int, dtype: torch.dtype, device: torch.device, capturing: bool) -> torch.Tensor:
     """[rows] of `dtype` on `device`, 0..rows-1: a view of the indices kept per device, made
-    outside any capture (a tensor a capture fills holds nothing until the graph runs); while
-    capturing with too few kept, a new one the capture records."""
+    outside any capture (a tensor a capture fills holds nothing until the graph runs) and never
+    freed (`_RETIRED_ROW_INDEX`); while capturing with too few kept, a new one the capture
+    records."""
     view = _ROW_VIEWS.get((device, dtype, rows))
     if view is not None:
         return view
@@ -68,7 +74,10 @@ def row_index(rows: int, dtype: torch.dtype, device: torch.device, capturing: bo
     if index is None or index.shape[0] < rows:
         if capturing:
             return torch.arange(rows, dtype=dtype, device=device)
-        index = torch.arange(max(rows, 256), dtype=dtype, device=device)
+        grown = 256 if index is None else 2 * index.shape[0]
+        if index is not None:
+            _RETIRED_ROW_INDEX.append(index)
+        index = torch.arange(max(rows, grown), dtype=dtype, device=device)
         _ROW_INDEX[(device, dtype)] = index
     if len(_ROW_VIEWS) >= _MAX_ROW_VIEWS:
         _ROW_VIEWS.clear()
@@ -76,10 +85,10 @@ def row_index(rows: int, dtype: torch.dtype, device: torch.device, capturing: bo
     return view
 
 
-class _ForwardStep(NamedTuple):
-    """What every MoE layer of one forward shares, and what it was made for. The forward, the
-    bound and the counts are held (not their ids): while this entry lives, no later forward can
-    be another object at the same address. Holding the forward keeps its forward batch (the
+class _ForwardMask(NamedTuple):
+    """The padding mask of one forward's MoE layers, and what it was made for. The forward and
+    the bound are held (not their ids): while this entry lives, no later forward can be
+    another object at the same address. Holding the forward keeps its forward batch (the
     bound's getter belongs to it) alive until the next forward's first MoE layer replaces the
     entry."""
 
@@ -90,15 +99,25 @@ class _ForwardStep(NamedTuple):
     device: torch.device
     capture: int | None  # the id of the CUDA-graph capture it was recorded in; None: eager
     mask: torch.Tensor  # bool [rows]
-    counts: object  # the DP counts list `tokens` was computed from (that object)
-    tokens: int | None  # T of the forward's steps (`step_tokens`); None: not computed yet
 
 
-# The last forward's step: every MoE layer of a forward has the same rows, bound and counts, so
-# the first makes the mask and T and the others reuse them (one comparison a forward instead of
-# one a layer: its launch took 6-10 us of host time on the H200 machines' hosts, and 1.3 us a
-# layer under graph replay; reading the counts for T again took up to 0.9 us a layer).
-_FORWARD_STEP: _ForwardStep | None = None
+class _ForwardTokens(NamedTuple):
+    """T of one forward's MoE steps and what it was computed from (held, as in _ForwardMask)."""
+
+    forward: object  # SGLang's ForwardContext
+    counts: object  # the DP counts list (that object)
+    rows: int
+    tokens: int
+
+
+# The last forward's mask and T: every MoE layer of a forward has the same rows, bound and
+# counts, so the first makes the mask and T and the others reuse them (one comparison a forward
+# instead of one a layer: its launch took 6-10 us of host time on the H200 machines' hosts, and
+# 1.3 us a layer under graph replay; reading the counts for T again took up to 0.9 us a layer).
+# T is kept on every rank alike, idle or without a bound, so that ranks never differ in
+# whether they read the counts again.
+_FORWARD_MASK: _ForwardMask | None = None
+_FORWARD_TOKENS: _ForwardTokens | None = None
 
 # torch's C test behind torch.cuda.is_current_stream_capturing, whose Python wrapper took
 # 0.3-0.6 us a call on the H200 machines' hosts. A CPU-only torch has a stand-in that raises
@@ -143,35 +162,35 @@ def _index_dtype(bound: torch.dtype) -> torch.dtype:
     return torch.float64 if bound.is_floating_point else torch.int64
 
 
-def _cached(forward: object, bound: torch.Tensor, rows: int, device: torch.device):
-    """The last forward's step when it was made for this forward, this bound (not written in
-    place since: its version), rows and device, and in the same CUDA-graph capture (or none);
-    else None."""
-    last = _FORWARD_STEP
-    if (
-        last is None
-        or last.forward is not forward
-        or last.bound is not bound
-        or last.rows != rows
-        or last.device != device
-        or (last.version is not None and bound._version != last.version)
-    ):
+def _forward_mask(
+    engine: SglangEngine, forward: object | None, rows: int, device: torch.device
+) -> torch.Tensor | None:
+    """`padding_mask` of the running forward `forward` (None: outside a forward)."""
+    global _FORWARD_MASK
+    if rows == 0 or forward is None:
         return None
-    if last.capture is None:  # made eagerly: not for a capture (the usual case, tested first)
-        return None if device.type == "cuda" and _IS_CAPTURING() else last
-    return last if last.capture != -1 and capture_id(device) == last.capture else None
-
-
-def _new_step(forward, bound, rows, device, counts, tokens) -> _ForwardStep:
-    """The mask of `forward`'s rows (`padding_mask`), kept with T (None: not computed) as the
-    last forward's step."""
-    global _FORWARD_STEP
+    bound = engine.num_token_non_padded(forward)
+    if bound is None:
+        return None
+    last = _FORWARD_MASK
+    if (
+        last is not None
+        and last.forward is forward
+        and last.bound is bound
+        and last.rows == rows
+        and last.device == device
+        and (last.version is None or bound._version == last.version)
+    ):
+        if last.capture is None:  # made eagerly: not for a capture (the usual case)
+            if device.type != "cuda" or not _IS_CAPTURING():
+                return last.mask
+        elif last.capture != -1 and capture_id(device) == last.capture:
+            return last.mask
     capture = capture_id(device)
     mask = row_index(rows, _index_dtype(bound.dtype), device, capture is not None) >= bound
     version = bound_version(bound)
-    step = _ForwardStep(forward, bound, version, rows, device, capture, mask, counts, tokens)
-    _FORWARD_STEP = step
-    return step
+    _FORWARD_MASK = _ForwardMask(forward, bound, version, rows, device, capture, mask)
+    return mask
 
 
 def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch.Tensor | None:
@@ -187,42 +206,35 @@ def padding_mask(engine: SglangEngine, rows: int, device: torch.device) -> torch
     stream order after the bound was written. Inside a CUDA-graph capture the mask is shared
     only within that capture (its id, `capture_id`), so a graph never reads a mask another
     graph or an eager call made. The row indices: `row_index`."""
-    if rows == 0:
-        return None
-    forward = engine.forward_context()
-    bound = None if forward is None else engine.num_token_non_padded(forward)
-    if bound is None:
-        return None
-    step = _cached(forward, bound, rows, device)
-    if step is None:
-        step = _new_step(forward, bound, rows, device, None, None)
-    return step.mask
+    return _forward_mask(engine, engine.forward_context(), rows, device)
 
 
 def forward_step(
     engine: SglangEngine, rows: int, device: torch.device
 ) -> tuple[torch.Tensor | None, int]:
-    """(padding, T) of a MoE step on `rows` rows: `padding_mask` and `step_tokens` of the
-    engine's DP counts. Both are kept for the forward's later layers, as the mask alone is
-    (`padding_mask`): T again when the counts are the same list object (SGLang assigns a new
-    one when it sets a forward's counts; a T that a changed list would give differently
-    could not pass silently: the ranks' T disagree, EpTokenCountError on every rank, or the
-    rows exceed it, ValueError)."""
-    global _FORWARD_STEP
+    """(padding, T) of a MoE step on `rows` rows: `padding_mask`, and `step_tokens` of the
+    engine's DP counts, kept for the forward's later layers (the same forward context, counts
+    list object and rows; SGLang assigns a new list when it sets a forward's counts) on every
+    rank alike. A T that counts changed in place would give differently cannot pass silently:
+    the ranks' T disagree (EpTokenCountError or EpDesyncError on every rank) or the rows
+    exceed it (ValueError)."""
+    global _FORWARD_TOKENS
     forward = engine.forward_context()
     counts = engine.dp_global_num_tokens()
-    bound = None if forward is None or rows == 0 else engine.num_token_non_padded(forward)
-    step = None if bound is None else _cached(forward, bound, rows, device)
-    if step is not None and step.tokens is not None and step.counts is counts:
-        return step.mask, step.tokens
-    tokens = step_tokens(counts, engine.attn_tp_size(), rows)
-    if bound is None:
-        return None, tokens
-    if step is None:
-        step = _new_step(forward, bound, rows, device, counts, tokens)
-    else:  # the mask padding_mask made for this forward; T now too
-        step = _FORWARD_STEP = step._replace(counts=counts, tokens=tokens)
-    return step.mask, tokens
+    last = _FORWARD_TOKENS
+    if (
+        forward is not None
+        and last is not None
+        and last.forward is forward
+        and last.counts is counts
+        and last.rows == rows
+    ):
+        tokens = last.tokens
+    else:
+        tokens = step_tokens(counts, engine.attn_tp_size(), rows)
+        if forward is not None:
+            _FORWARD_TOKENS = _ForwardTokens(forward, counts, rows, tokens)
+    return _forward_mask(engine, forward, rows, device), tokens
 
 
 def step_inputs(fn: str, engine: SglangEngine, routed, topk_output: object, latent, tag: int):

@@ -7,8 +7,10 @@ step's T and padding rules; and the stand-ins themselves read as the SIGNATUREs 
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ from standins import sglang_standin as ss
 
 from dep_ep.integrations import common
 from dep_ep.integrations.sglang import engine as sglang_engine
-from dep_ep.integrations.sglang import plugin
+from dep_ep.integrations.sglang import plugin, steps
 from dep_ep.integrations.sglang.steps import forward_step, padding_mask, routing, step_tokens
 
 from helpers.source_signatures import signature_of
@@ -234,10 +236,36 @@ def test_forward_step_keeps_mask_and_tokens_for_the_forward_only(standin):
         assert forward_step(engine, 3, cpu) == (None, 8)
     with standin.step([0, 5], torch.tensor([0], dtype=torch.int32)):  # an idle rank
         assert forward_step(engine, 0, cpu) == (None, 5)
+        # Counts written in place mid-forward (SGLang never does): the idle rank keeps the
+        # forward's T as the ranks with rows do (before, it alone read them again, and the
+        # ranks' T differed: EpTokenCountError on every rank at every step).
+        standin.dp_global_num_tokens[1] = 9
+        assert forward_step(engine, 0, cpu) == (None, 5)
     with standin.step([4, 2], bound):  # padding_mask's mask, then T for it
         first = padding_mask(engine, 4, cpu)
         mask, tokens = forward_step(engine, 4, cpu)
         assert mask is first and tokens == 4
+
+
+def test_row_indices_a_mask_was_made_of_outlive_later_growth():
+    """A CUDA graph captured with a padding mask reads the row indices' memory at every replay:
+    when the indices grow (a longer prefill) and the views of them are dropped (more than
+    _MAX_ROW_VIEWS row counts), the indices the mask was made of stay alive (before: freed, so
+    a replay could compare reused memory with the bound and drop real rows silently). The
+    growth at least doubles, so the kept ones hold less than the current."""
+    cpu = torch.device("cpu")
+    key = (cpu, torch.int64)
+    steps._ROW_INDEX.pop(key, None)
+    steps._ROW_VIEWS.clear()
+    first = steps.row_index(8, torch.int64, cpu, False)
+    kept = weakref.ref(steps._ROW_INDEX[key])
+    for rows in (300, *range(1, steps._MAX_ROW_VIEWS + 80)):
+        steps.row_index(rows, torch.int64, cpu, False)
+    del first
+    gc.collect()
+    assert kept() is not None and kept() is not steps._ROW_INDEX[key]
+    assert steps._ROW_INDEX[key].shape[0] >= 2 * kept().shape[0]
+    assert steps.row_index(5, torch.int64, cpu, False).tolist() == list(range(5))
 
 
 @pytest.mark.parametrize(
