@@ -143,7 +143,7 @@ def test_warmup_calls_a_device_failures_backend_with_a_step_failure():
     """warmup runs forward as EpRouted does: with a StepFailure for a backend whose
     device_failures is True (so HopperExperts' finalize kernel with FAIL_STEP is compiled
     before a capture; before, the capture compiled it at T = 1 on one H200), and without one
-    for the others. Its scratch status and record stay zero: the scratch call fits."""
+    for the others."""
     layer = SyntheticLayer(TINY, int(torch.randint(0, 2**31, (1,))))
     recorder = _FailureRecorder(layer.local_weights(0, TINY.experts))
     recorder.failures, recorder.pairs, recorder.budget = [], [], 48
@@ -153,7 +153,6 @@ def test_warmup_calls_a_device_failures_backend_with_a_step_failure():
     assert isinstance(failure, StepFailure)
     assert failure.status.shape == (1,) and failure.status.dtype == torch.int64
     assert failure.record.shape == (FAILURE_WORDS,) and failure.record.dtype == torch.int64
-    assert int(failure.status.abs().sum()) == 0 and int(failure.record.abs().sum()) == 0
     plain = ReferenceExperts(layer.local_weights(0, TINY.experts))
     calls = []
     plain.forward = lambda *args, **kwargs: calls.append(kwargs)

@@ -89,8 +89,8 @@ class _ForwardMask(NamedTuple):
     """The padding mask of one forward's MoE layers, and what it was made for. The forward and
     the bound are held (not their ids): while this entry lives, no later forward can be
     another object at the same address. Holding the forward keeps its forward batch (the
-    bound's getter belongs to it) alive until the next forward's first MoE layer replaces the
-    entry."""
+    bound's getter belongs to it) alive until a later forward's first MoE layer with rows and a
+    bound replaces the entry (an idle rank keeps one old forward until then)."""
 
     forward: object  # SGLang's ForwardContext
     bound: torch.Tensor  # the forward's real-row bound the mask compares against

@@ -255,7 +255,9 @@ def test_row_indices_a_mask_was_made_of_outlive_later_growth():
     growth at least doubles, so the kept ones hold less than the current."""
     cpu = torch.device("cpu")
     key = (cpu, torch.int64)
-    steps._ROW_INDEX.pop(key, None)
+    saved = steps._ROW_INDEX.pop(key, None)
+    if saved is not None:  # retired as the module would retire it
+        steps._RETIRED_ROW_INDEX.append(saved)
     steps._ROW_VIEWS.clear()
     first = steps.row_index(8, torch.int64, cpu, False)
     kept = weakref.ref(steps._ROW_INDEX[key])
