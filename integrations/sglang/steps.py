@@ -172,6 +172,7 @@ def _forward_mask(
     bound = engine.num_token_non_padded(forward)
     if bound is None:
         return None
+    capture = capture_id(device)
     last = _FORWARD_MASK
     if (
         last is not None
@@ -180,13 +181,10 @@ def _forward_mask(
         and last.rows == rows
         and last.device == device
         and (last.version is None or bound._version == last.version)
+        and last.capture == capture
+        and capture != -1
     ):
-        if last.capture is None:  # made eagerly: not for a capture (the usual case)
-            if device.type != "cuda" or not _IS_CAPTURING():
-                return last.mask
-        elif last.capture != -1 and capture_id(device) == last.capture:
-            return last.mask
-    capture = capture_id(device)
+        return last.mask
     mask = row_index(rows, _index_dtype(bound.dtype), device, capture is not None) >= bound
     version = bound_version(bound)
     _FORWARD_MASK = _ForwardMask(forward, bound, version, rows, device, capture, mask)

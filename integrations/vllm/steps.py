@@ -43,7 +43,7 @@ class _StepTokens(NamedTuple):
 # The last forward's T: every MoE layer of a forward reads the same DPMetadata, which vLLM makes
 # anew for each forward (DPMetadata.make) and never writes in place; only `local_sizes` is set
 # and cleared inside one (sp_local_sizes, a new list each time). Reading the counts again took
-# ~2.7 us a layer call on the H200 machine's host.
+# 2.7 us a layer call on the slower of two H200 machines' hosts.
 _LAST_TOKENS: _StepTokens | None = None
 
 
