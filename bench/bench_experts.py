@@ -10,7 +10,8 @@ token's first choice), keeping the tokens with at least one of rank 0's experts.
 - HopperExperts (VARIANTS, --variants: "humming", HummingEngine, its kernels chosen for the
   pairs expected from num_experts, with the one-launch grouping kernel (the default);
   "humming-torch-grouping", the same with the torch grouping; "humming-capacity",
-  HummingEngine(tune_for_capacity=True), its kernels chosen for the pair capacity; "triton",
+  HummingEngine(tune_for_capacity=True), its kernels chosen for the pair capacity;
+  "humming-slots", every call on its receive slots, never in chunks; "triton",
   TritonEngine): CUDA-graph replay of back-to-back calls on the same rows (a call has no host
   synchronisation), median of `--samples` replays, per call; `--reps` calls a graph, fewer where
   one eager call takes longer than REPLAY_BUDGET_US / reps (`graph_reps`); one eager call first
@@ -175,11 +176,15 @@ def graph_us(fn, reps: int, samples: int) -> float:
     return replay_us(graph, launches, samples)
 
 
+# HummingEngine.chunk_pairs past any call's slots: every call runs on its slots.
+SLOTS_ONLY = 1 << 40
 # (column, HopperExperts engine): every engine setting timed in the run (--variants picks).
 VARIANTS = [
     ("humming", HummingEngine()),
     ("humming-torch-grouping", HummingEngine(tiles=HopperTiles(grouping=Grouping.TORCH))),
     ("humming-capacity", HummingEngine(tune_for_capacity=True)),
+    # Every call on its receive slots (no chunks): the humming engine before its chunked calls.
+    ("humming-slots", HummingEngine(chunk_pairs=SLOTS_ONLY)),
     ("triton", TritonEngine()),
 ]
 VARIANT_NAMES = [name for name, _ in VARIANTS]
@@ -229,7 +234,12 @@ def bench_local(local: int, args, bandwidth: float, tflops: float, gen: torch.Ge
         outputs = {}
         for name, backend in variants.items():
             out = torch.empty(ids.shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             backend.forward(*rows, out)  # eager first: compiles outside the capture
+            torch.cuda.synchronize()
+            result[f"{name} peak"] = torch.cuda.max_memory_allocated() - before
             outputs[name] = out.clone()
             result[name] = graph_us(lambda b=backend, o=out: b.forward(*rows, o), *timing(args))
             result[f"{name} workspace"] = backend.workspace_bytes(ids.shape[0], K3.topk)
@@ -323,13 +333,15 @@ def write_report(
         " at the FP8 rate; floor us: the larger; % = floor / time.",
         f"HopperExperts (engine, math): graph replay of up to {reps} calls (fewer past"
         f" {REPLAY_BUDGET_US / 1e3:.0f} ms a replay), median of {samples} replays, per call;"
-        " workspace: `HopperExperts.workspace_bytes` of the call, MiB. ReferenceExperts: eager,"
+        " workspace: `HopperExperts.workspace_bytes` of the call, MiB; peak: the most memory"
+        " torch's allocator held above what it held before, during the eager call, MiB."
+        " ReferenceExperts: eager,"
         " median of 10 calls. diff: relative L2 against ReferenceExperts.",
     )
     columns = ["local (ranks)", "T", "routing", "rows", "pairs", "touched"]
     columns += ["weight us", "MMA us", "floor us"]
     columns += [f"{n} {unit}" for n in names for unit in ("us", "%")]
-    columns += [f"{n} workspace MiB" for n in names]
+    columns += [f"{n} {kind} MiB" for n in names for kind in ("workspace", "peak")]
     columns += ["Reference us", *(f"{n} diff" for n in names), *(f"{n} us" for n in groupings)]
     rows = []
     for r in results:
@@ -340,8 +352,8 @@ def write_report(
         for n in names:
             cells += [f"{r[n]:.0f}", f"{floor.percent(r[n]):.0f}%"] if n in r else ["-", "-"]
         for n in names:
-            key = f"{n} workspace"
-            cells.append(f"{r[key] / 2**20:.0f}" if key in r else "-")
+            for key in (f"{n} workspace", f"{n} peak"):
+                cells.append(f"{r[key] / 2**20:.0f}" if key in r else "-")
         cells.append(f"{r['reference']:.0f}" if "reference" in r else "-")
         cells += [f"{r[f'{n} diff']:.1e}" if f"{n} diff" in r else "-" for n in names]
         cells += [f"{r[n]:.1f}" if n in r else "-" for n in groupings]

@@ -381,7 +381,14 @@ def experts_row(local, tokens, routing, touched=50, pairs=400, **columns):
 
 def test_experts_page_shows_both_floors_and_the_percent_of_the_larger(tmp_path):
     results = [
-        experts_row(56, 1, "uniform", humming=438.6, triton=877.2, **{"humming workspace": 2**21}),
+        experts_row(
+            56,
+            1,
+            "uniform",
+            humming=438.6,
+            triton=877.2,
+            **{"humming workspace": 2**21, "humming peak": 3 * 2**20},
+        ),
         experts_row(56, 2048, "hot", touched=56, pairs=65536, humming=10_000.0),
         experts_row(448, 1, "zipf", triton=1000.0, reference=2000.0, **{"triton diff": 2e-4}),
     ]
@@ -392,12 +399,13 @@ def test_experts_page_shows_both_floors_and_the_percent_of_the_larger(tmp_path):
     header = (
         "| local (ranks) | T | routing | rows | pairs | touched | weight us | MMA us | floor us"
         " | humming us | humming % | triton us | triton % | humming workspace MiB"
-        " | triton workspace MiB | Reference us | humming diff | triton diff |"
+        " | humming peak MiB | triton workspace MiB | triton peak MiB | Reference us"
+        " | humming diff | triton diff |"
     )
     assert header in text, text
     # 50 experts: 219.3 us of weights, 400 pairs: 26.4 us of MMA; 438.6 us is 50%, 877.2 25%.
     uniform = "| 56 (16) | 1 | uniform | 300 | 400 | 50 | 219 | 26 | 219 | 439 | 50% | 877 | 25% |"
-    assert uniform + " 2 | - | - | - | - |" in text, text
+    assert uniform + " 2 | 3 | - | - | - | - | - |" in text, text
     # 65,536 pairs: 4329.3 us of MMA bound the 245.7 us of weights: 43% at 10 ms.
     hot = "| 56 (16) | 2048 | hot | 300 | 65536 | 56 | 246 | 4329 | 4329 | 10000 | 43% | - | - |"
     assert hot in text, text

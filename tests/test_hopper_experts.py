@@ -30,6 +30,7 @@ from dep_ep.experts.hopper import (
     humming_engine,
     tuning_pairs,
 )
+from dep_ep.experts.hopper import chunks as chunks_module
 from dep_ep.experts.hopper import engine as engine_module
 from dep_ep.experts.hopper.engine import PAIR_BUDGET_LEAST, pair_budget
 from dep_ep.experts.hopper.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
@@ -203,6 +204,16 @@ def test_pair_budget_in_triton_interpreter():
     skip_without_interpreter_loops()
     seed = fresh_seed()
     run_in_interpreter("helpers.hopper_interpreter_case", "budget", str(seed), expect="ok budget")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.parametrize("case", ["chunks", "budget"])
+def test_humming_engine_in_chunks_in_triton_interpreter(case):
+    """The humming engine's call with a torch stand-in for humming's GEMM: in chunks bitwise equal
+    to the call on the slots, both equal to the rounding recipe in torch, the pair budget's NaN
+    rows and records, and workspace_parts exact (tests/helpers/humming_interpreter_case.py)."""
+    seed = fresh_seed()
+    run_in_interpreter("helpers.humming_interpreter_case", case, str(seed), expect=f"ok {case}")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
@@ -407,8 +418,53 @@ def test_triton_workspace_at_the_budget_is_under_a_gib_at_k3_dep16_t2048():
     assert capacity == TritonEngine().workspace_bytes(
         rows, 16, K3.latent, K3.intermediate, num_local=56, max_pairs=10**9
     )
-    with pytest.raises(ValueError, match="max_pairs=100 below the capacity R \\* K = 160"):
-        HummingEngine().workspace_bytes(10, 16, K3.latent, K3.intermediate, max_pairs=100)
+
+
+def test_humming_workspace_at_the_budget_is_under_a_gib_at_k3_dep16_t2048():
+    """HummingEngine.workspace_parts, term by term (the interpreter case checks the terms against
+    what a call allocates): N = 16 ranks, T = 2048, 56 local experts, the default skew and
+    chunk_pairs, humming's tiles of 16 pairs: 5 chunks of 16,384 pairs, 0.86 GiB, where the call
+    on the slots takes 3.81 GiB (and the slots' workspace before chunks, 7.8 GB)."""
+    rows, slots, chunk = 32768, 524_288, 16_384
+    engine = HummingEngine()
+    assert engine.plan(rows, 16, 73_728) == chunks_module.ChunkPlan(chunk=chunk, chunks=5)
+    tiles = slots // 16 + 56  # tile_capacity at block_n 16
+    chunk_tiles = chunk // 16 + 2 * 56  # a chunk's tiles: 1136, padded to 1152 in the expert rows
+    want = (3 * slots + 1) * 4 + 56 * 8  # pair tables, num_pairs, expert_pairs
+    want += (3 * tiles + 1) * 4 + (2 * tiles * 16 + 1) * 4  # tiles and routes
+    want += (slots // 1024) * 64 * 4  # the grouping's histogram
+    want += 5 * (1136 * 16 + 1152 + 2) * 4  # chunk routes: slots, experts, num_padded, pairs
+    want += chunk * (K3.latent + K3.latent // 32 * 4)  # gathered e4m3 rows and fp32 scales
+    want += chunk * 2 * K3.intermediate * 2  # FC1's BF16 output
+    want += chunk * (K3.intermediate + K3.intermediate // 32 * 4)  # MXFP8 activation
+    want += 5 * chunk * K3.latent * 2  # BF16 expert output of 81,920 pairs
+    assert chunk_tiles * 16 == 1136 * 16
+    got = engine.workspace_bytes(
+        rows, 16, K3.latent, K3.intermediate, num_local=56, max_pairs=73_728, block_ns=(16,)
+    )
+    assert got == want and got < 0.87 * 2**30
+    # Hot routing there (every token's first choice one expert of this rank) fits the budget.
+    assert rows * (1 + 15 * 55 / 895) <= 5 * chunk
+    # No budget: the chunks cover the capacity (32 of them), the expert output 3.5 GiB of it.
+    capacity = engine.workspace_bytes(rows, 16, K3.latent, K3.intermediate, num_local=56)
+    assert round(capacity / 2**30, 2) == 3.81
+    # A call over at most chunk_pairs slots runs on them (its capacity, never over budget).
+    assert engine.plan(1024, 16, 4096) is None and engine.plan(1025, 16, 4096) is not None
+    assert HummingEngine(chunk_pairs=64).plan(5, 16, 1) == chunks_module.ChunkPlan(64, 1)
+
+
+def test_chunk_plan_arithmetic():
+    """chunk_plan: on the slots up to chunk_pairs; else chunks of min(chunk_pairs, the budget
+    rounded up to CHUNK_ALIGN), as many as the budget needs; chunk_tile_capacity's bound."""
+    plan = chunks_module.chunk_plan
+    assert plan(100, 16, 1600, 1600) is None  # 1600 slots fit a chunk of 1600
+    assert plan(101, 16, 100, 1600) == chunks_module.ChunkPlan(chunk=128, chunks=1)
+    assert plan(101, 16, 1616, 1600) == chunks_module.ChunkPlan(chunk=1600, chunks=2)
+    assert plan(32768, 16, 73_728, 16_384).pairs == 81_920
+    assert chunks_module.ChunkPlan(chunk=1600, chunks=2).tuning_cap == 1024
+    # Tiles a range of C pairs meets: ceil(C / block_n) + 2 * E_local, at most the tiling's.
+    assert chunks_module.chunk_tile_capacity(64, 16, 6, 1000) == 4 + 12
+    assert chunks_module.chunk_tile_capacity(64, 16, 6, 10) == 10
 
 
 def test_pair_skew_checked_before_the_device():
@@ -423,18 +479,17 @@ def test_pair_skew_checked_before_the_device():
     ):
         with pytest.raises(error, match=f"HopperExperts: {message}"):
             HopperExperts(weights, engine=TritonEngine(), pair_skew=skew)
-    with pytest.raises(ValueError, match="pair_skew=2.0; HummingEngine takes no pair budget"):
-        HopperExperts(weights, engine=HummingEngine(), pair_skew=2.0)
     # Valid arguments on CPU: the device refusal.
     for skew in (2, 2.5, np.int64(2), np.float32(2.5)):  # any real number, NumPy's too
         with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
             HopperExperts(weights, engine=TritonEngine(), pair_skew=skew)
-    assert TritonEngine.takes_pair_budget and not HummingEngine.takes_pair_budget
-    # The default "auto" refuses nothing on either engine (humming gets no budget): the device
-    # refusal is all that is left on CPU.
+    assert TritonEngine.takes_pair_budget and HummingEngine.takes_pair_budget
+    # The default "auto" and a skew refuse nothing on either engine: the device refusal is all
+    # that is left on CPU.
     for engine in (TritonEngine(), HummingEngine()):
-        with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
-            HopperExperts(weights, engine=engine)
+        for skew in ("auto", 2.0, None):
+            with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
+                HopperExperts(weights, engine=engine, pair_skew=skew)
 
 
 def test_engines_check_their_options():
@@ -454,6 +509,26 @@ def test_engines_check_their_options():
             lambda: HummingEngine(tiles={"block_n": 16}),
             TypeError,
             "HummingEngine: tiles is dict; expected HopperTiles",
+        ),
+        (
+            lambda: HummingEngine(chunk_pairs=100),
+            ValueError,
+            "HummingEngine: chunk_pairs=100; expected a positive multiple of 64",
+        ),
+        (
+            lambda: HummingEngine(chunk_pairs=0),
+            ValueError,
+            "HummingEngine: chunk_pairs=0; expected a positive multiple of 64",
+        ),
+        (
+            lambda: HummingEngine(chunk_pairs=True),
+            TypeError,
+            "HummingEngine: chunk_pairs=True; expected an int",
+        ),
+        (
+            lambda: HummingEngine(chunk_pairs=1024.0),
+            TypeError,
+            "HummingEngine: chunk_pairs=1024.0; expected an int",
         ),
         (
             lambda: TritonEngine(tiles=None),
@@ -523,9 +598,21 @@ ENGINES = {
     "triton": (TritonEngine(), EXPERTS_REL_L2),
     "humming-grouping-torch": (HummingEngine(tiles=TORCH_GROUPING), HUMMING_REL_L2),
     "triton-grouping-torch": (TritonEngine(tiles=TORCH_GROUPING), EXPERTS_REL_L2),
+    # Chunks of 64 pairs: every call over more than 64 slots (rows > 4) runs in chunks, tiles cut
+    # by the chunks' edges, most chunks of a 48-row call empty.
+    "humming-chunks": (HummingEngine(chunk_pairs=64), HUMMING_REL_L2),
+    "humming-chunks-deterministic": (
+        HummingEngine(chunk_pairs=64, deterministic=True),
+        HUMMING_REL_L2,
+    ),
 }
 # The settings that promise bitwise reruns (humming's default may use stream-K).
-DETERMINISTIC = ["humming-deterministic", "triton", "triton-grouping-torch"]
+DETERMINISTIC = [
+    "humming-deterministic",
+    "humming-chunks-deterministic",
+    "triton",
+    "triton-grouping-torch",
+]
 
 
 def engine(name: str) -> tuple[HopperEngine, float]:
@@ -625,27 +712,28 @@ def test_gpu_bitwise_reruns_and_graph_replay(name):
 
 
 @GPU
-def test_gpu_pair_budget_fits_overflows_and_replays(monkeypatch):
-    """TritonEngine with a pair budget (PAIR_BUDGET_LEAST lowered so a small call has one): rows
+@pytest.mark.parametrize("name,budget", [("triton", 288), ("humming-chunks-deterministic", 320)])
+def test_gpu_pair_budget_fits_overflows_and_replays(monkeypatch, name, budget):
+    """An engine with a pair budget (PAIR_BUDGET_LEAST lowered so a small call has one; 1.5 x the
+    mean of 192 pairs: 288, which the humming engine in chunks of 64 rounds up to 320): rows
     within it against the float64 reference; rows over it (every row holding all 8 local experts,
-    384 pairs over a budget of 288) NaN in every row, the overflow record raised by
-    check_pair_budget, in eager and in graph replay (no host synchronisation), then a
-    replay on rows within the budget equal to eager, bitwise. Outputs poisoned, fresh data."""
+    384 pairs) NaN in every row, the overflow record raised by check_pair_budget, in eager and in
+    graph replay (no host synchronisation), then a replay on rows within the budget equal to
+    eager, bitwise. Outputs poisoned, fresh data."""
     monkeypatch.setattr(engine_module, "PAIR_BUDGET_LEAST", 1)
+    setting, bound = engine(name)
     seed = fresh_seed()
     _, layer, latent, x, sf, ids, weights = gpu_case(48, seed, TritonEngine())
-    backend = HopperExperts(
-        layer.local_weights(0, 8).to("cuda"), pair_skew=1.5, engine=TritonEngine()
-    )
-    assert backend.max_pairs(48, 16) == 288  # 1.5 x the mean 48 * 16 * 8 / 32 = 192
-    where = f"seed {seed}"
+    backend = HopperExperts(layer.local_weights(0, 8).to("cuda"), pair_skew=1.5, engine=setting)
+    assert backend.max_pairs(48, 16) == budget
+    where = f"{name} seed {seed}"
     local = (ids >= 0) & (ids < 8)
     assert int(local.sum()) <= 288, f"{where}: {int(local.sum())} pairs drawn"  # 8 sd above 192
     written = local.any(dim=1)
     out = backend.forward(x, sf, ids, weights, poisoned(48))
     want = expert_sums(latent.cuda(), torch.where(local, ids, -1), weights, layer.expert)
     err = float((out[written].double() - want[written]).norm() / want[written].norm())
-    assert err < EXPERTS_REL_L2, f"{where}: relative L2 {err:.2e}"
+    assert err < bound, f"{where}: relative L2 {err:.2e}"
     assert out[~written].isnan().all(), f"{where}: a row without a local id changed"
     backend.check_pair_budget()  # nothing over the budget
 
@@ -893,10 +981,66 @@ def test_gpu_default_experts_is_hopper():
 
 
 @GPU
-def test_gpu_default_pair_skew_is_the_budget_on_triton():
-    """pair_skew="auto" (the default) on the triton engine: PAIR_BUDGET_SKEW, with
-    device_failures (EpRouted hands it the step's StepFailure); None: neither."""
-    weights = SyntheticLayer(TINY, 0).local_weights(0, 4).to("cuda")
-    triton = HopperExperts(weights, engine=TritonEngine())
-    assert triton.pair_skew == engine_module.PAIR_BUDGET_SKEW and triton.device_failures
-    assert HopperExperts(weights, engine=TritonEngine(), pair_skew=None).device_failures is False
+@pytest.mark.parametrize("name", ["triton", "humming"])
+def test_gpu_default_pair_skew_is_the_budget(name):
+    """pair_skew="auto" (the default) on either engine: PAIR_BUDGET_SKEW, with device_failures
+    (EpRouted hands it the step's StepFailure); None: neither."""
+    setting, _ = engine(name)
+    weights = SyntheticLayer(K3_WIDTHS, 0).local_weights(0, 4).to("cuda")
+    backend = HopperExperts(weights, engine=setting)
+    assert backend.pair_skew == engine_module.PAIR_BUDGET_SKEW and backend.device_failures
+    assert HopperExperts(weights, engine=setting, pair_skew=None).device_failures is False
+
+
+@GPU
+@pytest.mark.parametrize("hot", [False, True])
+def test_gpu_humming_in_chunks_is_bitwise_the_call_on_the_slots(hot):
+    """HummingEngine(deterministic=True) in chunks of 256 pairs (48 rows: 768 slots, 3 chunks, the
+    kernels chosen for 256 pairs either way) equals the call on the slots bitwise, on fresh rows
+    with outputs poisoned; under hot routing one expert's pairs span the chunks."""
+    seed = fresh_seed()
+    slots, _ = engine("humming-deterministic")
+    backend, _, _, x, sf, ids, weights = gpu_case(48, seed, slots, hot=hot)
+    chunked = HopperExperts(
+        SyntheticLayer(K3_WIDTHS, seed).local_weights(0, 8).to("cuda"),
+        engine=HummingEngine(chunk_pairs=256, deterministic=True),
+    )
+    assert backend.prepared.plan(48, 16) is None
+    assert chunked.prepared.plan(48, 16) == chunks_module.ChunkPlan(chunk=256, chunks=3)
+    assert backend.tuning_pairs(48, 16) == chunked.prepared.tuning_pairs(48, 16) == 256
+    want = backend.forward(x, sf, ids, weights, poisoned(48))
+    got = chunked.forward(x, sf, ids, weights, poisoned(48))
+    written = ((ids >= 0) & (ids < 8)).any(dim=1)
+    assert not want[written].isnan().any(), f"seed {seed}: NaN in a row with a local id"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+        f"seed {seed} hot={hot}: the call in chunks differs from the call on the slots"
+    )
+
+
+@GPU
+@pytest.mark.parametrize(
+    "name,chunk_pairs", [("humming", 1024), ("humming", 1 << 40), ("triton", 0)]
+)
+def test_gpu_workspace_bytes_is_what_a_call_allocates(monkeypatch, name, chunk_pairs):
+    """The most memory torch's allocator holds during a call, above what it held before, is
+    workspace_bytes (each tensor rounded up to 512 bytes): 256 rows of K3 widths, budget 2.25 x
+    the mean (PAIR_BUDGET_LEAST lowered), the humming engine in chunks of 1024 pairs and on the
+    slots, and the triton engine."""
+    monkeypatch.setattr(engine_module, "PAIR_BUDGET_LEAST", 1)
+    seed = fresh_seed()
+    setting, _ = engine(name)
+    if name == "humming":
+        setting = HummingEngine(chunk_pairs=chunk_pairs)
+    backend, _, _, x, sf, ids, weights = gpu_case(256, seed, setting)
+    out = poisoned(256)
+    backend.forward(x, sf, ids, weights, out)  # compiles
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    backend.forward(x, sf, ids, weights, out)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    want = backend.workspace_bytes(256, 16)
+    parts = backend.prepared.workspace_parts(256, 16)
+    slack = 512 * 64  # rounding: at most 512 bytes for each of fewer than 64 tensors
+    assert want <= peak <= want + slack, f"{name} {chunk_pairs}: peak {peak}, parts {parts}"

@@ -106,7 +106,7 @@ class HopperEngine(ABC):
       activation_format  FC2's input (ExpertsBackend.activation_format): "bf16" or "mxfp8"
       deterministic      True when reruns on the same rows are bitwise equal
       takes_pair_budget  True when a call can be sized for a pair budget (HopperExperts'
-                         pair_skew): TritonEngine
+                         pair_skew): both engines
     """
 
     name: ClassVar[str]
@@ -141,8 +141,9 @@ class HopperEngine(ABC):
         max_pairs: int | None = None,
     ) -> int:
         """The bytes one call allocates (from torch's caching allocator) for R = rows receive
-        rows with topk ids each over num_local experts, its pair-sized tensors at max_pairs rows
-        (`pair_budget`; None: the capacity R * K). Each engine says how exact it is."""
+        rows with topk ids each over num_local experts, at the pair budget max_pairs
+        (`pair_budget`; None: the capacity R * K). Each engine says how exact it is; the
+        prepared call's `workspace_parts` knows the call's tiles and budget."""
 
     @abstractmethod
     def prepare(
@@ -150,6 +151,7 @@ class HopperEngine(ABC):
     ) -> PreparedCall:
         """The engine's state for `weights` on their (SM90) device of `sms` SMs, as a callable
         with forward's contract, `max_pairs(rows, topk)` (the pairs a call is sized for:
-        `pair_budget` with `skew`) and `pairs_over_budget` (int32 [1] on the device, 0 or the
+        `pair_budget` with `skew`), `workspace_parts(rows, topk)` (the bytes of each tensor a
+        call allocates, by name) and `pairs_over_budget` (int32 [1] on the device, 0 or the
         largest pair count of a call over its budget); errors name `owner`. An engine that takes no
         pair budget (takes_pair_budget False) refuses a skew with ValueError."""

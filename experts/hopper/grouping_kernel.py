@@ -360,6 +360,25 @@ def group_route_kernel(
                 )
 
 
+def workspace_parts(
+    rows: int, topk: int, num_local: int, block_ns: tuple[int, ...]
+) -> dict[str, int]:
+    """Bytes of each tensor one `_launch` over R = rows receive rows of topk ids allocates, by
+    name: "pairs" int32 pair_row, pair_flat, pair_slot [R * K] and num_pairs [1];
+    "expert_pairs" int64 [E_local]; per tiling "tiles" int32 tile_expert, tile_start, tile_rows
+    [TC] and num_tiles [1] (TC = tile_capacity) and "routes" int32 flat, pair [TC * block_n] and
+    num_padded [1] (both summed over the tilings); "histogram" int32 [chunks, bins]."""
+    slots = pair_capacity(rows, topk)
+    tiles = [tile_capacity(rows, topk, num_local, block_n) for block_n in block_ns]
+    return {
+        "pairs": (3 * slots + 1) * 4,
+        "expert_pairs": num_local * 8,
+        "tiles": sum((3 * t + 1) * 4 for t in tiles),
+        "routes": sum((2 * t * n + 1) * 4 for t, n in zip(tiles, block_ns)),
+        "histogram": max(1, -(-slots // BLOCK_S)) * triton.next_power_of_2(num_local + 2) * 4,
+    }
+
+
 def group_and_route(
     ids: torch.Tensor, first_expert: int, num_local: int, block_n: int
 ) -> tuple[PairGroups, TileRoutes]:

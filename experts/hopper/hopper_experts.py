@@ -65,18 +65,20 @@ class HopperExperts(ExpertsBackend):
     humming's kernels are chosen for `tuning_pairs(rows, topk)`, from the weights' num_experts.
 
     pair_skew: "auto" (the default): PAIR_BUDGET_SKEW (2.25) on an engine that takes a pair
-      budget (TritonEngine), None on one that does not (HummingEngine); None: every call sized
-      for the most pairs its rows can hold, R * K (R receive rows of K ids: N * T rows on N
-      ranks), which no routing exceeds; or a number >= 1 (TritonEngine only; ValueError with
-      HummingEngine): a call's pair-sized workspace (BF16 act [P, I] and y [P, L]) holds
-      P = `pair_budget(R, K, E_local, E, pair_skew)` pairs, pair_skew times the pairs R rows
-      hold on average under uniform routing (at least PAIR_BUDGET_LEAST, at most R * K), so the
-      memory follows the work rather than the slots (K3, 16 ranks, T = 2048, 2.25: 0.99 GB,
-      0.92 GiB, where R * K took 6.99 GB; hot-expert routing, every token's first choice one
-      expert, holds 1.92x the mean there and fits). A call whose rows hold more pairs than P
-      (counted on the device: no host synchronisation, graph-capturable) computes nothing and
-      writes NaN into every row with a local id (never a partial sum), and raises
-      `pairs_over_budget` to its pair count (`check_pair_budget()` raises it on the host). Under
+      budget (both do); None: every call sized for the most pairs its rows can hold, R * K (R
+      receive rows of K ids: N * T rows on N ranks), which no routing exceeds; or a number >= 1:
+      a call's pair-sized workspace holds P = `pair_budget(R, K, E_local, E, pair_skew)` pairs,
+      pair_skew times the pairs R rows hold on average under uniform routing (at least
+      PAIR_BUDGET_LEAST, at most R * K), so the memory follows the work rather than the slots
+      (hot-expert routing, every token's first choice one expert, holds 1.92x the mean at K3 on
+      16 ranks and fits). TritonEngine: BF16 act [P, I] and y [P, L] (K3, 16 ranks, T = 2048,
+      2.25: 0.99 GB, where R * K took 6.99 GB). HummingEngine: a call over more than its
+      chunk_pairs receive slots runs in chunks, P rounded up to whole chunks (0.91 GB there,
+      where the slots took 7.8 GB); a smaller call runs on its slots and never overflows. A call
+      whose rows hold more pairs than P (counted on the device: no host synchronisation,
+      graph-capturable) writes NaN into every row with a local id (never a partial sum), and
+      raises `pairs_over_budget` to its pair count (`check_pair_budget()` raises it on the
+      host). Under
       EpRouted the step fails on every rank (`failure`, below): this rank raises
       EpPairBudgetError naming the pair count, the budget, the step's tag and the fix (raise
       pair_skew), every peer EpPeerError naming this rank; in that call on CPU, at the next
@@ -133,7 +135,6 @@ class HopperExperts(ExpertsBackend):
         if self.pair_skew is not None and not engine.takes_pair_budget:
             raise ValueError(
                 f"{owner}: pair_skew={pair_skew}; {type(engine).__name__} takes no pair budget"
-                " (humming's FC1 output has a row per slot); use engine=TritonEngine()"
             )
         self.check_device(weights.device)
         self.engine, self.tiles = engine, engine.tiles
@@ -167,16 +168,10 @@ class HopperExperts(ExpertsBackend):
 
     def workspace_bytes(self, rows: int, topk: int) -> int:
         """Bytes a call over `rows` receive rows with `topk` ids each allocates, at its pair
-        budget (`max_pairs`): the engine's `workspace_bytes` (exact for TritonEngine with the
-        grouping kernel, an estimate for HummingEngine)."""
-        return self.engine.workspace_bytes(
-            rows,
-            topk,
-            self.latent,
-            self.intermediate,
-            num_local=self.num_local_experts,
-            max_pairs=self.max_pairs(rows, topk),
-        )
+        budget: the sum of the prepared call's `workspace_parts` (exact with the grouping kernel,
+        Grouping.TRITON, the default; with Grouping.TORCH the grouping's temporaries are an
+        estimate)."""
+        return sum(self.prepared.workspace_parts(rows, topk).values())
 
     def check_pair_budget(self) -> None:
         """Blocks the host (reads a device value): RuntimeError when a call since the last check

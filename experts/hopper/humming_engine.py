@@ -1,8 +1,12 @@
 """HummingEngine: HopperExperts' GEMMs in humming-kernels' SM90 MoE GEMM (experts/hopper/
-humming_gemm.py wraps it): the grouping (pairs by expert and their tile routes) ->
-widen_scales_kernel -> humming's FC1 (WGMMA, e4m3 rows x MXFP4) -> situ_mxfp8_kernel (SiTU, then
-MXFP8 like the dispatch) -> humming's FC2 -> finalize_kernel (experts/hopper/kernels.py).
-`pip install -e '.[gpu]'` brings humming-kernels."""
+humming_gemm.py wraps it). A call whose R * K receive slots fit one chunk (chunk_pairs) runs on
+the slots: the grouping (pairs by expert and their tile routes) -> widen_scales_kernel ->
+humming's FC1 (WGMMA, e4m3 rows x MXFP4, one output row a slot) -> situ_mxfp8_kernel (SiTU, then
+MXFP8 like the dispatch) -> humming's FC2 -> finalize_kernel (experts/hopper/kernels.py). A larger
+call runs its pairs in chunks (experts/hopper/chunks.py; the kernels in chunk_kernels.py): the
+grouping -> chunk_routes_kernel, then per chunk gather_rows_kernel -> FC1 -> SiTU -> FC2, then the
+finalize; its memory follows the pair budget, not the slots. `pip install -e '.[gpu]'` brings
+humming-kernels."""
 
 from __future__ import annotations
 
@@ -14,16 +18,20 @@ from typing import ClassVar
 
 import torch
 
+from dep_ep.checks import check_positive_int
+from dep_ep.comm.failure import StepFailure
 from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.hopper import chunks as chunking
 from dep_ep.experts.hopper.engine import (
     GROUPING_BYTES_PER_SLOT,
     HopperEngine,
     PreparedCall,
     check_flag,
     check_tiles,
+    pair_budget,
     tuning_pairs,
 )
-from dep_ep.experts.hopper.grouping import pair_capacity, routed_tilings
+from dep_ep.experts.hopper.grouping import Grouping, pair_capacity, routed_tilings, tile_capacity
 from dep_ep.experts.hopper.humming_gemm import HummingGemm, scale_spread_error
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.weights import ExpertWeights
@@ -39,6 +47,14 @@ ROUTE_BYTES_PER_SLOT = 32
 SITU_ROWS, SITU_MAX_BLOCK_I, SITU_PROGRAMS_PER_SM = 8, 256, 16
 # widen_scales_kernel: scale bytes per program.
 WIDEN_BLOCK = 1024
+# HummingEngine.chunk_pairs' default: a call over more receive slots than this runs in chunks of at
+# most this many pairs. At K3 widths a chunk's buffers take 19,776 bytes a pair (the gathered row
+# and its fp32 scales, FC1's BF16 output, the MXFP8 activation): 324 MB for 16,384, and the call's
+# expert output 7,168 bytes a pair of its budget; on 16 ranks at T = 2048 (budget 73,728 pairs,
+# 5 chunks, 81,920 rows of expert output) 0.91 GB in all, under the GiB of issue 24's target.
+CHUNK_PAIRS = 16384
+# The largest tile (pairs) humming's SM90 kernels take: workspace_bytes' tiles when not given.
+HUMMING_MAX_BLOCK_M = 64
 HUMMING_PIP = "pip install -e '.[gpu]'"
 # The humming-kernels release humming_gemm.py wraps (the `gpu` extra's pin): 0.1.12, which
 # SGLang 0.5.23 pins, lacks transform.prepare_fp16_e8m0_scale.
@@ -72,28 +88,103 @@ class HummingEngine(HopperEngine):
       guaranteed bitwise equal; True asks for its batch-invariant kernels (no stream-K).
     tune_for_capacity: humming's kernels are chosen per call for a pair count (`tuning_pairs`):
       False, the pairs expected under uniform routing over the weights' num_experts; True, the
-      capacity R * K (every slot local).
+      capacity R * K (every slot local). A chunked call caps it at the chunk.
+    chunk_pairs: a call over at most this many receive slots (R * K) runs on the slots, sized for
+      its capacity (it never overflows); a larger one runs its pairs in chunks of at most this
+      many (experts/hopper/chunks.py), with a pair budget (HopperExperts' pair_skew). A multiple
+      of chunks.CHUNK_ALIGN (64); default CHUNK_PAIRS.
     tiles: the finalize's launch and the grouping are read (HopperTiles' other fields are the
       triton engine's).
     """
 
     name: ClassVar[str] = "humming"
     activation_format: ClassVar[str] = "mxfp8"
+    takes_pair_budget: ClassVar[bool] = True
 
     deterministic: bool = False
     tune_for_capacity: bool = False
+    chunk_pairs: int = CHUNK_PAIRS
     tiles: HopperTiles = field(default_factory=HopperTiles)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_flag(owner, "deterministic", self.deterministic)
         check_flag(owner, "tune_for_capacity", self.tune_for_capacity)
+        if isinstance(self.chunk_pairs, bool):
+            raise TypeError(f"{owner}: chunk_pairs={self.chunk_pairs!r}; expected an int")
+        check_positive_int(owner, "chunk_pairs", self.chunk_pairs, chunking.CHUNK_ALIGN)
         check_tiles(owner, self.tiles)
 
     def tuning_pairs(self, rows: int, topk: int, num_local: int, num_experts: int) -> int:
         """`tuning_pairs(rows, topk, num_local, num_experts)`, or of the capacity (num_experts
         None) when tune_for_capacity."""
         return tuning_pairs(rows, topk, num_local, None if self.tune_for_capacity else num_experts)
+
+    def plan(self, rows: int, topk: int, max_pairs: int | None) -> chunking.ChunkPlan | None:
+        """The call's chunks (`chunks.chunk_plan`) for the pair budget max_pairs (None: the
+        capacity R * K); None when it runs on the slots."""
+        budget = pair_capacity(rows, topk) if max_pairs is None else max_pairs
+        return chunking.chunk_plan(rows, topk, budget, self.chunk_pairs)
+
+    def workspace_parts(
+        self,
+        rows: int,
+        topk: int,
+        latent: int,
+        intermediate: int,
+        *,
+        num_local: int | None = None,
+        max_pairs: int | None = None,
+        block_ns: tuple[int, ...] = (HUMMING_MAX_BLOCK_M,),
+    ) -> dict[str, int]:
+        """Bytes of each tensor a call allocates, by name, for R = rows receive rows of topk ids
+        over num_local experts, at the pair budget max_pairs (None: the capacity R * K), with
+        humming's tiles block_ns (FC1's and FC2's, distinct; the prepared call knows them: the
+        default, humming's largest tile as one tiling, is an estimate, within 1% at K3 on 16
+        ranks and T = 2048). Exact with num_local, the call's block_ns and the grouping kernel
+        (Grouping.TRITON, the default); else the grouping counts GROUPING_BYTES_PER_SLOT a slot
+        and each tiling's routes ROUTE_BYTES_PER_SLOT, an estimate. humming allocates nothing
+        itself; torch's caching allocator rounds each tensor up to 512 bytes.
+          on the slots: "grouping" or the grouping kernel's parts; "scales" fp32 [R, L/32];
+          "fc1_out" BF16 [R * K, 2I]; "act" e4m3 [R * K, I] and its fp32 scales [R * K, I/32];
+          "expert_out" BF16 [R * K, L];
+          in chunks (C pairs, P = chunks * C): the grouping; "chunk_routes" (chunks.
+          chunk_routes_bytes per tiling); "gathered" e4m3 [C, L] and fp32 scales [C, L/32];
+          "fc1_out" BF16 [C, 2I]; "act" [C, I] and [C, I/32]; "expert_out" BF16 [P, L]."""
+        slots = pair_capacity(rows, topk)
+        exact = num_local is not None and self.tiles.grouping is Grouping.TRITON
+        if exact:
+            from dep_ep.experts.hopper import grouping_kernel  # imports triton
+
+            exact = all(grouping_kernel.fits(block_n) for block_n in block_ns)
+        if exact:
+            parts = grouping_kernel.workspace_parts(rows, topk, num_local, block_ns)
+        else:
+            parts = {"grouping": slots * (GROUPING_BYTES_PER_SLOT + 2 * ROUTE_BYTES_PER_SLOT)}
+        inter = intermediate
+        plan = self.plan(rows, topk, max_pairs)
+        if plan is None:
+            return {
+                **parts,
+                "scales": rows * (latent // SCALE_BLOCK) * 4,
+                "fc1_out": slots * 2 * inter * 2,
+                "act": slots * (inter + inter // SCALE_BLOCK * 4),
+                "expert_out": slots * latent * 2,
+            }
+        local = slots if num_local is None else num_local
+        routes = 0
+        for block_n in block_ns:
+            tile_cap = tile_capacity(rows, topk, local, block_n)
+            routes += chunking.chunk_routes_bytes(plan, block_n, local, tile_cap)
+        c = plan.chunk
+        return {
+            **parts,
+            "chunk_routes": routes,
+            "gathered": c * (latent + latent // SCALE_BLOCK * 4),
+            "fc1_out": c * 2 * inter * 2,
+            "act": c * (inter + inter // SCALE_BLOCK * 4),
+            "expert_out": plan.pairs * latent * 2,
+        }
 
     def workspace_bytes(
         self,
@@ -104,37 +195,27 @@ class HummingEngine(HopperEngine):
         *,
         num_local: int | None = None,
         max_pairs: int | None = None,
+        block_ns: tuple[int, ...] = (HUMMING_MAX_BLOCK_M,),
     ) -> int:
-        """About the bytes of a call: the grouping's temporaries (GROUPING_BYTES_PER_SLOT a slot),
-        the rows' scales in fp32 [R, L/32], BF16 FC1 outputs [R * K, 2I], MXFP8 activations
-        [P, I] with fp32 scales, the tile routes of two groupings (ROUTE_BYTES_PER_SLOT a pair
-        each) and BF16 expert outputs [P, L], at the pair capacity P = R * K (this engine takes
-        no pair budget: max_pairs must be None or at least R * K; num_local is not read)."""
-        if max_pairs is not None and max_pairs < pair_capacity(rows, topk):
-            raise ValueError(
-                f"HummingEngine.workspace_bytes: max_pairs={max_pairs} below the capacity"
-                f" R * K = {pair_capacity(rows, topk)}; this engine takes no pair budget"
-            )
-        pairs = pair_capacity(rows, topk)
-        grouping = rows * topk * GROUPING_BYTES_PER_SLOT
-        scales = rows * (latent // SCALE_BLOCK) * 4
-        act = pairs * (intermediate + intermediate // SCALE_BLOCK * 4)
-        routing = 2 * pairs * ROUTE_BYTES_PER_SLOT
-        fc1_out = rows * topk * 2 * intermediate * 2
-        return grouping + scales + fc1_out + act + routing + pairs * latent * 2
+        """The sum of `workspace_parts` (same arguments)."""
+        parts = self.workspace_parts(
+            rows,
+            topk,
+            latent,
+            intermediate,
+            num_local=num_local,
+            max_pairs=max_pairs,
+            block_ns=block_ns,
+        )
+        return sum(parts.values())
 
     def prepare(
         self, owner: str, weights: ExpertWeights, sms: int, skew: float | None = None
     ) -> PreparedCall:
-        """humming's re-laid-out copy of the weights (the caller's are neither kept nor changed).
+        """humming's re-laid-out copy of the weights (the caller's are neither kept nor changed),
+        and the pair budget's skew (`pair_budget`; None: every call sized for its capacity).
         RuntimeError without humming-kernels; ValueError naming the experts whose scale bytes
-        spread wider than humming keeps exact, or a pair budget (skew not None): humming's FC1
-        writes one output row per slot (R * K rows of 2I), which a budget would not bound."""
-        if skew is not None:
-            raise ValueError(
-                f"{owner}: pair_skew={skew}; HummingEngine takes no pair budget (its FC1 output"
-                " has a row per slot); use engine=TritonEngine() for one"
-            )
+        spread wider than humming keeps exact."""
         if not humming_installed():
             found = humming_release()
             raise RuntimeError(
@@ -159,6 +240,7 @@ class HummingEngine(HopperEngine):
             latent=weights.latent,
             intermediate=weights.intermediate,
             sms=sms,
+            skew=skew,
             # SiTU's column block: the largest power of two <= SITU_MAX_BLOCK_I dividing I (>= 32:
             # I is a multiple of 32).
             situ_block_i=math.gcd(SITU_MAX_BLOCK_I, weights.intermediate),
@@ -169,9 +251,10 @@ class HummingEngine(HopperEngine):
 @dataclass(frozen=True)
 class HummingPrepared:
     """One layer on the humming engine: humming's FC1 and FC2 (HummingGemm: the weights in its
-    layout, its lock words, the kernels chosen so far), the engine, the weights' geometry, the
-    device's SMs, SiTU's column block, and the finalize's overflow record (int32 [1], stays 0:
-    every call is sized for its capacity)."""
+    layout, its lock words, the kernels chosen so far; a stand-in with the same `block_m` and
+    call in the CPU tests), the engine, the weights' geometry, the device's SMs, the pair
+    budget's skew, SiTU's column block, and pairs_over_budget int32 [1] on the device: 0, or the
+    largest pair count of a chunked call over its budget since it was last zeroed."""
 
     fc1: HummingGemm
     fc2: HummingGemm
@@ -182,35 +265,119 @@ class HummingPrepared:
     latent: int
     intermediate: int
     sms: int
+    skew: float | None
     situ_block_i: int
     pairs_over_budget: torch.Tensor
-
-    def max_pairs(self, rows: int, topk: int) -> int:
-        """The pairs a call over `rows` receive rows is sized for: the capacity R * K."""
-        return pair_capacity(rows, topk)
 
     @property
     def tiles(self) -> HopperTiles:
         return self.engine.tiles
 
-    def tuning_pairs(self, rows: int, topk: int) -> int:
-        return self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
+    def budget(self, rows: int, topk: int) -> int:
+        """`pair_budget(rows, topk, num_local, num_experts, skew)`."""
+        return pair_budget(rows, topk, self.num_local_experts, self.num_experts, self.skew)
 
-    def __call__(self, x, sf, ids, weights, out) -> torch.Tensor:
-        """forward's contract (same tensors) on the humming engine: group, FC1, SiTU -> MXFP8,
-        FC2, finalize; R >= 1."""
+    def plan(self, rows: int, topk: int) -> chunking.ChunkPlan | None:
+        """The call's chunks, or None when it runs on the slots (HummingEngine.plan)."""
+        return self.engine.plan(rows, topk, self.budget(rows, topk))
+
+    def max_pairs(self, rows: int, topk: int) -> int:
+        """The pairs a call over `rows` receive rows is sized for: its capacity R * K on the
+        slots, the chunks' pairs (the budget rounded up to whole chunks) in chunks."""
+        plan = self.plan(rows, topk)
+        return pair_capacity(rows, topk) if plan is None else plan.pairs
+
+    def tuning_pairs(self, rows: int, topk: int) -> int:
+        """The pair count humming's kernels are chosen for: the engine's, at most the chunk's
+        tuning cap in chunks."""
+        tuned = self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
+        plan = self.plan(rows, topk)
+        return tuned if plan is None else min(tuned, plan.tuning_cap)
+
+    def block_ns(self, rows: int, topk: int) -> tuple[int, ...]:
+        """The tiles (pairs) of the kernels a call uses: FC1's and FC2's, distinct."""
+        tuned = self.tuning_pairs(rows, topk)
+        return tuple(dict.fromkeys((self.fc1.block_m(tuned), self.fc2.block_m(tuned))))
+
+    def workspace_parts(self, rows: int, topk: int) -> dict[str, int]:
+        """HummingEngine.workspace_parts of a call over `rows` receive rows, with its kernels'
+        tiles and budget."""
+        return self.engine.workspace_parts(
+            rows,
+            topk,
+            self.latent,
+            self.intermediate,
+            num_local=self.num_local_experts,
+            max_pairs=self.budget(rows, topk),
+            block_ns=self.block_ns(rows, topk),
+        )
+
+    def __call__(
+        self, x, sf, ids, weights, out, failure: StepFailure | None = None
+    ) -> torch.Tensor:
+        """forward's contract (same tensors) on the humming engine, R >= 1: on the slots or in
+        chunks (module docstring); `failure` as TritonEngine's finalize takes it."""
+        rows, topk = ids.shape
+        block_ns = self.block_ns(rows, topk)
+        tilings = routed_tilings(
+            ids, self.first_expert, self.num_local_experts, block_ns, self.tiles.grouping
+        )
+        plan = self.plan(rows, topk)
+        if plan is None:
+            expert_out, budget = self._on_slots(x, sf, ids, tilings)
+        else:
+            expert_out, budget = self._in_chunks(x, sf, ids, tilings, plan)
+        from dep_ep.experts.hopper import kernels
+        from dep_ep.experts.hopper.triton_engine import fail_step
+
+        latent = self.latent
+        columns = self.tiles.finalize_columns(latent)
+        kernels.finalize_kernel[(rows, latent // columns)](
+            expert_out,
+            tilings[0][0].pair_slot,
+            weights,
+            out,
+            tilings[0][0].num_pairs,
+            budget,
+            self.pairs_over_budget,
+            latent,
+            topk,
+            columns,
+            **fail_step(failure),
+            num_warps=self.tiles.finalize_warps,
+        )
+        return out
+
+    def _situ(self, gate_up, pair_flat, num_pairs, act, act_scale, rows, indexed) -> None:
+        """situ_mxfp8_kernel over `rows` activation rows (`indexed`: gate_up row pair_flat[j])."""
+        from dep_ep.experts.hopper import kernels
+
+        column_blocks = self.intermediate // self.situ_block_i
+        programs = max(
+            1, min(-(-rows // SITU_ROWS), SITU_PROGRAMS_PER_SM * self.sms // column_blocks)
+        )
+        kernels.situ_mxfp8_kernel[(programs, column_blocks)](
+            gate_up,
+            pair_flat,
+            num_pairs,
+            act,
+            act_scale,
+            self.intermediate,
+            SITU_ROWS,
+            self.situ_block_i,
+            indexed,
+            num_warps=4,
+        )
+
+    def _on_slots(self, x, sf, ids, tilings) -> tuple[torch.Tensor, int]:
+        """FC1 on the receive rows (top_k = K, one output row a slot), SiTU, FC2: (expert output
+        BF16 [R * K, L] by pair number, its rows)."""
         from dep_ep.experts.hopper import kernels
 
         rows, topk = ids.shape
         inter, latent = self.intermediate, self.latent
         capacity = pair_capacity(rows, topk)
         tuned = self.tuning_pairs(rows, topk)
-        # humming's FC1 and FC2 kernels may take tiles of different sizes: one grouping, one or
-        # two tilings.
-        block_ns = tuple(dict.fromkeys((self.fc1.block_m(tuned), self.fc2.block_m(tuned))))
-        tilings = routed_tilings(
-            ids, self.first_expert, self.num_local_experts, block_ns, self.tiles.grouping
-        )
         (fc1_groups, fc1_routes), (fc2_groups, fc2_routes) = tilings[0], tilings[-1]
         # humming reads the rows' scales as fp32 2^(byte - 127).
         scales = torch.empty(sf.shape, dtype=torch.float32, device=x.device)
@@ -218,7 +385,7 @@ class HummingPrepared:
             sf, scales, sf.numel(), WIDEN_BLOCK, num_warps=4
         )
         # FC1 reads row id // K of x for pair id = row * K + k and writes row id of gate_up.
-        gate_up = torch.empty(rows * topk, 2 * inter, dtype=torch.bfloat16, device=x.device)
+        gate_up = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device=x.device)
         self.fc1(
             x.view(torch.float8_e4m3fn),
             scales,
@@ -233,21 +400,8 @@ class HummingPrepared:
         act_scale = torch.empty(
             capacity, inter // SCALE_BLOCK, dtype=torch.float32, device=x.device
         )
-        column_blocks = inter // self.situ_block_i
-        situ_programs = max(
-            1, min(-(-capacity // SITU_ROWS), SITU_PROGRAMS_PER_SM * self.sms // column_blocks)
-        )
-        kernels.situ_mxfp8_kernel[(situ_programs, column_blocks)](
-            gate_up,
-            fc1_groups.pair_flat,
-            fc1_groups.num_pairs,
-            act,
-            act_scale,
-            inter,
-            SITU_ROWS,
-            self.situ_block_i,
-            num_warps=4,
-        )
+        num_pairs = fc1_groups.num_pairs
+        self._situ(gate_up, fc1_groups.pair_flat, num_pairs, act, act_scale, capacity, True)
         # FC2: pair j reads act row j and writes expert output row j.
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
         self.fc2(
@@ -260,18 +414,49 @@ class HummingPrepared:
             expert_out,
             tuned,
         )
-        columns = self.tiles.finalize_columns(latent)
-        kernels.finalize_kernel[(rows, latent // columns)](
-            expert_out,
-            fc1_groups.pair_slot,
-            weights,
-            out,
-            fc1_groups.num_pairs,  # never above the capacity: no overflow
-            capacity,
-            self.pairs_over_budget,
-            latent,
-            topk,
-            columns,
-            num_warps=self.tiles.finalize_warps,
-        )
-        return out
+        return expert_out, capacity  # never over the capacity: no overflow
+
+    def _in_chunks(self, x, sf, ids, tilings, plan) -> tuple[torch.Tensor, int]:
+        """Each chunk's pairs gathered, FC1, SiTU and FC2 (experts/hopper/chunks.py): (expert
+        output BF16 [P, L] by pair number, P = plan.pairs)."""
+        rows, topk = ids.shape
+        inter, latent = self.intermediate, self.latent
+        tuned = self.tuning_pairs(rows, topk)
+        from dep_ep.experts.hopper.chunk_kernels import chunk_routes, gather_rows
+
+        local = self.num_local_experts
+        cut = [chunk_routes(groups, routes, plan, local) for groups, routes in tilings]
+        fc1_cut, fc2_cut = cut[0], cut[-1]
+        groups = tilings[0][0]
+        device, c = x.device, plan.chunk
+        xg = torch.empty(c, latent, dtype=torch.uint8, device=device)
+        xs = torch.empty(c, latent // SCALE_BLOCK, dtype=torch.float32, device=device)
+        gate_up = torch.empty(c, 2 * inter, dtype=torch.bfloat16, device=device)
+        act = torch.empty(c, inter, dtype=torch.float8_e4m3fn, device=device)
+        act_scale = torch.empty(c, inter // SCALE_BLOCK, dtype=torch.float32, device=device)
+        expert_out = torch.empty(plan.pairs, latent, dtype=torch.bfloat16, device=device)
+        for i in range(plan.chunks):
+            pairs = fc1_cut.pairs[i:]  # element 0: chunk i's pair count
+            gather_rows(x, sf, groups.pair_row, i * c, pairs, xg, xs, self.sms)
+            self.fc1(
+                xg.view(torch.float8_e4m3fn),
+                xs,
+                fc1_cut.routes[i],
+                fc1_cut.experts[i],
+                fc1_cut.num_padded[i],
+                1,
+                gate_up,
+                tuned,
+            )
+            self._situ(gate_up, groups.pair_flat, pairs, act, act_scale, c, False)
+            self.fc2(
+                act,
+                act_scale,
+                fc2_cut.routes[i],
+                fc2_cut.experts[i],
+                fc2_cut.num_padded[i],
+                1,
+                expert_out[i * c : (i + 1) * c],
+                tuned,
+            )
+        return expert_out, plan.pairs

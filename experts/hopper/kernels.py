@@ -415,7 +415,9 @@ def widen_scales_kernel(sf_ptr, out_ptr, count, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, _e8m0_to_fp32(scale), mask=inside)
 
 
-@triton.jit
+# num_pairs_ptr of a chunk points at element c of ChunkRoutes.pairs (4-byte aligned): not
+# specialised on alignment, so every chunk runs one compilation.
+@triton.jit(do_not_specialize_on_alignment=["num_pairs_ptr"])
 def situ_mxfp8_kernel(
     gate_up_ptr,
     pair_flat_ptr,
@@ -425,11 +427,14 @@ def situ_mxfp8_kernel(
     INTER: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    INDEXED: tl.constexpr = True,
 ):
     """For pairs j < num_pairs: act[j] = MXFP8 of SiTU(gate, up) in fp32, where gate_up bf16
-    [R * K, 2I] row pair_flat[j] holds [gate | up] (humming's FC1 output). act e4m3 [pairs, I],
-    act_scale fp32 [pairs, I/32] (2^(scale - 127), the per-32 factors humming's FC2 reads).
-    Grid (programs, I / BLOCK_I); program p takes rows p * ROWS, (p + programs) * ROWS, ..."""
+    [R * K, 2I] row pair_flat[j] holds [gate | up] (humming's FC1 output on the receive slots);
+    INDEXED False: row j of gate_up [pairs, 2I] (a chunk's FC1 output, experts/hopper/chunks.py;
+    pair_flat is not read). act e4m3 [pairs, I], act_scale fp32 [pairs, I/32] (2^(scale - 127),
+    the per-32 factors humming's FC2 reads). Grid (programs, I / BLOCK_I); program p takes rows
+    p * ROWS, (p + programs) * ROWS, ..."""
     num_pairs = tl.load(num_pairs_ptr)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     scale_cols = tl.program_id(1) * (BLOCK_I // SCALE_BLOCK_C) + tl.arange(
@@ -439,7 +444,10 @@ def situ_mxfp8_kernel(
     while first < num_pairs:
         pairs = first + tl.arange(0, ROWS)
         ok = pairs < num_pairs
-        src = tl.load(pair_flat_ptr + pairs, mask=ok, other=0).to(tl.int64)
+        if INDEXED:
+            src = tl.load(pair_flat_ptr + pairs, mask=ok, other=0).to(tl.int64)
+        else:
+            src = pairs.to(tl.int64)
         row = gate_up_ptr + src[:, None] * (2 * INTER) + cols[None, :]
         gate = tl.load(row, mask=ok[:, None], other=0.0).to(tl.float32)
         up = tl.load(row + INTER, mask=ok[:, None], other=0.0).to(tl.float32)

@@ -17,7 +17,7 @@ from dep_ep.experts.hopper.engine import (
     check_tiles,
     pair_budget,
 )
-from dep_ep.experts.hopper.grouping import Grouping, grouped, pair_capacity, tile_capacity
+from dep_ep.experts.hopper.grouping import Grouping, grouped, pair_capacity
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.weights import ExpertWeights
 
@@ -119,17 +119,7 @@ def workspace_parts(
         kernel = grouping_kernel.fits(tiles.block_n)
     if not kernel:
         return {"grouping": slots * GROUPING_BYTES_PER_SLOT, **parts}
-    tile_cap = tile_capacity(rows, topk, num_local, tiles.block_n)
-    chunks = max(1, -(-slots // grouping_kernel.BLOCK_S))
-    bins = 1 << (num_local + 1).bit_length()  # triton.next_power_of_2(num_local + 2)
-    return {
-        "pairs": (3 * slots + 1) * 4,
-        "expert_pairs": num_local * 8,
-        "tiles": (3 * tile_cap + 1) * 4,
-        "routes": (2 * tile_cap * tiles.block_n + 1) * 4,
-        "histogram": chunks * bins * 4,
-        **parts,
-    }
+    return {**grouping_kernel.workspace_parts(rows, topk, num_local, (tiles.block_n,)), **parts}
 
 
 @dataclass(frozen=True)
@@ -155,6 +145,19 @@ class TritonPrepared:
         """The pair budget of a call over `rows` receive rows: `pair_budget(...)`."""
         num_local = self.w13.shape[0]
         return pair_budget(rows, topk, num_local, self.num_experts, self.skew)
+
+    def workspace_parts(self, rows: int, topk: int) -> dict[str, int]:
+        """`workspace_parts` of a call over `rows` receive rows at its pair budget."""
+        num_local, two_inter, half_latent = self.w13.shape
+        return workspace_parts(
+            rows,
+            topk,
+            2 * half_latent,
+            two_inter // 2,
+            num_local,
+            self.tiles,
+            self.max_pairs(rows, topk),
+        )
 
     def __call__(
         self, x, sf, ids, weights, out, failure: StepFailure | None = None
