@@ -5,15 +5,17 @@ of T = 1..256 on a DEP16 shard (docs/results/bench_experts.md). These kernels pr
 tensors, bitwise (the tests compare them). The R * K slots are cut into chunks of BLOCK_S:
 
   chunk_histogram_kernel  (only when there are two chunks or more) one program per chunk: the
-                          chunk's pairs per local expert, a row of int32 [chunks, BINS];
+                          chunk's pairs per local expert, a row of int32 [chunks, BINS], then
+                          summed over the chunks in place (torch's cumsum_: row c holds chunks
+                          0..c);
   group_route_kernel      a program per (bin, chunk), bin e < num_local an expert, num_local the
-                          non-local slots: from the histogram rows it knows where bin e's pairs
-                          start and how many of them earlier chunks hold, and writes the pairs of
-                          its chunk in (row, k) order. Chunk 0's program of each expert also
-                          writes the expert's tiles and the sentinel routes after its pairs; chunk
-                          0's non-local program writes the unused tiles, their routes and the
-                          three device scalars. The non-local slots follow the pairs, as the
-                          stable sort leaves them.
+                          non-local slots: from two rows of the prefix it knows where bin e's
+                          pairs start and how many of them earlier chunks hold, and writes the
+                          pairs of its chunk in (row, k) order. Chunk 0's program of each expert
+                          also writes the expert's tiles and the sentinel routes after its pairs;
+                          chunk 0's non-local program writes the three device scalars, and every
+                          chunk's non-local program a share of the unused tiles and their routes.
+                          The non-local slots follow the pairs, as the stable sort leaves them.
 
 With one chunk the second kernel counts that chunk itself: one launch. Nothing is shared between
 the programs of a launch: no atomics, no ordering between them; each program reads one chunk of
@@ -51,7 +53,6 @@ from dep_ep.experts.hopper.grouping import (
 BLOCK_S = 1024
 NUM_WARPS = 4
 BLOCK_T = 64  # tiles a program writes per step
-HIST_ROWS = 16  # histogram rows (chunks) a program reads per step
 # Triton's largest block is 2^20 elements: [BLOCK_T, LANES] route slots of the unused tiles, LANES
 # the power of two >= block_n (tl.arange's length).
 MAX_BLOCK_N = (1 << 20) // BLOCK_T
@@ -135,23 +136,23 @@ def _unused_tiles(
     tile_rows_ptr,
     route_flat_ptr,
     route_pair_ptr,
-    num_tiles_ptr,
-    num_padded_ptr,
     num_tiles,
     tile_cap,
     num_local,
     num_slots,
+    part,
+    parts,
     BLOCK_N: tl.constexpr,
     LANES: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """The tiling's device scalars, and its tiles past num_tiles (expert num_local, no rows,
-    routes all sentinel)."""
-    tl.store(num_tiles_ptr, num_tiles)
-    tl.store(num_padded_ptr, num_tiles * BLOCK_N)
+    """Part `part` of `parts` of the tiling's tiles past num_tiles (expert num_local, no rows,
+    routes all sentinel): blocks of BLOCK_T tiles part, part + parts, ... (every chunk's
+    non-local program writes its part: one program wrote them all, 921k route words at T = 2048
+    on a DEP16 shard)."""
     lane = tl.arange(0, LANES)
     tile = tl.arange(0, BLOCK_T)
-    for t0 in range(num_tiles, tile_cap, BLOCK_T):
+    for t0 in range(num_tiles + part * BLOCK_T, tile_cap, parts * BLOCK_T):
         t = t0 + tile
         unused = t < tile_cap
         tl.store(tile_expert_ptr + t, tl.zeros_like(t) + num_local, mask=unused)
@@ -183,28 +184,21 @@ def chunk_histogram_kernel(
 
 
 @triton.jit
-def _counts_from_histogram(
-    hist_ptr, num_chunks, chunk, BINS: tl.constexpr, HIST_ROWS: tl.constexpr
-):
+def _counts_from_prefix(prefix_ptr, num_chunks, chunk, BINS: tl.constexpr):
     """(pairs per bin over every chunk, pairs per bin in the chunks before `chunk`), int32 [BINS]
-    each, from chunk_histogram_kernel's rows."""
+    each: rows num_chunks - 1 and chunk - 1 of the histogram's inclusive prefix over chunks."""
     bins = tl.arange(0, BINS)
-    counts = tl.zeros((BINS,), dtype=tl.int32)
-    before = tl.zeros((BINS,), dtype=tl.int32)
-    for c0 in range(0, num_chunks, HIST_ROWS):
-        c = c0 + tl.arange(0, HIST_ROWS)
-        rows = tl.load(
-            hist_ptr + c[:, None] * BINS + bins[None, :], mask=(c < num_chunks)[:, None], other=0
-        )
-        counts += tl.sum(rows, 0)
-        before += tl.sum(tl.where((c < chunk)[:, None], rows, 0), 0)
+    counts = tl.load(prefix_ptr + (num_chunks - 1) * BINS + bins)
+    earlier = bins < tl.where(chunk > 0, BINS, 0)  # chunk 0 has no chunk before it
+    before = tl.load(prefix_ptr + (chunk - 1) * BINS + bins, mask=earlier, other=0)
     return counts, before
 
 
 @triton.jit
 def group_route_kernel(
     ids_ptr,  # int32 [R*K] global expert ids, -1 = none
-    hist_ptr,  # int32 [chunks, BINS]: chunk_histogram_kernel's output (read when CHUNKED)
+    hist_ptr,  # int32 [chunks, BINS]: chunk_histogram_kernel's rows, summed over the chunks
+    # before and at each (an inclusive prefix, torch.cumsum_ in place; read when CHUNKED)
     pair_row_ptr,  # int32 [R*K] out
     pair_flat_ptr,  # int32 [R*K] out
     pair_slot_ptr,  # int32 [R*K] out
@@ -239,7 +233,6 @@ def group_route_kernel(
     BINS: tl.constexpr,  # a power of two >= num_local + 2: experts, the non-local bin, JUNK
     BLOCK_S: tl.constexpr,  # slots a chunk
     CHUNKED: tl.constexpr,  # more than one chunk: the counts come from hist_ptr
-    HIST_ROWS: tl.constexpr,  # histogram rows read a step
     BLOCK_T: tl.constexpr,
 ):
     me = tl.program_id(0)  # local expert, or num_local for the non-local slots
@@ -254,9 +247,7 @@ def group_route_kernel(
 
     # Pairs per expert (the non-local bin and JUNK stay 0), and this bin's slots before the chunk.
     if CHUNKED:
-        counts, before = _counts_from_histogram(
-            hist_ptr, tl.num_programs(1), chunk, BINS, HIST_ROWS
-        )
+        counts, before = _counts_from_prefix(hist_ptr, tl.num_programs(1), chunk, BINS)
         # Every slot before this chunk is a real one (only the last chunk is partial): the
         # non-local ones are those the histogram did not count.
         local_before = tl.sum(tl.where(is_expert, before, 0), 0)
@@ -287,8 +278,8 @@ def group_route_kernel(
             route_flat_b_ptr, route_pair_b_ptr, my_tile0_b, within, offs, pair, hit_pair, BLOCK_N_B
         )
 
-    if chunk == 0:
-        if is_pair:
+    if is_pair:
+        if chunk == 0:
             tl.store(expert_pairs_ptr + me, my_count.to(tl.int64))
             _expert_tiles(
                 tile_expert_ptr,
@@ -323,41 +314,47 @@ def group_route_kernel(
                     LANES_B,
                     BLOCK_T,
                 )
-        else:
+    else:
+        if chunk == 0:
             tl.store(num_pairs_ptr, num_pairs)
+            tl.store(num_tiles_ptr, num_tiles)
+            tl.store(num_padded_ptr, num_tiles * BLOCK_N)
+            if TWO_TILINGS:
+                tl.store(num_tiles_b_ptr, num_tiles_b)
+                tl.store(num_padded_b_ptr, num_tiles_b * BLOCK_N_B)
+        _unused_tiles(
+            tile_expert_ptr,
+            tile_start_ptr,
+            tile_rows_ptr,
+            route_flat_ptr,
+            route_pair_ptr,
+            num_tiles,
+            tile_cap,
+            num_local,
+            num_slots,
+            chunk,
+            tl.num_programs(1),
+            BLOCK_N,
+            LANES,
+            BLOCK_T,
+        )
+        if TWO_TILINGS:
             _unused_tiles(
-                tile_expert_ptr,
-                tile_start_ptr,
-                tile_rows_ptr,
-                route_flat_ptr,
-                route_pair_ptr,
-                num_tiles_ptr,
-                num_padded_ptr,
-                num_tiles,
-                tile_cap,
+                tile_expert_b_ptr,
+                tile_start_b_ptr,
+                tile_rows_b_ptr,
+                route_flat_b_ptr,
+                route_pair_b_ptr,
+                num_tiles_b,
+                tile_cap_b,
                 num_local,
                 num_slots,
-                BLOCK_N,
-                LANES,
+                chunk,
+                tl.num_programs(1),
+                BLOCK_N_B,
+                LANES_B,
                 BLOCK_T,
             )
-            if TWO_TILINGS:
-                _unused_tiles(
-                    tile_expert_b_ptr,
-                    tile_start_b_ptr,
-                    tile_rows_b_ptr,
-                    route_flat_b_ptr,
-                    route_pair_b_ptr,
-                    num_tiles_b_ptr,
-                    num_padded_b_ptr,
-                    num_tiles_b,
-                    tile_cap_b,
-                    num_local,
-                    num_slots,
-                    BLOCK_N_B,
-                    LANES_B,
-                    BLOCK_T,
-                )
 
 
 def workspace_parts(
@@ -479,10 +476,13 @@ def _launch(
         chunk_histogram_kernel[(chunks,)](
             ids, hist, slots, first_expert, num_local, bins, BLOCK_S, num_warps=NUM_WARPS
         )
+        # Each program reads two rows of the prefix where it read every chunk's row (57 x 512
+        # programs x 512 rows at T = 2048 on a DEP16 shard: 3.8 GB of L2 reads).
+        hist.cumsum_(0)
     # group_route_kernel's arguments, in the groups of its signature.
     pair_outputs = (a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs)
     sizes = (slots, topk, first_expert, num_local, a.tile_capacity, b.tile_capacity)
-    flags = (len(tilings) == 2, bins, BLOCK_S, chunks > 1, HIST_ROWS, BLOCK_T)
+    flags = (len(tilings) == 2, bins, BLOCK_S, chunks > 1, BLOCK_T)
     group_route_kernel[(num_local + 1, chunks)](
         ids,
         hist,

@@ -7,9 +7,10 @@ Every tensor of group_pairs and tile_routes must come out bitwise equal, for one
 for two in one launch (group_and_route_tilings, up to 56 local experts), on fresh random ids of
 several shapes: rows without a local id, -1 slots, a hot expert over many tiles, repeated ids,
 every slot local, no local id, one row, no row, a chunk boundary (R * K past BLOCK_S), 448 local
-experts over two chunks, 18 chunks (more than HIST_ROWS), an expert with more tiles than
-BLOCK_T, expert counts where num_local + 2 is a power of two, and tiles of humming's sizes that
-are not powers of two (24, 40, 48, 56 pairs). Outputs are poisoned before the call. Exits 0 and
+experts over two chunks, 18 chunks (the unused tiles written in shares by 18 programs, some of
+them more than one block of BLOCK_T), an expert with more tiles than BLOCK_T, expert counts
+where num_local + 2 is a power of two, and tiles of humming's sizes that are not powers of two
+(24, 40, 48, 56 pairs). Outputs are poisoned before the call. Exits 0 and
 prints "ok ..." when every case holds, else raises naming the case, the seed and the tensor.
 """
 
@@ -53,7 +54,7 @@ def cases(gen: torch.Generator):
     yield "tiles-of-56-hot", hot, 0, 6, 56  # expert 3: 70 pairs over two tiles of 56
     yield "tiles-of-40", random_ids(gen, 64, 16, 896), 448, 448, 40
     yield "tiles-of-48-very-hot", very_hot, 0, 8, 48  # expert 5: 23 tiles, unused tiles after
-    # 35,200 slots: 18 chunks, more histogram rows than one step of HIST_ROWS.
+    # 35,200 slots: 18 chunks; about 2,090 unused tiles of 16, 33 blocks of BLOCK_T in 18 shares.
     yield "many-chunks", random_ids(gen, 2200, 16, 40), 4, 2, 16
 
 
