@@ -5,6 +5,8 @@ reason, where HopperExperts cannot run."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,8 +108,13 @@ def budget_routing(n: int, rank: int, tokens: int, seed: int, over: bool):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_pair_budget_overflow_fails_every_rank_eager_and_replayed(gpu_dep, monkeypatch):
-    """HopperExperts (triton engine) with a pair budget of skew 1.0 (its floor off) inside
+@pytest.mark.parametrize("engine_name", ["triton", "humming-chunks"])
+def test_pair_budget_overflow_fails_every_rank_eager_and_replayed(
+    gpu_dep, monkeypatch, engine_name
+):
+    """HopperExperts (the triton engine; the humming engine in chunks of 64 pairs, deterministic,
+    whose budget rounds up to whole chunks: the same here) with a pair budget of skew 1.0 (its
+    floor off) inside
     EpRouted: a step whose routing puts more pairs on a rank than its budget fails on every rank,
     eager and in a CUDA graph replay: every rank's output of it is all NaN; at the documented
     point (poll() after the eager step, the next call after the replay) the overflowing ranks
@@ -115,8 +122,15 @@ def test_pair_budget_overflow_fails_every_rank_eager_and_replayed(gpu_dep, monke
     the good steps around it are bit for bit equal (and within the bound of the all-gather
     reference). One rank holds every expert (its budget is its capacity): min_size 2."""
     from dep_ep.comm import EpPairBudgetError, EpPeerError
-    from dep_ep.experts.hopper import TritonEngine
+    from dep_ep.experts.hopper import HummingEngine, TritonEngine
     from dep_ep.experts.hopper import engine as engine_module
+
+    if engine_name == "triton":
+        engine = TritonEngine()
+    elif importlib.util.find_spec("humming") is None:
+        pytest.skip("the humming engine needs humming-kernels: pip install -e '.[gpu]'")
+    else:
+        engine = HummingEngine(chunk_pairs=64, deterministic=True)
 
     monkeypatch.setattr(engine_module, "PAIR_BUDGET_LEAST", 1)
     n, rank = gpu_dep.size, gpu_dep.rank
@@ -126,8 +140,8 @@ def test_pair_budget_overflow_fails_every_rank_eager_and_replayed(gpu_dep, monke
     layer = SyntheticLayer(K3_32, seed)
     per_rank, T, tag = K3_32.experts // n, MAX_TOKENS, 4321
     weights = layer.local_weights(rank * per_rank, per_rank).to("cuda")
-    experts = HopperExperts(weights, engine=TritonEngine(), pair_skew=1.0)
-    budget = T * K3_32.topk
+    experts = HopperExperts(weights, engine=engine, pair_skew=1.0)
+    budget = T * K3_32.topk  # a multiple of 64: whole chunks
     failures: list[str] = []
     if experts.max_pairs(n * T, K3_32.topk) != budget:
         failures.append(f"budget {experts.max_pairs(n * T, K3_32.topk)} != {budget}")
