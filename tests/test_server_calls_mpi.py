@@ -46,13 +46,31 @@ def layer(dep):
     return SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 600))
 
 
+class RowByRowExperts(ExpertsBackend):
+    """ReferenceExperts run on one receive row at a time: its results do not depend on which
+    rows a call holds (a GEMM over several rows may sum in another order for another row count),
+    so the test sees the transport's part of a step in pieces alone."""
+
+    def __init__(self, inner: ExpertsBackend):
+        self.inner = inner
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out):
+        for row in range(x.shape[0]):
+            s = slice(row, row + 1)
+            self.inner.forward(x[s], sf[s], ids[s], weights[s], out[s])
+        return out
+
+
 @pytest.mark.mpi(min_size=2)
 def test_combine_into_the_callers_buffer(dep, layer):
     """routed(..., out=) returns `out` holding the bits routed() returns, with n = T (written in
     place) and n < T (copied); a misshapen `out` on one rank is a ValueError there and
-    EpPeerError on the others; the next call is good."""
+    EpPeerError on the others; the next call is good. The experts run row by row: the n < T call
+    hands them fewer rows, and a GEMM over another row count may sum in another order."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 610), 8)
-    norm, experts = layer.norm_weight(), batches.experts
+    norm, experts = layer.norm_weight(), RowByRowExperts(batches.experts)
     failures: list[str] = []
     with build(dep) as routed:
         latent, ids, weights = batches.inputs(0)
@@ -104,23 +122,6 @@ def test_latent_as_a_column_slice(dep, layer):
             lambda: routed(odd, ids, weights, norm, experts=experts),
         )
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
-
-
-class RowByRowExperts(ExpertsBackend):
-    """ReferenceExperts run on one receive row at a time: its results do not depend on which
-    rows a call holds (a GEMM over several rows may sum in another order for another row count),
-    so the test sees the transport's part of a step in pieces alone."""
-
-    def __init__(self, inner: ExpertsBackend):
-        self.inner = inner
-        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
-        self.latent = inner.latent
-
-    def forward(self, x, sf, ids, weights, out):
-        for row in range(x.shape[0]):
-            s = slice(row, row + 1)
-            self.inner.forward(x[s], sf[s], ids[s], weights[s], out[s])
-        return out
 
 
 @pytest.mark.mpi(min_size=2)
