@@ -108,23 +108,41 @@ def step_total(tokens: object, latent: object) -> object:
     return shape[0] if shape is not None and len(shape) >= 1 else None
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, end) byte addresses `t`'s elements can occupy (strides >= 0; a tensor of no
+    element occupies none: (start, start))."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the byte spans of `a` and `b` intersect (conservative: interleaved views that
+    share no byte count as sharing)."""
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
 def may_overlap(out: torch.Tensor, latent: torch.Tensor) -> bool:
     """True when the byte spans of `out` and `latent` (2-D, rows contiguous) intersect, unless
     `out` is the latent itself (same start and strides: each piece of a step then overwrites
     only the rows it has read). Conservative: interleaved column slices of one buffer, which
     share no byte, count as overlapping (they cost a copy, never a wrong row)."""
-    if out.numel() == 0 or latent.numel() == 0:
-        return False
     if out.data_ptr() == latent.data_ptr() and out.stride() == latent.stride():
         return False
+    return shares_bytes(out, latent)
 
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        start = t.data_ptr()
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        return start, start + (last + 1) * t.element_size()
 
-    (a0, a1), (b0, b1) = span(out), span(latent)
-    return a0 < b1 and b0 < a1
+def out_overlaps_inputs(out: torch.Tensor, latent, ids, weights, norm_weight, padding) -> bool:
+    """True when `out` may share memory with an input a later piece of a step reads: the latent
+    (`may_overlap`), ids, weights, the norm weight or the padding (each checked where it is a
+    tensor; the call's validation refuses the rest)."""
+    if isinstance(latent, torch.Tensor) and may_overlap(out, latent):
+        return True
+    others = (ids, weights, norm_weight, padding)
+    return any(isinstance(t, torch.Tensor) and shares_bytes(out, t) for t in others)
 
 
 def _wire_tag(tag: object) -> int:
@@ -800,7 +818,8 @@ class EpRouted:
 
         Collective; on CPU it blocks until every rank has delivered. Returns bf16 [n, L] (the
         real rows of the dispatch): `out` when given (bf16 [n, L], rows 16-byte aligned), which
-        the kernel writes in place when it is contiguous and n = T, else a copy lands there.
+        the kernel writes in place when it is contiguous, n = T and it shares no byte with
+        `norm_weight`, else a copy lands there.
         """
         return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT, out)
 
@@ -889,8 +908,12 @@ class EpRouted:
                 error, cause = err, CAUSE_INPUT
         if error is not None:
             self._step_failure = f"{type(error).__name__} in {fn}"
-        # The kernel writes T contiguous rows: the caller's buffer takes them in place only then.
+        # The kernel writes T contiguous rows: the caller's buffer takes them in place only then,
+        # and only when it holds no byte of the norm weight, which every CTA reads as the others
+        # write their rows.
         in_place = out is not None and step.real == step.tokens and out.is_contiguous()
+        if in_place and isinstance(norm_weight, torch.Tensor):
+            in_place = not shares_bytes(out, norm_weight)
         direct = out if in_place else None
         normed = self._run(
             fn,
@@ -946,8 +969,9 @@ class EpRouted:
         bit with an experts backend whose rows do not depend on the rows beside them; the
         library's backends group a call's rows into GEMMs, whose sums may run in another order
         for another row count (within the rounding model). An `out` that may share memory with
-        the latent (`may_overlap`; the latent itself excepted) gets the step's rows by one copy
-        at the end, so no piece writes a row a later piece has yet to read; a step that fails
+        the latent (`may_overlap`; the latent itself excepted), the ids, the weights, the norm
+        weight or the padding (`out_overlaps_inputs`) gets the step's rows by one copy at the
+        end, so no piece writes a byte a later piece has yet to read; a step that fails
         leaves `out` without a defined result. T is below 2^31 (a larger one is
         refused, as one step). The first piece's tag carries T (comm/tags.py), so ranks whose T
         differ raise in it on every rank, naming each rank's T (CPU: EpTokenCountError, a
@@ -1014,10 +1038,13 @@ class EpRouted:
         try:
             steps = -(-total // self.max_tokens)
             result = out
-            if refused is None and (out is None or may_overlap(out, latent)):
-                # A piece's output rows must not land on a later piece's latent rows before that
-                # piece reads them: an `out` sharing memory with the latent (other than the latent
-                # itself) takes the result by one copy at the end.
+            if refused is None and (
+                out is None or out_overlaps_inputs(out, latent, ids, weights, norm_weight, padding)
+            ):
+                # A piece's output rows must not land on what a later piece reads before it reads
+                # it: an `out` sharing memory with the latent (other than the latent itself), the
+                # ids, the weights, the norm weight or the padding takes the result by one copy
+                # at the end.
                 result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
             # The pieces' expert counts, summed: expert_counts() gives the whole step's.
             counts = None if self._counts is None else torch.zeros_like(self._counts)

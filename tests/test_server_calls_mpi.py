@@ -97,6 +97,30 @@ def test_combine_into_the_callers_buffer(dep, layer):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("total", [6, 40])
+def test_a_norm_weight_inside_out(dep, layer, total):
+    """A norm weight that is a row of `out` (its first or its last) gives the bits of a separate
+    norm weight, in one step (T = 6) and in pieces (T = 40 over max_tokens 16): no piece and no
+    combine reads a norm weight that an output row has overwritten."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 660), total)
+    norm, experts = layer.norm_weight(), batches.experts
+    failures: list[str] = []
+    with build(dep) as routed:
+        latent, ids, weights = batches.inputs(0)
+        n = latent.shape[0]
+        want = routed(latent, ids, weights, norm, experts=experts, tokens=total)
+        for row in sorted({0, max(n - 1, 0)}):
+            buf = torch.full((max(n, 1), TINY.latent), float("nan"), dtype=torch.bfloat16)
+            buf[row] = norm
+            got = routed(
+                latent, ids, weights, buf[row], experts=experts, tokens=total, out=buf[:n]
+            )
+            if not torch.equal(bits(got), bits(want)):
+                failures.append(f"T={total}, norm weight in out row {row}: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_latent_as_a_column_slice(dep, layer):
     """A latent that is columns [S, S + L) of a wider tensor (a packed GEMM's output, rows of
     S + L + 16 elements) gives the bits of its contiguous copy; a slice whose rows do not start
