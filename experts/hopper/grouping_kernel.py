@@ -21,7 +21,7 @@ With one chunk the second kernel counts that chunk itself: one launch. Nothing i
 the programs of a launch: no atomics, no ordering between them; each program reads one chunk of
 ids (the histogram kernel reads every chunk once more). On an H200 at K3's DEP16 shard the pair
 takes 9.2 us at T = 64 and 36 us at T = 256 where one launch whose every program read all the
-slots twice took 20.9 and 73 (docs/results/bench_experts.md, "Versions").
+slots twice took 20.9 and 73 (CHANGELOG.md, 2026-12-01, "Grouping alone").
 
 The same launch can cut the pairs into tiles of two sizes (`group_and_route_tilings`: humming's
 FC1 and FC2 kernels may tile differently); the pair lists are written once. The histograms count

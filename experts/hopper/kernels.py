@@ -9,7 +9,8 @@ compilation per block shape): PERSISTENT, a fixed grid of programs each takes it
 programs, ...; else one program per item, the grid covering the list's capacity. Work item w
 takes tile w % num_tiles and M block w // num_tiles: the tiles of one expert run side by side
 and share its weight block through L2. On an H200 they reach 5-25% of the weight-read floor
-(docs/results/bench_experts.md); the decode is not the bound (a bf16x2 PTX decode changed nothing).
+(docs/results/bench_experts_engines.md); the decode is not the bound (a bf16x2 PTX decode
+changed nothing).
 
 Operands, per K block of BLOCK_K:
   weights  uint8 [BLOCK_M, BLOCK_K/2] MXFP4 codes (low nibble = even element), scales uint8
