@@ -130,7 +130,7 @@ class HopperEngine(ABC):
         return tuning_pairs(rows, topk, num_local, num_experts)
 
     @abstractmethod
-    def workspace_bytes(
+    def workspace_parts(
         self,
         rows: int,
         topk: int,
@@ -139,11 +139,18 @@ class HopperEngine(ABC):
         *,
         num_local: int | None = None,
         max_pairs: int | None = None,
+    ) -> dict[str, int]:
+        """The bytes of each tensor one call allocates (from torch's caching allocator), by name,
+        for R = rows receive rows with topk ids each over num_local experts, at the pair budget
+        max_pairs (`pair_budget`; None: the capacity R * K). Each engine says how exact it is
+        (and may take more keywords); the prepared call's `workspace_parts` knows the call's
+        tiles and budget."""
+
+    def workspace_bytes(
+        self, rows: int, topk: int, latent: int, intermediate: int, **options
     ) -> int:
-        """The bytes one call allocates (from torch's caching allocator) for R = rows receive
-        rows with topk ids each over num_local experts, at the pair budget max_pairs
-        (`pair_budget`; None: the capacity R * K). Each engine says how exact it is; the
-        prepared call's `workspace_parts` knows the call's tiles and budget."""
+        """The sum of `workspace_parts` (same arguments)."""
+        return sum(self.workspace_parts(rows, topk, latent, intermediate, **options).values())
 
     @abstractmethod
     def prepare(

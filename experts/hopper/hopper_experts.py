@@ -161,9 +161,10 @@ class HopperExperts(ExpertsBackend):
         return self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
 
     def max_pairs(self, rows: int, topk: int) -> int:
-        """The pairs a call over `rows` receive rows of `topk` ids is sized for: the prepared
-        call's (`pair_budget(rows, topk, num_local_experts, num_experts, pair_skew)` on the
-        triton engine, the capacity rows * topk on humming), so this and the call agree."""
+        """The pairs a call over `rows` receive rows of `topk` ids is sized for, the prepared
+        call's, so this and the call agree: `pair_budget(rows, topk, num_local_experts,
+        num_experts, pair_skew)` on the triton engine; on humming the capacity rows * topk for a
+        call on its slots, the budget rounded up to whole chunks for a call in chunks."""
         return self.prepared.max_pairs(rows, topk)
 
     def workspace_bytes(self, rows: int, topk: int) -> int:

@@ -14,7 +14,7 @@ import importlib.metadata
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -186,29 +186,6 @@ class HummingEngine(HopperEngine):
             "expert_out": plan.pairs * latent * 2,
         }
 
-    def workspace_bytes(
-        self,
-        rows: int,
-        topk: int,
-        latent: int,
-        intermediate: int,
-        *,
-        num_local: int | None = None,
-        max_pairs: int | None = None,
-        block_ns: tuple[int, ...] = (HUMMING_MAX_BLOCK_M,),
-    ) -> int:
-        """The sum of `workspace_parts` (same arguments)."""
-        parts = self.workspace_parts(
-            rows,
-            topk,
-            latent,
-            intermediate,
-            num_local=num_local,
-            max_pairs=max_pairs,
-            block_ns=block_ns,
-        )
-        return sum(parts.values())
-
     def prepare(
         self, owner: str, weights: ExpertWeights, sms: int, skew: float | None = None
     ) -> PreparedCall:
@@ -248,13 +225,27 @@ class HummingEngine(HopperEngine):
         )
 
 
+class CallShape(NamedTuple):
+    """What a humming call over R receive rows of K ids is sized and tuned for, from (R, K) alone:
+    budget (`pair_budget`), plan (its chunks, or None on the slots), max_pairs (R * K on the
+    slots, plan.pairs in chunks), tuned (the pair count humming's kernels are chosen for) and
+    block_ns (FC1's and FC2's tiles, distinct)."""
+
+    budget: int
+    plan: chunking.ChunkPlan | None
+    max_pairs: int
+    tuned: int
+    block_ns: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class HummingPrepared:
     """One layer on the humming engine: humming's FC1 and FC2 (HummingGemm: the weights in its
     layout, its lock words, the kernels chosen so far; a stand-in with the same `block_m` and
     call in the CPU tests), the engine, the weights' geometry, the device's SMs, the pair
     budget's skew, SiTU's column block, and pairs_over_budget int32 [1] on the device: 0, or the
-    largest pair count of a chunked call over its budget since it was last zeroed."""
+    largest pair count of a chunked call over its budget since it was last zeroed. The call
+    shapes seen so far are kept by (R, K) (host arithmetic once per row count, not per call)."""
 
     fc1: HummingGemm
     fc2: HummingGemm
@@ -268,36 +259,51 @@ class HummingPrepared:
     skew: float | None
     situ_block_i: int
     pairs_over_budget: torch.Tensor
+    shapes: dict[tuple[int, int], CallShape] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def tiles(self) -> HopperTiles:
         return self.engine.tiles
 
+    def shape(self, rows: int, topk: int) -> CallShape:
+        """The CallShape of a call over `rows` receive rows of `topk` ids (kept once made)."""
+        known = self.shapes.get((rows, topk))
+        if known is not None:
+            return known
+        budget = pair_budget(rows, topk, self.num_local_experts, self.num_experts, self.skew)
+        plan = self.engine.plan(rows, topk, budget)
+        tuned = self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
+        if plan is not None:
+            tuned = min(tuned, plan.tuning_cap)
+        block_ns = tuple(dict.fromkeys((self.fc1.block_m(tuned), self.fc2.block_m(tuned))))
+        max_pairs = pair_capacity(rows, topk) if plan is None else plan.pairs
+        shape = CallShape(budget, plan, max_pairs, tuned, block_ns)
+        self.shapes[(rows, topk)] = shape
+        return shape
+
     def budget(self, rows: int, topk: int) -> int:
         """`pair_budget(rows, topk, num_local, num_experts, skew)`."""
-        return pair_budget(rows, topk, self.num_local_experts, self.num_experts, self.skew)
+        return self.shape(rows, topk).budget
 
     def plan(self, rows: int, topk: int) -> chunking.ChunkPlan | None:
         """The call's chunks, or None when it runs on the slots (HummingEngine.plan)."""
-        return self.engine.plan(rows, topk, self.budget(rows, topk))
+        return self.shape(rows, topk).plan
 
     def max_pairs(self, rows: int, topk: int) -> int:
         """The pairs a call over `rows` receive rows is sized for: its capacity R * K on the
         slots, the chunks' pairs (the budget rounded up to whole chunks) in chunks."""
-        plan = self.plan(rows, topk)
-        return pair_capacity(rows, topk) if plan is None else plan.pairs
+        return self.shape(rows, topk).max_pairs
 
     def tuning_pairs(self, rows: int, topk: int) -> int:
         """The pair count humming's kernels are chosen for: the engine's, at most the chunk's
         tuning cap in chunks."""
-        tuned = self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
-        plan = self.plan(rows, topk)
-        return tuned if plan is None else min(tuned, plan.tuning_cap)
+        return self.shape(rows, topk).tuned
 
     def block_ns(self, rows: int, topk: int) -> tuple[int, ...]:
         """The tiles (pairs) of the kernels a call uses: FC1's and FC2's, distinct."""
-        tuned = self.tuning_pairs(rows, topk)
-        return tuple(dict.fromkeys((self.fc1.block_m(tuned), self.fc2.block_m(tuned))))
+        return self.shape(rows, topk).block_ns
 
     def workspace_parts(self, rows: int, topk: int) -> dict[str, int]:
         """HummingEngine.workspace_parts of a call over `rows` receive rows, with its kernels'
@@ -318,15 +324,14 @@ class HummingPrepared:
         """forward's contract (same tensors) on the humming engine, R >= 1: on the slots or in
         chunks (module docstring); `failure` as TritonEngine's finalize takes it."""
         rows, topk = ids.shape
-        block_ns = self.block_ns(rows, topk)
+        shape = self.shape(rows, topk)
         tilings = routed_tilings(
-            ids, self.first_expert, self.num_local_experts, block_ns, self.tiles.grouping
+            ids, self.first_expert, self.num_local_experts, shape.block_ns, self.tiles.grouping
         )
-        plan = self.plan(rows, topk)
-        if plan is None:
-            expert_out, budget = self._on_slots(x, sf, ids, tilings)
+        if shape.plan is None:
+            expert_out = self._on_slots(x, sf, ids, tilings, shape.tuned)
         else:
-            expert_out, budget = self._in_chunks(x, sf, ids, tilings, plan)
+            expert_out = self._in_chunks(x, sf, ids, tilings, shape.plan, shape.tuned)
         from dep_ep.experts.hopper import kernels
         from dep_ep.experts.hopper.triton_engine import fail_step
 
@@ -338,7 +343,7 @@ class HummingPrepared:
             weights,
             out,
             tilings[0][0].num_pairs,
-            budget,
+            shape.max_pairs,
             self.pairs_over_budget,
             latent,
             topk,
@@ -369,15 +374,15 @@ class HummingPrepared:
             num_warps=4,
         )
 
-    def _on_slots(self, x, sf, ids, tilings) -> tuple[torch.Tensor, int]:
-        """FC1 on the receive rows (top_k = K, one output row a slot), SiTU, FC2: (expert output
-        BF16 [R * K, L] by pair number, its rows)."""
+    def _on_slots(self, x, sf, ids, tilings, tuned: int) -> torch.Tensor:
+        """FC1 on the receive rows (top_k = K, one output row a slot), SiTU, FC2, humming's
+        kernels chosen for `tuned` pairs: the expert output BF16 [R * K, L] by pair number (a
+        call on the slots never overflows: its max_pairs is its capacity)."""
         from dep_ep.experts.hopper import kernels
 
         rows, topk = ids.shape
         inter, latent = self.intermediate, self.latent
         capacity = pair_capacity(rows, topk)
-        tuned = self.tuning_pairs(rows, topk)
         (fc1_groups, fc1_routes), (fc2_groups, fc2_routes) = tilings[0], tilings[-1]
         # humming reads the rows' scales as fp32 2^(byte - 127).
         scales = torch.empty(sf.shape, dtype=torch.float32, device=x.device)
@@ -414,14 +419,13 @@ class HummingPrepared:
             expert_out,
             tuned,
         )
-        return expert_out, capacity  # never over the capacity: no overflow
+        return expert_out
 
-    def _in_chunks(self, x, sf, ids, tilings, plan) -> tuple[torch.Tensor, int]:
-        """Each chunk's pairs gathered, FC1, SiTU and FC2 (experts/hopper/chunks.py): (expert
-        output BF16 [P, L] by pair number, P = plan.pairs)."""
-        rows, topk = ids.shape
+    def _in_chunks(self, x, sf, ids, tilings, plan, tuned: int) -> torch.Tensor:
+        """Each chunk's pairs gathered, FC1, SiTU and FC2 (experts/hopper/chunks.py), humming's
+        kernels chosen for `tuned` pairs: the expert output BF16 [P, L] by pair number, P =
+        plan.pairs (the finalize's bound: a call over it writes NaN rows, never reads past P)."""
         inter, latent = self.intermediate, self.latent
-        tuned = self.tuning_pairs(rows, topk)
         from dep_ep.experts.hopper.chunk_kernels import chunk_routes, gather_rows
 
         local = self.num_local_experts
@@ -459,4 +463,4 @@ class HummingPrepared:
                 expert_out[i * c : (i + 1) * c],
                 tuned,
             )
-        return expert_out, plan.pairs
+        return expert_out

@@ -43,7 +43,7 @@ class TritonEngine(HopperEngine):
     def __post_init__(self) -> None:
         check_tiles(type(self).__name__, self.tiles)
 
-    def workspace_bytes(
+    def workspace_parts(
         self,
         rows: int,
         topk: int,
@@ -52,13 +52,12 @@ class TritonEngine(HopperEngine):
         *,
         num_local: int | None = None,
         max_pairs: int | None = None,
-    ) -> int:
-        """Bytes one call requests (`workspace_parts`' sum): exact with num_local and the grouping
-        kernel (Grouping.TRITON, the default); with Grouping.TORCH, or without num_local, the
-        grouping counts GROUPING_BYTES_PER_SLOT a slot, an estimate. torch's caching allocator
-        rounds each tensor up to 512 bytes."""
-        parts = workspace_parts(rows, topk, latent, intermediate, num_local, self.tiles, max_pairs)
-        return sum(parts.values())
+    ) -> dict[str, int]:
+        """`workspace_parts` (the module's) with this engine's tiles: exact with num_local and
+        the grouping kernel (Grouping.TRITON, the default); with Grouping.TORCH, or without
+        num_local, the grouping counts GROUPING_BYTES_PER_SLOT a slot, an estimate. torch's
+        caching allocator rounds each tensor up to 512 bytes."""
+        return workspace_parts(rows, topk, latent, intermediate, num_local, self.tiles, max_pairs)
 
     def prepare(
         self, owner: str, weights: ExpertWeights, sms: int, skew: float | None = None
