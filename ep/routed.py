@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -179,6 +181,38 @@ def _as_exception(fn: str, error: object) -> BaseException:
     return TypeError(f"{fn}: error is {type(error).__name__} ({error!r}); expected an exception")
 
 
+def _one_thread(method):
+    """An EpRouted method that one thread at a time may be inside: a call entered while another
+    thread is inside one of them raises RuntimeError on the entering thread, naming both calls
+    and threads (the call in progress goes on). Calls nested on one thread (routed -> dispatch)
+    pass. Two threads interleaving one EpRouted's collectives would pair this rank's calls with
+    its peers' in another order than they were made."""
+    name = f"EpRouted.{method.__name__}"
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        me = threading.current_thread()
+        with self._caller_lock:
+            caller = self._caller
+            if caller is not None and caller[0] is not me:
+                raise RuntimeError(
+                    f"{name}: thread {me.name!r} called while thread {caller[0].name!r} is in"
+                    f" {caller[1]} on this EpRouted; drive an EpRouted from one thread (two"
+                    " threads would pair this rank's calls with its peers' in another order)"
+                )
+            outer = caller is None
+            if outer:
+                self._caller = (me, name)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if outer:
+                with self._caller_lock:
+                    self._caller = None
+
+    return guarded
+
+
 class EpRouted:
     """The routed-expert path of every MoE layer of one rank: buffers shared by all layers.
 
@@ -225,6 +259,10 @@ class EpRouted:
         config: EpConfig | None = None,
     ) -> None:
         fn = "EpRouted"
+        # _one_thread: (the thread inside a call, the call) or None; first, so that close()
+        # works on an object whose construction failed.
+        self._caller_lock = threading.Lock()
+        self._caller: tuple[threading.Thread, str] | None = None
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         error = None
         try:
@@ -438,6 +476,7 @@ class EpRouted:
         """True while a dispatch awaits its combine (or abort_step) on this rank. Local."""
         return self._step is not None
 
+    @_one_thread
     def abort_stale_step(self, fn: str, owner: object) -> None:
         """For an engine's split dispatch and combine hooks, at the next dispatch: when the
         pending dispatch is `owner`'s (`dispatch(..., owner=)`) and its combine never came on
@@ -672,6 +711,7 @@ class EpRouted:
             raise
 
     # ----------------------------------------------------------------------------- the path
+    @_one_thread
     def dispatch(
         self,
         latent: torch.Tensor,
@@ -729,7 +769,8 @@ class EpRouted:
         if self._step is not None:
             raise RuntimeError(
                 f"{fn}: the previous dispatch was not combined yet; call combine (or abort_step)"
-                " on every rank first"
+                " on every rank first: after an error of this rank's own between its dispatch"
+                " and its combine, abort_step(error) ends that step on every rank"
             )
         self._step_failure = None
         error, real = None, 0
@@ -802,6 +843,7 @@ class EpRouted:
             return self._weights[:tokens]
         return weights
 
+    @_one_thread
     def combine(
         self,
         norm_weight: torch.Tensor | None,
@@ -823,6 +865,7 @@ class EpRouted:
         """
         return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT, out)
 
+    @_one_thread
     def reject_step(
         self, error: BaseException, *, tag: int | None = None, tokens: int | None = None
     ) -> None:
@@ -882,6 +925,7 @@ class EpRouted:
             if err is not error:
                 raise
 
+    @_one_thread
     def abort_step(self, error: BaseException) -> None:
         """Instead of combine, after a dispatch whose experts failed on this rank: take part in the
         step's combine without payload (no peer waits for this rank; every peer raises
@@ -902,10 +946,13 @@ class EpRouted:
                 eps = self._check_norm(fn, norm_weight, eps)
                 if out is not None:
                     self._check_out(fn, out, step.real)
-                if self.config.check_expert_rows:
-                    self._check_expert_rows(fn, step)
             except (TypeError, ValueError) as err:
                 error, cause = err, CAUSE_INPUT
+        if error is None and self.config.check_expert_rows:
+            try:
+                self._check_expert_rows(fn, step)
+            except ValueError as err:  # the peers are told it was the experts, not the input
+                error, cause = err, CAUSE_EXPERTS
         if error is not None:
             self._step_failure = f"{type(error).__name__} in {fn}"
         # The kernel writes T contiguous rows: the caller's buffer takes them in place only then,
@@ -937,6 +984,7 @@ class EpRouted:
     def _check_out(self, fn: str, out: object, rows: int) -> None:
         check_rows(fn, "out", out, torch.bfloat16, (rows, self.latent), self.device)
 
+    @_one_thread
     def routed(
         self,
         latent: torch.Tensor,
@@ -1136,6 +1184,7 @@ class EpRouted:
             error = err
         return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)
 
+    @_one_thread
     def warmup(self, tokens: int, experts: ExpertsBackend) -> None:
         """Local (no collective, no exchange): prepare `experts` for steps of `tokens` tokens, so
         that capturing such a step in a CUDA graph compiles nothing: the backend compiles what
@@ -1154,6 +1203,7 @@ class EpRouted:
 
     __call__ = routed
 
+    @_one_thread
     def poll(self) -> None:
         """Raise what went wrong since the last poll, without waiting: on CUDA the first error a
         kernel recorded in any step since (a peer's rejection or failed experts, differing tags
@@ -1170,12 +1220,14 @@ class EpRouted:
             )
         self._run(fn, self._transport.poll, None)
 
+    @_one_thread
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise what a kernel recorded (as `poll()`). On
         CPU every call completes before it returns and this only checks the state."""
         self._check_usable("EpRouted.synchronize")
         self._run("EpRouted.synchronize", self._transport.synchronize, None)
 
+    @_one_thread
     def reset(self) -> None:
         """Collective, blocks the host: bring every rank back to a clean state after a failed or
         interrupted call (a timeout, a desync, an interrupt): every rank leaves
@@ -1198,6 +1250,7 @@ class EpRouted:
         for layer in list(self._layers):
             layer.restart_steps()
 
+    @_one_thread
     def close(self) -> None:
         """Release the buffers. Collective by contract; idempotent."""
         if not self._buffers.closed:

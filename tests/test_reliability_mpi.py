@@ -199,7 +199,8 @@ def test_two_objects_in_different_order_is_a_desync(dep, layer):
 @pytest.mark.mpi(min_size=2)
 def test_split_api_misuse(dep, layer):
     """receive(T') for another T, a caller overwriting its ids between dispatch and combine,
-    combine without experts under check_expert_rows."""
+    combine without experts under check_expert_rows (on every rank; on rank 0 alone, whose
+    peers' EpPeerError says its experts failed)."""
     experts = make_experts(layer, dep.rank, dep.size)
     failures: list[str] = []
     config = EpConfig(timeout_s=30.0, check_expert_rows=True)
@@ -225,6 +226,25 @@ def test_split_api_misuse(dep, layer):
             lambda: routed.combine(layer.norm_weight()),
         )
         good_step(dep, routed, layer, experts, 8, "after the unwritten rows", failures)
+
+        # Rank 0 alone skips its experts: its peers are told its experts failed, not its input.
+        step = Step(dep, layer, 9)
+        rows = routed.dispatch(step.latent, step.ids, step.weights)
+        if dep.rank != 0:
+            experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        expected, match = (
+            (ValueError, "did not write them")
+            if dep.rank == 0
+            else (EpPeerError, "rank 0 failed in its experts: ValueError.*did not write them")
+        )
+        expect_raises(
+            failures,
+            "rank 0 skips its experts",
+            expected,
+            match,
+            lambda: routed.combine(layer.norm_weight()),
+        )
+        good_step(dep, routed, layer, experts, 10, "after rank 0's unwritten rows", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
 

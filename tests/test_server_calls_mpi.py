@@ -6,6 +6,7 @@ helpers (dep_ep.integrations.common)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -112,11 +113,73 @@ def test_a_norm_weight_inside_out(dep, layer, total):
         for row in sorted({0, max(n - 1, 0)}):
             buf = torch.full((max(n, 1), TINY.latent), float("nan"), dtype=torch.bfloat16)
             buf[row] = norm
-            got = routed(
-                latent, ids, weights, buf[row], experts=experts, tokens=total, out=buf[:n]
-            )
+            got = routed(latent, ids, weights, buf[row], experts=experts, tokens=total, out=buf[:n])
             if not torch.equal(bits(got), bits(want)):
                 failures.append(f"T={total}, norm weight in out row {row}: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+class BlockingExperts(ExpertsBackend):
+    """The inner experts, once `entered` is set and `release` is set (within 30 s, else
+    RuntimeError): holds a call inside its experts while the test acts from another thread."""
+
+    def __init__(self, inner: ExpertsBackend):
+        self.inner = inner
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x, sf, ids, weights, out):
+        self.entered.set()
+        if not self.release.wait(30):
+            raise RuntimeError("BlockingExperts: not released within 30 s")
+        return self.inner.forward(x, sf, ids, weights, out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_from_a_second_thread_is_refused(dep, layer):
+    """While a thread is inside routed (its experts held), routed, combine, reset and close from
+    another thread raise RuntimeError naming both threads, on every rank, and change nothing:
+    the held call returns the reference's rows and the next call is good."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 670), 6)
+    norm, experts = layer.norm_weight(), batches.experts
+    held = BlockingExperts(experts)
+    failures: list[str] = []
+    with build(dep) as routed:
+        latent, ids, weights = batches.inputs(0)
+        result: dict[str, object] = {}
+
+        def first() -> None:
+            try:
+                result["out"] = routed(latent, ids, weights, norm, experts=held)
+            except BaseException as err:  # reported below, on this rank
+                result["error"] = err
+
+        thread = threading.Thread(target=first, name="first-caller")
+        thread.start()
+        if held.entered.wait(30):
+            for label, call in (
+                ("routed", lambda: routed(latent, ids, weights, norm, experts=experts)),
+                ("combine", lambda: routed.combine(norm)),
+                ("reset", routed.reset),
+                ("close", routed.close),
+            ):
+                expect_raises(
+                    failures,
+                    f"{label} from a second thread",
+                    RuntimeError,
+                    "'MainThread' called while thread 'first-caller' is in EpRouted.routed",
+                    call,
+                )
+        else:
+            failures.append("the first thread's call never reached its experts")
+        held.release.set()
+        thread.join(60)
+        if thread.is_alive() or "out" not in result:
+            failures.append(f"the held call did not return: {result.get('error')!r}")
+        else:
+            failures += compare(result["out"], batches.reference(0), "the held call")
+        failures += compare(batches.run(routed, 1), batches.reference(1), "the next call")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
