@@ -89,8 +89,8 @@ def main() -> None:
             print(f"{n} | {tokens} | {d:.0f} | {c:.0f} | {d + c:.0f} | {best:.0f}")
     print(
         "\nmemory per rank, MiB: N | max_tokens | EpRouted (symmetric part) | HopperExperts"
-        " humming / triton workspace at T = max_tokens | triton at"
-        f" pair_skew={PAIR_BUDGET_SKEW} (its pair budget)"
+        " workspace at T = max_tokens at the capacity (pair_skew=None), humming / triton |"
+        f" at the default pair_skew={PAIR_BUDGET_SKEW}, humming / triton (the pair budget)"
     )
     for n in [1, *RANKS]:
         for tokens in (256, 1024, 2048, 4096):
@@ -98,15 +98,17 @@ def main() -> None:
             symmetric = EpLayout(n, tokens, K3.latent, K3.topk).total_bytes
             rows, local = n * tokens, K3.experts // n
             shape = (rows, K3.topk, K3.latent, K3.intermediate)
-            hum, tri = (
-                engine.workspace_bytes(*shape, num_local=local)
-                for engine in (HummingEngine(), TritonEngine())
-            )
             budget = pair_budget(rows, K3.topk, local, K3.experts, PAIR_BUDGET_SKEW)
-            skewed = TritonEngine().workspace_bytes(*shape, num_local=local, max_pairs=budget)
+            engines = (HummingEngine(), TritonEngine())
+            capacity = [e.workspace_bytes(*shape, num_local=local) / 2**20 for e in engines]
+            budgeted = [
+                e.workspace_bytes(*shape, num_local=local, max_pairs=budget) / 2**20
+                for e in engines
+            ]
             print(
                 f"{n} | {tokens} | {routed / 2**20:.0f} ({symmetric / 2**20:.0f}) |"
-                f" {hum / 2**20:,.0f} / {tri / 2**20:,.0f} | {skewed / 2**20:,.0f} ({budget:,})"
+                f" {capacity[0]:,.0f} / {capacity[1]:,.0f} |"
+                f" {budgeted[0]:,.0f} / {budgeted[1]:,.0f} ({budget:,})"
             )
 
 

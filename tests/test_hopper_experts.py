@@ -423,48 +423,66 @@ def test_triton_workspace_at_the_budget_is_under_a_gib_at_k3_dep16_t2048():
 def test_humming_workspace_at_the_budget_is_under_a_gib_at_k3_dep16_t2048():
     """HummingEngine.workspace_parts, term by term (the interpreter case checks the terms against
     what a call allocates): N = 16 ranks, T = 2048, 56 local experts, the default skew and
-    chunk_pairs, humming's tiles of 16 pairs: 5 chunks of 16,384 pairs, 0.86 GiB, where the call
-    on the slots takes 3.81 GiB (and the slots' workspace before chunks, 7.8 GB)."""
-    rows, slots, chunk = 32768, 524_288, 16_384
+    chunk_pairs, humming's tiles of 16 pairs: the budget of 73,728 pairs in 5 chunks of 14,784,
+    0.78 GiB, where the capacity in chunks takes 3.81 GiB and the slots' call 12.0 GB."""
+    slots_call = HummingEngine(chunk_pairs=1 << 40).workspace_bytes(
+        32768, 16, K3.latent, K3.intermediate, num_local=56, block_ns=(16,)
+    )
+    assert round(slots_call / 1e9, 1) == 12.0
+    rows, slots, chunk = 32768, 524_288, 14_784
     engine = HummingEngine()
-    assert engine.plan(rows, 16, 73_728) == chunks_module.ChunkPlan(chunk=chunk, chunks=5)
+    plan = engine.plan(rows, 16, 73_728)
+    assert plan == chunks_module.ChunkPlan(chunk=chunk, chunks=5, tuning_cap=16_384)
     tiles = slots // 16 + 56  # tile_capacity at block_n 16
-    chunk_tiles = chunk // 16 + 2 * 56  # a chunk's tiles: 1136, padded to 1152 in the expert rows
+    # A chunk's tiles: 924 + 2 * 56 = 1036; its route rows padded to 64: 16,576 slots, 1,088 tiles.
+    assert chunks_module.route_row_shape(chunk, 16, 56, tiles) == (16_576, 1_088)
     want = (3 * slots + 1) * 4 + 56 * 8  # pair tables, num_pairs, expert_pairs
     want += (3 * tiles + 1) * 4 + (2 * tiles * 16 + 1) * 4  # tiles and routes
     want += (slots // 1024) * 64 * 4  # the grouping's histogram
-    want += 5 * (1136 * 16 + 1152 + 2) * 4  # chunk routes: slots, experts, num_padded, pairs
+    want += 5 * (16_576 + 1_088 + 2) * 4  # chunk routes: slots, experts, num_padded, pairs
     want += chunk * (K3.latent + K3.latent // 32 * 4)  # gathered e4m3 rows and fp32 scales
     want += chunk * 2 * K3.intermediate * 2  # FC1's BF16 output
     want += chunk * (K3.intermediate + K3.intermediate // 32 * 4)  # MXFP8 activation
-    want += 5 * chunk * K3.latent * 2  # BF16 expert output of 81,920 pairs
-    assert chunk_tiles * 16 == 1136 * 16
+    want += 5 * chunk * K3.latent * 2  # BF16 expert output of 73,920 pairs
     got = engine.workspace_bytes(
         rows, 16, K3.latent, K3.intermediate, num_local=56, max_pairs=73_728, block_ns=(16,)
     )
-    assert got == want and got < 0.87 * 2**30
-    # Hot routing there (every token's first choice one expert of this rank) fits the budget.
-    assert rows * (1 + 15 * 55 / 895) <= 5 * chunk
-    # No budget: the chunks cover the capacity (32 of them), the expert output 3.5 GiB of it.
+    assert got == want and got < 0.78 * 2**30
+    # No budget: the chunks cover the capacity (32 of 16,384), the expert output 3.5 GiB of it.
     capacity = engine.workspace_bytes(rows, 16, K3.latent, K3.intermediate, num_local=56)
+    assert engine.plan(rows, 16, None) == chunks_module.ChunkPlan(16_384, 32, 16_384)
     assert round(capacity / 2**30, 2) == 3.81
+    # A budget past the capacity is the capacity; without num_local the chunk routes are bounded
+    # by the chunk's pairs (a tile holds one of them at least), not by every slot.
+    assert engine.plan(rows, 16, 10**9) == engine.plan(rows, 16, None)
+    rough = engine.workspace_bytes(rows, 16, K3.latent, K3.intermediate, max_pairs=73_728)
+    assert got < rough < 0.85 * 2**30
     # A call over at most chunk_pairs slots runs on them (its capacity, never over budget).
     assert engine.plan(1024, 16, 4096) is None and engine.plan(1025, 16, 4096) is not None
-    assert HummingEngine(chunk_pairs=64).plan(5, 16, 1) == chunks_module.ChunkPlan(64, 1)
+    assert HummingEngine(chunk_pairs=64).plan(5, 16, 1) == chunks_module.ChunkPlan(64, 1, 64)
 
 
 def test_chunk_plan_arithmetic():
-    """chunk_plan: on the slots up to chunk_pairs; else chunks of min(chunk_pairs, the budget
-    rounded up to CHUNK_ALIGN), as many as the budget needs; chunk_tile_capacity's bound."""
+    """chunk_plan: on the slots up to chunk_pairs; else the budget (cut to 1..R * K) in as few
+    chunks of at most chunk_pairs as it needs, of equal size rounded up to CHUNK_ALIGN, kernels
+    tuned for at most the largest power of two <= min(chunk_pairs, the budget rounded up);
+    chunk_tile_capacity's bound."""
     plan = chunks_module.chunk_plan
     assert plan(100, 16, 1600, 1600) is None  # 1600 slots fit a chunk of 1600
-    assert plan(101, 16, 100, 1600) == chunks_module.ChunkPlan(chunk=128, chunks=1)
-    assert plan(101, 16, 1616, 1600) == chunks_module.ChunkPlan(chunk=1600, chunks=2)
-    assert plan(32768, 16, 73_728, 16_384).pairs == 81_920
-    assert chunks_module.ChunkPlan(chunk=1600, chunks=2).tuning_cap == 1024
-    # Tiles a range of C pairs meets: ceil(C / block_n) + 2 * E_local, at most the tiling's.
+    assert plan(101, 16, 100, 1600) == chunks_module.ChunkPlan(128, 1, 128)
+    # 1616 slots, budget 1616: two chunks of 808 -> 832, not two of 1600.
+    assert plan(101, 16, 1616, 1600) == chunks_module.ChunkPlan(832, 2, 1024)
+    assert plan(101, 16, 10**9, 1600) == plan(101, 16, 1616, 1600)  # cut to the capacity
+    assert plan(101, 16, 0, 1600) == chunks_module.ChunkPlan(64, 1, 64)  # at least one pair
+    # K3, N = 16, T = 2048: P exceeds the budget by less than CHUNK_ALIGN a chunk.
+    big = plan(32768, 16, 73_728, 16_384)
+    assert big.pairs == 73_920 and 0 <= big.pairs - 73_728 < 5 * chunks_module.CHUNK_ALIGN
+    # Just past a chunk: two of 8,256, where whole chunks would hold 32,768.
+    assert plan(1025, 16, 16_400, 16_384) == chunks_module.ChunkPlan(8_256, 2, 16_384)
+    # Tiles a range of C pairs meets: ceil(C / block_n) + 2 * E_local, at most C and the tiling's.
     assert chunks_module.chunk_tile_capacity(64, 16, 6, 1000) == 4 + 12
     assert chunks_module.chunk_tile_capacity(64, 16, 6, 10) == 10
+    assert chunks_module.chunk_tile_capacity(64, 16, 100, 10**6) == 64
 
 
 def test_pair_skew_checked_before_the_device():

@@ -42,12 +42,17 @@ def chunk_routes_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program c writes chunk c of ChunkRoutes from one tiling (PairGroups' tiles and
-    TileRoutes.pair, whose slots hold global pair numbers or a sentinel >= num_pairs)."""
+    TileRoutes.pair, whose slots hold global pair numbers or a sentinel >= num_pairs). A call
+    over its budget (num_pairs > chunks * chunk, the grid's chunks) gets no tile and no pair in
+    any chunk: its GEMMs, gathers and SiTU do no work, and the finalize writes its NaN rows."""
     c = tl.program_id(0)
     lo = c.to(tl.int64) * chunk
     hi = lo + chunk
     num_tiles = tl.load(num_tiles_ptr)
     num_pairs = tl.load(num_pairs_ptr).to(tl.int64)
+    over_budget = num_pairs > tl.num_programs(0).to(tl.int64) * chunk
+    num_tiles = tl.where(over_budget, 0, num_tiles)
+    num_pairs = tl.where(over_budget, 0, num_pairs)
     # Tiles are in pair order: the chunk's are [first, end), first = tiles ending at or before lo,
     # end = tiles starting before hi.
     first = 0
@@ -61,7 +66,9 @@ def chunk_routes_kernel(
         first += tl.sum((used & (start + rows <= lo)).to(tl.int32))
         end += tl.sum((used & (start < hi)).to(tl.int32))
         t0 += BLOCK
-    tiles = tl.minimum(tl.maximum(end - first, 0), TILES)  # at most TILES (chunks.py's bound)
+    # At most the route rows' tiles (chunks.py's bound; the clamp keeps a broken bound from
+    # pointing humming at the next chunk's row).
+    tiles = tl.minimum(tl.maximum(end - first, 0), tl.minimum(TILES, SLOTS // BLOCK_N))
     for i0 in range(0, TILES, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         inside = i < TILES

@@ -17,10 +17,11 @@ about 32,768 pairs. A chunked call instead computes its pairs in fixed ranges of
 
 The buffers of a chunk are reused by the next (stream order), so a call holds C rows of the
 gathered input, FC1's output and the activation, and P = chunks * C rows of expert output (the
-finalize reads a row's pairs from every chunk). P is the pair budget (engine.pair_budget) rounded
-up to whole chunks: a call holding more pairs computes its first P and the finalize writes NaN
-into every row with a local id (engine.py, the pair budget). Every chunk up to P is launched; one
-without pairs has no tiles, and humming's kernels stop at once.
+finalize reads a row's pairs from every chunk). P is the pair budget (engine.pair_budget) split
+into chunks of equal size, rounded up to CHUNK_ALIGN (`chunk_plan`): a call holding more pairs
+computes none (chunk_routes_kernel gives every chunk no tile and no pair) and the finalize writes
+NaN into every row with a local id (engine.py, the pair budget). Every chunk up to P is launched;
+one without pairs has no tiles, and humming's kernels stop at once.
 
 The kernels and their launches are in experts/hopper/chunk_kernels.py (Triton); this file is the
 arithmetic, importable without Triton. chunk_routes_kernel cuts each tiling's routes (TileRoutes)
@@ -55,40 +56,46 @@ def round_up(value: int, multiple: int) -> int:
 class ChunkPlan:
     """How a call over R receive rows of K ids runs in chunks.
 
-    chunk   pairs a chunk computes (C, a multiple of CHUNK_ALIGN): the rows of its buffers
-    chunks  chunks launched (every one, whatever the routing: the launch shape is fixed)
-    pairs   chunks * C: the rows of the expert output, the call's pair budget (max_pairs)
+    chunk       pairs a chunk computes (C, a multiple of CHUNK_ALIGN): the rows of its buffers
+    chunks      chunks launched (every one, whatever the routing: the launch shape is fixed)
+    tuning_cap  the most pairs humming's kernels are chosen for in a chunked call: the largest
+                power of two <= min(chunk_pairs, the budget rounded up to CHUNK_ALIGN), whatever
+                C the budget's split gave (kernels chosen for a count a chunk may fall short of,
+                as its last chunk does under any routing; correct for any count)
+    pairs       chunks * C: the rows of the expert output, the call's max_pairs
     """
 
     chunk: int
     chunks: int
+    tuning_cap: int
 
     @property
     def pairs(self) -> int:
         return self.chunk * self.chunks
 
-    @property
-    def tuning_cap(self) -> int:
-        """The largest power of two <= chunk: humming's kernels are chosen for at most this many
-        pairs (a chunk never holds more)."""
-        return 1 << (self.chunk.bit_length() - 1)
-
 
 def chunk_plan(rows: int, topk: int, budget: int, chunk_pairs: int) -> ChunkPlan | None:
     """None when the R * K slots fit one chunk (the call runs on the slots directly, at its
-    capacity: it never overflows); else chunks of min(chunk_pairs, budget rounded up to
-    CHUNK_ALIGN) pairs, as many as the budget needs. budget: the pair budget (>= 1);
+    capacity: it never overflows); else the budget (cut to 1..R * K) in as few chunks of at most
+    chunk_pairs as it needs, of equal size rounded up to CHUNK_ALIGN: P = chunks * C exceeds the
+    budget by less than CHUNK_ALIGN a chunk (73,920 pairs for a budget of 73,728 in chunks of
+    16,384, where whole chunks of 16,384 would hold 81,920). budget: the pair budget;
     chunk_pairs: HummingEngine.chunk_pairs (a multiple of CHUNK_ALIGN)."""
-    if pair_capacity(rows, topk) <= chunk_pairs:
+    capacity = pair_capacity(rows, topk)
+    if capacity <= chunk_pairs:
         return None
-    chunk = min(chunk_pairs, round_up(max(budget, 1), CHUNK_ALIGN))
-    return ChunkPlan(chunk=chunk, chunks=-(-budget // chunk))
+    budget = max(1, min(budget, capacity))
+    chunks = -(-budget // chunk_pairs)
+    chunk = round_up(-(-budget // chunks), CHUNK_ALIGN)  # <= chunk_pairs: both multiples of 64
+    widest = min(chunk_pairs, round_up(budget, CHUNK_ALIGN))
+    return ChunkPlan(chunk=chunk, chunks=chunks, tuning_cap=1 << (widest.bit_length() - 1))
 
 
 def chunk_tile_capacity(chunk: int, block_n: int, num_local: int, tile_cap: int) -> int:
     """Route rows of one chunk, in tiles: the most tiles a range of `chunk` pairs meets,
-    ceil(chunk / block_n) + 2 * num_local, at most the tiling's tile_cap."""
-    return min(-(-chunk // block_n) + 2 * num_local, tile_cap)
+    ceil(chunk / block_n) + 2 * num_local, at most `chunk` (each tile it meets holds one of its
+    pairs at least) and the tiling's tile_cap."""
+    return min(-(-chunk // block_n) + 2 * num_local, chunk, tile_cap)
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ class ChunkRoutes:
     experts    int32 [chunks, T]  local expert of chunk c's tile i (num_local past its tiles)
     num_padded int32 [chunks]     chunk c's slots in use: its tiles * block_n
     pairs      int32 [chunks]     chunk c's pairs: clamp(num_pairs - c * C, 0, C)
+                                  (0 in every chunk of a call over its budget, as num_padded)
     """
 
     routes: torch.Tensor

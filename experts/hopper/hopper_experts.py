@@ -73,8 +73,9 @@ class HopperExperts(ExpertsBackend):
       (hot-expert routing, every token's first choice one expert, holds 1.92x the mean at K3 on
       16 ranks and fits). TritonEngine: BF16 act [P, I] and y [P, L] (K3, 16 ranks, T = 2048,
       2.25: 0.99 GB, where R * K took 6.99 GB). HummingEngine: a call over more than its
-      chunk_pairs receive slots runs in chunks, P rounded up to whole chunks (0.91 GB there,
-      where the slots took 7.8 GB); a smaller call runs on its slots and never overflows. A call
+      chunk_pairs receive slots runs in chunks, P the budget split into equal chunks rounded up
+      to 64 pairs (0.83 GB there, where the slots took 12.0 GB); a smaller call runs on its slots
+      and never overflows. A call
       whose rows hold more pairs than P (counted on the device: no host synchronisation,
       graph-capturable) writes NaN into every row with a local id (never a partial sum), and
       raises `pairs_over_budget` to its pair count (`check_pair_budget()` raises it on the
@@ -156,8 +157,12 @@ class HopperExperts(ExpertsBackend):
         return None
 
     def tuning_pairs(self, rows: int, topk: int) -> int:
-        """The pair count humming's kernels are chosen for on R = rows receive rows:
+        """The pair count humming's kernels are chosen for on R = rows receive rows: the prepared
+        call's (capped at its chunk's tuning cap in chunks) where it chooses by it, else
         `engine.tuning_pairs(rows, topk, num_local_experts, num_experts)`."""
+        chosen = getattr(self.prepared, "tuning_pairs", None)
+        if chosen is not None:
+            return chosen(rows, topk)
         return self.engine.tuning_pairs(rows, topk, self.num_local_experts, self.num_experts)
 
     def max_pairs(self, rows: int, topk: int) -> int:

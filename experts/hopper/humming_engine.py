@@ -51,7 +51,7 @@ WIDEN_BLOCK = 1024
 # most this many pairs. At K3 widths a chunk's buffers take 19,776 bytes a pair (the gathered row
 # and its fp32 scales, FC1's BF16 output, the MXFP8 activation): 324 MB for 16,384, and the call's
 # expert output 7,168 bytes a pair of its budget; on 16 ranks at T = 2048 (budget 73,728 pairs,
-# 5 chunks, 81,920 rows of expert output) 0.91 GB in all, under the GiB of issue 24's target.
+# 5 chunks of 14,784, 73,920 rows of expert output) 0.83 GB in all, under issue 24's GiB.
 CHUNK_PAIRS = 16384
 # The largest tile (pairs) humming's SM90 kernels take: workspace_bytes' tiles when not given.
 HUMMING_MAX_BLOCK_M = 64
@@ -293,7 +293,8 @@ class HummingPrepared:
 
     def max_pairs(self, rows: int, topk: int) -> int:
         """The pairs a call over `rows` receive rows is sized for: its capacity R * K on the
-        slots, the chunks' pairs (the budget rounded up to whole chunks) in chunks."""
+        slots, the chunks' pairs (chunks.chunk_plan: the budget split into equal chunks rounded
+        up to CHUNK_ALIGN) in chunks."""
         return self.shape(rows, topk).max_pairs
 
     def tuning_pairs(self, rows: int, topk: int) -> int:

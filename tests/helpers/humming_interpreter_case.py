@@ -22,7 +22,10 @@ CASE:
   "budget"  the dense rows under pair budgets (PAIR_BUDGET_LEAST lowered): a budget of 3 chunks
             (192 pairs, all of them) bitwise equal to no budget; 2 chunks (128): NaN in every row
             with a local id, the overflow record 192, and with a StepFailure [FAILURE_PAIR_BUDGET,
-            192, 128, tag] and KIND_EXPERTS; the bytes allocated equal `workspace_parts`.
+            192, 128, tag] and KIND_EXPERTS; the bytes allocated equal `workspace_parts`. Then
+            128 and 129 pairs against the budget of 128: the first bitwise as no budget, the
+            second NaN in every row with a local id, the rows without one untouched, no GEMM tile
+            computed and the record [FAILURE_PAIR_BUDGET, 129, 128, tag].
 Prints "ok CASE ..." when every check holds, else raises naming the seed.
 """
 
@@ -56,6 +59,7 @@ class IndexedGemm:
 
     def __init__(self, weights: torch.Tensor, scales: torch.Tensor, block: int) -> None:
         self.w = mxfp4_dequantize(weights, scales, torch.float64)  # [E, n, k], exact
+        self.tiles_run = 0  # tiles computed by every call so far
         self.block = block
 
     def block_m(self, pairs: int) -> int:
@@ -64,6 +68,11 @@ class IndexedGemm:
     def __call__(self, inputs, input_scale, sorted_ids, expert_ids, num_padded, top_k, out, _):
         used = int(num_padded)
         assert used % self.block == 0, f"num_padded {used} is not whole tiles of {self.block}"
+        assert used <= sorted_ids.numel(), f"num_padded {used} past the {sorted_ids.numel()} ids"
+        tiles = used // self.block
+        assert tiles <= expert_ids.numel(), f"{tiles} tiles, more than the tile experts"
+        assert out.shape[0] == inputs.shape[0] * top_k, "humming needs [inputs * top_k, n] outputs"
+        self.tiles_run += used // self.block
         ids = sorted_ids[:used].long()
         real = ids[ids < out.shape[0]]
         assert real.unique().numel() == real.numel(), "an id is routed twice"
@@ -246,7 +255,29 @@ def budget(seed: int) -> None:
             assert int(status) == KIND_EXPERTS, f"{where}: status {status.tolist()}"
             failure = [FAILURE_PAIR_BUDGET, 192, 128, tag]
             assert record.tolist() == failure, f"{where}: record {record.tolist()}"
-    print(f"ok budget seed {seed}: {pairs} pairs")
+    # The same rows with 128 and 129 pairs left (slots -1 from the first row on: rows 0..14 hold
+    # no local id), against the budget of 128: the first fits bitwise, the second overflows by
+    # one pair, computes nothing and leaves the rows without a local id as they were.
+    for left in (128, 129):
+        cut = ids.clone()
+        cut.view(-1)[: 192 - left] = -1
+        free_out, _ = run(free, x, sf, cut, weights, fill=3.0)
+        over.pairs_over_budget.zero_()
+        tiles_before = over.fc1.tiles_run + over.fc2.tiles_run
+        status, record = torch.zeros(1, dtype=torch.int64), new_record(pinned=False)
+        out, _ = run(over, x, sf, cut, weights, StepFailure(status, record, 7), 3.0)
+        label = f"{where} {left} pairs against 128"
+        if left == 128:
+            same = torch.equal(out.view(torch.int16), free_out.view(torch.int16))
+            assert same and not status.any(), f"{label}: the fitting call changed"
+            continue
+        written = ((cut >= FIRST) & (cut < FIRST + COUNT)).any(dim=1)
+        assert out[written].isnan().all(), f"{label}: a row with a local id is not NaN"
+        assert (out[~written] == 3.0).all() and (~written).sum() == 15, f"{label}: rows changed"
+        ran = over.fc1.tiles_run + over.fc2.tiles_run - tiles_before
+        assert ran == 0, f"{label}: the GEMMs computed {ran} tiles of an overflowing call"
+        assert record.tolist() == [FAILURE_PAIR_BUDGET, 129, 128, 7], f"{label}: {record}"
+    print(f"ok budget seed {seed}: {pairs} pairs, then 128 and 129 against 128")
 
 
 if __name__ == "__main__":
