@@ -1024,7 +1024,7 @@ def test_gpu_humming_in_chunks_is_bitwise_the_call_on_the_slots(hot):
         engine=HummingEngine(chunk_pairs=256, deterministic=True),
     )
     assert backend.prepared.plan(48, 16) is None
-    assert chunked.prepared.plan(48, 16) == chunks_module.ChunkPlan(chunk=256, chunks=3)
+    assert chunked.prepared.plan(48, 16) == chunks_module.ChunkPlan(256, 3, tuning_cap=256)
     assert backend.tuning_pairs(48, 16) == chunked.prepared.tuning_pairs(48, 16) == 256
     want = backend.forward(x, sf, ids, weights, poisoned(48))
     got = chunked.forward(x, sf, ids, weights, poisoned(48))
