@@ -41,8 +41,11 @@ def chunk_routes_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program c writes chunk c of ChunkRoutes from one tiling (PairGroups' tiles and
-    TileRoutes.pair, whose slots hold global pair numbers or a sentinel >= num_pairs). A call
+    """Program c of a grid of `chunks` programs writes chunk c of ChunkRoutes from one tiling:
+    PairGroups' tile_expert, tile_start, tile_rows int32 [TC] and num_tiles, num_pairs int32
+    [1]; TileRoutes.pair int32 [TC * BLOCK_N], global pair numbers or a sentinel >= num_pairs;
+    into routes int32 [chunks, SLOTS], experts int32 [chunks, TILES], num_padded and pairs int32
+    [chunks] (chunks.ChunkRoutes: chunk-local pair numbers, the sentinel `chunk`). A call
     over its budget (num_pairs > chunks * chunk, the grid's chunks) gets no tile and no pair in
     any chunk: its GEMMs, gathers and SiTU do no work, and the finalize writes its NaN rows."""
     c = tl.program_id(0)
@@ -177,9 +180,11 @@ def gather_rows(
     xs: torch.Tensor,
     sms: int,
 ) -> None:
-    """Launch gather_rows_kernel: x uint8 [R, L], sf uint8 [R, L/32], pair_row int32 (PairGroups),
-    chunk_pairs an int32 view whose element 0 is the chunk's pair count, into xg uint8 [C, L] and
-    xs fp32 [C, L/32]; `sms` sizes the grid."""
+    """Launch gather_rows_kernel: x uint8 [R, L] (e4m3 bytes), sf uint8 [R, L/32] (E8M0),
+    pair_row int32 [R * K] (PairGroups: the receive row of pair p, in expert order), rows
+    first_pair .. first_pair + count - 1 of it, count = element 0 of chunk_pairs (an int32 view,
+    ChunkRoutes.pairs[c:]), into xg uint8 [C, L] and xs fp32 [C, L/32] (rows past count
+    untouched); `sms` sizes the grid."""
     latent = x.shape[1]
     block_l = math.gcd(GATHER_MAX_BLOCK_L, latent)
     column_blocks = latent // block_l
