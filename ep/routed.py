@@ -183,32 +183,41 @@ def _as_exception(fn: str, error: object) -> BaseException:
 
 def _one_thread(method):
     """An EpRouted method that one thread at a time may be inside: a call entered while another
-    thread is inside one of them raises RuntimeError on the entering thread, naming both calls
-    and threads (the call in progress goes on). Calls nested on one thread (routed -> dispatch)
-    pass. Two threads interleaving one EpRouted's collectives would pair this rank's calls with
-    its peers' in another order than they were made."""
+    (live) thread is inside one of them raises RuntimeError on the entering thread, naming both
+    calls and threads (the call in progress goes on). Calls nested on one thread (routed ->
+    dispatch, or a signal handler's close() inside a call) pass. Two threads interleaving one
+    EpRouted's collectives would pair this rank's calls with its peers' in another order than
+    they were made.
+
+    The slot (`_caller`: the thread inside a call and the call) is taken under a re-entrant lock
+    (a signal handler that runs on the same thread while it is held enters it again instead of
+    waiting on itself), marked as ours before it is taken and cleared in `finally`, so that an
+    exception at any point (a KeyboardInterrupt included) leaves it free; a slot whose thread has
+    ended is free."""
     name = f"EpRouted.{method.__name__}"
 
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         me = threading.current_thread()
-        with self._caller_lock:
-            caller = self._caller
-            if caller is not None and caller[0] is not me:
+        outer, busy = False, None
+        try:
+            with self._caller_lock:
+                caller = self._caller
+                if caller is None or not caller[0].is_alive():
+                    outer = True
+                    self._caller = (me, name)
+                elif caller[0] is not me:
+                    busy = caller
+            if busy is not None:
                 raise RuntimeError(
-                    f"{name}: thread {me.name!r} called while thread {caller[0].name!r} is in"
-                    f" {caller[1]} on this EpRouted; drive an EpRouted from one thread (two"
+                    f"{name}: thread {me.name!r} called while thread {busy[0].name!r} is in"
+                    f" {busy[1]} on this EpRouted; drive an EpRouted from one thread (two"
                     " threads would pair this rank's calls with its peers' in another order)"
                 )
-            outer = caller is None
-            if outer:
-                self._caller = (me, name)
-        try:
             return method(self, *args, **kwargs)
         finally:
             if outer:
-                with self._caller_lock:
-                    self._caller = None
+                self._caller = None
 
     return guarded
 
@@ -259,9 +268,9 @@ class EpRouted:
         config: EpConfig | None = None,
     ) -> None:
         fn = "EpRouted"
-        # _one_thread: (the thread inside a call, the call) or None; first, so that close()
-        # works on an object whose construction failed.
-        self._caller_lock = threading.Lock()
+        # _one_thread: (the thread inside a call, the call) or None, and the lock it is taken
+        # under (re-entrant: see _one_thread).
+        self._caller_lock = threading.RLock()
         self._caller: tuple[threading.Thread, str] | None = None
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         error = None
@@ -394,8 +403,14 @@ class EpRouted:
     def __enter__(self) -> EpRouted:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            self.close()
+        except RuntimeError:
+            # close() refused (another thread is inside a call): the exception that ended the
+            # block, if any, is the one to see; the buffers stay until that call returns.
+            if exc is None:
+                raise
 
     @property
     def closed(self) -> bool:
@@ -958,7 +973,12 @@ class EpRouted:
         # The kernel writes T contiguous rows: the caller's buffer takes them in place only then,
         # and only when it holds no byte of the norm weight, which every CTA reads as the others
         # write their rows.
-        in_place = out is not None and step.real == step.tokens and out.is_contiguous()
+        in_place = (
+            error is None
+            and isinstance(out, torch.Tensor)
+            and step.real == step.tokens
+            and out.is_contiguous()
+        )
         if in_place and isinstance(norm_weight, torch.Tensor):
             in_place = not shares_bytes(out, norm_weight)
         direct = out if in_place else None
@@ -1203,7 +1223,6 @@ class EpRouted:
 
     __call__ = routed
 
-    @_one_thread
     def poll(self) -> None:
         """Raise what went wrong since the last poll, without waiting: on CUDA the first error a
         kernel recorded in any step since (a peer's rejection or failed experts, differing tags
@@ -1220,7 +1239,6 @@ class EpRouted:
             )
         self._run(fn, self._transport.poll, None)
 
-    @_one_thread
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise what a kernel recorded (as `poll()`). On
         CPU every call completes before it returns and this only checks the state."""

@@ -68,7 +68,8 @@ class RowByRowExperts(ExpertsBackend):
 def test_combine_into_the_callers_buffer(dep, layer):
     """routed(..., out=) returns `out` holding the bits routed() returns, with n = T (written in
     place) and n < T (copied); a misshapen `out` on one rank is a ValueError there and
-    EpPeerError on the others; the next call is good. The experts run row by row: the n < T call
+    EpPeerError on the others, and so is an out that is no tensor (a list); the next call is
+    good. The experts run row by row: the n < T call
     hands them fewer rows, and a GEMM over another row count may sum in another order."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 610), 8)
     norm, experts = layer.norm_weight(), RowByRowExperts(batches.experts)
@@ -93,6 +94,16 @@ def test_combine_into_the_callers_buffer(dep, layer):
             match,
             lambda: routed(latent, ids, weights, norm, experts=experts, out=buf),
         )
+        # An out that is no tensor on one rank: its TypeError there, the peers' EpPeerError.
+        good = torch.empty(8, TINY.latent, dtype=torch.bfloat16)
+        expected = TypeError if bad else EpPeerError
+        expect_raises(
+            failures,
+            "out a list",
+            expected,
+            None,
+            lambda: routed(latent, ids, weights, norm, experts=experts, out=[] if bad else good),
+        )
         failures += compare(batches.run(routed, 1), batches.reference(1), "the next call")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
@@ -102,20 +113,40 @@ def test_combine_into_the_callers_buffer(dep, layer):
 def test_a_norm_weight_inside_out(dep, layer, total):
     """A norm weight that is a row of `out` (its first or its last) gives the bits of a separate
     norm weight, in one step (T = 6) and in pieces (T = 40 over max_tokens 16): no piece and no
-    combine reads a norm weight that an output row has overwritten."""
-    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 660), total)
+    combine reads a norm weight that an output row has overwritten. The transport's combine is
+    handed such an `out` to write in place never (the GPU kernel's CTAs read the norm weight as
+    others write rows; the CPU transport writes after its reads, so the bits alone cannot show
+    it), and a full contiguous `out` apart from the norm weight always."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 665), total)
     norm, experts = layer.norm_weight(), batches.experts
     failures: list[str] = []
     with build(dep) as routed:
+        handed: list[torch.Tensor | None] = []
+        combine = routed._transport.combine
+
+        def spy(*args, **kwargs):
+            handed.append(kwargs.get("out"))
+            return combine(*args, **kwargs)
+
+        routed._transport.combine = spy
         latent, ids, weights = batches.inputs(0)
         n = latent.shape[0]
         want = routed(latent, ids, weights, norm, experts=experts, tokens=total)
         for row in sorted({0, max(n - 1, 0)}):
             buf = torch.full((max(n, 1), TINY.latent), float("nan"), dtype=torch.bfloat16)
             buf[row] = norm
+            handed.clear()
             got = routed(latent, ids, weights, buf[row], experts=experts, tokens=total, out=buf[:n])
             if not torch.equal(bits(got), bits(want)):
                 failures.append(f"T={total}, norm weight in out row {row}: other bits")
+            if any(out is not None and out.data_ptr() == buf.data_ptr() for out in handed):
+                failures.append(f"T={total}: out holding the norm weight was written in place")
+        if n == total <= routed.max_tokens:  # one step, a full out apart from the norm: in place
+            apart = torch.empty(n, TINY.latent, dtype=torch.bfloat16)
+            handed.clear()
+            routed(latent, ids, weights, norm, experts=experts, tokens=total, out=apart)
+            if [out is apart for out in handed] != [True]:
+                failures.append(f"T={total}: a separate out was not written in place")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
@@ -139,8 +170,9 @@ class BlockingExperts(ExpertsBackend):
 @pytest.mark.mpi(min_size=2)
 def test_a_call_from_a_second_thread_is_refused(dep, layer):
     """While a thread is inside routed (its experts held), routed, combine, reset and close from
-    another thread raise RuntimeError naming both threads, on every rank, and change nothing:
-    the held call returns the reference's rows and the next call is good."""
+    another thread raise RuntimeError naming both threads, on every rank, and change nothing
+    (poll, local, is not refused): the held call returns the reference's rows and the next call
+    is good; a thread whose experts raise leaves the object free for the next caller."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 670), 6)
     norm, experts = layer.norm_weight(), batches.experts
     held = BlockingExperts(experts)
@@ -171,6 +203,10 @@ def test_a_call_from_a_second_thread_is_refused(dep, layer):
                     "'MainThread' called while thread 'first-caller' is in EpRouted.routed",
                     call,
                 )
+            try:
+                routed.poll()
+            except Exception as err:
+                failures.append(f"poll from a second thread: {type(err).__name__}: {err}")
         else:
             failures.append("the first thread's call never reached its experts")
         held.release.set()
@@ -180,6 +216,24 @@ def test_a_call_from_a_second_thread_is_refused(dep, layer):
         else:
             failures += compare(result["out"], batches.reference(0), "the held call")
         failures += compare(batches.run(routed, 1), batches.reference(1), "the next call")
+        # A thread whose experts raise (every rank's): its error, then the main thread's call.
+        failing = BlockingExperts(experts)
+        failing.release.set()
+        failing.forward = lambda *rows: (_ for _ in ()).throw(KeyboardInterrupt("in the experts"))
+        raised: list[BaseException] = []
+
+        def second() -> None:
+            try:
+                routed(latent, ids, weights, norm, experts=failing)
+            except BaseException as err:
+                raised.append(err)
+
+        thread = threading.Thread(target=second, name="failing-caller")
+        thread.start()
+        thread.join(60)
+        if not (raised and isinstance(raised[0], (KeyboardInterrupt, EpPeerError))):
+            failures.append(f"the failing thread's call gave {raised!r}")
+        failures += compare(batches.run(routed, 2), batches.reference(2), "after the failed thread")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 

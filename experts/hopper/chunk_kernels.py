@@ -69,8 +69,10 @@ def chunk_routes_kernel(
         first += tl.sum((used & (start + rows <= lo)).to(tl.int32))
         end += tl.sum((used & (start < hi)).to(tl.int32))
         t0 += BLOCK
-    # At most the route rows' tiles (chunks.py's bound; the clamp keeps a broken bound from
-    # pointing humming at the next chunk's row).
+    # At most the route rows' tiles (chunks.py's bound, which no routing exceeds: a tile meeting
+    # the chunk holds one of its pairs at least, and each expert adds at most one partial tile at
+    # each end). The clamp only keeps a broken bound from pointing humming at the next chunk's
+    # row; the tiles it would drop are not computed, so it is no substitute for the bound.
     tiles = tl.minimum(tl.maximum(end - first, 0), tl.minimum(TILES, SLOTS // BLOCK_N))
     for i0 in range(0, TILES, BLOCK):
         i = i0 + tl.arange(0, BLOCK)

@@ -158,7 +158,7 @@ class HopperExperts(ExpertsBackend):
 
     def tuning_pairs(self, rows: int, topk: int) -> int:
         """The pair count humming's kernels are chosen for on R = rows receive rows: the prepared
-        call's (capped at its chunk's tuning cap in chunks) where it chooses by it, else
+        call's (capped at its plan's tuning_cap in chunks) where it chooses by it, else
         `engine.tuning_pairs(rows, topk, num_local_experts, num_experts)`."""
         chosen = getattr(self.prepared, "tuning_pairs", None)
         if chosen is not None:

@@ -88,7 +88,7 @@ class HummingEngine(HopperEngine):
       guaranteed bitwise equal; True asks for its batch-invariant kernels (no stream-K).
     tune_for_capacity: humming's kernels are chosen per call for a pair count (`tuning_pairs`):
       False, the pairs expected under uniform routing over the weights' num_experts; True, the
-      capacity R * K (every slot local). A chunked call caps it at the chunk.
+      capacity R * K (every slot local). A chunked call caps it at its plan's tuning_cap.
     chunk_pairs: a call over at most this many receive slots (R * K) runs on the slots, sized for
       its capacity (it never overflows); a larger one runs its pairs in chunks of at most this
       many (experts/hopper/chunks.py), with a pair budget (HopperExperts' pair_skew). A multiple
@@ -259,8 +259,9 @@ class HummingPrepared:
     skew: float | None
     situ_block_i: int
     pairs_over_budget: torch.Tensor
+    # Not an init field: dataclasses.replace() starts a new object's shapes afresh.
     shapes: dict[tuple[int, int], CallShape] = field(
-        default_factory=dict, repr=False, compare=False
+        default_factory=dict, init=False, repr=False, compare=False
     )
 
     @property
