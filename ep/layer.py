@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from typing import Mapping
 
 import torch
@@ -82,6 +83,28 @@ def dense_fingerprint(dense: Mapping[str, torch.Tensor]) -> int:
     if samples:
         digest.update(torch.cat(samples).cpu().numpy().tobytes())
     return int.from_bytes(digest.digest(), "little") & ((1 << LAYER_FINGERPRINT_BITS) - 1)
+
+
+def _version_of(ref: weakref.ref | None) -> int | None:
+    """The version counter of the tensor `ref` points at (it moves at every in-place change:
+    copy_, load_state_dict, an optimizer step), None when the tensor is gone or keeps none (an
+    inference tensor)."""
+    t = None if ref is None else ref()
+    if t is None:
+        return None
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+
+
+def _watch(t: torch.Tensor) -> weakref.ref | None:
+    """A weak reference to a caller's dense tensor (the layer holds no strong one to the tensors
+    it copied: dropping the caller's dict frees them), None where torch refuses one."""
+    try:
+        return weakref.ref(t)
+    except TypeError:
+        return None
 
 
 def _mode(values: list[int]) -> int | None:
@@ -171,6 +194,18 @@ class EpMoeLayer:
     another EpMoeLayer's `dense` is), they are used in place, without a copy. The other five
     tensors are kept as given.
 
+    Weights changed after construction (a checkpoint loaded into the tensors after the layer was
+    built, a weight update in place): every call first compares the version counters of the
+    tensors given at construction (weak references) with those the layer last read, and when one
+    moved it copies the changed tensors it packed (the three above, and the norm weight when it
+    was not contiguous) and recomputes the fingerprint (one device-to-host copy), so the call
+    uses the new weights and tags (`refresh()` does the same without a call). Inside a CUDA
+    graph capture a moved counter fails the call on every rank instead (nothing may be copied
+    or read to the host there): call the layer, or `refresh()`, once before capturing. Not seen:
+    tensors replaced rather than changed (`load_state_dict(..., assign=True)`, a parameter
+    re-bound to a new tensor), and changes to inference tensors (they keep no counter); build a
+    new layer for those.
+
     Errors: construction raises ValueError (missing names, shapes, devices, values) or TypeError
     (types, dtypes) naming the tensor or argument. A call is collective like EpRouted.routed:
     every rank calls with the same `tokens`; a rank whose input is bad raises ValueError or
@@ -229,6 +264,7 @@ class EpMoeLayer:
         self.hidden, self.shared_intermediate = self._check_dense(fn, dense)
         # Inference only: a model's nn.Parameters are taken without their autograd (the layer's
         # GEMMs write into given outputs, which autograd refuses for tensors that need grad).
+        given = dense
         dense = {
             name: dense[name].detach() if dense[name].requires_grad else dense[name]
             for name in DENSE_NAMES
@@ -255,10 +291,52 @@ class EpMoeLayer:
         self._side = None
         if self.device.type == "cuda" and schedule == "overlap":
             self._side = torch.cuda.Stream(device=self.device)
+        # The caller's tensors and what the layer made of them, for `refresh`: weak references
+        # (the caller may drop what was copied), their version counters when last read, and
+        # which of them the layer holds a copy of.
+        self._sources = {name: _watch(given[name]) for name in DENSE_NAMES}
+        self._read_versions = self._source_versions()
+        self._packed_copy = packed.data_ptr() != parts[0].data_ptr()
+        self._norm_copy = self.norm_weight.data_ptr() != dense[NORM].data_ptr()
         # The same on every rank for this model layer: it goes into the layer's own tags.
         self.fingerprint = dense_fingerprint(dense)
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
+
+    def _source_versions(self) -> tuple[int | None, ...]:
+        return tuple(_version_of(self._sources[name]) for name in DENSE_NAMES)
+
+    def refresh(self) -> bool:
+        """Local (no collective). When a dense tensor given at construction changed in place
+        since the layer last read it (its version counter moved), copy the changed ones the
+        layer holds copies of into those copies and recompute the fingerprint; returns whether
+        one had changed. Blocks the host (the fingerprint's device-to-host copy) when one had.
+        RuntimeError inside a CUDA graph capture when one had (forward fails the step on every
+        rank instead)."""
+        versions = self._source_versions()
+        if versions == self._read_versions:
+            return False
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(self._stale_message("EpMoeLayer.refresh"))
+        S = self.shared_intermediate
+        names = (SHARED_GATE, SHARED_UP, DOWN)
+        for name, rows in zip(names, (slice(0, S), slice(S, 2 * S), slice(2 * S, None))):
+            source = self._sources[name]() if self._sources[name] is not None else None
+            if self._packed_copy and source is not None:
+                self.packed[rows].copy_(source.detach())
+        norm = self._sources[NORM]() if self._sources[NORM] is not None else None
+        if self._norm_copy and norm is not None:
+            self.norm_weight.copy_(norm.detach())
+        self.fingerprint = dense_fingerprint(self.dense)
+        self._read_versions = versions
+        return True
+
+    def _stale_message(self, fn: str) -> str:
+        return (
+            f"{fn}: the layer's dense weights changed in place since it last read them (a"
+            " checkpoint loaded after construction, or a weight update); inside a CUDA graph"
+            " capture nothing may be copied: call the layer or refresh() once before capturing"
+        )
 
     def restart_steps(self) -> None:
         """Restart the call count the layer's own tags carry (EpRouted.reset does, on every
@@ -333,6 +411,11 @@ class EpMoeLayer:
             return TypeError(f"{fn}: x dtype {x.dtype}; expected torch.bfloat16")
         if x.device != self.device:
             return ValueError(f"{fn}: x on {x.device}; expected {self.device}")
+        if x.requires_grad and torch.is_grad_enabled():
+            return ValueError(
+                f"{fn}: x requires grad with autograd on; EpMoeLayer is inference-only: call it"
+                " under torch.no_grad() or torch.inference_mode()"
+            )
         rows = x.shape[0]
         if tokens is None and rows == 0:
             return ValueError(f"{fn}: x has 0 rows and tokens=None; pass tokens= (T >= 1)")
@@ -447,10 +530,16 @@ class EpMoeLayer:
         reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
         calls, entered = self._calls, self.routed._entered
+        stale = None
+        if self._source_versions() != self._read_versions:
+            try:
+                self.refresh()
+            except RuntimeError:  # inside a capture: the step fails on every rank
+                stale = RuntimeError(self._stale_message(fn))
         if tag is None:
             tag = layer_tag(self.layer_index, self.fingerprint, calls)
         try:
-            error = self._check_call(fn, x, tokens, padding)
+            error = stale or self._check_call(fn, x, tokens, padding)
             if error is not None:
                 self._reject(fn, error, tag, tokens, x)
             if self._side is None:
@@ -463,6 +552,10 @@ class EpMoeLayer:
             if self.routed._entered != entered:
                 self._calls = calls + 1
 
+    # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a
+    # call measured on CPU out of compile): its host-side checks and streams are not traceable.
+    # routed_op is the path torch.compile traces (docs/integrations.md).
+    forward = torch.compiler.disable(forward)
     __call__ = forward
 
     def _forward_serial(self, fn, x, tokens, tag, padding) -> torch.Tensor:
