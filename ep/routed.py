@@ -237,10 +237,10 @@ class EpRouted:
     own connections carry nothing of ours); max_tokens: the most tokens a rank passes in a step;
     device: "cpu" or a CUDA device; num_experts: E (divisible by the rank count; rank r owns
     [r*E/N, (r+1)*E/N)); latent: L (a multiple of 32); topk: K; config: runtime settings
-    (timeouts, checks, combine path, the peer watch). Integers of any kind (numpy, 0-dim torch)
-    are taken. Construction compares every rank's arguments (and device kind, library version
-    and whether the values are checked, `config.check_values` as resolved) and raises
-    ValueError on every rank naming the fields that differ; a rank whose own
+    (the timeout, the value and expert-row checks, the peer watch, expert counts). Integers of
+    any kind (numpy, 0-dim torch) are taken. Construction compares every rank's arguments (and
+    device kind, library version and whether the values are checked, `config.check_values` as
+    resolved) and raises ValueError on every rank naming the fields that differ; a rank whose own
     arguments are invalid raises its error and every other rank EpPeerError; a rank that never
     arrives gives EpTimeoutError within `config.timeout_s`.
 

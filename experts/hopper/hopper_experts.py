@@ -1,7 +1,7 @@
 """HopperExperts: MXFP4 experts on SM90 over device-grouped pairs, in one of two engines
 (experts/hopper/engine.py):
 
-- HummingEngine (the default when humming-kernels is installed, `pip install -e '.[gpu]'`):
+- HummingEngine (the default when humming-kernels 0.1.19 is installed, `pip install -e '.[gpu]'`):
   humming-kernels' GEMMs on e4m3 rows, SiTU rounded to MXFP8 (experts/hopper/humming_engine.py).
 - TritonEngine: our own kernels (experts/hopper/kernels.py) with ReferenceExperts' BF16 numerics
   (experts/hopper/triton_engine.py).
@@ -53,13 +53,13 @@ class HopperExperts(ExpertsBackend):
         (MXFP8 rows and MXFP4 weights decoded exactly; FC1 with fp32 sums; SiTU in fp32, one
         rounding to BF16; FC2 with fp32 sums, one rounding to BF16; per row the fp32 sum over k in
         order of weight * expert output, one rounding to BF16).
-      HummingEngine(deterministic=, tune_for_capacity=, tiles=): e4m3 rows times the weights in
-        e4m3 (exact within an expert's 11-binade scale spread, checked at construction) with fp32
-        sums, FC1's output in BF16, SiTU rounded to MXFP8, FC2 rounded to BF16, the same
-        finalize; humming may pick stream-K kernels (more roundings, reruns not bitwise equal)
-        unless deterministic=True.
-      None: `default_engine(L, I)`: HummingEngine() where humming-kernels is installed and L and
-        I are multiples of 512, else TritonEngine().
+      HummingEngine(deterministic=, tune_for_capacity=, chunk_pairs=, tiles=): e4m3 rows times
+        the weights in e4m3 (exact within an expert's 11-binade scale spread, checked at
+        construction) with fp32 sums, FC1's output in BF16, SiTU rounded to MXFP8, FC2 rounded
+        to BF16, the same finalize; humming may pick stream-K kernels (more roundings, reruns
+        not bitwise equal) unless deterministic=True.
+      None: `default_engine(L, I)`: HummingEngine() where humming-kernels 0.1.19 is installed
+        and L and I are multiples of 512, else TritonEngine().
     The triton engine and the finalize use no atomics and no split K: with them (and humming with
     deterministic=True) reruns on the same rows are bitwise equal (`deterministic`).
     humming's kernels are chosen for `tuning_pairs(rows, topk)`, from the weights' num_experts.
