@@ -66,7 +66,7 @@ def dense_fingerprint(dense: Mapping[str, torch.Tensor]) -> int:
     over the tensor. Every DEP rank holds the same dense weights of a model layer, so the digest
     is the same on every rank for the same layer, and differs between layers whose sampled
     elements differ (except by a 2^-24 chance). One small gather and one device-to-host copy,
-    at construction; nothing per call."""
+    at a layer's first call given no tag= and in its refresh(); nothing on later calls."""
     described, samples = [], []
     for name in DENSE_NAMES:
         t = dense[name]
@@ -85,26 +85,67 @@ def dense_fingerprint(dense: Mapping[str, torch.Tensor]) -> int:
     return int.from_bytes(digest.digest(), "little") & ((1 << LAYER_FINGERPRINT_BITS) - 1)
 
 
-def _version_of(ref: weakref.ref | None) -> int | None:
-    """The version counter of the tensor `ref` points at (it moves at every in-place change:
-    copy_, load_state_dict, an optimizer step), None when the tensor is gone or keeps none (an
-    inference tensor)."""
-    t = None if ref is None else ref()
-    if t is None:
-        return None
-    try:
-        return t._version
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return None
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage view `t` is (views share their root's storage), or `t`."""
+    return t._base if t._base is not None else t
 
 
-def _watch(t: torch.Tensor) -> weakref.ref | None:
-    """A weak reference to a caller's dense tensor (the layer holds no strong one to the tensors
-    it copied: dropping the caller's dict frees them), None where torch refuses one."""
+def _covered_by(root: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """True when `parts` are the whole of `root` and `root` the whole of its storage: a
+    contiguous [rows, width] root at storage offset 0 owning every byte of its storage, and the
+    parts its consecutive row slices from row 0 to the last (re-pointing `root` then leaves no
+    other view of the parts' bytes behind)."""
+    if root.dim() != 2 or not root.is_contiguous() or root.storage_offset() != 0:
+        return False
+    if root.untyped_storage().nbytes() != root.numel() * root.element_size():
+        return False
+    width, row = root.shape[1], 0
+    for p in parts:
+        if p.dim() != 2 or p.shape[1] != width or p.stride() != (width, 1):
+            return False
+        if p.storage_offset() != row * width:
+            return False
+        row += p.shape[0]
+    return row == root.shape[0]
+
+
+def _adopt(tensors: list[tuple[torch.Tensor, int]], packed: torch.Tensor) -> bool:
+    """Re-point each of the caller's tensors `t` (a root that `_covered_by` its parts, then the
+    parts given to the layer), whose values rows [first_row, first_row + len(t)) of `packed`
+    already hold, at those rows: later in-place writes to them (copy_, .data.copy_,
+    load_state_dict, a collective receiving into them) land in `packed`, and their old storage
+    is freed with its last reference. False where torch refuses one (an inference tensor
+    outside inference mode): every one is then left as it was."""
+    done: list[tuple[torch.Tensor, torch.UntypedStorage, int]] = []
     try:
-        return weakref.ref(t)
-    except TypeError:
-        return None
+        with torch.no_grad():
+            for t, first_row in tensors:
+                done.append((t, t.untyped_storage(), t.storage_offset()))
+                offset = packed.storage_offset() + first_row * packed.shape[1]
+                t.set_(packed.untyped_storage(), offset, t.shape, t.stride())
+    except RuntimeError:
+        with torch.no_grad():
+            for t, storage, offset in done[:-1]:
+                t.set_(storage, offset, t.shape, t.stride())
+        return False
+    return True
+
+
+class _Copied:
+    """Where a tensor the layer copied came from, for `EpMoeLayer.refresh`: a weak reference to
+    the root of the caller's view (views share their root's storage; the view object itself may
+    be a temporary) and the view's offset, shape and strides in it."""
+
+    def __init__(self, t: torch.Tensor):
+        self.root = weakref.ref(_root(t))
+        self.offset, self.shape, self.stride = t.storage_offset(), t.shape, t.stride()
+
+    def read(self) -> torch.Tensor | None:
+        """The caller's view as it is now, None when its root is gone."""
+        root = self.root()
+        if root is None:
+            return None
+        return torch.as_strided(root.detach(), self.shape, self.stride, self.offset)
 
 
 def _mode(values: list[int]) -> int | None:
@@ -181,30 +222,35 @@ class EpMoeLayer:
     called on another rank raises EpDesyncError on every rank, and so does a layer whose index
     is another layer's on another rank (layers built in other orders without layer_index=):
     every rank holds the same dense weights of a layer, so the fingerprint (`dense_fingerprint`,
-    computed once here) tells layers apart across ranks. Two layers whose sampled dense
-    elements are equal share a fingerprint: give them layer_index=. EpRouted.reset() restarts
-    the counts. Under CUDA-graph replay the tag is the one the graph was captured with: ranks
-    that capture the same graphs in the same order agree.
+    read at the layer's first call given no tag=) tells layers apart across ranks. Two layers
+    whose sampled dense elements are equal share a fingerprint: give them layer_index=.
+    EpRouted.reset() restarts the counts. Under CUDA-graph replay the tag is the one the graph
+    was captured with: ranks that capture the same graphs in the same order agree.
 
     Memory: the shared gate and up projections and the latent down projection are copied once,
     at construction, into one packed weight `packed` bf16 [2S + L, H] (rows: shared gate, shared
-    up, latent down; one GEMM computes all three). `dense` holds views of it under their names,
-    and the layer keeps no reference to the caller's three tensors: dropping the caller's dict
-    frees them. When the three already are consecutive slices of one storage in that order (as
-    another EpMoeLayer's `dense` is), they are used in place, without a copy. The other five
-    tensors are kept as given.
+    up, latent down; one GEMM computes all three), and `dense` holds views of it under their
+    names. When the three already are consecutive slices of one storage in that order (as
+    another EpMoeLayer's `dense` is), they are used in place, without a copy. Otherwise each
+    tensor that is the whole of its storage (a model's parameter), or that the given
+    projections viewing it cover whole in packing order (a merged gate_up parameter), is
+    re-pointed at its rows of `packed`, with the given views (values unchanged; `set_` under
+    no_grad): the layer keeps no second copy, and later in-place writes to them land in the
+    layer. Views of it made before and not given to the layer keep the old storage. The other
+    five tensors are used as given.
 
-    Weights changed after construction (a checkpoint loaded into the tensors after the layer was
-    built, a weight update in place): every call first compares the version counters of the
-    tensors given at construction (weak references) with those the layer last read, and when one
-    moved it copies the changed tensors it packed (the three above, and the norm weight when it
-    was not contiguous) and recomputes the fingerprint (one device-to-host copy), so the call
-    uses the new weights and tags (`refresh()` does the same without a call). Inside a CUDA
-    graph capture a moved counter fails the call on every rank instead (nothing may be copied
-    or read to the host there): call the layer, or `refresh()`, once before capturing. Not seen:
-    tensors replaced rather than changed (`load_state_dict(..., assign=True)`, a parameter
-    re-bound to a new tensor), and changes to inference tensors (they keep no counter); build a
-    new layer for those.
+    Weights after construction (a server builds its modules, then loads the checkpoint into
+    them; a weight update in place): seen without anything more when written in place into the
+    tensors given or their storage (copy_, .data.copy_, load_state_dict, a collective receiving
+    into them), except what the layer could only copy (a projection sliced from a tensor it
+    does not cover whole, an inference tensor, a non-contiguous norm weight): `refresh()`
+    copies those again. Writes through a view of a re-pointed tensor made before construction
+    and not given to the layer land in the old storage, which the layer no longer reads.
+    The fingerprint the layer's tags carry is read at its first call given no tag= (so: after
+    loading), and again by `refresh()`; after weights change once the layer has been called,
+    call `refresh()` on every rank so that their fingerprints stay equal. Not seen at all:
+    tensors replaced instead of written (load_state_dict(..., assign=True), `.data =`, `set_`,
+    `module.to()`): build a new layer.
 
     Errors: construction raises ValueError (missing names, shapes, devices, values) or TypeError
     (types, dtypes) naming the tensor or argument. A call is collective like EpRouted.routed:
@@ -271,72 +317,68 @@ class EpMoeLayer:
         }
 
         S, L = self.shared_intermediate, self.latent
-        parts = [dense[SHARED_GATE], dense[SHARED_UP], dense[DOWN]]
+        names = (SHARED_GATE, SHARED_UP, DOWN)
+        rows_of = dict(zip(names, (slice(0, S), slice(S, 2 * S), slice(2 * S, 2 * S + L))))
+        parts = [dense[name] for name in names]
         packed = _packed_in_place(parts, self.hidden)
+        # The projections the layer holds copies of, by name, and where they came from.
+        self._copied: dict[str, _Copied] = {}
         if packed is None:
             packed = torch.empty(2 * S + L, self.hidden, dtype=torch.bfloat16, device=self.device)
-            for rows, part in zip((slice(0, S), slice(S, 2 * S), slice(2 * S, None)), parts):
-                packed[rows].copy_(part)
+            for name in names:
+                packed[rows_of[name]].copy_(dense[name])
+            # The caller's tensors by the root they view, in packing order: a root that the
+            # consecutive projections viewing it cover whole (a model's parameter, or its
+            # merged gate and up) is re-pointed at their rows; the others stay copies.
+            groups: list[tuple[torch.Tensor, list[str]]] = []
+            for name in names:
+                root = _root(given[name])
+                if groups and groups[-1][0] is root:
+                    groups[-1][1].append(name)
+                else:
+                    groups.append((root, [name]))
+            for root, members in groups:
+                parts = [(given[name], rows_of[name].start) for name in members]
+                adopt = [(root, parts[0][1])] + [p for p in parts if p[0] is not root]
+                if not (_covered_by(root, [t for t, _ in parts]) and _adopt(adopt, packed)):
+                    self._copied.update({name: _Copied(given[name]) for name in members})
         # bf16 [2S + L, H]: rows [shared gate (S); shared up (S); latent down (L)].
         self.packed = packed
         self.dense = {name: dense[name] for name in DENSE_NAMES}
-        self.dense.update(
-            {SHARED_GATE: packed[:S], SHARED_UP: packed[S : 2 * S], DOWN: packed[2 * S :]}
-        )
+        self.dense.update({name: packed[rows_of[name]] for name in names})
         self.gate_weight, self.bias = self.dense[GATE], self.dense[BIAS]
         # EpRouted takes a contiguous norm weight (no copy when it is one already).
         self.norm_weight, self.up_weight = self.dense[NORM].contiguous(), self.dense[UP]
+        if self.norm_weight.data_ptr() != dense[NORM].data_ptr():
+            self._copied[NORM] = _Copied(given[NORM])
         self.shared_down = self.dense[SHARED_DOWN]
         # The side stream of the overlapped schedule (CUDA only); one per layer.
         self._side = None
         if self.device.type == "cuda" and schedule == "overlap":
             self._side = torch.cuda.Stream(device=self.device)
-        # The caller's tensors and what the layer made of them, for `refresh`: weak references
-        # (the caller may drop what was copied), their version counters when last read, and
-        # which of them the layer holds a copy of.
-        self._sources = {name: _watch(given[name]) for name in DENSE_NAMES}
-        self._read_versions = self._source_versions()
-        self._packed_copy = packed.data_ptr() != parts[0].data_ptr()
-        self._norm_copy = self.norm_weight.data_ptr() != dense[NORM].data_ptr()
-        # The same on every rank for this model layer: it goes into the layer's own tags.
-        self.fingerprint = dense_fingerprint(dense)
+        # The same on every rank for this model layer: it goes into the layer's own tags. Made
+        # at the first call given no tag= (after the server loaded its weights), or refresh().
+        self.fingerprint: int | None = None
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
 
-    def _source_versions(self) -> tuple[int | None, ...]:
-        return tuple(_version_of(self._sources[name]) for name in DENSE_NAMES)
-
-    def refresh(self) -> bool:
-        """Local (no collective). When a dense tensor given at construction changed in place
-        since the layer last read it (its version counter moved), copy the changed ones the
-        layer holds copies of into those copies and recompute the fingerprint; returns whether
-        one had changed. Blocks the host (the fingerprint's device-to-host copy) when one had.
-        RuntimeError inside a CUDA graph capture when one had (forward fails the step on every
-        rank instead)."""
-        versions = self._source_versions()
-        if versions == self._read_versions:
-            return False
+    def refresh(self) -> None:
+        """Local (no collective); call it on every rank after changing the weights in a way the
+        layer does not see (class docstring, "Weights after construction"): copy the caller's
+        tensors the layer holds copies of into those copies (read through the tensors their
+        views were taken of; one that is gone is skipped), and recompute the fingerprint its
+        tags carry (one device-to-host copy). RuntimeError inside a CUDA graph capture."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(self._stale_message("EpMoeLayer.refresh"))
-        S = self.shared_intermediate
-        names = (SHARED_GATE, SHARED_UP, DOWN)
-        for name, rows in zip(names, (slice(0, S), slice(S, 2 * S), slice(2 * S, None))):
-            source = self._sources[name]() if self._sources[name] is not None else None
-            if self._packed_copy and source is not None:
-                self.packed[rows].copy_(source.detach())
-        norm = self._sources[NORM]() if self._sources[NORM] is not None else None
-        if self._norm_copy and norm is not None:
-            self.norm_weight.copy_(norm.detach())
+            raise RuntimeError(
+                "EpMoeLayer.refresh: called inside a CUDA graph capture; call it before capturing"
+            )
+        for name, copied in self._copied.items():
+            source = copied.read()
+            if source is None:
+                continue
+            target = self.norm_weight if name == NORM else self.dense[name]
+            target.copy_(source)
         self.fingerprint = dense_fingerprint(self.dense)
-        self._read_versions = versions
-        return True
-
-    def _stale_message(self, fn: str) -> str:
-        return (
-            f"{fn}: the layer's dense weights changed in place since it last read them (a"
-            " checkpoint loaded after construction, or a weight update); inside a CUDA graph"
-            " capture nothing may be copied: call the layer or refresh() once before capturing"
-        )
 
     def restart_steps(self) -> None:
         """Restart the call count the layer's own tags carry (EpRouted.reset does, on every
@@ -530,16 +572,20 @@ class EpMoeLayer:
         reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
         calls, entered = self._calls, self.routed._entered
-        stale = None
-        if self._source_versions() != self._read_versions:
-            try:
-                self.refresh()
-            except RuntimeError:  # inside a capture: the step fails on every rank
-                stale = RuntimeError(self._stale_message(fn))
+        unready = None
         if tag is None:
-            tag = layer_tag(self.layer_index, self.fingerprint, calls)
+            if self.fingerprint is None:  # the first call given no tag=
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    unready = RuntimeError(
+                        f"{fn}: the layer's first call given no tag= is inside a CUDA graph"
+                        " capture, where its weights' fingerprint cannot be read to the host;"
+                        " call the layer (or refresh()) once before capturing"
+                    )
+                else:
+                    self.fingerprint = dense_fingerprint(self.dense)
+            tag = layer_tag(self.layer_index, self.fingerprint or 0, calls)
         try:
-            error = stale or self._check_call(fn, x, tokens, padding)
+            error = unready or self._check_call(fn, x, tokens, padding)
             if error is not None:
                 self._reject(fn, error, tag, tokens, x)
             if self._side is None:

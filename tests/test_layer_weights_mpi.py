@@ -11,7 +11,17 @@ import torch
 from dep_ep.comm.errors import EpDesyncError, EpPeerError
 from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpMoeLayer, EpRouted
-from dep_ep.experts.checkpoint import DENSE_NAMES, DOWN, SHARED_GATE, SHARED_UP, dense_shapes
+from dep_ep.experts.checkpoint import (
+    BIAS,
+    DOWN,
+    GATE,
+    NORM,
+    SHARED_DOWN,
+    SHARED_GATE,
+    SHARED_UP,
+    UP,
+    dense_shapes,
+)
 from dep_ep.testing import SyntheticLayer
 
 from helpers.cases import agreed_seed
@@ -50,21 +60,27 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
     return dense
 
 
-def placeholders(like: dict[str, torch.Tensor], fused: bool) -> dict[str, torch.Tensor]:
-    """Zeros shaped as `like` (a model's parameters before its checkpoint is loaded); `fused`:
-    the shared gate, shared up and latent down as consecutive slices of one buffer (the layer
-    then reads them in place instead of copying them)."""
+def placeholders(like: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Zeros shaped as `like` (a model's parameters before its checkpoint is loaded), the three
+    projections the layer packs laid out as `layout`: "separate" tensors (the layer re-points
+    them into its packed weight), "fused" (consecutive slices of one buffer in packing order,
+    read in place), "merged" (shared gate and up as the two halves of one [2S, H] tensor, as an
+    engine's merged gate_up parameter; re-pointed whole), or "sliced" (gate and up slices of a
+    buffer with rows to spare, which the layer can only copy)."""
     zeros = {name: torch.zeros_like(t) for name, t in like.items()}
-    if fused:
-        parts = (SHARED_GATE, SHARED_UP, DOWN)
-        buffer = torch.zeros(sum(like[n].shape[0] for n in parts), like[DOWN].shape[1]).to(
-            torch.bfloat16
-        )
+    rows = {name: like[name].shape[0] for name in (SHARED_GATE, SHARED_UP, DOWN)}
+    width = like[DOWN].shape[1]
+    if layout == "fused":
+        buffer = torch.zeros(sum(rows.values()), width, dtype=torch.bfloat16)
         start = 0
-        for name in parts:
-            rows = like[name].shape[0]
-            zeros[name] = buffer[start : start + rows]
-            start += rows
+        for name in (SHARED_GATE, SHARED_UP, DOWN):
+            zeros[name] = buffer[start : start + rows[name]]
+            start += rows[name]
+    elif layout in ("merged", "sliced"):
+        spare = 0 if layout == "merged" else 3
+        merged = torch.zeros(rows[SHARED_GATE] + rows[SHARED_UP] + spare, width).to(torch.bfloat16)
+        zeros[SHARED_GATE] = merged[: rows[SHARED_GATE]]
+        zeros[SHARED_UP] = merged[rows[SHARED_GATE] : rows[SHARED_GATE] + rows[SHARED_UP]]
     return zeros
 
 
@@ -72,56 +88,110 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-class Holder(torch.nn.Module):
-    """A model's module holding the dense tensors as parameters (names with '.' as '__')."""
+def roots(dense: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The distinct tensors whose storage `dense` views (a merged buffer once), as a loader
+    writes them."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in dense.values():
+        root = t._base if t._base is not None else t
+        seen.setdefault(id(root), root)
+    return list(seen.values())
 
-    def __init__(self, dense: dict[str, torch.Tensor]):
-        super().__init__()
-        for name, t in dense.items():
-            self.register_parameter(name.replace(".", "__"), torch.nn.Parameter(t))
 
-    def dense(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name.replace(".", "__")) for name in DENSE_NAMES}
+def load(dep, dense: dict[str, torch.Tensor], values: dict[str, torch.Tensor], how: str) -> None:
+    """Write `values` into the tensors of `dense` (kept as the caller holds them) by `how`:
+    "copy_", ".data.copy_" (vLLM's default weight loader), "load_state_dict" (of a module holding
+    them as buffers), or "broadcast" (rank 0 holds the values, the others receive them)."""
+    pairs = list(zip(dense.values(), values.values()))
+    with torch.no_grad():
+        if how == "load_state_dict":
+            holder = torch.nn.Module()
+            for i, t in enumerate(dense.values()):
+                holder.register_buffer(f"t{i}", t, persistent=True)
+            holder.load_state_dict({f"t{i}": v for i, (_, v) in enumerate(pairs)})
+        for t, v in pairs:
+            if how == "copy_":
+                t.copy_(v)
+            elif how == ".data.copy_":
+                t.data.copy_(v)
+            elif how == "broadcast":
+                t.copy_(v if dep.rank == 0 else torch.full_like(v, 7.0))
+        if how == "broadcast":
+            for root in roots(dense):
+                torch.distributed.broadcast(root, src=0, group=dep.cpu_group)
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_checkpoint_loaded_after_construction_is_used(dep, layer, fused):
-    """A layer built on zero placeholders (separate tensors, which it copies, or one fused
-    buffer, which it reads in place), then loaded by copy_ and by a module's load_state_dict,
-    gives the bits of a layer built on the loaded weights, with the same fingerprint; then an
-    update in place (v1 -> v2) gives the bits of a layer built on v2. Before: the copied
-    projections kept the placeholders (relative L2 1.0, no error)."""
+@pytest.mark.parametrize(
+    "layout,how",
+    [
+        ("separate", "copy_"),
+        ("separate", ".data.copy_"),
+        ("separate", "load_state_dict"),
+        ("separate", "broadcast"),
+        ("fused", "copy_"),
+        ("merged", ".data.copy_"),
+    ],
+)
+def test_a_checkpoint_loaded_after_construction_is_used(dep, layer, layout, how):
+    """A layer built on zero placeholders, then loaded (v1) by `how`, gives the bits and the
+    fingerprint of a layer built on v1; then v2 loaded the same way gives the bits of a layer
+    built on v2. The caller's projections are re-pointed into the layer (separate, merged) or
+    read in place (fused). Before: the layer kept its copies of the placeholders (relative L2
+    1.0, no error) and their fingerprint."""
     seed = agreed_seed(dep.cpu_group, 910)
     v1, v2 = dense_weights(seed), dense_weights(seed + 1)
-    batches = Batches(dep, layer, seed, T)
-    experts = batches.experts
+    experts = Batches(dep, layer, seed, T).experts
     x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
     x = x.to(torch.bfloat16)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
-        copied = placeholders(v1, fused)
-        by_copy = EpMoeLayer(copied, routed, experts, topk=TINY.topk)
-        holder = Holder(placeholders(v1, fused))
-        by_module = EpMoeLayer(holder.dense(), routed, experts, topk=TINY.topk)
+        held = placeholders(v1, layout)
+        moe = EpMoeLayer(held, routed, experts, topk=TINY.topk)
         made_on_v1 = EpMoeLayer(v1, routed, experts, topk=TINY.topk)
         made_on_v2 = EpMoeLayer(v2, routed, experts, topk=TINY.topk)
-        for name in DENSE_NAMES:
-            copied[name].copy_(v1[name])
-        holder.load_state_dict({n.replace(".", "__"): t for n, t in v1.items()})
-        want = made_on_v1(x)
-        for label, moe in (("copy_", by_copy), ("load_state_dict", by_module)):
-            got = moe(x)
-            if not torch.equal(bits(got), bits(want)):
-                failures.append(f"fused={fused}, loaded by {label}: not the loaded weights' bits")
-            if moe.fingerprint != made_on_v1.fingerprint:
-                failures.append(f"fused={fused}, loaded by {label}: the placeholders' fingerprint")
-        for name in DENSE_NAMES:
-            copied[name].copy_(v2[name])
-        if not torch.equal(bits(by_copy(x)), bits(made_on_v2(x))):
-            failures.append(f"fused={fused}: after the update in place, not v2's bits")
-        if by_copy.refresh():
-            failures.append("refresh() after a call that read the update says it changed")
+        load(dep, held, v1, how)
+        if not torch.equal(bits(moe(x)), bits(made_on_v1(x))):
+            failures.append(f"{layout}, {how}: not the loaded weights' bits")
+        if moe.fingerprint != made_on_v1.fingerprint:
+            failures.append(f"{layout}, {how}: the placeholders' fingerprint")
+        load(dep, held, v2, how)
+        if not torch.equal(bits(moe(x)), bits(made_on_v2(x))):
+            failures.append(f"{layout}, {how}: after loading v2, not v2's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_refresh_reads_projections_the_layer_could_only_copy(dep, layer):
+    """Shared gate and up given as slices of a buffer with rows to spare (the layer copies
+    them; their slice objects dropped) and a non-contiguous norm weight: after loading v1 into
+    the buffers, refresh() on every rank gives the bits and fingerprint of a layer built on
+    v1."""
+    seed = agreed_seed(dep.cpu_group, 915)
+    v1 = dense_weights(seed)
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    x = x.to(torch.bfloat16)
+    failures: list[str] = []
+    with build(dep) as routed, torch.no_grad():
+        held = placeholders(v1, "sliced")
+        strided_norm = torch.zeros(2 * TINY.latent, dtype=torch.bfloat16)
+        held[NORM] = strided_norm[::2]
+        merged = roots({SHARED_GATE: held[SHARED_GATE]})[0]
+        moe = EpMoeLayer(dict(held), routed, experts, topk=TINY.topk)
+        made_on_v1 = EpMoeLayer(v1, routed, experts, topk=TINY.topk)
+        gate_rows, up_rows = v1[SHARED_GATE].shape[0], v1[SHARED_UP].shape[0]
+        del held[SHARED_GATE], held[SHARED_UP]  # the slice objects go; their buffer stays
+        merged[:gate_rows].copy_(v1[SHARED_GATE])
+        merged[gate_rows : gate_rows + up_rows].copy_(v1[SHARED_UP])
+        strided_norm[::2] = v1[NORM]
+        for name in (GATE, BIAS, DOWN, UP, SHARED_DOWN):
+            held[name].copy_(v1[name])
+        moe.refresh()
+        if not torch.equal(bits(moe(x)), bits(made_on_v1(x))):
+            failures.append("after refresh(), not the loaded weights' bits")
+        if moe.fingerprint != made_on_v1.fingerprint:
+            failures.append("after refresh(), not the loaded weights' fingerprint")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
@@ -138,7 +208,7 @@ def test_layers_built_on_placeholders_in_other_orders(dep, layer):
     x = x.to(torch.bfloat16)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
-        held = {name: placeholders(weights[name], fused=False) for name in "AB"}
+        held = {name: placeholders(weights[name], "separate") for name in "AB"}
         order = "AB" if dep.rank == 0 else "BA"
         built = [EpMoeLayer(held[name], routed, experts, topk=TINY.topk) for name in order]
         for name in "AB":
