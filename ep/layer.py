@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import weakref
 from typing import Mapping
 
 import torch
@@ -109,6 +108,19 @@ def _covered_by(root: torch.Tensor, parts: list[torch.Tensor]) -> bool:
     return row == root.shape[0]
 
 
+def _sole_holders(root: torch.Tensor, views: list[torch.Tensor]) -> bool:
+    """True when `root` and `views` (of it) are the only tensors holding root's storage, so that
+    re-pointing them leaves nothing writing into the old storage: no alias elsewhere (a
+    state_dict() entry, `.data`, `.detach()` of a parameter, another view the caller kept).
+    False where torch does not say (its storage use count is a private call)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    holders = {id(t) for t in [root, *views]}
+    # + 1: the storage object this call makes to ask.
+    return use_count(root.untyped_storage()._cdata) == len(holders) + 1
+
+
 def _adopt(tensors: list[tuple[torch.Tensor, int]], packed: torch.Tensor) -> bool:
     """Re-point each of the caller's tensors `t` (a root that `_covered_by` its parts, then the
     parts given to the layer), whose values rows [first_row, first_row + len(t)) of `packed`
@@ -120,32 +132,48 @@ def _adopt(tensors: list[tuple[torch.Tensor, int]], packed: torch.Tensor) -> boo
     try:
         with torch.no_grad():
             for t, first_row in tensors:
-                done.append((t, t.untyped_storage(), t.storage_offset()))
-                offset = packed.storage_offset() + first_row * packed.shape[1]
-                t.set_(packed.untyped_storage(), offset, t.shape, t.stride())
-    except RuntimeError:
+                storage, offset = t.untyped_storage(), t.storage_offset()
+                if t.is_cuda:  # the old block is not reused before the packing copy ran
+                    t.record_stream(torch.cuda.current_stream(t.device))
+                rows = packed.storage_offset() + first_row * packed.shape[1]
+                t.set_(packed.untyped_storage(), rows, t.shape, t.stride())
+                done.append((t, storage, offset))
+    except Exception:
         with torch.no_grad():
-            for t, storage, offset in done[:-1]:
+            for t, storage, offset in done:
                 t.set_(storage, offset, t.shape, t.stride())
         return False
     return True
 
 
 class _Copied:
-    """Where a tensor the layer copied came from, for `EpMoeLayer.refresh`: a weak reference to
-    the root of the caller's view (views share their root's storage; the view object itself may
-    be a temporary) and the view's offset, shape and strides in it."""
+    """Where a tensor the layer copied came from, for `EpMoeLayer.refresh`: the root tensor of
+    the caller's view (held: the view object may be a temporary, and the storage is another
+    tensor's too, or the layer would have re-pointed it), the view's offset from the root's,
+    shape and strides, and the root's storage, offset, shape and strides when copied."""
 
-    def __init__(self, t: torch.Tensor):
-        self.root = weakref.ref(_root(t))
-        self.offset, self.shape, self.stride = t.storage_offset(), t.shape, t.stride()
+    def __init__(self, name: str, t: torch.Tensor):
+        self.name, self.root = name, _root(t)  # the object: a later set_ on it is seen
+        root = self.root
+        self.offset = t.storage_offset() - root.storage_offset()
+        self.shape, self.stride = t.shape, t.stride()
+        self.where = self._where(root)
 
-    def read(self) -> torch.Tensor | None:
-        """The caller's view as it is now, None when its root is gone."""
-        root = self.root()
-        if root is None:
-            return None
-        return torch.as_strided(root.detach(), self.shape, self.stride, self.offset)
+    @staticmethod
+    def _where(root: torch.Tensor) -> tuple:
+        return (root.untyped_storage().data_ptr(), root.storage_offset(), root.shape, root.stride())
+
+    def read(self) -> torch.Tensor:
+        """The caller's view as it is now; RuntimeError when its root was moved to other memory
+        or reshaped (`set_`, `.data =`, another layer re-pointing it): the layer cannot find it."""
+        root = self.root
+        if self._where(root) != self.where:
+            raise RuntimeError(
+                f"EpMoeLayer.refresh: the tensor {self.name} was copied from has been moved to"
+                " other memory since the layer was built; build a new layer"
+            )
+        start = root.storage_offset() + self.offset
+        return torch.as_strided(root.detach(), self.shape, self.stride, start)
 
 
 def _mode(values: list[int]) -> int | None:
@@ -231,21 +259,20 @@ class EpMoeLayer:
     at construction, into one packed weight `packed` bf16 [2S + L, H] (rows: shared gate, shared
     up, latent down; one GEMM computes all three), and `dense` holds views of it under their
     names. When the three already are consecutive slices of one storage in that order (as
-    another EpMoeLayer's `dense` is), they are used in place, without a copy. Otherwise each
-    tensor that is the whole of its storage (a model's parameter), or that the given
-    projections viewing it cover whole in packing order (a merged gate_up parameter), is
-    re-pointed at its rows of `packed`, with the given views (values unchanged; `set_` under
-    no_grad): the layer keeps no second copy, and later in-place writes to them land in the
-    layer. Views of it made before and not given to the layer keep the old storage. The other
-    five tensors are used as given.
+    another EpMoeLayer's `dense` is, or a model's parameters that a layer re-pointed), they are
+    used in place, without a copy. Otherwise each tensor that is the whole of its storage (a
+    model's parameter), or that the given projections viewing it cover whole in packing order
+    (a merged gate_up parameter), is re-pointed at its rows of `packed`, with the given views
+    (values unchanged; `set_` under no_grad), when no other tensor holds its storage: the
+    layer keeps no second copy, and later in-place writes to them land in the layer. The rest
+    (aliases such as state_dict() entries, `.data`, `.detach()`; slices of a larger tensor;
+    inference tensors; a non-contiguous norm weight) is copied and listed in `copied`. The
+    other five tensors are used as given.
 
     Weights after construction (a server builds its modules, then loads the checkpoint into
     them; a weight update in place): seen without anything more when written in place into the
     tensors given or their storage (copy_, .data.copy_, load_state_dict, a collective receiving
-    into them), except what the layer could only copy (a projection sliced from a tensor it
-    does not cover whole, an inference tensor, a non-contiguous norm weight): `refresh()`
-    copies those again. Writes through a view of a re-pointed tensor made before construction
-    and not given to the layer land in the old storage, which the layer no longer reads.
+    into them), except into what the layer copied (`copied`): `refresh()` copies those again.
     The fingerprint the layer's tags carry is read at its first call given no tag= (so: after
     loading), and again by `refresh()`; after weights change once the layer has been called,
     call `refresh()` on every rank so that their fingerprints stay equal. Not seen at all:
@@ -311,14 +338,28 @@ class EpMoeLayer:
         # Inference only: a model's nn.Parameters are taken without their autograd (the layer's
         # GEMMs write into given outputs, which autograd refuses for tensors that need grad).
         given = dense
+        S, L = self.shared_intermediate, self.latent
+        names = (SHARED_GATE, SHARED_UP, DOWN)
+        rows_of = dict(zip(names, (slice(0, S), slice(S, 2 * S), slice(2 * S, 2 * S + L))))
+        # The caller's projections by the root they view, in packing order, and whether each
+        # root may be re-pointed (decided before the layer makes aliases of its own): the
+        # consecutive projections viewing it cover it whole and nothing else holds its storage.
+        groups: list[tuple[torch.Tensor, list[str]]] = []
+        for name in names:
+            root = _root(given[name])
+            if groups and groups[-1][0] is root:
+                groups[-1][1].append(name)
+            else:
+                groups.append((root, [name]))
+        movable = [
+            _covered_by(root, [given[n] for n in members])
+            and _sole_holders(root, [given[n] for n in members])
+            for root, members in groups
+        ]
         dense = {
             name: dense[name].detach() if dense[name].requires_grad else dense[name]
             for name in DENSE_NAMES
         }
-
-        S, L = self.shared_intermediate, self.latent
-        names = (SHARED_GATE, SHARED_UP, DOWN)
-        rows_of = dict(zip(names, (slice(0, S), slice(S, 2 * S), slice(2 * S, 2 * S + L))))
         parts = [dense[name] for name in names]
         packed = _packed_in_place(parts, self.hidden)
         # The projections the layer holds copies of, by name, and where they came from.
@@ -327,21 +368,10 @@ class EpMoeLayer:
             packed = torch.empty(2 * S + L, self.hidden, dtype=torch.bfloat16, device=self.device)
             for name in names:
                 packed[rows_of[name]].copy_(dense[name])
-            # The caller's tensors by the root they view, in packing order: a root that the
-            # consecutive projections viewing it cover whole (a model's parameter, or its
-            # merged gate and up) is re-pointed at their rows; the others stay copies.
-            groups: list[tuple[torch.Tensor, list[str]]] = []
-            for name in names:
-                root = _root(given[name])
-                if groups and groups[-1][0] is root:
-                    groups[-1][1].append(name)
-                else:
-                    groups.append((root, [name]))
-            for root, members in groups:
-                parts = [(given[name], rows_of[name].start) for name in members]
-                adopt = [(root, parts[0][1])] + [p for p in parts if p[0] is not root]
-                if not (_covered_by(root, [t for t, _ in parts]) and _adopt(adopt, packed)):
-                    self._copied.update({name: _Copied(given[name]) for name in members})
+            for (root, members), may_move in zip(groups, movable):
+                views = [(given[n], rows_of[n].start) for n in members if given[n] is not root]
+                if not (may_move and _adopt([(root, rows_of[members[0]].start), *views], packed)):
+                    self._copied.update({n: _Copied(n, given[n]) for n in members})
         # bf16 [2S + L, H]: rows [shared gate (S); shared up (S); latent down (L)].
         self.packed = packed
         self.dense = {name: dense[name] for name in DENSE_NAMES}
@@ -350,7 +380,7 @@ class EpMoeLayer:
         # EpRouted takes a contiguous norm weight (no copy when it is one already).
         self.norm_weight, self.up_weight = self.dense[NORM].contiguous(), self.dense[UP]
         if self.norm_weight.data_ptr() != dense[NORM].data_ptr():
-            self._copied[NORM] = _Copied(given[NORM])
+            self._copied[NORM] = _Copied(NORM, given[NORM])
         self.shared_down = self.dense[SHARED_DOWN]
         # The side stream of the overlapped schedule (CUDA only); one per layer.
         self._side = None
@@ -362,20 +392,26 @@ class EpMoeLayer:
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
 
+    @property
+    def copied(self) -> tuple[str, ...]:
+        """The dense tensors the layer holds copies of (names): writes into the caller's tensors
+        reach these only through `refresh()`. Empty when the caller's tensors were re-pointed or
+        read in place."""
+        return tuple(self._copied)
+
     def refresh(self) -> None:
         """Local (no collective); call it on every rank after changing the weights in a way the
         layer does not see (class docstring, "Weights after construction"): copy the caller's
-        tensors the layer holds copies of into those copies (read through the tensors their
-        views were taken of; one that is gone is skipped), and recompute the fingerprint its
-        tags carry (one device-to-host copy). RuntimeError inside a CUDA graph capture."""
+        tensors the layer holds copies of (`copied`) into those copies, read through the tensors
+        their views were taken of, and recompute the fingerprint its tags carry (one
+        device-to-host copy). RuntimeError inside a CUDA graph capture, or naming a tensor whose
+        source was moved to other memory since construction (nothing is copied then)."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "EpMoeLayer.refresh: called inside a CUDA graph capture; call it before capturing"
             )
-        for name, copied in self._copied.items():
-            source = copied.read()
-            if source is None:
-                continue
+        sources = {name: copied.read() for name, copied in self._copied.items()}
+        for name, source in sources.items():
             target = self.norm_weight if name == NORM else self.dense[name]
             target.copy_(source)
         self.fingerprint = dense_fingerprint(self.dense)
@@ -569,20 +605,24 @@ class EpMoeLayer:
         the same on every rank (None: n; n = 0 needs tokens >= 1); tag, padding (bool [>= n],
         True: the row selects no expert; an engine's persistent mask): as EpRouted.dispatch.
         Collective over routed's group. On CUDA stream-ordered (no host sync unless the EpRouted
-        reads values, `check_values`) and capturable in a CUDA graph when the experts backend is."""
+        reads values, `check_values`, and at the first call given no tag=, which reads the
+        fingerprint) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
         calls, entered = self._calls, self.routed._entered
         unready = None
-        if tag is None:
-            if self.fingerprint is None:  # the first call given no tag=
-                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                    unready = RuntimeError(
-                        f"{fn}: the layer's first call given no tag= is inside a CUDA graph"
-                        " capture, where its weights' fingerprint cannot be read to the host;"
-                        " call the layer (or refresh()) once before capturing"
-                    )
-                else:
+        if tag is None and self.fingerprint is None:  # the first call given no tag=
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                unready = RuntimeError(
+                    f"{fn}: the layer's first call given no tag= is inside a CUDA graph"
+                    " capture, where its weights' fingerprint cannot be read to the host;"
+                    " call the layer (or refresh()) once before capturing"
+                )
+            else:
+                try:
                     self.fingerprint = dense_fingerprint(self.dense)
+                except Exception as err:  # the step still fails on every rank
+                    unready = err
+        if tag is None:
             tag = layer_tag(self.layer_index, self.fingerprint or 0, calls)
         try:
             error = unready or self._check_call(fn, x, tokens, padding)

@@ -13,6 +13,7 @@ from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpMoeLayer, EpRouted
 from dep_ep.experts.checkpoint import (
     BIAS,
+    DENSE_NAMES,
     DOWN,
     GATE,
     NORM,
@@ -192,6 +193,112 @@ def test_refresh_reads_projections_the_layer_could_only_copy(dep, layer):
             failures.append("after refresh(), not the loaded weights' bits")
         if moe.fingerprint != made_on_v1.fingerprint:
             failures.append("after refresh(), not the loaded weights' fingerprint")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+class Model(torch.nn.Module):
+    """A model's module holding one layer's dense tensors as its parameters (zeros until
+    loaded), named after the checkpoint names with '.' as '__'."""
+
+    def __init__(self, like: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, t in like.items():
+            self.register_parameter(key(name), torch.nn.Parameter(torch.zeros_like(t)))
+
+    def dense(self, how: str) -> dict[str, torch.Tensor]:
+        """The parameters as a layer is given them: "parameters" (the objects themselves),
+        "state_dict" (its detached aliases), ".data" or "detach" (one alias each)."""
+        if how == "state_dict":
+            state = self.state_dict()
+            return {name: state[key(name)] for name in DENSE_NAMES}
+        alias = {"parameters": lambda p: p, ".data": lambda p: p.data, "detach": torch.detach}
+        return {name: alias[how](getattr(self, key(name))) for name in DENSE_NAMES}
+
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict({key(name): t for name, t in values.items()})
+
+
+def key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["parameters", "state_dict", ".data", "detach"])
+def test_a_models_parameters_and_their_aliases(dep, layer, how):
+    """A layer built from a model's parameters (the objects) re-points them: it holds no copy
+    (`copied` empty, the parameters' bytes inside `packed`) and the model's load_state_dict
+    reaches it. Built from aliases of them (state_dict(), .data, .detach(): other tensors hold
+    the storage too), it re-points nothing and leaves the model's parameters where they were,
+    lists the three projections in `copied`, and refresh() after the load gives the loaded
+    bits. A second layer given the same parameters (tied weights) reads them in place in the
+    first layer's packed weight, or copies the aliases and refreshes the same way; the
+    fingerprint is read at the first call given no tag=, not before."""
+    seed = agreed_seed(dep.cpu_group, 950)
+    v1 = dense_weights(seed)
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    x = x.to(torch.bfloat16)
+    projections = (SHARED_GATE, SHARED_UP, DOWN)
+    failures: list[str] = []
+    with build(dep) as routed, torch.no_grad():
+        model = Model(v1)
+        where = {name: getattr(model, key(name)).data_ptr() for name in projections}
+        moe = EpMoeLayer(model.dense(how), routed, experts, topk=TINY.topk)
+        tied = EpMoeLayer(model.dense(how), routed, experts, topk=TINY.topk)
+        made_on_v1 = EpMoeLayer(v1, routed, experts, topk=TINY.topk)
+        if moe.fingerprint is not None:
+            failures.append(f"{how}: the fingerprint was read before the first call")
+        moved = {n: getattr(model, key(n)).data_ptr() != where[n] for n in projections}
+        packed = (moe.packed.data_ptr(), moe.packed.data_ptr() + moe.packed.nbytes)
+        inside = all(packed[0] <= getattr(model, key(n)).data_ptr() < packed[1] for n in moved)
+        if how == "parameters":
+            if moe.copied or not inside:
+                failures.append(f"{how}: copied {moe.copied}, parameters in packed: {inside}")
+        elif any(moved.values()) or set(moe.copied) != set(projections):
+            failures.append(f"{how}: moved {moved}, copied {moe.copied}")
+        # The tied layer finds the parameters re-pointed into the first layer's packed weight
+        # (consecutive, in order) and reads them there; aliases it can only copy.
+        shares = tied.packed.data_ptr() == moe.packed.data_ptr()
+        if (how == "parameters") != (shares and not tied.copied):
+            failures.append(f"{how}: the tied layer copied {tied.copied}, shares packed {shares}")
+        if how != "parameters" and set(tied.copied) != set(projections):
+            failures.append(f"{how}: the tied layer copied {tied.copied}")
+        model.load(v1)
+        for name, each in (("the layer", moe), ("the tied layer", tied)):
+            if each.copied:
+                each.refresh()
+            if not torch.equal(bits(each(x)), bits(made_on_v1(x))):
+                failures.append(f"{how}: {name} does not give the loaded weights' bits")
+            if each.fingerprint != made_on_v1.fingerprint:
+                failures.append(f"{how}: {name}'s fingerprint is not the loaded weights'")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_refresh_refuses_a_source_moved_to_other_memory(dep, layer):
+    """A projection the layer copied (shared gate and up sliced from a buffer with rows to
+    spare) whose buffer is re-bound to other memory afterwards (`set_`): refresh() raises
+    RuntimeError naming it, on every rank, and copies nothing (the call after gives the bits of
+    before)."""
+    seed = agreed_seed(dep.cpu_group, 960)
+    v1 = dense_weights(seed)
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    x = x.to(torch.bfloat16)
+    failures: list[str] = []
+    with build(dep) as routed, torch.no_grad():
+        held = placeholders(v1, "sliced")
+        merged = roots({SHARED_GATE: held[SHARED_GATE]})[0]
+        for name in DENSE_NAMES:
+            held[name].copy_(v1[name])
+        moe = EpMoeLayer(held, routed, experts, topk=TINY.topk)
+        before = moe(x)
+        merged.set_(torch.full_like(merged, 5.0))
+        expect_raises(
+            failures, "a moved source", RuntimeError, "moved to other memory", moe.refresh
+        )
+        if not torch.equal(bits(moe(x)), bits(before)):
+            failures.append("the refused refresh changed the layer's weights")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
