@@ -90,22 +90,21 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 
 def _covered_by(root: torch.Tensor, parts: list[torch.Tensor]) -> bool:
-    """True when `parts` are the whole of `root` and `root` the whole of its storage: a
-    contiguous [rows, width] root at storage offset 0 owning every byte of its storage, and the
-    parts its consecutive row slices from row 0 to the last (re-pointing `root` then leaves no
-    other view of the parts' bytes behind)."""
-    if root.dim() != 2 or not root.is_contiguous() or root.storage_offset() != 0:
+    """True when `root` is the whole of its storage (contiguous, at offset 0, every byte its
+    own) and `parts` (it, or views of it: a merged gate_up parameter's halves, or a checkpoint
+    reader's tensor viewing a byte buffer of its own size) lie back to back over all of its
+    bytes, contiguous, in order: re-pointing them leaves no byte of the old storage in use."""
+    storage_bytes = root.untyped_storage().nbytes()
+    if not root.is_contiguous() or root.storage_offset() != 0:
         return False
-    if root.untyped_storage().nbytes() != root.numel() * root.element_size():
+    if root.numel() * root.element_size() != storage_bytes:
         return False
-    width, row = root.shape[1], 0
+    at = 0
     for p in parts:
-        if p.dim() != 2 or p.shape[1] != width or p.stride() != (width, 1):
+        if not p.is_contiguous() or p.storage_offset() * p.element_size() != at:
             return False
-        if p.storage_offset() != row * width:
-            return False
-        row += p.shape[0]
-    return row == root.shape[0]
+        at += p.numel() * p.element_size()
+    return at == storage_bytes
 
 
 def _sole_holders(root: torch.Tensor, views: list[torch.Tensor]) -> bool:
@@ -121,27 +120,32 @@ def _sole_holders(root: torch.Tensor, views: list[torch.Tensor]) -> bool:
     return use_count(root.untyped_storage()._cdata) == len(holders) + 1
 
 
-def _adopt(tensors: list[tuple[torch.Tensor, int]], packed: torch.Tensor) -> bool:
-    """Re-point each of the caller's tensors `t` (a root that `_covered_by` its parts, then the
-    parts given to the layer), whose values rows [first_row, first_row + len(t)) of `packed`
-    already hold, at those rows: later in-place writes to them (copy_, .data.copy_,
-    load_state_dict, a collective receiving into them) land in `packed`, and their old storage
-    is freed with its last reference. False where torch refuses one (an inference tensor
-    outside inference mode): every one is then left as it was."""
+def _adopt(tensors: list[torch.Tensor], packed: torch.Tensor, first_byte: int) -> bool:
+    """Re-point the caller's tensors (a root that `_covered_by` its parts, and the parts given
+    to the layer), whose bytes `packed`'s storage already holds from byte `first_byte` on, at
+    the same bytes there: later in-place writes to them (copy_, .data.copy_, load_state_dict,
+    a collective receiving into them) land in `packed`, and their old storage is freed with its
+    last reference. False where torch refuses one (an inference tensor outside inference mode):
+    every one is then left as it was."""
+    targets = []
+    for t in tensors:
+        byte = first_byte + t.storage_offset() * t.element_size()
+        if byte % t.element_size():
+            return False
+        targets.append((t, byte // t.element_size()))
     done: list[tuple[torch.Tensor, torch.UntypedStorage, int]] = []
     try:
         with torch.no_grad():
-            for t, first_row in tensors:
-                storage, offset = t.untyped_storage(), t.storage_offset()
+            for t, offset in targets:
+                storage, before = t.untyped_storage(), t.storage_offset()
                 if t.is_cuda:  # the old block is not reused before the packing copy ran
                     t.record_stream(torch.cuda.current_stream(t.device))
-                rows = packed.storage_offset() + first_row * packed.shape[1]
-                t.set_(packed.untyped_storage(), rows, t.shape, t.stride())
-                done.append((t, storage, offset))
+                t.set_(packed.untyped_storage(), offset, t.shape, t.stride())
+                done.append((t, storage, before))
     except Exception:
         with torch.no_grad():
-            for t, storage, offset in done:
-                t.set_(storage, offset, t.shape, t.stride())
+            for t, storage, before in done:
+                t.set_(storage, before, t.shape, t.stride())
         return False
     return True
 
@@ -262,12 +266,13 @@ class EpMoeLayer:
     another EpMoeLayer's `dense` is, or a model's parameters that a layer re-pointed), they are
     used in place, without a copy. Otherwise each tensor that is the whole of its storage (a
     model's parameter), or that the given projections viewing it cover whole in packing order
-    (a merged gate_up parameter), is re-pointed at its rows of `packed`, with the given views
-    (values unchanged; `set_` under no_grad), when no other tensor holds its storage: the
-    layer keeps no second copy, and later in-place writes to them land in the layer. The rest
-    (aliases such as state_dict() entries, `.data`, `.detach()`; slices of a larger tensor;
-    inference tensors; a non-contiguous norm weight) is copied and listed in `copied`. The
-    other five tensors are used as given.
+    (a merged gate_up parameter; a checkpoint reader's byte buffer), is re-pointed at its rows
+    of `packed`, with the given views (values unchanged; `set_` under no_grad), when no other
+    tensor holds its storage: the layer keeps no second copy, and later in-place writes to them
+    land in the layer. The rest (aliases such as state_dict() entries, `.data`, `.detach()`;
+    slices of a larger tensor; inference tensors; a norm weight that is not contiguous or not
+    on a 16-byte boundary) is copied and listed in `copied`. The other five tensors are used as
+    given.
 
     Weights after construction (a server builds its modules, then loads the checkpoint into
     them; a weight update in place): seen without anything more when written in place into the
@@ -335,8 +340,6 @@ class EpMoeLayer:
         self.device = routed.device
         self.num_experts, self.latent = routed.num_experts, routed.latent
         self.hidden, self.shared_intermediate = self._check_dense(fn, dense)
-        # Inference only: a model's nn.Parameters are taken without their autograd (the layer's
-        # GEMMs write into given outputs, which autograd refuses for tensors that need grad).
         given = dense
         S, L = self.shared_intermediate, self.latent
         names = (SHARED_GATE, SHARED_UP, DOWN)
@@ -356,6 +359,8 @@ class EpMoeLayer:
             and _sole_holders(root, [given[n] for n in members])
             for root, members in groups
         ]
+        # Inference only: a model's nn.Parameters are taken without their autograd (the layer's
+        # GEMMs write into given outputs, which autograd refuses for tensors that need grad).
         dense = {
             name: dense[name].detach() if dense[name].requires_grad else dense[name]
             for name in DENSE_NAMES
@@ -369,16 +374,22 @@ class EpMoeLayer:
             for name in names:
                 packed[rows_of[name]].copy_(dense[name])
             for (root, members), may_move in zip(groups, movable):
-                views = [(given[n], rows_of[n].start) for n in members if given[n] is not root]
-                if not (may_move and _adopt([(root, rows_of[members[0]].start), *views], packed)):
+                views = [given[n] for n in members if given[n] is not root]
+                first = packed[rows_of[members[0]]]
+                first_byte = first.storage_offset() * first.element_size()
+                if not (may_move and _adopt([root, *views], packed, first_byte)):
                     self._copied.update({n: _Copied(n, given[n]) for n in members})
         # bf16 [2S + L, H]: rows [shared gate (S); shared up (S); latent down (L)].
         self.packed = packed
         self.dense = {name: dense[name] for name in DENSE_NAMES}
         self.dense.update({name: packed[rows_of[name]] for name in names})
         self.gate_weight, self.bias = self.dense[GATE], self.dense[BIAS]
-        # EpRouted takes a contiguous norm weight (no copy when it is one already).
-        self.norm_weight, self.up_weight = self.dense[NORM].contiguous(), self.dense[UP]
+        # EpRouted takes a contiguous norm weight starting on a 16-byte boundary (no copy when it
+        # is one already; a tensor read from a memory-mapped checkpoint may start elsewhere).
+        norm = self.dense[NORM]
+        if not (norm.is_contiguous() and vector_start(norm)):
+            norm = norm.clone(memory_format=torch.contiguous_format)
+        self.norm_weight, self.up_weight = norm, self.dense[UP]
         if self.norm_weight.data_ptr() != dense[NORM].data_ptr():
             self._copied[NORM] = _Copied(NORM, given[NORM])
         self.shared_down = self.dense[SHARED_DOWN]

@@ -275,6 +275,38 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_checkpoint_readers_tensors_are_taken_without_a_copy(dep, layer, tmp_path):
+    """Tensors read by safetensors' safe_open (each a view of a byte buffer of its own size): the
+    layer re-points the three projections (no copy; only a norm weight off a 16-byte boundary is
+    copied, which EpRouted could not read in place) and gives v1's bits; v2 written into the
+    reader's tensors, then refresh(), gives v2's bits."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    seed = agreed_seed(dep.cpu_group, 970)
+    v1, v2 = dense_weights(seed), dense_weights(seed + 1)
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    x = x.to(torch.bfloat16)
+    path = str(tmp_path / f"layer-rank{dep.rank}.safetensors")
+    save_file(v1, path)
+    failures: list[str] = []
+    with build(dep) as routed, torch.no_grad(), safe_open(path, framework="pt") as f:
+        read = {name: f.get_tensor(name) for name in v1}
+        moe = EpMoeLayer(read, routed, experts, topk=TINY.topk)
+        if not set(moe.copied) <= {NORM}:
+            failures.append(f"copied {moe.copied}: the reader's projections were not re-pointed")
+        if not torch.equal(bits(moe(x)), bits(EpMoeLayer(v1, routed, experts, topk=TINY.topk)(x))):
+            failures.append("not the checkpoint's bits")
+        for name in v2:
+            read[name].copy_(v2[name])
+        moe.refresh()
+        if not torch.equal(bits(moe(x)), bits(EpMoeLayer(v2, routed, experts, topk=TINY.topk)(x))):
+            failures.append("after v2 and refresh(), not v2's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_refresh_refuses_a_source_moved_to_other_memory(dep, layer):
     """A projection the layer copied (shared gate and up sliced from a buffer with rows to
     spare) whose buffer is re-bound to other memory afterwards (`set_`): refresh() raises
