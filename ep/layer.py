@@ -277,12 +277,14 @@ class EpMoeLayer:
     Weights after construction (a server builds its modules, then loads the checkpoint into
     them; a weight update in place): seen without anything more when written in place into the
     tensors given or their storage (copy_, .data.copy_, load_state_dict, a collective receiving
-    into them), except into what the layer copied (`copied`): `refresh()` copies those again.
-    The fingerprint the layer's tags carry is read at its first call given no tag= (so: after
-    loading), and again by `refresh()`; after weights change once the layer has been called,
-    call `refresh()` on every rank so that their fingerprints stay equal. Not seen at all:
-    tensors replaced instead of written (load_state_dict(..., assign=True), `.data =`, `set_`,
-    `module.to()`): build a new layer.
+    into them), and into what the layer copied (`copied`) before its first call, which copies
+    those again; after it, `refresh()` does. The fingerprint the layer's tags carry is read at
+    its first call given no tag= (so: after loading), and again by `refresh()`; after weights
+    change once the layer has been called, call `refresh()` on every rank so that their
+    fingerprints stay equal. Not seen at all (docs/layer.md lists them): tensors replaced
+    instead of written (load_state_dict(..., assign=True), `.data =`, `set_`, `module.to()`),
+    weights computed from others (parametrizations), writes through memory torch does not
+    count (a NumPy array under torch.from_numpy): build a new layer.
 
     Errors: construction raises ValueError (missing names, shapes, devices, values) or TypeError
     (types, dtypes) naming the tensor or argument. A call is collective like EpRouted.routed:
@@ -400,6 +402,7 @@ class EpMoeLayer:
         # The same on every rank for this model layer: it goes into the layer's own tags. Made
         # at the first call given no tag= (after the server loaded its weights), or refresh().
         self.fingerprint: int | None = None
+        self._read_once = False  # the first call (or refresh) read the copied sources again
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
 
@@ -421,11 +424,17 @@ class EpMoeLayer:
             raise RuntimeError(
                 "EpMoeLayer.refresh: called inside a CUDA graph capture; call it before capturing"
             )
+        self._copy_sources()
+        self.fingerprint = dense_fingerprint(self.dense)
+        self._read_once = True
+
+    def _copy_sources(self) -> None:
+        """Copy the caller's tensors the layer holds copies of into those copies (every source
+        read first: a refused one changes nothing)."""
         sources = {name: copied.read() for name, copied in self._copied.items()}
         for name, source in sources.items():
             target = self.norm_weight if name == NORM else self.dense[name]
             target.copy_(source)
-        self.fingerprint = dense_fingerprint(self.dense)
 
     def restart_steps(self) -> None:
         """Restart the call count the layer's own tags carry (EpRouted.reset does, on every
@@ -621,16 +630,25 @@ class EpMoeLayer:
         fn = "EpMoeLayer.forward"
         calls, entered = self._calls, self.routed._entered
         unready = None
-        if tag is None and self.fingerprint is None:  # the first call given no tag=
+        # The first call (every rank makes it) copies again what the layer copied, so weights
+        # loaded between construction and serving reach it; the first call given no tag= reads
+        # the fingerprint. Neither can run inside a CUDA graph capture.
+        first = not self._read_once and bool(self._copied)
+        fingerprint = tag is None and self.fingerprint is None
+        if first or fingerprint:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 unready = RuntimeError(
-                    f"{fn}: the layer's first call given no tag= is inside a CUDA graph"
-                    " capture, where its weights' fingerprint cannot be read to the host;"
-                    " call the layer (or refresh()) once before capturing"
+                    f"{fn}: the layer's first call{' given no tag=' if not first else ''} is"
+                    " inside a CUDA graph capture, where it reads the weights it copied and"
+                    " their fingerprint; call the layer (or refresh()) once before capturing"
                 )
             else:
                 try:
-                    self.fingerprint = dense_fingerprint(self.dense)
+                    if first:
+                        self._copy_sources()
+                        self._read_once = True
+                    if fingerprint:
+                        self.fingerprint = dense_fingerprint(self.dense)
                 except Exception as err:  # the step still fails on every rank
                     unready = err
         if tag is None:

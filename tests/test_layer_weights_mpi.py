@@ -228,13 +228,14 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
     """A layer built from a model's parameters (the objects) re-points them: it holds no copy
     (`copied` empty, the parameters' bytes inside `packed`) and the model's load_state_dict
     reaches it. Built from aliases of them (state_dict(), .data, .detach(): other tensors hold
-    the storage too), it re-points nothing and leaves the model's parameters where they were,
-    lists the three projections in `copied`, and refresh() after the load gives the loaded
-    bits. A second layer given the same parameters (tied weights) reads them in place in the
-    first layer's packed weight, or copies the aliases and refreshes the same way; the
-    fingerprint is read at the first call given no tag=, not before."""
+    the storage too), it re-points nothing and leaves the model's parameters where they were
+    and lists the three projections in `copied`: its first call copies them again (a load
+    before it is seen), and refresh() after a later load gives its bits. A second layer given
+    the same parameters (tied weights) reads them in place in the first layer's packed weight,
+    or copies the aliases and refreshes the same way; the fingerprint is read at the first call
+    given no tag=, not before."""
     seed = agreed_seed(dep.cpu_group, 950)
-    v1 = dense_weights(seed)
+    v1, v2 = dense_weights(seed), dense_weights(seed + 1)
     experts = Batches(dep, layer, seed, T).experts
     x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
     x = x.to(torch.bfloat16)
@@ -263,14 +264,19 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
             failures.append(f"{how}: the tied layer copied {tied.copied}, shares packed {shares}")
         if how != "parameters" and set(tied.copied) != set(projections):
             failures.append(f"{how}: the tied layer copied {tied.copied}")
-        model.load(v1)
+        model.load(v1)  # before the first call, which copies again what the layer copied
         for name, each in (("the layer", moe), ("the tied layer", tied)):
-            if each.copied:
-                each.refresh()
             if not torch.equal(bits(each(x)), bits(made_on_v1(x))):
                 failures.append(f"{how}: {name} does not give the loaded weights' bits")
             if each.fingerprint != made_on_v1.fingerprint:
                 failures.append(f"{how}: {name}'s fingerprint is not the loaded weights'")
+        model.load(v2)  # after it: what the layer copied needs refresh()
+        made_on_v2 = EpMoeLayer(v2, routed, experts, topk=TINY.topk)
+        for name, each in (("the layer", moe), ("the tied layer", tied)):
+            if each.copied:
+                each.refresh()
+            if not torch.equal(bits(each(x)), bits(made_on_v2(x))):
+                failures.append(f"{how}: {name} does not give v2's bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
