@@ -403,3 +403,35 @@ def test_a_model_compiled_around_the_layer_runs_it_eagerly(dep, layer):
         if not torch.equal(bits(got), bits(want)):
             failures.append("the compiled model's bits differ from the eager calls'")
     collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypatch):
+    """The first call given no tag= reads the fingerprint; when that read raises on rank 0,
+    rank 0 raises its error and every other rank EpPeerError, in that call (no rank waits for
+    rank 0), and the next call is served on every rank."""
+    import dep_ep.ep.layer as layer_module
+
+    seed = agreed_seed(dep.cpu_group, 980)
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    x = x.to(torch.bfloat16)
+    failures: list[str] = []
+    with build(dep) as routed, torch.no_grad():
+        moe = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        if dep.rank == 0:
+            read = layer_module.dense_fingerprint
+
+            def fails_once(dense):
+                monkeypatch.setattr(layer_module, "dense_fingerprint", read)
+                raise RuntimeError("the fingerprint's read failed")
+
+            monkeypatch.setattr(layer_module, "dense_fingerprint", fails_once)
+        expected, match = (
+            (RuntimeError, "fingerprint's read failed") if dep.rank == 0 else (EpPeerError, None)
+        )
+        expect_raises(failures, "the first call", expected, match, lambda: moe(x))
+        out = moe(x)
+        if out.shape != x.shape or not out.isfinite().all() or moe.fingerprint is None:
+            failures.append("the next call was not served")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
