@@ -24,6 +24,7 @@ from dep_ep.testing.compare import compare
 from helpers.cases import agreed_seed, make_case, real_tokens
 from helpers.collective import collective_assert, expect_raises
 from helpers.recovery import Batches
+from helpers.reference_check import RowByRowExperts
 
 
 def build(dep, max_tokens: int = 16, **config) -> EpRouted:
@@ -45,23 +46,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def layer(dep):
     return SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 600))
-
-
-class RowByRowExperts(ExpertsBackend):
-    """ReferenceExperts run on one receive row at a time: its results do not depend on which
-    rows a call holds (a GEMM over several rows may sum in another order for another row count),
-    so the test sees the transport's part of a step in pieces alone."""
-
-    def __init__(self, inner: ExpertsBackend):
-        self.inner = inner
-        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
-        self.latent = inner.latent
-
-    def forward(self, x, sf, ids, weights, out):
-        for row in range(x.shape[0]):
-            s = slice(row, row + 1)
-            self.inner.forward(x[s], sf[s], ids[s], weights[s], out[s])
-        return out
 
 
 @pytest.mark.mpi(min_size=2)

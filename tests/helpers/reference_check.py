@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dep_ep.experts import ReferenceExperts
+from dep_ep.experts import ExpertsBackend, ReferenceExperts
 from dep_ep.testing import SyntheticLayer, compare
 
 from helpers.cases import real_tokens
@@ -26,3 +26,20 @@ def check_ragged(out: torch.Tensor, ref: torch.Tensor, rank: int, num_ranks: int
     if not torch.equal(padding.view(torch.int16), torch.zeros_like(padding.view(torch.int16))):
         failures.append(f"ragged: padding rows {real}..{tokens - 1} are not all +0.0")
     return failures
+
+
+class RowByRowExperts(ExpertsBackend):
+    """An experts backend run on one receive row at a time: its rows do not depend on which
+    rows share a call (a GEMM over several rows may sum in another order for another row
+    count), so a step in pieces, or a call given fewer rows, gives one step's bits."""
+
+    def __init__(self, inner: ExpertsBackend):
+        self.inner = inner
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out):
+        for row in range(x.shape[0]):
+            s = slice(row, row + 1)
+            self.inner.forward(x[s], sf[s], ids[s], weights[s], out[s])
+        return out

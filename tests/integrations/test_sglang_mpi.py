@@ -34,6 +34,7 @@ from dep_ep.testing import SyntheticLayer, compare, routed_reference
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert, expect_raises
+from helpers.reference_check import RowByRowExperts
 
 GEOMETRY = TINY
 E, K, L, INTER = GEOMETRY.experts, GEOMETRY.topk, GEOMETRY.latent, GEOMETRY.intermediate
@@ -147,22 +148,6 @@ def check_output(out, want, latent, ids, weights, synthetic, label) -> list[str]
         ref = routed_reference(latent, ids, weights, synthetic.norm_weight(), synthetic.expert)
         failures += compare(out, ref, label)
     return failures
-
-
-class RowByRowExperts(ExpertsBackend):
-    """ReferenceExperts one receive row at a time: its rows do not depend on which rows share a
-    call, so a step in pieces must give one step's bits."""
-
-    def __init__(self, inner: ExpertsBackend):
-        self.inner = inner
-        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
-        self.latent = inner.latent
-
-    def forward(self, x, sf, ids, weights, out):
-        for row in range(x.shape[0]):
-            s = slice(row, row + 1)
-            self.inner.forward(x[s], sf[s], ids[s], weights[s], out[s])
-        return out
 
 
 class FlakyExperts(ExpertsBackend):

@@ -38,6 +38,7 @@ from dep_ep.testing.tolerance import BF16, ROUTED_RMS, SAFETY
 
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert, expect_raises
+from helpers.reference_check import RowByRowExperts
 
 LAYERS = 2
 TEXT = vs.KimiK3TextConfig(
@@ -284,22 +285,6 @@ def test_fused_norm_applies_the_norm_once_in_combine(dep, standin):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
-class RowByRow(ExpertsBackend):
-    """The backend run on one receive row at a time: its rows do not depend on their
-    neighbours, so steps in pieces and one step give the same bits."""
-
-    def __init__(self, inner: ExpertsBackend):
-        self.inner = inner
-        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
-        self.latent = inner.latent
-
-    def forward(self, x, sf, ids, weights, out):
-        for row in range(x.shape[0]):
-            s = slice(row, row + 1)
-            self.inner.forward(x[s], sf[s], ids[s], weights[s], out[s])
-        return out
-
-
 @pytest.mark.mpi(min_size=2)
 def test_chunked_steps_equal_one_step(dep, standin):
     """max_tokens 4 (the option) with T = 11 from the DP counts: the layer runs 3 pieces whose
@@ -327,7 +312,7 @@ def test_chunked_steps_equal_one_step(dep, standin):
             default = moe.experts.backend
             with step_context(counts, None):
                 pieces = moe.experts(latent, weights, ids)
-                moe.experts.backend = RowByRow(default)
+                moe.experts.backend = RowByRowExperts(default)
                 outs.append(moe.experts(latent, weights, ids))
                 moe.experts.backend = default
             normed = routed_reference(
