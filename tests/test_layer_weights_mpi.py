@@ -21,12 +21,12 @@ from dep_ep.experts.checkpoint import (
     SHARED_GATE,
     SHARED_UP,
     UP,
-    dense_shapes,
 )
 from dep_ep.testing import SyntheticLayer
 
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert, expect_raises
+from helpers.layer_case import make_dense
 from helpers.recovery import Batches
 
 T, MAX_TOKENS = 6, 16
@@ -49,16 +49,13 @@ def layer(dep):
     return SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 900))
 
 
-def dense_weights(seed: int) -> dict[str, torch.Tensor]:
-    """One layer's dense tensors by checkpoint name (rms 1/sqrt(fan_in); norm weight near 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    dense = {}
-    for name, (shape, dtype) in dense_shapes(TINY).items():
-        t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-        if name == "routed_expert_norm.weight":
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        dense[name] = t.to(dtype)
-    return dense
+def case(dep, layer: SyntheticLayer, base: int) -> tuple[int, object, torch.Tensor]:
+    """The test's seed (`base` plus an offset every rank agrees on), this rank's experts of
+    `layer` and its x, bf16 [T, H]."""
+    seed = agreed_seed(dep.cpu_group, base)
+    experts = Batches(dep, layer, seed, T).experts
+    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
+    return seed, experts, x.to(torch.bfloat16)
 
 
 def placeholders(like: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
@@ -140,11 +137,8 @@ def test_a_checkpoint_loaded_after_construction_is_used(dep, layer, layout, how)
     built on v2. The caller's projections are re-pointed into the layer (separate, merged) or
     read in place (fused). Before: the layer kept its copies of the placeholders (relative L2
     1.0, no error) and their fingerprint."""
-    seed = agreed_seed(dep.cpu_group, 910)
-    v1, v2 = dense_weights(seed), dense_weights(seed + 1)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 910)
+    v1, v2 = make_dense(TINY, seed), make_dense(TINY, seed + 1)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
         held = placeholders(v1, layout)
@@ -168,11 +162,8 @@ def test_refresh_reads_projections_the_layer_could_only_copy(dep, layer):
     them; their slice objects dropped) and a non-contiguous norm weight: after loading v1 into
     the buffers, refresh() on every rank gives the bits and fingerprint of a layer built on
     v1."""
-    seed = agreed_seed(dep.cpu_group, 915)
-    v1 = dense_weights(seed)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 915)
+    v1 = make_dense(TINY, seed)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
         held = placeholders(v1, "sliced")
@@ -234,11 +225,8 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
     the same parameters (tied weights) reads them in place in the first layer's packed weight,
     or copies the aliases and refreshes the same way; the fingerprint is read at the first call
     given no tag=, not before."""
-    seed = agreed_seed(dep.cpu_group, 950)
-    v1, v2 = dense_weights(seed), dense_weights(seed + 1)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 950)
+    v1, v2 = make_dense(TINY, seed), make_dense(TINY, seed + 1)
     projections = (SHARED_GATE, SHARED_UP, DOWN)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
@@ -289,11 +277,8 @@ def test_a_checkpoint_readers_tensors_are_taken_without_a_copy(dep, layer, tmp_p
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    seed = agreed_seed(dep.cpu_group, 970)
-    v1, v2 = dense_weights(seed), dense_weights(seed + 1)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 970)
+    v1, v2 = make_dense(TINY, seed), make_dense(TINY, seed + 1)
     path = str(tmp_path / f"layer-rank{dep.rank}.safetensors")
     save_file(v1, path)
     failures: list[str] = []
@@ -318,11 +303,8 @@ def test_refresh_refuses_a_source_moved_to_other_memory(dep, layer):
     spare) whose buffer is re-bound to other memory afterwards (`set_`): refresh() raises
     RuntimeError naming it, on every rank, and copies nothing (the call after gives the bits of
     before)."""
-    seed = agreed_seed(dep.cpu_group, 960)
-    v1 = dense_weights(seed)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 960)
+    v1 = make_dense(TINY, seed)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
         held = placeholders(v1, "sliced")
@@ -346,11 +328,8 @@ def test_layers_built_on_placeholders_in_other_orders(dep, layer):
     A, B and the others B, A, no layer_index=, then loaded, each rank calling its layers in its
     own build order: EpDesyncError on every rank naming layer_index= (the fingerprints are those
     of the loaded weights). Before: every call paired A with B, relative L2 0.8-1.0, no error."""
-    seed = agreed_seed(dep.cpu_group, 920)
-    weights = {name: dense_weights(seed + i) for i, name in enumerate("AB", 1)}
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 920)
+    weights = {name: make_dense(TINY, seed + i) for i, name in enumerate("AB", 1)}
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
         held = {name: placeholders(weights[name], "separate") for name in "AB"}
@@ -367,13 +346,11 @@ def test_layers_built_on_placeholders_in_other_orders(dep, layer):
 def test_an_x_that_needs_grad_is_refused_on_every_rank(dep, layer):
     """x with requires_grad under autograd on rank 0: ValueError there saying the layer is
     inference-only, EpPeerError on the others; the same x under no_grad is served."""
-    seed = agreed_seed(dep.cpu_group, 930)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16).requires_grad_(dep.rank == 0)
+    seed, experts, x = case(dep, layer, 930)
+    x = x.requires_grad_(dep.rank == 0)
     failures: list[str] = []
     with build(dep) as routed:
-        moe = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        moe = EpMoeLayer(make_dense(TINY, seed), routed, experts, topk=TINY.topk)
         expected, match = (ValueError, "inference-only") if dep.rank == 0 else (EpPeerError, None)
         expect_raises(failures, "x needs grad", expected, match, lambda: moe(x))
         with torch.no_grad():
@@ -387,13 +364,10 @@ def test_an_x_that_needs_grad_is_refused_on_every_rank(dep, layer):
 def test_a_model_compiled_around_the_layer_runs_it_eagerly(dep, layer):
     """torch.compile (backend "eager") of a function calling the layer twice gives the bits of
     the eager calls (the layer's forward is not traced). Before: TypeError on every rank."""
-    seed = agreed_seed(dep.cpu_group, 940)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 940)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
-        moe = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        moe = EpMoeLayer(make_dense(TINY, seed), routed, experts, topk=TINY.topk)
 
         def model(h: torch.Tensor) -> torch.Tensor:
             return moe(moe(h) * 0.5)
@@ -412,13 +386,10 @@ def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypat
     rank 0), and the next call is served on every rank."""
     import dep_ep.ep.layer as layer_module
 
-    seed = agreed_seed(dep.cpu_group, 980)
-    experts = Batches(dep, layer, seed, T).experts
-    x = torch.randn(T, TINY.hidden, generator=torch.Generator().manual_seed(seed + dep.rank))
-    x = x.to(torch.bfloat16)
+    seed, experts, x = case(dep, layer, 980)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
-        moe = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        moe = EpMoeLayer(make_dense(TINY, seed), routed, experts, topk=TINY.topk)
         if dep.rank == 0:
             read = layer_module.dense_fingerprint
 
