@@ -420,13 +420,18 @@ class EpMoeLayer:
         their views were taken of, and recompute the fingerprint its tags carry (one
         device-to-host copy). RuntimeError inside a CUDA graph capture, or naming a tensor whose
         source was moved to other memory since construction (nothing is copied then)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise RuntimeError(
                 "EpMoeLayer.refresh: called inside a CUDA graph capture; call it before capturing"
             )
         self._copy_sources()
         self.fingerprint = dense_fingerprint(self.dense)
         self._read_once = True
+
+    def _capturing(self) -> bool:
+        """True inside a CUDA graph capture on the current stream (nothing may be read to the
+        host or copied from the caller's tensors there)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _copy_sources(self) -> None:
         """Copy the caller's tensors the layer holds copies of into those copies (every source
@@ -636,7 +641,7 @@ class EpMoeLayer:
         first = not self._read_once and bool(self._copied)
         fingerprint = tag is None and self.fingerprint is None
         if first or fingerprint:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if self._capturing():
                 unready = RuntimeError(
                     f"{fn}: the layer's first call{' given no tag=' if not first else ''} is"
                     " inside a CUDA graph capture, where it reads the weights it copied and"
