@@ -45,6 +45,7 @@ import torch.distributed as dist
 from bench import cli, peer_one_sided, report
 from bench.ranks import mean, slowest
 from bench.timing import pair_timed_us, timed_us
+from dep_ep.comm.kernels.launch_args import KernelTuning
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3, EpRouted
@@ -120,6 +121,12 @@ def main() -> int:
         help="the peer's memory handles (bench/peer_one_sided.py)",
     )
     p.add_argument("--peer-timeout-s", type=int, default=30, help="the peer's wait bound, seconds")
+    p.add_argument(
+        "--tuning",
+        choices=sorted(cli.KERNEL_TUNINGS),
+        default="default",
+        help="our kernels' tuning (bench/cli.py, KERNEL_TUNINGS)",
+    )
     args = p.parse_args()
     ctx = init_rank_context("cuda", timeout_s=300.0)
     if ctx.backend != "nccl":
@@ -143,6 +150,8 @@ def main() -> int:
     # EpRouted's own transport, private to it: a benchmark of one phase alone skips the
     # validation and the dispatch/combine pairing on purpose.
     transport = internals.transport(routed)
+    if args.tuning != "default":
+        transport.retune(KernelTuning(**cli.KERNEL_TUNINGS[args.tuning]))
     peer, peer_note = make_peer(args, ctx, cpu, n)
     L, K = K3.latent, K3.topk
     row_bytes = L + L // SCALE_BLOCK + 4 * K + 4 * K  # MXFP8 row, scales, ids, weights
@@ -267,7 +276,7 @@ def main() -> int:
         peer.close()
     routed.close()
     if rank == 0:
-        write_report(args.out, results, n, construction_s, peer_note)
+        write_report(args.out, results, n, construction_s, peer_note, tuning=args.tuning)
     teardown(ctx)
     return 0
 
@@ -287,9 +296,10 @@ def write_report(
     construction_s: float,
     peer_note: str = "Peer: not run.",
     run: report.Run | None = None,
+    tuning: str = "default",
 ) -> Path:
     """OUTDIR/bench_dep{n}.md (and .png): ours beside the peer (its columns "-" where it
-    did not run), then beside the NCCL baselines."""
+    did not run), then beside the NCCL baselines; `tuning`: our kernels' (cli.KERNEL_TUNINGS)."""
     run = run or report.Run.this_process(n)
     title = f"DEP benchmark, {n} GPU{'s' if n > 1 else ''}, one process per GPU"
     page = report.Page(out / f"bench_dep{n}.md", title, report.summary(__doc__), run)
@@ -297,7 +307,8 @@ def write_report(
         f"K3 geometry (L {K3.latent}, K {K3.topk}, E {K3.experts}, {K3.experts // n} experts per"
         f" rank). Construction of the EpRouted (sized for T = {max(r['tokens'] for r in results)},"
         f" kernels compiled in it): {construction_s:.2f} s, slowest rank, ranks lined up first,"
-        " NVSHMEM start-up and kernel compilation included.",
+        " NVSHMEM start-up and kernel compilation included. Our kernels' tuning:"
+        f" {cli.tuning_text(tuning)}.",
     )
     page.text(peer_note)
     page.text(

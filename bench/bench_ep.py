@@ -39,18 +39,6 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
 SAMPLES = 30  # timed replays per step (median)
 EAGER_PAIRS = 100
-# Kernel tunings the page can compare (the results do not depend on them).
-TUNINGS = {
-    "default": {},
-    "no-pdl": {"pdl": False},
-    "blocks-1": {"dispatch_blocks_in_flight": 1},
-    "waves": {"combine_ctas_per_sm": 0},
-    "ctas-4": {"combine_ctas_per_sm": 4},
-    "ctas-6": {"combine_ctas_per_sm": 6},
-    "warps-8": {"combine_warps": 8, "combine_ctas_per_sm": 2},
-}
-
-
 def copy_ceiling_gbs() -> dict[str, float]:
     """Device-to-device copy of 2 GiB of fp32, (bytes read + bytes written) / time, three ways:
     `copy_` captured in a graph (a memcpy node), the same copy eager, and an elementwise kernel
@@ -83,7 +71,7 @@ def main() -> int:
     p.add_argument(
         "--tunings",
         nargs="+",
-        choices=sorted(TUNINGS),
+        choices=sorted(cli.KERNEL_TUNINGS),
         default=["default"],
         help="kernel tunings to time, the first one in the main table",
     )
@@ -111,7 +99,7 @@ def main() -> int:
     inputs = {tokens: make_inputs(routed, tokens) for tokens in args.tokens}
     rows, tuned = [], {}
     for name in args.tunings:
-        transport.retune(KernelTuning(**TUNINGS[name]))
+        transport.retune(KernelTuning(**cli.KERNEL_TUNINGS[name]))
         steps = [(tokens, *inputs[tokens], norm, args.reps, args.samples) for tokens in args.tokens]
         tuned[name] = [time_step(transport, routed, *step) for step in steps]
     transport.retune(None)
@@ -262,7 +250,7 @@ def write_report(
     if len(tuned) > 1:
         names = list(tuned)
         page.section("Kernel tunings, same run (dispatch / combine / pair, us)")
-        page.text(", ".join(f"{n}: {TUNINGS[n] or 'KernelTuning()'}" for n in names))
+        page.text(", ".join(cli.tuning_text(n) for n in names))
         page.table(
             ["T", *names],
             [

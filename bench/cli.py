@@ -1,7 +1,8 @@
 """The command-line options the benchmarks share, added by `parser`: the folder a results page
 goes to, the token counts, the routings, and the timing's calls per sample and samples. Each
 benchmark asks for the ones it takes (with its own defaults) and adds its own
-options to the parser it gets."""
+options to the parser it gets. KERNEL_TUNINGS: the kernel tunings a benchmark can be asked to
+time, by name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ from dep_ep.testing.synthetic import ROUTINGS
 
 # Relative to the repository root, where the benchmarks run (`python -m bench.<name>`).
 RESULTS = Path("docs/results")
+# Kernel tunings by name: KernelTuning's fields that differ from its defaults (the results do
+# not depend on them; "default" is KernelTuning()).
+KERNEL_TUNINGS = {
+    "default": {},
+    "no-pdl": {"pdl": False},
+    "blocks-1": {"dispatch_blocks_in_flight": 1},
+    "waves": {"combine_ctas_per_sm": 0},
+    "ctas-4": {"combine_ctas_per_sm": 4},
+    "ctas-6": {"combine_ctas_per_sm": 6},
+    "warps-8": {"combine_warps": 8, "combine_ctas_per_sm": 2},
+    "warps-8-ctas-4": {"combine_warps": 8, "combine_ctas_per_sm": 4},
+}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -64,3 +77,10 @@ def parser(
         text = "timed samples, the median reported"
         p.add_argument("--samples", type=int, default=samples, help=text)
     return p
+
+
+def tuning_text(name: str) -> str:
+    """How a results page names a tuning of KERNEL_TUNINGS: "warps-8 (KernelTuning(combine_warps=8,
+    combine_ctas_per_sm=2))"."""
+    fields = ", ".join(f"{k}={v}" for k, v in KERNEL_TUNINGS[name].items())
+    return f"{name} (KernelTuning({fields}))"
