@@ -21,9 +21,10 @@ except ImportError as err:  # the test extra installs CuTeDSL: missing it is a f
     raise ImportError(f"tests/test_kernels_compile.py needs nvidia-cutlass-dsl: {err}") from err
 
 # A launch signals its step: every CTA fences its payload at system scope and counts itself done
-# (acquire-release add at GPU scope: every CTA is on this GPU); the last one stores the step flag
-# with release semantics at system scope, which the peers acquire.
-SIGNALS = [r"fence\.acq_rel\.sys", r"atom\.global\.acq_rel\.add", r"st\.release\.sys\.global"]
+# (acquire-release add at GPU scope: every CTA is on this GPU); the last one fences once more and
+# stores the step flag into every other rank, relaxed stores at system scope after the fence (a
+# release pattern), which the peers acquire.
+SIGNALS = [r"fence\.acq_rel\.sys", r"atom\.global\.acq_rel\.add", r"st\.relaxed\.sys\.global"]
 # A bounded wait: acquire loads at system scope against %globaltimer.
 WAITS = [r"ld\.acquire\.sys", r"%globaltimer"]
 # Programmatic dependent launch (KernelTuning.pdl, the default): wait for the grid before, then
@@ -42,9 +43,10 @@ REQUIRED = {
 }  # fmt: skip
 FORBIDDEN = [r"\.local", r"fma\.rn\.f32"]  # spills; a contracted multiply-add breaks bit-exactness
 # The system-scope fences in each kernel's code, each by one signalling thread: the dispatch's
-# after its CTA barrier (signal_after_cta); the combine's before its ready flag
-# (signal_first_cta) and, with several ranks (8 here), before its combine-end flag.
-FENCES = {"dispatch": 1, "combine": 2}
+# after its CTA barrier (signal_after_cta) and before its flags (signal_all); the combine's
+# before its ready flags and, with several ranks (8 here), before its combine-end flags (each
+# signal_all). One fence for all the destinations, not one a destination.
+FENCES = {"dispatch": 2, "combine": 2}
 
 
 @pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
@@ -81,6 +83,43 @@ def test_ptx_holds_the_protocol(ptx, kernel):
         fences = len(re.findall(r"fence\.acq_rel\.sys", text))
         want = FENCES[kernel]
         assert fences == want, f"{kernel} ({arch}): {fences} system-scope fences; expected {want}"
+        unreleased = relaxed_stores_without_fence(text)
+        assert not unreleased, f"{kernel} ({arch}): flag stores with no fence before: {unreleased}"
+
+
+def relaxed_stores_without_fence(text: str) -> list[str]:
+    """The relaxed system-scope stores (the step flags) not preceded by a system-scope fence with
+    no other store or atomic between them: each flag store must be part of a release pattern
+    (fence, then strong store). The PTX lines of such stores, numbered."""
+    bad, released = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        op = line.strip()
+        if op.startswith("fence.acq_rel.sys"):
+            released = True
+        elif op.startswith("st.relaxed.sys"):
+            if not released:
+                bad.append(f"{number}: {op}")
+        elif op.startswith(("st.", "atom.", "red.")):
+            released = False
+    return bad
+
+
+def test_one_rank_kernels_signal_nothing(tmp_path):
+    """At one rank nobody waits for a flag (a rank's own slot is never read): the dispatch and
+    the combine compile without a system-scope fence or a flag store."""
+    kernels = compile_kernels(
+        num_ranks=1,
+        latent=3584,
+        topk=16,
+        experts_per_rank=896,
+        arch="sm_90a",
+        keep_ptx_dir=str(tmp_path),
+        names=("dispatch", "combine"),
+    )
+    for name, kernel in kernels.items():
+        text = ptx_text(kernel.artifacts.PTX)
+        held = [p for p in (r"fence\.acq_rel\.sys", r"st\.relaxed\.sys") if re.search(p, text)]
+        assert not held, f"{name} at one rank holds {held}"
 
 
 def test_compile_cache_per_geometry():
@@ -245,11 +284,14 @@ def test_launcher_grid_rules():
     dispatch = DispatchLaunch(geometry, KernelTuning(), shared, sms, arch="sm_90a")
     for tokens in (1, 7, CTAS_PER_SM * sms, CTAS_PER_SM * sms + 1, 10**5):
         assert dispatch.grid(tokens) == min(tokens, CTAS_PER_SM * sms), tokens
+    four_warps = {"combine_warps": 4}
     cases = [  # (tuning, T, grid)
-        (KernelTuning(), 1, 1),
-        (KernelTuning(), 500, 500),
-        (KernelTuning(), 4096, 8 * sms),
-        (KernelTuning(combine_ctas_per_sm=0), 4096, 4096),
+        (KernelTuning(), 1, 1),  # the default: two token groups a CTA, at most 2 CTAs an SM
+        (KernelTuning(), 500, 250),
+        (KernelTuning(), 4096, 2 * sms),
+        (KernelTuning(**four_warps, combine_ctas_per_sm=8), 500, 500),
+        (KernelTuning(**four_warps, combine_ctas_per_sm=8), 4096, 8 * sms),
+        (KernelTuning(**four_warps, combine_ctas_per_sm=0), 4096, 4096),
         (KernelTuning(combine_warps=8, combine_ctas_per_sm=0), 9, 5),
         (KernelTuning(combine_warps=8, combine_ctas_per_sm=2), 4096, 2 * sms),
         (KernelTuning(combine_warps=8, combine_ctas_per_sm=2), 100, 50),
@@ -310,7 +352,7 @@ def test_launchers_pass_the_kernel_its_arguments(kernel):
         normed = Tensor(0x7F00000F0000, (tokens, 64))
         call = (ids, norm, normed, 1e-5, tokens, tag, stream)
         head = [Int64(ids.address), Int64(norm.address), Int64(normed.address)]
-        tail = [Float32(1e-5), Int32(1), Int32(37)]  # eps, normalize, one CTA a token
+        tail = [Float32(1e-5), Int32(1), Int32(19)]  # eps, normalize, ceil(T / 2 groups)
         step = Step(Int32(tokens), Int64(tag))
     else:
         launch = RejectLaunch(kernel, geometry, KernelTuning(), shared, arch="sm_90a")

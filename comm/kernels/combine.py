@@ -3,15 +3,17 @@ rank order, RMSNorm.
 
 Every rank's experts write their output rows into its symmetric `out` region (row s*T + t: this
 rank's weighted sum over its local experts for token t of source rank s). One launch per rank:
-1. ready: the first CTA to start stores this rank's combine flag (call, T, tag) into every rank
-   (`signal_first_cta`): its `out` rows of the call are written (the experts ran before this
-   launch on the stream).
-2. wait: every CTA waits (acquire, bounded) for every rank's combine flag of this call and votes
-   across the CTA on the outcome (a rank rejected its input or failed in its experts, or the
-   dispatch found the ranks out of step: every output row of the call is NaN instead).
+1. ready: the first CTA to start (`is_first_cta`) stores this rank's combine flag (call, T,
+   tag) into every other rank (`signal_all`: one fence, then the flags): its `out` rows of the
+   call are written (the experts ran before this launch on the stream).
+2. wait: every CTA waits (acquire, bounded) for every other rank's combine flag of this call,
+   takes its own rank's status from the device state (`check_own_step`: what its own flag would
+   say), and votes across the CTA on the outcome (a rank rejected its input or failed in its
+   experts, or the dispatch found the ranks out of step: every output row of the call is NaN
+   instead). One rank alone signals nothing and waits for nothing.
 3. pull and reduce: a group of NORM_WARPS (4) warps takes one token at a time (group g of CTA b
    with G groups a CTA: tokens Gb + g, Gb + g + G grid, ...); thread m of the group's 128 holds
-   the 16-byte chunks m, m + 128, ... of the row (4 at L = 3584: 64 registers a thread). It reads
+   the 16-byte chunks m, m + 128, ... of the row (4 at L = 3584: 32 fp32 sums). It reads
    row rank*T + t of the `out` region of each rank that owns one of the token's experts (local
    loads for this rank, NVLink loads for a peer), sums them in fp32 in rank order, and when
    `normalize` is set applies RMSNorm in the exact order of comm/reference.py `rms_norm` (per
@@ -20,14 +22,14 @@ rank's weighted sum over its local experts for token t of source rank s). One la
    named barrier; a row whose squares overflow is summed again scaled by a power of two from its
    largest magnitude). The norm weight is staged once per CTA in shared memory as fp32.
 4. done: the launch's last CTA stores the call as done in the device state; with several ranks
-   it then stores this rank's combine-end flag ("I have read your rows") into every rank and
-   waits (bounded) for every rank's, so the launch completes only when no rank reads this rank's
-   rows any more: whatever runs after it on the stream may rewrite them.
+   it then stores this rank's combine-end flag ("I have read your rows") into every other rank
+   and waits (bounded) for every other rank's, so the launch completes only when no rank reads
+   this rank's rows any more: whatever runs after it on the stream may rewrite them.
 
 Each byte of an expert output row is read once, where it lies, and each output row is written
 once (at EP = 1 and T = 4096: 58.7 MB, against 117 MB for returning the rows to their sources
 first and summing them there). No CTA waits for another CTA of its launch, so the grid need not
-be co-resident (`signal_first_cta`). CombineLaunch, at the end, is the host side: the compile, the
+be co-resident (`is_first_cta`). CombineLaunch, at the end, is the host side: the compile, the
 grid rule and the launch.
 
 Why a reader may load a peer's rows after its flag, and why the owner may overwrite them later:
@@ -35,8 +37,9 @@ the owner's experts wrote the rows in launches that completed before its combine
 the flag after a system-scope fence (release, cumulative); the reader's acquire of the flag,
 then the CTA barrier, order its loads after those writes. A reader's loads have returned their
 values before its CTA counts itself done (the values were summed and stored); the count, then
-the last CTA's fence and release store, order them before its combine-end flag, which the owner
-acquires before its launch completes.
+the last CTA's fence and flag store, order them before its combine-end flag, which the owner
+acquires before its launch completes. A rank's own rows need no flag: its experts' launches
+completed before this launch read anything, and it reads them before its own launch completes.
 """
 
 from __future__ import annotations
@@ -68,13 +71,14 @@ from dep_ep.comm.kernels.ptx import (
     sqrt_rn,
 )
 from dep_ep.comm.kernels.signals import (
+    check_own_step,
     check_step,
     destinations,
     flag_slot,
+    is_first_cta,
     is_last_cta,
     load_token_ids,
     signal_all,
-    signal_first_cta,
     token_ids_tensor,
     wait_flag,
 )
@@ -219,18 +223,24 @@ class CombineKernel:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         mState = state_words(control)
+        # The election's atomic first, in flight with the state words' loads below. One rank
+        # alone has no other rank to signal.
+        signals = Int32(0)  # 1 on thread 0 of the launch's first CTA
+        if cutlass.const_expr(N > 1):
+            if tidx == 0:
+                signals = is_first_cta(control, STATE_READY_COMBINE)
         # The dispatch of this call read STATE_CALL = call - 1; the last CTA here stores `call`.
         call = mState[STATE_CALL] + 1
         # What the dispatch of this call found (stream-ordered before this launch).
         dispatch_failed = mState[STATE_STEP_STATUS]
+        aborted = mState[STATE_ABORT]
         # Rows computed after a failed dispatch may hold a late peer's half-written input: the
         # ready flag says so, and every rank then marks its output instead of using them.
         status = Int32(STATUS_OK)
-        if dispatch_failed != 0 or mState[STATE_ABORT] != 0:
+        if dispatch_failed != 0 or aborted != 0:
             status = Int32(STATUS_UNUSABLE)
-        signal_first_cta(
-            regions, control, step, call, PHASE_COMBINE, status, STATE_READY_COMBINE, N, tidx
-        )
+        if signals != 0:
+            signal_all(regions, control, step, call, PHASE_COMBINE, status, N)
         # The norm weight, once per CTA into shared memory, widened to fp32 (no unpacking per
         # token): read from global memory after the output stores of a token, its loads could
         # not be hoisted above them (the tensors may alias).
@@ -266,15 +276,18 @@ class CombineKernel:
         own = receive_regions(regions.own, regions, T * N, self.latent, self.topk, N)
         kind = Int32(0)
         if tidx < N:
-            kind = check_step(
-                flag_slot(own.flags, PHASE_COMBINE, tidx),
-                call,
-                step,
-                control,
-                PHASE_COMBINE,
-                tidx,
-                False,
-            )
+            if tidx == control.rank:
+                kind = check_own_step(status, aborted, call, control, PHASE_COMBINE)
+            else:
+                kind = check_step(
+                    flag_slot(own.flags, PHASE_COMBINE, tidx),
+                    call,
+                    step,
+                    control,
+                    PHASE_COMBINE,
+                    tidx,
+                    False,
+                )
         failed = barrier_or(kind | Int32(dispatch_failed != 0))  # also: sNormWeight is filled
         for t in cutlass.range(first, T, stride):
             if failed != 0:
@@ -315,10 +328,9 @@ class CombineKernel:
             # after this launch may rewrite them). One rank alone reads only its own rows.
             if barrier_or(last) != 0:
                 if tidx == 0:
-                    cute.arch.fence_acq_rel_sys()
                     signal_all(regions, control, step, call, PHASE_COMBINE_END, STATUS_OK, N)
                 cute.arch.barrier()
-                if tidx < N:
+                if tidx < N and tidx != control.rank:  # this rank's own reads are done
                     wait_flag(
                         flag_slot(own.flags, PHASE_COMBINE_END, tidx),
                         call << 2,
@@ -534,18 +546,19 @@ class CombineLaunch:
       before it reads anything). Once it completes, no rank reads this rank's rows any more
       (the combine-end flags): whatever follows it on the stream may rewrite them.
     - Co-residency: none needed. No CTA waits for another CTA of its launch: every CTA waits
-      (bounded) for every rank's combine flag, and this rank's is stored by the first CTA of
-      the launch to start, which is resident by definition (signal_first_cta); the last CTA to
-      finish waits for the peers' combine-end flags, after every CTA of its launch is done. The
-      groups of a CTA wait only for one another (a named barrier a group, within a token).
+      (bounded) for every other rank's combine flag, none for this rank's own (stored by the
+      first CTA of the launch to start, which is resident by definition: is_first_cta); the
+      last CTA to finish waits for the peers' combine-end flags, after every CTA of its launch
+      is done. The groups of a CTA wait only for one another (a named barrier a group, within a
+      token).
     - Beside other streams (the layer's side stream runs SiTU and the shared down GEMM
       concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only delay
       the combine CTAs not yet started, and they complete without waiting for the combine. The
       other way, a combine CTA holds its SM while it waits for the slowest rank's flag: with
-      the default tuning a CTA at K3's L is 4 warps of 64 registers a thread and 15 KB of
-      shared memory, an eighth of the SM's register file: once T >= 8 x SMs the
-      combine holds every SM's registers from its start until it completes, and at smaller T
-      GEMM CTAs fit beside its CTAs.
+      the default tuning a CTA at K3's L is 8 warps of 96-100 registers a thread (ptxas, sm_90a)
+      and 15 KB of shared memory, about two fifths of the SM's register file: once T >= 4 x SMs
+      the combine holds four fifths of every SM's registers from its start until it completes,
+      and at smaller T GEMM CTAs fit beside its CTAs.
       That costs the side stream time, never progress. As for the dispatch (DispatchLaunch),
       this holds while the kernels beside it complete without waiting for this rank's dispatch
       or combine, and a kernel launched after it with programmatic dependent launch cannot keep a

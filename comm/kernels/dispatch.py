@@ -22,6 +22,7 @@ from dep_ep.comm.kernels.launcher import (
 )
 from dep_ep.comm.kernels.mxfp8_block import BLOCK_WORDS_IN, BLOCK_WORDS_OUT, quantize_block
 from dep_ep.comm.kernels.signals import (
+    check_own_step,
     check_step,
     chunk_begin,
     chunk_end,
@@ -46,9 +47,11 @@ from dep_ep.constants import (
     MAX_RANKS,
     PHASE_DISPATCH,
     SCALE_BLOCK,
+    STATE_ABORT,
     STATE_CALL,
     STATE_DONE_DISPATCH,
     STATE_STEP_STATUS,
+    STATUS_OK,
     WARP_LANES,
 )
 
@@ -153,6 +156,11 @@ class DispatchKernel:
         rOut = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_OUT), Uint32)
         mState = state_words(control)
         call = mState[STATE_CALL] + 1  # combine stores it when the call is done
+        # The abort word, for this rank's own step check at the end (check_own_step), loaded
+        # here, off the launch's tail.
+        aborted = Int64(0)
+        if bidx == 0 and tidx == control.rank:
+            aborted = mState[STATE_ABORT]
         t_begin, t_end = chunk_begin(T, bidx, grid), chunk_end(T, bidx, grid)
         for t0 in cutlass.range(t_begin, t_end, PASS_TOKENS):
             if t0 + warp < t_end:  # the whole warp: send_ids reduces over its lanes
@@ -195,16 +203,20 @@ class DispatchKernel:
             regions, control, step, call, PHASE_DISPATCH, STATE_DONE_DISPATCH, N, tidx, grid
         )
         if bidx == 0 and tidx < N:
-            own = receive_regions(regions.own, regions, rows, L, K, N)
-            check_step(
-                flag_slot(own.flags, PHASE_DISPATCH, tidx),
-                call,
-                step,
-                control,
-                PHASE_DISPATCH,
-                tidx,
-                True,
-            )
+            if tidx == control.rank:
+                # This rank's own flag would say STATUS_OK, this call, this T and tag.
+                check_own_step(Int32(STATUS_OK), aborted, call, control, PHASE_DISPATCH)
+            else:
+                own = receive_regions(regions.own, regions, rows, L, K, N)
+                check_step(
+                    flag_slot(own.flags, PHASE_DISPATCH, tidx),
+                    call,
+                    step,
+                    control,
+                    PHASE_DISPATCH,
+                    tidx,
+                    True,
+                )
 
     @cute.jit
     def send_ids(

@@ -4,11 +4,12 @@ destination ranks and the CTAs' contiguous shares of the work.
 Step flags (symmetric memory, FLAG_WORDS int64 per phase and source rank, in the destination):
 [flag, unused, tokens, tag]. When every CTA of a source's launch has stored its payload, the last
 CTA to finish (found with a counter in the source's own device state) stores the step's tokens
-and tag into each destination's slot for that source, then the flag `call << 2 | status` with
-release semantics at system scope (`signal_after_cta`). A destination waits (acquire, system
-scope) until the flag reaches `call << 2` and then reads status, tokens and tag. The call index
-only grows (the device state keeps it), so nothing is reset between calls and a CUDA graph can
-replay the launches.
+and tag into each destination's slot for that source, then one system-scope fence, then the
+flag `call << 2 | status` into each slot (`signal_after_cta`, `signal_all`). A destination waits
+(acquire, system scope) until the flag reaches `call << 2` and then reads status, tokens and
+tag. A rank's slot for itself is stored like the others but not waited for: what it would say
+is known where the wait would be (`check_own_step`). The call index only grows (the device
+state keeps it), so nothing is reset between calls and a CUDA graph can replay the launches.
 
 The error record (host-mapped int64 [ERROR_WORDS]): [status, phase, peer, rank, kind, theirs,
 mine, call]; status 0 = fine, ERROR_WRITING, then ERROR_COMPLETE. The first error wins. Word
@@ -146,7 +147,8 @@ def wait_flag(
 def signal_step(mSlot: cute.Tensor, call: Int64, status, step: Step):
     """Store a step's tokens and tag into a destination's flag slot for this source, then the
     flag `call << 2 | status` (status a constant or an Int32) with release semantics at system
-    scope (after the payload)."""
+    scope (after the payload). One slot (the reject kernel's threads each signal one rank);
+    `signal_all` signals every rank behind one fence."""
     mSlot[FLAG_TOKENS] = Int64(step.tokens)
     mSlot[FLAG_TAG] = step.tag
     cute.arch.store(
@@ -165,10 +167,30 @@ def signal_all(
     num_ranks: cutlass.Constexpr[int],
 ):
     """One thread: store this rank's flag of (phase, call) with `status` (a constant or an
-    Int32) into every rank."""
-    for d in cutlass.range_constexpr(num_ranks):
-        mFlags = flag_slots(peer_base(regions, d, num_ranks), regions, num_ranks)
-        signal_step(flag_slot(mFlags, phase, control.rank), call, status, step)
+    Int32) into every other rank (a rank's slot for itself is never read: `check_own_step`; at
+    one rank there is nothing to store and nothing to fence), released at system scope by one
+    fence: every destination's tokens and tag, then fence.acq_rel.sys, then every flag word, a
+    relaxed store at system scope. A
+    fence followed by a strong store is a release pattern (PTX memory model), and the fence is
+    cumulative: it orders before the flags every write that precedes it in causality order (this
+    thread's slot words, and what the caller's barrier, count or stream order brought before it).
+    One fence for N destinations: a release store per destination fences before each (sm_90
+    code: a MEMBAR.SYS each, every one waiting for the stores before it, remote ones included).
+    The ranks' base addresses are loaded before the first store."""
+    if cutlass.const_expr(num_ranks > 1):
+        slots = []
+        for d in cutlass.range_constexpr(num_ranks):
+            base = peer_base(regions, d, num_ranks)
+            slots.append(flag_slot(flag_slots(base, regions, num_ranks), phase, control.rank))
+        for d in cutlass.range_constexpr(num_ranks):
+            if d != control.rank:
+                slots[d][FLAG_TOKENS] = Int64(step.tokens)
+                slots[d][FLAG_TAG] = step.tag
+        cute.arch.fence_acq_rel_sys()
+        flag = (call << 2) | Int64(status)
+        for d in cutlass.range_constexpr(num_ranks):
+            if d != control.rank:
+                cute.arch.store(element_ptr(slots[d], FLAG_CALL), flag, sem="relaxed", scope="sys")
 
 
 @cute.jit
@@ -209,58 +231,51 @@ def signal_after_cta(
     grid: Int32,
 ) -> Int32:
     """Every thread of the CTA, after its payload stores: the last CTA of the launch stores this
-    rank's flag of (phase, call) into every rank. Returns 1 on the thread that signalled.
+    rank's flag of (phase, call) into every other rank. Returns 1 on the thread that signalled.
+    One rank alone does nothing here (no flag to store, so no fence and no count).
 
     Why one fence suffices: the CTA barrier orders every thread's payload stores before thread
     0's instructions after it (bar.sync synchronizes the CTA's threads: the stores precede the
     fence in causality order). fence.acq_rel.sys is then a release fence at system scope, and
     release is cumulative: it orders before the writes that follow it every write that precedes
     it in causality order, the other threads' stores included. The GPU-scope count carries that
-    order from each CTA's thread 0 to the last one, whose release store at system scope the peers
-    acquire. CUDA's own grid-wide barrier (cooperative groups) has the same shape: bar.sync,
-    then one thread fences and arrives."""
+    order from each CTA's thread 0 to the last one, whose `signal_all` (a system-scope fence,
+    then the flags) the peers acquire. CUDA's own grid-wide barrier (cooperative groups) has the
+    same shape: bar.sync, then one thread fences and arrives."""
     signalled = Int32(0)
-    cute.arch.barrier()
-    if tidx == 0:
-        cute.arch.fence_acq_rel_sys()
-        if is_last_cta(control, counter, grid) != 0:
-            signal_all(regions, control, step, call, phase, STATUS_OK, num_ranks)
-            signalled = Int32(1)
+    if cutlass.const_expr(num_ranks > 1):  # one rank alone has no other rank to signal
+        cute.arch.barrier()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
+            if is_last_cta(control, counter, grid) != 0:
+                signal_all(regions, control, step, call, phase, STATUS_OK, num_ranks)
+                signalled = Int32(1)
     return signalled
 
 
 @cute.jit
-def signal_first_cta(
-    regions: SymmetricRegions,
-    control: RankControl,
-    step: Step,
-    call: Int64,
-    phase: int,
-    status: Int32,
-    counter: int,
-    num_ranks: cutlass.Constexpr[int],
-    tidx: Int32,
-):
-    """Every thread of the CTA, before it waits: thread 0 of the first CTA of the launch to get
-    here (state word `counter` counts the arrivals; the launch's last CTA, found by
-    `is_last_cta`, zeroes it) stores this rank's flag of (phase, call) with `status` into every
-    rank, after a system-scope fence. For a payload that earlier launches on this stream wrote:
-    they completed before this launch read anything (stream order, or griddepcontrol.wait), and
-    the fence, cumulative, orders their writes before the flag that peers acquire.
+def is_first_cta(control: RankControl, counter: int) -> Int32:
+    """Thread 0 of each CTA, before anything waits: 1 for the first CTA of the launch to get
+    here, else 0. State word `counter` counts the arrivals (a relaxed atomic at GPU scope: it
+    elects, it orders nothing); the launch's last CTA, found by `is_last_cta`, zeroes it. The
+    first CTA signals for the launch (`signal_all`): for a payload that earlier launches on this
+    stream wrote, which completed before this launch read anything (stream order, or
+    griddepcontrol.wait), so the fence of `signal_all`, cumulative, orders their writes before
+    the flag that peers acquire. The caller issues the count before its other loads so that the
+    two are in flight together.
 
     Why the first CTA and not CTA 0 or the last one: the launch's CTAs then never wait for one
     another. A CTA that waits for the peers' flags holds its SM, and the peers wait for this
     rank's flag; had CTA 0 to signal, a grid larger than what fits at once (or SMs held by a
     side stream's kernels) could keep CTA 0 from starting while every resident CTA waits. The
     first CTA to start is resident by definition."""
-    if tidx == 0:
-        mState = state_words(control)
-        arrived = cute.arch.atomic_add(
-            element_ptr(mState, counter), Int64(1), sem="relaxed", scope="gpu"
-        )
-        if arrived == 0:
-            cute.arch.fence_acq_rel_sys()
-            signal_all(regions, control, step, call, phase, status, num_ranks)
+    arrived = cute.arch.atomic_add(
+        element_ptr(state_words(control), counter), Int64(1), sem="relaxed", scope="gpu"
+    )
+    first = Int32(0)
+    if arrived == 0:
+        first = Int32(1)
+    return first
 
 
 def id_vector(topk: int) -> int:
@@ -396,6 +411,33 @@ def check_step(
                     Int64(step.tokens),
                     call,
                 )
+    if kind != 0:
+        mState = state_words(control)
+        mState[STATE_STEP_STATUS] = Int64(kind)
+    return kind
+
+
+@cute.jit
+def check_own_step(
+    status: Int32, aborted: Int64, call: Int64, control: RankControl, phase: int
+) -> Int32:
+    """check_step of this rank's own slot, without the wait: what the slot will say is known
+    here. The own flag carries the same call and step, and `status`, the status this rank's own
+    launch signals (the dispatch's is STATUS_OK; the combine's says whether its dispatch
+    failed or an abort came). So: KIND_TIMEOUT after an abort (`aborted`, the state's abort
+    word read by this launch: check_step's wait would return at once, recording nothing),
+    else KIND_REJECTED recorded when `status` is not ok, else 0; a kind is stored in the step
+    status, as check_step does. At one rank this takes a flag round trip (and, in the dispatch,
+    the wait for the launch's last CTA) off the launch; with several ranks the peers' waits,
+    side by side with it, still take theirs."""
+    kind = Int32(0)
+    if aborted != 0:
+        kind = Int32(KIND_TIMEOUT)
+    elif status != STATUS_OK:
+        kind = Int32(KIND_REJECTED)
+        record_error(
+            control, KIND_REJECTED, Int32(phase), control.rank, Int64(status), Int64(0), call
+        )
     if kind != 0:
         mState = state_words(control)
         mState[STATE_STEP_STATUS] = Int64(kind)
