@@ -39,6 +39,8 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 REPS = 20  # launches captured per graph
 SAMPLES = 30  # timed replays per step (median)
 EAGER_PAIRS = 100
+
+
 def copy_ceiling_gbs() -> dict[str, float]:
     """Device-to-device copy of 2 GiB of fp32, (bytes read + bytes written) / time, three ways:
     `copy_` captured in a graph (a memcpy node), the same copy eager, and an elementwise kernel

@@ -24,6 +24,7 @@ KERNEL_TUNINGS = {
     "waves": {"combine_ctas_per_sm": 0},
     "ctas-4": {"combine_ctas_per_sm": 4},
     "ctas-6": {"combine_ctas_per_sm": 6},
+    "warps-4": {"combine_warps": 4, "combine_ctas_per_sm": 8},
     "warps-8": {"combine_warps": 8, "combine_ctas_per_sm": 2},
     "warps-8-ctas-4": {"combine_warps": 8, "combine_ctas_per_sm": 4},
 }

@@ -95,8 +95,8 @@ VECTOR_BYTES = 16
 # Launch geometry of the CuTeDSL kernels, read by their host launch code too.
 WARP_LANES = 32
 DISPATCH_THREADS = 128  # 4 warps: one 32-element block per thread and pass
-COMBINE_WARPS = 4  # warps of a combine CTA (KernelTuning's default): one token at a time
-COMBINE_CTAS_PER_SM = 8  # combine CTAs an SM (KernelTuning's default): 64 registers a thread
+COMBINE_WARPS = 8  # warps of a combine CTA (KernelTuning's default): two tokens at a time
+COMBINE_CTAS_PER_SM = 2  # combine CTAs an SM (KernelTuning's default): <= 128 registers a thread
 # Shared memory of an SM on Hopper and Blackwell (sm_90a, sm_100a), and what the driver keeps of
 # it for each resident CTA: the combine's carveout is sized from them (no device query).
 SM_SHARED_BYTES = 228 * 1024

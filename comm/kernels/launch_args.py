@@ -66,9 +66,10 @@ class KernelTuning:
 
     The defaults, measured at EP=1 on an H200 (docs/results/bench_ep1.md): PDL took the T = 1 pair
     from 13.0 to 12.2 us; two blocks in flight the T = 4096 dispatch from 15.8 to 14.5 us. The
-    combine's (4 warps, 8 CTAs an SM: 64 registers a thread, no spills, 32 warps an SM) replace
-    one 8-warp CTA an SM of the kernel that held a token's row in one warp (255 registers a
-    thread); docs/perf_notes.md, "What bounds the combine"."""
+    combine's, 8 warps (two token groups) and 2 CTAs an SM (ptxas: 96-100 registers a thread,
+    no spills), took the T = 128 and 256 combine from 4.9 and 5.6 us to 3.8 and 4.5 us against
+    4 warps and 8 CTAs an SM (64 registers), 2.5 to 2.3 us at T = 1, and 22.0 to 23.0 us at
+    T = 4096 (one run, 2026-12-03; docs/perf_notes.md, "The group combine")."""
 
     pdl: bool = True
     dispatch_blocks_in_flight: int = 2

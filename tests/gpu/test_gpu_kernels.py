@@ -304,7 +304,7 @@ def test_combine_bitwise_wide(gpu_dep, routed_wide_path, tokens, routing):
 # The combine's tunings other than the default (docs/perf_notes.md): two groups a CTA (their
 # own named barriers and exchange slots), fewer CTAs an SM (more tokens a group), no cap.
 COMBINE_TUNINGS = {
-    "warps-8": {"combine_warps": 8, "combine_ctas_per_sm": 2},
+    "warps-4": {"combine_warps": 4, "combine_ctas_per_sm": 8},
     "ctas-1": {"combine_ctas_per_sm": 1},
     "waves": {"combine_ctas_per_sm": 0},
 }
