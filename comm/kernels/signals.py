@@ -7,9 +7,9 @@ CTA to finish (found with a counter in the source's own device state) stores the
 and tag into each destination's slot for that source, then one system-scope fence, then the
 flag `call << 2 | status` into each slot (`signal_after_cta`, `signal_all`). A destination waits
 (acquire, system scope) until the flag reaches `call << 2` and then reads status, tokens and
-tag. A rank's slot for itself is stored like the others but not waited for: what it would say
-is known where the wait would be (`check_own_step`). The call index only grows (the device
-state keeps it), so nothing is reset between calls and a CUDA graph can replay the launches.
+tag. A rank's slot for itself is neither stored nor waited for: what it would say is known
+where the wait would be (`check_own_step`). The call index only grows (the device state keeps
+it), so nothing is reset between calls and a CUDA graph can replay the launches.
 
 The error record (host-mapped int64 [ERROR_WORDS]): [status, phase, peer, rank, kind, theirs,
 mine, call]; status 0 = fine, ERROR_WRITING, then ERROR_COMPLETE. The first error wins. Word
@@ -170,10 +170,10 @@ def signal_all(
     Int32) into every other rank (a rank's slot for itself is never read: `check_own_step`; at
     one rank there is nothing to store and nothing to fence), released at system scope by one
     fence: every destination's tokens and tag, then fence.acq_rel.sys, then every flag word, a
-    relaxed store at system scope. A
-    fence followed by a strong store is a release pattern (PTX memory model), and the fence is
-    cumulative: it orders before the flags every write that precedes it in causality order (this
-    thread's slot words, and what the caller's barrier, count or stream order brought before it).
+    relaxed store at system scope. A fence followed by a strong store is a release pattern (PTX
+    memory model), and the fence is cumulative: it orders before the flags every write that
+    precedes it in causality order (this thread's slot words, and what the caller's barrier,
+    count or stream order brought before it).
     One fence for N destinations: a release store per destination fences before each (sm_90
     code: a MEMBAR.SYS each, every one waiting for the stores before it, remote ones included).
     The ranks' base addresses are loaded before the first store."""
@@ -421,9 +421,9 @@ def check_step(
 def check_own_step(
     status: Int32, aborted: Int64, call: Int64, control: RankControl, phase: int
 ) -> Int32:
-    """check_step of this rank's own slot, without the wait: what the slot will say is known
-    here. The own flag carries the same call and step, and `status`, the status this rank's own
-    launch signals (the dispatch's is STATUS_OK; the combine's says whether its dispatch
+    """check_step of this rank's own slot, without the slot: what its flag would say is known
+    here. It would carry this call and step, and `status`, the status this rank's own launch
+    signals (the dispatch's is STATUS_OK; the combine's says whether its dispatch
     failed or an abort came). So: KIND_TIMEOUT after an abort (`aborted`, the state's abort
     word read by this launch: check_step's wait would return at once, recording nothing),
     else KIND_REJECTED recorded when `status` is not ok, else 0; a kind is stored in the step
