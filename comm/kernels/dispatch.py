@@ -70,9 +70,10 @@ class DispatchKernel:
     thread takes (token, block) items of the pass, `blocks_in_flight` at a time: it loads the
     blocks, quantizes each to MXFP8 and stores its 32 bytes (two 16-byte stores) and scale byte
     into every destination. After its tokens the CTA signals (`signal_after_cta`: one fence, the
-    last CTA stores this source's step flag (call, T, tag) into every rank); CTA 0 then waits for
-    every source's flag of this call and checks its T and tag. A mismatch or a rejecting source
-    is recorded, never waited out.
+    last CTA stores this source's step flag (call, T, tag) into every other rank); CTA 0 then
+    waits for every other source's flag of this call and checks its T and tag (this rank's own:
+    `check_own_step`). A mismatch or a rejecting source is recorded, never waited out. One rank
+    alone stores and waits for no flag.
 
     With `tuning.pdl` (programmatic dependent launch) the kernel waits for the kernels before it
     (griddepcontrol.wait) before it reads anything, and lets the next kernel start its launch
@@ -276,11 +277,10 @@ class DispatchLaunch:
       combine or RejectKernel: the dispatch reads the call index it stored), come before the
       launch on its stream. With `tuning.pdl` the kernel may start while the kernel before it
       finishes; it waits for that grid (griddepcontrol.wait) before it reads anything.
-    - Co-residency: none needed. CTA 0 waits (bounded) for every source's dispatch flag, this
-      rank's included, which the launch's last CTA to finish stores: CTA 0 waits for the other
-      CTAs of its launch, but none of them waits for anything, so they need not be resident at
-      once: they run on whatever SM slots are free, in several waves if need be, and only CTA 0
-      holds a slot while it waits.
+    - Co-residency: none needed. CTA 0 waits (bounded) for every other source's dispatch flag,
+      not for this rank's own (`check_own_step`), so no CTA waits for another of its launch:
+      they run on whatever SM slots are free, in several waves if need be, and only CTA 0 holds
+      a slot while it waits.
     - Beside other streams (the layer's side stream runs SiTU and the shared down GEMM
       concurrently with the routed path, docs/layer.md): a GEMM's CTAs holding SMs only
       delay the dispatch CTAs not yet started; they complete without waiting for the dispatch,

@@ -203,8 +203,7 @@ def is_last_cta(control: RankControl, counter: int, grid: Int32) -> Int32:
     acquire-release atomic at GPU scope (every CTA is on this GPU): it orders every CTA's work
     (the dispatch's payload stores, each CTA fenced at system scope first; the combine's loads,
     whose values were summed and stored before the barrier) before what the last CTA does next
-    (its release stores at system scope, which peers acquire; in the combine after its own
-    system-scope fence)."""
+    (`signal_all`: a system-scope fence, then the flags, which peers acquire)."""
     last = Int32(1)
     if grid > 1:
         mState = state_words(control)
