@@ -4,7 +4,8 @@ command it names; bench_routed_experts reading the peer's log and writing its pa
 page with and without its peer; bench_experts' floors (hand-computed) and its
 page; bench_integration end to end on one CPU process (tiny preset)
 and its page's graph-replay table; bench_humming_tuning naming humming's distinct kernels;
-timing.pair_timed_us's argument check; profile_combine reading Nsight Compute's table."""
+timing.pair_timed_us's argument check; profile_combine and profile_hopper_gemms reading Nsight
+Compute's tables."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_dep, profile_combine, report, timing
+from bench import bench_dep, profile_combine, profile_hopper_gemms, report, timing
 from bench import bench_experts as experts
 from bench import bench_humming_tuning as tuning
 from bench import bench_integration as integration
@@ -412,3 +413,94 @@ def test_experts_page_shows_both_floors_and_the_percent_of_the_larger(tmp_path):
     assert "| 448 (2) | 1 | zipf |" in text and "| 2000 | - | 2.0e-04 |" in text, text
     assert "![K3 experts on 1 x H200: % of the floor](bench_experts.png)" in text
     assert (tmp_path / "bench_experts.png").stat().st_size > 0
+
+
+def raw_csv(rows: list[tuple[str, str, str, str]], time_unit: str = "usecond") -> str:
+    """ncu's `--csv --page raw` text: the program's own lines first, the header, the units row,
+    a launch per (kernel name, duration, tensor pipe %, issue active %)."""
+    tensor = profile_hopper_gemms.UTILIZATION["tensor pipe %"]
+    issue = profile_hopper_gemms.UTILIZATION["issue active %"]
+    head = ["ID", "Kernel Name", profile_hopper_gemms.TIME_METRIC, tensor, issue]
+    lines = ["==PROF== Connected to process 1", "a line the program printed"]
+    lines += [",".join(f'"{h}"' for h in head), f'"","","{time_unit}","%","%"']
+    for launch, row in enumerate(rows):
+        lines.append(",".join(f'"{c}"' for c in (str(launch), *row)))
+    return "\n".join(lines) + "\n"
+
+
+FC1 = "void humming<MmaOpClass, Shape<0, 6144, 3584>, Shape<64, 256, 128>>"
+FC2 = "void humming<MmaOpClass, Shape<0u, 3584u, 3072u>, Shape<64u, 256u, 128u>>"
+
+
+def test_profile_hopper_gemms_reads_ncu_raw_and_rates_each_gemm(tmp_path):
+    gemms = profile_hopper_gemms
+    assert [gemms.kernel_group(n) for n in (FC1, FC2, "finalize_kernel")] == ["fc1", "fc2", "other"]
+    assert gemms.kernel_group("nvjet_sm90_qqtst_320x128") == "dense"
+    text = raw_csv(
+        [
+            (FC1, "1,000", "20", "60"),
+            ("situ_mxfp8_kernel", "50", "0", "30"),
+            (FC1, "3,000", "40", "80"),
+            (FC2, "500", "30", "70"),
+        ]
+    )
+    columns, units, launches = gemms.raw_rows(text)
+    assert columns[:2] == ["ID", "Kernel Name"] and len(launches) == 4
+    assert units[gemms.TIME_METRIC] == "usecond"
+    flops = {"fc1": 4 * 10**12, "fc2": 10**12}
+    rates = gemms.group_rates(launches, units, flops)
+    # fc1: 4e12 FLOPs over 4,000 us = 1,000 TFLOP/s; fc2: 1e12 over 500 us = 2,000.
+    assert rates["fc1"][:2] == (2, 4000.0) and rates["fc1"][2] == pytest.approx(1000.0)
+    assert rates["fc2"][2] == pytest.approx(2000.0)
+    tensor = gemms.UTILIZATION["tensor pipe %"]
+    assert gemms.weighted_mean(launches, units, "fc1", tensor) == pytest.approx(35.0)
+    dense = raw_csv([("nvjet_sm90_qqtst", "1", "95", "16")], time_unit="msecond")
+    run = report.Run("python -m bench.profile_hopper_gemms", "1 x GPU", "Python 3", "2026-12-03")
+    results = [
+        (gemms.Case(0, 0), {"flops": {"dense": 4 * 10**12}}, *gemms.raw_rows(dense)),
+        (
+            gemms.Case(56, 2048),
+            {"rows": 9, "pairs": 13, "touched": 11, "flops": flops},
+            columns,
+            units,
+            launches,
+        ),
+    ]
+    page = gemms.write_report(tmp_path, results, run).read_text()
+    # The dense GEMM: 4e12 FLOPs in 1 ms = 4,000 TFLOP/s; fc1 runs at a quarter of it.
+    assert "| dense FP8 GEMM 8192^3 | - | dense | 1 | 1000.0 | 4000 | 100% | 95.0 | 16.0 |" in page
+    assert (
+        "| 56 local experts, T = 2048 | 13 | fc1 | 2 | 4000.0 | 1000 | 25% | 35.0 | 75.0 |" in page
+    )
+    assert "No metric matched: `launch__grid_size`" in page, page
+    with pytest.raises(SystemExit, match="no ncu table"):
+        gemms.raw_rows("==ERROR== no kernels were profiled")
+    with pytest.raises(SystemExit, match="no profiled launch"):
+        gemms.raw_rows('"ID","Kernel Name"\n"",""\n')
+
+
+def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
+    gemms = profile_hopper_gemms
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with pytest.raises(SystemExit, match="run.json is missing"):
+        gemms.from_raw(raw, tmp_path)
+    run = {
+        "command": "python -m bench.profile_hopper_gemms",
+        "hardware": "1 x GPU",
+        "software": "Python 3",
+        "date": "2026-12-03",
+    }
+    (raw / gemms.RUN_FILE).write_text(json.dumps(run))
+    for case in gemms.all_cases():
+        group = "dense" if case.local == 0 else "fc1"
+        name = "nvjet_sm90" if case.local == 0 else FC1
+        (raw / f"{case.slug}.csv").write_text(raw_csv([(name, "100", "50", "50")]))
+        facts = {"rows": 1, "pairs": 1, "touched": 1, "flops": {group: 10**11}}
+        (raw / f"{case.slug}.json").write_text(json.dumps(facts))
+    page = gemms.from_raw(raw, tmp_path / "out").read_text()
+    assert "- Command: `python -m bench.profile_hopper_gemms`" in page
+    assert page.count("| fc1 | 1 | 100.0 | 1000 | 100% |") == len(gemms.CASES), page
+    (raw / "l56_t64.csv").unlink()
+    with pytest.raises(SystemExit, match="56 local experts, T = 64: no"):
+        gemms.from_raw(raw, tmp_path / "out")
