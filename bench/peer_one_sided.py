@@ -16,6 +16,12 @@ default) makes every GPU report no FABRIC support (it replaces
 `flashinfer.comm.mnnvl._local_fabric_status`), so POSIX file descriptors are used, as on any
 single-host NVLink machine without an IMEX service; `handles="auto"` leaves FlashInfer's choice.
 
+NVLink check: FlashInfer 0.7.4 refuses to build the all-to-all on a rank whose NVML does not list
+every NVLink of its GPU as up (`MnnvlMemory.supports_mnnvl`). One rank alone moves nothing over
+NVLink (its workspace is local memory), and a one-GPU machine may list no NVLink at all, so with
+`world == 1` the peer answers that check itself (`_one_rank_nvlink_check`); with two ranks or
+more FlashInfer's own check decides.
+
 Its JIT module (`nvlink_one_sided_alltoall`) is built on first use by nvcc: CUDA_HOME must name a
 CUDA toolkit with the runtime, cuBLASLt and cuRAND headers, and `-lcuda` must resolve. Every
 step that can fail on one rank (import, JIT build, construction) is followed by a vote over the
@@ -69,6 +75,11 @@ def _last_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+def _one_rank_nvlink_check() -> bool:
+    """FlashInfer's NVLink platform check at one rank: True, since no byte leaves the GPU."""
+    return True
+
+
 class OneSidedPeer:
     """FlashInfer's one-sided all-to-all for `world` ranks, sized for `max_tokens` per rank.
 
@@ -117,6 +128,8 @@ class OneSidedPeer:
 
             if handles == "posix":
                 mnnvl._local_fabric_status = lambda dev_id: ("FABRIC off (bench_dep)", b"")
+            if world == 1:
+                mnnvl.MnnvlMemory.supports_mnnvl = staticmethod(_one_rank_nvlink_check)
             get_nvlink_one_sided_alltoall_module()  # the JIT build: one rank builds, one waits
         except Exception as exc:  # any failure turns the peer off, with its reason
             error = f"import/JIT: {_last_line(exc)}"
