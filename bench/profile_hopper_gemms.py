@@ -24,6 +24,7 @@ import io
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -326,6 +327,8 @@ def main() -> int:
     if args.from_raw is not None:
         print(from_raw(args.from_raw, args.out))
         return 0
+    if shutil.which("ncu") is None:
+        raise SystemExit("bench.profile_hopper_gemms: no `ncu` on PATH (Nsight Compute)")
     sections = [a for s in SECTIONS for a in ("--section", s)]
     raw = args.raw or args.out / "profile_hopper_gemms_raw"
     raw.mkdir(parents=True, exist_ok=True)

@@ -504,3 +504,11 @@ def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
     (raw / "l56_t64.csv").unlink()
     with pytest.raises(SystemExit, match="56 local experts, T = 64: no"):
         gemms.from_raw(raw, tmp_path / "out")
+
+
+def test_profile_hopper_gemms_without_ncu_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(profile_hopper_gemms.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "argv", ["profile_hopper_gemms", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no `ncu` on PATH"):
+        profile_hopper_gemms.main()
+    assert not list(tmp_path.iterdir())  # nothing written before the check
