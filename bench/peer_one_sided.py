@@ -86,11 +86,12 @@ class OneSidedPeer:
     Construct with `OneSidedPeer.create(...)`, which returns (peer or None, reason or None) on
     every rank alike. `dispatch(step)` then `combine(step)` run one step (FlashInfer refuses a
     second dispatch before the combine). `workspace_mib`: its workspace per rank; `path`: the
-    transport, handle kind and PDL setting it chose; `construction_s`: import + JIT build/load +
+    transport, handle kind and PDL setting it chose (and, with `one_rank`, that bench_dep
+    answered FlashInfer's NVLink check); `construction_s`: import + JIT build/load +
     construction on this rank.
     """
 
-    def __init__(self, comm, construction_s: float) -> None:
+    def __init__(self, comm, construction_s: float, one_rank: bool = False) -> None:
         self._comm = comm
         self.construction_s = construction_s
         index = comm._index.WORKSPACE_SIZE_INDEX  # no public accessor in 0.7.4
@@ -98,6 +99,8 @@ class OneSidedPeer:
         kind = "lamport" if comm.lamport_enabled else ("cft" if comm._cft_enabled else "fence")
         fabric = comm._state["mnnvl_mem"].fabric_handles
         self.path = f"{kind}, {'FABRIC' if fabric else 'POSIX-fd'} handles, pdl {comm._enable_pdl}"
+        if one_rank:
+            self.path += ", NVLink check answered by bench_dep (one rank)"
 
     @classmethod
     def create(
@@ -166,7 +169,7 @@ class OneSidedPeer:
             if comm is not None:
                 comm.destroy()
             return None, error
-        return cls(comm, time.perf_counter() - start), None
+        return cls(comm, time.perf_counter() - start, one_rank=world == 1), None
 
     def step(self, latent: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PeerStep:
         """The peer's inputs for one step of `latent` bf16 [T, L], `ids` int32 [T, K] (-1: no

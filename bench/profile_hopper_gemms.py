@@ -10,9 +10,11 @@ does (uniform routing), runs two eager calls (humming compiles its kernels for t
 then one more between cudaProfilerStart and cudaProfilerStop: ncu profiles every kernel of that
 call (`--profile-from-start off`), replaying each once per metric pass with its memory restored.
 The dense case profiles one torch._scaled_mm of e4m3 [8192, 8192] x [8192, 8192] (the GEMM of
-bench_experts' `fp8_tflops`). ncu runs the clocks at base and serializes the kernels, so its
-durations exceed graph replay's; rates are compared within the page (every kernel under the same
-clock control). The child writes its rows and pairs to a JSON file beside ncu's CSV.
+bench_experts' `fp8_tflops`). ncu holds the clocks near base and serializes the kernels, so its
+durations exceed graph replay's; rates are compared within the page, every kernel under the same
+clock control, which keeps the SM clock near base but not fixed (`gpc__cycles_elapsed` on the
+page gives each launch's), so a "% dense" may be off by the ratio of the two clocks. The child
+writes its rows and pairs to a JSON file beside ncu's CSV (stdout) and log (stderr).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ SHOWN = (
     r"launch__registers_per_thread",
     r"launch__shared_mem_per_block_dynamic",
     r"launch__occupancy_limit_.*",
+    r"gpc__cycles_elapsed\.avg\.per_second",
     r"sm__warps_active\.avg\.pct_of_peak_sustained_active",
     r"sm__throughput\.avg\.pct_of_peak_sustained_elapsed",
     r"gpu__compute_memory_throughput\.avg\.pct_of_peak_sustained_elapsed",
@@ -81,6 +84,19 @@ UTILIZATION = {
     "DRAM %": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
 }
 RUN_FILE = "run.json"  # the profiling run's header (command, hardware, software, date)
+# ncu's time units (short, as ncu 2025 writes them, and long) in microseconds.
+TIME_UNITS_US = {
+    "ns": 1e-3,
+    "nsecond": 1e-3,
+    "us": 1.0,
+    "usecond": 1.0,
+    "ms": 1e3,
+    "msecond": 1e3,
+    "s": 1e6,
+    "second": 1e6,
+}
+# The first line of ncu's raw table.
+HEADER_START = '"ID","'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,23 +163,26 @@ def child(case: Case, facts: Path) -> None:
 
 def raw_rows(text: str) -> tuple[list[str], dict[str, str], list[dict[str, str]]]:
     """ncu's `--csv --page raw` output -> (the column names in order, each column's unit, one
-    dict per profiled launch in launch order). The units row is the first row whose "ID" is
-    empty; lines before the header (the program's own output, ncu's notes) are skipped."""
-    start = text.find('"ID"')
-    if start < 0:
+    dict per profiled launch in launch order). The table starts at the first line that starts
+    with HEADER_START; the units row is the line after it (its "ID" is empty); lines before the
+    table (the program's own output, ncu's notes) and after it (rows of another width, or with
+    no ID) are skipped."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith(HEADER_START)), None)
+    if start is None:
         raise SystemExit(f"bench.profile_hopper_gemms: no ncu table in:\n{text[-2000:]}")
-    reader = csv.reader(io.StringIO(text[start:]))
+    reader = csv.reader(io.StringIO("".join(lines[start:])))
     columns = next(reader)
     units: dict[str, str] = {}
     launches: list[dict[str, str]] = []
-    for cells in reader:
+    for index, cells in enumerate(reader):
         if len(cells) != len(columns):
             continue  # a line of the program's output after the table
         row = dict(zip(columns, cells))
-        if not row["ID"] and not units:
+        if index == 0 and not row["ID"]:
             units = row
-            continue
-        launches.append(row)
+        elif row["ID"]:
+            launches.append(row)
     if not launches:
         raise SystemExit("bench.profile_hopper_gemms: ncu's table has no profiled launch")
     return columns, units, launches
@@ -206,18 +225,28 @@ def shown_columns(columns: list[str]) -> tuple[list[str], list[str]]:
 
 
 def time_us(row: dict[str, str], units: dict[str, str]) -> float:
-    """A launch's duration in us from gpu__time_duration.sum in the unit ncu gave it."""
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
-    return number(row[TIME_METRIC]) * scale.get(units.get(TIME_METRIC, "nsecond"), 1e-3)
+    """A launch's duration in us from gpu__time_duration.sum in the unit ncu gave it (SystemExit
+    for a unit not in TIME_UNITS_US, or no units row)."""
+    unit = units.get(TIME_METRIC)
+    if unit not in TIME_UNITS_US:
+        raise SystemExit(
+            f"bench.profile_hopper_gemms: {TIME_METRIC} in unit {unit!r}; expected"
+            f" one of {sorted(TIME_UNITS_US)}"
+        )
+    return number(row[TIME_METRIC]) * TIME_UNITS_US[unit]
 
 
 def group_rates(launches, units, flops: dict[str, int]) -> dict[str, tuple[int, float, float]]:
-    """Per group with FLOPs: (launches, us summed over them, TFLOP/s)."""
+    """Per group with FLOPs: (launches, us summed over them, TFLOP/s). SystemExit when a group
+    has no launch (a kernel name kernel_group does not know)."""
     rates = {}
     for group, group_flops in flops.items():
         rows = [r for r in launches if kernel_group(r["Kernel Name"]) == group]
+        if not rows:
+            names = sorted({r["Kernel Name"][:KERNEL_NAME_CHARS] for r in launches})
+            raise SystemExit(f"bench.profile_hopper_gemms: no {group} launch among {names}")
         us = sum(time_us(r, units) for r in rows)
-        rates[group] = (len(rows), us, group_flops / (us * 1e-6) / 1e12 if us > 0 else math.nan)
+        rates[group] = (len(rows), us, group_flops / (us * 1e-6) / 1e12)
     return rates
 
 
@@ -301,6 +330,9 @@ def from_raw(raw: Path, out: Path) -> Path:
     if not header.is_file():
         raise SystemExit(f"bench.profile_hopper_gemms: {header} is missing; not a profiling run")
     run = report.Run(**json.loads(header.read_text()))
+    # The page's command: the profiling run's, then this one (the page is this one's output).
+    again = f"python -m bench.profile_hopper_gemms --from-raw {raw}"
+    run = dataclasses.replace(run, command=f"{run.command}; then {again}")
     results = []
     for case in all_cases():
         table, facts = raw / f"{case.slug}.csv", raw / f"{case.slug}.json"
@@ -314,10 +346,8 @@ def main() -> int:
     p = cli.parser(__doc__, page="profile_hopper_gemms.md")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     p.add_argument("--facts", type=Path, help=argparse.SUPPRESS)
-    text = "ncu's CSV outputs, the child's facts and the run's header go here"
-    p.add_argument(
-        "--raw", type=Path, default=None, help=text + " (default OUT/profile_hopper_gemms_raw)"
-    )
+    text = "ncu's CSV outputs and logs, the child's facts and the run's header go here"
+    p.add_argument("--raw", type=Path, default=Path("profile_hopper_gemms_raw"), help=text)
     text = "write the page from the folder of an earlier run (--raw), running nothing"
     p.add_argument("--from-raw", type=Path, default=None, help=text)
     args = p.parse_args()
@@ -330,23 +360,34 @@ def main() -> int:
     if shutil.which("ncu") is None:
         raise SystemExit("bench.profile_hopper_gemms: no `ncu` on PATH (Nsight Compute)")
     sections = [a for s in SECTIONS for a in ("--section", s)]
-    raw = args.raw or args.out / "profile_hopper_gemms_raw"
+    raw = args.raw
     raw.mkdir(parents=True, exist_ok=True)
     run = report.Run.this_process()
     (raw / RUN_FILE).write_text(json.dumps(dataclasses.asdict(run)))
     results = []
     for case in all_cases():
         facts = raw / f"{case.slug}.json"
+        facts.unlink(missing_ok=True)  # a folder reused from an earlier run
         command = ["ncu", "--csv", "--page", "raw", "--profile-from-start", "off", *sections]
         command += [sys.executable, "-m", "bench.profile_hopper_gemms", "--facts", str(facts)]
         command += ["--child", str(case.local), str(case.tokens)]
         print(f"profiling {case.name}", flush=True)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
-        (raw / f"{case.slug}.csv").write_text(done.stdout + done.stderr)
-        if done.returncode != 0:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            for suffix, text in (("csv", exc.stdout), ("log", exc.stderr)):
+                data = text.decode() if isinstance(text, bytes) else (text or "")
+                (raw / f"{case.slug}.{suffix}").write_text(data)
             raise SystemExit(
-                f"bench.profile_hopper_gemms: ncu failed on {case.name}:\n"
-                f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+                f"bench.profile_hopper_gemms: ncu ran past {NCU_TIMEOUT_S} s on {case.name};"
+                f" its output so far is in {raw}"
+            ) from None
+        (raw / f"{case.slug}.csv").write_text(done.stdout)
+        (raw / f"{case.slug}.log").write_text(done.stderr)
+        if done.returncode != 0 or not facts.is_file():
+            raise SystemExit(
+                f"bench.profile_hopper_gemms: ncu failed on {case.name} (exit"
+                f" {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
             )
         columns, units, launches = raw_rows(done.stdout)
         results.append((case, json.loads(facts.read_text()), columns, units, launches))

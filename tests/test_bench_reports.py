@@ -415,16 +415,18 @@ def test_experts_page_shows_both_floors_and_the_percent_of_the_larger(tmp_path):
     assert (tmp_path / "bench_experts.png").stat().st_size > 0
 
 
-def raw_csv(rows: list[tuple[str, str, str, str]], time_unit: str = "usecond") -> str:
-    """ncu's `--csv --page raw` text: the program's own lines first, the header, the units row,
-    a launch per (kernel name, duration, tensor pipe %, issue active %)."""
+def raw_csv(rows: list[tuple[str, str, str, str]], time_unit: str = "ns") -> str:
+    """ncu's `--csv --page raw` text as ncu 2025.3 writes it: the program's own lines first (one
+    holding "ID" in quotes), the header, the units row, a launch per (kernel name, duration,
+    tensor pipe %, issue active %), then a line the program printed after the table."""
     tensor = profile_hopper_gemms.UTILIZATION["tensor pipe %"]
     issue = profile_hopper_gemms.UTILIZATION["issue active %"]
     head = ["ID", "Kernel Name", profile_hopper_gemms.TIME_METRIC, tensor, issue]
-    lines = ["==PROF== Connected to process 1", "a line the program printed"]
+    lines = ["==PROF== Connected to process 1", 'the program printed {"ID": 1}']
     lines += [",".join(f'"{h}"' for h in head), f'"","","{time_unit}","%","%"']
     for launch, row in enumerate(rows):
         lines.append(",".join(f'"{c}"' for c in (str(launch), *row)))
+    lines.append("==PROF== Disconnected from process 1")
     return "\n".join(lines) + "\n"
 
 
@@ -435,18 +437,19 @@ FC2 = "void humming<MmaOpClass, Shape<0u, 3584u, 3072u>, Shape<64u, 256u, 128u>>
 def test_profile_hopper_gemms_reads_ncu_raw_and_rates_each_gemm(tmp_path):
     gemms = profile_hopper_gemms
     assert [gemms.kernel_group(n) for n in (FC1, FC2, "finalize_kernel")] == ["fc1", "fc2", "other"]
+    assert gemms.kernel_group("void humming<MmaOpClass, Shape<0, 128, 256>>") == "other"
     assert gemms.kernel_group("nvjet_sm90_qqtst_320x128") == "dense"
     text = raw_csv(
         [
-            (FC1, "1,000", "20", "60"),
-            ("situ_mxfp8_kernel", "50", "0", "30"),
-            (FC1, "3,000", "40", "80"),
-            (FC2, "500", "30", "70"),
+            (FC1, "1,000,000", "20", "60"),
+            ("situ_mxfp8_kernel", "50,000", "0", "30"),
+            (FC1, "3,000,000", "40", "80"),
+            (FC2, "500,000", "30", "70"),
         ]
     )
     columns, units, launches = gemms.raw_rows(text)
     assert columns[:2] == ["ID", "Kernel Name"] and len(launches) == 4
-    assert units[gemms.TIME_METRIC] == "usecond"
+    assert units[gemms.TIME_METRIC] == "ns"
     flops = {"fc1": 4 * 10**12, "fc2": 10**12}
     rates = gemms.group_rates(launches, units, flops)
     # fc1: 4e12 FLOPs over 4,000 us = 1,000 TFLOP/s; fc2: 1e12 over 500 us = 2,000.
@@ -454,7 +457,7 @@ def test_profile_hopper_gemms_reads_ncu_raw_and_rates_each_gemm(tmp_path):
     assert rates["fc2"][2] == pytest.approx(2000.0)
     tensor = gemms.UTILIZATION["tensor pipe %"]
     assert gemms.weighted_mean(launches, units, "fc1", tensor) == pytest.approx(35.0)
-    dense = raw_csv([("nvjet_sm90_qqtst", "1", "95", "16")], time_unit="msecond")
+    dense = raw_csv([("nvjet_sm90_qqtst", "1", "95", "16")], time_unit="ms")
     run = report.Run("python -m bench.profile_hopper_gemms", "1 x GPU", "Python 3", "2026-12-03")
     results = [
         (gemms.Case(0, 0), {"flops": {"dense": 4 * 10**12}}, *gemms.raw_rows(dense)),
@@ -477,6 +480,11 @@ def test_profile_hopper_gemms_reads_ncu_raw_and_rates_each_gemm(tmp_path):
         gemms.raw_rows("==ERROR== no kernels were profiled")
     with pytest.raises(SystemExit, match="no profiled launch"):
         gemms.raw_rows('"ID","Kernel Name"\n"",""\n')
+    # A FLOPs group that no launch belongs to, a time unit ncu does not write: refused.
+    with pytest.raises(SystemExit, match="no fc2 launch among"):
+        gemms.group_rates(launches[:3], units, flops)
+    with pytest.raises(SystemExit, match="in unit 'furlong'"):
+        gemms.time_us(launches[0], {gemms.TIME_METRIC: "furlong"})
 
 
 def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
@@ -495,11 +503,12 @@ def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
     for case in gemms.all_cases():
         group = "dense" if case.local == 0 else "fc1"
         name = "nvjet_sm90" if case.local == 0 else FC1
-        (raw / f"{case.slug}.csv").write_text(raw_csv([(name, "100", "50", "50")]))
+        (raw / f"{case.slug}.csv").write_text(raw_csv([(name, "100,000", "50", "50")]))
         facts = {"rows": 1, "pairs": 1, "touched": 1, "flops": {group: 10**11}}
         (raw / f"{case.slug}.json").write_text(json.dumps(facts))
     page = gemms.from_raw(raw, tmp_path / "out").read_text()
-    assert "- Command: `python -m bench.profile_hopper_gemms`" in page
+    again = f"python -m bench.profile_hopper_gemms --from-raw {raw}"
+    assert f"- Command: `python -m bench.profile_hopper_gemms; then {again}`" in page
     assert page.count("| fc1 | 1 | 100.0 | 1000 | 100% |") == len(gemms.CASES), page
     (raw / "l56_t64.csv").unlink()
     with pytest.raises(SystemExit, match="56 local experts, T = 64: no"):
