@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dep_ep.comm.errors import EpPeerError
+from dep_ep.comm.errors import EpPeerError, error_text
 from dep_ep.comm.host_channel import GroupChannel, ObjectBarriers
 from dep_ep.comm.liveness import ProcessIdentity
 
@@ -51,7 +51,7 @@ def agree_on_construction(
     payload = {
         "fingerprint": {field: repr(value) for field, value in fingerprint.items()},
         "job": job,
-        "rejected": None if rejected is None else f"{type(rejected).__name__}: {rejected}",
+        "rejected": None if rejected is None else error_text(rejected),
         "identity": ProcessIdentity.mine().as_dict(),
     }
     messages = channel.constructions.exchange("construction", payload, timeout_s)

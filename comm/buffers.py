@@ -149,7 +149,7 @@ class EpBuffers(RankRegions):
             super().__init__(segments[rank], layout)
             self.group, self.rank, self.num_ranks = group, rank, ranks
             self.device, self.layout, self.timeout_s = device, layout, timeout_s
-            self.peers = [RankRegions(seg, layout) for seg in segments]
+            self._peers = [RankRegions(seg, layout) for seg in segments]
             # int64 [N] on the device: base address of every rank's allocation, for the kernels.
             self.peer_addresses = torch.tensor(
                 [seg.data_ptr() for seg in segments], dtype=torch.int64, device=device
@@ -190,6 +190,15 @@ class EpBuffers(RankRegions):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def peers(self) -> list[RankRegions]:
+        """Every rank's regions as this process maps them, in rank order (this rank's among
+        them). RuntimeError once closed: a close() that lands inside a call (a signal handler's)
+        must fail that call, not leave it an empty list of ranks to sum (rows of zeros)."""
+        if self._closed:
+            raise RuntimeError("EpBuffers.peers: the buffers were closed")
+        return self._peers
+
     def close(self) -> None:
         """Release this rank's mappings. Collective by contract (NVSHMEM's free is); on CPU it is
         local and views handed out earlier keep their mapping alive until they are dropped."""
@@ -197,7 +206,7 @@ class EpBuffers(RankRegions):
             return
         own, self._segment = self._segment, torch.empty(0, dtype=torch.uint8)
         self._full = {}
-        self.peers = []
+        self._peers = []
         self._closed = True
         self.barriers.close()
         if self.device.type == "cuda":

@@ -135,6 +135,27 @@ class EpPeerLostError(EpError):
         super().__init__(msg + (f": {detail}" if detail else ""))
 
 
+# An error's text as a rank publishes it to its peers (a failed call's cause, a rejected
+# construction, a failed allocation) is cut to this many characters: the rendezvous store takes
+# at most 8 MiB a value, and a larger message broke the group's store connection for good.
+ERROR_TEXT_CHARS = 16_384
+
+
+def error_text(error: BaseException) -> str:
+    """The text "Type: message" of `error` as its peers are told it: at most ERROR_TEXT_CHARS
+    characters of it (the cut said), and, when str() of the error raises, its type and that fact
+    (so the rank still publishes its message and raises its own error, instead of raising while
+    its peers wait)."""
+    try:
+        message = str(error)
+    except Exception as exc:  # any str() failure: the peers must still be told
+        message = f"(its message could not be read: str() raised {type(exc).__name__})"
+    text = f"{type(error).__name__}: {message}"
+    if len(text) > ERROR_TEXT_CHARS:
+        text = f"{text[:ERROR_TEXT_CHARS]} ... ({len(text) - ERROR_TEXT_CHARS} more characters)"
+    return text
+
+
 def ranks_text(ranks) -> str:
     """Ranks as messages name them: "rank 1", "rank 0, rank 1"."""
     return ", ".join(f"rank {r}" for r in ranks)

@@ -236,6 +236,17 @@ class ObjectBarriers:
             f"{they} closed {self.label}; close it here too",
         )
 
+    def _refuse_closed(self, phase: str) -> None:
+        """RuntimeError when this rank closed the object: at the start of a barrier, or while it
+        waited in one (a signal handler's close() inside a call), whose result is then not used.
+        Its peers learn of the close from its closed mark (EpPeerLostError)."""
+        if self.obj in self.channel.closed:
+            raise RuntimeError(
+                f"rank {self.channel.rank} in {phase} of {self.label}: it was closed on this rank"
+                " during the call (close() from a signal handler, say); nothing of the call was"
+                " used"
+            )
+
     def _check_closed(self, store, ranks: list[int], phase: str) -> None:
         """EpPeerLostError naming those of `ranks` that closed this object: they take part in
         none of its barriers or resets again."""
@@ -253,6 +264,7 @@ class ObjectBarriers:
         EpTimeoutError naming the missing ranks. The barrier counts as passed on every rank that
         returns or raises EpDesyncError for differing phases."""
         ch = self.channel
+        self._refuse_closed(phase)
         message = dict(payload, phase=phase)
         if ch.size == 1:
             self.count += 1
@@ -264,6 +276,7 @@ class ObjectBarriers:
             self._set_where(store, phase, epoch=self.epoch, count=self.count)
             store.set(keys[me], json.dumps(message))
             values = self._wait_all(store, keys, phase, timeout_s)
+            self._refuse_closed(phase)  # closed while it waited (a signal handler's close())
             passed = True
             if self._published is not None:
                 store.delete_key(self._published)
@@ -297,6 +310,7 @@ class ObjectBarriers:
         deadline, next_look, sleep = start + timeout_s, start + WAIT_SLICE_S, 0.0
         while not store.check(keys):
             now = time.monotonic()
+            self._refuse_closed(phase)
             if now >= next_look:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 if missing:
@@ -322,6 +336,7 @@ class ObjectBarriers:
         EpTimeoutError naming the ranks that did not call reset(), EpPeerLostError, and
         EpDesyncError when a rank resets another object at the same time."""
         ch = self.channel
+        self._refuse_closed("reset")
         target = self.reset_round + 1
         if ch.size == 1:
             self.epoch, self.count, self.reset_round = target, 0, target
@@ -334,6 +349,7 @@ class ObjectBarriers:
             mine = store.add(round_keys[me], 0)
             store.add(round_keys[me], target - mine)
             while True:
+                self._refuse_closed("reset")
                 rounds = [store.add(k, 0) for k in round_keys]
                 # A rank that closed the object never resets it again; one whose round is
                 # already past this one (it reset, then closed) would let this reset return.

@@ -26,6 +26,7 @@ from dep_ep.comm.errors import (
     EpDesyncError,
     EpPeerError,
     EpTokenCountError,
+    error_text,
     tag_text,
     tags_differ_text,
 )
@@ -124,7 +125,7 @@ class HostTransport(Transport):
         """One barrier carrying this rank's status, T and tag; raise on every rank if the ranks'
         tags differ (EpDesyncError), any rank failed the call (its own error there, EpPeerError
         elsewhere) or the ranks' T differ (ValueError)."""
-        failed = None if error is None else f"{cause}: {type(error).__name__}: {error}"
+        failed = None if error is None else f"{cause}: {error_text(error)}"
         payload = {"tokens": tokens if error is None else -1, "tag": tag, "failed": failed}
         messages = self.buffers.barriers.exchange(phase, payload, self.timeout_s)
         failures = {r: m["failed"] for r, m in enumerate(messages) if m["failed"]}

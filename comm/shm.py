@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dep_ep.comm.errors import EpPeerError
+from dep_ep.comm.errors import EpPeerError, error_text
 from dep_ep.comm.host_channel import ObjectBarriers
 
 SHM_DIR = "/dev/shm"
@@ -147,7 +147,7 @@ def _create(path: str, nbytes: int) -> OSError | None:
 def _exchange_errors(barriers: ObjectBarriers, phase: str, error, timeout_s: float) -> None:
     """A barrier carrying each rank's error: this rank raises its own, else EpPeerError naming
     the ranks that failed."""
-    text = None if error is None else f"{type(error).__name__}: {error}"
+    text = None if error is None else error_text(error)
     messages = barriers.exchange(phase, {"error": text}, timeout_s)
     if error is not None:
         raise error

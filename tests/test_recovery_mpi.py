@@ -816,3 +816,107 @@ def test_errors_say_what_happened(dep, layer):
         routed.reset()  # what the desync says
         failures += compare(batches.run(routed, 3), batches.reference(3), "the next batch")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_close_from_a_signal_handler_inside_a_call_fails_it(dep, layer):
+    """Rank 0's SIGALRM handler closes its EpRouted while rank 0 waits in the combine (its peers'
+    experts take 1 s): rank 0's call raises RuntimeError saying it was closed during the call
+    (it returns no rows), and the peers' calls raise EpPeerLostError naming rank 0. A new
+    EpRouted then gives the reference rows on every rank.
+    Before: rank 0's call went on after the handler and returned rows of zeros (the combine
+    summed the rows of no rank: close() had emptied the list of peers), no error on any rank."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 380), T)
+    failures: list[str] = []
+    routed = build(dep)
+    failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+    if dep.rank == 0:
+        previous = signal.signal(signal.SIGALRM, lambda signum, frame: routed.close())
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            expect_raises(
+                failures,
+                "rank 0's call closed by its signal handler",
+                RuntimeError,
+                r"closed on this rank during the call",
+                lambda: batches.run(routed, 1),
+            )
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        if not routed.closed:
+            failures.append("rank 0: the handler's close() did not close the EpRouted")
+    else:
+        latent, ids, weights = batches.inputs(1)
+        slow = SlowExperts(batches.experts, 1.0)
+        expect_raises(
+            failures,
+            "a peer's call while rank 0 closed",
+            EpPeerLostError,
+            r"rank 0",
+            lambda: routed(latent, ids, weights, layer.norm_weight(), experts=slow),
+        )
+    routed.close()
+    with build(dep) as fresh:
+        failures += compare(batches.run(fresh, 2), batches.reference(2), "a new EpRouted")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+class RaisingExperts(ExpertsBackend):
+    """Experts that raise `error` instead of computing."""
+
+    def __init__(self, inner: ExpertsBackend, error: BaseException):
+        self.inner, self.error = inner, error
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out):
+        raise self.error
+
+
+class UnprintableError(Exception):
+    """An exception whose str() raises."""
+
+    def __str__(self):
+        raise RuntimeError("str() of this error fails")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text", ["unprintable", "9 MB"])
+def test_an_error_any_text_reaches_the_peers(dep, layer, text):
+    """Rank 0's experts raise an error whose str() raises, or whose text is 9 MB (over the
+    rendezvous store's 8 MiB a value): rank 0 raises that error, the peers EpPeerError naming
+    rank 0 at once (its text cut to ERROR_TEXT_CHARS characters, or saying str() raised), and
+    the next call, with no reset, gives the reference rows on every rank; so does a new EpRouted.
+    Before: unprintable, rank 0 raised the RuntimeError of its str() inside the exchange before
+    publishing its message (the peers waited for it) and its next call asked for a reset; 9 MB,
+    rank 0's store connection broke (EpPeerLostError "lost the rendezvous store" on rank 0, an
+    EpTimeoutError after timeout_s on the peers) and no new EpRouted could be built."""
+    from dep_ep.comm.errors import ERROR_TEXT_CHARS
+
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 390), T)
+    error = UnprintableError() if text == "unprintable" else RuntimeError("x" * 9_000_000)
+    failures: list[str] = []
+    with build(dep) as routed:
+        if dep.rank == 0:
+            experts = RaisingExperts(batches.experts, error)
+            latent, ids, weights = batches.inputs(1)
+            err, took = timed(
+                lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
+            )
+            if err is not error:
+                failures.append(f"rank 0 raised {type(err).__name__}, not its experts' error")
+        else:
+            expected = r"rank 0 .*str\(\) raised" if text == "unprintable" else r"more characters"
+            err = expect_raises(
+                failures, "a peer of the failed rank", EpPeerError, expected,
+                lambda: batches.run(routed, 1),
+            )  # fmt: skip
+            if err is not None and len(str(err)) > ERROR_TEXT_CHARS + 1000:
+                failures.append(f"the peer's error holds {len(str(err))} characters")
+        failures += compare(batches.run(routed, 2), batches.reference(2), "the next call")
+    with build(dep) as fresh:
+        failures += compare(batches.run(fresh, 3), batches.reference(3), "a new EpRouted")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)

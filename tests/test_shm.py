@@ -54,6 +54,9 @@ def test_no_leftover_files(ending):
 def test_views_after_close_raise():
     proc = run_child("buf.close()\ntry:\n    buf.x(1)\nexcept RuntimeError as e:\n    print(e)\n")
     assert proc.returncode == 0 and "closed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    # The peers' regions too: an empty list after close() made a combine sum no rank (zeros).
+    proc = run_child("buf.close()\ntry:\n    buf.peers\nexcept RuntimeError as e:\n    print(e)\n")
+    assert "EpBuffers.peers: the buffers were closed" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_buffers_reject_wrong_rank_arguments():
