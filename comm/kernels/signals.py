@@ -366,6 +366,16 @@ def chunk_end(count: Int32, block: Int32, grid: Int32) -> Int32:
 
 
 @cute.jit
+def store_step_status(control: RankControl, kind: Int32):
+    """A step check's outcome into the state's step status word, when it is an error kind
+    (non-zero): the combine of the call then marks its output instead of using it. 0 stores
+    nothing (another source's error kind may be there already)."""
+    if kind != 0:
+        mState = state_words(control)
+        mState[STATE_STEP_STATUS] = Int64(kind)
+
+
+@cute.jit
 def check_step(
     mSlot: cute.Tensor,
     call: Int64,
@@ -410,9 +420,7 @@ def check_step(
                     Int64(step.tokens),
                     call,
                 )
-    if kind != 0:
-        mState = state_words(control)
-        mState[STATE_STEP_STATUS] = Int64(kind)
+    store_step_status(control, kind)
     return kind
 
 
@@ -437,7 +445,5 @@ def check_own_step(
         record_error(
             control, KIND_REJECTED, Int32(phase), control.rank, Int64(status), Int64(0), call
         )
-    if kind != 0:
-        mState = state_words(control)
-        mState[STATE_STEP_STATUS] = Int64(kind)
+    store_step_status(control, kind)
     return kind
