@@ -261,8 +261,9 @@ class ObjectBarriers:
         object's next barrier, wait (at most `timeout_s`) for every rank's, and return them in
         rank order, each with its "phase". Raises EpDesyncError when the ranks are in different
         phases or a missing rank waits elsewhere (recovery "reset"), EpPeerLostError, and
-        EpTimeoutError naming the missing ranks. The barrier counts as passed on every rank that
-        returns or raises EpDesyncError for differing phases."""
+        EpTimeoutError naming the missing ranks, and RuntimeError when this rank closed the
+        object, before the barrier or while it waited. The barrier counts as passed on every rank
+        that returns or raises EpDesyncError for differing phases."""
         ch = self.channel
         self._refuse_closed(phase)
         message = dict(payload, phase=phase)
@@ -333,8 +334,9 @@ class ObjectBarriers:
         in and starts a new epoch (count 0), the same on every rank. Each rank raises its reset
         round to its previous round + 1 and waits until every rank's round reaches it; the new
         epoch is the largest round (a rank whose earlier reset failed catches up). Raises
-        EpTimeoutError naming the ranks that did not call reset(), EpPeerLostError, and
-        EpDesyncError when a rank resets another object at the same time."""
+        EpTimeoutError naming the ranks that did not call reset(), EpPeerLostError,
+        EpDesyncError when a rank resets another object at the same time, and RuntimeError when
+        this rank closed the object."""
         ch = self.channel
         self._refuse_closed("reset")
         target = self.reset_round + 1
