@@ -7,6 +7,7 @@ from dep_ep.comm.errors import (
     EpPairBudgetError,
     EpPeerError,
     EpPeerLostError,
+    EpResetDuringCallError,
     EpTimeoutError,
     EpTokenCountError,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "EpPairBudgetError",
     "EpPeerError",
     "EpPeerLostError",
+    "EpResetDuringCallError",
     "EpTimeoutError",
     "EpTokenCountError",
     "RankRegions",

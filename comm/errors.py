@@ -121,6 +121,13 @@ class EpPairBudgetError(EpError):
         self.pairs, self.budget, self.tag = pairs, budget, tag
 
 
+class EpResetDuringCallError(EpError):
+    """reset() ran on this rank while one of its calls was inside (a signal handler's reset(),
+    say): that call returns nothing and nothing of it was used. The reset brought every rank to
+    a new epoch (the peers reset too, as their EpDesyncError told them), so the ranks are in
+    step: `recovery` is "none", and the next call pairs as usual."""
+
+
 class EpPeerLostError(EpError):
     """A rank of the group is gone (its process exited or was killed, or the rendezvous store it
     hosted is unreachable): names the rank that noticed, the phase and the lost rank. Nothing of

@@ -54,6 +54,7 @@ from dep_ep.comm.errors import (
     RECOVERY_RESET,
     EpDesyncError,
     EpPeerLostError,
+    EpResetDuringCallError,
     EpTimeoutError,
     ranks_text,
 )
@@ -247,6 +248,19 @@ class ObjectBarriers:
                 " used"
             )
 
+    def _refuse_interrupted(self, phase: str, began: tuple[int, int]) -> None:
+        """While a barrier waits: RuntimeError when this rank closed the object
+        (`_refuse_closed`), EpResetDuringCallError when it reset it (its (epoch, reset round)
+        moved on from `began`; a signal handler's reset(), say): the barrier's messages belong
+        to an epoch no rank is in any more, and the call is abandoned."""
+        self._refuse_closed(phase)
+        if (self.epoch, self.reset_round) != began:
+            raise EpResetDuringCallError(
+                f"rank {self.channel.rank} in {phase} of {self.label}: reset() ran on this rank"
+                " during the call (from a signal handler, say); nothing of the call was used."
+                " The ranks are in step after that reset: the next call needs no reset"
+            )
+
     def _check_closed(self, store, ranks: list[int], phase: str) -> None:
         """EpPeerLostError naming those of `ranks` that closed this object: they take part in
         none of its barriers or resets again."""
@@ -266,6 +280,7 @@ class ObjectBarriers:
         that returns or raises EpDesyncError for differing phases."""
         ch = self.channel
         self._refuse_closed(phase)
+        began = (self.epoch, self.reset_round)  # a reset inside the call changes them
         message = dict(payload, phase=phase)
         if ch.size == 1:
             self.count += 1
@@ -276,11 +291,20 @@ class ObjectBarriers:
         try:
             self._set_where(store, phase, epoch=self.epoch, count=self.count)
             store.set(keys[me], json.dumps(message))
-            values = self._wait_all(store, keys, phase, timeout_s)
-            self._refuse_closed(phase)  # closed while it waited (a signal handler's close())
+            values = self._wait_all(store, keys, phase, timeout_s, began)
+            self._refuse_interrupted(phase, began)  # closed or reset while it waited
             passed = True
             if self._published is not None:
                 store.delete_key(self._published)
+        except EpResetDuringCallError:
+            # The reset this rank ran meanwhile took every rank out of every earlier barrier: no
+            # rank reads this key any more (best effort: the reset's own keys do not need it).
+            passed = True
+            try:
+                store.delete_key(keys[me])
+            except dist.DistError:
+                pass  # the store is gone: the next barrier says so
+            raise
         except (EpDesyncError, EpTimeoutError, EpPeerLostError):
             raise
         except dist.DistError as err:
@@ -303,15 +327,19 @@ class ObjectBarriers:
             )
         return messages
 
-    def _wait_all(self, store, keys: list[str], phase: str, timeout_s: float) -> list[bytes]:
-        """Every rank's message, once all exist. Polls with `check` (a store `wait` that times
-        out logs a warning in torch's C++ layer each time): back to back for POLL_SPIN_S, then
-        with sleeps growing to POLL_SLEEP_MAX_S; the peers are looked at every WAIT_SLICE_S."""
+    def _wait_all(
+        self, store, keys: list[str], phase: str, timeout_s: float, began: tuple[int, int]
+    ) -> list[bytes]:
+        """Every rank's message, once all exist (`began`: this object's (epoch, reset round)
+        when the barrier began, for `_refuse_interrupted`). Polls with `check` (a store `wait`
+        that times out logs a warning in torch's C++ layer each time): back to back for
+        POLL_SPIN_S, then with sleeps growing to POLL_SLEEP_MAX_S; the peers are looked at every
+        WAIT_SLICE_S."""
         start = time.monotonic()
         deadline, next_look, sleep = start + timeout_s, start + WAIT_SLICE_S, 0.0
         while not store.check(keys):
             now = time.monotonic()
-            self._refuse_closed(phase)
+            self._refuse_interrupted(phase, began)
             if now >= next_look:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 if missing:

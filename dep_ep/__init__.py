@@ -17,6 +17,7 @@ from dep_ep.comm import (
     EpPairBudgetError,
     EpPeerError,
     EpPeerLostError,
+    EpResetDuringCallError,
     EpTimeoutError,
     EpTokenCountError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "EpPairBudgetError",
     "EpPeerError",
     "EpPeerLostError",
+    "EpResetDuringCallError",
     "EpRouted",
     "EpTimeoutError",
     "EpTokenCountError",

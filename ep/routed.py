@@ -33,6 +33,7 @@ from dep_ep.comm.errors import (
     RECOVERY_REBUILD,
     EpError,
     EpPeerLostError,
+    EpResetDuringCallError,
     tag_text,
 )
 from dep_ep.comm.failure import StepFailure
@@ -350,6 +351,7 @@ class EpRouted:
         self._entered = 0
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
         self._step_failure: str | None = None  # why the last step failed on this rank
+        self._resets = 0  # reset()s so far: a routed step whose experts saw one is abandoned
         self._broken: str | None = None  # why calls are refused until reset()
         self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
         # Inside a step run in pieces only (`_in_pieces`): the error this rank raised after
@@ -1187,6 +1189,7 @@ class EpRouted:
         """One step of at most max_tokens tokens into `out` (or a new tensor). `checked`: as
         Transport.dispatch."""
         # experts=None is caught by the dispatch's validation, which every rank takes part in.
+        resets = self._resets
         rows = self._dispatch(
             fn, latent, ids, weights, experts, True, tokens, tag, checked, padding=padding
         )
@@ -1202,6 +1205,14 @@ class EpRouted:
                 experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
         except BaseException as err:  # every rank must still complete the step
             error = err
+        if self._resets != resets:
+            # reset() ran on this rank during its experts (a signal handler's): the step was
+            # dropped on every rank (the peers reset too, as their EpDesyncError said).
+            raise EpResetDuringCallError(
+                f"{fn}: reset() ran on this rank during the call's experts (from a signal"
+                " handler, say); nothing of the call was used. The ranks are in step after that"
+                " reset: the next call needs no reset"
+            ) from error
         return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)
 
     @_one_thread
@@ -1262,6 +1273,7 @@ class EpRouted:
         if self._lost is not None:
             self._check_usable(fn)
         self._run(fn, self._transport.reset, None)
+        self._resets += 1
         self._step = None
         self._step_failure = "reset() since"
         self._broken = None

@@ -410,8 +410,8 @@ def interrupt_once_in_construction(monkeypatch, where: str) -> None:
         return
     wait_all = ObjectBarriers._wait_all
 
-    def wait_then_interrupt(self, store, keys, phase, timeout_s):
-        values = wait_all(self, store, keys, phase, timeout_s)
+    def wait_then_interrupt(self, store, keys, phase, *rest):
+        values = wait_all(self, store, keys, phase, *rest)
         if phase == "construction":
             monkeypatch.setattr(ObjectBarriers, "_wait_all", wait_all)
             raise KeyboardInterrupt("Ctrl-C after every construction message arrived")
@@ -919,4 +919,64 @@ def test_an_error_any_text_reaches_the_peers(dep, layer, text):
         failures += compare(batches.run(routed, 2), batches.reference(2), "the next call")
     with build(dep) as fresh:
         failures += compare(batches.run(fresh, 3), batches.reference(3), "a new EpRouted")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["dispatch", "experts", "combine"])
+def test_a_reset_from_a_signal_handler_inside_a_call_abandons_it(dep, layer, where):
+    """Rank 0's SIGALRM handler calls reset() 0.3 s into a step, while rank 0 waits in the
+    dispatch (its peers call 1 s late), runs its experts (they take 1 s) or waits in the combine
+    (its peers' experts take 1 s). The peers raise EpDesyncError saying to reset and reset;
+    rank 0's call raises EpResetDuringCallError (recovery "none") within 2.5 s of its start.
+    Every rank then does what its error's `recovery` says, and the next three steps give the
+    reference rows on every rank.
+    Before: in the dispatch and the combine, rank 0's call went on waiting for the barrier of
+    the epoch before the reset and raised EpTimeoutError after timeout_s naming its healthy
+    peers, whose reset() it asked for (a second reset, which cost the peers a good step and
+    left untagged calls paired a step apart); in the experts, it raised "no dispatch to
+    combine"."""
+    from dep_ep.comm.errors import RECOVERY_NONE, RECOVERY_RESET, EpResetDuringCallError
+
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 400), T)
+    failures: list[str] = []
+    late = 1.0
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        latent, ids, weights = batches.inputs(1)
+        experts = batches.experts
+        if dep.rank == 0:
+            if where == "experts":
+                experts = SlowExperts(experts, late)
+            previous = signal.signal(signal.SIGALRM, lambda signum, frame: routed.reset())
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            try:
+                err, took = timed(
+                    lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
+                )
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            if not isinstance(err, EpResetDuringCallError):
+                failures.append(f"rank 0's call: {type(err).__name__}: {err}")
+            elif took > 2.5:
+                failures.append(f"rank 0's call raised after {took:.2f} s")
+        else:
+            if where == "dispatch":
+                time.sleep(late)
+            elif where == "combine":
+                experts = SlowExperts(experts, late)
+            err, _ = timed(
+                lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
+            )
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"a peer's call: {type(err).__name__}: {err}")
+        recovery = getattr(err, "recovery", None)
+        if recovery == RECOVERY_RESET:
+            routed.reset()
+        elif recovery != RECOVERY_NONE:
+            failures.append(f"recovery {recovery!r} after {type(err).__name__}")
+        for i in (2, 3, 4):
+            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
