@@ -156,6 +156,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--max-seconds must be > 0")
     if not (args.rate > 0 and math.isfinite(args.rate)):
         p.error("--rate must be a finite number > 0")
+    if not 0 < args.timeout < 1e9:
+        p.error("--timeout must be a number of seconds above 0 and below 1e9")
     try:
         args.buckets = sorted({int(b) for b in args.buckets.split(",")})
     except ValueError:

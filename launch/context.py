@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import socket
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dep_ep.checks import check_real_between
 from dep_ep.launch.env import LaunchEnv, read_launch_env
 
 
@@ -85,10 +87,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rendezvous(env: LaunchEnv) -> str:
-    """An init_method URL: torchrun's MASTER_ADDR/PORT, or a port agreed through mpi4py."""
-    if env.master_port is not None:
-        return f"tcp://{env.master_addr or '127.0.0.1'}:{env.master_port}"
+# MPI's start-up (MPI_Init, inside `from mpi4py import MPI`) waits for every rank of the job in C
+# code that holds the GIL: no Python thread or signal handler runs until it returns. So its bound
+# is faulthandler's watchdog (a C thread): past timeout_s it writes the Python traceback, which
+# names the frame `_mpi_start_up_waits_for_every_rank`, to stderr (fd STDERR_FD) and ends the
+# process with exit code 1. MPICH's mpiexec does not end a job whose rank exited with an error,
+# so a rank that died before it (a server refusing its arguments) left the others there for
+# ever.
+STDERR_FD = 2
+
+
+def _mpi_start_up_waits_for_every_rank(env: LaunchEnv) -> int:
+    """MPI's start-up and rank 0's rendezvous port, broadcast: the port (the function's name is
+    what the timeout's traceback shows)."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -96,13 +107,25 @@ def _rendezvous(env: LaunchEnv) -> str:
             f"init_rank_context: launched by {env.launcher} without MASTER_ADDR/MASTER_PORT; set"
             " them, or `pip install mpi4py` so rank 0 can publish a rendezvous port"
         ) from None
-    comm = MPI.COMM_WORLD
+    return MPI.COMM_WORLD.bcast(_free_port() if env.rank == 0 else None, root=0)
+
+
+def _rendezvous(env: LaunchEnv, timeout_s: float) -> str:
+    """An init_method URL: torchrun's MASTER_ADDR/PORT, or a port agreed through mpi4py, whose
+    start-up is bounded by `timeout_s` (faulthandler's watchdog: see STDERR_FD's comment; it
+    replaces a `faulthandler.dump_traceback_later` the host had armed, for that while)."""
+    if env.master_port is not None:
+        return f"tcp://{env.master_addr or '127.0.0.1'}:{env.master_port}"
     if env.master_addr is None and env.local_world_size != env.world_size:
         raise RuntimeError(
             "init_rank_context: a multi-node MPI job needs MASTER_ADDR (rank 0's host) in the"
             " environment"
         )
-    port = comm.bcast(_free_port() if env.rank == 0 else None, root=0)
+    faulthandler.dump_traceback_later(timeout_s, exit=True, file=STDERR_FD)
+    try:
+        port = _mpi_start_up_waits_for_every_rank(env)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     return f"tcp://{env.master_addr or '127.0.0.1'}:{port}"
 
 
@@ -129,7 +152,15 @@ def init_rank_context(
     Backend: gloo on CPU and whenever ranks share a GPU (NCCL refuses two ranks on one GPU),
     NCCL otherwise, with a gloo group beside it for metadata. `timeout_s` bounds every collective.
     Reuses a process group the host already initialised (and then leaves its teardown to the host).
+    Under an MPI launcher without MASTER_ADDR/MASTER_PORT, MPI's start-up is bounded by `timeout_s`
+    too: past it the process writes its traceback (`_mpi_start_up_waits_for_every_rank`) to
+    stderr and exits with code 1, since a rank missing from MPI_Init cannot be waited for any
+    other way. ValueError for a `timeout_s` that is
+    not a number of seconds above 0 and below 1e9.
     """
+    timeout_s = check_real_between(
+        "init_rank_context", "timeout_s", timeout_s, 0, 1e9, "seconds above 0 and below 1e9"
+    )
     env = read_launch_env() if env is None else env
     bound, shares_gpu = _bind_device(env, device)
     backend = "nccl" if bound.type == "cuda" and not shares_gpu else "gloo"
@@ -139,7 +170,7 @@ def init_rank_context(
         if env.world_size == 1:
             dist.init_process_group(store=dist.HashStore(), **kwargs)
         else:
-            dist.init_process_group(init_method=_rendezvous(env), **kwargs)
+            dist.init_process_group(init_method=_rendezvous(env, timeout_s), **kwargs)
         owned = True
     else:
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:

@@ -270,3 +270,14 @@ def test_emulated_buckets_replay_check_and_poll_every_step(tmp_path):
         polls = json.loads((tmp_path / f"polls{rank}.json").read_text())
         assert polls["polls"] == results["steps"] > 0, (rank, polls, results["steps"])
     assert "graph replays, emulated on the CPU)" in proc.stdout, log
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "1e9"])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(timeout, monkeypatch, capsys):
+    """--timeout 0, -1, nan, inf: before, accepted, and every rank ended in a raw traceback from
+    the store's timedelta a few seconds later."""
+    monkeypatch.setattr(sys, "argv", ["dp_server.py", "--timeout", timeout])
+    with pytest.raises(SystemExit) as exit_info:
+        load_server().parse_args()
+    assert exit_info.value.code == 2
+    assert "--timeout must be a number of seconds above 0 and below 1e9" in capsys.readouterr().err

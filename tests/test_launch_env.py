@@ -73,3 +73,13 @@ def test_rank_context_takes_no_private_arguments():
     a, b = RankContext(*args), RankContext(*args)
     assert a._created_groups == [] and a._created_groups is not b._created_groups
     assert "_created_groups" not in repr(a) and a == b
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("inf"), 1e9, "60", True])
+def test_init_rank_context_refuses_a_timeout_that_is_no_number_of_seconds(timeout_s):
+    """Before: accepted, and a job ended in a raw traceback from the store's timedelta (0, -1:
+    "timed out after 0ms", nan: "cannot convert float NaN", inf: OverflowError)."""
+    from dep_ep.launch import init_rank_context
+
+    with pytest.raises(ValueError, match=r"init_rank_context: timeout_s=.*above 0 and below 1e9"):
+        init_rank_context("cpu", timeout_s=timeout_s)

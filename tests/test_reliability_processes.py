@@ -1,4 +1,5 @@
-"""Whole processes: construction with a rank that never arrives is bounded by timeout_s."""
+"""Whole processes: construction with a rank that never arrives is bounded by timeout_s, and so
+is MPI's start-up in init_rank_context when a rank of the job exits before it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -26,3 +28,22 @@ def test_construction_with_a_missing_rank_times_out(missing):
     assert "phase 'construction'" in waiting and str(missing) in waiting.split("waiting for")[1]
     took = float(re.search(r"after ([\d.]+)s", waiting).group(1))
     assert took <= TIMEOUT_S + 1.0, f"the construction waited {took}s with timeout_s={TIMEOUT_S}"
+
+
+def test_mpi_start_up_without_a_rank_ends_after_timeout_s():
+    """Rank 1 of an mpiexec job exits (code 2) before it starts MPI, as a server whose arguments
+    one rank refuses does: rank 0's init_rank_context(timeout_s=2) writes its traceback, naming
+    `_mpi_start_up_waits_for_every_rank`, to stderr and exits within timeout_s + 8 s.
+    Before: rank 0 waited in MPI_Init (`from mpi4py import MPI`) with no limit; MPICH's mpiexec
+    does not end the job when a rank exits with an error."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+    waiting = "from dep_ep.launch import init_rank_context; init_rank_context('cpu', timeout_s=2)"
+    cmd = [mpiexec, "-n", "1", sys.executable, "-c", waiting]
+    cmd += [":", "-n", "1", sys.executable, "-c", "import sys; sys.exit(2)"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=TESTS, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    said = proc.stdout + proc.stderr
+    assert "Timeout (0:00:02)!" in said, said[-3000:]
+    assert "_mpi_start_up_waits_for_every_rank" in said, said[-3000:]
+    assert proc.returncode != 0 and took < 10.0, (proc.returncode, took, said[-3000:])
