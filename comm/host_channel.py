@@ -255,11 +255,14 @@ class ObjectBarriers:
         to an epoch no rank is in any more, and the call is abandoned."""
         self._refuse_closed(phase)
         if (self.epoch, self.reset_round) != began:
-            raise EpResetDuringCallError(
-                f"rank {self.channel.rank} in {phase} of {self.label}: reset() ran on this rank"
-                " during the call (from a signal handler, say); nothing of the call was used."
-                " The ranks are in step after that reset: the next call needs no reset"
-            )
+            raise self._reset_during_call(phase)
+
+    def _reset_during_call(self, phase: str) -> EpResetDuringCallError:
+        return EpResetDuringCallError(
+            f"rank {self.channel.rank} in {phase} of {self.label}: reset() ran on this rank"
+            " during the call (from a signal handler, say); nothing of the call was used. The"
+            " ranks are in step after that reset: the next call needs no reset"
+        )
 
     def _check_closed(self, store, ranks: list[int], phase: str) -> None:
         """EpPeerLostError naming those of `ranks` that closed this object: they take part in
@@ -292,20 +295,9 @@ class ObjectBarriers:
             self._set_where(store, phase, epoch=self.epoch, count=self.count)
             store.set(keys[me], json.dumps(message))
             values = self._wait_all(store, keys, phase, timeout_s, began)
-            self._refuse_interrupted(phase, began)  # closed or reset while it waited
+            self._refuse_closed(phase)
             passed = True
-            if self._published is not None:
-                store.delete_key(self._published)
-        except EpResetDuringCallError:
-            # The reset this rank ran meanwhile took every rank out of every earlier barrier: no
-            # rank reads this key any more (best effort: the reset's own keys do not need it).
-            passed = True
-            try:
-                store.delete_key(keys[me])
-            except dist.DistError:
-                pass  # the store is gone: the next barrier says so
-            raise
-        except (EpDesyncError, EpTimeoutError, EpPeerLostError):
+        except (EpDesyncError, EpTimeoutError, EpPeerLostError, EpResetDuringCallError):
             raise
         except dist.DistError as err:
             raise ch.lost(phase, err) from None
@@ -314,8 +306,21 @@ class ObjectBarriers:
                 # Not deleted here: a peer that saw every message may be reading this one (a
                 # read of a missing key would wait for it). After the next reset no rank is.
                 self._stale.append(keys[me])
-        self._published = keys[me]
+        # A reset() run on this rank meanwhile (a signal handler's) moved the object to a new
+        # epoch: this barrier belongs to none, and its key waits for the next reset (a peer's
+        # own reset may have come after its last look, so it may still read it). No call stands
+        # between this test and the two stores after it, so no handler can run in between
+        # (CPython runs them at calls and backward jumps).
+        if (self.epoch, self.reset_round) != began:
+            self._stale.append(keys[me])
+            raise self._reset_during_call(phase)
+        previous, self._published = self._published, keys[me]
         self.count += 1
+        if previous is not None:
+            try:
+                store.delete_key(previous)  # every rank passed the barrier it belongs to
+            except dist.DistError as err:
+                raise ch.lost(phase, err) from None
         messages = [json.loads(v) for v in values]
         phases = [m["phase"] for m in messages]
         if len(set(phases)) > 1:

@@ -633,7 +633,7 @@ class EpMoeLayer:
         reads values, `check_values`, and at the first call given no tag=, which reads the
         fingerprint) and capturable in a CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
-        calls, entered = self._calls, self.routed._entered
+        calls, entered, resets = self._calls, self.routed._entered, self.routed._resets
         unready = None
         # The first call (every rank makes it) copies again what the layer copied, so weights
         # loaded between construction and serving reach it; the first call given no tag= reads
@@ -668,8 +668,9 @@ class EpMoeLayer:
         finally:
             # The call counts once it reached the EpRouted's transport (as its peers' calls do):
             # an exception before that (a KeyboardInterrupt in this rank's own work) leaves the
-            # count where the peers' is, and the next call pairs with theirs.
-            if self.routed._entered != entered:
+            # count where the peers' is, and the next call pairs with theirs. A reset() during
+            # the call (a signal handler's) restarted the count on every rank: it stays at 0.
+            if self.routed._entered != entered and self.routed._resets == resets:
                 self._calls = calls + 1
 
     # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a

@@ -182,6 +182,15 @@ def _as_exception(fn: str, error: object) -> BaseException:
     return TypeError(f"{fn}: error is {type(error).__name__} ({error!r}); expected an exception")
 
 
+def _reset_during(name: str) -> EpResetDuringCallError:
+    """The error of a call that a reset() on its own rank (a signal handler's) overtook."""
+    return EpResetDuringCallError(
+        f"{name}: reset() ran on this rank during the call (from a signal handler, say); nothing"
+        " of the call was used. The ranks are in step after that reset: the next call needs no"
+        " reset"
+    )
+
+
 def _one_thread(method):
     """An EpRouted method that one thread at a time may be inside: a call entered while another
     (live) thread is inside one of them raises RuntimeError on the entering thread, naming both
@@ -194,7 +203,12 @@ def _one_thread(method):
     (a signal handler that runs on the same thread while it is held enters it again instead of
     waiting on itself), marked as ours before it is taken and cleared in `finally`, so that an
     exception at any point (a KeyboardInterrupt included) leaves it free; a slot whose thread has
-    ended is free."""
+    ended is free.
+
+    A call (but reset and close) during which this rank's reset() ran, nested on its thread (a
+    signal handler's), returns nothing: whatever it did after the reset (a dispatch it recorded
+    again, a barrier counted in the new epoch) is dropped (`_abandon_call`), and it raises
+    EpResetDuringCallError, recovery "none"."""
     name = f"EpRouted.{method.__name__}"
 
     @functools.wraps(method)
@@ -215,7 +229,23 @@ def _one_thread(method):
                     f" {busy[1]} on this EpRouted; drive an EpRouted from one thread (two"
                     " threads would pair this rank's calls with its peers' in another order)"
                 )
-            return method(self, *args, **kwargs)
+            if not outer or method.__name__ in ("reset", "close"):
+                return method(self, *args, **kwargs)
+            resets = self._resets
+            try:
+                result = method(self, *args, **kwargs)
+            except EpResetDuringCallError:
+                self._abandon_call()
+                raise
+            except BaseException as err:
+                if self._resets == resets:
+                    raise
+                self._abandon_call()
+                raise _reset_during(name) from err
+            if self._resets != resets:
+                self._abandon_call()
+                raise _reset_during(name)
+            return result
         finally:
             if outer:
                 self._caller = None
@@ -351,7 +381,7 @@ class EpRouted:
         self._entered = 0
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
         self._step_failure: str | None = None  # why the last step failed on this rank
-        self._resets = 0  # reset()s so far: a routed step whose experts saw one is abandoned
+        self._resets = 0  # reset()s so far: a call during which one ran is abandoned
         self._broken: str | None = None  # why calls are refused until reset()
         self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
         # Inside a step run in pieces only (`_in_pieces`): the error this rank raised after
@@ -1208,6 +1238,7 @@ class EpRouted:
         if self._resets != resets:
             # reset() ran on this rank during its experts (a signal handler's): the step was
             # dropped on every rank (the peers reset too, as their EpDesyncError said).
+            self._abandon_call()
             raise EpResetDuringCallError(
                 f"{fn}: reset() ran on this rank during the call's experts (from a signal"
                 " handler, say); nothing of the call was used. The ranks are in step after that"
@@ -1279,6 +1310,13 @@ class EpRouted:
         self._broken = None
         for layer in list(self._layers):
             layer.restart_steps()
+
+    def _abandon_call(self) -> None:
+        """What a call overtaken by this rank's reset() left behind goes, as reset() clears it:
+        a pending dispatch, the refusal of further calls (the ranks are in step after the
+        reset; a lost peer stays lost)."""
+        self._step = None
+        self._broken = None
 
     @_one_thread
     def close(self) -> None:

@@ -90,10 +90,12 @@ def _free_port() -> int:
 # MPI's start-up (MPI_Init, inside `from mpi4py import MPI`) waits for every rank of the job in C
 # code that holds the GIL: no Python thread or signal handler runs until it returns. So its bound
 # is faulthandler's watchdog (a C thread): past timeout_s it writes the Python traceback, which
-# names the frame `_mpi_start_up_waits_for_every_rank`, to stderr (fd STDERR_FD) and ends the
-# process with exit code 1. MPICH's mpiexec does not end a job whose rank exited with an error,
-# so a rank that died before it (a server refusing its arguments) left the others there for
-# ever.
+# names the frame `_mpi_start_up_waits_for_every_rank`, to file descriptor STDERR_FD and ends the
+# process with _exit(1) (no atexit handler, no flush of Python's buffers). MPICH's mpiexec does
+# not end a job whose rank exited with an error, so a rank that died before it (a server refusing
+# its arguments) left the others there for ever. The bound is the job's timeout_s, which also
+# bounds every collective: a job whose ranks reach MPI_Init more than timeout_s apart needs a
+# larger one.
 STDERR_FD = 2
 
 
@@ -112,8 +114,8 @@ def _mpi_start_up_waits_for_every_rank(env: LaunchEnv) -> int:
 
 def _rendezvous(env: LaunchEnv, timeout_s: float) -> str:
     """An init_method URL: torchrun's MASTER_ADDR/PORT, or a port agreed through mpi4py, whose
-    start-up is bounded by `timeout_s` (faulthandler's watchdog: see STDERR_FD's comment; it
-    replaces a `faulthandler.dump_traceback_later` the host had armed, for that while)."""
+    start-up is bounded by `timeout_s` (faulthandler's watchdog: see STDERR_FD's comment). It
+    cancels a `faulthandler.dump_traceback_later` the host had armed (faulthandler keeps one)."""
     if env.master_port is not None:
         return f"tcp://{env.master_addr or '127.0.0.1'}:{env.master_port}"
     if env.master_addr is None and env.local_world_size != env.world_size:

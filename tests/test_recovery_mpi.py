@@ -980,3 +980,64 @@ def test_a_reset_from_a_signal_handler_inside_a_call_abandons_it(dep, layer, whe
         for i in (2, 3, 4):
             failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("caller", ["routed", "dispatch", "layer"])
+def test_a_reset_right_after_a_barrier_drops_what_the_call_did_next(dep, layer, caller):
+    """Rank 0's reset() runs nested in its call right after its dispatch barrier returned (where
+    a signal handler's may run): through `routed`, the split `dispatch`, and an EpMoeLayer. The
+    peers raise EpDesyncError, reset; rank 0's call raises EpResetDuringCallError. Nothing more
+    is asked of any rank, and the next three calls give a fresh EpRouted's bits (layer A then B
+    through EpMoeLayers, each call's rows for the others).
+    Before: rank 0 recorded the dispatch again after the reset, and its every later call raised
+    "the previous dispatch was not combined yet" while its peers timed out; through EpMoeLayer
+    the layer counted the call after the reset had restarted its count, and the next call raised
+    EpDesyncError on every rank."""
+    from dep_ep.comm.errors import RECOVERY_RESET, EpResetDuringCallError
+
+    seed = agreed_seed(dep.cpu_group, 410)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    batches = Batches(dep, layer, seed, T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        a = EpMoeLayer(dense_weights(seed + 1), routed, batches.experts, topk=TINY.topk)
+        b = EpMoeLayer(dense_weights(seed + 2), routed, batches.experts, topk=TINY.topk)
+        got_before = [a(mine), b(mine)]
+        transport_dispatch = routed._transport.dispatch
+        if dep.rank == 0:
+
+            def dispatch_then_reset(*args, **kwargs):
+                routed._transport.dispatch = transport_dispatch  # once
+                transport_dispatch(*args, **kwargs)
+                routed.reset()  # as a signal handler's would, right after the barrier
+
+            routed._transport.dispatch = dispatch_then_reset
+        latent, ids, weights = batches.inputs(1)
+        if caller == "layer":
+            call = lambda: a(mine)  # noqa: E731
+        elif caller == "dispatch":
+            call = lambda: routed.dispatch(latent, ids, weights, experts=batches.experts)  # noqa: E731
+        else:
+            call = lambda: batches.run(routed, 1)  # noqa: E731
+        err, _ = timed(call)
+        if dep.rank == 0:
+            if not isinstance(err, EpResetDuringCallError):
+                failures.append(f"rank 0's call: {type(err).__name__}: {err}")
+        elif caller == "dispatch" and err is None:
+            # The split API: a peer's dispatch passed; its combine meets rank 0's reset.
+            err, _ = timed(lambda: routed.combine(layer.norm_weight()))
+        if dep.rank != 0:
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"a peer's call: {type(err).__name__}: {err}")
+            elif err.recovery == RECOVERY_RESET:
+                routed.reset()
+        got = [a(mine), b(mine)]
+        failures += compare(batches.run(routed, 2), batches.reference(2), "a routed step after")
+    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
+    failures += fresh_bits_failures(dep, dense, batches.experts, mine, got_before, "before")
+    failures += fresh_bits_failures(dep, dense, batches.experts, mine, got, "after the reset")
+    collective_assert(dep.cpu_group, failures, seeds=seed)

@@ -33,7 +33,8 @@ def test_construction_with_a_missing_rank_times_out(missing):
 def test_mpi_start_up_without_a_rank_ends_after_timeout_s():
     """Rank 1 of an mpiexec job exits (code 2) before it starts MPI, as a server whose arguments
     one rank refuses does: rank 0's init_rank_context(timeout_s=2) writes its traceback, naming
-    `_mpi_start_up_waits_for_every_rank`, to stderr and exits within timeout_s + 8 s.
+    `_mpi_start_up_waits_for_every_rank`, to stderr and exits (the job ends well within the
+    subprocess's 60 s; a child takes about 4 s to import the package on a loaded 2-core CI).
     Before: rank 0 waited in MPI_Init (`from mpi4py import MPI`) with no limit; MPICH's mpiexec
     does not end the job when a rank exits with an error."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
@@ -46,4 +47,4 @@ def test_mpi_start_up_without_a_rank_ends_after_timeout_s():
     said = proc.stdout + proc.stderr
     assert "Timeout (0:00:02)!" in said, said[-3000:]
     assert "_mpi_start_up_waits_for_every_rank" in said, said[-3000:]
-    assert proc.returncode != 0 and took < 10.0, (proc.returncode, took, said[-3000:])
+    assert proc.returncode != 0 and took < 40.0, (proc.returncode, took, said[-3000:])
