@@ -1236,13 +1236,15 @@ class EpRouted:
         except BaseException as err:  # every rank must still complete the step
             error = err
         if self._resets != resets:
-            # reset() ran on this rank during its experts (a signal handler's): the step was
-            # dropped on every rank (the peers reset too, as their EpDesyncError said).
+            # reset() ran on this rank since its dispatch (during its experts, or right after its
+            # dispatch barrier, which then recorded the step again): the step was dropped on
+            # every rank (the peers reset too, as their EpDesyncError said), so the combine must
+            # not exchange in the new epoch. _one_thread's check comes only after it would have.
             self._abandon_call()
             raise EpResetDuringCallError(
-                f"{fn}: reset() ran on this rank during the call's experts (from a signal"
-                " handler, say); nothing of the call was used. The ranks are in step after that"
-                " reset: the next call needs no reset"
+                f"{fn}: reset() ran on this rank between the call's dispatch and its combine"
+                " (from a signal handler, say); nothing of the call was used. The ranks are in"
+                " step after that reset: the next call needs no reset"
             ) from error
         return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)
 

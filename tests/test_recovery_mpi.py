@@ -863,18 +863,6 @@ def test_a_close_from_a_signal_handler_inside_a_call_fails_it(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
-class RaisingExperts(ExpertsBackend):
-    """Experts that raise `error` instead of computing."""
-
-    def __init__(self, inner: ExpertsBackend, error: BaseException):
-        self.inner, self.error = inner, error
-        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
-        self.latent = inner.latent
-
-    def forward(self, x, sf, ids, weights, out):
-        raise self.error
-
-
 class UnprintableError(Exception):
     """An exception whose str() raises."""
 
@@ -901,7 +889,7 @@ def test_an_error_any_text_reaches_the_peers(dep, layer, text):
     failures: list[str] = []
     with build(dep) as routed:
         if dep.rank == 0:
-            experts = RaisingExperts(batches.experts, error)
+            experts = FailingExperts(batches.experts, error)
             latent, ids, weights = batches.inputs(1)
             err, took = timed(
                 lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
