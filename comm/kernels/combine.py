@@ -108,6 +108,7 @@ from dep_ep.constants import (
     STATE_ABORT,
     STATE_CALL,
     STATE_DONE_COMBINE,
+    STATE_OPEN_CALL,
     STATE_READY_COMBINE,
     STATE_STEP_STATUS,
     STATUS_OK,
@@ -229,8 +230,15 @@ class CombineKernel:
         if cutlass.const_expr(N > 1):
             if tidx == 0:
                 signals = is_first_cta(control, STATE_READY_COMBINE)
-        # The dispatch of this call read STATE_CALL = call - 1; the last CTA here stores `call`.
-        call = mState[STATE_CALL] + 1
+        # The dispatch of this call read STATE_CALL = call - 1. Several ranks: the last CTA here
+        # stores `call`. One rank alone: the dispatch stored `call` in STATE_OPEN_CALL, and every
+        # CTA here stores it into STATE_CALL (no CTA of this launch reads that word), so no CTA
+        # counts itself: the count's acquire-release atomic cost a launch of more than one CTA
+        # 0.6-0.9 us (bench_ep, T = 4 to 1024, one H200; docs/perf_notes.md).
+        if cutlass.const_expr(N == 1):
+            call = mState[STATE_OPEN_CALL]
+        else:
+            call = mState[STATE_CALL] + 1
         # What the dispatch of this call found (stream-ordered before this launch).
         dispatch_failed = mState[STATE_STEP_STATUS]
         aborted = mState[STATE_ABORT]
@@ -289,6 +297,9 @@ class CombineKernel:
                     False,
                 )
         failed = barrier_or(kind | Int32(dispatch_failed != 0))  # also: sNormWeight is filled
+        if cutlass.const_expr(N == 1):
+            if tidx == 0:
+                mState[STATE_CALL] = call
         for t in cutlass.range(first, T, stride):
             if failed != 0:
                 self.mark_token(mNormed, t, member)
@@ -314,15 +325,16 @@ class CombineKernel:
                     group,
                     member,
                 )
-        cute.arch.barrier()
-        last = Int32(0)
-        if tidx == 0:
-            last = is_last_cta(control, STATE_DONE_COMBINE, grid)
-            if last != 0:
-                # Every CTA read STATE_CALL and counted its arrival before it counted itself done.
-                mState[STATE_READY_COMBINE] = Int64(0)
-                mState[STATE_CALL] = call
         if cutlass.const_expr(N > 1):
+            cute.arch.barrier()
+            last = Int32(0)
+            if tidx == 0:
+                last = is_last_cta(control, STATE_DONE_COMBINE, grid)
+                if last != 0:
+                    # Every CTA read STATE_CALL and counted its arrival before it counted itself
+                    # done.
+                    mState[STATE_READY_COMBINE] = Int64(0)
+                    mState[STATE_CALL] = call
             # The last CTA: every read of the peers' rows is done; tell them, and complete only
             # once every rank is done reading this rank's rows (so that anything stream-ordered
             # after this launch may rewrite them). One rank alone reads only its own rows.

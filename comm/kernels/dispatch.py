@@ -50,6 +50,7 @@ from dep_ep.constants import (
     STATE_ABORT,
     STATE_CALL,
     STATE_DONE_DISPATCH,
+    STATE_OPEN_CALL,
     STATE_STEP_STATUS,
     STATUS_OK,
     WARP_LANES,
@@ -157,6 +158,9 @@ class DispatchKernel:
         rOut = cute.make_rmem_tensor(cute.make_layout(BLOCK_WORDS_OUT), Uint32)
         mState = state_words(control)
         call = mState[STATE_CALL] + 1  # combine stores it when the call is done
+        if cutlass.const_expr(N == 1):
+            if tidx == 0:  # every CTA: the same value; no CTA of this launch reads it
+                mState[STATE_OPEN_CALL] = call
         # The abort word, for this rank's own step check at the end (check_own_step), loaded
         # here, off the launch's tail.
         aborted = Int64(0)
