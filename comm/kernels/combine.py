@@ -21,10 +21,12 @@ rank's weighted sum over its local experts for token t of source rank s). One la
    over the group's 4 warps, their totals exchanged through shared memory behind the group's
    named barrier; a row whose squares overflow is summed again scaled by a power of two from its
    largest magnitude). The norm weight is staged once per CTA in shared memory as fp32.
-4. done: the launch's last CTA stores the call as done in the device state; with several ranks
-   it then stores this rank's combine-end flag ("I have read your rows") into every other rank
-   and waits (bounded) for every other rank's, so the launch completes only when no rank reads
-   this rank's rows any more: whatever runs after it on the stream may rewrite them.
+4. done: with several ranks the launch's last CTA (`is_last_cta`) stores the call as done in
+   the device state, then stores this rank's combine-end flag ("I have read your rows") into
+   every other rank and waits (bounded) for every other rank's, so the launch completes only
+   when no rank reads this rank's rows any more: whatever runs after it on the stream may
+   rewrite them. One rank alone: CTA 0 stores the call its dispatch opened (STATE_OPEN_CALL) as
+   done, and no CTA counts itself.
 
 Each byte of an expert output row is read once, where it lies, and each output row is written
 once (at EP = 1 and T = 4096: 58.7 MB, against 117 MB for returning the rows to their sources
@@ -231,10 +233,10 @@ class CombineKernel:
             if tidx == 0:
                 signals = is_first_cta(control, STATE_READY_COMBINE)
         # The dispatch of this call read STATE_CALL = call - 1. Several ranks: the last CTA here
-        # stores `call`. One rank alone: the dispatch stored `call` in STATE_OPEN_CALL, and every
-        # CTA here stores it into STATE_CALL (no CTA of this launch reads that word), so no CTA
+        # stores `call`. One rank alone: the dispatch stored `call` in STATE_OPEN_CALL, and CTA 0
+        # here stores it into STATE_CALL (no CTA of this launch reads that word), so no CTA
         # counts itself: the count's acquire-release atomic cost a launch of more than one CTA
-        # 0.6-0.9 us (bench_ep, T = 4 to 1024, one H200; docs/perf_notes.md).
+        # 0.4-0.8 us (bench_ep, T = 4 to 1024, one H200; docs/perf_notes.md).
         if cutlass.const_expr(N == 1):
             call = mState[STATE_OPEN_CALL]
         else:
@@ -298,7 +300,7 @@ class CombineKernel:
                 )
         failed = barrier_or(kind | Int32(dispatch_failed != 0))  # also: sNormWeight is filled
         if cutlass.const_expr(N == 1):
-            if tidx == 0:
+            if bidx == 0 and tidx == 0:  # one CTA: stores to one address serialize
                 mState[STATE_CALL] = call
         for t in cutlass.range(first, T, stride):
             if failed != 0:
