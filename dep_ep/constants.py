@@ -65,6 +65,10 @@ STATE_DONE_DISPATCH = 2  # CTAs of the running dispatch launch done with their p
 STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their tokens
 STATE_ABORT = 4  # 1 after a timeout: every later wait returns at once
 STATE_READY_COMBINE = 5  # CTAs of the running combine launch started (the first one signals)
+# One rank alone: the call the running dispatch opened (every dispatch CTA stores STATE_CALL + 1
+# here; the combine's CTAs read it and each stores it into STATE_CALL, which no CTA of the
+# combine reads, so the combine needs no count of its CTAs to find a last one).
+STATE_OPEN_CALL = 6
 STATE_WORDS = 8
 # The error record (int64, host-mapped): [status, phase, peer, rank, kind, theirs, mine, call]
 # written by the kernels (status 1 while a kernel writes it, 2 once complete), then the abort

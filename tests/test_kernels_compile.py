@@ -106,7 +106,9 @@ def relaxed_stores_without_fence(text: str) -> list[str]:
 
 def test_one_rank_kernels_signal_nothing(tmp_path):
     """At one rank nobody waits for a flag (a rank's own slot is never read): the dispatch and
-    the combine compile without a system-scope fence or a flag store."""
+    the combine compile without a system-scope fence or a flag store, and the combine without
+    the count of its CTAs (an acquire-release atomic; each CTA stores the call the dispatch
+    opened, STATE_OPEN_CALL)."""
     kernels = compile_kernels(
         num_ranks=1,
         latent=3584,
@@ -118,7 +120,10 @@ def test_one_rank_kernels_signal_nothing(tmp_path):
     )
     for name, kernel in kernels.items():
         text = ptx_text(kernel.artifacts.PTX)
-        held = [p for p in (r"fence\.acq_rel\.sys", r"st\.relaxed\.sys") if re.search(p, text)]
+        patterns = [r"fence\.acq_rel\.sys", r"st\.relaxed\.sys"]
+        if name == "combine":
+            patterns.append(r"atom\.global\.acq_rel")
+        held = [p for p in patterns if re.search(p, text)]
         assert not held, f"{name} at one rank holds {held}"
 
 

@@ -21,10 +21,12 @@ rank's weighted sum over its local experts for token t of source rank s). One la
    over the group's 4 warps, their totals exchanged through shared memory behind the group's
    named barrier; a row whose squares overflow is summed again scaled by a power of two from its
    largest magnitude). The norm weight is staged once per CTA in shared memory as fp32.
-4. done: the launch's last CTA stores the call as done in the device state; with several ranks
-   it then stores this rank's combine-end flag ("I have read your rows") into every other rank
-   and waits (bounded) for every other rank's, so the launch completes only when no rank reads
-   this rank's rows any more: whatever runs after it on the stream may rewrite them.
+4. done: with several ranks the launch's last CTA (`is_last_cta`) stores the call as done in
+   the device state, then stores this rank's combine-end flag ("I have read your rows") into
+   every other rank and waits (bounded) for every other rank's, so the launch completes only
+   when no rank reads this rank's rows any more: whatever runs after it on the stream may
+   rewrite them. One rank alone: CTA 0 stores the call its dispatch opened (STATE_OPEN_CALL) as
+   done, and no CTA counts itself.
 
 Each byte of an expert output row is read once, where it lies, and each output row is written
 once (at EP = 1 and T = 4096: 58.7 MB, against 117 MB for returning the rows to their sources
@@ -108,6 +110,7 @@ from dep_ep.constants import (
     STATE_ABORT,
     STATE_CALL,
     STATE_DONE_COMBINE,
+    STATE_OPEN_CALL,
     STATE_READY_COMBINE,
     STATE_STEP_STATUS,
     STATUS_OK,
@@ -229,8 +232,15 @@ class CombineKernel:
         if cutlass.const_expr(N > 1):
             if tidx == 0:
                 signals = is_first_cta(control, STATE_READY_COMBINE)
-        # The dispatch of this call read STATE_CALL = call - 1; the last CTA here stores `call`.
-        call = mState[STATE_CALL] + 1
+        # The dispatch of this call read STATE_CALL = call - 1. Several ranks: the last CTA here
+        # stores `call`. One rank alone: the dispatch stored `call` in STATE_OPEN_CALL, and CTA 0
+        # here stores it into STATE_CALL (no CTA of this launch reads that word), so no CTA
+        # counts itself: the count's acquire-release atomic cost a launch of more than one CTA
+        # 0.4-0.8 us (bench_ep, T = 4 to 1024, one H200; docs/perf_notes.md).
+        if cutlass.const_expr(N == 1):
+            call = mState[STATE_OPEN_CALL]
+        else:
+            call = mState[STATE_CALL] + 1
         # What the dispatch of this call found (stream-ordered before this launch).
         dispatch_failed = mState[STATE_STEP_STATUS]
         aborted = mState[STATE_ABORT]
@@ -289,6 +299,9 @@ class CombineKernel:
                     False,
                 )
         failed = barrier_or(kind | Int32(dispatch_failed != 0))  # also: sNormWeight is filled
+        if cutlass.const_expr(N == 1):
+            if bidx == 0 and tidx == 0:  # one CTA: stores to one address serialize
+                mState[STATE_CALL] = call
         for t in cutlass.range(first, T, stride):
             if failed != 0:
                 self.mark_token(mNormed, t, member)
@@ -314,15 +327,16 @@ class CombineKernel:
                     group,
                     member,
                 )
-        cute.arch.barrier()
-        last = Int32(0)
-        if tidx == 0:
-            last = is_last_cta(control, STATE_DONE_COMBINE, grid)
-            if last != 0:
-                # Every CTA read STATE_CALL and counted its arrival before it counted itself done.
-                mState[STATE_READY_COMBINE] = Int64(0)
-                mState[STATE_CALL] = call
         if cutlass.const_expr(N > 1):
+            cute.arch.barrier()
+            last = Int32(0)
+            if tidx == 0:
+                last = is_last_cta(control, STATE_DONE_COMBINE, grid)
+                if last != 0:
+                    # Every CTA read STATE_CALL and counted its arrival before it counted itself
+                    # done.
+                    mState[STATE_READY_COMBINE] = Int64(0)
+                    mState[STATE_CALL] = call
             # The last CTA: every read of the peers' rows is done; tell them, and complete only
             # once every rank is done reading this rank's rows (so that anything stream-ordered
             # after this launch may rewrite them). One rank alone reads only its own rows.
