@@ -6,7 +6,14 @@ EpRouted; the job's processes must be restarted)."""
 from __future__ import annotations
 
 from dep_ep.comm.tags import first_piece
-from dep_ep.constants import LAYER_FINGERPRINT_BITS, LAYER_INDEX_BITS, LAYER_TAG_BASE, NO_TAG
+from dep_ep.constants import (
+    FIRST_PIECE_TAG_BASE,
+    GIVEN_TAG_BASE,
+    LAYER_FINGERPRINT_BITS,
+    LAYER_INDEX_BITS,
+    LAYER_TAG_BASE,
+    NO_TAG,
+)
 
 RECOVERY_NONE, RECOVERY_RESET, RECOVERY_REBUILD = "none", "reset", "rebuild"
 # What differing tags in one call mean (the transports' EpDesyncError says it).
@@ -45,9 +52,15 @@ def tags_differ_text(tags: list[int]) -> str:
 def tag_text(tag: int) -> str:
     """A step tag as error messages show it: "no tag" for a call that gave none, "layer i
     (weights f) call s" for an EpMoeLayer's own tag (f: its dense weights' fingerprint, hex),
-    "piece 1 of a step of T=<T>" for the first piece of a step run in pieces, else "tag <n>"."""
+    "layer i, given tag digest d" for an EpMoeLayer's call given tag= (d: the digest of the
+    given tag and the fingerprint, hex), "piece 1 of a step of T=<T>" for the first piece of a
+    step run in pieces, else "tag <n>"."""
     if tag == NO_TAG:
         return "no tag"
+    if GIVEN_TAG_BASE <= tag < FIRST_PIECE_TAG_BASE:
+        offset = tag - GIVEN_TAG_BASE
+        index = offset & ((1 << LAYER_INDEX_BITS) - 1)
+        return f"layer {index}, given tag digest {offset >> LAYER_INDEX_BITS:011x}"
     piece = first_piece(tag)
     if piece is not None:
         return f"piece 1 of a step of T={piece[0]} (tag digest {piece[1]:08x})"

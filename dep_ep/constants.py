@@ -48,6 +48,13 @@ MAX_LAYER_INDEX = (1 << LAYER_INDEX_BITS) - 1  # the largest EpMoeLayer.layer_in
 LAYER_FINGERPRINT_BITS = 24
 LAYER_STEP_BITS = 62 - LAYER_FINGERPRINT_BITS - LAYER_INDEX_BITS  # 22: the call count wraps
 LAYER_TAG_BASE = -(1 << 62)
+# An EpMoeLayer's call given tag=: GIVEN_TAG_BASE + (a GIVEN_DIGEST_BITS-bit digest of the given
+# tag and the fingerprint << LAYER_INDEX_BITS) + layer index, negative, between NO_TAG and
+# FIRST_PIECE_TAG_BASE (the two fields fill its 60 bits), so that one tag given to two layers
+# sends two tags (ep/layer.py, given_layer_tag); messages show it as "layer i, given tag digest
+# d". Two different given tags of one layer send the same tag by a 2^-44 chance.
+GIVEN_DIGEST_BITS = 44
+GIVEN_TAG_BASE = -(1 << 63) + (1 << 60)
 # A step's T (tokens) is below 2^STEP_TOKENS_BITS (checks.MAX_STEP_TOKENS). The first piece of a
 # step run in pieces (T above max_tokens, EpRouted.routed) carries T in its tag, so that ranks
 # whose T differ are told in that piece: FIRST_PIECE_TAG_BASE + (T << PIECE_DIGEST_BITS) + a

@@ -17,11 +17,15 @@ from dep_ep.checks import (
     check_padding,
     check_real,
     check_step_tokens,
+    check_tag,
     vector_rows,
     vector_start,
 )
+from dep_ep.comm.tags import mix64
 from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
 from dep_ep.constants import (
+    GIVEN_DIGEST_BITS,
+    GIVEN_TAG_BASE,
     LAYER_FINGERPRINT_BITS,
     LAYER_INDEX_BITS,
     LAYER_STEP_BITS,
@@ -59,13 +63,24 @@ def layer_tag(index: int, fingerprint: int, step: int) -> int:
     return LAYER_TAG_BASE + (high << LAYER_INDEX_BITS) + index
 
 
+def given_layer_tag(index: int, fingerprint: int, tag: int) -> int:
+    """The tag an EpMoeLayer's call given tag=`tag` sends: its layer index in clear and a
+    GIVEN_DIGEST_BITS-bit digest of the given tag and the fingerprint of its dense weights, so
+    that one tag given to two layers (tag=step for every layer) sends a different tag from each
+    and ranks calling different layers raise EpDesyncError everywhere, as untagged calls do.
+    Two different tags given to one layer send the same tag by a 2^-GIVEN_DIGEST_BITS chance
+    (2^-44); `tag` is an int in checks.TAG_MIN..TAG_MAX."""
+    digest = mix64(mix64(tag) ^ fingerprint) & ((1 << GIVEN_DIGEST_BITS) - 1)
+    return GIVEN_TAG_BASE + (digest << LAYER_INDEX_BITS) + index
+
+
 def dense_fingerprint(dense: Mapping[str, torch.Tensor]) -> int:
     """A LAYER_FINGERPRINT_BITS-bit digest of one layer's dense tensors (DENSE_NAMES): their
     names, shapes and dtypes and the bits of FINGERPRINT_SAMPLES elements of each, evenly spaced
     over the tensor. Every DEP rank holds the same dense weights of a model layer, so the digest
     is the same on every rank for the same layer, and differs between layers whose sampled
     elements differ (except by a 2^-24 chance). One small gather and one device-to-host copy,
-    at a layer's first call given no tag= and in its refresh(); nothing on later calls."""
+    at a layer's first call and in its refresh(); nothing on later calls."""
     described, samples = [], []
     for name in DENSE_NAMES:
         t = dense[name]
@@ -254,8 +269,10 @@ class EpMoeLayer:
     called on another rank raises EpDesyncError on every rank, and so does a layer whose index
     is another layer's on another rank (layers built in other orders without layer_index=):
     every rank holds the same dense weights of a layer, so the fingerprint (`dense_fingerprint`,
-    read at the layer's first call given no tag=) tells layers apart across ranks. Two layers
-    whose sampled dense elements are equal share a fingerprint: give them layer_index=.
+    read at the layer's first call) tells layers apart across ranks. Two layers whose sampled
+    dense elements are equal share a fingerprint: give them layer_index=. A call given tag=
+    sends the layer index and a digest of the tag and the fingerprint (`given_layer_tag`) in
+    place of the tag, so one tag given to every layer of a step pairs no two layers either.
     EpRouted.reset() restarts the counts. Under CUDA-graph replay the tag is the one the graph
     was captured with: ranks that capture the same graphs in the same order agree.
 
@@ -279,7 +296,7 @@ class EpMoeLayer:
     tensors given or their storage (copy_, .data.copy_, load_state_dict, a collective receiving
     into them), and into what the layer copied (`copied`) before its first call, which copies
     those again; after it, `refresh()` does. The fingerprint the layer's tags carry is read at
-    its first call given no tag= (so: after loading), and again by `refresh()`; after weights
+    its first call (so: after loading), and again by `refresh()`; after weights
     change once the layer has been called, call `refresh()` on every rank so that their
     fingerprints stay equal. Not seen at all (docs/layer.md lists them): tensors replaced
     instead of written (load_state_dict(..., assign=True), `.data =`, `set_`, `module.to()`),
@@ -399,8 +416,8 @@ class EpMoeLayer:
         self._side = None
         if self.device.type == "cuda" and schedule == "overlap":
             self._side = torch.cuda.Stream(device=self.device)
-        # The same on every rank for this model layer: it goes into the layer's own tags. Made
-        # at the first call given no tag= (after the server loaded its weights), or refresh().
+        # The same on every rank for this model layer: it goes into every tag the layer sends.
+        # Made at the first call (after the server loaded its weights), or refresh().
         self.fingerprint: int | None = None
         self._read_once = False  # the first call (or refresh) read the copied sources again
         self.layer_index = routed.register_layer(self, layer_index)
@@ -627,25 +644,27 @@ class EpMoeLayer:
         padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x bf16 [n, H] (0 <= n <= tokens) -> bf16 [n, H]. tokens: T, the step's token count,
-        the same on every rank (None: n; n = 0 needs tokens >= 1); tag, padding (bool [>= n],
-        True: the row selects no expert; an engine's persistent mask): as EpRouted.dispatch.
-        Collective over routed's group. On CUDA stream-ordered (no host sync unless the EpRouted
-        reads values, `check_values`, and at the first call given no tag=, which reads the
-        fingerprint) and capturable in a CUDA graph when the experts backend is."""
+        the same on every rank (None: n; n = 0 needs tokens >= 1); tag: an int per step (as
+        EpRouted.dispatch; sent with the layer's index and fingerprint, `given_layer_tag`) or
+        None (the layer's own, `layer_tag`); padding (bool [>= n], True: the row selects no
+        expert; an engine's persistent mask): as EpRouted.dispatch. Collective over routed's
+        group. On CUDA stream-ordered (no host sync unless the EpRouted reads values,
+        `check_values`, and at the first call, which reads the fingerprint) and capturable in a
+        CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
         calls, entered, resets = self._calls, self.routed._entered, self.routed._resets
         unready = None
         # The first call (every rank makes it) copies again what the layer copied, so weights
-        # loaded between construction and serving reach it; the first call given no tag= reads
-        # the fingerprint. Neither can run inside a CUDA graph capture.
+        # loaded between construction and serving reach it, and reads the fingerprint (every
+        # tag the layer sends carries it). Neither can run inside a CUDA graph capture.
         first = not self._read_once and bool(self._copied)
-        fingerprint = tag is None and self.fingerprint is None
+        fingerprint = self.fingerprint is None
         if first or fingerprint:
             if self._capturing():
                 unready = RuntimeError(
-                    f"{fn}: the layer's first call{' given no tag=' if not first else ''} is"
-                    " inside a CUDA graph capture, where it reads the weights it copied and"
-                    " their fingerprint; call the layer (or refresh()) once before capturing"
+                    f"{fn}: the layer's first call is inside a CUDA graph capture, where it"
+                    " reads the weights it copied and their fingerprint; call the layer (or"
+                    " refresh()) once before capturing"
                 )
             else:
                 try:
@@ -656,8 +675,13 @@ class EpMoeLayer:
                         self.fingerprint = dense_fingerprint(self.dense)
                 except Exception as err:  # the step still fails on every rank
                     unready = err
-        if tag is None:
-            tag = layer_tag(self.layer_index, self.fingerprint or 0, calls)
+        try:
+            if tag is None:
+                tag = layer_tag(self.layer_index, self.fingerprint or 0, calls)
+            else:
+                tag = given_layer_tag(self.layer_index, self.fingerprint or 0, check_tag(fn, tag))
+        except ValueError as err:  # a bad tag: the rank sends none (its peers need not see it)
+            tag, unready = None, unready or err
         try:
             error = unready or self._check_call(fn, x, tokens, padding)
             if error is not None:

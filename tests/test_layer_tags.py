@@ -1,7 +1,8 @@
 """EpMoeLayer's own tags (ep/layer.py): the dense weights' fingerprint is the same for the same
 weights however they are held (a copy, a non-contiguous view, nn.Parameters) and differs
 between layers; a tag carries the index, the fingerprint and the call count, and error messages
-read all three back (comm/errors.py, tag_text)."""
+read all three back (comm/errors.py, tag_text); a tag given to a layer is sent with the layer's
+index and fingerprint, so one tag given to two layers sends two tags."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import torch
 from dep_ep.comm.errors import TAGS_DIFFER, tag_text, tags_differ_text
 from dep_ep.comm.tags import piece_tag
 from dep_ep.config import TINY
-from dep_ep.constants import LAYER_STEP_BITS, LAYER_TAG_BASE, MAX_LAYER_INDEX, NO_TAG
-from dep_ep.ep.layer import dense_fingerprint, layer_tag
+from dep_ep.checks import TAG_MAX, TAG_MIN
+from dep_ep.constants import (
+    FIRST_PIECE_TAG_BASE,
+    GIVEN_TAG_BASE,
+    LAYER_STEP_BITS,
+    LAYER_TAG_BASE,
+    MAX_LAYER_INDEX,
+    NO_TAG,
+)
+from dep_ep.ep.layer import dense_fingerprint, given_layer_tag, layer_tag
 from dep_ep.experts.checkpoint import dense_shapes
 
 
@@ -47,6 +56,27 @@ def test_layer_tags_carry_index_fingerprint_and_call():
     # Any one field that differs gives another tag.
     base = layer_tag(1, 2, 3)
     assert len({base, layer_tag(0, 2, 3), layer_tag(1, 1, 3), layer_tag(1, 2, 2)}) == 4
+
+
+def test_a_given_tag_is_sent_with_the_layer():
+    """tag=t given to layer i sends GIVEN_TAG_BASE + (digest(t, fingerprint) << 16) + i: inside
+    its region for every int64 tag a caller may give, apart from NO_TAG, the layers' own tags
+    and the first pieces'; the same on every rank for the same layer and tag; another layer
+    index, another fingerprint or another tag gives another tag (no two of 200,000 consecutive
+    steps of one layer share one); messages read the index back."""
+    for given in (TAG_MIN, TAG_MAX, -1, 0, 1, NO_TAG + 1, LAYER_TAG_BASE):
+        for index, fingerprint in ((0, 0), (MAX_LAYER_INDEX, 0xFFFFFF)):
+            tag = given_layer_tag(index, fingerprint, given)
+            assert GIVEN_TAG_BASE <= tag < FIRST_PIECE_TAG_BASE, (given, index, tag)
+            assert tag_text(tag).startswith(f"layer {index}, given tag digest "), tag_text(tag)
+    assert given_layer_tag(3, 5, 7) == given_layer_tag(3, 5, 7)
+    base = given_layer_tag(1, 2, 3)
+    others = {given_layer_tag(0, 2, 3), given_layer_tag(1, 1, 3), given_layer_tag(1, 2, 4)}
+    assert base not in others and len(others) == 3
+    steps = {given_layer_tag(5, 0x123456, step) for step in range(200_000)}
+    assert len(steps) == 200_000
+    # One tag given to 64 layers: 64 tags.
+    assert len({given_layer_tag(index, 0xABC, 9) for index in range(64)}) == 64
 
 
 def test_what_differing_tags_of_a_step_in_pieces_are_said_to_mean():

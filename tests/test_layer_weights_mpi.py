@@ -223,8 +223,8 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
     and lists the three projections in `copied`: its first call copies them again (a load
     before it is seen), and refresh() after a later load gives its bits. A second layer given
     the same parameters (tied weights) reads them in place in the first layer's packed weight,
-    or copies the aliases and refreshes the same way; the fingerprint is read at the first call
-    given no tag=, not before."""
+    or copies the aliases and refreshes the same way; the fingerprint is read at the first call,
+    not before."""
     seed, experts, x = case(dep, layer, 950)
     v1, v2 = make_dense(TINY, seed), make_dense(TINY, seed + 1)
     projections = (SHARED_GATE, SHARED_UP, DOWN)
@@ -381,7 +381,7 @@ def test_a_model_compiled_around_the_layer_runs_it_eagerly(dep, layer):
 
 @pytest.mark.mpi(min_size=2)
 def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypatch):
-    """The first call given no tag= reads the fingerprint; when that read raises on rank 0,
+    """The first call reads the fingerprint; when that read raises on rank 0,
     rank 0 raises its error and every other rank EpPeerError, in that call (no rank waits for
     rank 0), and the next call is served on every rank."""
     import dep_ep.ep.layer as layer_module

@@ -302,6 +302,44 @@ def test_layers_called_in_different_orders(dep, layer):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+def test_one_tag_given_to_two_layers_called_in_different_orders(dep, layer):
+    """Two EpMoeLayers on one EpRouted, both given tag=step (the same tag for every layer of a
+    step): rank 0 calls A then B, the others B then A. Every call raises EpDesyncError on every
+    rank within 1 s, naming both layers' indices (a given tag is sent with the layer's index and
+    fingerprint); after reset() on every rank, called in the same order with the same tags,
+    they give the bits a fresh EpRouted gives for the same calls.
+    Before: both calls returned an output on every rank without an error, each rank's rows
+    paired with the other layer's (the given tag replaced the layer's own)."""
+    seed = agreed_seed(dep.cpu_group, 332)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    failures: list[str] = []
+    experts = Batches(dep, layer, seed, T).experts
+    step = 41
+    with build(dep) as routed:
+        a = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk, layer_index=0)
+        b = EpMoeLayer(dense_weights(seed + 2), routed, experts, topk=TINY.topk, layer_index=1)
+        order = (a, b) if dep.rank == 0 else (b, a)
+        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
+        for i, moe in enumerate(order):
+            err, took = timed(lambda moe=moe: moe(mine, tag=step))
+            print(f"TIME-TO-ERROR one tag given to two layers, call {i}: {took:.4f} s")
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
+            elif not ("layer 0, given tag" in str(err) and "layer 1, given tag" in str(err)):
+                failures.append(f"call {i}: the desync does not name both layers: {err}")
+            if took > 1.0:
+                failures.append(f"call {i}: the error took {took:.2f} s")
+            routed.reset()  # what the error says: the calls no longer pair
+        got = [a(mine, tag=step + 1), b(mine, tag=step + 1)]
+    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
+    failures += fresh_bits_failures(dep, dense, experts, mine, got, "in order after the desync")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep, layer):
     """A KeyboardInterrupt in rank 0's EpMoeLayer call before the call reaches the EpRouted
     (where the layer checks its input) while the others wait in that call: rank 0 calls again,
