@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from dep_ep.checks import TAG_MAX, TAG_MIN
 from dep_ep.comm.errors import TAGS_DIFFER, tag_text, tags_differ_text
 from dep_ep.comm.tags import piece_tag
 from dep_ep.config import TINY
-from dep_ep.checks import TAG_MAX, TAG_MIN
 from dep_ep.constants import (
     FIRST_PIECE_TAG_BASE,
     GIVEN_TAG_BASE,
