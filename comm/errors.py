@@ -33,9 +33,16 @@ MISALIGNED = (
 
 def tags_differ_text(tags: list[int]) -> str:
     """Why these tags of one call may differ: TAGS_DIFFER, led by different T when one of them is
-    the first piece of a step run in pieces (that tag carries its T), or by different tags when
-    every one is such a first piece of the same T (the caller's tags differ: their digests)."""
+    the first piece of a step run in pieces (that tag carries its T), by different tags when
+    every one is such a first piece of the same T (the caller's tags differ: their digests), or
+    by different tag= given to one EpMoeLayer when every one is that layer's given tag."""
     pieces = [first_piece(t) for t in tags]
+    given = {given_layer_index(t) for t in tags}
+    if len(given) == 1 and None not in given:
+        return (
+            f"the ranks gave layer {given.pop()} different tag= (its tags carry a digest of the"
+            " tag given): " + TAGS_DIFFER
+        )
     if all(piece is None for piece in pieces):
         return TAGS_DIFFER
     if all(piece is not None for piece in pieces) and len({p[0] for p in pieces}) == 1:
@@ -49,6 +56,15 @@ def tags_differ_text(tags: list[int]) -> str:
     )
 
 
+def given_layer_index(tag: int) -> int | None:
+    """The layer index of an EpMoeLayer's call given tag= (ep/layer.py, given_layer_tag), or
+    None for a tag outside that region. A caller's own tag inside it (EpRouted takes any int64)
+    reads as one too."""
+    if GIVEN_TAG_BASE <= tag < FIRST_PIECE_TAG_BASE:
+        return (tag - GIVEN_TAG_BASE) & ((1 << LAYER_INDEX_BITS) - 1)
+    return None
+
+
 def tag_text(tag: int) -> str:
     """A step tag as error messages show it: "no tag" for a call that gave none, "layer i
     (weights f) call s" for an EpMoeLayer's own tag (f: its dense weights' fingerprint, hex),
@@ -57,10 +73,10 @@ def tag_text(tag: int) -> str:
     step run in pieces, else "tag <n>"."""
     if tag == NO_TAG:
         return "no tag"
-    if GIVEN_TAG_BASE <= tag < FIRST_PIECE_TAG_BASE:
-        offset = tag - GIVEN_TAG_BASE
-        index = offset & ((1 << LAYER_INDEX_BITS) - 1)
-        return f"layer {index}, given tag digest {offset >> LAYER_INDEX_BITS:011x}"
+    index = given_layer_index(tag)
+    if index is not None:
+        digest = (tag - GIVEN_TAG_BASE) >> LAYER_INDEX_BITS
+        return f"layer {index}, given tag digest {digest:011x}"
     piece = first_piece(tag)
     if piece is not None:
         return f"piece 1 of a step of T={piece[0]} (tag digest {piece[1]:08x})"

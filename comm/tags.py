@@ -1,5 +1,6 @@
 """Step tags on the wire (int64 words): the tags of a step run in pieces, and what a mismatch of
-them says. A call's tag is the caller's, an EpMoeLayer's own (ep/layer.py, layer_tag) or NO_TAG;
+them says. A call's tag is the caller's, an EpMoeLayer's own (ep/layer.py, layer_tag), the one
+an EpMoeLayer sends for a tag given to it (ep/layer.py, given_layer_tag) or NO_TAG;
 a step above max_tokens runs in pieces (EpRouted.routed) whose tags `piece_tag` derives from the
 call's tag, its T and the piece's index. The first piece carries T in clear, so that ranks whose
 T differ find it there and the error names every rank's T (constants.FIRST_PIECE_TAG_BASE)."""

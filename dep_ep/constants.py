@@ -66,14 +66,16 @@ PIECE_DIGEST_BITS = 30
 FIRST_PIECE_TAG_BASE = -(1 << 63) + (1 << 61)
 # Device state of one rank (int64 words, device memory, not symmetric).
 STATE_CALL = 0  # calls completed: the dispatch of call c reads c - 1; its combine stores c
+# (with several ranks once its last CTA is done; at one rank CTA 0 stores it before its output
+# rows: nothing reads the word before the launch completes)
 STATE_STEP_STATUS = 1  # 0, or the error kind a kernel of the current call met (KIND_EXPERTS:
 # the rank's experts failed the call on the device, comm/failure.py; the combine then marks it)
 STATE_DONE_DISPATCH = 2  # CTAs of the running dispatch launch done with their payload (int32)
 STATE_DONE_COMBINE = 3  # CTAs of the running combine launch done with their tokens
 STATE_ABORT = 4  # 1 after a timeout: every later wait returns at once
 STATE_READY_COMBINE = 5  # CTAs of the running combine launch started (the first one signals)
-# One rank alone: the call the running dispatch opened (every dispatch CTA stores STATE_CALL + 1
-# here; the combine's CTAs read it and each stores it into STATE_CALL, which no CTA of the
+# One rank alone: the call the running dispatch opened (the dispatch's CTA 0 stores STATE_CALL + 1
+# here; the combine's CTAs read it, and its CTA 0 stores it into STATE_CALL, which no CTA of the
 # combine reads, so the combine needs no count of its CTAs to find a last one).
 STATE_OPEN_CALL = 6
 STATE_WORDS = 8

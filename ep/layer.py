@@ -658,8 +658,8 @@ class EpMoeLayer:
         # loaded between construction and serving reach it, and reads the fingerprint (every
         # tag the layer sends carries it). Neither can run inside a CUDA graph capture.
         first = not self._read_once and bool(self._copied)
-        fingerprint = self.fingerprint is None
-        if first or fingerprint:
+        read_fingerprint = self.fingerprint is None
+        if first or read_fingerprint:
             if self._capturing():
                 unready = RuntimeError(
                     f"{fn}: the layer's first call is inside a CUDA graph capture, where it"
@@ -671,7 +671,7 @@ class EpMoeLayer:
                     if first:
                         self._copy_sources()
                         self._read_once = True
-                    if fingerprint:
+                    if read_fingerprint:
                         self.fingerprint = dense_fingerprint(self.dense)
                 except Exception as err:  # the step still fails on every rank
                     unready = err

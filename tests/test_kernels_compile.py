@@ -107,7 +107,7 @@ def relaxed_stores_without_fence(text: str) -> list[str]:
 def test_one_rank_kernels_signal_nothing(tmp_path):
     """At one rank nobody waits for a flag (a rank's own slot is never read): the dispatch and
     the combine compile without a system-scope fence or a flag store, and the combine without
-    the count of its CTAs (an acquire-release atomic; each CTA stores the call the dispatch
+    the count of its CTAs (an acquire-release atomic; its CTA 0 stores the call the dispatch
     opened, STATE_OPEN_CALL)."""
     kernels = compile_kernels(
         num_ranks=1,

@@ -395,10 +395,11 @@ def test_bad_construction_names_the_tensor(dep, rank):
 def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
     """n > tokens on one rank, tokens above max_tokens on one rank (its step runs in pieces,
     whose first tag carries T), tokens=2**31 (past a step's bound), ranks that disagree on
-    tokens, a float T, a wrong dtype and non-finite x on one
-    rank: every rank raises in the same call (the bad rank its ValueError/TypeError, the others
-    EpPeerError, or the same error where every rank sees the fault); after each (and the reset()
-    a desync asks for), a good call matches the reference. Non-finite x in a row `padding`
+    tokens, a float T, a wrong dtype, non-finite x and a bad tag= on one rank, ranks giving the
+    layer different tags: every rank raises in the same call (the bad rank its
+    ValueError/TypeError, the others EpPeerError, or the same error where every rank sees the
+    fault); after each (and the reset() a desync asks for), a good call matches the
+    reference. Non-finite x in a row `padding`
     marks is no error."""
     seeds = {
         "experts": rank.seed,
@@ -426,6 +427,13 @@ def test_bad_calls_raise_on_every_rank_then_work(dep, rank):
         ("dtype", last, lambda: layer(x[:T].float(), tokens=T), TypeError, "float32"),
         ("0 rows, tokens=None", 0, lambda: layer(x[:0]), ValueError, "0 rows and tokens=None"),
         ("non-finite x", 0, lambda: layer(nan_x, tokens=T), ValueError, "non-finite.*row 2"),
+        # A bad tag= on one rank: that rank rejects the step (its peers gave none).
+        ("tag=1.5", 0, lambda: layer(x[:T], tokens=T, tag=1.5), ValueError, "tag=1.5"),
+        ("tag=2**64", last, lambda: layer(x[:T], tokens=T, tag=2**64), ValueError,
+         "tag=18446744073709551616"),
+        # Every rank gives the layer a tag, and they differ: a desync naming the layer.
+        ("ranks give the layer different tags", None, lambda: layer(x[:T], tokens=T, tag=5 + r),
+         EpDesyncError, "gave layer \\d+ different tag="),
     ]  # fmt: skip
     failures: list[str] = []
     for step, (label, bad, call, error, match) in enumerate(cases):

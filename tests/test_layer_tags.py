@@ -64,7 +64,7 @@ def test_a_given_tag_is_sent_with_the_layer():
     and the first pieces'; the same on every rank for the same layer and tag; another layer
     index, another fingerprint or another tag gives another tag (no two of 200,000 consecutive
     steps of one layer share one); messages read the index back."""
-    for given in (TAG_MIN, TAG_MAX, -1, 0, 1, NO_TAG + 1, LAYER_TAG_BASE):
+    for given in (TAG_MIN, TAG_MAX, -1, 0, 1, GIVEN_TAG_BASE, LAYER_TAG_BASE):
         for index, fingerprint in ((0, 0), (MAX_LAYER_INDEX, 0xFFFFFF)):
             tag = given_layer_tag(index, fingerprint, given)
             assert GIVEN_TAG_BASE <= tag < FIRST_PIECE_TAG_BASE, (given, index, tag)
@@ -77,6 +77,10 @@ def test_a_given_tag_is_sent_with_the_layer():
     assert len(steps) == 200_000
     # One tag given to 64 layers: 64 tags.
     assert len({given_layer_tag(index, 0xABC, 9) for index in range(64)}) == 64
+    # Ranks that gave one layer different tags are told so; two layers, the general reason.
+    text = tags_differ_text([given_layer_tag(7, 1, 5), given_layer_tag(7, 1, 6)])
+    assert text.startswith("the ranks gave layer 7 different tag=") and text.endswith(TAGS_DIFFER)
+    assert tags_differ_text([given_layer_tag(7, 1, 5), given_layer_tag(8, 2, 5)]) == TAGS_DIFFER
 
 
 def test_what_differing_tags_of_a_step_in_pieces_are_said_to_mean():

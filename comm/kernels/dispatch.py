@@ -160,7 +160,7 @@ class DispatchKernel:
         call = mState[STATE_CALL] + 1  # combine stores it when the call is done
         if cutlass.const_expr(N == 1):
             # One CTA: nothing in this launch reads the word (stores of every CTA to one address
-            # cost a launch of 512 CTAs 0.4 us, bench_ep at T = 1024, one H200).
+            # cost the launch of 1024 CTAs 0.4 us, bench_ep at T = 1024, one H200).
             if bidx == 0 and tidx == 0:
                 mState[STATE_OPEN_CALL] = call
         # The abort word, for this rank's own step check at the end (check_own_step), loaded
