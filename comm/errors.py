@@ -34,14 +34,24 @@ MISALIGNED = (
 def tags_differ_text(tags: list[int]) -> str:
     """Why these tags of one call may differ: TAGS_DIFFER, led by different T when one of them is
     the first piece of a step run in pieces (that tag carries its T), by different tags when
-    every one is such a first piece of the same T (the caller's tags differ: their digests), or
-    by different tag= given to one EpMoeLayer when every one is that layer's given tag."""
+    every one is such a first piece of the same T (the caller's tags differ: their digests), by
+    different tags or weights of one EpMoeLayer when every one is that layer's given tag (its
+    digest covers both), or by different weights when every one is that layer's own tag of one
+    call count (the fingerprints differ)."""
     pieces = [first_piece(t) for t in tags]
     given = {given_layer_index(t) for t in tags}
     if len(given) == 1 and None not in given:
         return (
-            f"the ranks gave layer {given.pop()} different tag= (its tags carry a digest of the"
-            " tag given): " + TAGS_DIFFER
+            f"the ranks gave layer {given.pop()} different tag= or hold different dense weights"
+            " for it (its tags carry a digest of both; after a weight update, refresh() on every"
+            " rank): " + TAGS_DIFFER
+        )
+    own = {layer_tag_fields(t) for t in tags}
+    if None not in own and len({(index, call) for index, _, call in own}) == 1:
+        return (
+            f"the ranks' layer {own.pop()[0]} has different dense weights (fingerprints): layers"
+            " built in another order without layer_index=, or weights updated without refresh()"
+            " on every rank"
         )
     if all(piece is None for piece in pieces):
         return TAGS_DIFFER
@@ -65,6 +75,17 @@ def given_layer_index(tag: int) -> int | None:
     return None
 
 
+def layer_tag_fields(tag: int) -> tuple[int, int, int] | None:
+    """(layer index, fingerprint, call count) of an EpMoeLayer's own tag (ep/layer.py,
+    layer_tag), or None for a tag outside that region."""
+    if not LAYER_TAG_BASE <= tag < 0:
+        return None
+    offset = tag - LAYER_TAG_BASE
+    index = offset & ((1 << LAYER_INDEX_BITS) - 1)
+    fingerprint = (offset >> LAYER_INDEX_BITS) & ((1 << LAYER_FINGERPRINT_BITS) - 1)
+    return index, fingerprint, offset >> (LAYER_INDEX_BITS + LAYER_FINGERPRINT_BITS)
+
+
 def tag_text(tag: int) -> str:
     """A step tag as error messages show it: "no tag" for a call that gave none, "layer i
     (weights f) call s" for an EpMoeLayer's own tag (f: its dense weights' fingerprint, hex),
@@ -80,11 +101,9 @@ def tag_text(tag: int) -> str:
     piece = first_piece(tag)
     if piece is not None:
         return f"piece 1 of a step of T={piece[0]} (tag digest {piece[1]:08x})"
-    if LAYER_TAG_BASE <= tag < 0:
-        offset = tag - LAYER_TAG_BASE
-        index = offset & ((1 << LAYER_INDEX_BITS) - 1)
-        fingerprint = (offset >> LAYER_INDEX_BITS) & ((1 << LAYER_FINGERPRINT_BITS) - 1)
-        step = offset >> (LAYER_INDEX_BITS + LAYER_FINGERPRINT_BITS)
+    fields = layer_tag_fields(tag)
+    if fields is not None:
+        index, fingerprint, step = fields
         return f"layer {index} (weights {fingerprint:06x}) call {step}"
     return f"tag {tag}"
 

@@ -4,6 +4,7 @@ order"); schedule and memory: docs/layer.md."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from typing import Mapping
@@ -615,8 +616,21 @@ class EpMoeLayer:
         tag: int | None = None,
         padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """bf16 [n, L]: EpRouted.routed with this layer's experts, norm weight and eps (padding:
-        as EpRouted.dispatch). Collective."""
+        """bf16 [n, L]: EpRouted.routed with this layer's experts, norm weight and eps, as
+        forward runs it: one call of the layer, tagged as forward tags its calls (tag None: the
+        layer's own, with its call count; an int: sent with the layer's index and fingerprint,
+        `given_layer_tag`) and counted with them; padding: as EpRouted.dispatch. Collective.
+        On CUDA capturable once the layer has been called (its first call reads the
+        fingerprint)."""
+        fn = "EpMoeLayer.routed_path"
+        with self._call(fn, tag) as (wire, unready):
+            if unready is not None:
+                self._reject(fn, unready, wire, tokens, latent)
+            return self._routed_step(latent, ids, weights, tokens, wire, padding)
+
+    def _routed_step(self, latent, ids, weights, tokens, tag, padding) -> torch.Tensor:
+        """EpRouted.routed with this layer's experts, norm weight and eps, under `tag` (the one
+        the layer sends: `_call`'s)."""
         return self.routed.routed(
             latent,
             ids,
@@ -652,11 +666,29 @@ class EpMoeLayer:
         `check_values`, and at the first call, which reads the fingerprint) and capturable in a
         CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
+        with self._call(fn, tag) as (wire, unready):
+            error = unready or self._check_call(fn, x, tokens, padding)
+            if error is not None:
+                self._reject(fn, error, wire, tokens, x)
+            if self._side is None:
+                return self._forward_serial(fn, x, tokens, wire, padding)
+            return self._forward_overlap(fn, x, tokens, wire, padding)
+
+    @contextlib.contextmanager
+    def _call(self, fn: str, tag: object):
+        """One call of the layer (forward, routed_path): yields (the tag it sends, or None for a
+        bad `tag`, which the rank then rejects; the error that makes this rank reject the step,
+        or None), and counts the call on the way out.
+
+        The first call (every rank makes it) copies again what the layer copied, so weights
+        loaded between construction and serving reach it, and reads the fingerprint (every tag
+        the layer sends carries it); neither can run inside a CUDA graph capture. The call
+        counts once it reached the EpRouted's transport (as its peers' calls do): an exception
+        before that (a KeyboardInterrupt in this rank's own work) leaves the count where the
+        peers' is, and the next call pairs with theirs. A reset() during the call (a signal
+        handler's) restarted the count on every rank: it stays at 0."""
         calls, entered, resets = self._calls, self.routed._entered, self.routed._resets
         unready = None
-        # The first call (every rank makes it) copies again what the layer copied, so weights
-        # loaded between construction and serving reach it, and reads the fingerprint (every
-        # tag the layer sends carries it). Neither can run inside a CUDA graph capture.
         first = not self._read_once and bool(self._copied)
         read_fingerprint = self.fingerprint is None
         if first or read_fingerprint:
@@ -673,27 +705,19 @@ class EpMoeLayer:
                         self._read_once = True
                     if read_fingerprint:
                         self.fingerprint = dense_fingerprint(self.dense)
-                except Exception as err:  # the step still fails on every rank
+                except BaseException as err:  # the step still fails on every rank
                     unready = err
+        wire = None
         try:
             if tag is None:
-                tag = layer_tag(self.layer_index, self.fingerprint or 0, calls)
+                wire = layer_tag(self.layer_index, self.fingerprint or 0, calls)
             else:
-                tag = given_layer_tag(self.layer_index, self.fingerprint or 0, check_tag(fn, tag))
+                wire = given_layer_tag(self.layer_index, self.fingerprint or 0, check_tag(fn, tag))
         except ValueError as err:  # a bad tag: the rank sends none (its peers need not see it)
-            tag, unready = None, unready or err
+            unready = unready or err
         try:
-            error = unready or self._check_call(fn, x, tokens, padding)
-            if error is not None:
-                self._reject(fn, error, tag, tokens, x)
-            if self._side is None:
-                return self._forward_serial(fn, x, tokens, tag, padding)
-            return self._forward_overlap(fn, x, tokens, tag, padding)
+            yield wire, unready
         finally:
-            # The call counts once it reached the EpRouted's transport (as its peers' calls do):
-            # an exception before that (a KeyboardInterrupt in this rank's own work) leaves the
-            # count where the peers' is, and the next call pairs with theirs. A reset() during
-            # the call (a signal handler's) restarted the count on every rank: it stays at 0.
             if self.routed._entered != entered and self.routed._resets == resets:
                 self._calls = calls + 1
 
@@ -718,7 +742,7 @@ class EpMoeLayer:
             self._reject(fn, err, tag, tokens, x)
         if error is not None:
             self._reject(fn, error, tag, tokens, x)
-        normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag, padding=padding)
+        normed = self._routed_step(latent, ids, weights, tokens, tag, padding)
         return self.up(normed, shared)
 
     def _check_overflow(self, fn, x, latent, weights, padding) -> ValueError | None:
@@ -782,7 +806,7 @@ class EpMoeLayer:
             main.wait_stream(side)
             self._reject(fn, error, tag, tokens, x)
         try:
-            normed = self.routed_path(latent, ids, weights, tokens=tokens, tag=tag, padding=padding)
+            normed = self._routed_step(latent, ids, weights, tokens, tag, padding)
         finally:
             main.wait_stream(side)
         return self.up(normed, shared)

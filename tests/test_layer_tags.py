@@ -77,10 +77,24 @@ def test_a_given_tag_is_sent_with_the_layer():
     assert len(steps) == 200_000
     # One tag given to 64 layers: 64 tags.
     assert len({given_layer_tag(index, 0xABC, 9) for index in range(64)}) == 64
-    # Ranks that gave one layer different tags are told so; two layers, the general reason.
-    text = tags_differ_text([given_layer_tag(7, 1, 5), given_layer_tag(7, 1, 6)])
-    assert text.startswith("the ranks gave layer 7 different tag=") and text.endswith(TAGS_DIFFER)
+    # Ranks that gave one layer different tags (or hold other weights for it) are told so; two
+    # layers, the general reason.
+    for theirs in (given_layer_tag(7, 1, 6), given_layer_tag(7, 2, 5)):
+        text = tags_differ_text([given_layer_tag(7, 1, 5), theirs])
+        assert text.startswith("the ranks gave layer 7 different tag= or hold different dense")
+        assert text.endswith(TAGS_DIFFER)
     assert tags_differ_text([given_layer_tag(7, 1, 5), given_layer_tag(8, 2, 5)]) == TAGS_DIFFER
+
+
+def test_a_layer_with_other_weights_on_another_rank_is_said_to_be_one():
+    """The layers' own tags of one index and call count whose fingerprints differ: the reason
+    names the weights (build order without layer_index=, a missing refresh()); another call
+    count or index: the general reason."""
+    text = tags_differ_text([layer_tag(3, 0xA, 5), layer_tag(3, 0xB, 5)])
+    assert text.startswith("the ranks' layer 3 has different dense weights"), text
+    assert "layer_index=" in text and "refresh()" in text
+    assert tags_differ_text([layer_tag(3, 0xA, 5), layer_tag(3, 0xA, 6)]) == TAGS_DIFFER
+    assert tags_differ_text([layer_tag(3, 0xA, 5), layer_tag(4, 0xB, 5)]) == TAGS_DIFFER
 
 
 def test_what_differing_tags_of_a_step_in_pieces_are_said_to_mean():

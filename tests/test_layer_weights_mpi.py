@@ -380,10 +380,14 @@ def test_a_model_compiled_around_the_layer_runs_it_eagerly(dep, layer):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypatch):
-    """The first call reads the fingerprint; when that read raises on rank 0,
-    rank 0 raises its error and every other rank EpPeerError, in that call (no rank waits for
-    rank 0), and the next call is served on every rank."""
+@pytest.mark.parametrize("raised", [RuntimeError, KeyboardInterrupt])
+def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypatch, raised):
+    """The first call reads the fingerprint; when that read raises on rank 0 (an error, or a
+    Ctrl-C), rank 0 raises it and every other rank EpPeerError, in that call (no rank waits for
+    rank 0), and the next call is served on every rank.
+    Before, for the Ctrl-C: rank 0 raised it without taking part in the step, its peers waited
+    in the call, and rank 0's next call paired with that one (or, calling another layer,
+    desynced every rank)."""
     import dep_ep.ep.layer as layer_module
 
     seed, experts, x = case(dep, layer, 980)
@@ -395,11 +399,11 @@ def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypat
 
             def fails_once(dense):
                 monkeypatch.setattr(layer_module, "dense_fingerprint", read)
-                raise RuntimeError("the fingerprint's read failed")
+                raise raised("the fingerprint's read failed")
 
             monkeypatch.setattr(layer_module, "dense_fingerprint", fails_once)
         expected, match = (
-            (RuntimeError, "fingerprint's read failed") if dep.rank == 0 else (EpPeerError, None)
+            (raised, "fingerprint's read failed") if dep.rank == 0 else (EpPeerError, None)
         )
         expect_raises(failures, "the first call", expected, match, lambda: moe(x))
         out = moe(x)

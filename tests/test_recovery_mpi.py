@@ -338,6 +338,50 @@ def test_one_tag_given_to_two_layers_called_in_different_orders(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
+def by_parts(moe: EpMoeLayer, x: torch.Tensor, tag: int | None) -> torch.Tensor:
+    """The layer run by its public parts, as an engine that runs its own projections would."""
+    front = moe.front(x)
+    ids, weights = moe.router(x)
+    normed = moe.routed_path(moe.latent_of(front), ids, weights, tag=tag)
+    return moe.up(normed, moe.shared(front))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tag", [None, 7])
+def test_two_layers_run_by_parts_in_different_orders(dep, layer, tag):
+    """Two EpMoeLayers run by their parts (front, router, latent_of, routed_path, shared, up),
+    no tag or the same tag= for both: rank 0 runs A then B, the others B then A. Every
+    routed_path raises EpDesyncError on every rank within 1 s (it tags and counts its calls as
+    forward does); after reset() on every rank, run in order, the layers give the bits of a
+    fresh EpRouted's layers.
+    Before: routed_path sent the caller's tag as it was (none, or 7 for both layers): every rank
+    returned rows paired with the other layer's, without an error."""
+    seed = agreed_seed(dep.cpu_group, 334)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    failures: list[str] = []
+    experts = Batches(dep, layer, seed, T).experts
+    with build(dep) as routed:
+        a = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk, layer_index=0)
+        b = EpMoeLayer(dense_weights(seed + 2), routed, experts, topk=TINY.topk, layer_index=1)
+        order = (a, b) if dep.rank == 0 else (b, a)
+        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
+        for i, moe in enumerate(order):
+            err, took = timed(lambda moe=moe: by_parts(moe, mine, tag))
+            print(f"TIME-TO-ERROR two layers by parts, tag={tag}, call {i}: {took:.4f} s")
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
+            if took > 1.0:
+                failures.append(f"call {i}: the error took {took:.2f} s")
+            routed.reset()  # what the error says: the calls no longer pair
+        got = [by_parts(a, mine, tag), by_parts(b, mine, tag)]
+    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
+    failures += fresh_bits_failures(dep, dense, experts, mine, got, "by parts after the desync")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep, layer):
@@ -515,15 +559,17 @@ def test_a_construction_interrupted_on_one_rank_is_retried_at_once(dep, layer, m
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_layers_built_in_different_orders(dep, layer):
-    """Two EpMoeLayers on one EpRouted, no layer_index= and no tag=: rank 0 builds A then B, the
-    others B then A, and each rank calls its layers in its own build order (so each call's
-    default layer index is the same on every rank, but not its layer). Every call (each after a
-    reset(), which the error asks for) raises EpDesyncError on every rank within 1 s, naming
-    layer_index= (the layers' tags carry a fingerprint of their dense weights, the same on every
-    rank for the same layer). The documented recovery, reset() and layers built with
-    layer_index= (the model's layer number) in the same per-rank orders and called in the
-    model's order, gives the bits of a fresh EpRouted's layers.
+@pytest.mark.parametrize("tag", [None, 7])
+def test_layers_built_in_different_orders(dep, layer, tag):
+    """Two EpMoeLayers on one EpRouted, no layer_index=, no tag= or tag=7 for both: rank 0 builds
+    A then B, the others B then A, and each rank calls its layers in its own build order (so
+    each call's default layer index is the same on every rank, but not its layer). Every call
+    (each after a reset(), which the error asks for) raises EpDesyncError on every rank within
+    1 s, saying the layer's weights differ and naming layer_index= (the layers' tags carry a
+    fingerprint of their dense weights, the same on every rank for the same layer). The
+    documented recovery, reset() and layers built with layer_index= (the model's layer number)
+    in the same per-rank orders and called in the model's order, gives the bits of a fresh
+    EpRouted's layers.
     Before (ep/layer.py tagging index and call count only, run once with this test): both calls
     returned on every rank without an error, each rank's rows paired with the other layer's."""
     seed = agreed_seed(dep.cpu_group, 335)
@@ -548,12 +594,12 @@ def test_layers_built_in_different_orders(dep, layer):
         in_build_order, _ = build_layers(routed, {})
         dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
         for i, moe in enumerate(in_build_order):
-            err, took = timed(lambda moe=moe: moe(mine))
+            err, took = timed(lambda moe=moe: moe(mine, tag=tag))
             print(f"TIME-TO-ERROR layers built in other orders, call {i}: {took:.4f} s")
             if not isinstance(err, EpDesyncError):
                 failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
-            elif "layer_index" not in str(err):
-                failures.append(f"call {i}: the desync does not name layer_index=: {err}")
+            elif "layer_index" not in str(err) or "different dense weights" not in str(err):
+                failures.append(f"call {i}: the desync names no weights or layer_index=: {err}")
             if took > 1.0:
                 failures.append(f"call {i}: the error took {took:.2f} s")
             routed.reset()  # what the error says: the calls no longer pair
