@@ -35,18 +35,22 @@ def tags_differ_text(tags: list[int]) -> str:
     """Why these tags of one call may differ: TAGS_DIFFER, led by different T when one of them is
     the first piece of a step run in pieces (that tag carries its T), by different tags when
     every one is such a first piece of the same T (the caller's tags differ: their digests), by
-    different tags or weights of one EpMoeLayer when every one is that layer's given tag (its
-    digest covers both), or by different weights when every one is that layer's own tag of one
-    call count (the fingerprints differ)."""
+    a tag= given on some ranks only when every one is one EpMoeLayer's (its own or a given
+    one), by different tags or weights of one EpMoeLayer when every one is that layer's given
+    tag (its digest covers both), or by different weights when every one is that layer's own
+    tag of one call count (the fingerprints differ)."""
     pieces = [first_piece(t) for t in tags]
     given = {given_layer_index(t) for t in tags}
+    own = {layer_tag_fields(t) for t in tags}
+    layers = {layer_of(t) for t in tags}  # (given tag, layer index) of each
+    if None not in layers and len({i for _, i in layers}) == 1 and len(layers) == 2:
+        return f"some ranks gave layer {layers.pop()[1]} a tag= and others did not: " + TAGS_DIFFER
     if len(given) == 1 and None not in given:
         return (
             f"the ranks gave layer {given.pop()} different tag= or hold different dense weights"
             " for it (its tags carry a digest of both; after a weight update, refresh() on every"
             " rank): " + TAGS_DIFFER
         )
-    own = {layer_tag_fields(t) for t in tags}
     if None not in own and len({(index, call) for index, _, call in own}) == 1:
         return (
             f"the ranks' layer {own.pop()[0]} has different dense weights (fingerprints): layers"
@@ -75,9 +79,21 @@ def given_layer_index(tag: int) -> int | None:
     return None
 
 
+def layer_of(tag: int) -> tuple[bool, int] | None:
+    """(given, layer index) of an EpMoeLayer's tag: given True for a call given tag=
+    (`given_layer_index`), False for the layer's own (`layer_tag_fields`); None for any other
+    tag."""
+    index = given_layer_index(tag)
+    if index is not None:
+        return True, index
+    fields = layer_tag_fields(tag)
+    return None if fields is None else (False, fields[0])
+
+
 def layer_tag_fields(tag: int) -> tuple[int, int, int] | None:
     """(layer index, fingerprint, call count) of an EpMoeLayer's own tag (ep/layer.py,
-    layer_tag), or None for a tag outside that region."""
+    layer_tag), or None for a tag outside that region. A caller's own negative tag inside it
+    (EpRouted takes any int64) reads as one too."""
     if not LAYER_TAG_BASE <= tag < 0:
         return None
     offset = tag - LAYER_TAG_BASE

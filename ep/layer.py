@@ -446,6 +446,15 @@ class EpMoeLayer:
         self.fingerprint = dense_fingerprint(self.dense)
         self._read_once = True
 
+    def _read_sources_once(self) -> None:
+        """At the layer's first use of its weights (the first call, or the first front() of a
+        layer run by its parts, which reads the packed weight before routed_path's call),
+        outside a CUDA graph capture: copy again what the layer copied, so that a load between
+        construction and serving reaches it."""
+        if not self._read_once and self._copied and not self._capturing():
+            self._copy_sources()
+            self._read_once = True
+
     def _capturing(self) -> bool:
         """True inside a CUDA graph capture on the current stream (nothing may be read to the
         host or copied from the caller's tensors there)."""
@@ -570,7 +579,10 @@ class EpMoeLayer:
     # ----------------------------------------------------------------------------- the parts
     def front(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 [n, 2S + L] = x @ packed^T: the shared gate (columns 0..S-1) and up (S..2S-1)
-        projections and the latent (2S..2S+L-1), one BF16 GEMM with fp32 sums."""
+        projections and the latent (2S..2S+L-1), one BF16 GEMM with fp32 sums. The layer's first
+        use of its weights (this, for a layer run by its parts) copies again what it copied
+        (`_read_sources_once`)."""
+        self._read_sources_once()
         return torch.mm(x, self.packed.t())
 
     def latent_of(self, front: torch.Tensor) -> torch.Tensor:
@@ -700,9 +712,7 @@ class EpMoeLayer:
                 )
             else:
                 try:
-                    if first:
-                        self._copy_sources()
-                        self._read_once = True
+                    self._read_sources_once()
                     if read_fingerprint:
                         self.fingerprint = dense_fingerprint(self.dense)
                 except BaseException as err:  # the step still fails on every rank

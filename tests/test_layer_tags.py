@@ -95,6 +95,9 @@ def test_a_layer_with_other_weights_on_another_rank_is_said_to_be_one():
     assert "layer_index=" in text and "refresh()" in text
     assert tags_differ_text([layer_tag(3, 0xA, 5), layer_tag(3, 0xA, 6)]) == TAGS_DIFFER
     assert tags_differ_text([layer_tag(3, 0xA, 5), layer_tag(4, 0xB, 5)]) == TAGS_DIFFER
+    # One layer, a tag= on some ranks and none on the others.
+    text = tags_differ_text([layer_tag(3, 0xA, 5), given_layer_tag(3, 0xA, 5)])
+    assert text.startswith("some ranks gave layer 3 a tag= and others did not"), text
 
 
 def test_what_differing_tags_of_a_step_in_pieces_are_said_to_mean():

@@ -27,7 +27,7 @@ from dep_ep.testing import SyntheticLayer
 from helpers.cases import agreed_seed
 from helpers.collective import collective_assert, expect_raises
 from helpers.layer_case import make_dense
-from helpers.recovery import Batches
+from helpers.recovery import Batches, run_by_parts
 
 T, MAX_TOKENS = 6, 16
 
@@ -224,7 +224,8 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
     before it is seen), and refresh() after a later load gives its bits. A second layer given
     the same parameters (tied weights) reads them in place in the first layer's packed weight,
     or copies the aliases and refreshes the same way; the fingerprint is read at the first call,
-    not before."""
+    not before. A third layer on them, run by its parts (front, router, routed_path, ...),
+    gives the loaded weights' bits from its first step (before: front read the old copies)."""
     seed, experts, x = case(dep, layer, 950)
     v1, v2 = make_dense(TINY, seed), make_dense(TINY, seed + 1)
     projections = (SHARED_GATE, SHARED_UP, DOWN)
@@ -234,6 +235,7 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
         where = {name: getattr(model, key(name)).data_ptr() for name in projections}
         moe = EpMoeLayer(model.dense(how), routed, experts, topk=TINY.topk)
         tied = EpMoeLayer(model.dense(how), routed, experts, topk=TINY.topk)
+        by_parts = EpMoeLayer(model.dense(how), routed, experts, topk=TINY.topk)
         made_on_v1 = EpMoeLayer(v1, routed, experts, topk=TINY.topk)
         if moe.fingerprint is not None:
             failures.append(f"{how}: the fingerprint was read before the first call")
@@ -258,6 +260,9 @@ def test_a_models_parameters_and_their_aliases(dep, layer, how):
                 failures.append(f"{how}: {name} does not give the loaded weights' bits")
             if each.fingerprint != made_on_v1.fingerprint:
                 failures.append(f"{how}: {name}'s fingerprint is not the loaded weights'")
+        # Run by its parts, the first step reads the loaded weights too (front() copies again).
+        if not torch.equal(bits(run_by_parts(by_parts, x)), bits(made_on_v1(x))):
+            failures.append(f"{how}: the layer run by its parts, first step: not the loaded bits")
         model.load(v2)  # after it: what the layer copied needs refresh()
         made_on_v2 = EpMoeLayer(v2, routed, experts, topk=TINY.topk)
         for name, each in (("the layer", moe), ("the tied layer", tied)):

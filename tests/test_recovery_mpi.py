@@ -34,7 +34,7 @@ from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert, expect_raises
-from helpers.recovery import RECOVERABLE, Batches, interrupt_after, serve, timed
+from helpers.recovery import RECOVERABLE, Batches, interrupt_after, run_by_parts, serve, timed
 
 MAX_TOKENS = 16
 T = 6
@@ -338,14 +338,6 @@ def test_one_tag_given_to_two_layers_called_in_different_orders(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
-def by_parts(moe: EpMoeLayer, x: torch.Tensor, tag: int | None) -> torch.Tensor:
-    """The layer run by its public parts, as an engine that runs its own projections would."""
-    front = moe.front(x)
-    ids, weights = moe.router(x)
-    normed = moe.routed_path(moe.latent_of(front), ids, weights, tag=tag)
-    return moe.up(normed, moe.shared(front))
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tag", [None, 7])
@@ -369,16 +361,51 @@ def test_two_layers_run_by_parts_in_different_orders(dep, layer, tag):
         order = (a, b) if dep.rank == 0 else (b, a)
         dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
         for i, moe in enumerate(order):
-            err, took = timed(lambda moe=moe: by_parts(moe, mine, tag))
+            err, took = timed(lambda moe=moe: run_by_parts(moe, mine, tag))
             print(f"TIME-TO-ERROR two layers by parts, tag={tag}, call {i}: {took:.4f} s")
             if not isinstance(err, EpDesyncError):
                 failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
             if took > 1.0:
                 failures.append(f"call {i}: the error took {took:.2f} s")
             routed.reset()  # what the error says: the calls no longer pair
-        got = [by_parts(a, mine, tag), by_parts(b, mine, tag)]
+        got = [run_by_parts(a, mine, tag), run_by_parts(b, mine, tag)]
     dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
     failures += fresh_bits_failures(dep, dense, experts, mine, got, "by parts after the desync")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_forward_and_parts_are_one_call_sequence(dep, layer):
+    """One EpMoeLayer called by forward on some ranks and run by its parts on the others, the
+    ranks alternating, four calls untagged and one with tag=9: every call pairs and gives the
+    bits of a fresh EpRouted's forward (routed_path counts and tags its call as forward does).
+    A bad tag= given to routed_path on rank 0: ValueError there, EpPeerError on the others, in
+    that call, and the next call pairs again (the count moved on every rank)."""
+    seed = agreed_seed(dep.cpu_group, 336)
+    gen = torch.Generator().manual_seed(seed + dep.rank)
+    x = torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16)
+    experts = Batches(dep, layer, seed, T).experts
+    failures: list[str] = []
+    with build(dep) as fresh:
+        want = EpMoeLayer(dense_weights(seed), fresh, experts, topk=TINY.topk)(x)
+    with build(dep) as routed:
+        moe = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk)
+        calls = [(step + dep.rank) % 2 for step in range(4)] + [dep.rank % 2]
+        for step, by_parts in enumerate(calls):
+            tag = 9 if step == 4 else None
+            try:
+                got = run_by_parts(moe, x, tag) if by_parts else moe(x, tag=tag)
+            except Exception as err:  # reported collectively
+                failures.append(f"call {step}: {type(err).__name__}: {err}")
+                continue
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                failures.append(f"call {step} ({'parts' if by_parts else 'forward'}): bits")
+        expected, match = (ValueError, "tag=") if dep.rank == 0 else (EpPeerError, None)
+        bad = 2**70 if dep.rank == 0 else 5
+        expect_raises(failures, "a bad tag", expected, match, lambda: run_by_parts(moe, x, bad))
+        if not torch.equal(run_by_parts(moe, x).view(torch.int16), want.view(torch.int16)):
+            failures.append("the call after the bad tag: bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 

@@ -1,7 +1,8 @@
 """What the recovery tests share: seeded batches every rank rebuilds alone (with a reference that
 needs no collective, so it can be computed while the ranks are out of step), the loop a server
-runs around EpRouted (an error, then what its message says, then the next batch), and a signal
-delivered to this process while it waits inside a call."""
+runs around EpRouted (an error, then what its message says, then the next batch), a signal
+delivered to this process while it waits inside a call, and an EpMoeLayer run by its public
+parts."""
 
 from __future__ import annotations
 
@@ -86,3 +87,12 @@ def timed(call) -> tuple[BaseException | None, float]:
     except BaseException as err:  # KeyboardInterrupt included: the caller checks
         return err, time.monotonic() - start
     return None, time.monotonic() - start
+
+
+def run_by_parts(moe, x, tag=None):
+    """bf16 [n, H]: EpMoeLayer `moe` on x run by its public parts (front, router, latent_of,
+    routed_path, shared, up), as an engine that runs its own projections would. Collective."""
+    front = moe.front(x)
+    ids, weights = moe.router(x)
+    normed = moe.routed_path(moe.latent_of(front), ids, weights, tag=tag)
+    return moe.up(normed, moe.shared(front))
