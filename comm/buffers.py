@@ -66,6 +66,12 @@ class RankRegions:
         """Address of the allocation's first byte in this process (regions at layout offsets)."""
         return self._segment.data_ptr()
 
+    @property
+    def segment(self) -> torch.Tensor:
+        """uint8 [layout.total_bytes]: the whole allocation as this process maps it (every
+        region's bytes)."""
+        return self._segment
+
     def x(self, rows: int) -> torch.Tensor:
         """uint8 [rows, L]: MXFP8 e4m3 bytes."""
         return self._view("x", rows)

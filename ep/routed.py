@@ -148,6 +148,20 @@ def out_overlaps_inputs(out: torch.Tensor, latent, ids, weights, norm_weight, pa
     return any(isinstance(t, torch.Tensor) and shares_bytes(out, t) for t in others)
 
 
+def same_owner(a: object, b: object) -> bool:
+    """Whether two dispatch owners are one caller: the same object, or equal values of one type
+    among int, str, bytes and tuple (an engine's layer number or a name it formats again at
+    each hook: equal values need not be one object)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, (int, str, bytes, tuple)):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # a tuple holding something whose == is not a bool
+        return False
+
+
 def _wire_tag(tag: object) -> int:
     """The tag a call sends: the caller's when it is valid, else NO_TAG (a rank that rejects its
     tag sends none; its peers need not see the bad value)."""
@@ -526,7 +540,9 @@ class EpRouted:
     @_one_thread
     def abort_stale_step(self, fn: str, owner: object) -> None:
         """For an engine's split dispatch and combine hooks, at the next dispatch: when the
-        pending dispatch is `owner`'s (`dispatch(..., owner=)`) and its combine never came on
+        pending dispatch is `owner`'s (`dispatch(..., owner=)`: the same object, or an equal
+        int, str, bytes or tuple, `same_owner`; TypeError for None, a plain caller's) and its
+        combine never came on
         this rank (the engine raised between its hooks), take part in that step's combine
         without payload (`abort_step`, ordered after the stale dispatch's stream) and raise
         RuntimeError naming `fn` and the stale step's tag; this call did not start. Nothing
@@ -539,8 +555,13 @@ class EpRouted:
         this rank refuses calls until reset() on every rank (the error says so). While a
         CUDA-graph capture runs, or when the stale dispatch was only captured (its graph never
         replayed), nothing is launched: RuntimeError saying to reset() on every rank."""
+        if owner is None:
+            raise TypeError(
+                f"{fn}: owner=None; pass the owner= the engine's dispatch was given (None is a"
+                " plain caller's, whose pending step is not an engine hook's to abort)"
+            )
         step = self._step
-        if step is None or step.owner is not owner:
+        if step is None or not same_owner(step.owner, owner):
             return
         what = (
             f"{fn}: this rank's dispatch of {tag_text(step.tag)} was never combined (the engine"
@@ -1070,8 +1091,10 @@ class EpRouted:
         library's backends group a call's rows into GEMMs, whose sums may run in another order
         for another row count (within the rounding model). An `out` that may share memory with
         the latent (`may_overlap`; the latent itself excepted), the ids, the weights, the norm
-        weight or the padding (`out_overlaps_inputs`) gets the step's rows by one copy at the
-        end, so no piece writes a byte a later piece has yet to read; a step that fails
+        weight, the padding (`out_overlaps_inputs`) or this object's own buffers (receive()'s
+        rows, which every piece rewrites) gets the step's rows by one copy at the end, so no
+        piece writes a byte a later piece has yet to read; an input in those buffers is refused
+        (ValueError on that rank, EpPeerError on the others); a step that fails
         leaves `out` without a defined result. T is below 2^31 (a larger one is
         refused, as one step). The first piece's tag carries T (comm/tags.py), so ranks whose T
         differ raise in it on every rank, naming each rank's T (CPU: EpTokenCountError, a
@@ -1094,6 +1117,7 @@ class EpRouted:
             )
             if out is not None:
                 self._check_out(fn, out, n)
+            self._check_inputs_outside_buffers(fn, latent, ids, weights, norm_weight, padding)
         except (TypeError, ValueError) as err:
             refused = err
         return self._routed_pieces(
@@ -1111,6 +1135,21 @@ class EpRouted:
             n,
             refused,
         )
+
+    def _check_inputs_outside_buffers(self, fn, latent, ids, weights, norm_weight, padding):
+        """ValueError when an input of a step run in pieces lies in this object's own buffers
+        (receive()'s rows): every piece's dispatch and experts rewrite them before a later piece
+        reads its rows."""
+        segment = self._buffers.segment
+        named = (("latent", latent), ("ids", ids), ("weights", weights))
+        named += (("norm_weight", norm_weight), ("padding", padding))
+        for name, t in named:
+            if isinstance(t, torch.Tensor) and shares_bytes(t, segment):
+                raise ValueError(
+                    f"{fn}: {name} lies in this EpRouted's own buffers (receive()'s rows); a step"
+                    f" above max_tokens={self.max_tokens} runs in pieces, each of which rewrites"
+                    f" them before the next reads its rows: pass a copy"
+                )
 
     def _routed_pieces(
         self,
@@ -1139,12 +1178,15 @@ class EpRouted:
             steps = -(-total // self.max_tokens)
             result = out
             if refused is None and (
-                out is None or out_overlaps_inputs(out, latent, ids, weights, norm_weight, padding)
+                out is None
+                or out_overlaps_inputs(out, latent, ids, weights, norm_weight, padding)
+                or shares_bytes(out, self._buffers.segment)
             ):
                 # A piece's output rows must not land on what a later piece reads before it reads
                 # it: an `out` sharing memory with the latent (other than the latent itself), the
-                # ids, the weights, the norm weight or the padding takes the result by one copy
-                # at the end.
+                # ids, the weights, the norm weight, the padding or this object's own buffers
+                # (receive()'s rows, which every piece rewrites) takes the result by one copy at
+                # the end.
                 result = torch.empty(n, self.latent, dtype=torch.bfloat16, device=self.device)
             # The pieces' expert counts, summed: expert_counts() gives the whole step's.
             counts = None if self._counts is None else torch.zeros_like(self._counts)

@@ -550,6 +550,46 @@ def test_pieces_keep_tags_apart_and_count_every_piece(dep, layer):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_step_in_pieces_keeps_off_its_own_buffers(dep, layer):
+    """A step of T = 4 N over max_tokens 4 (pieces) whose `out` lies in the object's own receive
+    rows (receive(4).out): the bits of the same step into a fresh tensor (the result is taken
+    by one copy at the end). Its latent copied into those rows on rank 0: ValueError there
+    naming the latent, EpPeerError on the others, in that call; the next step is good.
+    Before (a careless-user probe): both returned rows without an error on every rank,
+    relative L2 0.7-1.0 (each piece's experts rewrote the rows a later piece read or the
+    result an earlier piece wrote)."""
+    seed = agreed_seed(dep.cpu_group, 667)
+    total = 4 * dep.size  # the receive rows of max_tokens 4 hold a rank's n <= T rows
+    batches = Batches(dep, layer, seed, total)
+    latent, ids, weights = batches.inputs(0)
+    experts, norm = batches.experts, layer.norm_weight()
+    n = latent.shape[0]
+    failures: list[str] = []
+    with build(dep, 4) as small:
+        want = small(latent, ids, weights, norm, experts=experts, tokens=total)
+        rows = small.receive(4).out[:n]
+        got = small(latent, ids, weights, norm, experts=experts, tokens=total, out=rows)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("out in the receive rows: other bits")
+        mine = latent
+        if dep.rank == 0:
+            mine = rows
+            mine.copy_(latent)
+        expected, match = (ValueError, "latent lies in") if dep.rank == 0 else (EpPeerError, None)
+        expect_raises(
+            failures,
+            "latent in the receive rows",
+            expected,
+            match,
+            lambda: small(mine, ids, weights, norm, experts=experts, tokens=total),
+        )
+        got = small(latent, ids, weights, norm, experts=experts, tokens=total)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the step after: other bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_padding_mask_sends_its_rows_to_no_expert(dep, layer):
     """padding= (bool [m >= n], rows mid-batch, different on every rank) gives the bits of the
     same call with those rows' ids -1, whatever the padding rows' ids and weights hold (valid
@@ -935,8 +975,10 @@ def test_situ_check_and_integration_helpers(dep, layer):
 @pytest.mark.mpi(min_size=2)
 def test_abort_stale_step_aborts_only_its_owners_pending_step(dep, layer):
     """abort_stale_step: nothing with no dispatch pending or with another owner's pending (and
-    `pending` says so); with its owner's, rank 0 aborts that step (RuntimeError naming the stale
-    step's tag, 7, not the caller's layer) while the others, in its combine, raise EpPeerError;
+    `pending` says so), TypeError for owner=None; with its owner's (an equal str that is another
+    object: before, compared by identity, it did nothing and the peers timed out), rank 0 aborts
+    that step (RuntimeError naming the stale step's tag, 7, not the caller's layer) while the
+    others, in its combine, raise EpPeerError;
     the next step is good. Inside a CUDA-graph capture (forced on every rank) nothing is
     launched and calls are refused until reset()."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 680), 6)
@@ -957,10 +999,20 @@ def test_abort_stale_step_aborts_only_its_owners_pending_step(dep, layer):
                 failures.append("another owner's call aborted the pending step")
             expect_raises(
                 failures,
+                "owner None",
+                TypeError,
+                "owner=None",
+                lambda: (routed.abort_stale_step("f", None)),
+            )
+            # An equal owner that is another object (a name formatted again at the next hook).
+            again = "".join(["ho", "ok"])
+            assert again is not "hook"  # noqa: F632
+            expect_raises(
+                failures,
                 "stale",
                 RuntimeError,
                 "f: this rank's dispatch of tag 7 was never combined",
-                lambda: routed.abort_stale_step("f", "hook"),
+                lambda: routed.abort_stale_step("f", again),
             )
         else:
             expect_raises(
