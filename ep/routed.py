@@ -542,10 +542,10 @@ class EpRouted:
         """For an engine's split dispatch and combine hooks, at the next dispatch: when the
         pending dispatch is `owner`'s (`dispatch(..., owner=)`: the same object, or an equal
         int, str, bytes or tuple, `same_owner`; TypeError for None, a plain caller's) and its
-        combine never came on
-        this rank (the engine raised between its hooks), take part in that step's combine
-        without payload (`abort_step`, ordered after the stale dispatch's stream) and raise
-        RuntimeError naming `fn` and the stale step's tag; this call did not start. Nothing
+        combine never came on this rank (the engine raised between its hooks), take part in
+        that step's combine without payload (`abort_step`, ordered after the stale dispatch's
+        stream) and raise RuntimeError naming `fn` and the stale step's tag; this call did not
+        start. Nothing
         when no dispatch is pending or another caller's is (its own combine is still to come:
         the dispatch that follows refuses to start, locally, as before).
 
