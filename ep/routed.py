@@ -545,9 +545,8 @@ class EpRouted:
         combine never came on this rank (the engine raised between its hooks), take part in
         that step's combine without payload (`abort_step`, ordered after the stale dispatch's
         stream) and raise RuntimeError naming `fn` and the stale step's tag; this call did not
-        start. Nothing
-        when no dispatch is pending or another caller's is (its own combine is still to come:
-        the dispatch that follows refuses to start, locally, as before).
+        start. Nothing when no dispatch is pending or another caller's is (its own combine is
+        still to come: the dispatch that follows refuses to start, locally, as before).
 
         CPU: the peers raise EpPeerError in the combine they wait in, and the next call runs
         as usual. GPU: the peers' step is NaN and they raise EpPeerError at their next call or
