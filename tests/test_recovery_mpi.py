@@ -261,6 +261,39 @@ def dense_weights(seed: int) -> dict[str, torch.Tensor]:
     return dense
 
 
+def two_layers_out_of_order(dep, layer, seed, label, call, match, indices=(None, None)):
+    """Two EpMoeLayers A and B (`indices`: their layer_index=) on one EpRouted, `call(moe, x,
+    step)` running one call of a layer on x: rank 0 runs A then B at step 0, the others B then
+    A. The failures on this rank unless each call raises EpDesyncError whose text `re.search`es
+    `match` within 1 s (each followed by reset(), which the error asks for), and unless A then
+    B at step 1 give the bits a fresh EpRouted's layers give."""
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    failures: list[str] = []
+    experts = Batches(dep, layer, seed, T).experts
+    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
+    with build(dep) as routed:
+        a, b = (
+            EpMoeLayer(d, routed, experts, topk=TINY.topk, layer_index=i)
+            for d, i in zip(dense, indices)
+        )
+        order = (a, b) if dep.rank == 0 else (b, a)
+        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
+        for i, moe in enumerate(order):
+            start = time.monotonic()
+            expect_raises(
+                failures, f"call {i} out of order", EpDesyncError, match, lambda: call(moe, mine, 0)
+            )
+            took = time.monotonic() - start
+            print(f"TIME-TO-ERROR {label}, call {i}: {took:.4f} s")
+            if took > 1.0:
+                failures.append(f"call {i} out of order: the error took {took:.2f} s")
+            routed.reset()  # what the error says: the calls no longer pair
+        got = [call(a, mine, 1), call(b, mine, 1)]
+    return failures + fresh_bits_failures(dep, dense, experts, mine, got, f"{label}, in order")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_layers_called_in_different_orders(dep, layer):
@@ -270,33 +303,14 @@ def test_layers_called_in_different_orders(dep, layer):
     they give the bits a fresh EpRouted gives for the same calls.
     Before: both calls returned an output on every rank, without an error."""
     seed = agreed_seed(dep.cpu_group, 330)
-    gen = torch.Generator().manual_seed(seed)
-    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
-    mine = x[dep.rank]
-    failures: list[str] = []
-    experts = Batches(dep, layer, seed, T).experts
-    with build(dep) as routed:
-        a = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk)
-        b = EpMoeLayer(dense_weights(seed + 2), routed, experts, topk=TINY.topk)
-        order = (a, b) if dep.rank == 0 else (b, a)
-        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
-        for i, moe in enumerate(order):
-            start = time.monotonic()
-            expect_raises(
-                failures,
-                f"call {i} out of order",
-                EpDesyncError,
-                "out of step.*reset\\(\\) on every rank",
-                lambda: moe(mine),
-            )
-            took = time.monotonic() - start
-            print(f"TIME-TO-ERROR layers called in other orders, call {i}: {took:.4f} s")
-            if took > 1.0:
-                failures.append(f"call {i} out of order: the error took {took:.2f} s")
-            routed.reset()  # what the error says: the calls no longer pair
-        got = [a(mine), b(mine)]
-    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
-    failures += fresh_bits_failures(dep, dense, experts, mine, got, "in order after the desync")
+    failures = two_layers_out_of_order(
+        dep,
+        layer,
+        seed,
+        "layers called in other orders",
+        lambda moe, x, step: moe(x),
+        "out of step.*reset\\(\\) on every rank",
+    )
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
@@ -311,30 +325,15 @@ def test_one_tag_given_to_two_layers_called_in_different_orders(dep, layer):
     Before: both calls returned an output on every rank without an error, each rank's rows
     paired with the other layer's (the given tag replaced the layer's own)."""
     seed = agreed_seed(dep.cpu_group, 332)
-    gen = torch.Generator().manual_seed(seed)
-    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
-    mine = x[dep.rank]
-    failures: list[str] = []
-    experts = Batches(dep, layer, seed, T).experts
-    step = 41
-    with build(dep) as routed:
-        a = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk, layer_index=0)
-        b = EpMoeLayer(dense_weights(seed + 2), routed, experts, topk=TINY.topk, layer_index=1)
-        order = (a, b) if dep.rank == 0 else (b, a)
-        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
-        for i, moe in enumerate(order):
-            err, took = timed(lambda moe=moe: moe(mine, tag=step))
-            print(f"TIME-TO-ERROR one tag given to two layers, call {i}: {took:.4f} s")
-            if not isinstance(err, EpDesyncError):
-                failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
-            elif not ("layer 0, given tag" in str(err) and "layer 1, given tag" in str(err)):
-                failures.append(f"call {i}: the desync does not name both layers: {err}")
-            if took > 1.0:
-                failures.append(f"call {i}: the error took {took:.2f} s")
-            routed.reset()  # what the error says: the calls no longer pair
-        got = [a(mine, tag=step + 1), b(mine, tag=step + 1)]
-    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
-    failures += fresh_bits_failures(dep, dense, experts, mine, got, "in order after the desync")
+    failures = two_layers_out_of_order(
+        dep,
+        layer,
+        seed,
+        "one tag given to two layers",
+        lambda moe, x, step: moe(x, tag=41 + step),
+        "(?s)(?=.*layer 0, given tag)(?=.*layer 1, given tag)",
+        indices=(0, 1),
+    )
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
@@ -350,27 +349,15 @@ def test_two_layers_run_by_parts_in_different_orders(dep, layer, tag):
     Before: routed_path sent the caller's tag as it was (none, or 7 for both layers): every rank
     returned rows paired with the other layer's, without an error."""
     seed = agreed_seed(dep.cpu_group, 334)
-    gen = torch.Generator().manual_seed(seed)
-    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
-    mine = x[dep.rank]
-    failures: list[str] = []
-    experts = Batches(dep, layer, seed, T).experts
-    with build(dep) as routed:
-        a = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk, layer_index=0)
-        b = EpMoeLayer(dense_weights(seed + 2), routed, experts, topk=TINY.topk, layer_index=1)
-        order = (a, b) if dep.rank == 0 else (b, a)
-        dist.barrier(group=dep.cpu_group)  # the times below are the calls', not the builds'
-        for i, moe in enumerate(order):
-            err, took = timed(lambda moe=moe: run_by_parts(moe, mine, tag))
-            print(f"TIME-TO-ERROR two layers by parts, tag={tag}, call {i}: {took:.4f} s")
-            if not isinstance(err, EpDesyncError):
-                failures.append(f"call {i}: {type(err).__name__}: {err}; expected EpDesyncError")
-            if took > 1.0:
-                failures.append(f"call {i}: the error took {took:.2f} s")
-            routed.reset()  # what the error says: the calls no longer pair
-        got = [run_by_parts(a, mine, tag), run_by_parts(b, mine, tag)]
-    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
-    failures += fresh_bits_failures(dep, dense, experts, mine, got, "by parts after the desync")
+    failures = two_layers_out_of_order(
+        dep,
+        layer,
+        seed,
+        f"two layers by parts, tag={tag}",
+        lambda moe, x, step: run_by_parts(moe, x, tag),
+        None,
+        indices=(0, 1),
+    )
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
