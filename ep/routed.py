@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass
@@ -149,12 +150,16 @@ def out_overlaps_inputs(out: torch.Tensor, latent, ids, weights, norm_weight, pa
 
 
 def same_owner(a: object, b: object) -> bool:
-    """Whether two dispatch owners are one caller: the same object, or equal values of one type
-    among int, str, bytes and tuple (an engine's layer number or a name it formats again at
-    each hook: equal values need not be one object)."""
+    """Whether two dispatch owners are one caller: the same object, equal integers of any kind
+    (int, NumPy's; bools excepted), or equal values of one type among str, bytes and tuple (an
+    engine's layer number or a name it formats again at each hook: equal values need not be
+    one object, nor one integer type)."""
     if a is b:
         return True
-    if type(a) is not type(b) or not isinstance(a, (int, str, bytes, tuple)):
+    integral = [isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (a, b)]
+    if all(integral):
+        return int(a) == int(b)
+    if any(integral) or type(a) is not type(b) or not isinstance(a, (str, bytes, tuple)):
         return False
     try:
         return bool(a == b)
@@ -711,6 +716,8 @@ class EpRouted:
         check_tensor(fn, "weights", weights, (torch.float32,), shape, self.device)
         if padding is not None:
             check_padding(fn, padding, real, self.device)
+        inputs = (("latent", latent), ("ids", ids), ("weights", weights), ("padding", padding))
+        self._check_outside_buffers(fn, inputs)
         if self.check_values:
             # A padding row's ids and weights are never read: whatever they hold is no error.
             if padding is not None:
@@ -803,7 +810,9 @@ class EpRouted:
         either way), so it costs no launch and a CUDA graph reads the live mask at each replay.
         Collective; on CPU it blocks until every rank has delivered. Returns this rank's receive
         rows. `experts`, when given, is validated with the inputs. `owner`: who dispatches (an
-        engine hook's marker, for `abort_stale_step`), recorded with the pending step.
+        engine hook's marker, for `abort_stale_step`), recorded with the pending step. An input
+        lying in this object's own buffers (receive()'s rows, which the peers' dispatch writes)
+        is refused: ValueError on this rank, EpPeerError on the others.
         """
         return self._dispatch(
             "EpRouted.dispatch",
@@ -928,7 +937,9 @@ class EpRouted:
         Collective; on CPU it blocks until every rank has delivered. Returns bf16 [n, L] (the
         real rows of the dispatch): `out` when given (bf16 [n, L], rows 16-byte aligned), which
         the kernel writes in place when it is contiguous, n = T and it shares no byte with
-        `norm_weight`, else a copy lands there.
+        `norm_weight` nor with this object's buffers (whose rows the peers read until the combine
+        completes), else a copy lands there once it has. A norm weight lying in this object's
+        buffers is refused (ValueError on this rank, EpPeerError on the others).
         """
         return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT, out)
 
@@ -1011,6 +1022,7 @@ class EpRouted:
         if error is None:
             try:
                 eps = self._check_norm(fn, norm_weight, eps)
+                self._check_outside_buffers(fn, (("norm_weight", norm_weight),))
                 if out is not None:
                     self._check_out(fn, out, step.real)
             except (TypeError, ValueError) as err:
@@ -1023,13 +1035,15 @@ class EpRouted:
         if error is not None:
             self._step_failure = f"{type(error).__name__} in {fn}"
         # The kernel writes T contiguous rows: the caller's buffer takes them in place only then,
-        # and only when it holds no byte of the norm weight, which every CTA reads as the others
-        # write their rows.
+        # only when it holds no byte of the norm weight, which every CTA reads as the others
+        # write their rows, and none of this object's buffers, whose expert rows the peers read
+        # until the combine completes (then a copy into them is safe: "combine-end").
         in_place = (
             error is None
             and isinstance(out, torch.Tensor)
             and step.real == step.tokens
             and out.is_contiguous()
+            and not shares_bytes(out, self._buffers.segment)
         )
         if in_place and isinstance(norm_weight, torch.Tensor):
             in_place = not shares_bytes(out, norm_weight)
@@ -1092,8 +1106,7 @@ class EpRouted:
         the latent (`may_overlap`; the latent itself excepted), the ids, the weights, the norm
         weight, the padding (`out_overlaps_inputs`) or this object's own buffers (receive()'s
         rows, which every piece rewrites) gets the step's rows by one copy at the end, so no
-        piece writes a byte a later piece has yet to read; an input in those buffers is refused
-        (ValueError on that rank, EpPeerError on the others); a step that fails
+        piece writes a byte a later piece has yet to read; a step that fails
         leaves `out` without a defined result. T is below 2^31 (a larger one is
         refused, as one step). The first piece's tag carries T (comm/tags.py), so ranks whose T
         differ raise in it on every rank, naming each rank's T (CPU: EpTokenCountError, a
@@ -1116,7 +1129,7 @@ class EpRouted:
             )
             if out is not None:
                 self._check_out(fn, out, n)
-            self._check_inputs_outside_buffers(fn, latent, ids, weights, norm_weight, padding)
+            self._check_outside_buffers(fn, (("norm_weight", norm_weight),))
         except (TypeError, ValueError) as err:
             refused = err
         return self._routed_pieces(
@@ -1135,19 +1148,17 @@ class EpRouted:
             refused,
         )
 
-    def _check_inputs_outside_buffers(self, fn, latent, ids, weights, norm_weight, padding):
-        """ValueError when an input of a step run in pieces lies in this object's own buffers
-        (receive()'s rows): every piece's dispatch and experts rewrite them before a later piece
-        reads its rows."""
+    def _check_outside_buffers(self, fn, named) -> None:
+        """ValueError when an input, (name, tensor or None) of `named`, lies in this object's own
+        buffers (receive()'s rows): the peers' dispatch writes them while this rank's dispatch
+        reads its inputs, the experts write the expert rows, and every piece of a step above
+        max_tokens rewrites them all; such an input would be read half rewritten."""
         segment = self._buffers.segment
-        named = (("latent", latent), ("ids", ids), ("weights", weights))
-        named += (("norm_weight", norm_weight), ("padding", padding))
         for name, t in named:
             if isinstance(t, torch.Tensor) and shares_bytes(t, segment):
                 raise ValueError(
-                    f"{fn}: {name} lies in this EpRouted's own buffers (receive()'s rows); a step"
-                    f" above max_tokens={self.max_tokens} runs in pieces, each of which rewrites"
-                    f" them before the next reads its rows: pass a copy"
+                    f"{fn}: {name} lies in this EpRouted's own buffers (receive()'s rows), which"
+                    " the ranks' dispatch and experts rewrite during the call: pass a copy"
                 )
 
     def _routed_pieces(

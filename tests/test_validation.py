@@ -130,3 +130,18 @@ def test_check_eps_traces_under_torch_compile():
     x = torch.ones(2)
     for eps in (1e-6, 1, 1e-40):
         assert torch.equal(compiled(x, eps), scaled(x, eps)), eps
+
+
+def test_same_owner_takes_equal_integers_of_any_kind_and_equal_values_of_one_type():
+    """abort_stale_step's owner match: an owner given as int at the dispatch and np.int64 at
+    the hook (or the reverse) is one owner (before: compared by type too, the hook did nothing
+    and the peers waited out timeout_s in the combine); bools, floats and values of other types
+    are not integers of the same value."""
+    from dep_ep.ep.routed import same_owner
+
+    assert same_owner(3, np.int64(3)) and same_owner(np.int32(3), 3)
+    assert same_owner("hook", "".join(["ho", "ok"])) and same_owner((1, "a"), (1, "a"))
+    assert not same_owner(3, np.int64(4)) and not same_owner(3, "3")
+    assert not same_owner(1, True) and not same_owner(3, 3.0) and not same_owner(3, (3,))
+    owner = object()
+    assert same_owner(owner, owner) and not same_owner(owner, object())
