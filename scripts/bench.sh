@@ -3,7 +3,8 @@
 # root as the module bench.<name>; each writes its results page (bench/report.py: tables, a plot)
 # into OUTDIR (docs/results holds the published pages: OUTDIR=docs/results rewrites them):
 #   pip install -e '.[gpu,test]' && bash scripts/bench.sh OUTDIR
-# bench_ep (EP=1 on GPU 0), bench_experts, bench_construction, bench_layer and bench_integration
+# bench_ep (EP=1 on GPU 0), bench_experts, bench_narrow_gemm (the narrow GEMM against humming's),
+# bench_construction, bench_layer and bench_integration
 # (what the vLLM / SGLang integrations and the custom op add per layer call; GPU 0), and with
 # >= 2 GPUs the store + flag ping-pong, the NVLink write ceiling, bench_dep (three routings),
 # bench_layer and bench_routed_experts (the routed path with real experts) on 2, 4, ... and all
@@ -21,6 +22,7 @@ status=0
 log() { bash scripts/run_logged.sh "$out" "$@" || status=1; }
 CUDA_VISIBLE_DEVICES=0 log bench_ep1 300 "$py" -m bench.bench_ep --out "$out"
 CUDA_VISIBLE_DEVICES=0 log bench_experts 600 "$py" -m bench.bench_experts --out "$out"
+CUDA_VISIBLE_DEVICES=0 log bench_narrow_gemm 200 "$py" -m bench.bench_narrow_gemm --out "$out"
 one="$py -m torch.distributed.run --nproc-per-node 1"
 CUDA_VISIBLE_DEVICES=0 log bench_construction 200 $one -m bench.bench_construction --out "$out"
 CUDA_VISIBLE_DEVICES=0 log bench_layer1 300 $one -m bench.bench_layer --out "$out"

@@ -1,0 +1,248 @@
+"""The narrow GEMM (experts/hopper/narrow_gemm.py) against humming's GEMMs, FC1 and FC2 alone, on
+one GPU at K3 geometry, decode sizes: 56, 112 and 448 local experts (rank 0 of 16, 8 and 2
+ranks), T = 1..16 tokens per rank, uniform routing, all measured in the same run.
+
+    python -m bench.bench_narrow_gemm     # writes docs/results/bench_narrow_gemm.md
+
+Receive rows as bench_experts draws them (rank 0 of `ranks`, T tokens each, K3's 16 distinct
+experts of 896 by synthetic_ids). Weights: random MXFP4 codes for the local experts, scale bytes
+118..126 (humming's fused scales take a spread of 11 binades). FC1: the receive rows (e4m3, fp32
+scales) to BF16 [2I] per pair; FC2: random e4m3 activation rows [I] per pair to BF16 [L]. Each
+kernel alone, the grouping done before it, the narrow GEMM in both its forms (FORMS: one
+mma.sync a warp, or one wgmma a warpgroup with the rows in shared memory): graph replay of
+`--reps` calls, median of `--samples` replays, per call. The bytes: the touched experts'
+codes and scales of that GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an expert; FC2: half that),
+once; GB/s = bytes / time; % of copy = GB/s over the device-to-device copy bandwidth measured
+in the run. diff: relative L2 of the narrow GEMM's output against humming's on the same pairs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from bench import cli, report
+from bench.bench_experts import copy_gbs, graph_us, receive_rows
+from dep_ep.comm.mxfp8 import e8m0_to_fp32
+from dep_ep.constants import SCALE_BLOCK
+from dep_ep.ep import K3
+from dep_ep.experts.hopper.engine import tuning_pairs
+from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
+from dep_ep.experts.hopper.humming_gemm import HummingGemm
+from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
+from dep_ep.experts.hopper.narrow_layout import NARROW_PAIRS, narrow_weights
+
+TOKENS = [1, 2, 4, 8, 16]
+LOCAL_EXPERTS = [56, 112, 448]
+REPS, SAMPLES = 10, 10
+SCALE_BYTES = (118, 127)  # [low, high): a spread humming keeps exact
+
+
+def random_mxfp4(local: int, n: int, k: int, gen: torch.Generator):
+    """Codes uint8 [local, n, k/2] and scale bytes uint8 [local, n, k/32] on the GPU."""
+    w = torch.randint(0, 256, (local, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    s = torch.randint(
+        *SCALE_BYTES, (local, n, k // SCALE_BLOCK), dtype=torch.uint8, device="cuda", generator=gen
+    )
+    return w, s
+
+
+def gemm_bytes(n: int, k: int) -> int:
+    """One expert's codes and scale bytes of an [n, k] GEMM."""
+    return n * k // 2 + n * k // SCALE_BLOCK
+
+
+class Layer:
+    """One shard's FC1 and FC2 weights in both kernels' layouts."""
+
+    def __init__(self, local: int, gen: torch.Generator) -> None:
+        latent, inter = K3.latent, K3.intermediate
+        self.local = local
+        self.w13, self.s13 = random_mxfp4(local, 2 * inter, latent, gen)
+        self.w2, self.s2 = random_mxfp4(local, latent, inter, gen)
+        self.narrow13 = narrow_weights(self.w13, self.s13)
+        self.narrow2 = narrow_weights(self.w2, self.s2)
+        self.humming13 = HummingGemm.prepare(self.w13, self.s13, False)
+        self.humming2 = HummingGemm.prepare(self.w2, self.s2, False)
+
+
+# The narrow GEMM's forms timed (column name -> NarrowTuning): its MMA either way.
+FORMS = {"mma.sync": NarrowTuning(), "wgmma": NarrowTuning(wgmma=True)}
+
+
+def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) -> dict:
+    """One (local, T) row: every narrow form's FC1 and FC2 (`launches`: form -> (FC1, FC2)
+    NarrowGemmLaunch) and humming's, timed on the same pairs, and their outputs' differences."""
+    latent, inter, topk = K3.latent, K3.intermediate, K3.topk
+    x, sf, ids, _ = receive_rows(ranks, tokens, layer.local, gen)
+    rows = ids.shape[0]
+    capacity = rows * topk
+    scales = e8m0_to_fp32(sf).contiguous()
+    narrow_groups = group_pairs(ids, 0, layer.local, NARROW_PAIRS)
+    pairs = int(narrow_groups.num_pairs)
+    touched = int((narrow_groups.expert_pairs > 0).sum())
+    act = (torch.randn(capacity, inter, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+    act_scale = torch.pow(
+        2.0, torch.randint(-4, 5, (capacity, inter // SCALE_BLOCK), device="cuda", generator=gen)
+    ).float()
+    pair_row = narrow_groups.pair_row
+    calls, outputs = {}, {}
+    for form, (fc1, fc2) in launches.items():
+        gate_up = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+        expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device="cuda")
+        outputs[form] = (gate_up, expert_out)
+
+        # The stream is read at each call: a graph capture runs on a stream of its own.
+        def narrow_fc1(fc1=fc1, gate_up=gate_up):
+            stream = torch.cuda.current_stream().cuda_stream
+            fc1(*layer.narrow13, x, scales, pair_row, narrow_groups, gate_up, stream)
+
+        def narrow_fc2(fc2=fc2, expert_out=expert_out):
+            stream = torch.cuda.current_stream().cuda_stream
+            fc2(*layer.narrow2, act, act_scale, pair_row, narrow_groups, expert_out, stream)
+
+        calls[f"{form}_fc1"], calls[f"{form}_fc2"] = narrow_fc1, narrow_fc2
+
+    tuned = tuning_pairs(rows, topk, layer.local, K3.experts)
+    h1_groups = group_pairs(ids, 0, layer.local, layer.humming13.block_m(tuned))
+    h1_routes = tile_routes(h1_groups)
+    h2_groups = group_pairs(ids, 0, layer.local, layer.humming2.block_m(tuned))
+    h2_routes = tile_routes(h2_groups)
+    h_gate_up = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    h_expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device="cuda")
+    x8 = x.view(torch.float8_e4m3fn)
+
+    def humming_fc1():
+        layer.humming13(
+            x8,
+            scales,
+            h1_routes.flat,
+            h1_groups.tile_expert,
+            h1_routes.num_padded,
+            topk,
+            h_gate_up,
+            tuned,
+        )
+
+    def humming_fc2():
+        layer.humming2(
+            act,
+            act_scale,
+            h2_routes.pair,
+            h2_groups.tile_expert,
+            h2_routes.num_padded,
+            1,
+            h_expert_out,
+            tuned,
+        )
+
+    calls["humming_fc1"], calls["humming_fc2"] = humming_fc1, humming_fc2
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    flat = narrow_groups.pair_flat[:pairs].long()
+
+    def diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+        a, b = ours.float(), theirs.float()
+        return float((a - b).norm() / b.norm())
+
+    result = {
+        "local": layer.local,
+        "ranks": ranks,
+        "tokens": tokens,
+        "rows": rows,
+        "pairs": pairs,
+        "touched": touched,
+        "fc1_bytes": touched * gemm_bytes(2 * inter, latent),
+        "fc2_bytes": touched * gemm_bytes(latent, inter),
+    }
+    for form, (gate_up, expert_out) in outputs.items():
+        result[f"{form}_fc1_diff"] = diff(gate_up[:pairs], h_gate_up[flat])
+        result[f"{form}_fc2_diff"] = diff(expert_out[:pairs], h_expert_out[:pairs])
+    for name, fn in calls.items():
+        result[name] = graph_us(fn, args.reps, args.samples)
+    return result
+
+
+def write_report(results: list[dict], bandwidth: float, out, run: report.Run | None = None) -> None:
+    """The page (and its plot) of `results` (bench_row's dicts) at `bandwidth` GB/s into `out`;
+    `run`: what produced them (default: this process)."""
+    page = report.Page(
+        out / "bench_narrow_gemm.md",
+        "The narrow GEMM against humming's, FC1 and FC2 alone, K3, decode sizes",
+        report.summary(__doc__),
+        run or report.Run.this_process(),
+    )
+    page.text(f"One process. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.")
+    forms = [f for f in FORMS if f"{f}_fc1" in results[0]]
+    kernels = [*forms, "humming"]
+    for fc in ("fc1", "fc2"):
+        page.section(fc.upper())
+        rows = []
+        for r in results:
+            gb = r[f"{fc}_bytes"] / 1e9
+            cells = [f"{r['local']} ({r['ranks']})", r["tokens"], r["pairs"], r["touched"]]
+            for kernel in kernels:
+                us = r[f"{kernel}_{fc}"]
+                cells += [f"{us:.1f}", f"{100 * gb / (us * 1e-6) / bandwidth:.0f}%"]
+            for form in forms:
+                cells += [f"{r[f'{form}_{fc}'] / r[f'humming_{fc}']:.2f}"]
+                cells += [f"{r[f'{form}_{fc}_diff']:.1e}"]
+            rows.append(cells)
+        columns = ["local (ranks)", "T", "pairs", "touched"]
+        for kernel in kernels:
+            columns += [f"{kernel} us", "% of copy"]
+        for form in forms:
+            columns += [f"{form} / humming", f"{form} diff"]
+        page.table(columns, rows)
+    panels = []
+    styles = {"mma.sync": ":^", "wgmma": "o-", "humming": "s--"}
+    for fc in ("fc1", "fc2"):
+        series = []
+        for local in dict.fromkeys(r["local"] for r in results):
+            mine = [r for r in results if r["local"] == local]
+            t = [r["tokens"] for r in mine]
+            for i, kernel in enumerate(kernels):
+                gbs = [r[f"{fc}_bytes"] / (r[f"{kernel}_{fc}"] * 1e-6) / 1e9 for r in mine]
+                percent = [100 * g / bandwidth for g in gbs]
+                label = f"{kernel}, {local} local"
+                style = styles.get(kernel, "o-")
+                series.append(report.Series(label, t, percent, style, color_of_previous=i > 0))
+        title = f"{fc.upper()}: weight bytes at % of copy bandwidth"
+        panels.append(report.Panel("T (tokens per rank)", "% of copy", series, title, x_log=2))
+    page.plot(report.Figure("Narrow GEMM vs humming, 1 GPU, K3", panels))
+    print(page.write())
+
+
+def main() -> int:
+    args = cli.parser(
+        __doc__, page="bench_narrow_gemm.md", tokens=TOKENS, timing=(REPS, SAMPLES)
+    ).parse_args()
+    if not torch.cuda.is_available():
+        print("bench_narrow_gemm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = copy_gbs()
+    launches = {
+        form: (
+            NarrowGemmLaunch(2 * K3.intermediate, K3.latent, True, tuning),
+            NarrowGemmLaunch(K3.latent, K3.intermediate, False, tuning),
+        )
+        for form, tuning in FORMS.items()
+    }
+    results = []
+    for local in LOCAL_EXPERTS:
+        layer = Layer(local, gen)
+        for tokens in args.tokens:
+            result = bench_row(layer, launches, K3.experts // local, tokens, args, gen)
+            print(result, flush=True)
+            results.append(result)
+        del layer
+        torch.cuda.empty_cache()
+    write_report(results, bandwidth, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""NarrowGemmKernel: an expert GEMM for tiles of at most 8 pairs, MXFP4 weights times MXFP8 rows,
+the pairs on the MMA's N side; NarrowGemmLaunch compiles and launches it.
+
+out[j, n] = BF16( sum over k32 blocks b of 2^(sw[e, n, b] + sx[j, b]) * sum_{k in b} w[e, n, k]
+x[row(j), k] ), for the pairs j of each tile (PairGroups' tiles of block_n = NARROW_PAIRS), e the
+tile's local expert, n < N. The weights come in experts/hopper/narrow_layout.py's layout; a warp
+owns 16 output columns of one tile over the whole K: per k32 block one mma.sync.m16n8k32 (e4m3,
+fp32), its partials scaled by the weight row's and the pair's block scales and added into fp32
+accumulators (exact MX scaling: a Hopper MMA takes no block scales). Each weight byte is read
+once per tile, 32 contiguous bytes a lane and 1 KiB a warp per 128 of K.
+
+Why narrow: at decode sizes an expert holds a few pairs (1-8 at T <= 16 tokens a rank on a DEP16
+shard of K3), so the GEMM is a stream of weight bytes with a little arithmetic on each; the
+bound is the copy bandwidth (docs/experts.md). Tiles of more than 8 pairs run as several tiles,
+each reading the expert's weights again (from L2 when they run together).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint16, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from dep_ep.comm.kernels.launcher import compile_kernel
+from dep_ep.comm.kernels.ptx import bf16_round, bits_f32
+from dep_ep.comm.kernels.tensors import gmem_tensor
+from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.hopper.narrow_layout import (
+    MAGNITUDE_BITS,
+    NARROW_CHUNK_K,
+    NARROW_PAIRS,
+    NARROW_ROWS,
+    NARROW_STEPS,
+    SIGN_BITS,
+    WORDS_PER_LANE,
+    narrow_fits,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+WARP_LANES = 32
+WARPGROUP_WARPS = 4
+# The staged rows' shared-memory descriptor (wgmma, K-major, no swizzle), in its 16-byte units:
+# the start address field (14 bits), the leading byte offset (between core matrices along K:
+# 128 bytes) and the stride byte offset (between 8-row groups: one group here, 256 bytes kept
+# valid), and one k32 block (two core matrices, 256 bytes).
+DESC_ADDRESS_MASK = 0x3FFF
+CORE_LEADING_UNITS = 128 >> 4
+CORE_STRIDE_UNITS = 256 >> 4
+DESC_BLOCK_UNITS = 256 >> 4
+E8M0_MANTISSA_BITS = 23  # an E8M0 byte shifted here is the fp32 bits of 2^(byte - 127)
+BYTE_MASK = 0xFF
+
+
+@dsl_user_op
+def mma_e4m3(a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
+    """One mma.sync.m16n8k32 of e4m3 A (four words) and B (two words) from zero: the fp32
+    partials (d0, d1, d2, d3) of rows (g, g, g + 8, g + 8) and columns (2t, 2t + 1, 2t, 2t + 1)
+    of lane 4g + t."""
+    text = (
+        "{ .reg .f32 z; mov.f32 z, 0f00000000;"
+        " mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"
+        " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {z, z, z, z}; }"
+    )
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)],
+        text,
+        "=f,=f,=f,=f,r,r,r,r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def wgmma_e4m3(a0, a1, a2, a3, rows_desc, *, loc=None, ip=None):
+    """One wgmma.m64n8k32 of the warpgroup from zero (scale-d 0): A, e4m3 in four words a lane
+    (each warp its 16 rows, the layout of mma_e4m3's A), B the 8 rows x 32 bytes that the shared
+    memory descriptor `rows_desc` (Int64) points at; fenced before (A was just written),
+    committed and waited for. The fp32 partials (d0, d1, d2, d3) as mma_e4m3's, rows 16 w + ...
+    for warp w of the warpgroup."""
+    text = (
+        "wgmma.fence.sync.aligned;"
+        " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3"
+        " {$0, $1, $2, $3}, {$4, $5, $6, $7}, $8, 0, 1, 1;"
+        " wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0;"
+    )
+    args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3)]
+    args.append(Int64(rows_desc).ir_value(loc=loc, ip=ip))
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        args,
+        text,
+        "=f,=f,=f,=f,r,r,r,r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Order this thread's shared-memory stores before the async proxy's reads (wgmma)."""
+    llvm.inline_asm(
+        None,
+        [],
+        "fence.proxy.async.shared::cta;",
+        "",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def e4m3_from_low(word: Uint32) -> Uint32:
+    """The low nibble of each byte (E2M1 s e1 e0 m) -> that byte as e4m3 s 0 0 e1 e0 m 0 0."""
+    return ((word << 4) & Uint32(SIGN_BITS)) | ((word << 2) & Uint32(MAGNITUDE_BITS))
+
+
+@cute.jit
+def e4m3_from_high(word: Uint32) -> Uint32:
+    """The high nibble of each byte -> that byte as e4m3 (the sign already at bit 7)."""
+    return (word & Uint32(SIGN_BITS)) | ((word >> 2) & Uint32(MAGNITUDE_BITS))
+
+
+@cute.jit
+def e8m0_byte(word: Uint32, index: int) -> Float32:
+    """2^(byte - 127) of byte `index` (static) of `word`; byte 0 gives 0."""
+    return bits_f32(((word >> (8 * index)) & Uint32(BYTE_MASK)) << E8M0_MANTISSA_BITS)
+
+
+@dataclass(frozen=True)
+class NarrowTuning:
+    """The kernel's launch shape: warps a CTA (16 output columns each; N must be a multiple of
+    16 * warps), chunks (128 of K) a warp's loop unrolls, whether the weights' loads skip L1
+    (they are read once; the rows and scales stay in L1 for the CTA's other warps), and the
+    MMA: False, one mma.sync.m16n8k32 a warp and k32 block, its rows read from global memory;
+    True, one wgmma.m64n8k32 a warpgroup (warps a multiple of 4), its rows staged once per CTA
+    in shared memory (8 K bytes)."""
+
+    warps: int = 8
+    unroll: int = 2
+    weights_skip_l1: bool = False
+    wgmma: bool = False
+
+    def columns(self) -> int:
+        """Output columns a CTA: 16 * warps."""
+        return NARROW_ROWS * self.warps
+
+
+def row_major_layout(shape: tuple) -> cute.Layout:
+    """A row-major layout of `shape` (the first extent may be a runtime value)."""
+    strides, stride = [], 1
+    for extent in reversed(shape[1:]):
+        strides.append(stride)
+        stride *= extent
+    strides.append(stride)
+    return cute.make_layout(shape, stride=tuple(reversed(strides)))
+
+
+class NarrowGemmKernel:
+    """Grid (tile capacity, N / tuning.columns()); CTA (t, cb) runs tile t (nothing when
+    t >= num_tiles) for columns [tuning.columns() * cb, ...): the CTAs launched together are
+    one column block of consecutive tiles (a hot expert's tiles read the same weights). N, K and
+    indexed (whether pair j reads row pair_row[j] of x or row j) are static."""
+
+    def __init__(self, n: int, k: int, indexed: bool, tuning: NarrowTuning = NarrowTuning()):
+        assert narrow_fits(n, k) and n % tuning.columns() == 0
+        assert not tuning.wgmma or tuning.warps % WARPGROUP_WARPS == 0
+        self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
+        self.blocks = n // NARROW_ROWS
+        self.chunks = k // NARROW_CHUNK_K
+
+    @cute.jit
+    def __call__(
+        self,
+        words: Int64,
+        scales: Int64,
+        x: Int64,
+        x_scales: Int64,
+        pair_row: Int64,
+        tile_expert: Int64,
+        tile_start: Int64,
+        tile_rows: Int64,
+        num_tiles: Int64,
+        out: Int64,
+        num_local: Int32,
+        rows_in: Int32,
+        rows_out: Int32,
+        tiles: Int32,
+        stream: cuda.CUstream,
+    ):
+        """words int32 [E, N/16, K/128, 32, 8], scales int32 [E, N/16, K/128, 8, 2]
+        (narrow_weights); x e4m3 [rows_in, K] and x_scales fp32 [rows_in, K/32]; pair_row int32
+        (read when indexed); tile_expert, tile_start, tile_rows int32 [tiles], num_tiles int32
+        [1] (PairGroups); out bf16 [rows_out, N]. All 16-byte aligned."""
+        cb, q = self.blocks, self.chunks
+        steps = self.k // SCALE_BLOCK
+        mW = gmem_tensor(Uint32, words, row_major_layout((num_local, cb, q, WARP_LANES, 8)))
+        mS = gmem_tensor(Uint32, scales, row_major_layout((num_local, cb, q, 8, 2)))
+        # x as words: row, chunk, step s, lane t: two words (k 8t .. 8t + 7 of block s)
+        mX = gmem_tensor(Uint32, x, row_major_layout((rows_in, q, NARROW_STEPS, 4, 2)))
+        mXs = gmem_tensor(Float32, x_scales, row_major_layout((rows_in, q, NARROW_STEPS)))
+        assert steps == q * NARROW_STEPS
+        vector = cute.make_layout(tiles)
+        mPairRow = gmem_tensor(Int32, pair_row, cute.make_layout(rows_out), align=4)
+        mTileExpert = gmem_tensor(Int32, tile_expert, vector, align=4)
+        mTileStart = gmem_tensor(Int32, tile_start, vector, align=4)
+        mTileRows = gmem_tensor(Int32, tile_rows, vector, align=4)
+        mNumTiles = gmem_tensor(Int32, num_tiles, cute.make_layout(1), align=4)
+        mOut = gmem_tensor(Uint16, out, row_major_layout((rows_out, self.n)))
+        self.kernel(
+            mW, mS, mX, mXs, mPairRow, mTileExpert, mTileStart, mTileRows, mNumTiles, mOut
+        ).launch(
+            grid=[tiles, cb // self.tuning.warps, 1],
+            block=[WARP_LANES * self.tuning.warps, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mW: cute.Tensor,
+        mS: cute.Tensor,
+        mX: cute.Tensor,
+        mXs: cute.Tensor,
+        mPairRow: cute.Tensor,
+        mTileExpert: cute.Tensor,
+        mTileStart: cute.Tensor,
+        mTileRows: cute.Tensor,
+        mNumTiles: cute.Tensor,
+        mOut: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, bx, _ = cute.arch.block_idx()
+        warp, lane = tidx // WARP_LANES, tidx % WARP_LANES
+        g, t = lane // 4, lane % 4
+        if tile < mNumTiles[0]:
+            expert = mTileExpert[tile]
+            start = mTileStart[tile]
+            rows = mTileRows[tile]
+            block = bx * self.tuning.warps + warp
+            last = rows - 1
+            # B: this lane reads pair g's row; C: its partials are pairs 2t and 2t + 1. Pairs past
+            # the tile's read its last pair (their partials are never stored).
+            jb = start + cutlass.min(g, last)
+            j0 = start + cutlass.min(2 * t, last)
+            j1 = start + cutlass.min(2 * t + 1, last)
+            rb, r0, r1 = jb, j0, j1
+            if cutlass.const_expr(self.indexed):
+                rb, r0, r1 = mPairRow[jb], mPairRow[j0], mPairRow[j1]
+            rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
+            rS = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+            rX = cute.make_rmem_tensor(cute.make_layout((2, NARROW_STEPS)), Uint32)
+            rXs0 = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32)
+            rXs1 = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32)
+            rAcc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            rAcc.fill(0.0)
+            rows_desc = Int64(0)
+            if cutlass.const_expr(self.tuning.wgmma):
+                rows_desc = self.stage_rows(mX, mPairRow, start, rows, tidx)
+            weights_cache = cute.nvgpu.CacheEvictionPriority.EVICT_NORMAL
+            if cutlass.const_expr(self.tuning.weights_skip_l1):
+                weights_cache = cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE
+            for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
+                cute.autovec_copy(
+                    mW[expert, block, q, lane, None], rW, l1c_evict_priority=weights_cache
+                )
+                cute.autovec_copy(mS[expert, block, q, g, None], rS)
+                if cutlass.const_expr(not self.tuning.wgmma):
+                    for s in cutlass.range_constexpr(NARROW_STEPS):
+                        cute.autovec_copy(mX[rb, q, s, t, None], rX[None, s])
+                cute.autovec_copy(mXs[r0, q, None], rXs0)
+                cute.autovec_copy(mXs[r1, q, None], rXs1)
+                for s in cutlass.range_constexpr(NARROW_STEPS):
+                    row_g, row_g8 = rW[2 * s], rW[2 * s + 1]
+                    a = (
+                        e4m3_from_low(row_g),
+                        e4m3_from_low(row_g8),
+                        e4m3_from_high(row_g),
+                        e4m3_from_high(row_g8),
+                    )
+                    if cutlass.const_expr(self.tuning.wgmma):
+                        # Block q * 4 + s of the staged rows: 256 bytes (16 descriptor units) on.
+                        step_desc = rows_desc + Int64((q * NARROW_STEPS + s) * DESC_BLOCK_UNITS)
+                        d0, d1, d2, d3 = wgmma_e4m3(*a, step_desc)
+                    else:
+                        d0, d1, d2, d3 = mma_e4m3(*a, rX[0, s], rX[1, s])
+                    sg, sg8 = e8m0_byte(rS[0], s), e8m0_byte(rS[1], s)
+                    rAcc[0] = rAcc[0] + d0 * (sg * rXs0[s])
+                    rAcc[1] = rAcc[1] + d1 * (sg * rXs1[s])
+                    rAcc[2] = rAcc[2] + d2 * (sg8 * rXs0[s])
+                    rAcc[3] = rAcc[3] + d3 * (sg8 * rXs1[s])
+            n0 = block * NARROW_ROWS + g
+            if 2 * t < rows:
+                mOut[start + 2 * t, n0] = Uint16(bf16_round(rAcc[0]))
+                mOut[start + 2 * t, n0 + 8] = Uint16(bf16_round(rAcc[2]))
+            if 2 * t + 1 < rows:
+                mOut[start + 2 * t + 1, n0] = Uint16(bf16_round(rAcc[1]))
+                mOut[start + 2 * t + 1, n0 + 8] = Uint16(bf16_round(rAcc[3]))
+
+    @cute.jit
+    def stage_rows(self, mX, mPairRow, start, rows, tidx) -> Int64:
+        """Copy the tile's 8 rows of x (zeros past its `rows` pairs) into shared memory in the
+        wgmma's K-major layout without swizzle, and return the descriptor of its first k32 block.
+        Layout: core matrix c (16 bytes of K) of row n at byte 128 c + 16 n; within each 32-byte
+        block of K the words are permuted as the weights' k order (narrow_layout.py): the MMA's
+        words 0-3 are the row's words 0, 2, 4, 6 and its words 4-7 the row's 1, 3, 5, 7."""
+        blocks = self.k // SCALE_BLOCK
+        smem = SmemAllocator()
+        sRows = smem.allocate_tensor(
+            Uint32, row_major_layout((2 * blocks, NARROW_PAIRS, 4)), byte_alignment=128
+        )
+        mBlocks = cute.make_tensor(
+            mX.iterator, row_major_layout((mX.shape[0], blocks, WORDS_PER_LANE))
+        )
+        rBlock = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
+        for task in cutlass.range(tidx, NARROW_PAIRS * blocks, self.tuning.warps * WARP_LANES):
+            n, b = task // blocks, task % blocks
+            rBlock.fill(0)
+            if n < rows:
+                row = start + n
+                if cutlass.const_expr(self.indexed):
+                    row = mPairRow[row]
+                cute.autovec_copy(mBlocks[row, b, None], rBlock)
+            for i in cutlass.range_constexpr(4):
+                sRows[2 * b, n, i] = rBlock[2 * i]
+                sRows[2 * b + 1, n, i] = rBlock[2 * i + 1]
+        fence_proxy_async_shared()
+        cute.arch.sync_threads()
+        address = sRows.iterator.toint()
+        low = ((address >> 4) & Int32(DESC_ADDRESS_MASK)) | Int32(CORE_LEADING_UNITS << 16)
+        return Int64(Uint32(low)) | (Int64(CORE_STRIDE_UNITS) << 32)
+
+
+class NarrowGemmLaunch:
+    """NarrowGemmKernel's launch for one (N, K, indexed): its compile (once, at construction) and
+    its launch on torch tensors.
+
+    Constraints (stated here once): N a multiple of tuning.columns() (128 by default), K of 128;
+    the tiles
+    of block_n NARROW_PAIRS (8); words and scales from narrow_weights of [E, N, K/2] weights; x
+    e4m3 (or uint8) [rows_in, K] and x_scales fp32 [rows_in, K/32] contiguous; out bf16
+    [rows_out, N] contiguous, rows_out >= every pair number of a tile; all 16-byte aligned;
+    indexed: pair j reads row pair_row[j] (int32 [rows_out]) of x, else row j. The grid is one
+    CTA per (tile slot, 128 columns): no CTA waits for another, so no co-residency; a tile slot
+    past num_tiles exits at once. The writers of every input come before the launch on its
+    stream. Capturable: no host synchronisation, and no allocation.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        indexed: bool,
+        tuning: NarrowTuning = NarrowTuning(),
+        arch: str | None = None,
+    ):
+        """Compile for `arch` (None: this process's GPU). ValueError when (N, K) do not fit."""
+        if not narrow_fits(n, k) or n % tuning.columns():
+            raise ValueError(
+                f"NarrowGemmLaunch: N={n}, K={k}; need N % {tuning.columns()} == 0"
+                f" and K % {NARROW_CHUNK_K} == 0"
+            )
+        self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
+        z = Int64(0)
+        self.compiled = compile_kernel(
+            lambda: (NarrowGemmKernel(n, k, indexed, tuning), (z,) * 10 + (Int32(1),) * 4), arch
+        )
+
+    def grid(self, tiles: int) -> tuple[int, int]:
+        """CTAs for `tiles` tile slots: (tiles, N / tuning.columns())."""
+        return tiles, self.n // self.tuning.columns()
+
+    def __call__(
+        self, words, scales, x, x_scales, pair_row, groups, out, stream: int
+    ) -> torch.Tensor:
+        """Launch on `stream` (a CUstream handle) for the tiles of `groups` (a PairGroups of
+        block_n NARROW_PAIRS): out[j] for every pair j of its tiles; other rows untouched."""
+        if groups.block_n != NARROW_PAIRS:
+            raise ValueError(
+                f"NarrowGemmLaunch: tiles of {groups.block_n} pairs; expected {NARROW_PAIRS}"
+            )
+        expected = {
+            "words": (words, (self.n // NARROW_ROWS, self.k // NARROW_CHUNK_K, WARP_LANES, 8)),
+            "scales": (scales, (self.n // NARROW_ROWS, self.k // NARROW_CHUNK_K, 8, 2)),
+            "x": (x, (self.k,)),
+            "x_scales": (x_scales, (self.k // SCALE_BLOCK,)),
+            "out": (out, (self.n,)),
+        }
+        for name, (tensor, tail) in expected.items():
+            if tuple(tensor.shape[1:]) != tail or not tensor.is_contiguous():
+                raise ValueError(
+                    f"NarrowGemmLaunch: {name} {tuple(tensor.shape)}; expected a contiguous"
+                    f" [*, {', '.join(map(str, tail))}] (compiled for N={self.n}, K={self.k})"
+                )
+        if x.element_size() != 1 or x_scales.element_size() != 4 or out.element_size() != 2:
+            raise ValueError(
+                f"NarrowGemmLaunch: x {x.dtype}, x_scales {x_scales.dtype}, out {out.dtype};"
+                " expected e4m3 bytes, fp32 scales and bf16"
+            )
+        self.compiled(
+            words.data_ptr(),
+            scales.data_ptr(),
+            x.data_ptr(),
+            x_scales.data_ptr(),
+            pair_row.data_ptr(),
+            groups.tile_expert.data_ptr(),
+            groups.tile_start.data_ptr(),
+            groups.tile_rows.data_ptr(),
+            groups.num_tiles.data_ptr(),
+            out.data_ptr(),
+            words.shape[0],
+            x.shape[0],
+            out.shape[0],
+            groups.tile_capacity,
+            cuda.CUstream(stream),
+        )
+        return out

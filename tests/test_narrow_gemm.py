@@ -1,0 +1,210 @@
+"""The narrow GEMM (experts/hopper/narrow_gemm.py): its weight layout and E2M1 -> e4m3 expansion
+on CPU, its PTX for sm_90a, and on an SM90 GPU the kernel against the float64 reference on fresh
+random data, outputs poisoned with NaN."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dep_ep.experts.hopper.grouping import group_pairs
+from dep_ep.experts.hopper.narrow_layout import (
+    E2M1_TO_E4M3_EXPONENT,
+    NARROW_MAX_SCALE_BYTE,
+    NARROW_PAIRS,
+    e4m3_bytes_to_float,
+    e4m3_from_high,
+    e4m3_from_low,
+    narrow_dequantize,
+    narrow_gemm_reference,
+    narrow_weights,
+)
+from dep_ep.experts.mxfp4 import E2M1_VALUES, mxfp4_dequantize
+
+HAVE_CUTLASS = importlib.util.find_spec("cutlass") is not None
+
+
+def fresh_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+
+
+def random_weights(num: int, n: int, k: int, gen: torch.Generator, device="cpu"):
+    w = torch.randint(0, 256, (num, n, k // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(110, 135, (num, n, k // 32), dtype=torch.uint8, generator=gen)
+    return w.to(device), s.to(device)
+
+
+@pytest.mark.parametrize("nibble", range(16))
+def test_expansion_is_the_code_times_2_to_the_minus_6(nibble):
+    word = torch.tensor([nibble * 0x11111111])
+    expected = torch.full((1, 4), E2M1_VALUES[nibble] * 2.0**-E2M1_TO_E4M3_EXPONENT).double()
+    for expand in (e4m3_from_low, e4m3_from_high):
+        got = e4m3_bytes_to_float(expand(word))
+        assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+
+
+def test_expansion_takes_each_nibble_of_its_byte_only():
+    gen = fresh_generator()
+    words = torch.randint(0, 2**32, (256,), dtype=torch.int64, generator=gen)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64) * 2.0**-E2M1_TO_E4M3_EXPONENT
+    shifts = torch.arange(0, 32, 8)
+    low = table[(words.unsqueeze(-1) >> shifts) & 0xF]
+    high = table[(words.unsqueeze(-1) >> (shifts + 4)) & 0xF]
+    assert torch.equal(e4m3_bytes_to_float(e4m3_from_low(words)), low)
+    assert torch.equal(e4m3_bytes_to_float(e4m3_from_high(words)), high)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 128), (3, 32, 256), (2, 48, 384)])
+def test_layout_reads_back_the_checkpoint_values(shape):
+    gen = fresh_generator()
+    w, s = random_weights(*shape, gen)
+    words, scales = narrow_weights(w, s)
+    num, n, k = shape
+    assert words.shape == (num, n // 16, k // 128, 32, 8) and words.dtype == torch.int32
+    assert scales.shape == (num, n // 16, k // 128, 8, 2) and scales.dtype == torch.int32
+    assert torch.equal(narrow_dequantize(words, scales), mxfp4_dequantize(w, s, torch.float64))
+
+
+def test_layout_refuses_what_it_cannot_hold():
+    gen = fresh_generator()
+    w, s = random_weights(2, 32, 256, gen)
+    with pytest.raises(ValueError, match="N % 16 == 0, K % 128 == 0"):
+        narrow_weights(w[:, :24], s[:, :24])
+    with pytest.raises(ValueError, match="N % 16 == 0, K % 128 == 0"):
+        narrow_weights(w[:, :, :32], s[:, :, :2])
+    s[1, 3, 5] = NARROW_MAX_SCALE_BYTE + 1
+    with pytest.raises(ValueError, match=r"local experts \[1\]"):
+        narrow_weights(w, s)
+
+
+def test_reference_is_the_dequantized_product():
+    gen = fresh_generator()
+    w, s = random_weights(3, 16, 128, gen)
+    x = (torch.randn(5, 128, generator=gen) * 4).to(torch.float8_e4m3fn)
+    xs = torch.pow(2.0, torch.randint(-3, 4, (5, 4), generator=gen).float())
+    rows = torch.tensor([4, 0, 2, 2], dtype=torch.int32)
+    experts = torch.tensor([0, 2, 2, 1])
+    got = narrow_gemm_reference(w, s, x, xs, rows, experts)
+    xd = (x.double().view(5, 4, 32) * xs.double().unsqueeze(-1)).view(5, 128)
+    for j in range(4):
+        weights = mxfp4_dequantize(w[experts[j]], s[experts[j]], torch.float64)
+        assert torch.equal(got[j], weights @ xd[rows[j]])
+
+
+@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
+    from cutlass import Int32, Int64
+
+    from dep_ep.comm.kernels.launcher import compile_kernel
+    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmKernel, NarrowTuning
+
+    z = Int64(0)
+    compile_kernel(
+        lambda: (NarrowGemmKernel(6144, 3584, True), (z,) * 10 + (Int32(1),) * 4),
+        "sm_90a",
+        str(tmp_path),
+    )
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in text
+    # The weights: two 16-byte loads a lane per 128 of K (unrolled twice), never byte loads.
+    assert text.count("ld.global.v4.b32") >= 4
+    assert "ld.global.u8" not in text and "ld.global.b8" not in text
+    ptx.unlink()
+    compile_kernel(
+        lambda: (
+            NarrowGemmKernel(6144, 3584, True, NarrowTuning(wgmma=True)),
+            (z,) * 10 + (Int32(1),) * 4,
+        ),
+        "sm_90a",
+        str(tmp_path),
+    )
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    # The warpgroup form: the MMA from zero (scale-d 0) on registers and a descriptor, its rows'
+    # stores made visible to the async proxy before the CTA barrier.
+    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in text
+    assert ", 0, 1, 1;" in text and "mma.sync" not in text
+    assert text.index("fence.proxy.async.shared::cta") < text.index("bar.sync")
+
+
+# ---- SM90 GPU ----------------------------------------------------------------------------------
+def sm90_here() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device here"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs SM90, found {torch.cuda.get_device_capability()}"
+    if not HAVE_CUTLASS:
+        return "needs nvidia-cutlass-dsl"
+    return None
+
+
+GPU = pytest.mark.skipif(sm90_here() is not None, reason=f"narrow GEMM: {sm90_here()}")
+
+
+def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen):
+    """Weights, rows, ids of `rows` receive rows (topk ids of 4 * num_local experts, this rank's
+    the first num_local; hot: local expert 0 in every row), the groups of tiles of 8."""
+    dev = torch.device("cuda")
+    w, s = random_weights(num_local, n, k, gen)
+    w, s = w.to(dev), s.to(dev)
+    num_experts = 4 * num_local
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(rows)])
+    # Every row holds a local id in slot 0 (expert 0 when hot; it may repeat another slot's):
+    # no case without pairs.
+    ids[:, 0] = 0 if hot else torch.randint(0, num_local, (rows,), generator=gen)
+    ids = ids.int().to(dev)
+    groups = group_pairs(ids, 0, num_local, NARROW_PAIRS)
+    capacity = rows * topk
+    x_rows = rows if indexed else capacity
+    x = (torch.randn(x_rows, k, generator=gen) * 8).to(torch.float8_e4m3fn).to(dev)
+    xs = torch.pow(2.0, torch.randint(-6, 7, (x_rows, k // 32), generator=gen).float()).to(dev)
+    return w, s, x, xs, groups
+
+
+@GPU
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma.sync", "wgmma"])
+@pytest.mark.parametrize(
+    "num_local,n,k,rows,topk,indexed,hot",
+    [
+        (4, 256, 256, 1, 4, True, False),  # one row
+        (4, 256, 384, 16, 4, True, True),  # a hot expert: 16 pairs, two full tiles
+        (3, 128, 128, 9, 8, False, False),  # rows by pair number
+        (8, 6144, 3584, 2, 16, True, False),  # K3's FC1
+        (8, 3584, 3072, 3, 16, False, True),  # K3's FC2
+    ],
+)
+def test_kernel_against_float64_reference(num_local, n, k, rows, topk, indexed, hot, wgmma):
+    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
+
+    gen = fresh_generator()
+    w, s, x, xs, groups = gpu_case(num_local, n, k, rows, topk, indexed, hot, gen)
+    words, scales = narrow_weights(w, s)
+    launch = NarrowGemmLaunch(n, k, indexed, NarrowTuning(wgmma=wgmma))
+    out = torch.full((rows * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    pair_row = groups.pair_row
+    launch(words, scales, x, xs, pair_row, groups, out, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    pairs = int(groups.num_pairs)
+    assert pairs >= 1
+    j = torch.arange(pairs, device="cuda")
+    experts = torch.repeat_interleave(
+        torch.arange(num_local, device="cuda"), groups.expert_pairs.to("cuda")
+    )
+    rows_read = pair_row[:pairs] if indexed else j.int()
+    exact = narrow_gemm_reference(w, s, x, xs, rows_read, experts)
+    got = out[:pairs].double()
+    assert not got.isnan().any(), "a pair's output row was not written"
+    assert out[pairs:].isnan().all(), "rows past the pairs were written"
+    # The bound: BF16's rounding (2^-8 relative), and the MMA's and fp32 sums (terms' magnitudes).
+    xd = (x.double().view(x.shape[0], -1, 32) * xs.double().unsqueeze(-1)).view(x.shape[0], k)
+    magnitude = torch.empty_like(exact)
+    for e in experts.unique().tolist():
+        sel = experts == e
+        weights = mxfp4_dequantize(w[e], s[e], torch.float64).abs()
+        magnitude[sel] = xd[rows_read[sel].long()].abs() @ weights.T
+    bound = 2.0**-8 * exact.abs() + 2.0**-12 * magnitude
+    excess = ((got - exact).abs() - bound).max()
+    assert excess <= 0, f"error above the bound by {excess:.3g}"
