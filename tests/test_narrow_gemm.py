@@ -130,6 +130,43 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
     assert text.index("fence.proxy.async.shared::cta") < text.index("bar.sync")
 
 
+@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+def test_launch_refuses_arguments_it_was_not_compiled_for():
+    """Every check runs before the launch, so it shows on CPU tensors: tiles of another size, a
+    shape or dtype the kernel would read at other strides, a pair_row shorter than out, and
+    (last) tensors off a CUDA device."""
+    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch
+
+    gen = fresh_generator()
+    n, k, rows, topk = 128, 256, 3, 4
+    w, s = random_weights(2, n, k, gen)
+    words, scales = narrow_weights(w, s)
+    ids = torch.randint(0, 8, (rows, topk), dtype=torch.int32, generator=gen)
+    groups = group_pairs(ids, 0, 2, NARROW_PAIRS)
+    x = torch.zeros(rows, k, dtype=torch.uint8)
+    xs = torch.ones(rows, k // 32)
+    out = torch.zeros(rows * topk, n, dtype=torch.bfloat16)
+    launch = NarrowGemmLaunch(n, k, True, arch="sm_90a")
+    good = (words, scales, x, xs, groups.pair_row, groups, out, 0)
+
+    def call(index, value, match):
+        args = list(good)
+        args[index] = value
+        with pytest.raises(ValueError, match=match):
+            launch(*args)
+
+    call(5, group_pairs(ids, 0, 2, 16), "tiles of 16 pairs; expected 8")
+    call(2, torch.zeros(rows, k + 128, dtype=torch.uint8), r"x \(3, 384\)")
+    call(3, xs.double(), "fp32 scales")
+    call(6, out.float(), "bf16")
+    call(0, words[:, :, :1], "words")
+    call(4, groups.pair_row[:5], "pair_row at least out's 12 rows")
+    call(0, words.view(torch.float32), "must be int32")
+    call(7, 0, "one CUDA device")  # every check passed but the device's
+    with pytest.raises(ValueError, match="N=136, K=256; need N % 128 == 0"):
+        NarrowGemmLaunch(136, k, True, arch="sm_90a")
+
+
 # ---- SM90 GPU ----------------------------------------------------------------------------------
 def sm90_here() -> str | None:
     if not torch.cuda.is_available():

@@ -18,11 +18,11 @@ each reading the expert's weights again (from L2 when they run together).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Float32, Int32, Int64, Uint16, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -42,9 +42,6 @@ from dep_ep.experts.hopper.narrow_layout import (
     WORDS_PER_LANE,
     narrow_fits,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 WARP_LANES = 32
 WARPGROUP_WARPS = 4
@@ -406,11 +403,20 @@ class NarrowGemmLaunch:
                     f"NarrowGemmLaunch: {name} {tuple(tensor.shape)}; expected a contiguous"
                     f" [*, {', '.join(map(str, tail))}] (compiled for N={self.n}, K={self.k})"
                 )
-        if x.element_size() != 1 or x_scales.element_size() != 4 or out.element_size() != 2:
+        if x.element_size() != 1 or x_scales.dtype != torch.float32 or out.dtype != torch.bfloat16:
             raise ValueError(
                 f"NarrowGemmLaunch: x {x.dtype}, x_scales {x_scales.dtype}, out {out.dtype};"
                 " expected e4m3 bytes, fp32 scales and bf16"
             )
+        int32s = (words, scales, pair_row, groups.tile_expert, groups.tile_start, groups.tile_rows)
+        if any(t.dtype != torch.int32 for t in int32s) or pair_row.numel() < out.shape[0]:
+            raise ValueError(
+                "NarrowGemmLaunch: words, scales, pair_row and the tiles must be int32, pair_row"
+                f" at least out's {out.shape[0]} rows (pair_row {tuple(pair_row.shape)})"
+            )
+        tensors = (words, scales, x, x_scales, pair_row, groups.tile_expert, out)
+        if len({t.device for t in tensors}) != 1 or words.device.type != "cuda":
+            raise ValueError("NarrowGemmLaunch: every tensor must be on one CUDA device")
         self.compiled(
             words.data_ptr(),
             scales.data_ptr(),
