@@ -66,6 +66,12 @@ class RankRegions:
         """Address of the allocation's first byte in this process (regions at layout offsets)."""
         return self._segment.data_ptr()
 
+    def span(self, name: str) -> tuple[int, int]:
+        """[first, end) byte addresses of region `name` at capacity in this process."""
+        region = self._layout.regions[name]
+        start = self._segment.data_ptr() + region.offset
+        return start, start + region.nbytes
+
     @property
     def segment(self) -> torch.Tensor:
         """uint8 [layout.total_bytes]: the whole allocation as this process maps it (every

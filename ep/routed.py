@@ -939,7 +939,8 @@ class EpRouted:
         the kernel writes in place when it is contiguous, n = T and it shares no byte with
         `norm_weight` nor with this object's buffers (whose rows the peers read until the combine
         completes), else a copy lands there once it has. A norm weight lying in this object's
-        buffers is refused (ValueError on this rank, EpPeerError on the others).
+        buffers, or an `out` lying in them outside receive().out (rows the peers' next dispatch
+        writes), is refused (ValueError on this rank, EpPeerError on the others).
         """
         return self._combine("EpRouted.combine", norm_weight, eps, None, CAUSE_INPUT, out)
 
@@ -1068,7 +1069,21 @@ class EpRouted:
         return out
 
     def _check_out(self, fn: str, out: object, rows: int) -> None:
+        """ValueError unless `out` is bf16 [rows, L] on the device, and, where it lies in this
+        object's buffers, within receive().out: the other receive rows (x, sf, ids, weights,
+        flags) are the peers' to write, by their next dispatch as soon as this combine
+        completes, before a copy into them could land (receive().out is written by this rank's
+        experts only, and read by the peers until combine-end)."""
         check_rows(fn, "out", out, torch.bfloat16, (rows, self.latent), self.device)
+        if out.numel() and shares_bytes(out, self._buffers.segment):
+            first, end = byte_span(out)
+            out_first, out_end = self._buffers.span("out")
+            if first < out_first or end > out_end:
+                raise ValueError(
+                    f"{fn}: out lies in this EpRouted's receive rows other than receive().out"
+                    " (x, sf, ids, weights or flags), which the peers' next dispatch writes as"
+                    " soon as the combine completes: pass receive().out rows or another buffer"
+                )
 
     @_one_thread
     def routed(

@@ -591,13 +591,16 @@ def test_a_step_in_pieces_keeps_off_its_own_buffers(dep, layer):
 
 @pytest.mark.mpi(min_size=2)
 def test_a_single_step_keeps_off_its_own_buffers(dep, layer):
-    """A step of T <= max_tokens whose `out` lies in the object's own receive rows gets the bits
-    of the same step into a fresh tensor (copied once the combine completes: the peers read
-    those rows until then). An input in those rows on rank 0 (the latent, the ids, the weights
+    """A step of T <= max_tokens whose `out` lies in the object's own receive().out rows gets
+    the bits of the same step into a fresh tensor (copied once the combine completes: the peers
+    read those rows until then). An `out` in the other receive rows (x) on rank 0, one step or
+    in pieces, and an input in the receive rows on rank 0 (the latent, the ids, the weights
     through routed, the norm weight through combine; each copied there): ValueError there naming
-    it, EpPeerError on the others, in that call; the next step is good. Before (a careless-user
-    probe): the ids or weights in the receive rows returned rows on every rank without an
-    error, relative L2 0.55-1.3 on the ranks whose peers' dispatch rewrote them first."""
+    it, EpPeerError on the others, in that call; the next step is good. Before (careless-user
+    probes): the ids or weights in the receive rows returned rows on every rank without an
+    error, relative L2 0.55-1.3 on the ranks whose peers' dispatch rewrote them first; an out in
+    the x rows returned good rows, and the next call's rows were NaN or off by relative L2 up to
+    1.4 on some ranks (its copy landed after a peer's next dispatch had written there)."""
     seed = agreed_seed(dep.cpu_group, 668)
     batches = Batches(dep, layer, seed, 8)
     latent, ids, weights = batches.inputs(0)
@@ -610,6 +613,23 @@ def test_a_single_step_keeps_off_its_own_buffers(dep, layer):
         if not torch.equal(bits(got), bits(want)):
             failures.append("out in the receive rows: other bits")
         rows = routed.receive(8)
+        # An out in the x rows (bf16 over their bytes) on rank 0, one step and in pieces: the
+        # peers' next dispatch writes there as soon as the combine completes.
+        in_x = rows.x.reshape(-1)[: n * routed.latent * 2].view(torch.bfloat16).view(n, -1)
+        for tokens in (None, 2 * 8):
+            out = in_x if dep.rank == 0 else torch.empty_like(want)
+            expected = (ValueError, "out lies in") if dep.rank == 0 else (EpPeerError, None)
+            expect_raises(
+                failures,
+                f"out in the x rows, tokens={tokens}",
+                *expected,
+                lambda out=out, tokens=tokens: routed(
+                    latent, ids, weights, norm, experts=experts, tokens=tokens, out=out
+                ),
+            )
+            got = routed(latent, ids, weights, norm, experts=experts)
+            if not torch.equal(bits(got), bits(want)):
+                failures.append(f"the step after out in the x rows (tokens={tokens}): other bits")
         placed = {
             "latent": (rows.out[:n], latent),
             "ids": (rows.ids[:n], ids.int()),
