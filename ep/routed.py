@@ -124,9 +124,22 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when the byte spans of `a` and `b` intersect (conservative: interleaved views that
-    share no byte count as sharing)."""
+    share no byte count as sharing); a tensor of no element shares none."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
     (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
     return a0 < b1 and b0 < a1
+
+
+def lies_in(t: torch.Tensor, first: int, end: int) -> bool:
+    """True when a byte of `t` may lie in [first, end): first its storage's range (two
+    comparisons: most tensors are in other allocations), then its byte span."""
+    storage = t.untyped_storage()
+    start = storage.data_ptr()
+    if start + storage.nbytes() <= first or start >= end or t.numel() == 0:
+        return False
+    t0, t1 = byte_span(t)
+    return t0 < end and first < t1
 
 
 def may_overlap(out: torch.Tensor, latent: torch.Tensor) -> bool:
@@ -381,6 +394,11 @@ class EpRouted:
             agreement=agreement,
         )
         self._transport = open_transport(self._buffers, self.experts_per_rank, config)
+        # [first, end) bytes of the symmetric allocation and of its receive().out region, for the
+        # checks of every call that an input or `out` keeps off them (`lies_in`).
+        segment = self._buffers.segment
+        self._segment_span = (segment.data_ptr(), segment.data_ptr() + segment.numel())
+        self._out_span = self._buffers.span("out")
         # Value checks (ids range, weights) read the tensors: free where calls complete on
         # return, a host sync where they are stream-ordered.
         check = config.check_values
@@ -545,8 +563,9 @@ class EpRouted:
     @_one_thread
     def abort_stale_step(self, fn: str, owner: object) -> None:
         """For an engine's split dispatch and combine hooks, at the next dispatch: when the
-        pending dispatch is `owner`'s (`dispatch(..., owner=)`: the same object, or an equal
-        int, str, bytes or tuple, `same_owner`; TypeError for None, a plain caller's) and its
+        pending dispatch is `owner`'s (`dispatch(..., owner=)`: the same object, an equal
+        integer of any kind, or an equal str, bytes or tuple, `same_owner`; TypeError for None,
+        a plain caller's) and its
         combine never came on this rank (the engine raised between its hooks), take part in
         that step's combine without payload (`abort_step`, ordered after the stale dispatch's
         stream) and raise RuntimeError naming `fn` and the stale step's tag; this call did not
@@ -1044,7 +1063,7 @@ class EpRouted:
             and isinstance(out, torch.Tensor)
             and step.real == step.tokens
             and out.is_contiguous()
-            and not shares_bytes(out, self._buffers.segment)
+            and not lies_in(out, *self._segment_span)
         )
         if in_place and isinstance(norm_weight, torch.Tensor):
             in_place = not shares_bytes(out, norm_weight)
@@ -1075,9 +1094,9 @@ class EpRouted:
         completes, before a copy into them could land (receive().out is written by this rank's
         experts only, and read by the peers until combine-end)."""
         check_rows(fn, "out", out, torch.bfloat16, (rows, self.latent), self.device)
-        if out.numel() and shares_bytes(out, self._buffers.segment):
+        if lies_in(out, *self._segment_span):
             first, end = byte_span(out)
-            out_first, out_end = self._buffers.span("out")
+            out_first, out_end = self._out_span
             if first < out_first or end > out_end:
                 raise ValueError(
                     f"{fn}: out lies in this EpRouted's receive rows other than receive().out"
@@ -1165,12 +1184,13 @@ class EpRouted:
 
     def _check_outside_buffers(self, fn, named) -> None:
         """ValueError when an input, (name, tensor or None) of `named`, lies in this object's own
-        buffers (receive()'s rows): the peers' dispatch writes them while this rank's dispatch
-        reads its inputs, the experts write the expert rows, and every piece of a step above
-        max_tokens rewrites them all; such an input would be read half rewritten."""
-        segment = self._buffers.segment
+        buffers (receive()'s rows): the peers' dispatch writes the x, sf, ids and weights rows
+        while this rank's dispatch reads its inputs, this rank's experts write receive().out, and
+        every piece of a step above max_tokens rewrites them all; such an input would be read
+        half rewritten."""
+        first, end = self._segment_span
         for name, t in named:
-            if isinstance(t, torch.Tensor) and shares_bytes(t, segment):
+            if isinstance(t, torch.Tensor) and lies_in(t, first, end):
                 raise ValueError(
                     f"{fn}: {name} lies in this EpRouted's own buffers (receive()'s rows), which"
                     " the ranks' dispatch and experts rewrite during the call: pass a copy"
@@ -1205,7 +1225,7 @@ class EpRouted:
             if refused is None and (
                 out is None
                 or out_overlaps_inputs(out, latent, ids, weights, norm_weight, padding)
-                or shares_bytes(out, self._buffers.segment)
+                or lies_in(out, *self._segment_span)
             ):
                 # A piece's output rows must not land on what a later piece reads before it reads
                 # it: an `out` sharing memory with the latent (other than the latent itself), the

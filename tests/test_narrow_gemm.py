@@ -162,7 +162,9 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     call(0, words[:, :, :1], "words")
     call(4, groups.pair_row[:5], "pair_row at least out's 12 rows")
     call(0, words.view(torch.float32), "must be int32")
-    call(7, 0, "one CUDA device")  # every check passed but the device's
+    call(3, xs[:2], "the rows and the experts must match")
+    call(1, scales[:1], "the rows and the experts must match")
+    call(7, 0, "one CUDA device")  # the same stream: every check passes but the device's
     with pytest.raises(ValueError, match="N=136, K=256; need N % 128 == 0"):
         NarrowGemmLaunch(136, k, True, arch="sm_90a")
 

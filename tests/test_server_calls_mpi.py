@@ -592,15 +592,17 @@ def test_a_step_in_pieces_keeps_off_its_own_buffers(dep, layer):
 @pytest.mark.mpi(min_size=2)
 def test_a_single_step_keeps_off_its_own_buffers(dep, layer):
     """A step of T <= max_tokens whose `out` lies in the object's own receive().out rows gets
-    the bits of the same step into a fresh tensor (copied once the combine completes: the peers
-    read those rows until then). An `out` in the other receive rows (x) on rank 0, one step or
-    in pieces, and an input in the receive rows on rank 0 (the latent, the ids, the weights
-    through routed, the norm weight through combine; each copied there): ValueError there naming
-    it, EpPeerError on the others, in that call; the next step is good. Before (careless-user
-    probes): the ids or weights in the receive rows returned rows on every rank without an
-    error, relative L2 0.55-1.3 on the ranks whose peers' dispatch rewrote them first; an out in
-    the x rows returned good rows, and the next call's rows were NaN or off by relative L2 up to
-    1.4 on some ranks (its copy landed after a peer's next dispatch had written there)."""
+    the bits of the same step into a fresh tensor, the transport given no `out` (the peers read
+    those rows until the combine completes; the rows are copied after). An `out` in the other
+    receive rows (x) on rank 0, one step or in pieces, and an input in the receive rows on rank
+    0 (the latent, ids, weights, padding mask through routed, the norm weight through combine;
+    each copied there): ValueError there naming it, EpPeerError on the others, in that call;
+    the next step is good. Before (careless-user probes): the ids or weights in the receive rows
+    returned rows on every rank without an error, relative L2 0.55-1.3 on the ranks whose peers'
+    dispatch rewrote them first; an out in the x rows returned good rows, and the next call's
+    rows were NaN or off by relative L2 up to 1.4 on some ranks (its copy landed after a peer's
+    next dispatch had written there); an out in receive().out was written in place (on CPU the
+    host transport copied it after its last barrier, so only the GPU raced)."""
     seed = agreed_seed(dep.cpu_group, 668)
     batches = Batches(dep, layer, seed, 8)
     latent, ids, weights = batches.inputs(0)
@@ -609,9 +611,23 @@ def test_a_single_step_keeps_off_its_own_buffers(dep, layer):
     failures: list[str] = []
     with build(dep, 8) as routed:
         want = routed(latent, ids, weights, norm, experts=experts)
-        got = routed(latent, ids, weights, norm, experts=experts, out=routed.receive(8).out[:n])
+        # The combine must not write receive().out in place (the peers read it until the combine
+        # completes): the transport is asked for its own rows, copied after.
+        transport_combine, given = routed._transport.combine, []
+
+        def combine(*args, **kwargs):
+            given.append(kwargs.get("out"))
+            return transport_combine(*args, **kwargs)
+
+        routed._transport.combine = combine
+        try:
+            got = routed(latent, ids, weights, norm, experts=experts, out=routed.receive(8).out[:n])
+        finally:
+            routed._transport.combine = transport_combine
         if not torch.equal(bits(got), bits(want)):
             failures.append("out in the receive rows: other bits")
+        if given != [None]:
+            failures.append(f"out in the receive rows: the combine was given {given}")
         rows = routed.receive(8)
         # An out in the x rows (bf16 over their bytes) on rank 0, one step and in pieces: the
         # peers' next dispatch writes there as soon as the combine completes.
@@ -630,14 +646,18 @@ def test_a_single_step_keeps_off_its_own_buffers(dep, layer):
             got = routed(latent, ids, weights, norm, experts=experts)
             if not torch.equal(bits(got), bits(want)):
                 failures.append(f"the step after out in the x rows (tokens={tokens}): other bits")
+        mask = torch.zeros(n, dtype=torch.bool)
         placed = {
             "latent": (rows.out[:n], latent),
             "ids": (rows.ids[:n], ids.int()),
             "weights": (rows.weights[:n], weights),
+            "padding": (rows.x.reshape(-1)[:n].view(torch.bool), mask),
             "norm_weight": (rows.out[0], norm),
         }
         for name, (there, value) in placed.items():
             args = {"latent": latent, "ids": ids, "weights": weights, "norm_weight": norm}
+            if name == "padding":
+                args["padding"] = mask
             if dep.rank == 0:
                 there.copy_(value)
                 args[name] = there
@@ -652,7 +672,8 @@ def test_a_single_step_keeps_off_its_own_buffers(dep, layer):
             else:
 
                 def call(args=args):
-                    return routed(*args.values(), experts=experts)
+                    padding = args.pop("padding", None)
+                    return routed(*args.values(), experts=experts, padding=padding)
 
             expect_raises(failures, f"{name} in the receive rows", *expected, call)
             got = routed(latent, ids, weights, norm, experts=experts)

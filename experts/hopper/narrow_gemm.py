@@ -145,7 +145,7 @@ class NarrowTuning:
     (they are read once; the rows and scales stay in L1 for the CTA's other warps), and the
     MMA: False, one mma.sync.m16n8k32 a warp and k32 block, its rows read from global memory;
     True, one wgmma.m64n8k32 a warpgroup (warps a multiple of 4), its rows staged once per CTA
-    in shared memory (8 K bytes)."""
+    in shared memory (8 * K bytes: 28 KiB at K = 3584; K is bounded by the shared memory)."""
 
     warps: int = 8
     unroll: int = 2
@@ -414,7 +414,14 @@ class NarrowGemmLaunch:
                 "NarrowGemmLaunch: words, scales, pair_row and the tiles must be int32, pair_row"
                 f" at least out's {out.shape[0]} rows (pair_row {tuple(pair_row.shape)})"
             )
-        tensors = (words, scales, x, x_scales, pair_row, groups.tile_expert, out)
+        if x_scales.shape[0] != x.shape[0] or scales.shape[0] != words.shape[0]:
+            raise ValueError(
+                f"NarrowGemmLaunch: x {tuple(x.shape)} with x_scales {tuple(x_scales.shape)},"
+                f" words {tuple(words.shape)} with scales {tuple(scales.shape)}: the rows and the"
+                " experts must match"
+            )
+        tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
+        tensors = (words, scales, x, x_scales, pair_row, out, *tiles)
         if len({t.device for t in tensors}) != 1 or words.device.type != "cuda":
             raise ValueError("NarrowGemmLaunch: every tensor must be on one CUDA device")
         self.compiled(
