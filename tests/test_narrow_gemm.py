@@ -134,8 +134,8 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
 def test_launch_refuses_arguments_it_was_not_compiled_for():
     """Every check runs before the launch, so it shows on CPU tensors: tiles of another size, a
     shape or dtype the kernel would read at other strides, a pair_row shorter than out, and
-    (last) tensors off a CUDA device."""
-    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch
+    (last) tensors off a CUDA device; and at construction N, K or a warpgroup split."""
+    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
 
     gen = fresh_generator()
     n, k, rows, topk = 128, 256, 3, 4
@@ -167,6 +167,8 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     call(7, 0, "one CUDA device")  # the same stream: every check passes but the device's
     with pytest.raises(ValueError, match="N=136, K=256; need N % 128 == 0"):
         NarrowGemmLaunch(136, k, True, arch="sm_90a")
+    with pytest.raises(ValueError, match="warps in whole warpgroups"):
+        NarrowGemmLaunch(n, k, True, NarrowTuning(warps=2, wgmma=True), arch="sm_90a")
 
 
 # ---- SM90 GPU ----------------------------------------------------------------------------------

@@ -4,15 +4,19 @@ the pairs on the MMA's N side; NarrowGemmLaunch compiles and launches it.
 out[j, n] = BF16( sum over k32 blocks b of 2^(sw[e, n, b] + sx[j, b]) * sum_{k in b} w[e, n, k]
 x[row(j), k] ), for the pairs j of each tile (PairGroups' tiles of block_n = NARROW_PAIRS), e the
 tile's local expert, n < N. The weights come in experts/hopper/narrow_layout.py's layout; a warp
-owns 16 output columns of one tile over the whole K: per k32 block one mma.sync.m16n8k32 (e4m3,
-fp32), its partials scaled by the weight row's and the pair's block scales and added into fp32
-accumulators (exact MX scaling: a Hopper MMA takes no block scales). Each weight byte is read
-once per tile, 32 contiguous bytes a lane and 1 KiB a warp per 128 of K.
+owns 16 output columns of one tile over the whole K: per k32 block one MMA from zero (e4m3,
+fp32; NarrowTuning.wgmma: mma.sync.m16n8k32 a warp, or wgmma.m64n8k32 a warpgroup with the
+tile's rows in shared memory), its partials scaled by the weight row's and the pair's block
+scales and added into fp32 accumulators (exact MX scaling: a Hopper MMA takes no block scales).
+Each weight byte is read once per tile, 32 contiguous bytes a lane and 1 KiB a warp per 128 of K.
 
 Why narrow: at decode sizes an expert holds a few pairs (1-8 at T <= 16 tokens a rank on a DEP16
 shard of K3), so the GEMM is a stream of weight bytes with a little arithmetic on each; the
 bound is the copy bandwidth (docs/experts.md). Tiles of more than 8 pairs run as several tiles,
-each reading the expert's weights again (from L2 when they run together).
+each reading the expert's weights again (from L2 when they run together). Measured on one H200
+(docs/results/bench_narrow_gemm.md): 1.09-1.57x the time of humming's GEMMs on the same pairs,
+the weights' loads too few in flight a warp; no engine uses it (docs/experts.md, "The narrow
+GEMM").
 """
 
 from __future__ import annotations
@@ -347,7 +351,7 @@ class NarrowGemmLaunch:
     its launch on torch tensors.
 
     Constraints (stated here once): N a multiple of tuning.columns() (128 by default), K of 128;
-    the tiles
+    with tuning.wgmma, warps a multiple of 4 and 8 * K bytes of shared memory a CTA; the tiles
     of block_n NARROW_PAIRS (8); words and scales from narrow_weights of [E, N, K/2] weights; x
     e4m3 (or uint8) [rows_in, K] and x_scales fp32 [rows_in, K/32] contiguous; out bf16
     [rows_out, N] contiguous, rows_out >= every pair number of a tile; all 16-byte aligned;
@@ -365,11 +369,17 @@ class NarrowGemmLaunch:
         tuning: NarrowTuning = NarrowTuning(),
         arch: str | None = None,
     ):
-        """Compile for `arch` (None: this process's GPU). ValueError when (N, K) do not fit."""
+        """Compile for `arch` (None: this process's GPU). ValueError when (N, K) or the tuning
+        do not fit."""
         if not narrow_fits(n, k) or n % tuning.columns():
             raise ValueError(
                 f"NarrowGemmLaunch: N={n}, K={k}; need N % {tuning.columns()} == 0"
                 f" and K % {NARROW_CHUNK_K} == 0"
+            )
+        if tuning.wgmma and tuning.warps % WARPGROUP_WARPS:
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; the wgmma form needs warps in whole warpgroups"
+                f" ({WARPGROUP_WARPS})"
             )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         z = Int64(0)
