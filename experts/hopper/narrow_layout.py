@@ -2,7 +2,8 @@
 
 The narrow GEMM computes out[j, n] = sum_k W[e, n, k] * x[row(j), k] for tiles of at most
 NARROW_PAIRS pairs j of one expert e, with the MXFP4 weights on the MMA's M side (16 output
-columns a warp) and the pairs on its N side (mma.sync m16n8k32, e4m3 inputs, fp32 partials).
+columns a warp) and the pairs on its N side (mma.sync m16n8k32 a warp or wgmma m64n8k32 a
+warpgroup, whose A registers take the same layout; e4m3 inputs, fp32 partials).
 Each warp streams its 16 weight rows from global memory once, 128 of K at a time, and expands
 every E2M1 code to an e4m3 byte in registers by moving its bits:
 
@@ -12,7 +13,7 @@ every E2M1 code to an e4m3 byte in registers by moving its bits:
 which is the code's value times 2^-6 for every code (the subnormal 0.5 lands on e4m3's
 subnormal 2^-7), so the expansion is exact and the 2^6 goes into the scale byte
 (E2M1_TO_E4M3_EXPONENT). Per byte of the layout: low nibble -> one register, high nibble ->
-another (E4M3_FROM_LOW / E4M3_FROM_HIGH below), two shifts and masks a nibble, no table.
+another (`e4m3_from_low` / `e4m3_from_high` below, the kernel's), shifts and masks, no table.
 
 Layout (`narrow_weights`), for W uint8 [E, N, K/2] (checkpoint codes, low nibble first) and its
 scales uint8 [E, N, K/32]:
@@ -23,8 +24,9 @@ scales uint8 [E, N, K/32]:
            16c + g + 8r for the four k32 blocks s = 0..3 of chunk q, byte s
 A lane's eight words are 32 contiguous bytes and a warp's 1 KiB is contiguous. Inside each
 32-block of K the MMA's k order is permuted (its k 4t + i and 16 + 4t + i are the layout's
-8t + i and 8t + 4 + i): the activations are read in the same order, so that a lane's activation
-bytes of one step are 8 contiguous bytes, and a dot product does not depend on the order.
+8t + i and 8t + 4 + i): the activations are read (mma.sync) or staged (wgmma) in the same
+order, so that a lane's activation bytes of one step are 8 contiguous bytes, and a dot product
+does not depend on the order.
 """
 
 from __future__ import annotations
