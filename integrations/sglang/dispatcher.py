@@ -128,20 +128,28 @@ class DepEpDispatch:
         )
 
     def combine(self, combine_input: object) -> torch.Tensor:
-        """combine_input: the runner's CombineInput, `hidden_states` bf16 [R, H] (the dispatch's
-        moe_output, or a tensor of its shape, copied there). Collective. Returns bf16 [n, H]:
-        each token's sums from every rank, summed in rank order (no norm)."""
+        """combine_input: the runner's CombineInput, `hidden_states` [R, H] of a floating dtype
+        (the dispatch's moe_output itself, or a tensor of its shape copied there, converted to
+        bf16). Collective: a runner output that cannot be taken (not a tensor, another shape, a
+        copy torch refuses, such as one partly overlapping moe_output) fails the step on every
+        rank (this rank raises its error, the peers EpPeerError). Returns bf16 [n, H]: each
+        token's sums from every rank, summed in rank order (no norm)."""
         fn = "dep_ep.integrations.sglang.dispatcher.DepEpDispatcher.combine"
         rows = self.routed.receive()
-        out = combine_input.hidden_states
-        if out.data_ptr() != rows.out.data_ptr():
-            if tuple(out.shape) != tuple(rows.out.shape):
-                # Rejected through the step, so the peers raise EpPeerError.
-                self.routed.abort_step(
-                    ValueError(
-                        f"{fn}: the runner's output has shape {tuple(out.shape)}; expected the"
-                        f" receive rows' {tuple(rows.out.shape)}"
+        try:
+            out = combine_input.hidden_states
+            if out is not rows.out:
+                if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(rows.out.shape):
+                    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)
+                    raise ValueError(
+                        f"{fn}: the runner's output is {shape}; expected the receive rows'"
+                        f" {tuple(rows.out.shape)}"
                     )
-                )
-            rows.out.copy_(out)
+                if not out.is_floating_point():
+                    raise ValueError(f"{fn}: the runner's output is {out.dtype}; expected floats")
+                # A view of moe_output (another dtype included) is copied too: same-address
+                # views are not the rows unless they are the rows' own tensor.
+                rows.out.copy_(out)
+        except Exception as err:  # every rank must still complete the step
+            self.routed.abort_step(err)
         return self.routed.combine(None)

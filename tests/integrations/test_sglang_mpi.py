@@ -533,6 +533,51 @@ def test_dispatcher_for_other_models(dep, monkeypatch, runner_backend, in_place)
             got = layer(latent, topk)
         if not torch.equal(bits(got), bits(want)):
             failures.append("the step after rank 0's runner failed: other bits")
+        # Rank 0's runner hands back what combine cannot take: not a tensor, or its rows
+        # shifted one row inside moe_output (torch refuses that copy). Its error, EpPeerError
+        # on the others, in that call (before: rank 0 raised alone, and the peers waited in
+        # the combine until rank 0's next dispatch or their timeout); the next step is good.
+        # Then a runner that writes fp16 into moe_output viewed as fp16 and returns that view:
+        # converted to bf16 (before: read as bf16 bits, relative L2 0.65-0.70 on every rank).
+
+        def output_runner(make):
+            def run(dispatch_output):
+                rows = runner(dispatch_output).hidden_states.clone()  # moe_output when in place
+                return ss.FlashinferCombineInput(make(rows, dispatch_output.moe_output))
+
+            return run
+
+        def shifted(rows, moe_output):
+            # moe_output's memory one row on (the receive rows hold more rows than this step's).
+            offset = moe_output.storage_offset() + moe_output.stride(0)
+            view = moe_output.as_strided(moe_output.shape, moe_output.stride(), offset)
+            return view.copy_(rows)
+
+        cases = [
+            ("no tensor", lambda rows, moe_output: None, ValueError, "the runner's output is"),
+            ("shifted rows", shifted, RuntimeError, "unsupported operation"),
+        ]
+        for name, make, error, match in cases:
+            layer.runner = output_runner(make) if bad else good_runner
+            expected = (error, match) if bad else (EpPeerError, "rank 0")
+            with sglang.step(counts):
+                expect_raises(failures, name, *expected, lambda: layer(latent, topk))
+            layer.runner = good_runner
+            with sglang.step(counts):
+                got = layer(latent, topk)
+            if not torch.equal(bits(got), bits(want)):
+                failures.append(f"the step after rank 0's runner output ({name}): other bits")
+
+        def as_fp16(rows, moe_output):
+            view = moe_output.view(torch.float16)
+            return view.copy_(rows)
+
+        layer.runner = output_runner(as_fp16)
+        with sglang.step(counts):
+            got = layer(latent, topk)
+        layer.runner = good_runner
+        if got.shape[0]:
+            failures += compare(got, want.double(), "fp16 view of moe_output")
     with serving(dep, monkeypatch, a2a="flashinfer") as (sglang, _):
         expect_raises(
             failures,
