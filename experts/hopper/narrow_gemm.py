@@ -61,6 +61,20 @@ E8M0_MANTISSA_BITS = 23  # an E8M0 byte shifted here is the fp32 bits of 2^(byte
 BYTE_MASK = 0xFF
 
 
+def f32x4_asm(args, text: str, constraints: str, side_effects: bool, loc, ip):
+    """Inline PTX `text` on the ir values `args`, returning four fp32 results ($0..$3)."""
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        args,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+
+
 @dsl_user_op
 def mma_e4m3(a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
     """One mma.sync.m16n8k32 of e4m3 A (four words) and B (two words) from zero: the fp32
@@ -71,16 +85,8 @@ def mma_e4m3(a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
         " mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"
         " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {z, z, z, z}; }"
     )
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)],
-        text,
-        "=f,=f,=f,=f,r,r,r,r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+    args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
+    return f32x4_asm(args, text, "=f,=f,=f,=f,r,r,r,r,r,r", False, loc, ip)
 
 
 @dsl_user_op
@@ -98,16 +104,8 @@ def wgmma_e4m3(a0, a1, a2, a3, rows_desc, *, loc=None, ip=None):
     )
     args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3)]
     args.append(Int64(rows_desc).ir_value(loc=loc, ip=ip))
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        args,
-        text,
-        "=f,=f,=f,=f,r,r,r,r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+    # Side effects: the wgmma reads shared memory and waits on its group; it must stay in place.
+    return f32x4_asm(args, text, "=f,=f,=f,=f,r,r,r,r,l", True, loc, ip)
 
 
 @dsl_user_op
