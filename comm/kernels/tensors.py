@@ -43,6 +43,17 @@ def row_major(rows, cols):
     return cute.make_layout((rows, cols), stride=(cols, 1))
 
 
+def row_major_layout(shape: tuple) -> cute.Layout:
+    """`row_major` of any rank: `shape` with strides of a row-major array (the first extent may
+    be a runtime value)."""
+    strides, stride = [], 1
+    for extent in reversed(shape[1:]):
+        strides.append(stride)
+        stride *= extent
+    strides.append(stride)
+    return cute.make_layout(shape, stride=tuple(reversed(strides)))
+
+
 def element_ptr(tensor: cute.Tensor, coord) -> cute.Pointer:
     """The address of one element, for loads, stores and atomics with a memory order."""
     return tensor.iterator + cute.crd2idx(coord, tensor.layout)

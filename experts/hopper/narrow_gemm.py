@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from dep_ep.comm.kernels.launcher import compile_kernel
 from dep_ep.comm.kernels.ptx import bf16_round, bits_f32
-from dep_ep.comm.kernels.tensors import gmem_tensor
+from dep_ep.comm.kernels.tensors import gmem_tensor, row_major_layout
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.hopper.narrow_layout import (
     MAGNITUDE_BITS,
@@ -157,16 +157,6 @@ class NarrowTuning:
     def columns(self) -> int:
         """Output columns a CTA: 16 * warps."""
         return NARROW_ROWS * self.warps
-
-
-def row_major_layout(shape: tuple) -> cute.Layout:
-    """A row-major layout of `shape` (the first extent may be a runtime value)."""
-    strides, stride = [], 1
-    for extent in reversed(shape[1:]):
-        strides.append(stride)
-        stride *= extent
-    strides.append(stride)
-    return cute.make_layout(shape, stride=tuple(reversed(strides)))
 
 
 class NarrowGemmKernel:
