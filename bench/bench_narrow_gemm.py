@@ -8,8 +8,11 @@ Receive rows as bench_experts draws them (rank 0 of `ranks`, T tokens each, K3's
 experts of 896 by synthetic_ids). Weights: random MXFP4 codes for the local experts, scale bytes
 118..126 (humming's fused scales take a spread of 11 binades). FC1: the receive rows (e4m3, fp32
 scales) to BF16 [2I] per pair; FC2: random e4m3 activation rows [I] per pair to BF16 [L]. Each
-kernel alone, the grouping done before it, the narrow GEMM in both its forms (FORMS: one
-mma.sync a warp, or one wgmma a warpgroup with the rows in shared memory): graph replay of
+kernel alone, the grouping done before it, the narrow GEMM in three forms (FORMS: one
+mma.sync a warp, or a chunk's four wgmma a warpgroup with the rows in shared memory, each chunk
+loaded straight into registers; and the default, the wgmma form with each warp's weights
+streamed through a ring in shared memory by bulk copies; with --shapes, SHAPES' other rings
+too): graph replay of
 `--reps` calls, median of `--samples` replays, per call. The bytes: the touched experts'
 codes and scales of that GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an expert; FC2: half that),
 once; GB/s = bytes / time; % of copy = GB/s over the device-to-device copy bandwidth measured
@@ -67,8 +70,22 @@ class Layer:
         self.humming2 = HummingGemm.prepare(self.w2, self.s2, False)
 
 
-# The narrow GEMM's forms timed (column name -> NarrowTuning): its MMA either way.
-FORMS = {"mma.sync": NarrowTuning(), "wgmma": NarrowTuning(wgmma=True)}
+# The narrow GEMM's forms timed (column name -> NarrowTuning): its MMA either way, each chunk
+# loaded straight into registers, and the default, a ring of chunks in shared memory.
+FORMS = {
+    "mma.sync": NarrowTuning(wgmma=False, stages=0),
+    "wgmma": NarrowTuning(stages=0),
+    "wgmma ring": NarrowTuning(),
+}
+# Other ring shapes (warps, slots x chunks a slot), timed beside FORMS with --shapes.
+SHAPES = {
+    "ring 2x4": NarrowTuning(stages=2, stage_chunks=4),
+    "ring 3x2": NarrowTuning(stages=3, stage_chunks=2),
+    "ring 4x2": NarrowTuning(stages=4, stage_chunks=2),
+    "ring 2x1": NarrowTuning(stages=2, stage_chunks=1),
+    "4 warps, ring 2x2": NarrowTuning(warps=4),
+    "mma.sync ring": NarrowTuning(wgmma=False),
+}
 
 
 def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) -> dict:
@@ -175,7 +192,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
         run or report.Run.this_process(),
     )
     page.text(f"One process. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.")
-    forms = [f for f in FORMS if f"{f}_fc1" in results[0]]
+    forms = [f for f in FORMS | SHAPES if f"{f}_fc1" in results[0]]
     kernels = [*forms, "humming"]
     for fc in ("fc1", "fc2"):
         page.section(fc.upper())
@@ -197,13 +214,13 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
             columns += [f"{form} / humming", f"{form} diff"]
         page.table(columns, rows)
     panels = []
-    styles = {"mma.sync": ":^", "wgmma": "o-", "humming": "s--"}
+    styles = {"mma.sync": ":^", "wgmma": ":o", "wgmma ring": "o-", "humming": "s--"}
     for fc in ("fc1", "fc2"):
         series = []
         for local in dict.fromkeys(r["local"] for r in results):
             mine = [r for r in results if r["local"] == local]
             t = [r["tokens"] for r in mine]
-            for i, kernel in enumerate(kernels):
+            for i, kernel in enumerate(k for k in kernels if k in styles):
                 gbs = [r[f"{fc}_bytes"] / (r[f"{kernel}_{fc}"] * 1e-6) / 1e9 for r in mine]
                 percent = [100 * g / bandwidth for g in gbs]
                 label = f"{kernel}, {local} local"
@@ -216,9 +233,11 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
 
 
 def main() -> int:
-    args = cli.parser(
-        __doc__, page="bench_narrow_gemm.md", tokens=TOKENS, timing=(REPS, SAMPLES)
-    ).parse_args()
+    parser = cli.parser(__doc__, page="bench_narrow_gemm.md", tokens=TOKENS, timing=(REPS, SAMPLES))
+    parser.add_argument(
+        "--shapes", action="store_true", help="time the other ring shapes (SHAPES) as well"
+    )
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_narrow_gemm: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -229,7 +248,7 @@ def main() -> int:
             NarrowGemmLaunch(2 * K3.intermediate, K3.latent, True, tuning),
             NarrowGemmLaunch(K3.latent, K3.intermediate, False, tuning),
         )
-        for form, tuning in FORMS.items()
+        for form, tuning in (FORMS | (SHAPES if args.shapes else {})).items()
     }
     results = []
     for local in LOCAL_EXPERTS:

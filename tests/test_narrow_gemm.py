@@ -4,6 +4,7 @@ random data, outputs poisoned with NaN."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -101,33 +102,39 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
     from dep_ep.experts.hopper.narrow_gemm import NarrowGemmKernel, NarrowTuning
 
     z = Int64(0)
-    compile_kernel(
-        lambda: (NarrowGemmKernel(6144, 3584, True), (z,) * 10 + (Int32(1),) * 4),
-        "sm_90a",
-        str(tmp_path),
-    )
-    (ptx,) = tmp_path.glob("*.ptx")
-    text = ptx.read_text()
+
+    def ptx_of(tuning: NarrowTuning) -> str:
+        compile_kernel(
+            lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 10 + (Int32(1),) * 4),
+            "sm_90a",
+            str(tmp_path),
+        )
+        (ptx,) = tmp_path.glob("*.ptx")
+        text = ptx.read_text()
+        ptx.unlink()
+        return text
+
+    text = ptx_of(NarrowTuning(wgmma=False, stages=0))
     assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in text
     # The weights: two 16-byte loads a lane per 128 of K (unrolled twice), never byte loads.
     assert text.count("ld.global.v4.b32") >= 4
     assert "ld.global.u8" not in text and "ld.global.b8" not in text
-    ptx.unlink()
-    compile_kernel(
-        lambda: (
-            NarrowGemmKernel(6144, 3584, True, NarrowTuning(wgmma=True)),
-            (z,) * 10 + (Int32(1),) * 4,
-        ),
-        "sm_90a",
-        str(tmp_path),
-    )
-    (ptx,) = tmp_path.glob("*.ptx")
-    text = ptx.read_text()
-    # The warpgroup form: the MMA from zero (scale-d 0) on registers and a descriptor, its rows'
-    # stores made visible to the async proxy before the CTA barrier.
-    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in text
+    assert "cp.async.bulk" not in text
+    text = ptx_of(NarrowTuning(stages=0))
+    # The warpgroup form: a chunk's four MMAs from zero (scale-d 0) on registers and
+    # descriptors, committed and waited for once; its rows' stores made visible to the async
+    # proxy before the CTA barrier.
+    mma = "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3"
+    assert text.count(mma) == 4 * text.count("wgmma.commit_group.sync.aligned") > 0
     assert ", 0, 1, 1;" in text and "mma.sync" not in text
     assert text.index("fence.proxy.async.shared::cta") < text.index("bar.sync")
+    text = ptx_of(NarrowTuning())
+    # The default ring: the weights and scales by bulk copies completing on mbarriers, which
+    # the warps wait on; no global vector load of the weights is left.
+    copy = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    assert text.count(copy) >= 4 and "mbarrier.try_wait.parity" in text
+    assert "mbarrier.init.shared" in text and "mbarrier.arrive.expect_tx" in text
+    assert text.count(mma) == 4 * text.count("wgmma.commit_group.sync.aligned") > 0
 
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
@@ -135,7 +142,7 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     """Every check runs before the launch, so it shows on CPU tensors: tiles of another size, a
     shape or dtype the kernel would read at other strides, a pair_row shorter than out, and
     (last) tensors off a CUDA device; and at construction N, K or a warpgroup split."""
-    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
+    from dep_ep.experts.hopper.narrow_gemm import MAX_TILE_SLOTS, NarrowGemmLaunch, NarrowTuning
 
     gen = fresh_generator()
     n, k, rows, topk = 128, 256, 3, 4
@@ -169,6 +176,14 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         NarrowGemmLaunch(136, k, True, arch="sm_90a")
     with pytest.raises(ValueError, match="warps in whole warpgroups"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(warps=2, wgmma=True), arch="sm_90a")
+    with pytest.raises(ValueError, match="need stages >= 0"):
+        NarrowGemmLaunch(n, k, True, NarrowTuning(stage_chunks=0), arch="sm_90a")
+    with pytest.raises(ValueError, match="bytes of shared memory a CTA; at most"):
+        NarrowGemmLaunch(n, k, True, NarrowTuning(stages=16, stage_chunks=4), arch="sm_90a")
+    many = dataclasses.replace(
+        groups, tile_expert=torch.zeros(MAX_TILE_SLOTS + 1, dtype=torch.int32)
+    )
+    call(5, many, "65536 tile slots; at most 65535")
 
 
 # ---- SM90 GPU ----------------------------------------------------------------------------------
@@ -205,8 +220,23 @@ def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen):
     return w, s, x, xs, groups
 
 
+# The kernel's forms tested: its MMA either way, each chunk loaded straight into registers or
+# streamed through each warp's ring in shared memory (bulk copies): 2 slots of 2 chunks (the
+# default) and 3 of 4, whose slots are reused unevenly (K3's 28 and 24 chunks are 7 and 6
+# stages); K = 384 ends in a part stage, and K = 128 (one chunk) is shorter than either ring.
+TESTED_FORMS = {
+    f"{mma}-{ring}": dict(wgmma=mma == "wgmma", **ring_args)
+    for mma in ("mma.sync", "wgmma")
+    for ring, ring_args in (
+        ("direct", {"stages": 0}),
+        ("ring2x2", {"stages": 2, "stage_chunks": 2}),
+        ("ring3x4", {"stages": 3, "stage_chunks": 4}),
+    )
+}
+
+
 @GPU
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma.sync", "wgmma"])
+@pytest.mark.parametrize("form", list(TESTED_FORMS))
 @pytest.mark.parametrize(
     "num_local,n,k,rows,topk,indexed,hot",
     [
@@ -217,13 +247,13 @@ def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen):
         (8, 3584, 3072, 3, 16, False, True),  # K3's FC2
     ],
 )
-def test_kernel_against_float64_reference(num_local, n, k, rows, topk, indexed, hot, wgmma):
+def test_kernel_against_float64_reference(num_local, n, k, rows, topk, indexed, hot, form):
     from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
 
     gen = fresh_generator()
     w, s, x, xs, groups = gpu_case(num_local, n, k, rows, topk, indexed, hot, gen)
     words, scales = narrow_weights(w, s)
-    launch = NarrowGemmLaunch(n, k, indexed, NarrowTuning(wgmma=wgmma))
+    launch = NarrowGemmLaunch(n, k, indexed, NarrowTuning(**TESTED_FORMS[form]))
     out = torch.full((rows * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     pair_row = groups.pair_row
     launch(words, scales, x, xs, pair_row, groups, out, torch.cuda.current_stream().cuda_stream)

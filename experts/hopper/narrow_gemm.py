@@ -58,13 +58,21 @@ CORE_LEADING_UNITS = 128 >> 4
 CORE_STRIDE_UNITS = 256 >> 4
 DESC_BLOCK_UNITS = 256 >> 4
 E8M0_MANTISSA_BITS = 23  # an E8M0 byte shifted here is the fp32 bits of 2^(byte - 127)
+# One chunk (128 of K) of a warp's 16 weight rows in narrow_layout's layout: 32 lanes x 8 words
+# of codes, and 8 x 2 words of scales, each contiguous (chunks follow one another).
+CHUNK_WORD_BYTES = WARP_LANES * WORDS_PER_LANE * 4
+CHUNK_SCALE_BYTES = 8 * 2 * 4
 BYTE_MASK = 0xFF
+# What one CTA may take on SM90 (227 KiB), less the allocator's alignment padding.
+SMEM_LIMIT = 227 * 1024 - 256
+# The grid's second axis (tile slots) is at most this (CUDA's limit on gridDim.y).
+MAX_TILE_SLOTS = 65535
 
 
-def f32x4_asm(args, text: str, constraints: str, side_effects: bool, loc, ip):
-    """Inline PTX `text` on the ir values `args`, returning four fp32 results ($0..$3)."""
+def f32_asm(args, text: str, constraints: str, side_effects: bool, loc, ip, count: int = 4):
+    """Inline PTX `text` on the ir values `args`, returning `count` fp32 results ($0..)."""
     result = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
+        llvm.StructType.get_literal([T.f32()] * count),
         args,
         text,
         constraints,
@@ -72,7 +80,9 @@ def f32x4_asm(args, text: str, constraints: str, side_effects: bool, loc, ip):
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-    return tuple(Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+    return tuple(
+        Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(count)
+    )
 
 
 @dsl_user_op
@@ -86,26 +96,32 @@ def mma_e4m3(a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
         " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {z, z, z, z}; }"
     )
     args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
-    return f32x4_asm(args, text, "=f,=f,=f,=f,r,r,r,r,r,r", False, loc, ip)
+    return f32_asm(args, text, "=f,=f,=f,=f,r,r,r,r,r,r", False, loc, ip)
 
 
 @dsl_user_op
-def wgmma_e4m3(a0, a1, a2, a3, rows_desc, *, loc=None, ip=None):
-    """One wgmma.m64n8k32 of the warpgroup from zero (scale-d 0): A, e4m3 in four words a lane
-    (each warp its 16 rows, the layout of mma_e4m3's A), B the 8 rows x 32 bytes that the shared
-    memory descriptor `rows_desc` (Int64) points at; fenced before (A was just written),
-    committed and waited for. The fp32 partials (d0, d1, d2, d3) as mma_e4m3's, rows 16 w + ...
-    for warp w of the warpgroup."""
+def wgmma_e4m3_chunk(a, descs, *, loc=None, ip=None):
+    """One chunk's four wgmma.m64n8k32 of the warpgroup, each from zero (scale-d 0), issued
+    together and waited for once: `a` the 16 words of A, four a k32 block (e4m3, each warp its
+    16 rows in the layout of mma_e4m3's A), `descs` the four blocks' shared-memory descriptors
+    (Int64) of B, the tile's 8 rows x 32 bytes; fenced before (A was just written). Returns the
+    16 fp32 partials block by block, each block's (d0, d1, d2, d3) as mma_e4m3's, rows 16 w + ...
+    for warp w of the warpgroup. Side effects: the wgmma reads shared memory and waits on its
+    group; it must stay in place."""
+    mmas = " ".join(
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3"
+        f" {{${4 * b}, ${4 * b + 1}, ${4 * b + 2}, ${4 * b + 3}}},"
+        f" {{${16 + 4 * b}, ${17 + 4 * b}, ${18 + 4 * b}, ${19 + 4 * b}}}, ${32 + b}, 0, 1, 1;"
+        for b in range(NARROW_STEPS)
+    )
     text = (
-        "wgmma.fence.sync.aligned;"
-        " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3"
-        " {$0, $1, $2, $3}, {$4, $5, $6, $7}, $8, 0, 1, 1;"
+        f"wgmma.fence.sync.aligned; {mmas}"
         " wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0;"
     )
-    args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3)]
-    args.append(Int64(rows_desc).ir_value(loc=loc, ip=ip))
-    # Side effects: the wgmma reads shared memory and waits on its group; it must stay in place.
-    return f32x4_asm(args, text, "=f,=f,=f,=f,r,r,r,r,l", True, loc, ip)
+    args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in a]
+    args += [Int64(d).ir_value(loc=loc, ip=ip) for d in descs]
+    constraints = ",".join(["=f"] * 16 + ["r"] * 16 + ["l"] * NARROW_STEPS)
+    return f32_asm(args, text, constraints, True, loc, ip, count=16)
 
 
 @dsl_user_op
@@ -116,6 +132,28 @@ def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
         [],
         "fence.proxy.async.shared::cta;",
         "",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def bulk_copy_to_shared(dst, src, size, barrier, *, loc=None, ip=None) -> None:
+    """cp.async.bulk of `size` bytes (a multiple of 16) from global address `src` (Int64) to
+    shared address `dst` (both 16-byte aligned), completing `size` transaction bytes on the
+    mbarrier at shared address `barrier`."""
+    args = [
+        Int32(dst).ir_value(loc=loc, ip=ip),
+        Int64(src).ir_value(loc=loc, ip=ip),
+        Int32(size).ir_value(loc=loc, ip=ip),
+        Int32(barrier).ir_value(loc=loc, ip=ip),
+    ]
+    llvm.inline_asm(
+        None,
+        args,
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -142,27 +180,45 @@ def e8m0_byte(word: Uint32, index: int) -> Float32:
 
 @dataclass(frozen=True)
 class NarrowTuning:
-    """The kernel's launch shape: warps a CTA (16 output columns each; N must be a multiple of
-    16 * warps), chunks (128 of K) a warp's loop unrolls, whether the weights' loads skip L1
-    (they are read once; the rows and scales stay in L1 for the CTA's other warps), and the
-    MMA: False, one mma.sync.m16n8k32 a warp and k32 block, its rows read from global memory;
-    True, one wgmma.m64n8k32 a warpgroup (warps a multiple of 4), its rows staged once per CTA
-    in shared memory (8 * K bytes: 28 KiB at K = 3584; K is bounded by the shared memory)."""
+    """The kernel's launch shape and form.
+
+    warps: a CTA's warps, 16 output columns each (N must be a multiple of 16 * warps).
+    wgmma: False, one mma.sync.m16n8k32 a warp and k32 block, its rows read from global memory;
+      True, a chunk's four wgmma.m64n8k32 a warpgroup issued together and waited for once
+      (warps a multiple of 4), its rows staged once per tile in shared memory (8 * K bytes:
+      28 KiB at K = 3584).
+    stages, stage_chunks: 0, each warp loads a chunk (128 of K) into registers and computes it,
+      its loop unrolled `unroll` times, the weights' loads skipping L1 or not
+      (`weights_skip_l1`); > 0, each warp streams its weights through a ring in shared memory of
+      `stages` slots of `stage_chunks` chunks, filled by bulk copies on the slots' mbarriers
+      (`ring_bytes`: 34 KiB at the default 8 warps, 2 slots of 2 chunks).
+    The default (wgmma, a ring of 2 x 2) was the fastest of the forms in
+    docs/results/bench_narrow_gemm.md."""
 
     warps: int = 8
     unroll: int = 2
+    wgmma: bool = True
+    stages: int = 2
+    stage_chunks: int = 2
     weights_skip_l1: bool = False
-    wgmma: bool = False
 
     def columns(self) -> int:
         """Output columns a CTA: 16 * warps."""
         return NARROW_ROWS * self.warps
 
+    def ring_bytes(self) -> int:
+        """Shared memory of the warps' rings of weight chunks (stages > 0): a chunk's 1 KiB of
+        codes and 64 bytes of scales, stage_chunks a stage, `stages` a warp."""
+        return self.warps * self.stages * self.stage_chunks * (CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES)
+
 
 class NarrowGemmKernel:
-    """Grid (tile capacity, N / tuning.columns()); CTA (t, cb) runs tile t (nothing when
-    t >= num_tiles) for columns [tuning.columns() * cb, ...): the CTAs launched together are
-    one column block of consecutive tiles (a hot expert's tiles read the same weights). N, K and
+    """Grid (N / tuning.columns(), tile capacity); CTA (cb, t) runs tile t (nothing when
+    t >= num_tiles) for columns [tuning.columns() * cb, ...). The column blocks are the grid's
+    fast axis so that the tiles in use (t < num_tiles) are launched first and the empty tile
+    slots (most of the capacity at decode: E_local of its P / 8 + E_local) come last, where
+    they exit while the last tiles run (tile-major, the ring form's FC1 took 66.8 us at 448
+    local experts and T = 1, 62.0 column-major: docs/experts.md, "The narrow GEMM"). N, K and
     indexed (whether pair j reads row pair_row[j] of x or row j) are static."""
 
     def __init__(self, n: int, k: int, indexed: bool, tuning: NarrowTuning = NarrowTuning()):
@@ -213,7 +269,7 @@ class NarrowGemmKernel:
         self.kernel(
             mW, mS, mX, mXs, mPairRow, mTileExpert, mTileStart, mTileRows, mNumTiles, mOut
         ).launch(
-            grid=[tiles, cb // self.tuning.warps, 1],
+            grid=[cb // self.tuning.warps, tiles, 1],
             block=[WARP_LANES * self.tuning.warps, 1, 1],
             stream=stream,
         )
@@ -233,7 +289,7 @@ class NarrowGemmKernel:
         mOut: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        tile, bx, _ = cute.arch.block_idx()
+        bx, tile, _ = cute.arch.block_idx()
         warp, lane = tidx // WARP_LANES, tidx % WARP_LANES
         g, t = lane // 4, lane % 4
         if tile < mNumTiles[0]:
@@ -250,6 +306,8 @@ class NarrowGemmKernel:
             rb, r0, r1 = jb, j0, j1
             if cutlass.const_expr(self.indexed):
                 rb, r0, r1 = mPairRow[jb], mPairRow[j0], mPairRow[j1]
+            # One chunk's registers: the lane's weight words and scale words, its B words
+            # (mma.sync) and its two pairs' block scales.
             rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
             rS = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
             rX = cute.make_rmem_tensor(cute.make_layout((2, NARROW_STEPS)), Uint32)
@@ -257,41 +315,18 @@ class NarrowGemmKernel:
             rXs1 = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32)
             rAcc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             rAcc.fill(0.0)
+            regs = (rW, rS, rX, rXs0, rXs1)
+            source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, r0, r1)
+            smem = SmemAllocator()
             rows_desc = Int64(0)
             if cutlass.const_expr(self.tuning.wgmma):
-                rows_desc = self.stage_rows(mX, mPairRow, start, rows, tidx)
-            weights_cache = cute.nvgpu.CacheEvictionPriority.EVICT_NORMAL
-            if cutlass.const_expr(self.tuning.weights_skip_l1):
-                weights_cache = cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE
-            for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
-                cute.autovec_copy(
-                    mW[expert, block, q, lane, None], rW, l1c_evict_priority=weights_cache
-                )
-                cute.autovec_copy(mS[expert, block, q, g, None], rS)
-                if cutlass.const_expr(not self.tuning.wgmma):
-                    for s in cutlass.range_constexpr(NARROW_STEPS):
-                        cute.autovec_copy(mX[rb, q, s, t, None], rX[None, s])
-                cute.autovec_copy(mXs[r0, q, None], rXs0)
-                cute.autovec_copy(mXs[r1, q, None], rXs1)
-                for s in cutlass.range_constexpr(NARROW_STEPS):
-                    row_g, row_g8 = rW[2 * s], rW[2 * s + 1]
-                    a = (
-                        e4m3_from_low(row_g),
-                        e4m3_from_low(row_g8),
-                        e4m3_from_high(row_g),
-                        e4m3_from_high(row_g8),
-                    )
-                    if cutlass.const_expr(self.tuning.wgmma):
-                        # Block q * 4 + s of the staged rows: 256 bytes (16 descriptor units) on.
-                        step_desc = rows_desc + Int64((q * NARROW_STEPS + s) * DESC_BLOCK_UNITS)
-                        d0, d1, d2, d3 = wgmma_e4m3(*a, step_desc)
-                    else:
-                        d0, d1, d2, d3 = mma_e4m3(*a, rX[0, s], rX[1, s])
-                    sg, sg8 = e8m0_byte(rS[0], s), e8m0_byte(rS[1], s)
-                    rAcc[0] = rAcc[0] + d0 * (sg * rXs0[s])
-                    rAcc[1] = rAcc[1] + d1 * (sg * rXs1[s])
-                    rAcc[2] = rAcc[2] + d2 * (sg8 * rXs0[s])
-                    rAcc[3] = rAcc[3] + d3 * (sg8 * rXs1[s])
+                rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
+            if cutlass.const_expr(self.tuning.stages > 0):
+                self.bulk_loop(smem, source, regs, rows_desc, rAcc, warp)
+            else:
+                for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
+                    self.load_chunk(source, regs, q)
+                    self.mma_chunk(regs, q, rows_desc, rAcc)
             n0 = block * NARROW_ROWS + g
             if 2 * t < rows:
                 mOut[start + 2 * t, n0] = Uint16(bf16_round(rAcc[0]))
@@ -301,14 +336,151 @@ class NarrowGemmKernel:
                 mOut[start + 2 * t + 1, n0 + 8] = Uint16(bf16_round(rAcc[3]))
 
     @cute.jit
-    def stage_rows(self, mX, mPairRow, start, rows, tidx) -> Int64:
+    def load_chunk(self, source, regs, q, weights: bool = True):
+        """Chunk q's loads into `regs`: the lane's 32 weight bytes and its rows' two scale words
+        (unless `weights` is False: the ring brought them), and (mma.sync) its B words and the
+        pairs' block scales (from L1 or L2: every warp of the CTA reads them)."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, r0, r1 = source
+        rW, rS, rX, rXs0, rXs1 = regs
+        weights_cache = cute.nvgpu.CacheEvictionPriority.EVICT_NORMAL
+        if cutlass.const_expr(self.tuning.weights_skip_l1):
+            weights_cache = cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE
+        if cutlass.const_expr(weights):
+            cute.autovec_copy(
+                mW[expert, block, q, lane, None], rW, l1c_evict_priority=weights_cache
+            )
+            cute.autovec_copy(mS[expert, block, q, g, None], rS)
+        if cutlass.const_expr(not self.tuning.wgmma):
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                cute.autovec_copy(mX[rb, q, s, t, None], rX[None, s])
+        cute.autovec_copy(mXs[r0, q, None], rXs0)
+        cute.autovec_copy(mXs[r1, q, None], rXs1)
+
+    @cute.jit
+    def mma_chunk(self, regs, q, rows_desc, rAcc):
+        """Chunk q from `regs`: per k32 block s, the weights expanded to e4m3 and one MMA from
+        zero (the wgmma form: the chunk's four issued together), then each block's partials
+        scaled by the row's and the pair's block scales and added into rAcc in block order (rows
+        g, g, g + 8, g + 8; pairs 2t, 2t + 1, 2t, 2t + 1)."""
+        rW, rS, rX, rXs0, rXs1 = regs
+        parts = []
+        if cutlass.const_expr(self.tuning.wgmma):
+            # Block q * 4 + s of the staged rows: 256 bytes (16 descriptor units) on.
+            descs = [
+                rows_desc + Int64((q * NARROW_STEPS + s) * DESC_BLOCK_UNITS)
+                for s in range(NARROW_STEPS)
+            ]
+            a = []
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                a += self.expand(rW[2 * s], rW[2 * s + 1])
+            d = wgmma_e4m3_chunk(a, descs)
+            parts = [d[4 * s : 4 * s + 4] for s in range(NARROW_STEPS)]
+        else:
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                a = self.expand(rW[2 * s], rW[2 * s + 1])
+                parts.append(mma_e4m3(*a, rX[0, s], rX[1, s]))
+        for s in cutlass.range_constexpr(NARROW_STEPS):
+            d0, d1, d2, d3 = parts[s]
+            sg, sg8 = e8m0_byte(rS[0], s), e8m0_byte(rS[1], s)
+            xs0, xs1 = rXs0[s], rXs1[s]
+            rAcc[0] = rAcc[0] + d0 * (sg * xs0)
+            rAcc[1] = rAcc[1] + d1 * (sg * xs1)
+            rAcc[2] = rAcc[2] + d2 * (sg8 * xs0)
+            rAcc[3] = rAcc[3] + d3 * (sg8 * xs1)
+
+    @staticmethod
+    def expand(row_g, row_g8) -> list:
+        """A k32 block's four A words (rows g and g + 8) from the rows' two code words."""
+        return [
+            e4m3_from_low(row_g),
+            e4m3_from_low(row_g8),
+            e4m3_from_high(row_g),
+            e4m3_from_high(row_g8),
+        ]
+
+    @cute.jit
+    def bulk_loop(self, smem, source, regs, rows_desc, rAcc, warp):
+        """The warp's chunks through a ring in shared memory: `stages` slots of stage_chunks
+        chunks each (codes and scales, contiguous in global memory), filled by bulk copies that
+        lane 0 issues on the slot's mbarrier, `stages` slots in flight; the warp waits for a
+        slot, reads its chunks into registers and computes them, then refills the slot with the
+        stage `stages` on. Each warp owns its ring, so no CTA barrier is needed. The waits are on
+        this warp's own copies from global memory, which the hardware completes (a faulting copy
+        fails the launch), so they carry no timeout."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, r0, r1 = source
+        rW, rS, rX, rXs0, rXs1 = regs
+        slots, per = self.tuning.stages, self.tuning.stage_chunks
+        warps = self.tuning.warps
+        groups = (self.chunks + per - 1) // per
+        sW = smem.allocate_tensor(
+            Uint32,
+            row_major_layout((warps, slots, per, WARP_LANES, WORDS_PER_LANE)),
+            byte_alignment=128,
+        )
+        sS = smem.allocate_tensor(
+            Uint32, row_major_layout((warps, slots, per, 8, 2)), byte_alignment=16
+        )
+        bars = smem.allocate_array(Int64, warps * slots, byte_alignment=8)
+        mine = warp * slots
+        if lane == 0:
+            for s in cutlass.range_constexpr(slots):
+                cute.arch.mbarrier_init(bars + (mine + s), 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()
+        # This warp's codes and scales in global memory: chunk q at words_at + q * 1 KiB.
+        first = (Int64(expert) * self.blocks + Int64(block)) * self.chunks
+        words_at = mW.iterator.toint() + first * CHUNK_WORD_BYTES
+        scales_at = mS.iterator.toint() + first * CHUNK_SCALE_BYTES
+        if lane == 0:
+            for s in cutlass.range_constexpr(min(slots, groups)):
+                self.issue_stage(sW, sS, bars, mine, warp, s, s, words_at, scales_at)
+        for i in cutlass.range(groups):
+            slot = i % slots
+            cute.arch.mbarrier_wait(bars + (mine + slot), (i // slots) & 1)
+            for c in cutlass.range_constexpr(per):
+                q = i * per + c
+                if q < self.chunks:
+                    cute.autovec_copy(sW[warp, slot, c, lane, None], rW)
+                    cute.autovec_copy(sS[warp, slot, c, g, None], rS)
+                    self.load_chunk(source, regs, q, weights=False)
+                    self.mma_chunk(regs, q, rows_desc, rAcc)
+            # Every lane's reads of the slot are done (their values used) before it refills.
+            cute.arch.sync_warp()
+            if lane == 0 and i + slots < groups:
+                self.issue_stage(sW, sS, bars, mine, warp, i + slots, slot, words_at, scales_at)
+
+    @cute.jit
+    def issue_stage(self, sW, sS, bars, mine, warp, stage, slot, words_at, scales_at):
+        """Lane 0: expect stage `stage`'s bytes on slot `slot`'s mbarrier and copy its chunks'
+        codes and scales there (the last stage may hold fewer chunks)."""
+        per = self.tuning.stage_chunks
+        count = cutlass.min(per, self.chunks - stage * per)
+        barrier = bars + (mine + slot)
+        cute.arch.mbarrier_arrive_and_expect_tx(
+            barrier, count * (CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES)
+        )
+        at = Int64(stage * per)
+        bulk_copy_to_shared(
+            sW[warp, slot, 0, 0, None].iterator.toint(),
+            words_at + at * CHUNK_WORD_BYTES,
+            count * CHUNK_WORD_BYTES,
+            barrier.toint(),
+        )
+        bulk_copy_to_shared(
+            sS[warp, slot, 0, 0, None].iterator.toint(),
+            scales_at + at * CHUNK_SCALE_BYTES,
+            count * CHUNK_SCALE_BYTES,
+            barrier.toint(),
+        )
+
+    @cute.jit
+    def stage_rows(self, smem, mX, mPairRow, start, rows, tidx) -> Int64:
         """Copy the tile's 8 rows of x (zeros past its `rows` pairs) into shared memory in the
         wgmma's K-major layout without swizzle, and return the descriptor of its first k32 block.
         Layout: core matrix c (16 bytes of K) of row n at byte 128 c + 16 n; within each 32-byte
         block of K the words are permuted as the weights' k order (narrow_layout.py): the MMA's
         words 0-3 are the row's words 0, 2, 4, 6 and its words 4-7 the row's 1, 3, 5, 7."""
         blocks = self.k // SCALE_BLOCK
-        smem = SmemAllocator()
         sRows = smem.allocate_tensor(
             Uint32, row_major_layout((2 * blocks, NARROW_PAIRS, 4)), byte_alignment=128
         )
@@ -334,18 +506,28 @@ class NarrowGemmKernel:
         return Int64(Uint32(low)) | (Int64(CORE_STRIDE_UNITS) << 32)
 
 
+def smem_bytes(k: int, tuning: NarrowTuning) -> int:
+    """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: 8 * K bytes), the
+    warps' rings (NarrowTuning.ring_bytes) and their mbarriers (8 bytes a slot), before the
+    allocator's alignment (at most 128 + 16 + 8 bytes more)."""
+    rows = NARROW_PAIRS * k if tuning.wgmma else 0
+    return rows + tuning.ring_bytes() + 8 * tuning.warps * tuning.stages
+
+
 class NarrowGemmLaunch:
     """NarrowGemmKernel's launch for one (N, K, indexed): its compile (once, at construction) and
     its launch on torch tensors.
 
     Constraints (stated here once): N a multiple of tuning.columns() (128 by default), K of 128;
-    with tuning.wgmma, warps a multiple of 4 and 8 * K bytes of shared memory a CTA; the tiles
+    with tuning.wgmma, warps a multiple of 4; shared memory a CTA (`smem_bytes`: the staged rows,
+    8 * K bytes with wgmma, and the ring) at most SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots
+    (the grid's second axis); the tiles
     of block_n NARROW_PAIRS (8); words and scales from narrow_weights of [E, N, K/2] weights; x
     e4m3 (or uint8) [rows_in, K] and x_scales fp32 [rows_in, K/32] contiguous; out bf16
     [rows_out, N] contiguous, rows_out >= every pair number of a tile; all 16-byte aligned;
     indexed: pair j reads row pair_row[j] (int32 [rows_out]) of x, else row j. The grid is one
-    CTA per (tile slot, 128 columns): no CTA waits for another, so no co-residency; a tile slot
-    past num_tiles exits at once. The writers of every input come before the launch on its
+    CTA per (columns, tile slot): no CTA waits for another, so no co-residency; a tile slot past
+    num_tiles exits at once. The writers of every input come before the launch on its
     stream. Capturable: no host synchronisation, and no allocation.
     """
 
@@ -369,6 +551,16 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: {tuning}; the wgmma form needs warps in whole warpgroups"
                 f" ({WARPGROUP_WARPS})"
             )
+        if tuning.stages < 0 or tuning.stage_chunks < 1:
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; need stages >= 0 (0: no ring) and stage_chunks >= 1"
+            )
+        smem = smem_bytes(k, tuning)
+        if smem > SMEM_LIMIT:
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning} at K={k} takes {smem} bytes of shared memory a CTA;"
+                f" at most {SMEM_LIMIT} (fewer warps, stages or stage_chunks)"
+            )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         z = Int64(0)
         self.compiled = compile_kernel(
@@ -376,8 +568,8 @@ class NarrowGemmLaunch:
         )
 
     def grid(self, tiles: int) -> tuple[int, int]:
-        """CTAs for `tiles` tile slots: (tiles, N / tuning.columns())."""
-        return tiles, self.n // self.tuning.columns()
+        """CTAs for `tiles` tile slots: (N / tuning.columns(), tiles)."""
+        return self.n // self.tuning.columns(), tiles
 
     def __call__(
         self, words, scales, x, x_scales, pair_row, groups, out, stream: int
@@ -417,6 +609,11 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: x {tuple(x.shape)} with x_scales {tuple(x_scales.shape)},"
                 f" words {tuple(words.shape)} with scales {tuple(scales.shape)}: the rows and the"
                 " experts must match"
+            )
+        if groups.tile_capacity > MAX_TILE_SLOTS:
+            raise ValueError(
+                f"NarrowGemmLaunch: {groups.tile_capacity} tile slots; at most {MAX_TILE_SLOTS}"
+                " (the grid's second axis): the narrow GEMM is for decode sizes"
             )
         tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
         tensors = (words, scales, x, x_scales, pair_row, out, *tiles)
