@@ -1,11 +1,13 @@
 """Where HopperExperts (humming engine, its defaults) spends a call at K3 geometry: torch profiler
 over 5 eager calls after one warm-up call, GPU time per call of each kernel, at 56 local experts
-(rank 0 of 16) for T = 8, 32, 64, 256 and at 448 (rank 0 of 2) for T = 16, 256.
+(rank 0 of 16) for T = 1, 2, 8, 32, 64, 256, at 448 (rank 0 of 2) for T = 1, 16, 256 and at 896
+(one rank) for T = 1; beside it, the call in graph replay.
 
     python -m bench.profile_hopper     # writes docs/results/profile_hopper.md
 
-Eager calls: the kernels' GPU times are those of graph replay; the gaps between launches are not
-(bench_experts.py times the call in graph replay). The busy sum counts each kernel once per call.
+Eager calls: the kernels' GPU times are those of graph replay; the gaps between launches are not.
+The busy sum counts each kernel once per call; the call in graph replay (bench_experts' timing,
+the same rows) is the busy time plus the gaps between its kernels.
 """
 
 from __future__ import annotations
@@ -16,19 +18,24 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench import cli, report
-from bench.bench_experts import EXPERT_BYTES, copy_gbs, receive_rows
+from bench.bench_experts import EXPERT_BYTES, copy_gbs, graph_us, receive_rows
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts, HummingEngine
 from dep_ep.testing.synthetic import SyntheticLayer
 
-CASES = {56: (8, 32, 64, 256), 448: (16, 256)}  # local experts: T per rank
+CASES = {56: (1, 2, 8, 32, 64, 256), 448: (1, 16, 256), 896: (1,)}  # local experts: T per rank
 CALLS = 5
 KERNEL_NAME_CHARS = 60
 
 
+def out_of(rows) -> torch.Tensor:
+    """A call's output rows for receive rows `rows` (x, sf, ids, weights)."""
+    return torch.empty(rows[2].shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+
+
 def profile_case(backend: HopperExperts, rows) -> tuple[float, list[tuple[str, float, int]]]:
     """(GPU busy us a call, [(kernel, us a call, launches a call)] longest first)."""
-    out = torch.empty(rows[2].shape[0], K3.latent, dtype=torch.bfloat16, device="cuda")
+    out = out_of(rows)
     backend.forward(*rows, out)  # compiles humming's kernels for this pair count
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -73,8 +80,12 @@ def main() -> int:
                 f"{local} local experts, T = {tokens}: {ids.shape[0]} rows, {pairs} pairs,"
                 f" kernels for {tuned}"
             )
+            out = out_of(rows)
+            replay = graph_us(lambda b=backend, r=rows, o=out: b.forward(*r, o), 10, 10)
             busy_line = (
-                f"GPU busy {busy:.0f} us a call; floor {floor:.0f} us ({100 * floor / busy:.0f}%)."
+                f"GPU busy {busy:.0f} us a call; floor {floor:.0f} us ({100 * floor / busy:.0f}%);"
+                f" the call in graph replay {replay:.0f} us ({100 * floor / replay:.0f}%), gaps"
+                f" {replay - busy:.0f} us."
             )
             print(title, "|", busy_line, flush=True)
             page.section(title)

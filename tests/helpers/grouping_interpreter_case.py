@@ -45,6 +45,9 @@ def cases(gen: torch.Generator):
     yield "all-local", every, 0, 8, 16
     yield "none-local", torch.randint(20, 40, (9, 4), generator=gen).int(), 0, 8, 16
     yield "one-row", random_ids(gen, 1, 16, 896), 0, 56, 64
+    # Every expert of one rank at EP = 1: at most 16 of 896 programs have a slot (the others
+    # only write their pair count, 0).
+    yield "one-row-896-local", random_ids(gen, 1, 16, 896), 0, 896, 16
     yield "448-local", random_ids(gen, 140, 16, 896), 448, 448, 64  # 2,240 slots, 2 steps
     very_hot = random_ids(gen, 1100, 2, 40)  # 2,200 slots, 2 steps
     very_hot[:, 0] = 5
