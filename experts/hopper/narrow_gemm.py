@@ -5,17 +5,18 @@ out[j, n] = BF16( sum over k32 blocks b of 2^(sw[e, n, b] + sx[j, b]) * sum_{k i
 x[row(j), k] ), for the pairs j of each tile (PairGroups' tiles of block_n = NARROW_PAIRS), e the
 tile's local expert, n < N. The weights come in experts/hopper/narrow_layout.py's layout; a warp
 owns 16 output columns of one tile over the whole K: per k32 block one MMA from zero (e4m3,
-fp32; NarrowTuning.wgmma: mma.sync.m16n8k32 a warp, or wgmma.m64n8k32 a warpgroup with the
-tile's rows in shared memory), its partials scaled by the weight row's and the pair's block
-scales and added into fp32 accumulators (exact MX scaling: a Hopper MMA takes no block scales).
-Each weight byte is read once per tile, 32 contiguous bytes a lane and 1 KiB a warp per 128 of K.
+fp32; NarrowTuning.wgmma: mma.sync.m16n8k32 a warp, or a chunk's four wgmma.m64n8k32 a
+warpgroup with the tile's rows in shared memory), its partials scaled by the weight row's and
+the pair's block scales and added into fp32 accumulators (exact MX scaling: a Hopper MMA takes
+no block scales). Each weight byte is read once per tile, 1 KiB a warp per 128 of K, into
+registers or (the default) through the warp's ring in shared memory by bulk copies.
 
 Why narrow: at decode sizes an expert holds a few pairs (1-8 at T <= 16 tokens a rank on a DEP16
 shard of K3), so the GEMM is a stream of weight bytes with a little arithmetic on each; the
 bound is the copy bandwidth (docs/experts.md). Tiles of more than 8 pairs run as several tiles,
 each reading the expert's weights again (from L2 when they run together). Measured on one H200
-(docs/results/bench_narrow_gemm.md): 1.09-1.57x the time of humming's GEMMs on the same pairs,
-the weights' loads too few in flight a warp; no engine uses it (docs/experts.md, "The narrow
+(docs/results/bench_narrow_gemm.md): the default form at 0.87-1.22x the time of humming's GEMMs
+on the same pairs (T = 1..16); at that speed no engine uses it (docs/experts.md, "The narrow
 GEMM").
 """
 
