@@ -140,8 +140,9 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 def test_launch_refuses_arguments_it_was_not_compiled_for():
     """Every check runs before the launch, so it shows on CPU tensors: tiles of another size, a
-    shape or dtype the kernel would read at other strides, a pair_row shorter than out, and
-    (last) tensors off a CUDA device; and at construction N, K or a warpgroup split."""
+    shape or dtype the kernel would read at other strides, a pair_row shorter than out, more
+    tile slots than the grid's second axis takes, and (last) tensors off a CUDA device; and at
+    construction N, K, a warpgroup split, a ring without chunks and one over the shared memory."""
     from dep_ep.experts.hopper.narrow_gemm import MAX_TILE_SLOTS, NarrowGemmLaunch, NarrowTuning
 
     gen = fresh_generator()
@@ -222,8 +223,8 @@ def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen):
 
 # The kernel's forms tested: its MMA either way, each chunk loaded straight into registers or
 # streamed through each warp's ring in shared memory (bulk copies): 2 slots of 2 chunks (the
-# default) and 3 of 4, whose slots are reused unevenly (K3's 28 and 24 chunks are 7 and 6
-# stages); K = 384 ends in a part stage, and K = 128 (one chunk) is shorter than either ring.
+# default) and 3 of 4, whose slots K3's FC1 reuses unevenly (28 chunks: 7 stages); K = 384 ends
+# in a part stage, and K = 128 (one chunk) is shorter than either ring.
 TESTED_FORMS = {
     f"{mma}-{ring}": dict(wgmma=mma == "wgmma", **ring_args)
     for mma in ("mma.sync", "wgmma")

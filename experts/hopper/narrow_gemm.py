@@ -179,7 +179,7 @@ def e8m0_byte(word: Uint32, index: int) -> Float32:
     return bits_f32(((word >> (8 * index)) & Uint32(BYTE_MASK)) << E8M0_MANTISSA_BITS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NarrowTuning:
     """The kernel's launch shape and form.
 
@@ -193,8 +193,8 @@ class NarrowTuning:
       (`weights_skip_l1`); > 0, each warp streams its weights through a ring in shared memory of
       `stages` slots of `stage_chunks` chunks, filled by bulk copies on the slots' mbarriers
       (`ring_bytes`: 34 KiB at the default 8 warps, 2 slots of 2 chunks).
-    The default (wgmma, a ring of 2 x 2) was the fastest of the forms in
-    docs/results/bench_narrow_gemm.md."""
+    The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
+    docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
     warps: int = 8
     unroll: int = 2
@@ -218,8 +218,9 @@ class NarrowGemmKernel:
     t >= num_tiles) for columns [tuning.columns() * cb, ...). The column blocks are the grid's
     fast axis so that the tiles in use (t < num_tiles) are launched first and the empty tile
     slots (most of the capacity at decode: E_local of its P / 8 + E_local) come last, where
-    they exit while the last tiles run (tile-major, the ring form's FC1 took 66.8 us at 448
-    local experts and T = 1, 62.0 column-major: docs/experts.md, "The narrow GEMM"). N, K and
+    they exit while the last tiles run (with the tile slots the fast axis, the ring form's FC1
+    took 66.8 us at 448 local experts and T = 1, 62.0 this way: docs/experts.md, "The narrow
+    GEMM"). N, K and
     indexed (whether pair j reads row pair_row[j] of x or row j) are static."""
 
     def __init__(self, n: int, k: int, indexed: bool, tuning: NarrowTuning = NarrowTuning()):

@@ -6,12 +6,13 @@ its own process (the interpreter must be chosen before triton is imported):
 Every tensor of group_pairs and tile_routes must come out bitwise equal, for one tile size and
 for two in one launch (group_and_route_tilings, up to 56 local experts), on fresh random ids of
 several shapes: rows without a local id, -1 slots, a hot expert over many tiles, repeated ids,
-every slot local, no local id, one row, no row, a chunk boundary (R * K past BLOCK_S), 448 local
-experts over two chunks, 18 chunks (the unused tiles written in shares by 18 programs, some of
-them more than one block of BLOCK_T), an expert with more tiles than BLOCK_T, expert counts
-where num_local + 2 is a power of two, and tiles of humming's sizes that are not powers of two
-(24, 40, 48, 56 pairs). Outputs are poisoned before the call. Exits 0 and
-prints "ok ..." when every case holds, else raises naming the case, the seed and the tensor.
+every slot local, no local id, one row (over 56 and over 896 local experts: most programs
+without a slot, which write only their pair count), no row, a chunk boundary (R * K past
+BLOCK_S), 448 local experts over two chunks, 18 chunks (the unused tiles written in shares by 18
+programs, some of them more than one block of BLOCK_T), an expert with more tiles than BLOCK_T,
+expert counts where num_local + 2 is a power of two, and tiles of humming's sizes that are not
+powers of two (24, 40, 48, 56 pairs). Outputs are poisoned before the call. Exits 0 and prints
+"ok ..." when every case holds, else raises naming the case, the seed and the tensor.
 """
 
 from __future__ import annotations
