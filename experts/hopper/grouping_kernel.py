@@ -16,6 +16,8 @@ tensors, bitwise (the tests compare them). The R * K slots are cut into chunks o
                           chunk 0's non-local program writes the three device scalars, and every
                           chunk's non-local program a share of the unused tiles and their routes.
                           The non-local slots follow the pairs, as the stable sort leaves them.
+                          An expert's program with no slot in its chunk writes only its count
+                          (0, with one chunk; nothing in a later chunk) and stops.
 
 With one chunk the second kernel counts that chunk itself: one launch. Nothing is shared between
 the programs of a launch: no atomics, no ordering between them; each program reads one chunk of
