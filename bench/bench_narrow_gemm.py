@@ -8,15 +8,15 @@ Receive rows as bench_experts draws them (rank 0 of `ranks`, T tokens each, K3's
 experts of 896 by synthetic_ids). Weights: random MXFP4 codes for the local experts, scale bytes
 118..126 (humming's fused scales take a spread of 11 binades). FC1: the receive rows (e4m3, fp32
 scales) to BF16 [2I] per pair; FC2: random e4m3 activation rows [I] per pair to BF16 [L]. Each
-kernel alone, the grouping done before it, the narrow GEMM in three forms (FORMS: one
-mma.sync a warp, or a chunk's four wgmma a warpgroup with the rows in shared memory, each chunk
-loaded straight into registers; and the default, the wgmma form with each warp's weights
-streamed through a ring in shared memory by bulk copies; with --shapes, SHAPES' other rings
-too): graph replay of
-`--reps` calls, median of `--samples` replays, per call. The bytes: the touched experts'
-codes and scales of that GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an expert; FC2: half that),
-once; GB/s = bytes / time; % of copy = GB/s over the device-to-device copy bandwidth measured
-in the run. diff: relative L2 of the narrow GEMM's output against humming's on the same pairs.
+kernel alone, the grouping done before it, the narrow GEMM in three forms (FORMS: one mma.sync a
+warp, or a chunk's four wgmma a warpgroup with the rows in shared memory, each chunk loaded
+straight into registers; and the default, the wgmma form with each warp's weights streamed
+through a ring in shared memory by bulk copies; with --shapes, SHAPES' other rings too): graph
+replay of `--reps` calls, median of `--samples` replays, per call. The bytes: the touched
+experts' codes and scales of that GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an expert; FC2: half
+that), once; GB/s = bytes / time; % of copy = GB/s over the device-to-device copy bandwidth
+measured in the run. diff: relative L2 of the narrow GEMM's output against humming's on the same
+pairs.
 """
 
 from __future__ import annotations
