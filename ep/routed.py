@@ -125,10 +125,7 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 def shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when the byte spans of `a` and `b` intersect (conservative: interleaved views that
     share no byte count as sharing); a tensor of no element shares none."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
-    return a0 < b1 and b0 < a1
+    return b.numel() > 0 and lies_in(a, *byte_span(b))
 
 
 def lies_in(t: torch.Tensor, first: int, end: int) -> bool:
