@@ -393,8 +393,7 @@ class EpRouted:
         self._transport = open_transport(self._buffers, self.experts_per_rank, config)
         # [first, end) bytes of the symmetric allocation and of its receive().out region, for the
         # checks of every call that an input or `out` keeps off them (`lies_in`).
-        segment = self._buffers.segment
-        self._segment_span = (segment.data_ptr(), segment.data_ptr() + segment.numel())
+        self._segment_span = byte_span(self._buffers.segment)
         self._out_span = self._buffers.span("out")
         # Value checks (ids range, weights) read the tensors: free where calls complete on
         # return, a host sync where they are stream-ordered.
@@ -559,15 +558,14 @@ class EpRouted:
 
     @_one_thread
     def abort_stale_step(self, fn: str, owner: object) -> None:
-        """For an engine's split dispatch and combine hooks, at the next dispatch: when the
-        pending dispatch is `owner`'s (`dispatch(..., owner=)`: the same object, an equal
-        integer of any kind, or an equal str, bytes or tuple, `same_owner`; TypeError for None,
-        a plain caller's) and its
-        combine never came on this rank (the engine raised between its hooks), take part in
+        """For an engine's split dispatch and combine hooks, at the next dispatch: when the pending
+        dispatch is `owner`'s (`dispatch(..., owner=)`: the same object, an equal integer of any
+        kind, or an equal str, bytes or tuple, `same_owner`; TypeError for None, a plain caller's)
+        and its combine never came on this rank (the engine raised between its hooks), take part in
         that step's combine without payload (`abort_step`, ordered after the stale dispatch's
         stream) and raise RuntimeError naming `fn` and the stale step's tag; this call did not
-        start. Nothing when no dispatch is pending or another caller's is (its own combine is
-        still to come: the dispatch that follows refuses to start, locally, as before).
+        start. Nothing when no dispatch is pending or another caller's is (its own combine is still
+        to come: the dispatch that follows refuses to start, locally, as before).
 
         CPU: the peers raise EpPeerError in the combine they wait in, and the next call runs
         as usual. GPU: the peers' step is NaN and they raise EpPeerError at their next call or
