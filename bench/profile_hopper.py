@@ -1,7 +1,7 @@
 """Where HopperExperts (humming engine, its defaults) spends a call at K3 geometry: torch profiler
 over 5 eager calls after one warm-up call, GPU time per call of each kernel, at 56 local experts
-(rank 0 of 16) for T = 1, 2, 8, 32, 64, 256, at 448 (rank 0 of 2) for T = 1, 16, 256 and at 896
-(one rank) for T = 1; beside it, the call in graph replay.
+(rank 0 of 16) for T = 1, 2, 8, 32, 64, 256, 2048, at 448 (rank 0 of 2) for T = 1, 16, 256 and
+at 896 (one rank) for T = 1; beside it, the call in graph replay.
 
     python -m bench.profile_hopper     # writes docs/results/profile_hopper.md
 
@@ -18,12 +18,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench import cli, report
-from bench.bench_experts import EXPERT_BYTES, copy_gbs, graph_us, receive_rows
+from bench.bench_experts import copy_gbs, floors, fp8_tflops, graph_us, receive_rows
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import HopperExperts, HummingEngine
 from dep_ep.testing.synthetic import SyntheticLayer
 
-CASES = {56: (1, 2, 8, 32, 64, 256), 448: (1, 16, 256), 896: (1,)}  # local experts: T per rank
+CASES = {
+    56: (1, 2, 8, 32, 64, 256, 2048),
+    448: (1, 16, 256),
+    896: (1,),
+}  # local experts: T per rank
 CALLS = 5
 KERNEL_NAME_CHARS = 60
 
@@ -52,17 +56,18 @@ def profile_case(backend: HopperExperts, rows) -> tuple[float, list[tuple[str, f
 
 def main() -> int:
     args = cli.parser(__doc__, page="profile_hopper.md").parse_args()
-    bandwidth = copy_gbs()
+    bandwidth, rate = copy_gbs(), fp8_tflops()
     title = "Where HopperExperts' call goes (humming engine)"
     page = report.Page(
         args.out / "profile_hopper.md", title, report.summary(__doc__), report.Run.this_process()
     )
     page.text(
-        f"Copy bandwidth measured in the run: {bandwidth:.0f} GB/s. torch profiler over {CALLS}"
+        f"Copy bandwidth measured in the run: {bandwidth:.0f} GB/s; dense FP8 rate (bench_experts'"
+        f" fp8_tflops): {rate:.0f} TFLOP/s. torch profiler over {CALLS}"
         " eager calls after a warm-up call; per call, each kernel's GPU time (eager launches: the"
         " gaps between kernels are not counted). Rows drawn as bench_experts.py draws them"
-        " (uniform routing), in a draw of their own; floor: the touched experts' weights read"
-        " once.",
+        " (uniform routing), in a draw of their own; floor: bench_experts' `floors`, the larger of"
+        " the touched experts' weights read once and the pairs' FLOPs at the dense FP8 rate.",
     )
     gen = torch.Generator(device="cuda").manual_seed(0)
     for local, token_counts in CASES.items():
@@ -72,10 +77,10 @@ def main() -> int:
             rows = receive_rows(K3.experts // local, tokens, local, gen)
             ids = rows[2]
             touched = int(ids[(ids >= 0) & (ids < local)].unique().numel())
-            floor = touched * EXPERT_BYTES / (bandwidth * 1e9) * 1e6
+            pairs = int(((ids >= 0) & (ids < local)).sum())
+            floor = floors(touched, pairs, bandwidth, rate).floor_us
             busy, kernels = profile_case(backend, rows)
             tuned = backend.tuning_pairs(ids.shape[0], K3.topk)
-            pairs = int(((ids >= 0) & (ids < local)).sum())
             title = (
                 f"{local} local experts, T = {tokens}: {ids.shape[0]} rows, {pairs} pairs,"
                 f" kernels for {tuned}"
