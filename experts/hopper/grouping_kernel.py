@@ -1,13 +1,14 @@
-"""The grouping of experts/hopper/grouping.py and its tile routes in one or two Triton launches.
+"""The grouping of experts/hopper/grouping.py and its tile routes in one Triton launch, or three.
 
 `group_pairs` (torch) runs ~30 small kernels: 119-209 us in graph replay on an H200 for the slots
 of T = 1..256 on a DEP16 shard (docs/results/bench_experts.md). These kernels produce the same
 tensors, bitwise (the tests compare them). The R * K slots are cut into chunks of BLOCK_S:
 
   chunk_histogram_kernel  (only when there are two chunks or more) one program per chunk: the
-                          chunk's pairs per local expert, a row of int32 [chunks, BINS], then
-                          summed over the chunks in place (torch's cumsum_: row c holds chunks
-                          0..c);
+                          chunk's pairs per local expert, a row of int32 [chunks, BINS];
+  chunk_prefix_kernel     (from PREFIX_KERNEL_CHUNKS chunks; below, torch's cumsum_) one
+                          program: the rows summed over the chunks in place (row c holds
+                          chunks 0..c);
   group_route_kernel      a program per (bin, chunk), bin e < num_local an expert, num_local the
                           non-local slots: from two rows of the prefix it knows where bin e's
                           pairs start and how many of them earlier chunks hold, and writes the
@@ -19,7 +20,7 @@ tensors, bitwise (the tests compare them). The R * K slots are cut into chunks o
                           An expert's program with no slot in its chunk writes only its count
                           (0, with one chunk; nothing in a later chunk) and stops.
 
-With one chunk the second kernel counts that chunk itself: one launch. Nothing is shared between
+With one chunk group_route_kernel counts that chunk itself: one launch. Nothing is shared between
 the programs of a launch: no atomics, no ordering between them; each program reads one chunk of
 ids (the histogram kernel reads every chunk once more). On an H200 at K3's DEP16 shard the pair
 takes 9.2 us at T = 64 and 36 us at T = 256 where one launch whose every program read all the
@@ -55,6 +56,13 @@ from dep_ep.experts.hopper.grouping import (
 BLOCK_S = 1024
 NUM_WARPS = 4
 BLOCK_T = 64  # tiles a program writes per step
+PREFIX_TILE = 4096  # histogram entries chunk_prefix_kernel sums a step (BINS is a power of two)
+# The histogram's prefix over this many chunks or more by chunk_prefix_kernel, over fewer by
+# torch's cumsum_(0). On an H200 at K3's DEP16 shard (64 bins) the kernel took 8.9 us over the
+# 332 chunks of T = 2048 where cumsum_ took 60.1, 2.1 against 8.0 over 64 (T = 256), 1.8 against
+# 2.5 over 11 (T = 64), 1.9 against 1.9 over 6 (T = 32) and 1.9 against 1.2 over 2 (T = 8)
+# (docs/results/profile_hopper.md and its run before the kernel).
+PREFIX_KERNEL_CHUNKS = 6
 # Triton's largest block is 2^20 elements: [BLOCK_T, LANES] route slots of the unused tiles, LANES
 # the power of two >= block_n (tl.arange's length).
 MAX_BLOCK_N = (1 << 20) // BLOCK_T
@@ -186,6 +194,26 @@ def chunk_histogram_kernel(
 
 
 @triton.jit
+def chunk_prefix_kernel(
+    hist_ptr,  # int32 [chunks, BINS]: each chunk's counts in, their inclusive prefix out
+    num_chunks,
+    BINS: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # chunks a step
+):
+    """Row c of hist becomes the sum of rows 0..c, in place: one program, BLOCK_C rows a step,
+    the running sum of the rows before carried in registers (int32: the sums are exact)."""
+    bins = tl.arange(0, BINS)
+    carry = tl.zeros([BINS], dtype=tl.int32)
+    for first in range(0, num_chunks, BLOCK_C):
+        rows = first + tl.arange(0, BLOCK_C)
+        inside = (rows < num_chunks)[:, None]
+        at = hist_ptr + rows[:, None] * BINS + bins[None, :]
+        block = tl.load(at, mask=inside, other=0)
+        tl.store(at, tl.cumsum(block, 0) + carry[None, :], mask=inside)
+        carry += tl.sum(block, 0)
+
+
+@triton.jit
 def _counts_from_prefix(prefix_ptr, num_chunks, chunk, BINS: tl.constexpr):
     """(pairs per bin over every chunk, pairs per bin in the chunks before `chunk`), int32 [BINS]
     each: rows num_chunks - 1 and chunk - 1 of the histogram's inclusive prefix over chunks."""
@@ -200,7 +228,7 @@ def _counts_from_prefix(prefix_ptr, num_chunks, chunk, BINS: tl.constexpr):
 def group_route_kernel(
     ids_ptr,  # int32 [R*K] global expert ids, -1 = none
     hist_ptr,  # int32 [chunks, BINS]: chunk_histogram_kernel's rows, summed over the chunks
-    # before and at each (an inclusive prefix, torch.cumsum_ in place; read when CHUNKED)
+    # before and at each (an inclusive prefix, chunk_prefix_kernel's; read when CHUNKED)
     pair_row_ptr,  # int32 [R*K] out
     pair_flat_ptr,  # int32 [R*K] out
     pair_slot_ptr,  # int32 [R*K] out
@@ -503,7 +531,12 @@ def _launch(
         )
         # Each program reads two rows of the prefix where it read every chunk's row (57 x 512
         # programs x 512 rows at T = 2048 on a DEP16 shard: 3.8 GB of L2 reads).
-        hist.cumsum_(0)
+        if chunks < PREFIX_KERNEL_CHUNKS:
+            hist.cumsum_(0)
+        else:
+            chunk_prefix_kernel[(1,)](
+                hist, chunks, bins, max(1, PREFIX_TILE // bins), num_warps=NUM_WARPS
+            )
     # group_route_kernel's arguments, in the groups of its signature.
     pair_outputs = (a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs)
     sizes = (slots, topk, first_expert, num_local, a.tile_capacity, b.tile_capacity)

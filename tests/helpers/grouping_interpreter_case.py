@@ -11,7 +11,8 @@ without a slot, which write only their pair count), no row, a chunk boundary (R 
 BLOCK_S), 448 local experts over two chunks, 18 chunks (the unused tiles written in shares by 18
 programs, some of them more than one block of BLOCK_T), an expert with more tiles than BLOCK_T,
 expert counts where num_local + 2 is a power of two, and tiles of humming's sizes that are not
-powers of two (24, 40, 48, 56 pairs). Outputs are poisoned before the call. Exits 0 and prints
+powers of two (24, 40, 48, 56 pairs); and chunk_prefix_kernel alone against torch.cumsum,
+its carry across steps included. Outputs are poisoned before the call. Exits 0 and prints
 "ok ..." when every case holds, else raises naming the case, the seed and the tensor.
 """
 
@@ -98,12 +99,27 @@ def check_tiling(where: str, got, got_routes, want, want_routes, slots: int) -> 
     assert got_routes.sentinel == want_routes.sentinel == slots, where
 
 
+def check_prefix(gen: torch.Generator, seed: int) -> None:
+    """chunk_prefix_kernel against torch.cumsum over the chunks, bitwise: fewer chunks than a
+    step, exactly one step, and several steps with a partial last one (the carry between
+    steps), at the bin counts of 56 and 896 local experts."""
+    from dep_ep.experts.hopper.grouping_kernel import chunk_prefix_kernel
+
+    for chunks, bins, block_c in ((3, 64, 64), (8, 64, 8), (37, 64, 8), (11, 1024, 4)):
+        hist = torch.randint(0, 1 << 12, (chunks, bins), dtype=torch.int32, generator=gen)
+        want = hist.cumsum(0, dtype=torch.int32)
+        chunk_prefix_kernel[(1,)](hist, chunks, bins, block_c)
+        where = f"prefix chunks {chunks} bins {bins} block_c {block_c} seed {seed}"
+        assert torch.equal(hist, want), f"{where}: {differ(hist, want)}"
+
+
 def main(seed: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
     from dep_ep.experts.hopper import grouping_kernel
 
     gen = torch.Generator().manual_seed(seed)
+    check_prefix(gen, seed)
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):  # outputs start as garbage the kernel must overwrite
