@@ -59,7 +59,7 @@ BLOCK_T = 64  # tiles a program writes per step
 PREFIX_TILE = 4096  # histogram entries chunk_prefix_kernel sums a step (BINS is a power of two)
 # The histogram's prefix over this many chunks or more by chunk_prefix_kernel, over fewer by
 # torch's cumsum_(0). On an H200 at K3's DEP16 shard (64 bins) the kernel took 8.9 us over the
-# 332 chunks of T = 2048 where cumsum_ took 60.1, 2.1 against 8.0 over 64 (T = 256), 1.8 against
+# 332 chunks of T = 2048 where cumsum_ took 60.1, 2.1 against 8.0 over 41 (T = 256), 1.8 against
 # 2.5 over 11 (T = 64), 1.9 against 1.9 over 6 (T = 32) and 1.9 against 1.2 over 2 (T = 8)
 # (docs/results/profile_hopper.md and its run before the kernel).
 PREFIX_KERNEL_CHUNKS = 6
