@@ -13,7 +13,7 @@ swizzle, four k32 blocks cycled), `ctas` CTAs an SM:
   the MMA, one wait, then acc += P * s once a group: the promotion a format with one scale per
   128 of K would need, the nearest to the MMA's own rate this kernel can check exactly (the
   MMA's own accumulation of FP8 products keeps fewer bits than fp32: over all 4096 blocks in
-  place it came out 45% below the float64 sum of positive terms).
+  place it came out 45% off the float64 sum of positive terms).
 - row: `blocks` wgmma from zero a group into separate partials, one wait, then acc += P * s for
   each, s the row's block scale (two loads from shared memory a block): the promotion with the
   weights' scales folded into their FP8 values (what humming does), one FFMA an element.
