@@ -830,6 +830,8 @@ def test_gpu_fused_experts_budget_of_exactly_the_pairs_is_bitwise_the_capacity()
         (4096, 16, 56, 0, (8, 64)),
         # T = 2048 on a DEP16 shard: 332 chunks, whose prefix takes chunk_prefix_kernel 6 steps
         (21235, 16, 56, 0, (64,)),
+        # 1024 bins: the prefix in 16 programs of 64 bins
+        (4096, 16, 896, 0, (64,)),
     ],
 )
 def test_gpu_grouping_kernel_equals_torch(rows, topk, num_local, first, block_ns, monkeypatch):

@@ -1,4 +1,5 @@
-"""The grouping of experts/hopper/grouping.py and its tile routes in one Triton launch, or three.
+"""The grouping of experts/hopper/grouping.py and its tile routes: one launch, or three from two
+chunks on (two Triton kernels and the histogram's prefix).
 
 `group_pairs` (torch) runs ~30 small kernels: 119-209 us in graph replay on an H200 for the slots
 of T = 1..256 on a DEP16 shard (docs/results/bench_experts.md). These kernels produce the same
@@ -6,9 +7,9 @@ tensors, bitwise (the tests compare them). The R * K slots are cut into chunks o
 
   chunk_histogram_kernel  (only when there are two chunks or more) one program per chunk: the
                           chunk's pairs per local expert, a row of int32 [chunks, BINS];
-  chunk_prefix_kernel     (from PREFIX_KERNEL_CHUNKS chunks; below, torch's cumsum_) one
-                          program: the rows summed over the chunks in place (row c holds
-                          chunks 0..c);
+  chunk_prefix_kernel     (from PREFIX_KERNEL_CHUNKS chunks; below, torch's cumsum_) a program
+                          per PREFIX_BINS bins: the rows summed over the chunks in place (row c
+                          holds chunks 0..c);
   group_route_kernel      a program per (bin, chunk), bin e < num_local an expert, num_local the
                           non-local slots: from two rows of the prefix it knows where bin e's
                           pairs start and how many of them earlier chunks hold, and writes the
@@ -56,12 +57,16 @@ from dep_ep.experts.hopper.grouping import (
 BLOCK_S = 1024
 NUM_WARPS = 4
 BLOCK_T = 64  # tiles a program writes per step
-PREFIX_TILE = 4096  # histogram entries chunk_prefix_kernel sums a step (BINS is a power of two)
+# chunk_prefix_kernel's shape: PREFIX_BINS bins a program (fewer when there are fewer), 64 chunks
+# a step at that width (PREFIX_TILE entries).
+PREFIX_BINS = 64
+PREFIX_TILE = 4096
 # The histogram's prefix over this many chunks or more by chunk_prefix_kernel, over fewer by
-# torch's cumsum_(0). On an H200 at K3's DEP16 shard (64 bins) the kernel took 8.9 us over the
-# 332 chunks of T = 2048 where cumsum_ took 60.1, 2.1 against 8.0 over 41 (T = 256), 1.8 against
-# 2.5 over 11 (T = 64), 1.9 against 1.9 over 6 (T = 32) and 1.9 against 1.2 over 2 (T = 8)
-# (docs/results/profile_hopper.md and its run before the kernel).
+# torch's cumsum_(0). On an H200 at K3's DEP16 shard (64 bins: one program) with
+# bench.profile_hopper, 2026-12-04: the kernel took 8.9 us over the 332 chunks of T = 2048 where
+# cumsum_ took 60.1, 2.1 against 8.0 over 41 (T = 256), 1.8 against 2.5 over 11 (T = 64), 1.9
+# against 1.9 over 6 (T = 32) and 1.9 against 1.2 over 2 (T = 8). Wider histograms (more local
+# experts) take more programs of the same shape; not timed.
 PREFIX_KERNEL_CHUNKS = 6
 # Triton's largest block is 2^20 elements: [BLOCK_T, LANES] route slots of the unused tiles, LANES
 # the power of two >= block_n (tl.arange's length).
@@ -198,12 +203,14 @@ def chunk_prefix_kernel(
     hist_ptr,  # int32 [chunks, BINS]: each chunk's counts in, their inclusive prefix out
     num_chunks,
     BINS: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # bins a program (a power of two dividing BINS)
     BLOCK_C: tl.constexpr,  # chunks a step
 ):
-    """Row c of hist becomes the sum of rows 0..c, in place: one program, BLOCK_C rows a step,
-    the running sum of the rows before carried in registers (int32: the sums are exact)."""
-    bins = tl.arange(0, BINS)
-    carry = tl.zeros([BINS], dtype=tl.int32)
+    """Row c of hist becomes the sum of rows 0..c, in place. Program p takes bins
+    [p * BLOCK_B, (p + 1) * BLOCK_B) (the grid: BINS / BLOCK_B), BLOCK_C rows a step, the running
+    sum of the rows before carried in registers (int32: the sums are exact)."""
+    bins = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    carry = tl.zeros([BLOCK_B], dtype=tl.int32)
     for first in range(0, num_chunks, BLOCK_C):
         rows = first + tl.arange(0, BLOCK_C)
         inside = (rows < num_chunks)[:, None]
@@ -534,8 +541,9 @@ def _launch(
         if chunks < PREFIX_KERNEL_CHUNKS:
             hist.cumsum_(0)
         else:
-            chunk_prefix_kernel[(1,)](
-                hist, chunks, bins, max(1, PREFIX_TILE // bins), num_warps=NUM_WARPS
+            width = min(bins, PREFIX_BINS)
+            chunk_prefix_kernel[(bins // width,)](
+                hist, chunks, bins, width, PREFIX_TILE // width, num_warps=NUM_WARPS
             )
     # group_route_kernel's arguments, in the groups of its signature.
     pair_outputs = (a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs)

@@ -101,15 +101,26 @@ def check_tiling(where: str, got, got_routes, want, want_routes, slots: int) -> 
 
 def check_prefix(gen: torch.Generator, seed: int) -> None:
     """chunk_prefix_kernel against torch.cumsum over the chunks, bitwise: fewer chunks than a
-    step, exactly one step, and several steps with a partial last one (the carry between
-    steps), at the bin counts of 56 and 896 local experts."""
+    step, exactly one step, several steps with a partial last one (the carry between steps),
+    one program and several (a program per bin block), at the bin counts of 56 and 896 local
+    experts; guard rows after the histogram must come out unchanged."""
     from dep_ep.experts.hopper.grouping_kernel import chunk_prefix_kernel
 
-    for chunks, bins, block_c in ((3, 64, 64), (8, 64, 8), (37, 64, 8), (11, 1024, 4)):
-        hist = torch.randint(0, 1 << 12, (chunks, bins), dtype=torch.int32, generator=gen)
-        want = hist.cumsum(0, dtype=torch.int32)
-        chunk_prefix_kernel[(1,)](hist, chunks, bins, block_c)
-        where = f"prefix chunks {chunks} bins {bins} block_c {block_c} seed {seed}"
+    guard = 2
+    for chunks, bins, block_b, block_c in (
+        (3, 64, 64, 64),
+        (8, 64, 64, 8),
+        (37, 64, 64, 8),
+        (37, 64, 16, 8),
+        (11, 1024, 64, 4),
+        (11, 1024, 1024, 4),
+    ):
+        hist = torch.randint(0, 1 << 12, (chunks + guard, bins), dtype=torch.int32, generator=gen)
+        want = torch.cat((hist[:chunks].cumsum(0, dtype=torch.int32), hist[chunks:]))
+        chunk_prefix_kernel[(bins // block_b,)](hist, chunks, bins, block_b, block_c)
+        where = (
+            f"prefix chunks {chunks} bins {bins} block_b {block_b} block_c {block_c} seed {seed}"
+        )
         assert torch.equal(hist, want), f"{where}: {differ(hist, want)}"
 
 
