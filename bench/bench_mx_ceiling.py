@@ -1,6 +1,6 @@
 """The ceiling of exact MX scaling on Hopper's FP8 MMA: a kernel that does only the arithmetic of
 an MXFP8 x MXFP4 GEMM's inner loop, its operands in shared memory (no global traffic in the
-loop), timed against the same MMAs accumulating in the tensor core.
+loop), timed against cuBLAS's dense FP8 GEMM.
 
     python -m bench.bench_mx_ceiling     # docs/results/bench_mx_ceiling.md
 
