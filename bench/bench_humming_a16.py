@@ -26,7 +26,7 @@ from bench.timing import capture, replay_us
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
 from dep_ep.experts.hopper import Grouping, HopperExperts, HummingEngine, routed_tilings
-from dep_ep.experts.hopper.humming_gemm import LOCK_WORDS, HummingGemm
+from dep_ep.experts.hopper.humming_gemm import HummingGemm
 from dep_ep.experts.mxfp4 import mxfp4_dequantize
 from dep_ep.testing.synthetic import SyntheticLayer
 
@@ -35,36 +35,6 @@ REPS, SAMPLES = 10, 10
 CHECK_ROUTES = 64
 DIFF_LIMIT = 1e-2  # the BF16 output's rounding alone: about 2e-3
 E4M3 = torch.float8_e4m3fn
-
-
-def prepare_a16(weights: torch.Tensor, scales: torch.Tensor) -> HummingGemm:
-    """HummingGemm.prepare's steps for BF16 activations (humming's W4A16 MXFP4 form)."""
-    import humming.transform as transform
-    from humming.schema import HummingInputSchema, HummingWeightSchema
-
-    num_experts, n, half_k = weights.shape
-    weight_schema = HummingWeightSchema(
-        b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=SCALE_BLOCK
-    )
-    input_schema = HummingInputSchema(a_dtype="bfloat16")
-    tensors = {
-        "weight": weights.clone().view(torch.int32),
-        "weight_scale": scales.clone().view(torch.float8_e8m0fnu),
-    }
-    config = transform.prepare_layer_config(
-        shape_n=n,
-        shape_k=2 * half_k,
-        weight_schema=weight_schema,
-        input_schema=input_schema,
-        num_experts=num_experts,
-        torch_dtype=torch.bfloat16,
-        tensors=tensors,
-        device=weights.device,
-    )
-    config, tensors = transform.prepare_fp16_e8m0_scale(config, tensors)
-    tensors = transform.transform_humming_tensors(config, tensors)
-    locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
-    return HummingGemm(config, tensors, locks, {}, False)
 
 
 def bf16_rows(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -134,8 +104,8 @@ def main() -> int:
         backend = HopperExperts(weights, engine=HummingEngine())
         a8 = {"fc1": backend.prepared.fc1, "fc2": backend.prepared.fc2}
         a16 = {
-            "fc1": prepare_a16(weights.w13, weights.s13),
-            "fc2": prepare_a16(weights.w2, weights.s2),
+            "fc1": HummingGemm.prepare(weights.w13, weights.s13, False, bf16_inputs=True),
+            "fc2": HummingGemm.prepare(weights.w2, weights.s2, False, bf16_inputs=True),
         }
         raw = {"fc1": (weights.w13, weights.s13), "fc2": (weights.w2, weights.s2)}
         for tokens in token_counts:

@@ -56,7 +56,8 @@ def scale_spread_error(owner: str, name: str, scales: torch.Tensor) -> str | Non
 class HummingGemm:
     """One MoE GEMM out [M, n] = inputs [M', k] @ W_e^T over num_experts MXFP4 experts (W uint8
     [E, n, k/2], scales uint8 [E, n, k/32]), prepared once for e4m3 inputs with fp32 per-32
-    scales and BF16 output. The caller's tensors are copied, never changed."""
+    scales (or, `prepare(..., bf16_inputs=True)`, BF16 inputs) and BF16 output. The caller's
+    tensors are copied, never changed."""
 
     config: object
     tensors: dict
@@ -66,8 +67,14 @@ class HummingGemm:
 
     @classmethod
     def prepare(
-        cls, weights: torch.Tensor, scales: torch.Tensor, deterministic: bool
+        cls,
+        weights: torch.Tensor,
+        scales: torch.Tensor,
+        deterministic: bool,
+        bf16_inputs: bool = False,
     ) -> HummingGemm:
+        """bf16_inputs: humming's W4A16 kernels, for BF16 inputs without scales (the weights in
+        their layout for BF16; measured in bench/bench_humming_a16.py, used by no engine)."""
         import humming.transform as transform
         from humming.schema import HummingInputSchema, HummingWeightSchema
 
@@ -76,6 +83,8 @@ class HummingGemm:
             b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=SCALE_BLOCK
         )
         input_schema = HummingInputSchema(a_dtype="float8e4m3", input_scale_group_size=SCALE_BLOCK)
+        if bf16_inputs:
+            input_schema = HummingInputSchema(a_dtype="bfloat16")
         # humming's MXFP4 words (int32, element i in bits 4i..4i+3) are our bytes viewed as int32;
         # its fused-scale transform rewrites codes in place, hence the copies.
         tensors = {
