@@ -145,6 +145,15 @@ def fp8_tflops(size: int = FP8_GEMM, reps: int = 5, samples: int = 10) -> float:
     return 2 * size**3 / (us * 1e-6) / 1e12
 
 
+def bf16_tflops(size: int = FP8_GEMM, reps: int = 5, samples: int = 10) -> float:
+    """Dense BF16 rate, TFLOP/s: torch.mm of BF16 [size, size] x [size, size] (cuBLAS), `reps`
+    GEMMs a captured graph, median of `samples` replays."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(size, size, device="cuda", generator=gen).bfloat16()
+    us = replay_us(capture(lambda: torch.mm(a, a), reps), reps, samples)
+    return 2 * size**3 / (us * 1e-6) / 1e12
+
+
 def receive_rows(
     ranks: int, tokens: int, local: int, gen: torch.Generator, routing: str = "uniform"
 ):

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from bench import cli, report
-from bench.bench_experts import copy_gbs, fp8_tflops, receive_rows
+from bench.bench_experts import bf16_tflops, copy_gbs, fp8_tflops, receive_rows
 from bench.timing import capture, replay_us
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
@@ -91,12 +91,10 @@ def main() -> int:
         report.Run.this_process(),
     )
     gbs, tflops = copy_gbs(), fp8_tflops()
-    bf16 = torch.randn(8192, 8192, device="cuda").bfloat16()
-    graph = capture(lambda: torch.mm(bf16, bf16), 5)
-    bf16_tflops = 2 * 8192**3 / (replay_us(graph, 5, 10) * 1e-6) / 1e12
+    bf16_rate = bf16_tflops()
     page.text(
         f"Copy bandwidth {gbs:.0f} GB/s; dense FP8 (torch._scaled_mm e4m3 8192^3) {tflops:.0f}"
-        f" TFLOP/s; dense BF16 (torch.mm 8192^3) {bf16_tflops:.0f} TFLOP/s, the same run."
+        f" TFLOP/s; dense BF16 (torch.mm 8192^3) {bf16_rate:.0f} TFLOP/s, the same run."
     )
     table = []
     for local, token_counts in CASES.items():
