@@ -22,10 +22,11 @@ import torch
 
 from bench import cli, report
 from bench.bench_experts import bf16_tflops, copy_gbs, fp8_tflops, receive_rows
+from bench.bench_humming_tuning import routed_call
 from bench.timing import capture, replay_us
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.ep import K3
-from dep_ep.experts.hopper import Grouping, HopperExperts, HummingEngine, routed_tilings
+from dep_ep.experts.hopper import HopperExperts, HummingEngine
 from dep_ep.experts.hopper.humming_gemm import HummingGemm
 from dep_ep.experts.mxfp4 import mxfp4_dequantize
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -49,28 +50,14 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_case(gemm, inputs, input_scale, ids, topk, out_cols, name, timing, check):
-    """(us per call, diff) of `gemm` over the routes of `ids`; `check(out, routes)` -> diff."""
+    """(us per call, diff, block shape) of `gemm` over the routes of `ids`, with humming's kernel
+    for the pairs present; `check(out, groups)` -> diff."""
     count = ids.shape[0]
     out = torch.full((count * topk, out_cols), float("nan"), dtype=torch.bfloat16, device="cuda")
-    pairs = int(((ids >= 0) & (ids < gemm.config.num_experts)).sum())
+    num_local = gemm.config.num_experts
+    pairs = int(((ids >= 0) & (ids < num_local)).sum())
     tuned = max(16, 1 << (pairs - 1).bit_length())
-    [(groups, routes)] = routed_tilings(
-        ids, 0, gemm.config.num_experts, (gemm.block_m(tuned),), Grouping.TRITON
-    )
-    sorted_ids, top_k = (routes.flat, topk) if name == "fc1" else (routes.pair, 1)
-
-    def call():
-        gemm(
-            inputs,
-            input_scale,
-            sorted_ids,
-            groups.tile_expert,
-            routes.num_padded,
-            top_k,
-            out,
-            tuned,
-        )
-
+    call, groups = routed_call(gemm, name, ids, num_local, inputs, input_scale, out, tuned)
     call()
     torch.cuda.synchronize()
     reps, samples = timing

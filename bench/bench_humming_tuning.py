@@ -58,6 +58,31 @@ def column_of(kernels: dict[int, dict], gemm, pairs: int) -> int:
     return next(column for column, kernel in kernels.items() if kernel == config)
 
 
+def routed_call(gemm, name: str, ids, num_local: int, inputs, input_scale, out, tuned: int):
+    """(call, groups): a no-argument call of humming GEMM `name` ("fc1" or "fc2") with the kernel
+    tuned for `tuned` pairs, on the routes of the Triton grouping of `ids` (int32 [R, K]) over
+    `num_local` local experts in that kernel's tiles, writing `out`; groups: that grouping's
+    PairGroups."""
+    topk = ids.shape[1]
+    [(groups, routes)] = routed_tilings(ids, 0, num_local, (gemm.block_m(tuned),), Grouping.TRITON)
+    # FC1 reads row id // K for route id = row * K + k; FC2 reads activation row = pair.
+    sorted_ids, top_k = (routes.flat, topk) if name == "fc1" else (routes.pair, 1)
+
+    def call():
+        gemm(
+            inputs,
+            input_scale,
+            sorted_ids,
+            groups.tile_expert,
+            routes.num_padded,
+            top_k,
+            out,
+            tuned,
+        )
+
+    return call, groups
+
+
 def time_gemm(
     backend: HopperExperts, name: str, kernels: dict[int, dict], rows, timing: tuple[int, int]
 ) -> dict[int, float]:
@@ -76,24 +101,9 @@ def time_gemm(
         out = torch.empty(capacity, backend.latent, dtype=torch.bfloat16, device="cuda")
     times = {}
     for column in kernels:
-        [(groups, routes)] = routed_tilings(
-            ids, 0, backend.num_local_experts, (gemm.block_m(column),), Grouping.TRITON
+        call, _ = routed_call(
+            gemm, name, ids, backend.num_local_experts, inputs, input_scale, out, column
         )
-        # FC1 reads row id // K for route id = row * K + k; FC2 reads activation row = pair.
-        sorted_ids, top_k = (routes.flat, topk) if name == "fc1" else (routes.pair, 1)
-
-        def call(column=column, groups=groups, routes=routes, sorted_ids=sorted_ids, top_k=top_k):
-            gemm(
-                inputs,
-                input_scale,
-                sorted_ids,
-                groups.tile_expert,
-                routes.num_padded,
-                top_k,
-                out,
-                column,
-            )
-
         reps, samples = timing
         times[column] = replay_us(capture(call, reps), reps, samples)
     return times
