@@ -43,11 +43,10 @@ from bench.timing import capture, replay_us
 from dep_ep.comm.kernels.launcher import compile_kernel
 from dep_ep.comm.kernels.tensors import gmem_tensor, row_major_layout
 from dep_ep.experts.hopper.narrow_gemm import (
-    CORE_LEADING_UNITS,
-    CORE_STRIDE_UNITS,
-    DESC_ADDRESS_MASK,
+    CORE_GROUP_BYTES,
     f32_asm,
     fence_proxy_async_shared,
+    smem_desc,
 )
 
 KBLOCK_BYTES = 32  # one k32 block of e4m3 a row
@@ -115,12 +114,10 @@ def wgmma_group(descs, n: int, chained: bool, *, loc=None, ip=None):
     return f32_asm(args, text, constraints, True, loc, ip, count=outs)
 
 
-@cute.jit
-def smem_desc(address: Int32) -> Int64:
-    """A K-major, unswizzled shared-memory descriptor at `address`: core matrices (8 rows x 16
-    bytes) 128 bytes apart along K, 8-row groups 256 bytes apart."""
-    low = ((address >> 4) & Int32(DESC_ADDRESS_MASK)) | Int32(CORE_LEADING_UNITS << 16)
-    return Int64(Uint32(low)) | (Int64(CORE_STRIDE_UNITS) << 32)
+# A k32 block of an operand's rows in shared memory: each 8-row group's two core matrices (8
+# rows x 16 bytes) along K, 128 bytes apart (LBO), the groups 256 bytes apart (SBO).
+BLOCK_LEADING_BYTES = CORE_GROUP_BYTES
+BLOCK_STRIDE_BYTES = 2 * CORE_GROUP_BYTES
 
 
 class CeilingKernel:
@@ -165,8 +162,8 @@ class CeilingKernel:
         fence_proxy_async_shared()
         cute.arch.sync_threads()
         base = sOps.iterator.toint()
-        a_desc = smem_desc(base)
-        b_desc = smem_desc(base + SLOTS * self.a_bytes)
+        a_desc = smem_desc(base, BLOCK_LEADING_BYTES, BLOCK_STRIDE_BYTES)
+        b_desc = smem_desc(base + SLOTS * self.a_bytes, BLOCK_LEADING_BYTES, BLOCK_STRIDE_BYTES)
         acc = cute.make_rmem_tensor(cute.make_layout(regs), Float32)
         acc.fill(0.0)
         for i in cutlass.range(iters // form.blocks):

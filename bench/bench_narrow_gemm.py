@@ -11,12 +11,13 @@ scales) to BF16 [2I] per pair; FC2: random e4m3 activation rows [I] per pair to 
 kernel alone, the grouping done before it, the narrow GEMM in three forms (FORMS: one mma.sync a
 warp, or a chunk's four wgmma a warpgroup with the rows in shared memory, each chunk loaded
 straight into registers; and the default, the wgmma form with each warp's weights streamed
-through a ring in shared memory by bulk copies; with --shapes, SHAPES' other rings too): graph
-replay of `--reps` calls, median of `--samples` replays, per call. The bytes: the touched
-experts' codes and scales of that GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an expert; FC2: half
-that), once; GB/s = bytes / time; % of copy = GB/s over the device-to-device copy bandwidth
-measured in the run. diff: relative L2 of the narrow GEMM's output against humming's on the same
-pairs.
+through a ring in shared memory by bulk copies; with --shapes, SHAPES' other rings too; with
+--wide, WIDE's tiles of 16, 24 and 32 pairs, for T past decode, e.g. `--wide --tokens 16 32 64
+128 256`): graph replay of `--reps` calls, median of `--samples` replays, per call. The bytes:
+the touched experts' codes and scales of that GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an
+expert; FC2: half that), once; GB/s = bytes / time; % of copy = GB/s over the device-to-device
+copy bandwidth measured in the run. diff: relative L2 of the narrow GEMM's output against
+humming's on the same pairs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dep_ep.experts.hopper.engine import tuning_pairs
 from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
 from dep_ep.experts.hopper.humming_gemm import HummingGemm
 from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
-from dep_ep.experts.hopper.narrow_layout import NARROW_PAIRS, narrow_weights
+from dep_ep.experts.hopper.narrow_layout import NARROW_PAIRS, NARROW_TILE_PAIRS, narrow_weights
 
 TOKENS = [1, 2, 4, 8, 16]
 LOCAL_EXPERTS = [56, 112, 448]
@@ -86,38 +87,45 @@ SHAPES = {
     "4 warps, ring 2x2": NarrowTuning(warps=4),
     "mma.sync ring": NarrowTuning(wgmma=False),
 }
+# The default form on wider tiles (`--wide`): each tile reads its expert's weights once for up to
+# 16, 24 or 32 of its pairs (about 19 pairs an expert at T = 64 on a DEP16 shard, 37 at 128).
+WIDE = {f"ring, tiles of {p}": NarrowTuning(pairs=p) for p in NARROW_TILE_PAIRS[1:]}
 
 
 def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) -> dict:
     """One (local, T) row: every narrow form's FC1 and FC2 (`launches`: form -> (FC1, FC2)
-    NarrowGemmLaunch) and humming's, timed on the same pairs, and their outputs' differences."""
+    NarrowGemmLaunch) and humming's, timed on the same pairs, and their outputs' differences.
+    Each form runs on the tiles of its tuning's width; the pairs' numbering is the same for
+    every width (grouping.py), so the forms' outputs line up row for row."""
     latent, inter, topk = K3.latent, K3.intermediate, K3.topk
     x, sf, ids, _ = receive_rows(ranks, tokens, layer.local, gen)
     rows = ids.shape[0]
     capacity = rows * topk
     scales = e8m0_to_fp32(sf).contiguous()
-    narrow_groups = group_pairs(ids, 0, layer.local, NARROW_PAIRS)
+    widths = {fc1.tuning.pairs for fc1, _ in launches.values()} | {NARROW_PAIRS}
+    groups_of = {p: group_pairs(ids, 0, layer.local, p) for p in sorted(widths)}
+    narrow_groups = groups_of[NARROW_PAIRS]
     pairs = int(narrow_groups.num_pairs)
     touched = int((narrow_groups.expert_pairs > 0).sum())
     act = (torch.randn(capacity, inter, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
     act_scale = torch.pow(
         2.0, torch.randint(-4, 5, (capacity, inter // SCALE_BLOCK), device="cuda", generator=gen)
     ).float()
-    pair_row = narrow_groups.pair_row
     calls, outputs = {}, {}
     for form, (fc1, fc2) in launches.items():
         gate_up = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device="cuda")
         outputs[form] = (gate_up, expert_out)
+        groups = groups_of[fc1.tuning.pairs]
 
         # The stream is read at each call: a graph capture runs on a stream of its own.
-        def narrow_fc1(fc1=fc1, gate_up=gate_up):
+        def narrow_fc1(fc1=fc1, gate_up=gate_up, groups=groups):
             stream = torch.cuda.current_stream().cuda_stream
-            fc1(*layer.narrow13, x, scales, pair_row, narrow_groups, gate_up, stream)
+            fc1(*layer.narrow13, x, scales, groups.pair_row, groups, gate_up, stream)
 
-        def narrow_fc2(fc2=fc2, expert_out=expert_out):
+        def narrow_fc2(fc2=fc2, expert_out=expert_out, groups=groups):
             stream = torch.cuda.current_stream().cuda_stream
-            fc2(*layer.narrow2, act, act_scale, pair_row, narrow_groups, expert_out, stream)
+            fc2(*layer.narrow2, act, act_scale, groups.pair_row, groups, expert_out, stream)
 
         calls[f"{form}_fc1"], calls[f"{form}_fc2"] = narrow_fc1, narrow_fc2
 
@@ -192,7 +200,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
         run or report.Run.this_process(),
     )
     page.text(f"One process. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.")
-    forms = [f for f in FORMS | SHAPES if f"{f}_fc1" in results[0]]
+    forms = [f for f in FORMS | SHAPES | WIDE if f"{f}_fc1" in results[0]]
     kernels = [*forms, "humming"]
     for fc in ("fc1", "fc2"):
         page.section(fc.upper())
@@ -215,6 +223,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
         page.table(columns, rows)
     panels = []
     styles = {"mma.sync": ":^", "wgmma": ":o", "wgmma ring": "o-", "humming": "s--"}
+    styles |= {form: "d-" for form in WIDE}
     for fc in ("fc1", "fc2"):
         series = []
         for local in dict.fromkeys(r["local"] for r in results):
@@ -237,6 +246,9 @@ def main() -> int:
     parser.add_argument(
         "--shapes", action="store_true", help="time the other ring shapes (SHAPES) as well"
     )
+    parser.add_argument(
+        "--wide", action="store_true", help="time the tiles of 16, 24 and 32 pairs (WIDE) as well"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_narrow_gemm: needs a CUDA GPU", file=sys.stderr)
@@ -248,7 +260,9 @@ def main() -> int:
             NarrowGemmLaunch(2 * K3.intermediate, K3.latent, True, tuning),
             NarrowGemmLaunch(K3.latent, K3.intermediate, False, tuning),
         )
-        for form, tuning in (FORMS | (SHAPES if args.shapes else {})).items()
+        for form, tuning in (
+            FORMS | (SHAPES if args.shapes else {}) | (WIDE if args.wide else {})
+        ).items()
     }
     results = []
     for local in LOCAL_EXPERTS:

@@ -15,6 +15,7 @@ from dep_ep.experts.hopper.narrow_layout import (
     E2M1_TO_E4M3_EXPONENT,
     NARROW_MAX_SCALE_BYTE,
     NARROW_PAIRS,
+    NARROW_TILE_PAIRS,
     e4m3_bytes_to_float,
     e4m3_from_high,
     e4m3_from_low,
@@ -135,6 +136,34 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
     assert text.count(copy) >= 4 and "mbarrier.try_wait.parity" in text
     assert "mbarrier.init.shared" in text and "mbarrier.arrive.expect_tx" in text
     assert text.count(mma) == 4 * text.count("wgmma.commit_group.sync.aligned") > 0
+    for pairs in NARROW_TILE_PAIRS[1:]:
+        # Wider tiles: the chunk's four MMAs are m64nPk32, into P / 2 partials each.
+        text = ptx_of(NarrowTuning(pairs=pairs))
+        wide = f"wgmma.mma_async.sync.aligned.m64n{pairs}k32.f32.e4m3.e4m3"
+        assert text.count(wide) == 4 * text.count("wgmma.commit_group.sync.aligned") > 0
+        assert mma not in text
+        outputs = text[text.index(wide) :].split("{")[1].split("}")[0]
+        assert outputs.count(",") + 1 == pairs // 2, outputs
+
+
+@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+@pytest.mark.parametrize("pairs", NARROW_TILE_PAIRS)
+def test_staged_rows_are_where_the_descriptor_points(pairs):
+    """The wgmma reads B through the descriptor as CuTe's K-major INTERLEAVE layout ((8, P/8),
+    (16 bytes, 2)) : ((16 bytes, SBO), (1, LBO)) from each k32 block's start: byte (n % 8) * 16 +
+    (n // 8) * SBO + half * LBO for row n and 16-byte half of the block. stage_rows writes word
+    i of core column c of row n at [c, n, i] of a row-major (2 * blocks, P, 4) tensor. Both must
+    name the same byte for every row and core column."""
+    from dep_ep.experts.hopper.narrow_gemm import CORE_ROW_BYTES, staged_rows_strides
+
+    leading, stride, block = staged_rows_strides(pairs)
+    blocks = 7
+    for n in range(pairs):
+        for c in range(2 * blocks):
+            written = (c * pairs + n) * CORE_ROW_BYTES
+            b, half = divmod(c, 2)
+            read = b * block + (n % 8) * CORE_ROW_BYTES + (n // 8) * stride + half * leading
+            assert written == read, (pairs, n, c)
 
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
@@ -163,7 +192,10 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         with pytest.raises(ValueError, match=match):
             launch(*args)
 
-    call(5, group_pairs(ids, 0, 2, 16), "tiles of 16 pairs; expected 8")
+    call(5, group_pairs(ids, 0, 2, 16), r"tiles of 16 pairs; expected 8 \(tuning.pairs\)")
+    wide = NarrowGemmLaunch(n, k, True, NarrowTuning(pairs=32), arch="sm_90a")
+    with pytest.raises(ValueError, match="tiles of 8 pairs; expected 32"):
+        wide(*good)
     call(2, torch.zeros(rows, k + 128, dtype=torch.uint8), r"x \(3, 384\)")
     call(3, xs.double(), "fp32 scales")
     call(6, out.float(), "bf16")
@@ -177,10 +209,20 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         NarrowGemmLaunch(136, k, True, arch="sm_90a")
     with pytest.raises(ValueError, match="warps in whole warpgroups"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(warps=2, wgmma=True), arch="sm_90a")
+    for tuning in (
+        NarrowTuning(pairs=40),
+        NarrowTuning(pairs=12),
+        NarrowTuning(wgmma=False, pairs=16),
+    ):
+        with pytest.raises(ValueError, match=r"tiles of 8 pairs, or with wgmma one of \(8, 16"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     with pytest.raises(ValueError, match="need stages >= 0"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stage_chunks=0), arch="sm_90a")
     with pytest.raises(ValueError, match="bytes of shared memory a CTA; at most"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stages=16, stage_chunks=4), arch="sm_90a")
+    # Tiles of 32 stage 32 * K bytes of rows: 224 KiB at K = 7168, over with the ring.
+    with pytest.raises(ValueError, match="K=7168 takes 264"):
+        NarrowGemmLaunch(n, 7168, True, NarrowTuning(pairs=32), arch="sm_90a")
     many = dataclasses.replace(
         groups, tile_expert=torch.zeros(MAX_TILE_SLOTS + 1, dtype=torch.int32)
     )
@@ -201,9 +243,9 @@ def sm90_here() -> str | None:
 GPU = pytest.mark.skipif(sm90_here() is not None, reason=f"narrow GEMM: {sm90_here()}")
 
 
-def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen):
+def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen, pairs=NARROW_PAIRS):
     """Weights, rows, ids of `rows` receive rows (topk ids of 4 * num_local experts, this rank's
-    the first num_local; hot: local expert 0 in every row), the groups of tiles of 8."""
+    the first num_local; hot: local expert 0 in every row), the groups of tiles of `pairs`."""
     dev = torch.device("cuda")
     w, s = random_weights(num_local, n, k, gen)
     w, s = w.to(dev), s.to(dev)
@@ -213,7 +255,7 @@ def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen):
     # no case without pairs.
     ids[:, 0] = 0 if hot else torch.randint(0, num_local, (rows,), generator=gen)
     ids = ids.int().to(dev)
-    groups = group_pairs(ids, 0, num_local, NARROW_PAIRS)
+    groups = group_pairs(ids, 0, num_local, pairs)
     capacity = rows * topk
     x_rows = rows if indexed else capacity
     x = (torch.randn(x_rows, k, generator=gen) * 8).to(torch.float8_e4m3fn).to(dev)
@@ -224,7 +266,8 @@ def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen):
 # The kernel's forms tested: its MMA either way, each chunk loaded straight into registers or
 # streamed through each warp's ring in shared memory (bulk copies): 2 slots of 2 chunks (the
 # default) and 3 of 4, whose slots K3's FC1 reuses unevenly (28 chunks: 7 stages); K = 384 ends
-# in a part stage, and K = 128 (one chunk) is shorter than either ring.
+# in a part stage, and K = 128 (one chunk) is shorter than either ring. The wgmma form also on
+# tiles of 16, 24 and 32 pairs (the hot cases fill some and leave others part full).
 TESTED_FORMS = {
     f"{mma}-{ring}": dict(wgmma=mma == "wgmma", **ring_args)
     for mma in ("mma.sync", "wgmma")
@@ -234,6 +277,8 @@ TESTED_FORMS = {
         ("ring3x4", {"stages": 3, "stage_chunks": 4}),
     )
 }
+TESTED_FORMS |= {f"wgmma-ring2x2-pairs{p}": dict(pairs=p) for p in NARROW_TILE_PAIRS[1:]}
+TESTED_FORMS["wgmma-direct-pairs32"] = dict(stages=0, pairs=32)
 
 
 @GPU
@@ -242,7 +287,8 @@ TESTED_FORMS = {
     "num_local,n,k,rows,topk,indexed,hot",
     [
         (4, 256, 256, 1, 4, True, False),  # one row
-        (4, 256, 384, 16, 4, True, True),  # a hot expert: 16 pairs, two full tiles
+        (4, 256, 384, 16, 4, True, True),  # a hot expert: 16 pairs, two full tiles of 8
+        (4, 256, 384, 48, 4, True, True),  # a hot expert's 48 pairs or more: tiles of 32 and 24
         (3, 128, 128, 9, 8, False, False),  # rows by pair number
         (8, 6144, 3584, 2, 16, True, False),  # K3's FC1
         (8, 3584, 3072, 3, 16, False, True),  # K3's FC2
@@ -252,9 +298,10 @@ def test_kernel_against_float64_reference(num_local, n, k, rows, topk, indexed, 
     from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
 
     gen = fresh_generator()
-    w, s, x, xs, groups = gpu_case(num_local, n, k, rows, topk, indexed, hot, gen)
+    tuning = NarrowTuning(**TESTED_FORMS[form])
+    w, s, x, xs, groups = gpu_case(num_local, n, k, rows, topk, indexed, hot, gen, tuning.pairs)
     words, scales = narrow_weights(w, s)
-    launch = NarrowGemmLaunch(n, k, indexed, NarrowTuning(**TESTED_FORMS[form]))
+    launch = NarrowGemmLaunch(n, k, indexed, tuning)
     out = torch.full((rows * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     pair_row = groups.pair_row
     launch(words, scales, x, xs, pair_row, groups, out, torch.cuda.current_stream().cuda_stream)

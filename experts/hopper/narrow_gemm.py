@@ -1,23 +1,27 @@
-"""NarrowGemmKernel: an expert GEMM for tiles of at most 8 pairs, MXFP4 weights times MXFP8 rows,
-the pairs on the MMA's N side; NarrowGemmLaunch compiles and launches it.
+"""NarrowGemmKernel: an expert GEMM for tiles of a few pairs (8, or up to 32 in the wgmma form),
+MXFP4 weights times MXFP8 rows, the pairs on the MMA's N side; NarrowGemmLaunch compiles and
+launches it.
 
 out[j, n] = BF16( sum over k32 blocks b of 2^(sw[e, n, b] + sx[j, b]) * sum_{k in b} w[e, n, k]
-x[row(j), k] ), for the pairs j of each tile (PairGroups' tiles of block_n = NARROW_PAIRS), e the
-tile's local expert, n < N. The weights come in experts/hopper/narrow_layout.py's layout; a warp
-owns 16 output columns of one tile over the whole K: per k32 block one MMA from zero (e4m3,
-fp32; NarrowTuning.wgmma: mma.sync.m16n8k32 a warp, or a chunk's four wgmma.m64n8k32 a
-warpgroup with the tile's rows in shared memory), its partials scaled by the weight row's and
-the pair's block scales and added into fp32 accumulators (exact MX scaling: a Hopper MMA takes
-no block scales). Each weight byte is read once per tile, 1 KiB a warp per 128 of K, into
-registers or (the default) through the warp's ring in shared memory by bulk copies.
+x[row(j), k] ), for the pairs j of each tile (PairGroups' tiles of block_n = NarrowTuning.pairs),
+e the tile's local expert, n < N. The weights come in experts/hopper/narrow_layout.py's layout; a
+warp owns 16 output columns of one tile over the whole K: per k32 block one MMA from zero (e4m3,
+fp32; NarrowTuning.wgmma: mma.sync.m16n8k32 a warp on tiles of 8, or a chunk's four
+wgmma.m64nPk32 a warpgroup on tiles of P = 8, 16, 24 or 32 with the tile's rows in shared
+memory), its partials scaled by the weight row's and the pair's block scales and added into fp32
+accumulators (exact MX scaling: a Hopper MMA takes no block scales). Each weight byte is read
+once per tile, 1 KiB a warp per 128 of K, into registers or (the default) through the warp's
+ring in shared memory by bulk copies.
 
 Why narrow: at decode sizes an expert holds a few pairs (1-8 at T <= 16 tokens a rank on a DEP16
 shard of K3), so the GEMM is a stream of weight bytes with a little arithmetic on each; the
-bound is the copy bandwidth (docs/experts.md). Tiles of more than 8 pairs run as several tiles,
-each reading the expert's weights again (from L2 when they run together). Measured on one H200
-(docs/results/bench_narrow_gemm.md): the default form at 0.87-1.22x the time of humming's GEMMs
-on the same pairs (T = 1..16); at that speed no engine uses it (docs/experts.md, "The narrow
-GEMM").
+bound is the copy bandwidth (docs/experts.md). An expert with more pairs than a tile holds runs
+as several tiles, each reading the expert's weights again (from L2 when they run together);
+tiles of 16-32 pairs (about 19 and 37 pairs an expert at T = 64 and 128 on a DEP16 shard) read
+them once for up to 32 pairs. Measured on one H200 (docs/results/bench_narrow_gemm.md), tiles
+of 8: the default form at 0.87-1.22x the time of humming's GEMMs on the same pairs
+(T = 1..16); at that speed no engine uses it (docs/experts.md, "The narrow GEMM"). Tiles of
+16-32 were not run on a GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dep_ep.experts.hopper.narrow_layout import (
     NARROW_PAIRS,
     NARROW_ROWS,
     NARROW_STEPS,
+    NARROW_TILE_PAIRS,
     SIGN_BITS,
     WORDS_PER_LANE,
     narrow_fits,
@@ -50,14 +55,24 @@ from dep_ep.experts.hopper.narrow_layout import (
 
 WARP_LANES = 32
 WARPGROUP_WARPS = 4
-# The staged rows' shared-memory descriptor (wgmma, K-major, no swizzle), in its 16-byte units:
-# the start address field (14 bits), the leading byte offset (between core matrices along K:
-# 128 bytes) and the stride byte offset (between 8-row groups: one group here, 256 bytes kept
-# valid), and one k32 block (two core matrices, 256 bytes).
+# The staged rows' shared-memory descriptor (wgmma, K-major, no swizzle; CuTe's INTERLEAVE
+# ((8, P/8), (16 bytes, 2)) : ((16 bytes, SBO), (1, LBO))), its fields in 16-byte units: the start
+# address (14 bits); the leading byte offset LBO between core matrices along K (a core column, 16
+# bytes of K of the tile's P rows: 16 * P bytes); the stride byte offset SBO between 8-row groups
+# (one core matrix, 8 rows of 16 bytes: 128 bytes). One k32 block is two core columns.
 DESC_ADDRESS_MASK = 0x3FFF
-CORE_LEADING_UNITS = 128 >> 4
-CORE_STRIDE_UNITS = 256 >> 4
-DESC_BLOCK_UNITS = 256 >> 4
+DESC_UNIT_SHIFT = 4
+CORE_ROW_BYTES = 16
+CORE_GROUP_BYTES = 8 * CORE_ROW_BYTES
+
+
+def staged_rows_strides(pairs: int) -> tuple[int, int, int]:
+    """(LBO, SBO, a k32 block's bytes) of a tile's `pairs` rows staged by stage_rows: core column
+    c (16 bytes of K) of row n at byte 16 * pairs * c + 16 * n, two core columns a k32 block."""
+    core_column = CORE_ROW_BYTES * pairs
+    return core_column, CORE_GROUP_BYTES, 2 * core_column
+
+
 E8M0_MANTISSA_BITS = 23  # an E8M0 byte shifted here is the fp32 bits of 2^(byte - 127)
 # One chunk (128 of K) of a warp's 16 weight rows in narrow_layout's layout: 32 lanes x 8 words
 # of codes, and 8 x 2 words of scales, each contiguous (chunks follow one another).
@@ -101,18 +116,26 @@ def mma_e4m3(a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def wgmma_e4m3_chunk(a, descs, *, loc=None, ip=None):
-    """One chunk's four wgmma.m64n8k32 of the warpgroup, each from zero (scale-d 0), issued
-    together and waited for once: `a` the 16 words of A, four a k32 block (e4m3, each warp its
-    16 rows in the layout of mma_e4m3's A), `descs` the four blocks' shared-memory descriptors
-    (Int64) of B, the tile's 8 rows x 32 bytes; fenced before (A was just written). Returns the
-    16 fp32 partials block by block, each block's (d0, d1, d2, d3) as mma_e4m3's, rows 16 w + ...
+def wgmma_e4m3_chunk(a, descs, pairs: int, *, loc=None, ip=None):
+    """One chunk's four wgmma.m64nPk32 (P = `pairs`, a multiple of 8) of the warpgroup, each from
+    zero (scale-d 0), issued together and waited for once: `a` the 16 words of A, four a k32
+    block (e4m3, each warp its 16 rows in the layout of mma_e4m3's A), `descs` the four blocks'
+    shared-memory descriptors (Int64) of B, the tile's P rows x 32 bytes; fenced before (A was
+    just written). Returns the 4 * P / 2 fp32 partials block by block, P / 2 a block: for each
+    8 pairs c, (d0, d1, d2, d3) as mma_e4m3's with pairs 8c + 2t and 8c + 2t + 1, rows 16 w + ...
     for warp w of the warpgroup. Side effects: the wgmma reads shared memory and waits on its
     group; it must stay in place."""
+    per = pairs // 2  # fp32 partials a thread a block
+    a0 = NARROW_STEPS * per  # the first A operand
+    d0 = a0 + 16  # the first descriptor operand
+
+    def outputs(b: int) -> str:
+        return ", ".join(f"${per * b + i}" for i in range(per))
+
     mmas = " ".join(
-        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3"
-        f" {{${4 * b}, ${4 * b + 1}, ${4 * b + 2}, ${4 * b + 3}}},"
-        f" {{${16 + 4 * b}, ${17 + 4 * b}, ${18 + 4 * b}, ${19 + 4 * b}}}, ${32 + b}, 0, 1, 1;"
+        f"wgmma.mma_async.sync.aligned.m64n{pairs}k32.f32.e4m3.e4m3 {{{outputs(b)}}},"
+        f" {{${a0 + 4 * b}, ${a0 + 4 * b + 1}, ${a0 + 4 * b + 2}, ${a0 + 4 * b + 3}}},"
+        f" ${d0 + b}, 0, 1, 1;"
         for b in range(NARROW_STEPS)
     )
     text = (
@@ -121,8 +144,9 @@ def wgmma_e4m3_chunk(a, descs, *, loc=None, ip=None):
     )
     args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in a]
     args += [Int64(d).ir_value(loc=loc, ip=ip) for d in descs]
-    constraints = ",".join(["=f"] * 16 + ["r"] * 16 + ["l"] * NARROW_STEPS)
-    return f32_asm(args, text, constraints, True, loc, ip, count=16)
+    count = NARROW_STEPS * per
+    constraints = ",".join(["=f"] * count + ["r"] * 16 + ["l"] * NARROW_STEPS)
+    return f32_asm(args, text, constraints, True, loc, ip, count=count)
 
 
 @dsl_user_op
@@ -162,6 +186,17 @@ def bulk_copy_to_shared(dst, src, size, barrier, *, loc=None, ip=None) -> None:
 
 
 @cute.jit
+def smem_desc(address: Int32, leading_bytes: int, stride_bytes: int) -> Int64:
+    """A wgmma shared-memory descriptor, K-major without swizzle, of the operand at shared
+    address `address`: core matrices `leading_bytes` apart along K (LBO) and 8-row groups
+    `stride_bytes` apart (SBO), both static multiples of 16."""
+    low = ((address >> DESC_UNIT_SHIFT) & Int32(DESC_ADDRESS_MASK)) | Int32(
+        (leading_bytes >> DESC_UNIT_SHIFT) << 16
+    )
+    return Int64(Uint32(low)) | (Int64(stride_bytes >> DESC_UNIT_SHIFT) << 32)
+
+
+@cute.jit
 def e4m3_from_low(word: Uint32) -> Uint32:
     """The low nibble of each byte (E2M1 s e1 e0 m) -> that byte as e4m3 s 0 0 e1 e0 m 0 0."""
     return ((word << 4) & Uint32(SIGN_BITS)) | ((word << 2) & Uint32(MAGNITUDE_BITS))
@@ -185,9 +220,12 @@ class NarrowTuning:
 
     warps: a CTA's warps, 16 output columns each (N must be a multiple of 16 * warps).
     wgmma: False, one mma.sync.m16n8k32 a warp and k32 block, its rows read from global memory;
-      True, a chunk's four wgmma.m64n8k32 a warpgroup issued together and waited for once
-      (warps a multiple of 4), its rows staged once per tile in shared memory (8 * K bytes:
-      28 KiB at K = 3584).
+      True, a chunk's four wgmma.m64nPk32 a warpgroup issued together and waited for once
+      (warps a multiple of 4), its rows staged once per tile in shared memory (P * K bytes:
+      28 KiB at K = 3584 and P = 8, 112 KiB at P = 32).
+    pairs: P, the pairs a tile (PairGroups' block_n): NARROW_PAIRS (8), or with wgmma one of
+      NARROW_TILE_PAIRS (8, 16, 24, 32). Wider tiles read an expert's weights once for more of
+      its pairs, and hold P / 2 accumulators and 2 P partials a thread.
     stages, stage_chunks: 0, each warp loads a chunk (128 of K) into registers and computes it,
       its loop unrolled `unroll` times, the weights' loads skipping L1 or not
       (`weights_skip_l1`); > 0, each warp streams its weights through a ring in shared memory of
@@ -202,6 +240,7 @@ class NarrowTuning:
     stages: int = 2
     stage_chunks: int = 2
     weights_skip_l1: bool = False
+    pairs: int = NARROW_PAIRS
 
     def columns(self) -> int:
         """Output columns a CTA: 16 * warps."""
@@ -226,9 +265,12 @@ class NarrowGemmKernel:
     def __init__(self, n: int, k: int, indexed: bool, tuning: NarrowTuning = NarrowTuning()):
         assert narrow_fits(n, k) and n % tuning.columns() == 0
         assert not tuning.wgmma or tuning.warps % WARPGROUP_WARPS == 0
+        assert tuning.pairs in NARROW_TILE_PAIRS and (tuning.wgmma or tuning.pairs == NARROW_PAIRS)
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.blocks = n // NARROW_ROWS
         self.chunks = k // NARROW_CHUNK_K
+        # A lane's pairs in the MMA's C: 8c + 2t and 8c + 2t + 1 of each 8 pairs c of the tile.
+        self.lane_pairs = tuning.pairs // 4
 
     @cute.jit
     def __call__(
@@ -300,25 +342,32 @@ class NarrowGemmKernel:
             rows = mTileRows[tile]
             block = bx * self.tuning.warps + warp
             last = rows - 1
-            # B: this lane reads pair g's row; C: its partials are pairs 2t and 2t + 1. Pairs past
-            # the tile's read its last pair (their partials are never stored).
-            jb = start + cutlass.min(g, last)
-            j0 = start + cutlass.min(2 * t, last)
-            j1 = start + cutlass.min(2 * t + 1, last)
-            rb, r0, r1 = jb, j0, j1
+            # B (mma.sync): this lane reads pair g's row. C: its partials are its lane pairs,
+            # 8c + 2t + h (h = 0, 1) of each 8 pairs c, lane pair 2c + h. Pairs past the tile's
+            # read its last pair (their partials are never stored).
+            rb = start + cutlass.min(g, last)
             if cutlass.const_expr(self.indexed):
-                rb, r0, r1 = mPairRow[jb], mPairRow[j0], mPairRow[j1]
+                rb = mPairRow[rb]
+            pair_rows = []
+            for i in cutlass.range_constexpr(self.lane_pairs):
+                j = start + cutlass.min(8 * (i // 2) + 2 * t + i % 2, last)
+                if cutlass.const_expr(self.indexed):
+                    j = mPairRow[j]
+                pair_rows.append(j)
             # One chunk's registers: the lane's weight words and scale words, its B words
-            # (mma.sync) and its two pairs' block scales.
+            # (mma.sync) and its lane pairs' block scales.
             rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
             rS = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
             rX = cute.make_rmem_tensor(cute.make_layout((2, NARROW_STEPS)), Uint32)
-            rXs0 = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32)
-            rXs1 = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32)
-            rAcc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            rXs = []
+            for i in cutlass.range_constexpr(self.lane_pairs):
+                rXs.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
+            # Accumulators 4c + (0, 1, 2, 3): rows g, g, g + 8, g + 8 of lane pairs 2c, 2c + 1,
+            # 2c, 2c + 1.
+            rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
             rAcc.fill(0.0)
-            regs = (rW, rS, rX, rXs0, rXs1)
-            source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, r0, r1)
+            regs = (rW, rS, rX, rXs)
+            source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows)
             smem = SmemAllocator()
             rows_desc = Int64(0)
             if cutlass.const_expr(self.tuning.wgmma):
@@ -330,20 +379,20 @@ class NarrowGemmKernel:
                     self.load_chunk(source, regs, q)
                     self.mma_chunk(regs, q, rows_desc, rAcc)
             n0 = block * NARROW_ROWS + g
-            if 2 * t < rows:
-                mOut[start + 2 * t, n0] = Uint16(bf16_round(rAcc[0]))
-                mOut[start + 2 * t, n0 + 8] = Uint16(bf16_round(rAcc[2]))
-            if 2 * t + 1 < rows:
-                mOut[start + 2 * t + 1, n0] = Uint16(bf16_round(rAcc[1]))
-                mOut[start + 2 * t + 1, n0 + 8] = Uint16(bf16_round(rAcc[3]))
+            for i in cutlass.range_constexpr(self.lane_pairs):
+                c, h = i // 2, i % 2
+                pair = 8 * c + 2 * t + h
+                if pair < rows:
+                    mOut[start + pair, n0] = Uint16(bf16_round(rAcc[4 * c + h]))
+                    mOut[start + pair, n0 + 8] = Uint16(bf16_round(rAcc[4 * c + 2 + h]))
 
     @cute.jit
     def load_chunk(self, source, regs, q, weights: bool = True):
         """Chunk q's loads into `regs`: the lane's 32 weight bytes and its rows' two scale words
-        (unless `weights` is False: the ring brought them), and (mma.sync) its B words and the
-        pairs' block scales (from L1 or L2: every warp of the CTA reads them)."""
-        mW, mS, mX, mXs, expert, block, lane, g, t, rb, r0, r1 = source
-        rW, rS, rX, rXs0, rXs1 = regs
+        (unless `weights` is False: the ring brought them), and (mma.sync) its B words and its
+        lane pairs' block scales (from L1 or L2: every warp of the CTA reads them)."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows = source
+        rW, rS, rX, rXs = regs
         weights_cache = cute.nvgpu.CacheEvictionPriority.EVICT_NORMAL
         if cutlass.const_expr(self.tuning.weights_skip_l1):
             weights_cache = cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE
@@ -355,40 +404,43 @@ class NarrowGemmKernel:
         if cutlass.const_expr(not self.tuning.wgmma):
             for s in cutlass.range_constexpr(NARROW_STEPS):
                 cute.autovec_copy(mX[rb, q, s, t, None], rX[None, s])
-        cute.autovec_copy(mXs[r0, q, None], rXs0)
-        cute.autovec_copy(mXs[r1, q, None], rXs1)
+        for i in cutlass.range_constexpr(self.lane_pairs):
+            cute.autovec_copy(mXs[pair_rows[i], q, None], rXs[i])
 
     @cute.jit
     def mma_chunk(self, regs, q, rows_desc, rAcc):
         """Chunk q from `regs`: per k32 block s, the weights expanded to e4m3 and one MMA from
         zero (the wgmma form: the chunk's four issued together), then each block's partials
-        scaled by the row's and the pair's block scales and added into rAcc in block order (rows
-        g, g, g + 8, g + 8; pairs 2t, 2t + 1, 2t, 2t + 1)."""
-        rW, rS, rX, rXs0, rXs1 = regs
+        scaled by the row's and the pair's block scales and added into rAcc in block order (for
+        each 8 pairs c: rows g, g, g + 8, g + 8; lane pairs 2c, 2c + 1, 2c, 2c + 1)."""
+        rW, rS, rX, rXs = regs
+        pairs = self.tuning.pairs
+        per = pairs // 2  # a thread's partials a block
         parts = []
         if cutlass.const_expr(self.tuning.wgmma):
-            # Block q * 4 + s of the staged rows: 256 bytes (16 descriptor units) on.
+            # Block q * 4 + s of the staged rows: two core columns (2 * 16 * P bytes) a block.
+            block_units = staged_rows_strides(pairs)[2] >> DESC_UNIT_SHIFT
             descs = [
-                rows_desc + Int64((q * NARROW_STEPS + s) * DESC_BLOCK_UNITS)
-                for s in range(NARROW_STEPS)
+                rows_desc + Int64((q * NARROW_STEPS + s) * block_units) for s in range(NARROW_STEPS)
             ]
             a = []
             for s in cutlass.range_constexpr(NARROW_STEPS):
                 a += self.expand(rW[2 * s], rW[2 * s + 1])
-            d = wgmma_e4m3_chunk(a, descs)
-            parts = [d[4 * s : 4 * s + 4] for s in range(NARROW_STEPS)]
+            d = wgmma_e4m3_chunk(a, descs, pairs)
+            parts = [d[per * s : per * (s + 1)] for s in range(NARROW_STEPS)]
         else:
             for s in cutlass.range_constexpr(NARROW_STEPS):
                 a = self.expand(rW[2 * s], rW[2 * s + 1])
                 parts.append(mma_e4m3(*a, rX[0, s], rX[1, s]))
         for s in cutlass.range_constexpr(NARROW_STEPS):
-            d0, d1, d2, d3 = parts[s]
             sg, sg8 = e8m0_byte(rS[0], s), e8m0_byte(rS[1], s)
-            xs0, xs1 = rXs0[s], rXs1[s]
-            rAcc[0] = rAcc[0] + d0 * (sg * xs0)
-            rAcc[1] = rAcc[1] + d1 * (sg * xs1)
-            rAcc[2] = rAcc[2] + d2 * (sg8 * xs0)
-            rAcc[3] = rAcc[3] + d3 * (sg8 * xs1)
+            for c in cutlass.range_constexpr(pairs // NARROW_PAIRS):
+                d0, d1, d2, d3 = parts[s][4 * c : 4 * c + 4]
+                xs0, xs1 = rXs[2 * c][s], rXs[2 * c + 1][s]
+                rAcc[4 * c] = rAcc[4 * c] + d0 * (sg * xs0)
+                rAcc[4 * c + 1] = rAcc[4 * c + 1] + d1 * (sg * xs1)
+                rAcc[4 * c + 2] = rAcc[4 * c + 2] + d2 * (sg8 * xs0)
+                rAcc[4 * c + 3] = rAcc[4 * c + 3] + d3 * (sg8 * xs1)
 
     @staticmethod
     def expand(row_g, row_g8) -> list:
@@ -409,8 +461,8 @@ class NarrowGemmKernel:
         stage `stages` on. Each warp owns its ring, so no CTA barrier is needed. The waits are on
         this warp's own copies from global memory, which the hardware completes (a faulting copy
         fails the launch), so they carry no timeout."""
-        mW, mS, mX, mXs, expert, block, lane, g, t, rb, r0, r1 = source
-        rW, rS, rX, rXs0, rXs1 = regs
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows = source
+        rW, rS, rX, rXs = regs
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         warps = self.tuning.warps
         groups = (self.chunks + per - 1) // per
@@ -477,20 +529,22 @@ class NarrowGemmKernel:
 
     @cute.jit
     def stage_rows(self, smem, mX, mPairRow, start, rows, tidx) -> Int64:
-        """Copy the tile's 8 rows of x (zeros past its `rows` pairs) into shared memory in the
+        """Copy the tile's P rows of x (zeros past its `rows` pairs) into shared memory in the
         wgmma's K-major layout without swizzle, and return the descriptor of its first k32 block.
-        Layout: core matrix c (16 bytes of K) of row n at byte 128 c + 16 n; within each 32-byte
-        block of K the words are permuted as the weights' k order (narrow_layout.py): the MMA's
-        words 0-3 are the row's words 0, 2, 4, 6 and its words 4-7 the row's 1, 3, 5, 7."""
+        Layout (`staged_rows_strides`): core column c (16 bytes of K) of row n at byte 16 P c +
+        16 n, so 8-row groups 128 bytes apart (SBO) and core columns 16 P (LBO); within each
+        32-byte block of K the words are permuted as the weights' k order (narrow_layout.py): the
+        MMA's words 0-3 are the row's words 0, 2, 4, 6 and its words 4-7 the row's 1, 3, 5, 7."""
+        pairs = self.tuning.pairs
         blocks = self.k // SCALE_BLOCK
         sRows = smem.allocate_tensor(
-            Uint32, row_major_layout((2 * blocks, NARROW_PAIRS, 4)), byte_alignment=128
+            Uint32, row_major_layout((2 * blocks, pairs, 4)), byte_alignment=128
         )
         mBlocks = cute.make_tensor(
             mX.iterator, row_major_layout((mX.shape[0], blocks, WORDS_PER_LANE))
         )
         rBlock = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
-        for task in cutlass.range(tidx, NARROW_PAIRS * blocks, self.tuning.warps * WARP_LANES):
+        for task in cutlass.range(tidx, pairs * blocks, self.tuning.warps * WARP_LANES):
             n, b = task // blocks, task % blocks
             rBlock.fill(0)
             if n < rows:
@@ -503,16 +557,15 @@ class NarrowGemmKernel:
                 sRows[2 * b + 1, n, i] = rBlock[2 * i + 1]
         fence_proxy_async_shared()
         cute.arch.sync_threads()
-        address = sRows.iterator.toint()
-        low = ((address >> 4) & Int32(DESC_ADDRESS_MASK)) | Int32(CORE_LEADING_UNITS << 16)
-        return Int64(Uint32(low)) | (Int64(CORE_STRIDE_UNITS) << 32)
+        leading, stride, _ = staged_rows_strides(pairs)
+        return smem_desc(sRows.iterator.toint(), leading, stride)
 
 
 def smem_bytes(k: int, tuning: NarrowTuning) -> int:
-    """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: 8 * K bytes), the
+    """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: P * K bytes), the
     warps' rings (NarrowTuning.ring_bytes) and their mbarriers (8 bytes a slot), before the
     allocator's alignment (at most 128 + 16 + 8 bytes more)."""
-    rows = NARROW_PAIRS * k if tuning.wgmma else 0
+    rows = tuning.pairs * k if tuning.wgmma else 0
     return rows + tuning.ring_bytes() + 8 * tuning.warps * tuning.stages
 
 
@@ -521,10 +574,10 @@ class NarrowGemmLaunch:
     its launch on torch tensors.
 
     Constraints (stated here once): N a multiple of tuning.columns() (128 by default), K of 128;
-    with tuning.wgmma, warps a multiple of 4; shared memory a CTA (`smem_bytes`: the staged rows,
-    8 * K bytes with wgmma, and the ring) at most SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots
-    (the grid's second axis); the tiles
-    of block_n NARROW_PAIRS (8); words and scales from narrow_weights of [E, N, K/2] weights; x
+    with tuning.wgmma, warps a multiple of 4; tuning.pairs 8, or with wgmma 16, 24 or 32;
+    shared memory a CTA (`smem_bytes`: the staged rows, P * K bytes with wgmma, and the ring) at
+    most SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
+    block_n tuning.pairs; words and scales from narrow_weights of [E, N, K/2] weights; x
     e4m3 (or uint8) [rows_in, K] and x_scales fp32 [rows_in, K/32] contiguous; out bf16
     [rows_out, N] contiguous, rows_out >= every pair number of a tile; all 16-byte aligned;
     indexed: pair j reads row pair_row[j] (int32 [rows_out]) of x, else row j. The grid is one
@@ -553,6 +606,13 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: {tuning}; the wgmma form needs warps in whole warpgroups"
                 f" ({WARPGROUP_WARPS})"
             )
+        if tuning.pairs not in NARROW_TILE_PAIRS or not (
+            tuning.wgmma or tuning.pairs == NARROW_PAIRS
+        ):
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; tiles of {NARROW_PAIRS} pairs, or with wgmma one of"
+                f" {NARROW_TILE_PAIRS}"
+            )
         if tuning.stages < 0 or tuning.stage_chunks < 1:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning}; need stages >= 0 (0: no ring) and stage_chunks >= 1"
@@ -577,10 +637,11 @@ class NarrowGemmLaunch:
         self, words, scales, x, x_scales, pair_row, groups, out, stream: int
     ) -> torch.Tensor:
         """Launch on `stream` (a CUstream handle) for the tiles of `groups` (a PairGroups of
-        block_n NARROW_PAIRS): out[j] for every pair j of its tiles; other rows untouched."""
-        if groups.block_n != NARROW_PAIRS:
+        block_n tuning.pairs): out[j] for every pair j of its tiles; other rows untouched."""
+        if groups.block_n != self.tuning.pairs:
             raise ValueError(
-                f"NarrowGemmLaunch: tiles of {groups.block_n} pairs; expected {NARROW_PAIRS}"
+                f"NarrowGemmLaunch: tiles of {groups.block_n} pairs; expected"
+                f" {self.tuning.pairs} (tuning.pairs)"
             )
         expected = {
             "words": (words, (self.n // NARROW_ROWS, self.k // NARROW_CHUNK_K, WARP_LANES, 8)),

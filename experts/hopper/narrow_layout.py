@@ -1,9 +1,10 @@
 """The weights' layout of the narrow GEMM (experts/hopper/narrow_gemm.py), and its torch model.
 
-The narrow GEMM computes out[j, n] = sum_k W[e, n, k] * x[row(j), k] for tiles of at most
-NARROW_PAIRS pairs j of one expert e, with the MXFP4 weights on the MMA's M side (16 output
-columns a warp) and the pairs on its N side (mma.sync m16n8k32 a warp or wgmma m64n8k32 a
-warpgroup, whose A registers take the same layout; e4m3 inputs, fp32 partials).
+The narrow GEMM computes out[j, n] = sum_k W[e, n, k] * x[row(j), k] for tiles of a few pairs
+j of one expert e (NARROW_PAIRS, or one of NARROW_TILE_PAIRS with wgmma), with the MXFP4
+weights on the MMA's M side (16 output columns a warp) and the pairs on its N side (mma.sync
+m16n8k32 a warp or wgmma m64nPk32 a warpgroup, whose A registers take the same layout; e4m3
+inputs, fp32 partials).
 Each warp streams its 16 weight rows from global memory once, 128 of K at a time, and expands
 every E2M1 code to an e4m3 byte in registers by moving its bits:
 
@@ -38,6 +39,9 @@ from dep_ep.constants import SCALE_BLOCK
 # The MMA (mma.sync.m16n8k32 e4m3): 16 weight rows, 8 pairs, 32 of K (one scale block) a step.
 NARROW_ROWS = 16
 NARROW_PAIRS = 8
+# A tile's pairs in the wgmma form (wgmma.m64nPk32, P a multiple of 8): up to 32, whose staged
+# rows take 32 * K bytes of shared memory (112 KiB at K3's K = 3584).
+NARROW_TILE_PAIRS = (8, 16, 24, 32)
 NARROW_STEPS = 4  # k32 steps a chunk: a lane's 32 bytes
 NARROW_CHUNK_K = NARROW_STEPS * SCALE_BLOCK  # 128
 WORDS_PER_LANE = 8
