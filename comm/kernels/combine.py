@@ -91,7 +91,7 @@ from dep_ep.comm.kernels.tensors import (
     gmem_tensor,
     peer_base,
     receive_regions,
-    row_major,
+    row_major_layout,
     state_words,
     vectors,
 )
@@ -176,9 +176,9 @@ class CombineKernel:
         normed: bf16 [T, L], the output. All 16-byte aligned. The expert output rows are every
         rank's `out` region (SymmetricRegions.out)."""
         T, W = step.tokens, self.latent // BF16_PER_WORD
-        mIds = gmem_tensor(Int32, ids, row_major(T, self.topk))
-        mNormWeight = gmem_tensor(Uint32, norm_weight, row_major(1, W))
-        mNormed = gmem_tensor(Uint32, normed, row_major(T, W))
+        mIds = gmem_tensor(Int32, ids, row_major_layout((T, self.topk)))
+        mNormWeight = gmem_tensor(Uint32, norm_weight, row_major_layout((1, W)))
+        mNormed = gmem_tensor(Uint32, normed, row_major_layout((T, W)))
         threads = self.warps * WARP_LANES
         bounds = {"min_blocks_per_mp": self.ctas_per_sm} if self.ctas_per_sm else {}
         # Enough shared memory for `combine_ctas_per_sm` CTAs an SM (CuTeDSL would ask the GPU).
@@ -255,7 +255,9 @@ class CombineKernel:
         # token): read from global memory after the output stores of a token, its loads could
         # not be hoisted above them (the tensors may alias).
         smem = SmemAllocator()
-        sNormWeight = smem.allocate_tensor(Uint32, row_major(1, self.latent), byte_alignment=16)
+        sNormWeight = smem.allocate_tensor(
+            Uint32, row_major_layout((1, self.latent)), byte_alignment=16
+        )
         # The groups' exchanges: fp32 bits [2 (token parity), SLOTS, G, NORM_WARPS].
         G, NW = self.groups, NORM_WARPS
         sExchange = smem.allocate_tensor(

@@ -37,7 +37,7 @@ from dep_ep.comm.kernels.tensors import (
     gmem_tensor,
     peer_base,
     receive_regions,
-    row_major,
+    row_major_layout,
     state_words,
     vectors,
 )
@@ -116,8 +116,8 @@ class DispatchKernel:
             latent,
             cute.make_layout((T, L // BF16_PER_WORD), stride=(latent_row_words, 1)),
         )
-        mIds = gmem_tensor(Int32, ids, row_major(T, K))
-        mWeights = gmem_tensor(Uint32, weights, row_major(T, K))
+        mIds = gmem_tensor(Int32, ids, row_major_layout((T, K)))
+        mWeights = gmem_tensor(Uint32, weights, row_major_layout((T, K)))
         self.kernel(mLatent, mIds, mWeights, regions, control, step).launch(
             grid=[grid, 1, 1],
             block=[DISPATCH_THREADS, 1, 1],

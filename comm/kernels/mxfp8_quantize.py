@@ -18,7 +18,7 @@ from dep_ep.comm.kernels.tensors import (
     BF16_PER_WORD,
     E4M3_PER_WORD,
     gmem_tensor,
-    row_major,
+    row_major_layout,
     vectors,
 )
 from dep_ep.constants import SCALE_BLOCK
@@ -39,9 +39,9 @@ class Mxfp8QuantizeKernel:
         """src: bf16 [rows, L]; q: uint8 [rows, L] (e4m3 bytes); sf: uint8 [rows, L/32] (E8M0);
         src and q 16-byte aligned."""
         L = self.latent
-        mSrc = gmem_tensor(Uint32, src, row_major(rows, L // BF16_PER_WORD))
-        mQ = gmem_tensor(Uint32, q, row_major(rows, L // E4M3_PER_WORD))
-        mSf = gmem_tensor(Uint8, sf, row_major(rows, self.blocks_per_row), align=1)
+        mSrc = gmem_tensor(Uint32, src, row_major_layout((rows, L // BF16_PER_WORD)))
+        mQ = gmem_tensor(Uint32, q, row_major_layout((rows, L // E4M3_PER_WORD)))
+        mSf = gmem_tensor(Uint8, sf, row_major_layout((rows, self.blocks_per_row)), align=1)
         self.kernel(mSrc, mQ, mSf).launch(grid=[rows, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel

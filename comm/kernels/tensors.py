@@ -38,14 +38,9 @@ def gmem_tensor(dtype, address: Int64, layout, align: int = VECTOR_BYTES) -> cut
     return cute.make_tensor(ptr, layout)
 
 
-def row_major(rows, cols):
-    """(rows, cols):(cols, 1); rows may be a runtime value."""
-    return cute.make_layout((rows, cols), stride=(cols, 1))
-
-
 def row_major_layout(shape: tuple) -> cute.Layout:
-    """`row_major` of any rank: `shape` with strides of a row-major array (the first extent may
-    be a runtime value)."""
+    """`shape` with the strides of a row-major array: (rows, cols):(cols, 1) in two dimensions.
+    The first extent may be a runtime value."""
     strides, stride = [], 1
     for extent in reversed(shape[1:]):
         strides.append(stride)
@@ -82,11 +77,13 @@ def receive_regions(
 ) -> ReceiveRegions:
     """The receive regions of the symmetric allocation at `base` (this rank's or a peer's)."""
     return ReceiveRegions(
-        x=gmem_tensor(Uint32, base + regions.x, row_major(rows, latent // E4M3_PER_WORD)),
-        sf=gmem_tensor(Uint8, base + regions.sf, row_major(rows, latent // SCALE_BLOCK)),
-        ids=gmem_tensor(Int32, base + regions.ids, row_major(rows, topk)),
-        weights=gmem_tensor(Uint32, base + regions.weights, row_major(rows, topk)),
-        out=gmem_tensor(Uint32, base + regions.out, row_major(rows, latent // BF16_PER_WORD)),
+        x=gmem_tensor(Uint32, base + regions.x, row_major_layout((rows, latent // E4M3_PER_WORD))),
+        sf=gmem_tensor(Uint8, base + regions.sf, row_major_layout((rows, latent // SCALE_BLOCK))),
+        ids=gmem_tensor(Int32, base + regions.ids, row_major_layout((rows, topk))),
+        weights=gmem_tensor(Uint32, base + regions.weights, row_major_layout((rows, topk))),
+        out=gmem_tensor(
+            Uint32, base + regions.out, row_major_layout((rows, latent // BF16_PER_WORD))
+        ),
         flags=flag_slots(base, regions, num_ranks),
     )
 
