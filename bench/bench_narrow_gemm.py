@@ -1,6 +1,7 @@
 """The narrow GEMM (experts/hopper/narrow_gemm.py) against humming's GEMMs, FC1 and FC2 alone, on
-one GPU at K3 geometry, decode sizes: 56, 112 and 448 local experts (rank 0 of 16, 8 and 2
-ranks), T = 1..16 tokens per rank, uniform routing, all measured in the same run.
+one GPU at K3 geometry: 56, 112 and 448 local experts (rank 0 of 16, 8 and 2 ranks), T = 1..16
+tokens per rank (decode sizes; `--tokens` for others), uniform routing, all measured in the same
+run.
 
     python -m bench.bench_narrow_gemm     # writes docs/results/bench_narrow_gemm.md
 
@@ -195,7 +196,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
     `run`: what produced them (default: this process)."""
     page = report.Page(
         out / "bench_narrow_gemm.md",
-        "The narrow GEMM against humming's, FC1 and FC2 alone, K3, decode sizes",
+        "The narrow GEMM against humming's, FC1 and FC2 alone, K3",
         report.summary(__doc__),
         run or report.Run.this_process(),
     )
@@ -223,7 +224,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
         page.table(columns, rows)
     panels = []
     styles = {"mma.sync": ":^", "wgmma": ":o", "wgmma ring": "o-", "humming": "s--"}
-    styles |= {form: "d-" for form in WIDE}
+    styles |= dict(zip(WIDE, ("d-", "v-", "P-")))
     for fc in ("fc1", "fc2"):
         series = []
         for local in dict.fromkeys(r["local"] for r in results):

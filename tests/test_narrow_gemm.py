@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -144,6 +145,14 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
         assert mma not in text
         outputs = text[text.index(wide) :].split("{")[1].split("}")[0]
         assert outputs.count(",") + 1 == pairs // 2, outputs
+    for pairs in NARROW_TILE_PAIRS:
+        # The four blocks' descriptors of the staged rows, in 16-byte units: SBO (8-row groups,
+        # 128 bytes) at bit 32, LBO (core columns along K, 16 P bytes) at bit 16, each block 2 P
+        # units on; with LBO and SBO swapped or a block's step wrong, the constants differ.
+        text = ptx_of(NarrowTuning(pairs=pairs))
+        for block in range(4):
+            constant = (8 << 32) + (pairs << 16) + 2 * pairs * block
+            assert re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {constant};", text), (pairs, block)
 
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")

@@ -17,7 +17,7 @@ Why narrow: at decode sizes an expert holds a few pairs (1-8 at T <= 16 tokens a
 shard of K3), so the GEMM is a stream of weight bytes with a little arithmetic on each; the
 bound is the copy bandwidth (docs/experts.md). An expert with more pairs than a tile holds runs
 as several tiles, each reading the expert's weights again (from L2 when they run together);
-tiles of 16-32 pairs (about 19 and 37 pairs an expert at T = 64 and 128 on a DEP16 shard) read
+tiles of 16-32 pairs (an expert holds about 19 pairs at T = 64 on a DEP16 shard, 37 at 128) read
 them once for up to 32 pairs. Measured on one H200 (docs/results/bench_narrow_gemm.md), tiles
 of 8: the default form at 0.87-1.22x the time of humming's GEMMs on the same pairs
 (T = 1..16); at that speed no engine uses it (docs/experts.md, "The narrow GEMM"). Tiles of
@@ -256,10 +256,10 @@ class NarrowGemmKernel:
     """Grid (N / tuning.columns(), tile capacity); CTA (cb, t) runs tile t (nothing when
     t >= num_tiles) for columns [tuning.columns() * cb, ...). The column blocks are the grid's
     fast axis so that the tiles in use (t < num_tiles) are launched first and the empty tile
-    slots (most of the capacity at decode: E_local of its P / 8 + E_local) come last, where
-    they exit while the last tiles run (with the tile slots the fast axis, the ring form's FC1
-    took 66.8 us at 448 local experts and T = 1, 62.0 this way: docs/experts.md, "The narrow
-    GEMM"). N, K and
+    slots (most of the capacity at decode: E_local of its pair_capacity / tuning.pairs +
+    E_local) come last, where they exit while the last tiles run (with the tile slots the fast
+    axis, the ring form's FC1 took 66.8 us at 448 local experts and T = 1, 62.0 this way:
+    docs/experts.md, "The narrow GEMM"). N, K and
     indexed (whether pair j reads row pair_row[j] of x or row j) are static."""
 
     def __init__(self, n: int, k: int, indexed: bool, tuning: NarrowTuning = NarrowTuning()):
@@ -370,10 +370,14 @@ class NarrowGemmKernel:
             source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows)
             smem = SmemAllocator()
             rows_desc = Int64(0)
+            # The ring's first stages are in flight while the CTA stages the tile's rows.
+            ring = None
+            if cutlass.const_expr(self.tuning.stages > 0):
+                ring = self.ring_start(smem, source, warp)
             if cutlass.const_expr(self.tuning.wgmma):
                 rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
             if cutlass.const_expr(self.tuning.stages > 0):
-                self.bulk_loop(smem, source, regs, rows_desc, rAcc, warp)
+                self.ring_loop(ring, source, regs, rows_desc, rAcc, warp)
             else:
                 for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
                     self.load_chunk(source, regs, q)
@@ -453,16 +457,12 @@ class NarrowGemmKernel:
         ]
 
     @cute.jit
-    def bulk_loop(self, smem, source, regs, rows_desc, rAcc, warp):
-        """The warp's chunks through a ring in shared memory: `stages` slots of stage_chunks
-        chunks each (codes and scales, contiguous in global memory), filled by bulk copies that
-        lane 0 issues on the slot's mbarrier, `stages` slots in flight; the warp waits for a
-        slot, reads its chunks into registers and computes them, then refills the slot with the
-        stage `stages` on. Each warp owns its ring, so no CTA barrier is needed. The waits are on
-        this warp's own copies from global memory, which the hardware completes (a faulting copy
-        fails the launch), so they carry no timeout."""
+    def ring_start(self, smem, source, warp):
+        """The warp's ring in shared memory (`stages` slots of stage_chunks chunks, codes and
+        scales, contiguous in global memory): its slots and mbarriers allocated and initialised,
+        and its first `stages` stages issued by lane 0 as bulk copies on the slots' mbarriers.
+        Returns what ring_loop takes."""
         mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows = source
-        rW, rS, rX, rXs = regs
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         warps = self.tuning.warps
         groups = (self.chunks + per - 1) // per
@@ -488,6 +488,21 @@ class NarrowGemmKernel:
         if lane == 0:
             for s in cutlass.range_constexpr(min(slots, groups)):
                 self.issue_stage(sW, sS, bars, mine, warp, s, s, words_at, scales_at)
+        return sW, sS, bars, words_at, scales_at
+
+    @cute.jit
+    def ring_loop(self, ring, source, regs, rows_desc, rAcc, warp):
+        """The warp's chunks through its ring (ring_start): the warp waits for a slot, reads its
+        chunks into registers and computes them, then refills the slot with the stage `stages`
+        on. Each warp owns its ring, so no CTA barrier is needed. The waits are on this warp's
+        own copies from global memory, which the hardware completes (a faulting copy fails the
+        launch), so they carry no timeout."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows = source
+        rW, rS, rX, rXs = regs
+        sW, sS, bars, words_at, scales_at = ring
+        slots, per = self.tuning.stages, self.tuning.stage_chunks
+        groups = (self.chunks + per - 1) // per
+        mine = warp * slots
         for i in cutlass.range(groups):
             slot = i % slots
             cute.arch.mbarrier_wait(bars + (mine + slot), (i // slots) & 1)
@@ -544,8 +559,10 @@ class NarrowGemmKernel:
             mX.iterator, row_major_layout((mX.shape[0], blocks, WORDS_PER_LANE))
         )
         rBlock = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
+        # Consecutive threads take consecutive rows of one block: their 16-byte stores are 16
+        # bytes apart (with the blocks fastest they were 32 P apart, all in the same four banks).
         for task in cutlass.range(tidx, pairs * blocks, self.tuning.warps * WARP_LANES):
-            n, b = task // blocks, task % blocks
+            n, b = task % pairs, task // pairs
             rBlock.fill(0)
             if n < rows:
                 row = start + n
