@@ -145,6 +145,26 @@ class EpTimeoutError(EpError):
         super().__init__(msg + (f" ({detail})" if detail else ""))
 
 
+class EpPeerTimeoutError(EpTimeoutError):
+    """A peer's bounded wait expired before every rank reached the barrier: the peer gave the
+    call up (it raised EpTimeoutError), and so does this rank, in the same call, whether it came
+    late itself (every message may have come by now) or waited; nothing of the call is used.
+    Names this rank, the phase, the ranks that gave up (`gave_up`) and those they waited for
+    (`peers`). `recovery` is "reset", as the peers' (comm/host_channel.py: a barrier completes on
+    every rank or on none)."""
+
+    def __init__(self, rank: int, phase: str, gave_up: str, missing: list[int]) -> None:
+        self.rank, self.phase, self.gave_up = rank, phase, gave_up
+        self.peers = f"rank(s) {', '.join(map(str, missing))}" if missing else "a late rank"
+        late = " (this rank, late)" if rank in missing else ""
+        RuntimeError.__init__(
+            self,
+            f"rank {rank}: in phase '{phase}', {gave_up} timed out waiting for {self.peers}"
+            f"{late} (their timeout_s): the call is given up on every rank; call reset() on"
+            " every rank",
+        )
+
+
 class EpDesyncError(EpError):
     """The ranks are out of step: in the same call they passed different tags (one rank skipped
     a step, or ran the layers in another order), or they are in different calls (another phase,

@@ -18,8 +18,9 @@ Why a stale or foreign message is never taken for the one awaited:
   of another barrier, or of an epoch before a reset lies under another key. The phase travels
   in the message and must be the same on every rank: a rank at the same count in another phase
   is a desync, never a partner.
-- A rank writes each key once: its count only grows within an epoch, and a reset takes every
-  rank to an epoch no key was written in. So a key holds the message of its barrier or nothing.
+- A rank writes each message key once: its count only grows within an epoch, and a reset takes
+  every rank to an epoch no key was written in. So a key holds the message of its barrier or
+  nothing.
 - A rank deletes its message of barrier c - 1 once it has passed barrier c: passing c means that
   every rank published c, which each does only after it has read every message of c - 1. The
   message of a barrier that raised before passing on this rank stays until the object's next
@@ -38,6 +39,21 @@ Why a wait for a partner that will not come ends at once:
   by polling (non-blocking store reads and short sleeps), never inside a blocking store call,
   so a signal (SIGINT, SIGTERM) takes effect within milliseconds and the store stays usable
   after any timeout.
+Why a barrier completes on every rank or on none (a rank that gave up at its deadline and a
+late rank that then found every message would otherwise disagree: one raised, the other
+returned the call's result, and a server retrying the step on one rank never got back in step):
+- Each barrier has one counter (`<object>/<epoch>.<count>/arrived`): rank r adds its bit 2^r
+  once its message is published (once: a retry of the barrier after an interrupt reads the
+  counter first). A rank that gives up at its deadline sets GAVE_UP * (its rank + 1) into the
+  counter by compare-and-set, and only while a bit is missing: so a give-up comes before the
+  last bit or not at all. The barrier completes iff every bit comes in with no give-up.
+- A rank whose arrival finds a give-up, and a waiting rank that reads one, raise
+  EpPeerTimeoutError naming the rank that gave up (read from the counter) and those it waited
+  for; a rank that finds every bit at its deadline passes, as the others do.
+- An abandoned barrier is passed by no rank, and each rank that gives it up, arrives late or
+  reads the give-up counts it: its next barrier is the one after it (a construction retried
+  after a timeout pairs there). A rank that left the barrier another way (an interrupt) finds
+  the give-up at its next attempt there, which fails once and counts it.
 Ordering: a rank writes its payload (shared-memory rows) before it publishes, and its peers read
 the rows after they found its message; the store's socket round trips order the two (the
 kernel's socket locks give happens-before from the writer's send to the reader's receive).
@@ -54,6 +70,7 @@ from dep_ep.comm.errors import (
     RECOVERY_RESET,
     EpDesyncError,
     EpPeerLostError,
+    EpPeerTimeoutError,
     EpResetDuringCallError,
     EpTimeoutError,
     ranks_text,
@@ -67,6 +84,13 @@ from dep_ep.launch.store import group_name, group_store
 # at the next poll; a desync or a dead peer is seen within WAIT_SLICE_S.
 POLL_SPIN_S, POLL_SLEEP_MIN_S, POLL_SLEEP_MAX_S = 2e-3, 5e-5, 2e-3
 WAIT_SLICE_S = 0.02
+# A barrier's counter: bit r is rank r's arrival; a give-up sets GAVE_UP times (the rank that
+# gave up + 1) above them. So a group takes at most BARRIER_RANKS ranks (the GPU kernels'
+# MAX_RANKS).
+BARRIER_RANKS = 32
+GAVE_UP_SHIFT = BARRIER_RANKS
+GAVE_UP = 1 << GAVE_UP_SHIFT
+COMPLETE, ABANDONED = "complete", "abandoned"
 # Bound of a store call that should answer at once (a set, a read of keys that exist): only a
 # store that stopped answering takes this long.
 STORE_CALL_S = 30.0
@@ -95,6 +119,11 @@ class GroupChannel:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        if self.size > BARRIER_RANKS:
+            raise ValueError(
+                f"dep_ep: a group of {self.size} ranks; the host barriers take at most"
+                f" {BARRIER_RANKS} (each rank's arrival is one bit of a barrier's counter)"
+            )
         self.name = group_name(group)
         self.store = None
         self.prefix = ""
@@ -158,6 +187,10 @@ class ObjectBarriers:
     def __init__(self, channel: GroupChannel, obj: str, label: str) -> None:
         self.channel, self.obj, self.label = channel, obj, label
         self.epoch, self.count, self.reset_round = 0, 0, 0
+        # The barrier (epoch, count) whose counter this rank last added its arrival bit to: a
+        # retry of that barrier (its attempt raised, a KeyboardInterrupt say) adds it only if
+        # the counter lacks it.
+        self._arriving: tuple[int, int] | None = None
         self._published: str | None = None  # this rank's key of the last barrier it passed
         # This rank's keys of barriers that raised before passing (an interrupt, a desync, a
         # timeout, a lost peer): a peer may be reading them still, so they go at the next reset.
@@ -277,10 +310,12 @@ class ObjectBarriers:
         """Collective over the group: publish this rank's `payload` (JSON-serialisable) for this
         object's next barrier, wait (at most `timeout_s`) for every rank's, and return them in
         rank order, each with its "phase". Raises EpDesyncError when the ranks are in different
-        phases or a missing rank waits elsewhere (recovery "reset"), EpPeerLostError, and
-        EpTimeoutError naming the missing ranks, and RuntimeError when this rank closed the
-        object, before the barrier or while it waited. The barrier counts as passed on every rank
-        that returns or raises EpDesyncError for differing phases."""
+        phases or a missing rank waits elsewhere (recovery "reset"), EpPeerLostError,
+        EpTimeoutError naming the missing ranks, EpPeerTimeoutError when a peer gave the barrier
+        up before every rank arrived (the module docstring: then it passes on no rank), and
+        RuntimeError when this rank closed the object, before the barrier or while it waited.
+        The barrier counts as passed on every rank that returns or raises EpDesyncError for
+        differing phases."""
         ch = self.channel
         self._refuse_closed(phase)
         began = (self.epoch, self.reset_round)  # a reset inside the call changes them
@@ -289,12 +324,17 @@ class ObjectBarriers:
             self.count += 1
             return [message]
         store, me = ch.store, ch.rank
-        keys = [ch.key(self.obj, f"{self.epoch}.{self.count}", r) for r in range(ch.size)]
+        barrier = (self.epoch, self.count)
+        keys = [ch.key(self.obj, f"{barrier[0]}.{barrier[1]}", r) for r in range(ch.size)]
+        counter_key = self._counter_key(*barrier)
         passed = False
         try:
             self._set_where(store, phase, epoch=self.epoch, count=self.count)
             store.set(keys[me], json.dumps(message))
-            values = self._wait_all(store, keys, phase, timeout_s, began)
+            counter, added = self._arrive(store, barrier)
+            if counter >= GAVE_UP:  # a peer gave the barrier up before this rank's bit
+                raise self._abandon(self._given_up(phase, counter, late=added), began)
+            values = self._wait_all(store, keys, phase, timeout_s, began, counter, barrier)
             self._refuse_closed(phase)
             passed = True
         except (EpDesyncError, EpTimeoutError, EpPeerLostError, EpResetDuringCallError):
@@ -305,22 +345,26 @@ class ObjectBarriers:
             if not passed and keys[me] not in self._stale:
                 # Not deleted here: a peer that saw every message may be reading this one (a
                 # read of a missing key would wait for it). After the next reset no rank is.
-                self._stale.append(keys[me])
+                self._stale += [keys[me], counter_key]
         # A reset() run on this rank meanwhile (a signal handler's) moved the object to a new
         # epoch: this barrier belongs to none, and its key waits for the next reset (a peer's
         # own reset may have come after its last look, so it may still read it). No call stands
         # between this test and the two stores after it, so no handler can run in between
         # (CPython runs them at calls and backward jumps).
         if (self.epoch, self.reset_round) != began:
-            self._stale.append(keys[me])
+            self._stale += [keys[me], counter_key]
             raise self._reset_during_call(phase)
         previous, self._published = self._published, keys[me]
         self.count += 1
-        if previous is not None:
-            try:
-                store.delete_key(previous)  # every rank passed the barrier it belongs to
-            except dist.DistError as err:
-                raise ch.lost(phase, err) from None
+        try:
+            # Every rank has arrived at this barrier, so has left the one before: its keys go
+            # (this rank's message; its counter by one rank a barrier, in turn).
+            if previous is not None:
+                store.delete_key(previous)
+            if self.count >= 2 and (self.count - 2) % ch.size == me:
+                store.delete_key(self._counter_key(self.epoch, self.count - 2))
+        except dist.DistError as err:
+            raise ch.lost(phase, err) from None
         messages = [json.loads(v) for v in values]
         phases = [m["phase"] for m in messages]
         if len(set(phases)) > 1:
@@ -332,34 +376,119 @@ class ObjectBarriers:
             )
         return messages
 
+    def _arrive(self, store, barrier: tuple[int, int]) -> tuple[int, bool]:
+        """Add this rank's arrival bit to barrier `barrier`'s counter (once, also when an
+        earlier attempt at the same barrier raised after adding it). Returns the counter and
+        whether this call added the bit."""
+        arrived, bit = self._counter_key(*barrier), 1 << self.channel.rank
+        if self._arriving == barrier:
+            counter = store.add(arrived, 0)
+            if counter & bit:
+                return counter, False
+        self._arriving = barrier  # before the add: a retry reads the counter first
+        return store.add(arrived, bit), True
+
+    def _abandon(self, error: EpTimeoutError, began: tuple[int, int]) -> EpTimeoutError:
+        """The barrier is given up (module docstring): no rank passes it, and this rank's next
+        barrier is the one after it (a construction retried after a timeout pairs there), unless
+        a reset (a signal handler's) already moved the object on since `began`: then the call
+        was abandoned by that reset. Returns the error to raise."""
+        if (self.epoch, self.reset_round) != began:
+            return self._reset_during_call(error.phase)
+        self.count += 1
+        return error
+
+    def _counter_key(self, epoch: int, count: int) -> str:
+        """Barrier (epoch, count)'s counter (module docstring)."""
+        return self.channel.key(self.obj, f"{epoch}.{count}", "arrived")
+
+    def _outcome(self, counter: int) -> str | None:
+        """The barrier's outcome from a read of its counter: ABANDONED once a rank gave it up,
+        COMPLETE once every rank's bit is in, else None (open)."""
+        if counter >= GAVE_UP:
+            return ABANDONED
+        return COMPLETE if counter == (1 << self.channel.size) - 1 else None
+
+    def _given_up(self, phase: str, counter: int, late: bool) -> EpPeerTimeoutError:
+        """EpPeerTimeoutError naming the rank that gave the barrier up (held in the counter)
+        and those whose arrival `counter` lacks (this rank too when it is `late`: its own bit
+        came after the give-up)."""
+        me, ranks = self.channel.rank, range(self.channel.size)
+        missing = [r for r in ranks if not counter >> r & 1 or (late and r == me)]
+        gave_up = f"rank {(counter >> GAVE_UP_SHIFT) - 1}"
+        return EpPeerTimeoutError(me, phase, gave_up, missing)
+
+    def _give_up(
+        self,
+        store,
+        phase: str,
+        timeout_s: float,
+        missing: list[int],
+        barrier: tuple[int, int],
+        began: tuple[int, int],
+    ) -> str:
+        """At this rank's deadline: set the give-up into the counter of `barrier` (GAVE_UP times
+        this rank + 1) if it still lacks a rank's bit, by compare-and-set, so that a give-up
+        always comes before the last bit or not at all. Returns COMPLETE when every bit is
+        there; raises EpTimeoutError naming `missing` when this rank gave the barrier up, and
+        EpPeerTimeoutError when another rank had."""
+        me, everyone = self.channel.rank, (1 << self.channel.size) - 1
+        arrived = self._counter_key(*barrier)
+        self._refuse_interrupted(phase, began)
+        counter = store.add(arrived, 0)
+        while counter < GAVE_UP and counter != everyone:
+            gave_up = counter + GAVE_UP * (me + 1)
+            now = int(store.compare_set(arrived, str(counter), str(gave_up)))
+            if now == gave_up:
+                timeout = EpTimeoutError(
+                    me,
+                    phase,
+                    f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank's arrival",
+                    f"no message within {timeout_s:g} s",
+                )
+                raise self._abandon(timeout, began)
+            counter = now  # a rank arrived or gave up meanwhile: look again
+        if counter >= GAVE_UP:
+            raise self._abandon(self._given_up(phase, counter, late=False), began)
+        return COMPLETE
+
     def _wait_all(
-        self, store, keys: list[str], phase: str, timeout_s: float, began: tuple[int, int]
+        self,
+        store,
+        keys: list[str],
+        phase: str,
+        timeout_s: float,
+        began: tuple[int, int],
+        counter: int,
+        barrier: tuple[int, int],
     ) -> list[bytes]:
-        """Every rank's message, once all exist (`began`: this object's (epoch, reset round)
-        when the barrier began, for `_refuse_interrupted`). Polls with `check` (a store `wait`
-        that times out logs a warning in torch's C++ layer each time): back to back for
-        POLL_SPIN_S, then with sleeps growing to POLL_SLEEP_MAX_S; the peers are looked at every
-        WAIT_SLICE_S."""
+        """Every rank's message, once barrier `barrier` completes (module docstring;
+        `counter`: the counter as this rank's arrival left it; `began`: this object's (epoch,
+        reset round) when the barrier began, for `_refuse_interrupted`). Polls the counter (an
+        `add` of 0; a store `wait` that times out logs a warning in torch's C++ layer each
+        time): back to back for POLL_SPIN_S, then with sleeps growing to POLL_SLEEP_MAX_S; the
+        peers are looked at every WAIT_SLICE_S. EpPeerTimeoutError when a peer gave the barrier
+        up."""
+        arrived = self._counter_key(*barrier)
         start = time.monotonic()
         deadline, next_look, sleep = start + timeout_s, start + WAIT_SLICE_S, 0.0
-        while not store.check(keys):
+        while (outcome := self._outcome(counter)) is None:
             now = time.monotonic()
             self._refuse_interrupted(phase, began)
             if now >= next_look:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 if missing:
                     self._check_waiting(store, keys, missing, phase)
-                    if now >= deadline:
-                        raise EpTimeoutError(
-                            self.channel.rank,
-                            phase,
-                            f"rank(s) {', '.join(map(str, missing))}",
-                            f"no message within {timeout_s:g} s",
-                        )
+                if now >= deadline:
+                    outcome = self._give_up(store, phase, timeout_s, missing, barrier, began)
+                    break
                 next_look = now + WAIT_SLICE_S
             if now - start > POLL_SPIN_S:
                 sleep = min(POLL_SLEEP_MAX_S, max(POLL_SLEEP_MIN_S, 2 * sleep))
                 time.sleep(sleep)
+            counter = store.add(arrived, 0)
+        if outcome == ABANDONED:
+            raise self._abandon(self._given_up(phase, counter, late=False), began)
         return store.multi_get(keys)
 
     def reset(self, timeout_s: float) -> None:
@@ -407,7 +536,10 @@ class ObjectBarriers:
             if epoch > target:
                 store.add(round_keys[me], epoch - target)
             # Every rank has left every earlier barrier of the object: no one reads these now.
-            for key in [self._published, *self._stale]:
+            # The last two barriers' counters (the one before them went when the last was
+            # passed) go too: every rank deletes them (a deletion of a missing key is nothing).
+            passed = [self._counter_key(self.epoch, c) for c in (self.count - 2, self.count - 1)]
+            for key in [self._published, *self._stale, *passed]:
                 if key is not None:
                     store.delete_key(key)
         except (EpDesyncError, EpTimeoutError, EpPeerLostError):

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 import dep_ep.ep.routed as routed_module
-from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpPeerLostError, EpTimeoutError
+from dep_ep.comm.errors import (
+    EpDesyncError,
+    EpPeerError,
+    EpPeerLostError,
+    EpPeerTimeoutError,
+    EpTimeoutError,
+)
 from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.config import TINY, EpConfig
@@ -859,6 +865,89 @@ def test_a_timeout_then_reset_recovers(dep, layer):
             routed.reset()
             done = serve(routed, batches, 2, 5, failures, "after the timeout")
         failures += served_to_the_end(done, 6, "after the timeout")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_rank_late_at_the_combine_end_gives_the_step_up_too(dep, layer, monkeypatch):
+    """Rank 0 stalls for 1.5 timeouts after reading its rows in step 1's combine (a preemption,
+    a GC pause): the others give the combine-end up (EpTimeoutError naming rank 0), and rank 0,
+    arriving late, gives the same call up (EpPeerTimeoutError, recovery "reset") instead of
+    returning its rows. After reset() on every rank, a server that retries step 1 with its tag
+    gets correct rows on every rank, and so do the later steps.
+    Before (found by a careless-user probe): rank 0's call returned its rows while the others'
+    raised; the retry of step 1 (tag 1) met rank 0's step 2 (tag 2), and every later call raised
+    EpDesyncError on every rank while every reset() succeeded."""
+    import dep_ep.comm.host_transport as host_transport
+
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 395), T)
+    failures: list[str] = []
+    pull, stall = host_transport.combine_pull, {"on": False}
+
+    def slow_pull(*args, **kwargs):
+        rows = pull(*args, **kwargs)
+        if stall["on"]:
+            time.sleep(1.5)
+        return rows
+
+    if dep.rank == 0:
+        monkeypatch.setattr(host_transport, "combine_pull", slow_pull)
+    with build(dep, config=EpConfig(timeout_s=1.0)) as routed:
+        failures += compare(batches.run(routed, 0, tag=0), batches.reference(0), "step 0")
+        stall["on"] = True
+        expected = EpPeerTimeoutError if dep.rank == 0 else EpTimeoutError
+        match = (
+            r"rank\(s\) 0 \(this rank, late\)" if dep.rank == 0 else r"'combine-end'.*rank\(s\) 0"
+        )
+        err = expect_raises(
+            failures, "step 1", expected, match, lambda: batches.run(routed, 1, tag=1)
+        )
+        stall["on"] = False
+        if err is not None and getattr(err, "recovery", None) != "reset":
+            failures.append(f"step 1's error asks for {err.recovery!r}, not a reset")
+        routed.reset()
+        for step in (1, 2, 3):  # step 1 retried with its tag
+            out = batches.run(routed, step, tag=step)
+            failures += compare(out, batches.reference(step), f"step {step} after the reset")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.timeout(120)
+def test_a_rank_late_after_a_peer_failed_is_told_to_reset(dep, layer):
+    """Rank 1's experts raise and the last rank's take 1.5 timeouts: rank 1 and the others wait
+    for the last rank in the combine and give it up; the last rank, arriving late, finds every
+    message (rank 1's failure among them) and gives the call up too, with recovery "reset" as
+    theirs. After reset() on every rank the next steps are correct.
+    Before (found by a careless-user probe): the last rank raised EpPeerError with recovery
+    "none", so it did not reset, and its next call raised EpDesyncError while its peers were in
+    reset(): the ranks were told different recoveries and lost a step."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 396), T)
+    failures: list[str] = []
+    last = dep.size - 1
+
+    class SlowExperts(FailingExperts):
+        def forward(self, x, sf, ids, weights, out):
+            time.sleep(1.5)
+            return batches.experts.forward(x, sf, ids, weights, out)
+
+    experts = batches.experts
+    if dep.rank == 1:
+        experts = FailingExperts(batches.experts, RuntimeError("expert kernel boom"))
+    elif dep.rank == last:
+        experts = SlowExperts(batches.experts, RuntimeError("unused"))
+    with build(dep, config=EpConfig(timeout_s=1.0)) as routed:
+        latent, ids, weights = batches.inputs(1)
+        norm = layer.norm_weight()
+        err, _ = timed(lambda: routed(latent, ids, weights, norm, experts=experts))
+        if dep.rank == last and not isinstance(err, EpPeerTimeoutError):
+            failures.append(f"the late rank: {err!r}; expected EpPeerTimeoutError")
+        if getattr(err, "recovery", None) != "reset":
+            failures.append(f"{err!r}: recovery {getattr(err, 'recovery', None)!r}, not reset")
+        routed.reset()
+        for step in (2, 3):
+            failures += compare(batches.run(routed, step), batches.reference(step), f"step {step}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 

@@ -1,6 +1,6 @@
 """Two CPU ranks, rank 1 skips a dispatch: rank 0 must raise EpTimeoutError naming the rank, the
 phase and the peer, within the configured timeout, then closes its EpRouted; rank 1, calling
-late, must raise an error naming rank 0 (it closed the EpRouted, or is gone), never a result.
+late, must raise an error naming rank 0 (it gave the dispatch up), never a result.
 Prints one RESULT line per rank.
 
     cd tests && mpiexec -n 2 python -m helpers.timeout_case_cpu

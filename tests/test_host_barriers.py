@@ -1,0 +1,191 @@
+"""The host barriers (comm/host_channel.py) complete on every rank or on none: a rank that gives
+a barrier up at its deadline and a rank that comes late, or waits, then agree. Ranks are threads
+of this process here, each with its own channel on one HashStore, so the cases run without a
+process group and their timing is controlled.
+
+Before the barrier counter, a late rank that found every message passed the barrier where the
+rank that had given up raised: in a combine-end the late rank's call returned its rows, its
+peer's raised EpTimeoutError, and a server that retried the step on the failed rank stayed one
+step apart from the other (EpDesyncError at every call, every reset() succeeding)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from dep_ep.comm.errors import EpPeerTimeoutError, EpResetDuringCallError, EpTimeoutError
+from dep_ep.comm.host_channel import ABANDONED, COMPLETE, GAVE_UP, ObjectBarriers
+
+OBJ = "obj"
+
+
+class Channel:
+    """What ObjectBarriers reads of a GroupChannel: one rank of `size` on a shared store, every
+    process watchable and alive."""
+
+    def __init__(self, store, rank: int, size: int) -> None:
+        self.store, self.rank, self.size = store, rank, size
+        self.prefix = "test/"
+        self.objects: dict = {}
+        self.closed: dict = {}
+
+    def key(self, *parts) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def gone(self, ranks) -> list[int]:
+        return []
+
+    def lost(self, phase, err=None):
+        raise AssertionError(f"lost in {phase}: {err}")
+
+
+def ranks_of(size: int) -> list[ObjectBarriers]:
+    store = dist.HashStore()
+    return [ObjectBarriers(Channel(store, r, size), OBJ, "the test object") for r in range(size)]
+
+
+def run_ranks(barriers: list[ObjectBarriers], plans: list[tuple[float, float]]) -> list:
+    """Each rank, in its own thread, sleeps its plan's delay, then exchanges with its plan's
+    timeout. Returns each rank's (messages or exception, seconds from its exchange's start)."""
+    results: list = [None] * len(barriers)
+
+    def rank(r: int) -> None:
+        delay, timeout_s = plans[r]
+        time.sleep(delay)
+        start = time.monotonic()
+        try:
+            outcome = barriers[r].exchange("phase", {"rank": r}, timeout_s)
+        except Exception as err:  # each rank's outcome is compared below
+            outcome = err
+        results[r] = (outcome, time.monotonic() - start)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(barriers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(result is not None for result in results), "a rank's exchange did not return"
+    return results
+
+
+def test_a_barrier_given_up_passes_on_no_rank_and_the_next_pairs():
+    """Rank 0 gives up after 0.3 s; rank 1 comes at 0.6 s and finds rank 0's message there: it
+    raises EpPeerTimeoutError (late) instead of passing. Both count the barrier, so their next
+    exchange pairs (a construction retried after a timeout does this)."""
+    barriers = ranks_of(2)
+    (first, _), (late, took) = run_ranks(barriers, [(0.0, 0.3), (0.6, 5.0)])
+    assert type(first) is EpTimeoutError and "waiting for rank(s) 1" in str(first), first
+    assert isinstance(late, EpPeerTimeoutError), late
+    assert "rank 0 timed out waiting for rank(s) 1 (this rank, late)" in str(late), late
+    assert late.recovery == "reset" and took < 1.0
+    assert [b.count for b in barriers] == [1, 1]
+    results = run_ranks(barriers, [(0.0, 5.0), (0.1, 5.0)])
+    for messages, _ in results:
+        assert [m["rank"] for m in messages] == [0, 1], messages
+
+
+def test_a_waiting_rank_gives_up_with_the_first_that_did():
+    """Three ranks, rank 2 late: rank 0 gives up after 0.3 s; rank 1, whose own deadline is 5 s
+    away, raises EpPeerTimeoutError naming rank 0 and the missing rank 2 at its next look;
+    rank 2 raises it too when it comes."""
+    barriers = ranks_of(3)
+    (first, _), (waiting, took), (late, _) = run_ranks(
+        barriers, [(0.0, 0.3), (0.0, 5.0), (0.8, 5.0)]
+    )
+    assert type(first) is EpTimeoutError, first
+    assert isinstance(waiting, EpPeerTimeoutError) and took < 1.0, (waiting, took)
+    assert "rank 0 timed out waiting for rank(s) 2 (their" in str(waiting), waiting
+    assert isinstance(late, EpPeerTimeoutError) and "(this rank, late)" in str(late), late
+    assert [b.count for b in barriers] == [1, 1, 1]
+
+
+def test_a_give_up_after_every_arrival_passes():
+    """A rank at its deadline finds every rank's bit in the counter: the barrier is complete, it
+    sets no give-up (compare-and-set) and passes, as the others do."""
+    barriers = ranks_of(2)
+    store = barriers[0].channel.store
+    for b in barriers:
+        assert b._arrive(store, (0, 0))[1]
+    assert barriers[0]._give_up(store, "phase", 1.0, [], (0, 0), (0, 0)) == COMPLETE
+    counter = store.add(barriers[0]._counter_key(0, 0), 0)
+    assert counter == 0b11 and barriers[1]._outcome(counter) == COMPLETE
+
+
+def test_every_bit_after_a_give_up_is_still_abandoned():
+    """Three ranks: rank 0 gives up while rank 1's bit is missing; rank 1's bit comes after. A
+    rank that reads the counter only then (every bit and the give-up) takes it as abandoned,
+    naming rank 0; rank 1's own arrival finds the give-up and names itself late."""
+    barriers = ranks_of(3)
+    store = barriers[0].channel.store
+    for r in (0, 2):
+        barriers[r]._arrive(store, (0, 0))
+    with pytest.raises(EpTimeoutError, match="waiting for rank\\(s\\) 1"):
+        barriers[0]._give_up(store, "phase", 1.0, [1], (0, 0), (0, 0))
+    counter, added = barriers[1]._arrive(store, (0, 0))
+    assert counter >= GAVE_UP and added
+    late = barriers[1]._given_up("phase", counter, late=True)
+    assert "rank 0 timed out waiting for rank(s) 1 (this rank, late)" in str(late), late
+    assert barriers[2]._outcome(counter) == ABANDONED
+    assert "rank 0 timed out" in str(barriers[2]._given_up("phase", counter, late=False))
+    assert barriers[0].count == 1
+
+
+def test_a_retried_barrier_counts_its_rank_once():
+    """An attempt that raised after its arrival was counted (a KeyboardInterrupt, say) and its
+    retry at the same barrier: the rank's bit is in the counter once, and the retry pairs."""
+    barriers = ranks_of(2)
+    store = barriers[0].channel.store
+    assert barriers[0]._arrive(store, (0, 0)) == (1, True)
+    assert barriers[0]._arrive(store, (0, 0)) == (1, False)
+    results = run_ranks(barriers, [(0.0, 5.0), (0.1, 5.0)])
+    for messages, _ in results:
+        assert [m["rank"] for m in messages] == [0, 1], messages
+
+
+def test_a_retry_after_its_peers_passed_passes():
+    """Rank 0's attempt publishes and counts its bit, then raises (an interrupt); rank 1 comes,
+    completes the counter and passes; rank 0's retry finds every bit and passes too (before the
+    compare-and-set give-up, a retry that read a give-up set after every bit raised while its
+    peers had passed)."""
+    barriers = ranks_of(2)
+    store = barriers[0].channel.store
+    key = barriers[0].channel.key(OBJ, "0.0", 0)
+    store.set(key, '{"rank": 0, "phase": "phase"}')
+    barriers[0]._arrive(store, (0, 0))
+    passed = barriers[1].exchange("phase", {"rank": 1}, 5.0)  # every bit: it passes at once
+    retried = barriers[0].exchange("phase", {"rank": 0}, 5.0)
+    assert [m["rank"] for m in passed] == [0, 1]
+    assert [m["rank"] for m in retried] == [0, 1]
+    assert [b.count for b in barriers] == [1, 1]
+
+
+def test_a_reset_at_the_deadline_leaves_the_new_epoch_alone():
+    """A reset() (a signal handler's) moved the object to a new epoch while this rank was
+    about to give a barrier up: the call is abandoned by that reset (EpResetDuringCallError),
+    the new epoch's first barrier gets no give-up, and the count stays at the reset's."""
+    barriers = ranks_of(2)
+    store = barriers[0].channel.store
+    b = barriers[0]
+    b._arrive(store, (0, 0))
+    b.epoch, b.reset_round = 1, 1  # what reset() leaves
+    with pytest.raises(EpResetDuringCallError):
+        b._give_up(store, "phase", 1.0, [1], (0, 0), (0, 0))
+    assert b.count == 0 and not store.check([b._counter_key(1, 0)])
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_on_time_pass_and_delete_what_they_passed(size):
+    """Barriers that complete: every rank returns every message; the counter and outcome of a
+    barrier go once every rank has passed the next one (one rank a barrier deletes them, in
+    turn), so only the last barrier's are left."""
+    barriers = ranks_of(size)
+    store = barriers[0].channel.store
+    for _ in range(size + 2):
+        for messages, _ in run_ranks(barriers, [(0.01 * r, 5.0) for r in range(size)]):
+            assert [m["rank"] for m in messages] == list(range(size))
+    last = barriers[0].count - 1
+    left = [c for c in range(last + 1) if store.check([barriers[0]._counter_key(0, c)])]
+    assert left == [last], left
