@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import faulthandler
+import operator
 import socket
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,12 @@ import torch.distributed as dist
 
 from dep_ep.checks import check_real_between
 from dep_ep.launch.env import LaunchEnv, read_launch_env
+from dep_ep.launch.store import group_store
+
+# new_dep_group's size agreement (`_agree_on_size`): the bound of one store call, and how often
+# it polls for the other ranks' sizes (once a job, at start-up).
+SIZE_STORE_CALL_S = 30.0
+SIZE_POLL_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class RankContext:
     group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
     owns_process_group: bool = True
+    timeout_s: float = 300.0  # init_rank_context's: the bound of the context's own waits
     # The groups init_rank_context and new_dep_group made, for teardown (newest last): state of
     # the context, not a constructor argument.
     _created_groups: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -186,7 +194,7 @@ def init_rank_context(
     atexit.register(_hand_gil_to_gloo_workers)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    ctx = RankContext(env, bound, backend, world, cpu_group, owned)
+    ctx = RankContext(env, bound, backend, world, cpu_group, owned, timeout_s)
     if cpu_group is not world:
         ctx._created_groups.append(cpu_group)
     return ctx
@@ -195,8 +203,12 @@ def init_rank_context(
 def new_dep_group(ctx: RankContext, size: int) -> DepGroup:
     """Split the world into DEP groups of `size` consecutive ranks; return this rank's.
 
-    Collective over the world (every rank creates every group, in the same order).
+    Collective over the world (every rank creates every group, in the same order). The ranks
+    first compare their `size` (`_agree_on_size`): sizes that differ raise ValueError on every
+    rank naming each rank's (ranks that built different groups would wait for each other in
+    their first barrier until its timeout, naming no cause).
     """
+    _agree_on_size(ctx, size)
     if size < 1 or ctx.world_size % size:
         raise ValueError(f"new_dep_group: size={size} must divide the world size {ctx.world_size}")
     mine = None
@@ -214,6 +226,39 @@ def new_dep_group(ctx: RankContext, size: int) -> DepGroup:
             mine = DepGroup(index, size, ctx.rank - ranks[0], ranks, group, cpu_group)
     assert mine is not None
     return mine
+
+
+def _agree_on_size(ctx: RankContext, size: object) -> None:
+    """Every rank's `size` through the world's store, as the library's host barriers exchange
+    (launch/store.py: polled, so a signal takes effect at once; bounded by the context's
+    timeout_s; nothing on the gloo connections). ValueError on every rank when the sizes
+    differ, TimeoutError naming the ranks that did not call new_dep_group in time."""
+    if ctx.world_size == 1:
+        return
+    try:
+        mine = str(operator.index(size))  # np.int64(4) and 4 are one size
+    except TypeError:
+        mine = repr(size)  # refused below, on every rank alike
+    store = group_store(ctx.cpu_group, SIZE_STORE_CALL_S)
+    call = store.add(f"dep-ep/dep-group-calls/{ctx.rank}", 1)  # this rank's call number
+    keys = [f"dep-ep/dep-group-size/{call}/{r}" for r in range(ctx.world_size)]
+    store.set(keys[ctx.rank], mine)
+    deadline = time.monotonic() + ctx.timeout_s
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise TimeoutError(
+                f"new_dep_group (rank {ctx.rank}): rank(s) {', '.join(map(str, missing))} did"
+                f" not call it within {ctx.timeout_s:g} s"
+            )
+        time.sleep(SIZE_POLL_S)
+    sizes = [value.decode() for value in store.multi_get(keys)]
+    if len(set(sizes)) > 1:
+        by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
+        raise ValueError(
+            f"new_dep_group: the ranks asked for DEP groups of different sizes ({by_rank}); every"
+            " rank must pass the same size"
+        )
 
 
 def teardown(ctx: RankContext) -> None:

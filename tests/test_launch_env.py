@@ -69,7 +69,7 @@ def test_rank_context_takes_no_private_arguments():
     with pytest.raises(TypeError, match="_created_groups"):
         RankContext(*args, _created_groups=["a group"])
     with pytest.raises(TypeError):
-        RankContext(*args, True, ["a group"])
+        RankContext(*args, True, 300.0, ["a group"])
     a, b = RankContext(*args), RankContext(*args)
     assert a._created_groups == [] and a._created_groups is not b._created_groups
     assert "_created_groups" not in repr(a) and a == b

@@ -80,6 +80,31 @@ def good_step(dep, routed, layer, experts, base: int, label: str, failures: list
 
 
 @pytest.mark.mpi(min_size=2)
+def test_dep_groups_of_different_sizes_raise_on_every_rank(ctx, dep):
+    """Rank 0 asks for DEP groups of 1 rank, the others for the whole world: every rank raises
+    the same ValueError naming each rank's size, and a later new_dep_group with one size works.
+    Before (found by a careless-user probe): every rank's new_dep_group returned; the ranks then
+    waited in the first EpRouted's construction barrier for ranks of the other groups and
+    raised EpTimeoutError after timeout_s, naming no cause."""
+    from dep_ep.launch import new_dep_group
+
+    failures: list[str] = []
+    size = 1 if dep.rank == 0 else ctx.world_size
+    sizes = ", ".join(f"rank {r}: {1 if r == 0 else ctx.world_size}" for r in range(dep.size))
+    expect_raises(
+        failures,
+        "different sizes",
+        ValueError,
+        f"different sizes \\({sizes}\\)",
+        lambda: new_dep_group(ctx, size),
+    )
+    again = new_dep_group(ctx, ctx.world_size)
+    if again.ranks != tuple(range(ctx.world_size)):
+        failures.append(f"the next new_dep_group gave ranks {again.ranks}")
+    collective_assert(dep.cpu_group, failures, seeds=None)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("field", ["max_tokens", "topk", "num_experts", "check_values"])
 def test_construction_arguments_differ(dep, field):
     """Each rank consistent with itself but not with rank 0: every rank raises the same
