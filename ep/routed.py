@@ -305,7 +305,8 @@ class EpRouted:
     arrives gives EpTimeoutError within `config.timeout_s`.
 
     Calls pair by their order: the i-th dispatch of every rank forms one step. A rank that skips a
-    whole step is only seen when the calls carry a `tag` (an int the caller advances, such as
+    whole step (a call that raises before it reaches this object, a misspelled keyword say, is
+    one) is only seen when the calls carry a `tag` (an int the caller advances, such as
     step * layers + layer; EpMoeLayer tags its calls by itself): ranks whose tags differ raise
     EpDesyncError. Errors (docs/design.md, "Errors"; each EpError's `recovery` says what to do):
     a call whose input one rank rejects raises on every rank (ValueError/TypeError on the
