@@ -35,13 +35,14 @@ Why a wait for a partner that will not come ends at once:
   the closer's position has moved on (to a new construction, say).
 - It checks the processes of those ranks (comm/liveness.py): EpPeerLostError for one that is
   gone, and for a store that stops answering.
-- At the deadline it raises EpTimeoutError naming the ranks whose message is missing. It waits
-  by polling (non-blocking store reads and short sleeps), never inside a blocking store call,
-  so a signal (SIGINT, SIGTERM) takes effect within milliseconds and the store stays usable
-  after any timeout.
-Why a barrier completes on every rank or on none (a rank that gave up at its deadline and a
-late rank that then found every message would otherwise disagree: one raised, the other
-returned the call's result, and a server retrying the step on one rank never got back in step):
+- At the deadline it gives the barrier up and raises EpTimeoutError naming the ranks whose
+  message is missing (unless every rank has arrived: below). It waits by polling (non-blocking
+  store reads and short sleeps), never inside a blocking store call, so a signal (SIGINT,
+  SIGTERM) takes effect within milliseconds and the store stays usable after any timeout.
+Why a barrier that a rank gives up at its deadline is passed by no rank, the late and the
+waiting ones included (they would otherwise disagree: one raised, the other returned the call's
+result, and a server retrying the step on one rank never got back in step; a rank that leaves a
+barrier another way, an interrupt or a desync, is told to reset, and the reset settles it):
 - Each barrier has one counter (`<object>/<epoch>.<count>/arrived`): rank r adds its bit 2^r
   once its message is published (once: a retry of the barrier after an interrupt reads the
   counter first). A rank that gives up at its deadline sets GAVE_UP * (its rank + 1) into the
@@ -69,6 +70,7 @@ import torch.distributed as dist
 from dep_ep.comm.errors import (
     RECOVERY_RESET,
     EpDesyncError,
+    EpError,
     EpPeerLostError,
     EpPeerTimeoutError,
     EpResetDuringCallError,
@@ -388,13 +390,16 @@ class ObjectBarriers:
         self._arriving = barrier  # before the add: a retry reads the counter first
         return store.add(arrived, bit), True
 
-    def _abandon(self, error: EpTimeoutError, began: tuple[int, int]) -> EpTimeoutError:
+    def _abandon(self, error: EpTimeoutError, began: tuple[int, int]) -> EpError:
         """The barrier is given up (module docstring): no rank passes it, and this rank's next
         barrier is the one after it (a construction retried after a timeout pairs there), unless
         a reset (a signal handler's) already moved the object on since `began`: then the call
         was abandoned by that reset. Returns the error to raise."""
         if (self.epoch, self.reset_round) != began:
             return self._reset_during_call(error.phase)
+        # The barrier before it is passed, but its counter would have gone when this one was.
+        if self.count >= 1:
+            self._stale.append(self._counter_key(self.epoch, self.count - 1))
         self.count += 1
         return error
 
@@ -439,6 +444,15 @@ class ObjectBarriers:
         while counter < GAVE_UP and counter != everyone:
             gave_up = counter + GAVE_UP * (me + 1)
             now = int(store.compare_set(arrived, str(counter), str(gave_up)))
+            if now == counter:
+                # compare_set gives back the expected value when the key is gone: a reset (this
+                # rank's, a signal handler's, which every rank joined) deleted it.
+                self._refuse_interrupted(phase, began)
+                raise EpDesyncError(
+                    f"rank {me} in {phase} of {self.label}: the barrier's counter is gone (a"
+                    " reset ran); call reset() on every rank",
+                    RECOVERY_RESET,
+                )
             if now == gave_up:
                 timeout = EpTimeoutError(
                     me,
@@ -538,7 +552,9 @@ class ObjectBarriers:
             # Every rank has left every earlier barrier of the object: no one reads these now.
             # The last two barriers' counters (the one before them went when the last was
             # passed) go too: every rank deletes them (a deletion of a missing key is nothing).
-            passed = [self._counter_key(self.epoch, c) for c in (self.count - 2, self.count - 1)]
+            passed = [
+                self._counter_key(self.epoch, c) for c in (self.count - 2, self.count - 1) if c >= 0
+            ]
             for key in [self._published, *self._stale, *passed]:
                 if key is not None:
                     store.delete_key(key)

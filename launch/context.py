@@ -25,6 +25,7 @@ from dep_ep.launch.store import group_store
 # it polls for the other ranks' sizes (once a job, at start-up).
 SIZE_STORE_CALL_S = 30.0
 SIZE_POLL_S = 0.002
+SIZE_GAVE_UP = 1 << 32  # what a rank that gave up sets into the arrivals' counter
 
 
 @dataclass(frozen=True)
@@ -231,8 +232,10 @@ def new_dep_group(ctx: RankContext, size: int) -> DepGroup:
 def _agree_on_size(ctx: RankContext, size: object) -> None:
     """Every rank's `size` through the world's store, as the library's host barriers exchange
     (launch/store.py: polled, so a signal takes effect at once; bounded by the context's
-    timeout_s; nothing on the gloo connections). ValueError on every rank when the sizes
-    differ, TimeoutError naming the ranks that did not call new_dep_group in time."""
+    timeout_s; nothing on the gloo connections). A counter of arrivals decides alone, as the
+    barriers' does (comm/host_channel.py): a rank at its deadline sets a give-up into it by
+    compare-and-set while a rank is missing, so every rank returns or every rank raises
+    TimeoutError. ValueError on every rank when the sizes differ."""
     if ctx.world_size == 1:
         return
     try:
@@ -242,16 +245,28 @@ def _agree_on_size(ctx: RankContext, size: object) -> None:
     store = group_store(ctx.cpu_group, SIZE_STORE_CALL_S)
     call = store.add(f"dep-ep/dep-group-calls/{ctx.rank}", 1)  # this rank's call number
     keys = [f"dep-ep/dep-group-size/{call}/{r}" for r in range(ctx.world_size)]
+    arrived = f"dep-ep/dep-group-size/{call}/arrived"
     store.set(keys[ctx.rank], mine)
+    counter = store.add(arrived, 1)
     deadline = time.monotonic() + ctx.timeout_s
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    while counter != ctx.world_size:
+        if counter >= SIZE_GAVE_UP:
             raise TimeoutError(
-                f"new_dep_group (rank {ctx.rank}): rank(s) {', '.join(map(str, missing))} did"
-                f" not call it within {ctx.timeout_s:g} s"
+                f"new_dep_group (rank {ctx.rank}): another rank gave up waiting for the others"
+                f" to call it (within {ctx.timeout_s:g} s)"
             )
+        if time.monotonic() >= deadline:
+            now = int(store.compare_set(arrived, str(counter), str(counter + SIZE_GAVE_UP)))
+            if now == counter + SIZE_GAVE_UP:
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                raise TimeoutError(
+                    f"new_dep_group (rank {ctx.rank}): rank(s) {', '.join(map(str, missing))}"
+                    f" did not call it within {ctx.timeout_s:g} s"
+                )
+            counter = now  # a rank arrived meanwhile: look again
+            continue
         time.sleep(SIZE_POLL_S)
+        counter = store.add(arrived, 0)
     sizes = [value.decode() for value in store.multi_get(keys)]
     if len(set(sizes)) > 1:
         by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))

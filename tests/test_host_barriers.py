@@ -162,6 +162,89 @@ def test_a_retry_after_its_peers_passed_passes():
     assert [b.count for b in barriers] == [1, 1]
 
 
+class HookStore:
+    """A HashStore that runs `hook` = (method, fn) once, right after its next call of `method`
+    returns (a signal handler's reset() landing there)."""
+
+    def __init__(self) -> None:
+        self.store, self.hook = dist.HashStore(), None
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+        if self.hook is None or self.hook[0] != name:
+            return method
+
+        def hooked(*args):
+            value = method(*args)
+            fn, self.hook = self.hook[1], None
+            fn()
+            return value
+
+        return hooked
+
+
+def hooked_ranks(size: int) -> tuple[HookStore, list[ObjectBarriers]]:
+    store = HookStore()
+    return store, [ObjectBarriers(Channel(store, r, size), OBJ, "the test") for r in range(size)]
+
+
+def reset_of(b: ObjectBarriers):
+    """What a reset() run by a signal handler leaves on `b`: a new epoch, count 0."""
+
+    def reset() -> None:
+        b.epoch, b.count, b.reset_round = b.epoch + 1, 0, b.reset_round + 1
+
+    return reset
+
+
+def test_a_reset_right_after_the_give_up_abandons_the_call_not_the_epoch():
+    """The give-up is set into the old barrier's counter, then a reset lands: the call raises
+    EpResetDuringCallError, and the count stays the reset's (the new epoch's first barrier is
+    still to come on this rank, as on its peers)."""
+    store, barriers = hooked_ranks(2)
+    b = barriers[0]
+    b._arrive(store, (0, 0))
+    store.hook = ("compare_set", reset_of(b))
+    with pytest.raises(EpResetDuringCallError):
+        b._give_up(store, "phase", 1.0, [1], (0, 0), (0, 0))
+    assert (b.epoch, b.count) == (1, 0)
+    assert store.add(b._counter_key(0, 0), 0) >= GAVE_UP  # the old barrier's, given up
+
+
+def test_a_reset_right_after_a_late_arrival_abandons_the_call_not_the_epoch():
+    """A late rank's arrival finds the give-up, then a reset lands before it counts the
+    barrier: EpResetDuringCallError, the count the reset's."""
+    store, barriers = hooked_ranks(2)
+    barriers[0]._arrive(store, (0, 0))
+    with pytest.raises(EpTimeoutError):
+        barriers[0]._give_up(store, "phase", 1.0, [1], (0, 0), (0, 0))
+    late = barriers[1]
+    store.hook = ("add", reset_of(late))
+    with pytest.raises(EpResetDuringCallError):
+        late.exchange("phase", {"rank": 1}, 5.0)
+    assert (late.epoch, late.count) == (1, 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_give_up_whose_counter_a_reset_deleted_stops():
+    """A reset deleted the barrier's counter (it was in the stale keys) just as this rank was
+    giving it up: compare_set on the missing key gives back the expected value, and the give-up
+    raises (EpResetDuringCallError here, the reset being this rank's) instead of trying again for
+    ever."""
+    store, barriers = hooked_ranks(2)
+    b = barriers[0]
+    b._arrive(store, (0, 0))
+    key = b._counter_key(0, 0)
+
+    def reset_and_delete() -> None:
+        reset_of(b)()
+        store.store.delete_key(key)
+
+    store.hook = ("add", reset_and_delete)  # after the counter's read, before the give-up
+    with pytest.raises(EpResetDuringCallError):
+        b._give_up(store, "phase", 1.0, [1], (0, 0), (0, 0))
+
+
 def test_a_reset_at_the_deadline_leaves_the_new_epoch_alone():
     """A reset() (a signal handler's) moved the object to a new epoch while this rank was
     about to give a barrier up: the call is abandoned by that reset (EpResetDuringCallError),

@@ -83,3 +83,50 @@ def test_init_rank_context_refuses_a_timeout_that_is_no_number_of_seconds(timeou
 
     with pytest.raises(ValueError, match=r"init_rank_context: timeout_s=.*above 0 and below 1e9"):
         init_rank_context("cpu", timeout_s=timeout_s)
+
+
+def agree_in_threads(monkeypatch, plans) -> list:
+    """new_dep_group's size agreement on ranks that are threads of this process, on one store:
+    `plans` gives each rank's (delay, timeout_s, size). Returns each rank's exception or None."""
+    import threading
+    import time
+    import types
+
+    import torch.distributed as dist
+
+    from dep_ep.launch import context
+
+    store = dist.HashStore()
+    monkeypatch.setattr(context, "group_store", lambda group, call_s: store)
+    results: list = [None] * len(plans)
+
+    def rank(r: int) -> None:
+        delay, timeout_s, size = plans[r]
+        ctx = types.SimpleNamespace(rank=r, world_size=len(plans), cpu_group=None)
+        ctx.timeout_s = timeout_s
+        time.sleep(delay)
+        try:
+            context._agree_on_size(ctx, size)
+        except Exception as err:  # compared by the caller
+            results[r] = err
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(plans))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def test_dep_group_sizes_agree_or_every_rank_raises(monkeypatch):
+    """The same size (as int or numpy int): every rank returns. Different sizes: ValueError on
+    every rank naming each. A rank later than another's timeout: TimeoutError on both (before the
+    arrivals' counter, the late rank found every size and returned)."""
+    import numpy as np
+
+    assert agree_in_threads(monkeypatch, [(0, 5.0, 4), (0.05, 5.0, np.int64(4))]) == [None, None]
+    errors = agree_in_threads(monkeypatch, [(0, 5.0, 2), (0.05, 5.0, 4)])
+    assert all(isinstance(e, ValueError) and "rank 0: 2, rank 1: 4" in str(e) for e in errors)
+    early, late = agree_in_threads(monkeypatch, [(0, 0.2, 2), (0.5, 5.0, 2)])
+    assert isinstance(early, TimeoutError) and "rank(s) 1 did not call it" in str(early), early
+    assert isinstance(late, TimeoutError) and "another rank gave up" in str(late), late
