@@ -149,19 +149,20 @@ class EpPeerTimeoutError(EpTimeoutError):
     """A peer's bounded wait expired before every rank reached the barrier: the peer gave the
     call up (it raised EpTimeoutError), and so does this rank, in the same call, whether it came
     late itself (every message may have come by now) or waited; nothing of the call is used.
-    Names this rank, the phase, the ranks that gave up (`gave_up`) and those they waited for
-    (`peers`). `recovery` is "reset", as the peers' (comm/host_channel.py: a barrier completes on
-    every rank or on none)."""
+    Names this rank, the phase, the rank that gave up (`gave_up_rank`: one a barrier) and the
+    ranks whose arrival this rank found missing (`peers`; read after the give-up, so ranks that
+    came late meanwhile are not among them). `recovery` is "reset", as the peer's
+    (comm/host_channel.py: a barrier given up is passed by no rank)."""
 
-    def __init__(self, rank: int, phase: str, gave_up: str, missing: list[int]) -> None:
-        self.rank, self.phase, self.gave_up = rank, phase, gave_up
+    def __init__(self, rank: int, phase: str, gave_up_rank: int, missing: list[int]) -> None:
+        self.rank, self.phase, self.gave_up_rank = rank, phase, gave_up_rank
         self.peers = f"rank(s) {', '.join(map(str, missing))}" if missing else "a late rank"
         late = " (this rank, late)" if rank in missing else ""
-        RuntimeError.__init__(
+        EpError.__init__(
             self,
-            f"rank {rank}: in phase '{phase}', {gave_up} timed out waiting for {self.peers}"
-            f"{late} (their timeout_s): the call is given up on every rank; call reset() on"
-            " every rank",
+            f"rank {rank}: in phase '{phase}', rank {gave_up_rank} timed out waiting for"
+            f" {self.peers}{late} (its timeout_s): the call is given up on every rank; call"
+            " reset() on every rank",
         )
 
 

@@ -78,6 +78,7 @@ from dep_ep.comm.errors import (
     ranks_text,
 )
 from dep_ep.comm.liveness import ProcessIdentity
+from dep_ep.constants import MAX_RANKS
 from dep_ep.launch.store import group_name, group_store
 
 # A barrier polls the store (a `check` round trip, ~50 us on one host) back to back for
@@ -87,9 +88,8 @@ from dep_ep.launch.store import group_name, group_store
 POLL_SPIN_S, POLL_SLEEP_MIN_S, POLL_SLEEP_MAX_S = 2e-3, 5e-5, 2e-3
 WAIT_SLICE_S = 0.02
 # A barrier's counter: bit r is rank r's arrival; a give-up sets GAVE_UP times (the rank that
-# gave up + 1) above them. So a group takes at most BARRIER_RANKS ranks (the GPU kernels'
-# MAX_RANKS).
-BARRIER_RANKS = 32
+# gave up + 1) above them. So a group takes at most BARRIER_RANKS ranks, the GPU kernels' limit.
+BARRIER_RANKS = MAX_RANKS
 GAVE_UP_SHIFT = BARRIER_RANKS
 GAVE_UP = 1 << GAVE_UP_SHIFT
 COMPLETE, ABANDONED = "complete", "abandoned"
@@ -317,7 +317,8 @@ class ObjectBarriers:
         up before every rank arrived (the module docstring: then it passes on no rank), and
         RuntimeError when this rank closed the object, before the barrier or while it waited.
         The barrier counts as passed on every rank that returns or raises EpDesyncError for
-        differing phases."""
+        differing phases, and as given up (counted too, so that the next barrier pairs) on
+        every rank that raises EpTimeoutError or EpPeerTimeoutError."""
         ch = self.channel
         self._refuse_closed(phase)
         began = (self.epoch, self.reset_round)  # a reset inside the call changes them
@@ -420,8 +421,7 @@ class ObjectBarriers:
         came after the give-up)."""
         me, ranks = self.channel.rank, range(self.channel.size)
         missing = [r for r in ranks if not counter >> r & 1 or (late and r == me)]
-        gave_up = f"rank {(counter >> GAVE_UP_SHIFT) - 1}"
-        return EpPeerTimeoutError(me, phase, gave_up, missing)
+        return EpPeerTimeoutError(me, phase, (counter >> GAVE_UP_SHIFT) - 1, missing)
 
     def _give_up(
         self,
@@ -434,17 +434,19 @@ class ObjectBarriers:
     ) -> str:
         """At this rank's deadline: set the give-up into the counter of `barrier` (GAVE_UP times
         this rank + 1) if it still lacks a rank's bit, by compare-and-set, so that a give-up
-        always comes before the last bit or not at all. Returns COMPLETE when every bit is
-        there; raises EpTimeoutError naming `missing` when this rank gave the barrier up, and
-        EpPeerTimeoutError when another rank had."""
+        always comes before the last bit or not at all. Returns COMPLETE (its only value) when
+        every bit is there. Raises EpTimeoutError naming `missing` when this rank gave the
+        barrier up, EpPeerTimeoutError when another rank had, EpResetDuringCallError when a
+        reset (a signal handler's) moved the object on meanwhile, EpDesyncError when the
+        counter is gone otherwise, and RuntimeError when this rank closed the object."""
         me, everyone = self.channel.rank, (1 << self.channel.size) - 1
         arrived = self._counter_key(*barrier)
         self._refuse_interrupted(phase, began)
         counter = store.add(arrived, 0)
         while counter < GAVE_UP and counter != everyone:
             gave_up = counter + GAVE_UP * (me + 1)
-            now = int(store.compare_set(arrived, str(counter), str(gave_up)))
-            if now == counter:
+            seen = int(store.compare_set(arrived, str(counter), str(gave_up)))
+            if seen == counter:
                 # compare_set gives back the expected value when the key is gone: a reset (this
                 # rank's, a signal handler's, which every rank joined) deleted it.
                 self._refuse_interrupted(phase, began)
@@ -453,7 +455,7 @@ class ObjectBarriers:
                     " reset ran); call reset() on every rank",
                     RECOVERY_RESET,
                 )
-            if now == gave_up:
+            if seen == gave_up:
                 timeout = EpTimeoutError(
                     me,
                     phase,
@@ -461,7 +463,7 @@ class ObjectBarriers:
                     f"no message within {timeout_s:g} s",
                 )
                 raise self._abandon(timeout, began)
-            counter = now  # a rank arrived or gave up meanwhile: look again
+            counter = seen  # a rank arrived or gave up meanwhile: look again
         if counter >= GAVE_UP:
             raise self._abandon(self._given_up(phase, counter, late=False), began)
         return COMPLETE

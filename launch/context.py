@@ -253,17 +253,17 @@ def _agree_on_size(ctx: RankContext, size: object) -> None:
         if counter >= SIZE_GAVE_UP:
             raise TimeoutError(
                 f"new_dep_group (rank {ctx.rank}): another rank gave up waiting for the others"
-                f" to call it (within {ctx.timeout_s:g} s)"
+                " to call it (its timeout_s)"
             )
         if time.monotonic() >= deadline:
-            now = int(store.compare_set(arrived, str(counter), str(counter + SIZE_GAVE_UP)))
-            if now == counter + SIZE_GAVE_UP:
+            seen = int(store.compare_set(arrived, str(counter), str(counter + SIZE_GAVE_UP)))
+            if seen == counter + SIZE_GAVE_UP:
                 missing = [r for r, key in enumerate(keys) if not store.check([key])]
                 raise TimeoutError(
                     f"new_dep_group (rank {ctx.rank}): rank(s) {', '.join(map(str, missing))}"
                     f" did not call it within {ctx.timeout_s:g} s"
                 )
-            counter = now  # a rank arrived meanwhile: look again
+            counter = seen  # a rank arrived meanwhile: look again
             continue
         time.sleep(SIZE_POLL_S)
         counter = store.add(arrived, 0)

@@ -16,7 +16,12 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dep_ep.comm.errors import EpPeerTimeoutError, EpResetDuringCallError, EpTimeoutError
+from dep_ep.comm.errors import (
+    EpDesyncError,
+    EpPeerTimeoutError,
+    EpResetDuringCallError,
+    EpTimeoutError,
+)
 from dep_ep.comm.host_channel import ABANDONED, COMPLETE, GAVE_UP, ObjectBarriers
 
 OBJ = "obj"
@@ -97,7 +102,7 @@ def test_a_waiting_rank_gives_up_with_the_first_that_did():
     )
     assert type(first) is EpTimeoutError, first
     assert isinstance(waiting, EpPeerTimeoutError) and took < 1.0, (waiting, took)
-    assert "rank 0 timed out waiting for rank(s) 2 (their" in str(waiting), waiting
+    assert "rank 0 timed out waiting for rank(s) 2 (its" in str(waiting), waiting
     assert isinstance(late, EpPeerTimeoutError) and "(this rank, late)" in str(late), late
     assert [b.count for b in barriers] == [1, 1, 1]
 
@@ -147,9 +152,7 @@ def test_a_retried_barrier_counts_its_rank_once():
 
 def test_a_retry_after_its_peers_passed_passes():
     """Rank 0's attempt publishes and counts its bit, then raises (an interrupt); rank 1 comes,
-    completes the counter and passes; rank 0's retry finds every bit and passes too (before the
-    compare-and-set give-up, a retry that read a give-up set after every bit raised while its
-    peers had passed)."""
+    completes the counter and passes; rank 0's retry finds every bit and passes too."""
     barriers = ranks_of(2)
     store = barriers[0].channel.store
     key = barriers[0].channel.key(OBJ, "0.0", 0)
@@ -261,9 +264,9 @@ def test_a_reset_at_the_deadline_leaves_the_new_epoch_alone():
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_ranks_on_time_pass_and_delete_what_they_passed(size):
-    """Barriers that complete: every rank returns every message; the counter and outcome of a
-    barrier go once every rank has passed the next one (one rank a barrier deletes them, in
-    turn), so only the last barrier's are left."""
+    """Barriers that complete: every rank returns every message; a barrier's counter goes once
+    the rank whose turn it is has passed the next barrier (one rank a barrier, in turn), so only
+    the last barrier's is left."""
     barriers = ranks_of(size)
     store = barriers[0].channel.store
     for _ in range(size + 2):
@@ -272,3 +275,27 @@ def test_ranks_on_time_pass_and_delete_what_they_passed(size):
     last = barriers[0].count - 1
     left = [c for c in range(last + 1) if store.check([barriers[0]._counter_key(0, c)])]
     assert left == [last], left
+
+
+@pytest.mark.timeout(60)
+def test_a_give_up_whose_counter_is_gone_otherwise_is_a_desync():
+    """The counter went missing without a reset on this rank (a peer's store of another epoch,
+    say): the give-up raises EpDesyncError (recovery reset) instead of trying again."""
+    store, barriers = hooked_ranks(2)
+    b = barriers[0]
+    b._arrive(store, (0, 0))
+    key = b._counter_key(0, 0)
+    store.hook = ("add", lambda: store.store.delete_key(key))
+    with pytest.raises(EpDesyncError, match="counter is gone"):
+        b._give_up(store, "phase", 1.0, [1], (0, 0), (0, 0))
+
+
+def test_a_group_of_more_ranks_than_the_barriers_take_is_refused(monkeypatch):
+    """A rank's arrival is one bit of a barrier's counter: a group of more than BARRIER_RANKS
+    ranks is a ValueError when its channel is made (on every rank: the size is the group's)."""
+    from dep_ep.comm import host_channel
+
+    monkeypatch.setattr(host_channel.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(host_channel.dist, "get_world_size", lambda group: 33)
+    with pytest.raises(ValueError, match="a group of 33 ranks; the host barriers take at most 32"):
+        host_channel.GroupChannel(object())

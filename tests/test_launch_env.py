@@ -120,8 +120,8 @@ def agree_in_threads(monkeypatch, plans) -> list:
 
 def test_dep_group_sizes_agree_or_every_rank_raises(monkeypatch):
     """The same size (as int or numpy int): every rank returns. Different sizes: ValueError on
-    every rank naming each. A rank later than another's timeout: TimeoutError on both (before the
-    arrivals' counter, the late rank found every size and returned)."""
+    every rank naming each. A rank later than another's timeout: TimeoutError on both (the late
+    rank finds every size there, and raises all the same)."""
     import numpy as np
 
     assert agree_in_threads(monkeypatch, [(0, 5.0, 4), (0.05, 5.0, np.int64(4))]) == [None, None]

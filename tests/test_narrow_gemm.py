@@ -161,15 +161,20 @@ def test_staged_rows_are_where_the_descriptor_points(pairs):
     """The wgmma reads B through the descriptor as CuTe's K-major INTERLEAVE layout ((8, P/8),
     (16 bytes, 2)) : ((16 bytes, SBO), (1, LBO)) from each k32 block's start: byte (n % 8) * 16 +
     (n // 8) * SBO + half * LBO for row n and 16-byte half of the block. stage_rows writes word
-    i of core column c of row n at [c, n, i] of a row-major (2 * blocks, P, 4) tensor. Both must
-    name the same byte for every row and core column."""
-    from dep_ep.experts.hopper.narrow_gemm import CORE_ROW_BYTES, staged_rows_strides
+    0 of core column c of row n at [c, n, 0] of its row-major tensor of `staged_rows_shape`.
+    Both must name the same byte for every row and core column."""
+    from dep_ep.experts.hopper.narrow_gemm import (
+        CORE_ROW_BYTES,
+        staged_rows_shape,
+        staged_rows_strides,
+    )
 
     leading, stride, block = staged_rows_strides(pairs)
-    blocks = 7
+    columns, rows, words = staged_rows_shape(224, pairs)  # K = 224: 7 k32 blocks
+    assert rows == pairs and columns == 14
     for n in range(pairs):
-        for c in range(2 * blocks):
-            written = (c * pairs + n) * CORE_ROW_BYTES
+        for c in range(columns):
+            written = (c * rows + n) * words * 4  # row-major word offset, in bytes
             b, half = divmod(c, 2)
             read = b * block + (n % 8) * CORE_ROW_BYTES + (n // 8) * stride + half * leading
             assert written == read, (pairs, n, c)

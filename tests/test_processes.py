@@ -42,7 +42,5 @@ def test_skipped_dispatch_times_out_naming_rank_phase_peer():
     took = float(re.search(r"after ([\d.]+)s", lines[0]).group(1))
     assert 2.5 < took < 10, f"rank 0 waited {took}s with a 3 s timeout"
     # Rank 1's late dispatch finds that rank 0 gave the barrier up: it gives the call up too.
-    # (Before the barriers' counter it paired with rank 0's published message, and its combine
-    # then learnt that rank 0 had closed the EpRouted.)
     assert "RESULT rank 1: EpPeerTimeoutError" in lines[1], lines[1]
     assert "rank 0 timed out waiting for rank(s) 1 (this rank, late)" in lines[1], lines[1]

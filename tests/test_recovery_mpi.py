@@ -927,16 +927,11 @@ def test_a_rank_late_after_a_peer_failed_is_told_to_reset(dep, layer):
     failures: list[str] = []
     last = dep.size - 1
 
-    class SlowExperts(FailingExperts):
-        def forward(self, x, sf, ids, weights, out):
-            time.sleep(1.5)
-            return batches.experts.forward(x, sf, ids, weights, out)
-
     experts = batches.experts
     if dep.rank == 1:
         experts = FailingExperts(batches.experts, RuntimeError("expert kernel boom"))
     elif dep.rank == last:
-        experts = SlowExperts(batches.experts, RuntimeError("unused"))
+        experts = SlowExperts(batches.experts, 1.5)
     with build(dep, config=EpConfig(timeout_s=1.0)) as routed:
         latent, ids, weights = batches.inputs(1)
         norm = layer.norm_weight()

@@ -19,9 +19,10 @@ bound is the copy bandwidth (docs/experts.md). An expert with more pairs than a 
 as several tiles, each reading the expert's weights again (from L2 when they run together);
 tiles of 16-32 pairs (an expert holds about 19 pairs at T = 64 on a DEP16 shard, 37 at 128) read
 them once for up to 32 pairs. Measured on one H200 (docs/results/bench_narrow_gemm.md), tiles
-of 8: the default form at 0.87-1.22x the time of humming's GEMMs on the same pairs
-(T = 1..16); at that speed no engine uses it (docs/experts.md, "The narrow GEMM"). Tiles of
-16-32 were not run on a GPU.
+of 8 on the code before the ring's first stages moved ahead of the rows' staging and the rows
+were staged rows fastest: the default form at 0.87-1.22x the time of humming's GEMMs on the
+same pairs (T = 1..16); at that speed no engine uses it (docs/experts.md, "The narrow GEMM").
+The kernel as it is, at every width, was not run on a GPU.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ DESC_ADDRESS_MASK = 0x3FFF
 DESC_UNIT_SHIFT = 4
 CORE_ROW_BYTES = 16
 CORE_GROUP_BYTES = 8 * CORE_ROW_BYTES
+
+
+def staged_rows_shape(k: int, pairs: int) -> tuple[int, int, int]:
+    """The staged rows' shape, in 32-bit words, row-major: (core column c, row n, word i), a core
+    column 16 bytes of K (2 K / 32 of them at K = k)."""
+    return 2 * (k // SCALE_BLOCK), pairs, CORE_ROW_BYTES // 4
 
 
 def staged_rows_strides(pairs: int) -> tuple[int, int, int]:
@@ -553,7 +560,7 @@ class NarrowGemmKernel:
         pairs = self.tuning.pairs
         blocks = self.k // SCALE_BLOCK
         sRows = smem.allocate_tensor(
-            Uint32, row_major_layout((2 * blocks, pairs, 4)), byte_alignment=128
+            Uint32, row_major_layout(staged_rows_shape(self.k, pairs)), byte_alignment=128
         )
         mBlocks = cute.make_tensor(
             mX.iterator, row_major_layout((mX.shape[0], blocks, WORDS_PER_LANE))
