@@ -343,6 +343,9 @@ class ObjectBarriers:
         except (EpDesyncError, EpTimeoutError, EpPeerLostError, EpResetDuringCallError):
             raise
         except dist.DistError as err:
+            if (self.epoch, self.reset_round) != began:
+                # A read of a key a signal handler's reset() deleted waited out the store call.
+                raise self._reset_during_call(phase) from None
             raise ch.lost(phase, err) from None
         finally:
             if not passed and keys[me] not in self._stale:
@@ -505,6 +508,10 @@ class ObjectBarriers:
             counter = store.add(arrived, 0)
         if outcome == ABANDONED:
             raise self._abandon(self._given_up(phase, counter, late=False), began)
+        # A reset() a signal handler ran meanwhile (every rank then reset) may have deleted the
+        # messages after the counter was read complete: a read of a missing key would wait for it
+        # until the store call's bound (30 s), and the call is abandoned anyway.
+        self._refuse_interrupted(phase, began)
         return store.multi_get(keys)
 
     def reset(self, timeout_s: float) -> None:

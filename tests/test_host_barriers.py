@@ -299,3 +299,28 @@ def test_a_group_of_more_ranks_than_the_barriers_take_is_refused(monkeypatch):
     monkeypatch.setattr(host_channel.dist, "get_world_size", lambda group: 33)
     with pytest.raises(ValueError, match="a group of 33 ranks; the host barriers take at most 32"):
         host_channel.GroupChannel(object())
+
+
+def test_a_reset_after_the_counter_read_complete_abandons_the_call():
+    """Rank 0 reads the counter complete, and a signal handler's reset() (every rank resetting,
+    the barrier's messages deleted) lands right after that read: the call raises
+    EpResetDuringCallError at once instead of reading the deleted messages, which waited out the
+    store call's bound and reported the store lost (seen once in 3-rank CI runs)."""
+    import datetime
+
+    store, barriers = hooked_ranks(2)
+    store.store.set_timeout(datetime.timedelta(seconds=2))
+    b = barriers[0]
+    keys = [b.channel.key(OBJ, "0.0", r) for r in range(2)]
+    for r, key in enumerate(keys):
+        store.set(key, '{"phase": "phase"}')
+        barriers[r]._arrive(store, (0, 0))
+
+    def reset_and_delete() -> None:
+        reset_of(b)()
+        for key in keys:
+            store.store.delete_key(key)
+
+    store.hook = ("add", reset_and_delete)  # on rank 0's next read of the counter
+    with pytest.raises(EpResetDuringCallError):
+        b._wait_all(store, keys, "phase", 5.0, (0, 0), 0b01, (0, 0))
