@@ -79,7 +79,7 @@ from dep_ep.comm.errors import (
 )
 from dep_ep.comm.liveness import ProcessIdentity
 from dep_ep.constants import MAX_RANKS
-from dep_ep.launch.store import group_name, group_store
+from dep_ep.launch.store import give_up, group_name, group_store
 
 # A barrier polls the store (a `check` round trip, ~50 us on one host) back to back for
 # POLL_SPIN_S, then sleeps between polls, doubling from POLL_SLEEP_MIN_S to POLL_SLEEP_MAX_S; it
@@ -446,27 +446,24 @@ class ObjectBarriers:
         arrived = self._counter_key(*barrier)
         self._refuse_interrupted(phase, began)
         counter = store.add(arrived, 0)
-        while counter < GAVE_UP and counter != everyone:
-            gave_up = counter + GAVE_UP * (me + 1)
-            seen = int(store.compare_set(arrived, str(counter), str(gave_up)))
-            if seen == counter:
-                # compare_set gives back the expected value when the key is gone: a reset (this
-                # rank's, a signal handler's, which every rank joined) deleted it.
-                self._refuse_interrupted(phase, began)
-                raise EpDesyncError(
-                    f"rank {me} in {phase} of {self.label}: the barrier's counter is gone (a"
-                    " reset ran); call reset() on every rank",
-                    RECOVERY_RESET,
-                )
-            if seen == gave_up:
-                timeout = EpTimeoutError(
-                    me,
-                    phase,
-                    f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank's arrival",
-                    f"no message within {timeout_s:g} s",
-                )
-                raise self._abandon(timeout, began)
-            counter = seen  # a rank arrived or gave up meanwhile: look again
+        try:
+            counter, mine = give_up(store, arrived, counter, everyone, GAVE_UP * (me + 1), GAVE_UP)
+        except LookupError:
+            # A reset (this rank's, a signal handler's, which every rank joined) deleted it.
+            self._refuse_interrupted(phase, began)
+            raise EpDesyncError(
+                f"rank {me} in {phase} of {self.label}: the barrier's counter is gone (a reset"
+                " ran); call reset() on every rank",
+                RECOVERY_RESET,
+            ) from None
+        if mine:
+            timeout = EpTimeoutError(
+                me,
+                phase,
+                f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank's arrival",
+                f"no message within {timeout_s:g} s",
+            )
+            raise self._abandon(timeout, began)
         if counter >= GAVE_UP:
             raise self._abandon(self._given_up(phase, counter, late=False), began)
         return COMPLETE

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dep_ep.checks import check_real_between
 from dep_ep.launch.env import LaunchEnv, read_launch_env
-from dep_ep.launch.store import group_store
+from dep_ep.launch.store import give_up, group_store
 
 # new_dep_group's size agreement (`_agree_on_size`): the bound of one store call, and how often
 # it polls for the other ranks' sizes (once a job, at start-up).
@@ -256,15 +256,16 @@ def _agree_on_size(ctx: RankContext, size: object) -> None:
                 " to call it (its timeout_s)"
             )
         if time.monotonic() >= deadline:
-            seen = int(store.compare_set(arrived, str(counter), str(counter + SIZE_GAVE_UP)))
-            if seen == counter + SIZE_GAVE_UP:
+            counter, mine = give_up(
+                store, arrived, counter, ctx.world_size, SIZE_GAVE_UP, SIZE_GAVE_UP
+            )
+            if mine:
                 missing = [r for r, key in enumerate(keys) if not store.check([key])]
                 raise TimeoutError(
                     f"new_dep_group (rank {ctx.rank}): rank(s) {', '.join(map(str, missing))}"
                     f" did not call it within {ctx.timeout_s:g} s"
                 )
-            counter = seen  # a rank arrived meanwhile: look again
-            continue
+            continue  # every rank arrived, or another gave up: the loop's test says which
         time.sleep(SIZE_POLL_S)
         counter = store.add(arrived, 0)
     sizes = [value.decode() for value in store.multi_get(keys)]

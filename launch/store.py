@@ -37,6 +37,23 @@ def group_store(group: dist.ProcessGroup, call_s: float) -> dist.Store:
     return store
 
 
+def give_up(store: dist.Store, key: str, counter: int, complete: int, mark: int, unit: int):
+    """Add `mark` (a multiple of `unit`) to the arrivals' counter at `key` by compare-and-set,
+    and only while it reads neither `complete` nor a give-up (a value >= `unit`): so a give-up
+    comes before the last arrival or not at all, and only the first one counts. `counter`: the
+    counter as last read. Returns (the counter as this call left it, whether this call set the
+    give-up). LookupError when the key is gone (compare_set then gives back the expected
+    value). The host barriers' give-up (comm/host_channel.py) and new_dep_group's."""
+    while counter < unit and counter != complete:
+        seen = int(store.compare_set(key, str(counter), str(counter + mark)))
+        if seen == counter + mark:
+            return seen, True
+        if seen == counter:
+            raise LookupError(f"{key}: the counter is gone")
+        counter = seen  # an arrival or another give-up came meanwhile: look again
+    return counter, False
+
+
 def group_name(group: dist.ProcessGroup) -> str:
     """The name every rank of `group` knows it by (torch gives groups names agreed by all)."""
     return str(group.group_name)
