@@ -256,10 +256,10 @@ def _agree_on_size(ctx: RankContext, size: object) -> None:
                 " to call it (its timeout_s)"
             )
         if time.monotonic() >= deadline:
-            counter, mine = give_up(
+            counter, gave_up = give_up(
                 store, arrived, counter, ctx.world_size, SIZE_GAVE_UP, SIZE_GAVE_UP
             )
-            if mine:
+            if gave_up:
                 missing = [r for r, key in enumerate(keys) if not store.check([key])]
                 raise TimeoutError(
                     f"new_dep_group (rank {ctx.rank}): rank(s) {', '.join(map(str, missing))}"
