@@ -39,29 +39,13 @@ from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
 
+from helpers.interpreter import HAVE_TRITON, NO_TRITON, run_in_interpreter
+
 TESTS = Path(__file__).resolve().parent
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def fresh_seed() -> int:
     return int(torch.randint(0, 2**31, (1,)))
-
-
-def run_in_interpreter(module: str, *args: str, expect: str) -> None:
-    """Run tests/<module> under TRITON_INTERPRET=1 in its own process (the interpreter is chosen
-    before triton is imported); it must exit 0 and print a line starting with `expect`."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=TESTS,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    where = f"{module} {' '.join(args)}"
-    assert run.returncode == 0, f"{where}:\n{run.stdout}\n{run.stderr[-3000:]}"
-    assert run.stdout.startswith(expect), f"{where}: {run.stdout}"
 
 
 @functools.cache
@@ -188,7 +172,7 @@ def test_group_pairs_edges():
     assert int(group_pairs(full, 0, 8, 16).expert_pairs.sum()) == pair_capacity(5, 4)
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 @pytest.mark.parametrize("case", ["mixed", "hot", "single", "hot-grouping-kernel"])
 def test_kernels_in_triton_interpreter(case):
     if case.endswith("grouping-kernel"):
@@ -197,7 +181,7 @@ def test_kernels_in_triton_interpreter(case):
     run_in_interpreter("helpers.hopper_interpreter_case", case, str(seed), expect=f"ok {case}")
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 def test_pair_budget_in_triton_interpreter():
     """A budget of exactly the pairs changes nothing (bitwise); one pair less gives NaN in every row
     with a local id and the overflow record; the call allocates workspace_parts' bytes exactly."""
@@ -206,7 +190,7 @@ def test_pair_budget_in_triton_interpreter():
     run_in_interpreter("helpers.hopper_interpreter_case", "budget", str(seed), expect="ok budget")
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 @pytest.mark.parametrize("case", ["chunks", "budget"])
 def test_humming_engine_in_chunks_in_triton_interpreter(case):
     """The humming engine's call with a torch stand-in for humming's GEMM: in chunks bitwise equal
@@ -216,7 +200,7 @@ def test_humming_engine_in_chunks_in_triton_interpreter(case):
     run_in_interpreter("helpers.humming_interpreter_case", case, str(seed), expect=f"ok {case}")
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 def test_grouping_kernel_in_triton_interpreter():
     """experts/hopper/grouping_kernel.py gives group_pairs' and tile_routes' tensors bitwise."""
     skip_without_interpreter_loops()
@@ -224,14 +208,14 @@ def test_grouping_kernel_in_triton_interpreter():
     run_in_interpreter("helpers.grouping_interpreter_case", str(seed), expect=f"ok seed {seed}")
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 def test_widen_scales_in_triton_interpreter():
     """The humming engine's scale widening gives comm/mxfp8.e8m0_to_fp32's bits."""
     seed = fresh_seed()
     run_in_interpreter("helpers.widen_interpreter_case", str(seed), expect=f"ok seed {seed}")
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 def test_grouping_kernel_refuses_bad_arguments():
     """group_and_route refuses tiles past its lanes and ids it cannot read before any launch;
     `grouped` groups such tiles in torch instead (the same tensors)."""
