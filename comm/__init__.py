@@ -11,6 +11,7 @@ from dep_ep.comm.errors import (
     EpResetDuringCallError,
     EpTimeoutError,
     EpTokenCountError,
+    EpUnwrittenRowsError,
 )
 from dep_ep.comm.layout import EpLayout
 from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
@@ -27,6 +28,7 @@ __all__ = [
     "EpResetDuringCallError",
     "EpTimeoutError",
     "EpTokenCountError",
+    "EpUnwrittenRowsError",
     "RankRegions",
     "mxfp8_dequantize",
     "mxfp8_quantize",

@@ -206,6 +206,20 @@ class EpPairBudgetError(EpError):
         self.pairs, self.budget, self.tag = pairs, budget, tag
 
 
+class EpUnwrittenRowsError(EpError, ValueError):
+    """Under EpConfig.check_expert_rows: this rank's experts left receive rows that hold a local
+    expert id unwritten since the step's dispatch (a backend that skips rows, or the split API's
+    combine without the experts), so the step failed on every rank before its combine summed
+    them (every rank's output of it is NaN on GPU, nothing is returned on CPU; the peers raise
+    EpPeerError naming this rank). Names the rank, the step's tag, the rows left unwritten and
+    the rows checked. A ValueError (the experts' output was bad), `recovery` "none": the next
+    step runs as usual."""
+
+    def __init__(self, message: str, rows: int, checked: int, tag: int) -> None:
+        super().__init__(message)
+        self.rows, self.checked, self.tag = rows, checked, tag
+
+
 class EpResetDuringCallError(EpError):
     """reset() ran on this rank while one of its calls was inside (a signal handler's reset(),
     say): that call returns nothing and nothing of it was used. The reset brought every rank to

@@ -15,6 +15,8 @@ from its own kernels, stream-ordered before the step's combine:
   [code, count, limit, tag], the code last. Host-readable without a sync (host-mapped pinned
   memory on GPU, CPU memory on CPU); the transport turns it into the error this rank raises
   (`failure_error`) and zeroes it.
+EpRouted fails a step the same way under EpConfig.check_expert_rows when the experts left receive
+rows unwritten (ep/unwritten_rows.py; code FAILURE_UNWRITTEN_ROWS).
 The dispatch of every step zeroes the status word (GPU: the dispatch kernel; CPU: the host
 transport), so the next step runs as usual.
 """
@@ -25,12 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dep_ep.comm.errors import EpPairBudgetError, tag_text
+from dep_ep.comm.errors import EpPairBudgetError, EpUnwrittenRowsError, tag_text
 
 # The record's words (int64) and its codes.
 FAILURE_WORDS = 4
 FAILURE_CODE, FAILURE_COUNT, FAILURE_LIMIT, FAILURE_TAG = 0, 1, 2, 3
 FAILURE_PAIR_BUDGET = 1  # count: the call's (row, local expert) pairs; limit: its pair budget
+# EpConfig.check_expert_rows (ep/unwritten_rows.py), count: the receive rows with a local id the
+# experts left unwritten; limit: the step's receive rows checked.
+FAILURE_UNWRITTEN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -58,24 +63,35 @@ def new_record(pinned: bool) -> torch.Tensor:
     return record.pin_memory() if pinned else record
 
 
-def failure_error(record: torch.Tensor, where: str, outcome: str) -> EpPairBudgetError | None:
+def failure_error(
+    record: torch.Tensor, where: str, outcome: str
+) -> EpPairBudgetError | EpUnwrittenRowsError | None:
     """The error of a failure `record` holds (zeroing it), or None when it holds none. `where`
     names the rank and the call, `outcome` says what became of the step and what follows."""
     code, count, limit, tag = (int(v) for v in record.tolist())
     if code == 0:
         return None
     record.zero_()
-    if code != FAILURE_PAIR_BUDGET:  # no other code exists: a stray write
-        raise RuntimeError(
-            f"{where}: unknown experts failure code {code} (counts {count}, {limit})"
+    if code == FAILURE_PAIR_BUDGET:
+        return EpPairBudgetError(
+            f"{where}, {tag_text(tag)}: this rank's experts received {count} (row, local expert)"
+            f" pairs, more than their pair budget of {limit} pairs (the workspace HopperExperts"
+            f" sized for its pair_skew), so they computed nothing; {outcome}. Raise pair_skew"
+            " (HopperExperts(pair_skew=...); None sizes every call for its capacity R * K) if"
+            " such routing is expected",
+            count,
+            limit,
+            tag,
         )
-    return EpPairBudgetError(
-        f"{where}, {tag_text(tag)}: this rank's experts received {count} (row, local expert)"
-        f" pairs, more than their pair budget of {limit} pairs (the workspace HopperExperts sized"
-        f" for its pair_skew), so they computed nothing; {outcome}. Raise pair_skew"
-        " (HopperExperts(pair_skew=...); None sizes every call for its capacity R * K) if such"
-        " routing is expected",
-        count,
-        limit,
-        tag,
-    )
+    if code == FAILURE_UNWRITTEN_ROWS:
+        return EpUnwrittenRowsError(
+            f"{where}, {tag_text(tag)}: {count} of this rank's {limit} receive row(s) hold local"
+            " expert ids but the experts did not write them since the dispatch"
+            f" (check_expert_rows), so the step was not summed; {outcome}. The experts backend"
+            " must write every receive row with a local id (docs/design.md, the row contract)",
+            count,
+            limit,
+            tag,
+        )
+    # No other code exists: a stray write.
+    raise RuntimeError(f"{where}: unknown experts failure code {code} (counts {count}, {limit})")

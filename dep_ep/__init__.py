@@ -21,6 +21,7 @@ from dep_ep.comm import (
     EpResetDuringCallError,
     EpTimeoutError,
     EpTokenCountError,
+    EpUnwrittenRowsError,
 )
 from dep_ep.config import K3, PRESETS, TINY, EpConfig, MoeGeometry
 from dep_ep.ep import EpMoeLayer, EpRouted, ReceiveRows
@@ -54,6 +55,7 @@ __all__ = [
     "EpRouted",
     "EpTimeoutError",
     "EpTokenCountError",
+    "EpUnwrittenRowsError",
     "ExpertWeights",
     "ExpertsBackend",
     "HopperExperts",

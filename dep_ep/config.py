@@ -62,10 +62,13 @@ class EpConfig:
       Above 0 and below 1e9 (the kernels hold it in int64 nanoseconds).
     check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
-    check_expert_rows: a debug mode: dispatch marks the expert output rows, and combine raises
-      (on every rank) when a row that holds a local expert id was not written since the dispatch
-      (experts skipped or writing elsewhere). It reads the rows: a host sync on a GPU. Off, such
-      a combine returns sums of whatever the rows hold (the previous call's, for instance).
+    check_expert_rows: dispatch marks the expert output rows, and before the combine a check
+      fails the step on every rank when a row that holds a local expert id was not written since
+      the dispatch (experts skipped or writing elsewhere): EpUnwrittenRowsError on this rank,
+      EpPeerError on the others (on GPU at the next call, poll() or synchronize(), every output
+      of the step NaN). No host sync: on GPU a fill at dispatch and one check launch at combine
+      (ep/unwritten_rows.py), capturable in a CUDA graph. Off, such a combine returns sums of
+      whatever the rows hold (the previous call's, for instance).
     peer_watch_s: on CUDA ranks, how often a thread looks at the peers' processes (those on this
       host) and at the peers' reset() rounds (in the group's store), and, when a peer is gone or
       in a reset() this rank has not called, ends the kernels' waits (comm/peer_watch.py); None:

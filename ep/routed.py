@@ -50,12 +50,9 @@ from dep_ep.comm.transport import (
 )
 from dep_ep.config import DEFAULT_NORM_EPS, EpConfig
 from dep_ep.constants import MAX_LAYER_INDEX, NO_TAG, SCALE_BLOCK
+from dep_ep.ep.unwritten_rows import UnwrittenRows, mark_rows
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.version import __version__
-
-# check_expert_rows: dispatch writes this bf16 bit pattern (a NaN with a payload no arithmetic
-# produces) into element 0 of every expert output row; combine finds rows left unwritten by it.
-UNWRITTEN_ROW_MARK = -91  # int16 view of 0xFFA5
 
 
 @dataclass(frozen=True)
@@ -424,6 +421,8 @@ class EpRouted:
         # caller's frames (a layer registered by weak reference among them).
         self._in_pieces = False
         self._own_failure: BaseException | None = None
+        # check_expert_rows: the mark at dispatch and the check before the combine.
+        self._unwritten = UnwrittenRows(self.device) if config.check_expert_rows else None
         self._counts = None  # int32 [E_local]: the last dispatch's pairs per local expert
         if config.count_experts:
             self._counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, **on)
@@ -751,17 +750,6 @@ class EpRouted:
             check_aligned(fn, "norm_weight", norm_weight)
         return check_eps(fn, eps)
 
-    def _check_expert_rows(self, fn: str, step: _Step) -> None:
-        """check_expert_rows: every row with a local id was written since the dispatch."""
-        rows = self._rows(step.tokens)
-        marked = rows.out[:, 0].view(torch.int16) == UNWRITTEN_ROW_MARK
-        missing = ((rows.ids >= 0).any(dim=1) & marked).nonzero()
-        if missing.numel():
-            raise ValueError(
-                f"{fn}: {missing.numel()} receive row(s) hold local expert ids but the experts did"
-                f" not write them since the dispatch (first: row {int(missing[0])})"
-            )
-
     def _check_usable(self, fn: str) -> None:
         if self._buffers.closed:
             raise RuntimeError(f"{fn}: this EpRouted was closed")
@@ -897,10 +885,10 @@ class EpRouted:
             stream = torch.cuda.current_stream(self.device)
         self._step = _Step(tokens, real, wire_tag, staged_ids, owner, captured, stream)
         self._last_tokens = tokens
-        if self.config.check_expert_rows:
+        if self._unwritten is not None:
             # Every expert output row of the step is marked; the experts overwrite the rows they
-            # own, and the combine's check finds the marks left on rows with a local id.
-            self._rows(tokens).out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
+            # own, and the check before the combine finds the marks left on rows with a local id.
+            mark_rows(self._rows(tokens).out)
         if self._counts is not None:
             self._count_experts(tokens)
         return self._rows(tokens)
@@ -1043,11 +1031,11 @@ class EpRouted:
                     self._check_out(fn, out, step.real)
             except (TypeError, ValueError) as err:
                 error, cause = err, CAUSE_INPUT
-        if error is None and self.config.check_expert_rows:
-            try:
-                self._check_expert_rows(fn, step)
-            except ValueError as err:  # the peers are told it was the experts, not the input
-                error, cause = err, CAUSE_EXPERTS
+        if error is None and self._unwritten is not None:
+            # Rows with a local id left unwritten fail the step through its status word, as
+            # failed experts do: the combine then fails it on every rank (comm/failure.py).
+            rows = self._rows(step.tokens)
+            self._unwritten.fail_step(rows.out, rows.ids, self._transport.step_failure(step.tag))
         if error is not None:
             self._step_failure = f"{type(error).__name__} in {fn}"
         # The kernel writes T contiguous rows: the caller's buffer takes them in place only then,
@@ -1335,9 +1323,10 @@ class EpRouted:
     def warmup(self, tokens: int, experts: ExpertsBackend) -> None:
         """Local (no collective, no exchange): prepare `experts` for steps of `tokens` tokens, so
         that capturing such a step in a CUDA graph compiles nothing: the backend compiles what
-        it compiles per receive-row count (HopperExperts' humming kernels) on scratch rows. The
-        dispatch and combine kernels were compiled at construction (T is their runtime
-        argument). A T above max_tokens warms the steps it runs as (see `routed`)."""
+        it compiles per receive-row count (HopperExperts' humming kernels) on scratch rows, and
+        check_expert_rows' check once (ep/unwritten_rows.py). The dispatch and combine kernels
+        were compiled at construction (T is their runtime argument). A T above max_tokens warms
+        the steps it runs as (see `routed`)."""
         fn = "EpRouted.warmup"
         self._check_usable(fn)
         total = check_int(fn, "tokens", tokens)
@@ -1347,6 +1336,9 @@ class EpRouted:
         sizes = {min(total, self.max_tokens), (total - 1) % self.max_tokens + 1}
         for size in sorted(sizes):
             experts.warmup(self._buffers.layout.rows(size), self.topk)
+            if self._unwritten is not None:
+                rows = self._rows(size)
+                self._unwritten.warmup(rows.out, rows.ids)
 
     __call__ = routed
 

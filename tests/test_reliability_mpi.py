@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from dep_ep.comm import EpDesyncError, EpPeerError
+from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
+from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK
 from dep_ep.experts import ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.allgather_reference import NORM_EPS
@@ -224,8 +225,9 @@ def test_two_objects_in_different_order_is_a_desync(dep, layer):
 @pytest.mark.mpi(min_size=2)
 def test_split_api_misuse(dep, layer):
     """receive(T') for another T, a caller overwriting its ids between dispatch and combine,
-    combine without experts under check_expert_rows (on every rank; on rank 0 alone, whose
-    peers' EpPeerError says its experts failed)."""
+    combine without experts under check_expert_rows (on every rank, EpUnwrittenRowsError
+    counting the rows; one row left marked on rank 0 alone, whose peers' EpPeerError says its
+    experts failed)."""
     experts = make_experts(layer, dep.rank, dep.size)
     failures: list[str] = []
     config = EpConfig(timeout_s=30.0, check_expert_rows=True)
@@ -242,34 +244,44 @@ def test_split_api_misuse(dep, layer):
         failures += compare(out, step.reference(), "ids overwritten after dispatch")
 
         step = Step(dep, layer, 7)
-        routed.dispatch(step.latent, step.ids, step.weights)
-        expect_raises(
+        rows = routed.dispatch(step.latent, step.ids, step.weights)
+        local = int((rows.ids >= 0).any(dim=1).sum())
+        err = expect_raises(
             failures,
             "combine without experts",
-            ValueError,
-            "did not write them|rejected their input",
+            EpUnwrittenRowsError,
+            f"{local} of this rank's {dep.size * T} receive row\\(s\\).*did not write them",
             lambda: routed.combine(layer.norm_weight()),
         )
+        if isinstance(err, EpUnwrittenRowsError) and (err.rows, err.checked) != (
+            local,
+            dep.size * T,
+        ):
+            failures.append(f"combine without experts: counts {err.rows}, {err.checked}")
         good_step(dep, routed, layer, experts, 8, "after the unwritten rows", failures)
 
-        # Rank 0 alone skips its experts: its peers are told its experts failed, not its input.
+        # Rank 0 alone leaves one row unwritten: its peers are told its experts failed.
         step = Step(dep, layer, 9)
         rows = routed.dispatch(step.latent, step.ids, step.weights)
-        if dep.rank != 0:
-            experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        if dep.rank == 0:
+            with_local = (rows.ids >= 0).any(dim=1).nonzero().flatten()
+            rows.out[with_local[-1], 0] = torch.tensor(UNWRITTEN_ROW_MARK, dtype=torch.int16).view(
+                torch.bfloat16
+            )
         expected, match = (
-            (ValueError, "did not write them")
+            (EpUnwrittenRowsError, "1 of this rank's .* did not write them")
             if dep.rank == 0
-            else (EpPeerError, "rank 0 failed in its experts: ValueError.*did not write them")
+            else (EpPeerError, "rank 0 failed in its experts: EpUnwrittenRowsError.*did not write")
         )
         expect_raises(
             failures,
-            "rank 0 skips its experts",
+            "rank 0 leaves a row unwritten",
             expected,
             match,
             lambda: routed.combine(layer.norm_weight()),
         )
-        good_step(dep, routed, layer, experts, 10, "after rank 0's unwritten rows", failures)
+        good_step(dep, routed, layer, experts, 10, "after rank 0's unwritten row", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dep_ep.comm import EpDesyncError, EpPeerError
+from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
 from dep_ep.comm.reference import owner_ranks, rms_norm
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
+from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK
 from dep_ep.experts import DenseExperts, ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.allgather_reference import NORM_EPS
@@ -312,4 +313,118 @@ def test_reject_step_fails_every_rank_fast(gpu_dep, routed, layer, experts):
         bad,
     )
     failures += good_step(gpu_dep, routed, layer, experts, 400, "next good step")
+    collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+class SkippingExperts(ExpertsBackend):
+    """`inner`'s rows, then the mark put back on the last row with a local id (a backend that
+    skipped it); on the device, so that a CUDA graph captures it."""
+
+    def __init__(self, inner: ExpertsBackend):
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent, self.inner = inner.latent, inner
+
+    def forward(self, x, sf, ids, weights, out):
+        self.inner.forward(x, sf, ids, weights, out)
+        local = (ids >= 0).any(dim=1)
+        order = torch.arange(1, local.shape[0] + 1, device=ids.device)
+        last = (local * order).argmax()  # 0 when no row is local: row 0 then has no local id
+        mark = torch.tensor(UNWRITTEN_ROW_MARK, dtype=torch.int16, device=ids.device)
+        out[:, 0].view(torch.int16).index_put_((last.unsqueeze(0),), mark)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unwritten_rows_fail_every_rank_eager_and_replayed(gpu_dep, layer, experts):
+    """check_expert_rows on CUDA: a step whose experts leave one row with a local id unwritten on
+    the last rank fails on every rank with no host sync, eager and in a CUDA graph replay (the
+    check is captured): every rank's output of it is all NaN; at synchronize() (eager) or the
+    next call (replay) the last rank raises EpUnwrittenRowsError counting 1 row of N * T and
+    naming the tag, the others EpPeerError; the good steps around it are bit for bit equal to
+    the first (and to the all-gather reference), and a replayed good step equals the eager one."""
+    failures: list[str] = []
+    seed, case, latent, ids, weights = step_inputs(gpu_dep, 9)
+    n, rank, tokens, tag = gpu_dep.size, gpu_dep.rank, latent.shape[0], 77
+    bad = rank == n - 1
+    used = SkippingExperts(experts) if bad else experts
+    norm = layer.norm_weight().cuda()
+    config = EpConfig(timeout_s=TIMEOUT_S, check_expert_rows=True)
+    routed = EpRouted(
+        gpu_dep.cpu_group,
+        MAX_TOKENS,
+        torch.device("cuda"),
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=config,
+    )
+
+    def expect_step_error(label, call):
+        if bad:
+            expected = EpUnwrittenRowsError
+            match = rf"tag {tag}: 1 of this rank's {n * tokens} receive row\(s\).*did not write"
+        else:
+            expected, match = EpPeerError, f"rank {n - 1} had failed this step before its combine"
+        err = expect_raises(failures, label, expected, match, call)
+        if (
+            bad
+            and isinstance(err, EpUnwrittenRowsError)
+            and (err.rows, err.checked)
+            != (
+                1,
+                n * tokens,
+            )
+        ):
+            failures.append(f"{label}: counts {err.rows}, {err.checked}")
+
+    try:
+        first = routed(latent, ids, weights, norm, experts=experts, tag=tag)
+        routed.synchronize()
+        ref = allgather_reference(
+            gpu_dep.cpu_group,
+            case.latent[rank],
+            case.ids[rank],
+            case.weights[rank],
+            layer.norm_weight(),
+            layer.expert,
+        )
+        failures += compare(first.cpu(), ref, "good step")
+
+        def good_again(label):
+            try:
+                again = routed(latent, ids, weights, norm, experts=experts, tag=tag)
+                routed.synchronize()
+                if not torch.equal(again.view(torch.int16), first.view(torch.int16)):
+                    failures.append(f"{label}: the good step is not bit for bit the first one")
+            except Exception as err:
+                failures.append(f"{label}: {type(err).__name__}: {err}")
+
+        out = routed(latent, ids, weights, norm, experts=used, tag=tag)
+        torch.cuda.synchronize()
+        if not out.isnan().all():
+            failures.append("eager: an output element is not NaN")
+        expect_step_error("eager, synchronize()", routed.synchronize)
+        good_again("after the eager step")
+
+        routed.warmup(tokens, used)
+        for label, backend in (("good", experts), ("unwritten", used)):
+            dist.barrier(gpu_dep.cpu_group)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = routed(latent, ids, weights, norm, experts=backend, tag=tag)
+            graph.replay()
+            torch.cuda.synchronize()
+            if label == "good":
+                routed.synchronize()
+                if not torch.equal(captured.view(torch.int16), first.view(torch.int16)):
+                    failures.append("a replayed good step differs from the eager one")
+                continue
+            if not captured.isnan().all():
+                failures.append("replay: an output element is not NaN")
+            expect_step_error(
+                "replay, the next call",
+                lambda: routed(latent, ids, weights, norm, experts=experts, tag=tag),
+            )
+            good_again("after the replay")
+    finally:
+        routed.close()
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)

@@ -1,0 +1,118 @@
+"""EpConfig.check_expert_rows: find receive rows the experts left unwritten, and fail the step on
+every rank before its combine sums them, with no host synchronisation.
+
+The row contract (docs/design.md) has the experts write `out` for every receive row with a local
+id; a backend that skips a row, or a split-API caller who combines without running the experts,
+would otherwise have the combine sum whatever the row held (the previous step's values). So:
+- the dispatch marks every expert output row of the step (`mark_rows`): UNWRITTEN_ROW_MARK in
+  element 0, the bf16 bits 0xFFA5, a NaN whose payload no arithmetic produces (GPU arithmetic
+  gives 0x7FFF, CPU arithmetic 0x7FC0 or 0xFFC0);
+- the experts overwrite the rows they own;
+- before the combine, `UnwrittenRows.fail_step` counts the rows that hold a local id (>= 0) and
+  still hold the mark, and when there are any fails the step through its StepFailure
+  (comm/failure.py), as an experts backend fails a step it cannot compute: KIND_EXPERTS into the
+  step status word, [FAILURE_UNWRITTEN_ROWS, rows missing, rows checked, tag] into the failure
+  record when its code is 0. The combine then fails the step on every rank: on CPU in the call
+  (this rank EpUnwrittenRowsError, the peers EpPeerError naming it); on GPU every rank's output
+  of the step is NaN and the errors come at the next call, poll() or synchronize().
+On CPU the count is three torch operations on the rows; on GPU one launch of
+unwritten_rows_kernel (ep/unwritten_rows_kernel.py), capturable in a CUDA graph (fixed
+addresses, the tag a launch argument).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dep_ep.comm.failure import FAILURE_UNWRITTEN_ROWS, FAILURE_WORDS, StepFailure
+from dep_ep.constants import KIND_EXPERTS
+
+# bf16 bits 0xFFA5 as int16: element 0 of every expert output row at dispatch.
+UNWRITTEN_ROW_MARK = -91
+# Rows a program of unwritten_rows_kernel checks (one 2-byte load each).
+CHECK_BLOCK = 256
+# The kernel's scratch words: the missing rows counted, the programs done.
+SCRATCH_WORDS = 2
+
+
+def mark_rows(out: torch.Tensor) -> None:
+    """Store UNWRITTEN_ROW_MARK into element 0 of every row of `out` (bf16 [R, L])."""
+    out[:, 0].view(torch.int16).fill_(UNWRITTEN_ROW_MARK)
+
+
+def count_unwritten(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The rows of `out` (bf16 [R, L]) that hold a local id in `ids` (int32 [R, K], -1 = not this
+    rank's) and still hold the mark: int64 [] on out's device (no host read)."""
+    marked = out[:, 0].view(torch.int16) == UNWRITTEN_ROW_MARK
+    return ((ids >= 0).any(dim=1) & marked).sum()
+
+
+class UnwrittenRows:
+    """The check of one EpRouted (module docstring). `device` is the rows' device; on CUDA it
+    holds the kernel's scratch words (int64 [SCRATCH_WORDS], zero between launches)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.scratch = None
+        if device.type == "cuda":
+            self.scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=device)
+
+    def fail_step(self, out: torch.Tensor, ids: torch.Tensor, failure: StepFailure) -> None:
+        """Fail the step through `failure` when rows of `out` (bf16 [R, L]) with a local id in
+        `ids` (int32 [R, K]) still hold the mark; stream-ordered before the combine on GPU."""
+        if self.scratch is None:
+            missing = int(count_unwritten(out, ids))
+            if missing:
+                failure.status.fill_(KIND_EXPERTS)
+                if int(failure.record[0]) == 0:
+                    failure.record[1:] = torch.tensor([missing, out.shape[0], failure.tag])
+                    failure.record[0] = FAILURE_UNWRITTEN_ROWS
+            return
+        launch_check(out, ids, self.scratch, failure)
+
+    def warmup(self, out: torch.Tensor, ids: torch.Tensor) -> None:
+        """On CUDA, compile the check for these rows (those of a step of the T to be captured)
+        by one launch that stores into words of its own only (not this object's scratch, which
+        a step on another stream may be using), so that a CUDA-graph capture compiles nothing;
+        the rows are read, not changed. Nothing on CPU."""
+        if self.scratch is None:
+            return
+        words = torch.zeros(
+            SCRATCH_WORDS + 1 + FAILURE_WORDS, dtype=torch.int64, device=self.device
+        )
+        scratch, status = words[:SCRATCH_WORDS], words[SCRATCH_WORDS : SCRATCH_WORDS + 1]
+        record = words[SCRATCH_WORDS + 1 :]
+        launch_check(out, ids, scratch, StepFailure(status, record, tag=0))
+
+
+def launch_check(
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    scratch: torch.Tensor,
+    failure: StepFailure,
+    block: int = CHECK_BLOCK,
+) -> None:
+    """One launch of unwritten_rows_kernel over the rows of `out` (bf16 [R, L]) and `ids` (int32
+    [R, K]), `block` rows a program, `scratch` int64 [SCRATCH_WORDS] zero (and zero again after
+    it): on the rows' GPU, or in Triton's CPU interpreter on CPU tensors."""
+    from dep_ep.ep.unwritten_rows_kernel import unwritten_rows_kernel
+
+    rows, topk = ids.shape
+    assert out.shape[0] == rows and out.stride(1) == 1 and ids.stride(1) == 1
+    high, low = failure.tag_halves()
+    unwritten_rows_kernel[(-(-rows // block),)](
+        out.view(torch.int16),
+        ids,
+        scratch,
+        failure.status,
+        failure.record,
+        rows,
+        high,
+        low,
+        MARK=UNWRITTEN_ROW_MARK,
+        OUT_STRIDE=out.stride(0),
+        IDS_STRIDE=ids.stride(0),
+        TOPK=topk,
+        TOPK_POW2=1 << max(0, (topk - 1).bit_length()),
+        BLOCK=block,
+    )
