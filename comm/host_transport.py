@@ -9,10 +9,11 @@ message of that barrier and decides alike: tags that differ among the ranks that
 give EpDesyncError (the ranks' calls no longer pair: reset() on every rank), a failed rank gives
 its own error there and EpPeerError (with its cause and error) on the others, token counts that
 differ give ValueError; nothing written in the call is used, and the buffers stay usable for the
-next call. A combine whose step status word an experts backend set (comm/failure.py: over its
-pair budget) fails as failed experts, with the backend's error (EpPairBudgetError) on this rank.
-A message is read only under its own
-barrier's key, so no rank ever takes another call's (or another object's) message for this one's.
+next call. A combine whose step status word was set (comm/failure.py: experts over their pair
+budget, or rows left unwritten under check_expert_rows) fails as failed experts, with the
+record's error (EpPairBudgetError, EpUnwrittenRowsError) on this rank. A message is read only
+under its own barrier's key, so no rank ever takes another call's (or another object's) message
+for this one's.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class HostTransport(Transport):
         # they are ready, then each reads its tokens' rows where they lie.
         tokens = ids.shape[0]
         if rejected is None and int(self._status[0]) != 0:
-            # The experts failed the step (over their pair budget): every rank raises here.
+            # The experts failed the step (over their pair budget, or rows left unwritten under
+            # check_expert_rows): every rank raises here.
             rejected, cause = self._experts_failure(), CAUSE_EXPERTS
         self._agree("combine", rejected, cause, tokens, tag)
         normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)

@@ -26,7 +26,7 @@ CAUSE_EARLIER_PIECE = "failed an earlier piece of this step"
 # Not a caller's: the GPU combine's ready flag of a rank whose dispatch of the step had failed.
 CAUSE_UNUSABLE = (
     "had failed this step before its combine (its dispatch, or its experts on the device: over"
-    " their pair budget); its rows were not used"
+    " their pair budget, or rows left unwritten under check_expert_rows); its rows were not used"
 )
 # The causes the device transport tells apart in its step flags (STATUS_FAILED: the experts);
 # the others travel as STATUS_REJECTED.

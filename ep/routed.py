@@ -1033,9 +1033,16 @@ class EpRouted:
                 error, cause = err, CAUSE_INPUT
         if error is None and self._unwritten is not None:
             # Rows with a local id left unwritten fail the step through its status word, as
-            # failed experts do: the combine then fails it on every rank (comm/failure.py).
+            # failed experts do: the combine then fails it on every rank (comm/failure.py). A
+            # check that raises (a Triton compile, an interrupt) fails it as the experts' error,
+            # so that this rank still takes part in the combine.
             rows = self._rows(step.tokens)
-            self._unwritten.fail_step(rows.out, rows.ids, self._transport.step_failure(step.tag))
+            try:
+                self._unwritten.fail_step(
+                    rows.out, rows.ids, self._transport.step_failure(step.tag)
+                )
+            except BaseException as err:
+                error, cause = err, CAUSE_EXPERTS
         if error is not None:
             self._step_failure = f"{type(error).__name__} in {fn}"
         # The kernel writes T contiguous rows: the caller's buffer takes them in place only then,

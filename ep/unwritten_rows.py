@@ -15,12 +15,14 @@ would otherwise have the combine sum whatever the row held (the previous step's 
   record when its code is 0. The combine then fails the step on every rank: on CPU in the call
   (this rank EpUnwrittenRowsError, the peers EpPeerError naming it); on GPU every rank's output
   of the step is NaN and the errors come at the next call, poll() or synchronize().
-On CPU the count is three torch operations on the rows; on GPU one launch of
-unwritten_rows_kernel (ep/unwritten_rows_kernel.py), capturable in a CUDA graph (fixed
-addresses, the tag a launch argument).
+On CPU the count is a few torch operations on the rows; on GPU one launch of
+unwritten_rows_kernel (ep/unwritten_rows_kernel.py) on the rows' device and its current stream,
+capturable in a CUDA graph (fixed addresses, the tag a launch argument).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -55,6 +57,7 @@ class UnwrittenRows:
         self.device = device
         self.scratch = None
         if device.type == "cuda":
+            kernel_module()  # a missing Triton fails the construction, not a step
             self.scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=device)
 
     def fail_step(self, out: torch.Tensor, ids: torch.Tensor, failure: StepFailure) -> None:
@@ -71,10 +74,10 @@ class UnwrittenRows:
         launch_check(out, ids, self.scratch, failure)
 
     def warmup(self, out: torch.Tensor, ids: torch.Tensor) -> None:
-        """On CUDA, compile the check for these rows (those of a step of the T to be captured)
-        by one launch that stores into words of its own only (not this object's scratch, which
-        a step on another stream may be using), so that a CUDA-graph capture compiles nothing;
-        the rows are read, not changed. Nothing on CPU."""
+        """On CUDA, compile the check (once per object: T is a runtime argument) by one launch
+        over these rows that stores into words of its own only (not this object's scratch,
+        which a step on another stream may be using), so that a CUDA-graph capture compiles
+        nothing; the rows are read, not changed. Nothing on CPU."""
         if self.scratch is None:
             return
         words = torch.zeros(
@@ -94,25 +97,46 @@ def launch_check(
 ) -> None:
     """One launch of unwritten_rows_kernel over the rows of `out` (bf16 [R, L]) and `ids` (int32
     [R, K]), `block` rows a program, `scratch` int64 [SCRATCH_WORDS] zero (and zero again after
-    it): on the rows' GPU, or in Triton's CPU interpreter on CPU tensors."""
-    from dep_ep.ep.unwritten_rows_kernel import unwritten_rows_kernel
-
+    it): on the rows' GPU and its current stream, or in Triton's CPU interpreter on CPU
+    tensors."""
     rows, topk = ids.shape
-    assert out.shape[0] == rows and out.stride(1) == 1 and ids.stride(1) == 1
+    if out.shape[0] != rows or out.stride(1) != 1 or ids.stride(1) != 1:
+        raise ValueError(
+            f"launch_check: out {tuple(out.shape)} (strides {out.stride()}) and ids"
+            f" {tuple(ids.shape)} (strides {ids.stride()}); expected as many rows, each"
+            " contiguous"
+        )
     high, low = failure.tag_halves()
-    unwritten_rows_kernel[(-(-rows // block),)](
-        out.view(torch.int16),
-        ids,
-        scratch,
-        failure.status,
-        failure.record,
-        rows,
-        high,
-        low,
-        MARK=UNWRITTEN_ROW_MARK,
-        OUT_STRIDE=out.stride(0),
-        IDS_STRIDE=ids.stride(0),
-        TOPK=topk,
-        TOPK_POW2=1 << max(0, (topk - 1).bit_length()),
-        BLOCK=block,
-    )
+    kernel = kernel_module().unwritten_rows_kernel
+    # Triton launches on the current device: the rows' device, so that the check is ordered
+    # with the experts and the combine on that device's current stream.
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        kernel[(-(-rows // block),)](
+            out.view(torch.int16),
+            ids,
+            scratch,
+            failure.status,
+            failure.record,
+            rows,
+            high,
+            low,
+            MARK=UNWRITTEN_ROW_MARK,
+            OUT_STRIDE=out.stride(0),
+            IDS_STRIDE=ids.stride(0),
+            TOPK=topk,
+            TOPK_POW2=1 << (topk - 1).bit_length(),  # the next power of two
+            BLOCK=block,
+        )
+
+
+def kernel_module():
+    """ep/unwritten_rows_kernel.py, imported on first use (Triton is not a core dependency);
+    ImportError with the pip line when Triton is missing."""
+    try:
+        from dep_ep.ep import unwritten_rows_kernel
+    except ImportError as err:
+        raise ImportError(
+            "EpConfig(check_expert_rows=True) on CUDA runs a Triton kernel, and Triton is not"
+            " importable: pip install -e '.[gpu]' (or a torch build that brings triton)"
+        ) from err
+    return unwritten_rows_kernel

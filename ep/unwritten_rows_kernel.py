@@ -67,12 +67,12 @@ def unwritten_rows_kernel(
     )
     missing = tl.sum((tl.max(ids, axis=1) >= 0).to(tl.int64), axis=0)
     if missing > 0:
-        tl.atomic_add(scratch_ptr, missing)
+        tl.atomic_add(scratch_ptr, missing, sem="acq_rel", scope="gpu")
         tl.store(status_ptr, KIND_EXPERTS_C)
-    done = tl.atomic_add(scratch_ptr + 1, 1)
+    done = tl.atomic_add(scratch_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
-        total = tl.atomic_xchg(scratch_ptr, 0)
-        tl.atomic_xchg(scratch_ptr + 1, 0)
+        total = tl.atomic_xchg(scratch_ptr, 0, sem="acq_rel", scope="gpu")
+        tl.atomic_xchg(scratch_ptr + 1, 0, sem="acq_rel", scope="gpu")
         if total > 0:
             if tl.load(record_ptr) == 0:
                 tag = (tag_high.to(tl.int64) << 32) | (tag_low.to(tl.int64) & 0xFFFFFFFF)

@@ -11,7 +11,7 @@ import torch
 from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
-from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK
+from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK, UnwrittenRows
 from dep_ep.experts import ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.allgather_reference import NORM_EPS
@@ -223,11 +223,11 @@ def test_two_objects_in_different_order_is_a_desync(dep, layer):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_split_api_misuse(dep, layer):
+def test_split_api_misuse(dep, layer, monkeypatch):
     """receive(T') for another T, a caller overwriting its ids between dispatch and combine,
     combine without experts under check_expert_rows (on every rank, EpUnwrittenRowsError
     counting the rows; one row left marked on rank 0 alone, whose peers' EpPeerError says its
-    experts failed)."""
+    experts failed; the check itself raising on rank 0, as its experts' error)."""
     experts = make_experts(layer, dep.rank, dep.size)
     failures: list[str] = []
     config = EpConfig(timeout_s=30.0, check_expert_rows=True)
@@ -282,6 +282,31 @@ def test_split_api_misuse(dep, layer):
             lambda: routed.combine(layer.norm_weight()),
         )
         good_step(dep, routed, layer, experts, 10, "after rank 0's unwritten row", failures)
+
+        # The check itself raising on rank 0 (a Triton compile on GPU, say) fails the step as
+        # its experts' error: rank 0 still takes part, and its peers are told.
+        def broken_check(*args):
+            raise RuntimeError("the check broke")
+
+        if dep.rank == 0:
+            monkeypatch.setattr(UnwrittenRows, "fail_step", broken_check)
+        step = Step(dep, layer, 11)
+        rows = routed.dispatch(step.latent, step.ids, step.weights)
+        experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+        expected, match = (
+            (RuntimeError, "the check broke")
+            if dep.rank == 0
+            else (EpPeerError, "rank 0 failed in its experts: RuntimeError: the check broke")
+        )
+        expect_raises(
+            failures,
+            "rank 0's check raises",
+            expected,
+            match,
+            lambda: routed.combine(layer.norm_weight()),
+        )
+        monkeypatch.undo()
+        good_step(dep, routed, layer, experts, 12, "after rank 0's check raised", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
 

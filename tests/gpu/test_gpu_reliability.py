@@ -322,15 +322,15 @@ class SkippingExperts(ExpertsBackend):
 
     def __init__(self, inner: ExpertsBackend):
         self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
-        self.latent, self.inner = inner.latent, inner
+        self.latent, self.device, self.inner = inner.latent, inner.device, inner
 
     def forward(self, x, sf, ids, weights, out):
         self.inner.forward(x, sf, ids, weights, out)
         local = (ids >= 0).any(dim=1)
         order = torch.arange(1, local.shape[0] + 1, device=ids.device)
         last = (local * order).argmax()  # 0 when no row is local: row 0 then has no local id
-        mark = torch.tensor(UNWRITTEN_ROW_MARK, dtype=torch.int16, device=ids.device)
-        out[:, 0].view(torch.int16).index_put_((last.unsqueeze(0),), mark)
+        # A fill with a Python scalar: no host-to-device copy, so a graph captures it.
+        out[:, 0].view(torch.int16).index_fill_(0, last.unsqueeze(0), UNWRITTEN_ROW_MARK)
 
 
 @pytest.mark.mpi(min_size=2)
