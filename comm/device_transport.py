@@ -277,6 +277,11 @@ class DeviceTransport(Transport):
                 RECOVERY_RESET,
             )
         self.error[:ERROR_KERNEL_WORDS].zero_()
+        if kind != KIND_REJECTED:
+            # A failure record the experts (or check_expert_rows) wrote in a step whose first
+            # error is this one is not raised: cleared with it, so that a later step's error
+            # does not read it as its own (KIND_REJECTED reads and clears it below).
+            self.failure_record.zero_()
         where = f"EpRouted (rank {rank}): call {call} ({phase})"
         after = "; this rank's output of that call is NaN. This call did not start: call it again"
         if kind == KIND_REJECTED:

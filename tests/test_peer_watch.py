@@ -14,8 +14,20 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm.device_transport import DeviceTransport
-from dep_ep.comm.errors import RECOVERY_RESET, EpDesyncError, EpPairBudgetError, EpPeerError
-from dep_ep.comm.failure import FAILURE_PAIR_BUDGET, StepFailure, new_record
+from dep_ep.comm.errors import (
+    RECOVERY_RESET,
+    EpDesyncError,
+    EpPairBudgetError,
+    EpPeerError,
+    EpTokenCountError,
+    EpUnwrittenRowsError,
+)
+from dep_ep.comm.failure import (
+    FAILURE_PAIR_BUDGET,
+    FAILURE_UNWRITTEN_ROWS,
+    StepFailure,
+    new_record,
+)
 from dep_ep.comm.host_channel import ObjectBarriers
 from dep_ep.comm.peer_watch import PeerWatch
 from dep_ep.constants import (
@@ -25,6 +37,7 @@ from dep_ep.constants import (
     ERROR_CALL,
     ERROR_COMPLETE,
     ERROR_KIND,
+    ERROR_MINE,
     ERROR_PEER,
     ERROR_PHASE,
     ERROR_STATUS,
@@ -32,6 +45,7 @@ from dep_ep.constants import (
     ERROR_WORDS,
     KIND_ABORTED,
     KIND_REJECTED,
+    KIND_TOKENS,
     PHASE_COMBINE,
     STATUS_FAILED,
     STATUS_REJECTED,
@@ -246,6 +260,38 @@ def test_check_raises_this_rank_s_pair_budget_failure_first(peer, status):
         else:
             with pytest.raises(EpPeerError, match=f"rank {peer} "):
                 transport.check()
+        transport.check()
+
+
+def test_check_raises_unwritten_rows_and_clears_a_record_it_does_not_raise():
+    """check_expert_rows' failure (comm/failure.py, FAILURE_UNWRITTEN_ROWS) under this rank's
+    own STATUS_UNUSABLE flag: check() raises EpUnwrittenRowsError (a ValueError) with the
+    counts and the tag, and clears both records. A failure record left by a step whose first
+    error is of another kind (T differs, found by a peer's combine) is cleared with that error,
+    which is raised: a later rejection then reads as the peer's EpPeerError, not as this stale
+    record (found by a careless-user probe, reading the code)."""
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+    transport = transport_with(error, [])
+    transport.failure_record[:] = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 9])
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 0, STATUS_UNUSABLE
+    with pytest.raises(
+        EpUnwrittenRowsError, match="tag 9: 3 of this rank's 64 receive row"
+    ) as info:
+        transport.check()
+    assert isinstance(info.value, ValueError)
+    assert (info.value.rows, info.value.checked, info.value.tag) == (3, 64, 9)
+    assert not transport.failure_record.any() and not error.any()
+    transport.failure_record[:] = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 9])
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_TOKENS
+    error[ERROR_PHASE], error[ERROR_PEER] = PHASE_COMBINE, 1
+    error[ERROR_THEIRS], error[ERROR_MINE] = 5, 4
+    with pytest.raises(EpTokenCountError):
+        transport.check()
+    assert not transport.failure_record.any()
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 1, STATUS_REJECTED
+    with pytest.raises(EpPeerError, match="rank 1 rejected its input"):
         transport.check()
 
 
