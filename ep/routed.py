@@ -355,6 +355,8 @@ class EpRouted:
             "check_values": bool(
                 self.device.type == "cpu" if config.check_values is None else config.check_values
             ),
+            # A rank without the check would sum a row its experts left unwritten, silently.
+            "check_expert_rows": bool(config.check_expert_rows),
         }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
         self._buffers: EpBuffers | None = None

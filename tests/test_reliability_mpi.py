@@ -106,22 +106,28 @@ def test_dep_groups_of_different_sizes_raise_on_every_rank(ctx, dep):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("field", ["max_tokens", "topk", "num_experts", "check_values"])
+@pytest.mark.parametrize(
+    "field", ["max_tokens", "topk", "num_experts", "check_values", "check_expert_rows"]
+)
 def test_construction_arguments_differ(dep, field):
     """Each rank consistent with itself but not with rank 0: every rank raises the same
     ValueError naming the field and every rank's value (EpConfig.check_values too: before, one
-    rank refused an out-of-range id its peer dropped)."""
+    rank refused an out-of-range id its peer dropped; EpConfig.check_expert_rows: before, a rank
+    without it summed a row its experts left unwritten, silently, found by a careless-user
+    probe)."""
     odd = dep.rank == dep.size - 1
     values = {
         "max_tokens": (8, 16),
         "topk": (6, 8),
         "num_experts": (48, 96),
         "check_values": (True, False),
+        "check_expert_rows": (True, False),
     }[field]
     kw = {field: values[1] if odd else values[0]}
     max_tokens = kw.pop("max_tokens", MAX_TOKENS)
-    if "check_values" in kw:
-        kw["config"] = EpConfig(timeout_s=30.0, check_values=kw.pop("check_values"))
+    for option in ("check_values", "check_expert_rows"):
+        if option in kw:
+            kw["config"] = EpConfig(timeout_s=30.0, **{option: kw.pop(option)})
     failures: list[str] = []
     err = expect_raises(
         failures,
