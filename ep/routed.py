@@ -1300,21 +1300,31 @@ class EpRouted:
         Transport.dispatch."""
         # experts=None is caught by the dispatch's validation, which every rank takes part in.
         resets = self._resets
-        rows = self._dispatch(
-            fn, latent, ids, weights, experts, True, tokens, tag, checked, padding=padding
-        )
-        error = None
+        before, error = self._step, None
         try:
-            if experts.device_failures:
-                # A call the experts cannot compute (over a pair budget, found on the device)
-                # fails the step through the transport's status word: the combine then fails it
-                # on every rank (comm/failure.py).
-                failure = self.step_failure()
-                experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out, failure=failure)
-            else:
-                experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
-        except BaseException as err:  # every rank must still complete the step
+            rows = self._dispatch(
+                fn, latent, ids, weights, experts, True, tokens, tag, checked, padding=padding
+            )
+        except BaseException as err:
+            if self._step is None or self._step is before:
+                raise  # the dispatch itself failed (it took part in the step, or says why not)
+            # Dispatched, then interrupted (check_expert_rows' mark, the expert count): the
+            # step goes on to its combine as failed experts, so that the peers are told.
             error = err
+        if error is None:
+            try:
+                if experts.device_failures:
+                    # A call the experts cannot compute (over a pair budget, found on the
+                    # device) fails the step through the transport's status word: the combine
+                    # then fails it on every rank (comm/failure.py).
+                    failure = self.step_failure()
+                    experts.forward(
+                        rows.x, rows.sf, rows.ids, rows.weights, rows.out, failure=failure
+                    )
+                else:
+                    experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+            except BaseException as err:  # every rank must still complete the step
+                error = err
         if self._resets != resets:
             # reset() ran on this rank since its dispatch (during its experts, or right after its
             # dispatch barrier, which then recorded the step again): the step was dropped on

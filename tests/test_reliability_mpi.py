@@ -3,6 +3,7 @@ object stays usable for the next good step (docs/reliability.md lists every case
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -225,6 +226,51 @@ def test_two_objects_in_different_order_is_a_desync(dep, layer):
     finally:
         a.close()
         b.close()
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("where", ["mark_rows", "count_experts"])
+def test_an_interrupt_between_dispatch_and_experts_fails_the_step_on_every_rank(
+    dep, layer, monkeypatch, where
+):
+    """A KeyboardInterrupt on rank 0 after its dispatch and before its experts (in
+    check_expert_rows' mark, or in the expert count): the step goes on to its combine as failed
+    experts, so rank 0 raises the interrupt and its peers EpPeerError in the call (before, the
+    peers waited in the combine until timeout_s; found by a careless-user probe); the next step
+    is correct on every rank."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    config = EpConfig(timeout_s=30.0, check_expert_rows=True, count_experts=True)
+    with build(dep, config=config) as routed:
+        if dep.rank == 0:
+
+            def interrupted(*args):
+                raise KeyboardInterrupt(f"interrupted in {where}")
+
+            if where == "mark_rows":
+                monkeypatch.setattr("dep_ep.ep.routed.mark_rows", interrupted)
+            else:
+                monkeypatch.setattr(routed, "_count_experts", interrupted)
+        step = Step(dep, layer, 13)
+        expected, match = (
+            (KeyboardInterrupt, f"interrupted in {where}")
+            if dep.rank == 0
+            else (EpPeerError, "rank 0 failed in its experts: KeyboardInterrupt")
+        )
+        start = time.monotonic()
+        try:
+            step.run(routed, experts)
+            failures.append(f"{where}: no error raised; expected {expected.__name__}")
+        except expected as err:
+            if not re.search(match, f"{type(err).__name__}: {err}"):
+                failures.append(f"{where}: {type(err).__name__} {err!r} lacks {match!r}")
+        except Exception as err:
+            failures.append(f"{where}: raised {type(err).__name__}: {err}")
+        if time.monotonic() - start > 10.0:
+            failures.append(f"{where}: the error took {time.monotonic() - start:.1f} s")
+        monkeypatch.undo()
+        good_step(dep, routed, layer, experts, 14, f"after the interrupt in {where}", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
 
