@@ -1115,13 +1115,14 @@ class EpRouted:
         """dispatch -> experts.forward on the receive rows -> combine. Returns bf16 [n, L] =
         RMSNorm(sum over the token's experts of weight * expert(latent)) (norm_weight None: the
         plain sum), into `out` when given (as `combine`). Arguments as `dispatch` and `combine`.
-        Collective. An exception inside the experts (KeyboardInterrupt included) still completes
-        the step on every rank (this rank aborts it; its peers' EpPeerError names the experts
-        and, on CPU, the error) and is then raised. A backend with `device_failures` gets the
-        step's StepFailure (`step_failure()`): a call it finds on the device it cannot compute
-        (HopperExperts over its pair budget) fails the step on every rank, this rank raising
-        EpPairBudgetError and its peers EpPeerError (CPU: in this call; GPU: at the next call,
-        poll() or synchronize(), every rank's output of the step NaN).
+        Collective. An exception after the dispatch (inside the experts, KeyboardInterrupt
+        included) still completes the step on every rank (this rank aborts it; its peers'
+        EpPeerError names the experts and, on CPU, the error) and is then raised. A backend with
+        `device_failures` gets the step's StepFailure (`step_failure()`): a call it finds on the
+        device it cannot compute (HopperExperts over its pair budget) fails the step on every
+        rank, this rank raising EpPairBudgetError and its peers EpPeerError (CPU: in this call;
+        GPU: at the next call, poll() or synchronize(), every rank's output of the step NaN);
+        so do rows left unwritten under EpConfig.check_expert_rows (EpUnwrittenRowsError).
 
         A step of more than `max_tokens` tokens (T = `tokens`, the same on every rank) runs as
         ceil(T / max_tokens) steps of at most max_tokens tokens each, rank r passing its rows of
