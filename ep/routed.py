@@ -314,6 +314,10 @@ class EpRouted:
     (EpPeerLostError) only `close()` is left.
     """
 
+    # Built outside inference mode even inside one (a server may construct its model under
+    # torch.inference_mode()): the object's own tensors are updated in place by every call, and
+    # an inference tensor refuses that outside inference mode.
+    @torch.inference_mode(False)
     def __init__(
         self,
         group: dist.ProcessGroup,

@@ -8,10 +8,11 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
 from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted
+from dep_ep.ep import TINY, EpMoeLayer, EpRouted
 from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK, UnwrittenRows
 from dep_ep.experts import ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
@@ -20,6 +21,7 @@ from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert, expect_raises
+from helpers.layer_case import make_dense
 from helpers.reference_check import make_experts
 
 MAX_TOKENS = 16
@@ -272,6 +274,46 @@ def test_an_interrupt_between_dispatch_and_experts_fails_the_step_on_every_rank(
         monkeypatch.undo()
         good_step(dep, routed, layer, experts, 14, f"after the interrupt in {where}", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_built_in_inference_mode_runs_outside_it(dep, layer):
+    """An EpRouted (check_expert_rows and count_experts on, so that every call updates its own
+    tensors in place) and an EpMoeLayer built inside torch.inference_mode(), as a server may
+    build its model: steps outside inference mode and inside it, expert_counts(), reset() and
+    a step after it all work and match the reference (before: the first call outside raised
+    "Inplace update to inference tensor" on that rank before its exchange, every later call
+    and reset() too; found by a careless-user probe)."""
+    failures: list[str] = []
+    config = EpConfig(timeout_s=30.0, check_expert_rows=True, count_experts=True)
+    with torch.inference_mode():
+        experts = make_experts(layer, dep.rank, dep.size)
+        routed = build(dep, config=config)
+        dense = make_dense(TINY, agreed_seed(dep.cpu_group, 15))
+        moe = EpMoeLayer(dense, routed, experts, topk=TINY.topk)
+    with routed:
+        good_step(dep, routed, layer, experts, 16, "outside inference mode", failures)
+        with torch.inference_mode():
+            good_step(dep, routed, layer, experts, 17, "inside inference mode", failures)
+        try:
+            # Over the ranks, the pairs received (expert_counts) are the pairs sent.
+            pairs = torch.stack(
+                [routed.expert_counts().sum().long(), (Step(dep, layer, 17).ids >= 0).sum()]
+            )
+            dist.all_reduce(pairs, group=dep.cpu_group)
+            if pairs[0] != pairs[1]:
+                failures.append(f"expert_counts() sum to {int(pairs[0])} of {int(pairs[1])}")
+            routed.reset()
+            x = torch.randn(4, TINY.hidden).to(torch.bfloat16)
+            again = moe(x, tokens=T)
+            with torch.inference_mode():
+                inside = moe(x, tokens=T)
+            if not torch.equal(again.view(torch.int16), inside.view(torch.int16)):
+                failures.append("the layer's call outside inference mode differs from inside")
+        except Exception as err:
+            failures.append(f"{type(err).__name__}: {err}")
+        good_step(dep, routed, layer, experts, 18, "after reset()", failures)
+    collective_assert(dep.cpu_group, failures, seeds=None)
 
 
 @pytest.mark.mpi(min_size=2)

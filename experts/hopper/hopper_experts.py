@@ -108,6 +108,9 @@ class HopperExperts(ExpertsBackend):
 
     requires = "an SM90 (Hopper) CUDA GPU and triton (and humming-kernels for HummingEngine)"
 
+    # Built outside inference mode even inside one: check_pair_budget() zeroes the pair record
+    # in place, which an inference tensor refuses outside inference mode.
+    @torch.inference_mode(False)
     def __init__(
         self,
         weights: ExpertWeights,
