@@ -68,8 +68,9 @@ class EpConfig:
       EpPeerError on the others (on GPU at the next call, poll() or synchronize(), every output
       of the step NaN). No host sync: on GPU a fill at dispatch and one check launch at combine
       (ep/unwritten_rows.py), built to be captured in a CUDA graph (not run on a GPU yet).
-      Off, such a combine returns sums of whatever the rows hold (the previous call's, for
-      instance).
+      A row counts as written once its element 0 changed: a backend that fills `out` first
+      (zeros, say) and then skips rows, or writes element 0 alone, is not caught. Off, such a
+      combine returns sums of whatever the rows hold (the previous call's, for instance).
     peer_watch_s: on CUDA ranks, how often a thread looks at the peers' processes (those on this
       host) and at the peers' reset() rounds (in the group's store), and, when a peer is gone or
       in a reset() this rank has not called, ends the kernels' waits (comm/peer_watch.py); None:

@@ -7,7 +7,9 @@ would otherwise have the combine sum whatever the row held (the previous step's 
 - the dispatch marks every expert output row of the step (`mark_rows`): UNWRITTEN_ROW_MARK in
   element 0, the bf16 bits 0xFFA5, a NaN whose payload no arithmetic produces (GPU arithmetic
   gives 0x7FFF, CPU arithmetic 0x7FC0 or 0xFFC0);
-- the experts overwrite the rows they own;
+- the experts overwrite the rows they own (a row counts as written once its element 0 changed: a
+  backend that fills `out` first, with zeros say, and then skips rows, or writes element 0
+  alone, is not caught);
 - before the combine, `UnwrittenRows.fail_step` counts the rows that hold a local id (>= 0) and
   still hold the mark, and when there are any fails the step through its StepFailure
   (comm/failure.py), as an experts backend fails a step it cannot compute: KIND_EXPERTS into the
