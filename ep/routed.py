@@ -1360,9 +1360,9 @@ class EpRouted:
         sizes = {min(total, self.max_tokens), (total - 1) % self.max_tokens + 1}
         for size in sorted(sizes):
             experts.warmup(self._buffers.layout.rows(size), self.topk)
-            if self._unwritten is not None:
-                rows = self._rows(size)
-                self._unwritten.warmup(rows.out, rows.ids)
+        if self._unwritten is not None:  # one compilation for every T
+            rows = self._rows(min(sizes))
+            self._unwritten.warmup(rows.out, rows.ids)
 
     __call__ = routed
 

@@ -53,8 +53,8 @@ def unwritten_rows_kernel(
     BLOCK: tl.constexpr,
 ):
     """marks int16 [R, L] (out's bits, rows OUT_STRIDE apart), ids int32 [R, TOPK] (rows
-    IDS_STRIDE apart), scratch int64 [2] (zero before
-    the launch, zero after it), status int64 [1], record int64 [4]; the module docstring."""
+    IDS_STRIDE apart), scratch int64 [2] (zero before the launch, zero after it), status int64
+    [1], record int64 [4]; the module docstring."""
     row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = row < rows
     mark = tl.load(marks_ptr + row.to(tl.int64) * OUT_STRIDE, mask=inside, other=0)
