@@ -62,7 +62,8 @@ class EpConfig:
       Above 0 and below 1e9 (the kernels hold it in int64 nanoseconds).
     check_values: read the ids (range) and the weights (finite) of every dispatch. Reading them
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
-    check_expert_rows: dispatch marks the expert output rows, and before the combine a check
+    check_expert_rows: None means on for CPU ranks and off for CUDA ranks (where its cost was
+      not measured). On, dispatch marks the expert output rows, and before the combine a check
       fails the step on every rank when a row that holds a local expert id was not written since
       the dispatch (experts skipped or writing elsewhere): EpUnwrittenRowsError on this rank,
       EpPeerError on the others (on GPU at the next call, poll() or synchronize(), every output
@@ -83,7 +84,7 @@ class EpConfig:
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_values: bool | None = None
-    check_expert_rows: bool = False
+    check_expert_rows: bool | None = None
     peer_watch_s: float | None = DEFAULT_PEER_WATCH_S
     count_experts: bool = False
 
@@ -92,9 +93,9 @@ class EpConfig:
             "EpConfig", "timeout_s", self.timeout_s, 0, 1e9, "seconds above 0 and below 1e9"
         )
         object.__setattr__(self, "timeout_s", timeout)
-        if not isinstance(self.check_expert_rows, bool):
+        if self.check_expert_rows is not None and not isinstance(self.check_expert_rows, bool):
             raise TypeError(
-                f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected a bool"
+                f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected None or a bool"
             )
         if not isinstance(self.count_experts, bool):
             raise TypeError(f"EpConfig: count_experts={self.count_experts!r}; expected a bool")

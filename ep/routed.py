@@ -174,6 +174,12 @@ def same_owner(a: object, b: object) -> bool:
         return False
 
 
+def expert_rows_checked(config: EpConfig, device: torch.device) -> bool:
+    """EpConfig.check_expert_rows as resolved on `device`: None checks on CPU, not on CUDA."""
+    check = config.check_expert_rows
+    return device.type == "cpu" if check is None else check
+
+
 def _wire_tag(tag: object) -> int:
     """The tag a call sends: the caller's when it is valid, else NO_TAG (a rank that rejects its
     tag sends none; its peers need not see the bad value)."""
@@ -359,8 +365,9 @@ class EpRouted:
             "check_values": bool(
                 self.device.type == "cpu" if config.check_values is None else config.check_values
             ),
-            # A rank without the check would sum a row its experts left unwritten, silently.
-            "check_expert_rows": bool(config.check_expert_rows),
+            # A rank without the check would sum a row its experts left unwritten, silently. As
+            # resolved: None checks on CPU, not on CUDA.
+            "check_expert_rows": expert_rows_checked(config, self.device),
         }
         agreement = agree_on_construction(fn, group, fingerprint, config.timeout_s, error)
         self._buffers: EpBuffers | None = None
@@ -428,7 +435,8 @@ class EpRouted:
         self._in_pieces = False
         self._own_failure: BaseException | None = None
         # check_expert_rows: the mark at dispatch and the check before the combine.
-        self._unwritten = UnwrittenRows(self.device) if config.check_expert_rows else None
+        checked = expert_rows_checked(config, self.device)
+        self._unwritten = UnwrittenRows(self.device) if checked else None
         self._counts = None  # int32 [E_local]: the last dispatch's pairs per local expert
         if config.count_experts:
             self._counts = torch.zeros(self.experts_per_rank, dtype=torch.int32, **on)

@@ -147,15 +147,27 @@ def test_construction_arguments_differ(dep, field):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_check_values_are_compared_as_resolved(dep):
-    """check_values None on rank 0 and True on the others: on CPU both read the values, so the
-    ranks agree and build (the construction compares the resolved setting, not the spelling)."""
+@pytest.mark.parametrize("option", ["check_values", "check_expert_rows"])
+def test_checks_are_compared_as_resolved(dep, layer, option):
+    """check_values (or check_expert_rows) None on rank 0 and True on the others: on CPU both
+    mean on, so the ranks agree and build (the construction compares the resolved setting, not
+    the spelling); check_expert_rows=None then checks the rows on every rank."""
     failures: list[str] = []
     check = None if dep.rank == 0 else True
     try:
-        with build(dep, config=EpConfig(timeout_s=30.0, check_values=check)) as routed:
-            if routed.check_values is not True:
+        with build(dep, config=EpConfig(timeout_s=30.0, **{option: check})) as routed:
+            if option == "check_values" and routed.check_values is not True:
                 failures.append(f"check_values resolved to {routed.check_values}")
+            if option == "check_expert_rows":
+                step = Step(dep, layer, 19)
+                routed.dispatch(step.latent, step.ids, step.weights)
+                expect_raises(
+                    failures,
+                    "combine without experts",
+                    EpUnwrittenRowsError,
+                    "did not write them",
+                    lambda: routed.combine(layer.norm_weight()),
+                )
     except Exception as err:
         failures.append(f"{type(err).__name__}: {err}")
     collective_assert(dep.cpu_group, failures, seeds=None)
