@@ -29,7 +29,12 @@ Why a wait for a partner that will not come ends at once:
 - Each rank also publishes where it is (`where/<rank>`: the barrier it entered last). A waiting
   rank reads the positions of the ranks it lacks and raises EpDesyncError when one waits where
   this rank will not go (a barrier of another object this rank has not entered, a reset, a
-  construction): the two would wait for each other until the deadline.
+  construction): the two would wait for each other until the deadline. Before it raises, it
+  gives up its own barrier and the one that rank waits in (below: the out-of-step mark), so the
+  other rank's wait ends at its next look, and no rank that arrives at either barrier later
+  passes it (this rank's next call of the other object would otherwise pair with the waiting
+  call: two objects of one geometry built in different orders returned rows of the wrong
+  object with no error).
 - A rank that closes an object marks it (`<object>/closed/<rank>`, kept): a barrier or a reset
   of that object on another rank raises EpPeerLostError naming it at its next look, also after
   the closer's position has moved on (to a new construction, say).
@@ -47,10 +52,12 @@ barrier another way, an interrupt or a desync, is told to reset, and the reset s
   once its message is published (once: a retry of the barrier after an interrupt reads the
   counter first). A rank that gives up at its deadline sets GAVE_UP * (its rank + 1) into the
   counter by compare-and-set, and only while a bit is missing: so a give-up comes before the
-  last bit or not at all. The barrier completes iff every bit comes in with no give-up.
+  last bit or not at all. The barrier completes iff every bit comes in with no give-up. A rank
+  that finds the ranks out of step sets GAVE_UP * (its rank + 1 + BARRIER_RANKS) the same way.
 - A rank whose arrival finds a give-up, and a waiting rank that reads one, raise
   EpPeerTimeoutError naming the rank that gave up (read from the counter) and those it waited
-  for; a rank that finds every bit at its deadline passes, as the others do.
+  for, or EpDesyncError naming it for the out-of-step mark; a rank that finds every bit at its
+  deadline passes, as the others do.
 - An abandoned barrier is passed by no rank, and each rank that gives it up, arrives late or
   reads the give-up counts it: its next barrier is the one after it (a construction retried
   after a timeout pairs there). A rank that left the barrier another way (an interrupt) finds
@@ -88,7 +95,9 @@ from dep_ep.launch.store import give_up, group_name, group_store
 POLL_SPIN_S, POLL_SLEEP_MIN_S, POLL_SLEEP_MAX_S = 2e-3, 5e-5, 2e-3
 WAIT_SLICE_S = 0.02
 # A barrier's counter: bit r is rank r's arrival; a give-up sets GAVE_UP times (the rank that
-# gave up + 1) above them. So a group takes at most BARRIER_RANKS ranks, the GPU kernels' limit.
+# gave up + 1) above them at a timeout, GAVE_UP times (the rank + 1 + BARRIER_RANKS) when the
+# rank found the ranks out of step. So a group takes at most BARRIER_RANKS ranks, the GPU
+# kernels' limit.
 BARRIER_RANKS = MAX_RANKS
 GAVE_UP_SHIFT = BARRIER_RANKS
 GAVE_UP = 1 << GAVE_UP_SHIFT
@@ -234,7 +243,9 @@ class ObjectBarriers:
         """Raise when a rank whose message (under `keys`, by rank) is missing will not come
         (module docstring). A position read says something only while the rank's message is
         still missing after the read: a rank may publish here and move on in between, and
-        a rank that has moved on has published here first."""
+        a rank that has moved on has published here first. Before EpDesyncError for a rank
+        that waits where this rank will not go, this rank gives up this barrier and the one
+        that rank waits in (`_give_up_out_of_step`)."""
         ch = self.channel
         dead = ch.gone(missing)
         if dead:
@@ -251,12 +262,37 @@ class ObjectBarriers:
                 raise self._closed_by([r], phase)
             why = self._blocking(where)
             if why is not None:
+                self._give_up_out_of_step(store, where)
                 raise EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
                     f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
                     " orders, or one rank reset); call reset() on every rank",
                     RECOVERY_RESET,
                 )
+
+    def _give_up_out_of_step(self, store, peer_where: dict) -> None:
+        """This rank found a peer waiting where it will not go (`peer_where`, the peer's
+        position): it gives up, with the out-of-step mark, this object's current barrier and,
+        when the peer waits in a barrier of a live object in the same epoch as this rank's, that
+        barrier. So the peer's wait ends at its next look, and neither barrier is passed later
+        by a rank that arrives after this one left: before, this rank's next call of the other
+        object paired with the peer's waiting call, which returned rows of the wrong object
+        with no error (two EpRouted of one geometry built or called in different orders). A
+        counter already complete or given up is left as it is."""
+        ch = self.channel
+        mark = GAVE_UP * (ch.rank + 1 + BARRIER_RANKS)
+        everyone = (1 << ch.size) - 1
+        barriers = [(self, (self.epoch, self.count))]
+        target = ch.objects.get(peer_where.get("obj"))
+        if target is not None and target is not self and peer_where.get("phase") != "reset":
+            if peer_where.get("epoch") == target.epoch and "count" in peer_where:
+                barriers.append((target, (target.epoch, peer_where["count"])))
+        for owner, barrier in barriers:
+            key = owner._counter_key(*barrier)
+            try:
+                give_up(store, key, store.add(key, 0), everyone, mark, GAVE_UP)
+            except LookupError:
+                pass  # a reset deleted it: no rank passes it any more
 
     def _closed_key(self, rank: int) -> str:
         """Where rank `rank` marks that it closed this object (set once, kept: unlike its
@@ -336,7 +372,7 @@ class ObjectBarriers:
             store.set(keys[me], json.dumps(message))
             counter, added = self._arrive(store, barrier)
             if counter >= GAVE_UP:  # a peer gave the barrier up before this rank's bit
-                raise self._abandon(self._given_up(phase, counter, late=added), began)
+                raise self._abandon(self._given_up(phase, counter, late=added), phase, began)
             values = self._wait_all(store, keys, phase, timeout_s, began, counter, barrier)
             self._refuse_closed(phase)
             passed = True
@@ -394,13 +430,13 @@ class ObjectBarriers:
         self._arriving = barrier  # before the add: a retry reads the counter first
         return store.add(arrived, bit), True
 
-    def _abandon(self, error: EpTimeoutError, began: tuple[int, int]) -> EpError:
+    def _abandon(self, error: EpError, phase: str, began: tuple[int, int]) -> EpError:
         """The barrier is given up (module docstring): no rank passes it, and this rank's next
         barrier is the one after it (a construction retried after a timeout pairs there), unless
         a reset (a signal handler's) already moved the object on since `began`: then the call
         was abandoned by that reset. Returns the error to raise."""
         if (self.epoch, self.reset_round) != began:
-            return self._reset_during_call(error.phase)
+            return self._reset_during_call(phase)
         # The barrier before it is passed, but its counter would have gone when this one was.
         if self.count >= 1:
             self._stale.append(self._counter_key(self.epoch, self.count - 1))
@@ -418,13 +454,25 @@ class ObjectBarriers:
             return ABANDONED
         return COMPLETE if counter == (1 << self.channel.size) - 1 else None
 
-    def _given_up(self, phase: str, counter: int, late: bool) -> EpPeerTimeoutError:
-        """EpPeerTimeoutError naming the rank that gave the barrier up (held in the counter)
-        and those whose arrival `counter` lacks (this rank too when it is `late`: its own bit
-        came after the give-up)."""
+    def _given_up(self, phase: str, counter: int, late: bool) -> EpError:
+        """The error of a barrier a rank gave up (held in the counter): EpPeerTimeoutError
+        naming that rank and those whose arrival `counter` lacks (this rank too when it is
+        `late`: its own bit came after the give-up) after its timeout; EpDesyncError naming it
+        when it found the ranks out of step."""
         me, ranks = self.channel.rank, range(self.channel.size)
+        giver = (counter >> GAVE_UP_SHIFT) - 1
+        if giver >= BARRIER_RANKS:
+            giver -= BARRIER_RANKS
+            who = "this rank" if giver == me else f"rank {giver}"
+            return EpDesyncError(
+                f"rank {me} in {phase} of {self.label}: the ranks are out of step: {who} found"
+                " a rank waiting in another call or object and gave this call up (the ranks"
+                " call their EpRouted, or their layers, in different orders); call reset() on"
+                " every rank",
+                RECOVERY_RESET,
+            )
         missing = [r for r in ranks if not counter >> r & 1 or (late and r == me)]
-        return EpPeerTimeoutError(me, phase, (counter >> GAVE_UP_SHIFT) - 1, missing)
+        return EpPeerTimeoutError(me, phase, giver, missing)
 
     def _give_up(
         self,
@@ -463,9 +511,9 @@ class ObjectBarriers:
                 f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank's arrival",
                 f"no message within {timeout_s:g} s",
             )
-            raise self._abandon(timeout, began)
+            raise self._abandon(timeout, phase, began)
         if counter >= GAVE_UP:
-            raise self._abandon(self._given_up(phase, counter, late=False), began)
+            raise self._abandon(self._given_up(phase, counter, late=False), phase, began)
         return COMPLETE
 
     def _wait_all(
@@ -504,7 +552,7 @@ class ObjectBarriers:
                 time.sleep(sleep)
             counter = store.add(arrived, 0)
         if outcome == ABANDONED:
-            raise self._abandon(self._given_up(phase, counter, late=False), began)
+            raise self._abandon(self._given_up(phase, counter, late=False), phase, began)
         # A reset() a signal handler ran meanwhile (every rank then reset) may have deleted the
         # messages after the counter was read complete: a read of a missing key would wait for it
         # until the store call's bound (30 s), and the call is abandoned anyway.

@@ -217,22 +217,29 @@ def test_skipped_step_with_tags_is_a_desync_on_every_rank(dep, layer):
 
 @pytest.mark.mpi(min_size=2)
 def test_two_objects_in_different_order_is_a_desync(dep, layer):
-    """Rank 0 calls A then B, the others B then A: every rank raises EpDesyncError within 1 s;
-    reset() on both objects brings them back in step."""
+    """Rank 0 calls A then B, the others B then A: every call raises EpDesyncError on every rank
+    within 1 s, the second calls included (before: one rank's second call could pair with the
+    peer's waiting first call of the same object, and the peer then waited out timeout_s in
+    its second call; found by a careless-user probe); reset() on both objects brings them back
+    in step."""
     experts = make_experts(layer, dep.rank, dep.size)
     failures: list[str] = []
     a, b = build(dep), build(dep)
     step = Step(dep, layer, 3)
     try:
-        first = a if dep.rank == 0 else b
-        start = time.monotonic()
-        expect_raises(
-            failures, "first call", EpDesyncError, "out of step", lambda: step.run(first, experts)
-        )
-        took = time.monotonic() - start
-        print(f"TIME-TO-ERROR two objects in other orders, rank {dep.rank}: {took:.4f} s")
-        if took > 1.0:
-            failures.append(f"the desync took {took:.2f} s")
+        for label, obj in (("first", a), ("second", b))[:: 1 if dep.rank == 0 else -1]:
+            start = time.monotonic()
+            expect_raises(
+                failures,
+                f"{label} call",
+                EpDesyncError,
+                "out of step",
+                lambda: step.run(obj, experts),
+            )
+            took = time.monotonic() - start
+            print(f"TIME-TO-ERROR two objects in other orders, rank {dep.rank}: {took:.4f} s")
+            if took > 1.0:
+                failures.append(f"the desync of the {label} call took {took:.2f} s")
         a.reset()
         b.reset()
         good_step(dep, a, layer, experts, 4, "A after reset", failures)
@@ -240,6 +247,35 @@ def test_two_objects_in_different_order_is_a_desync(dep, layer):
     finally:
         a.close()
         b.close()
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_objects_built_in_different_orders_never_pair_silently(dep, layer):
+    """Two EpRouted of one geometry built P, Q on rank 0 and Q, P on the others (so rank 0's P
+    pairs with the others' Q), each rank calling P with one model's experts, then Q with
+    another's: every call raises EpDesyncError on every rank within 1 s (before: a rank's Q
+    call paired with a peer's waiting P call, and the peer's P returned the other model's rows
+    with no error, relative L2 0.8-1.0; found by a careless-user probe)."""
+    experts_x = make_experts(layer, dep.rank, dep.size)
+    experts_y = make_experts(
+        SyntheticLayer(TINY, agreed_seed(dep.cpu_group, 101)), dep.rank, dep.size
+    )
+    failures: list[str] = []
+    first, second = build(dep), build(dep)
+    p, q = (first, second) if dep.rank == 0 else (second, first)
+    step = Step(dep, layer, 20)
+    try:
+        for label, obj, experts in (("P", p, experts_x), ("Q", q, experts_y)):
+            start = time.monotonic()
+            expect_raises(
+                failures, label, EpDesyncError, "out of step", lambda: step.run(obj, experts)
+            )
+            if time.monotonic() - start > 1.0:
+                failures.append(f"{label}: the desync took {time.monotonic() - start:.2f} s")
+    finally:
+        first.close()
+        second.close()
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
 
