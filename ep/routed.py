@@ -1038,12 +1038,15 @@ class EpRouted:
             raise RuntimeError(f"{fn}: no dispatch to combine")
         self._step = None
         if error is None:
+            # Any exception here (a KeyboardInterrupt, a tensor type the checks cannot read)
+            # rejects the step: the step was dispatched, so this rank must take part in its
+            # combine, or its peers would wait there until timeout_s.
             try:
                 eps = self._check_norm(fn, norm_weight, eps)
                 self._check_outside_buffers(fn, (("norm_weight", norm_weight),))
                 if out is not None:
                     self._check_out(fn, out, step.real)
-            except (TypeError, ValueError) as err:
+            except BaseException as err:
                 error, cause = err, CAUSE_INPUT
         if error is None and self._unwritten is not None:
             # Rows with a local id left unwritten fail the step through its status word, as
@@ -1170,7 +1173,7 @@ class EpRouted:
             if out is not None:
                 self._check_out(fn, out, n)
             self._check_outside_buffers(fn, (("norm_weight", norm_weight),))
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # as one step's dispatch takes any error of its checks
             refused = err
         return self._routed_pieces(
             fn,

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dep_ep.ep.routed as routed_module
 from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpMoeLayer, EpRouted
@@ -321,6 +322,58 @@ def test_an_interrupt_between_dispatch_and_experts_fails_the_step_on_every_rank(
             failures.append(f"{where}: the error took {time.monotonic() - start:.1f} s")
         monkeypatch.undo()
         good_step(dep, routed, layer, experts, 14, f"after the interrupt in {where}", failures)
+    collective_assert(dep.cpu_group, failures, seeds=step.seed)
+
+
+class NoAttributes(ExpertsBackend):
+    """A backend whose __init__ forgot everything: reading its first_expert raises
+    AttributeError."""
+
+    def __init__(self):
+        pass
+
+    def forward(self, x, sf, ids, weights, out):
+        raise AssertionError("never called")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["interrupt in combine's checks", "pieces, experts unreadable"])
+def test_any_error_in_a_call_s_checks_reaches_every_rank(dep, layer, monkeypatch, case):
+    """Rank 0's call checks raise something other than TypeError or ValueError: a
+    KeyboardInterrupt in the combine's checks (after the dispatch), or an AttributeError from a
+    backend without attributes in a step above max_tokens (checked whole before its pieces).
+    Rank 0 raises it and its peers EpPeerError, in the call, within 10 s (before: rank 0 raised
+    alone and its peers waited out timeout_s; found by a careless-user probe); the next step is
+    correct on every rank."""
+    experts = make_experts(layer, dep.rank, dep.size)
+    failures: list[str] = []
+    with build(dep, config=EpConfig(timeout_s=30.0)) as routed:
+        tokens = T if case.startswith("interrupt") else 2 * MAX_TOKENS + 3
+        step = Step(dep, layer, 21, tokens=tokens)
+        used = experts
+        if dep.rank == 0 and case.startswith("interrupt"):
+            real = routed_module.check_eps
+
+            def interrupted(fn, eps):
+                monkeypatch.setattr(routed_module, "check_eps", real)
+                raise KeyboardInterrupt("interrupted in the combine's checks")
+
+            monkeypatch.setattr(routed_module, "check_eps", interrupted)
+        elif dep.rank == 0:
+            used = NoAttributes()
+        expected, match = (
+            ((KeyboardInterrupt, AttributeError), "interrupted|first_expert")
+            if dep.rank == 0
+            else (EpPeerError, "rank 0 rejected its input: (KeyboardInterrupt|AttributeError)")
+        )
+        start = time.monotonic()
+        expect_raises(
+            failures, case, expected, match, lambda: step.run(routed, used, tokens=tokens)
+        )
+        if time.monotonic() - start > 10.0:
+            failures.append(f"{case}: the error took {time.monotonic() - start:.1f} s")
+        monkeypatch.undo()
+        good_step(dep, routed, layer, experts, 22, f"after {case}", failures)
     collective_assert(dep.cpu_group, failures, seeds=step.seed)
 
 
