@@ -695,11 +695,12 @@ class EpMoeLayer:
         The first call (every rank makes it) copies again what the layer copied, so weights
         loaded between construction and serving reach it, and reads the fingerprint (every tag
         the layer sends carries it); neither can run inside a CUDA graph capture. The call
-        counts once it reached the EpRouted's transport (as its peers' calls do): an exception
-        before that (a KeyboardInterrupt in this rank's own work) leaves the count where the
-        peers' is, and the next call pairs with theirs. A reset() during the call (a signal
+        counts once it reached the EpRouted's transport on this thread (as its peers' calls
+        do): an exception before that (a KeyboardInterrupt in this rank's own work, a call
+        refused because another thread is inside one) leaves the count where the peers' is,
+        and the next call pairs with theirs. A reset() during the call (a signal
         handler's) restarted the count on every rank: it stays at 0."""
-        calls, entered, resets = self._calls, self.routed._entered, self.routed._resets
+        calls, entered, resets = self._calls, self.routed._entered_here(), self.routed._resets
         unready = None
         first = not self._read_once and bool(self._copied)
         read_fingerprint = self.fingerprint is None
@@ -728,7 +729,7 @@ class EpMoeLayer:
         try:
             yield wire, unready
         finally:
-            if self.routed._entered != entered and self.routed._resets == resets:
+            if self.routed._entered_here() != entered and self.routed._resets == resets:
                 self._calls = calls + 1
 
     # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a

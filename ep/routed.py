@@ -419,10 +419,12 @@ class EpRouted:
         self._no_expert = torch.full((), -1, dtype=torch.int32, **on)
         self._weights = torch.empty(max_tokens, topk, dtype=torch.float32, **on)
         self._step: _Step | None = None  # the dispatched step awaiting its combine
-        # Dispatches (and rejections) handed to the transport: an EpMoeLayer counts a call (its
-        # tags' call count) only once it got this far, so that an exception before it (a
-        # KeyboardInterrupt in the layer's own work) does not put its count ahead of the peers'.
-        self._entered = 0
+        # Dispatches (and rejections) handed to the transport, by the thread that made them
+        # (`_entered_here()`): an EpMoeLayer counts a call (its tags' call count) only once it got
+        # this far, so that an exception before it (a KeyboardInterrupt in the layer's own work,
+        # a call refused because another thread is inside one) does not put its count ahead of
+        # the peers'.
+        self._entered: dict[int, int] = {}
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
         self._step_failure: str | None = None  # why the last step failed on this rank
         self._resets = 0  # reset()s so far: a call during which one ran is abandoned
@@ -764,6 +766,16 @@ class EpRouted:
             check_aligned(fn, "norm_weight", norm_weight)
         return check_eps(fn, eps)
 
+    def _enter(self) -> None:
+        """Count a dispatch (or rejection) this thread hands to the transport."""
+        me = threading.get_ident()
+        self._entered[me] = self._entered.get(me, 0) + 1
+
+    def _entered_here(self) -> int:
+        """The dispatches (and rejections) the calling thread handed to the transport so far;
+        an EpMoeLayer's call counts once this moved during it."""
+        return self._entered.get(threading.get_ident(), 0)
+
     def _check_usable(self, fn: str) -> None:
         if self._buffers.closed:
             raise RuntimeError(f"{fn}: this EpRouted was closed")
@@ -878,7 +890,7 @@ class EpRouted:
             error, tokens = err, 0
         wire_tag = _wire_tag(tag)
         staged_ids = self._ids[:tokens]
-        self._entered += 1
+        self._enter()
         self._run(
             fn,
             lambda: self._transport.dispatch(
@@ -1001,7 +1013,7 @@ class EpRouted:
     def _reject_piece(self, fn, error, cause, tag, checked) -> None:
         """Take part in one step (or piece) without payload, rejecting it with `error` and
         `cause`; returns (the caller raises `error`). Other errors propagate."""
-        self._entered += 1
+        self._enter()
         try:
             self._run(
                 fn,

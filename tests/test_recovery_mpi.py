@@ -448,6 +448,75 @@ def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep,
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_call_refused_for_another_thread_keeps_the_layer_calls_paired(dep, layer):
+    """On rank 0 a second thread calls layer B while the main thread's call of layer A (one
+    EpRouted) is inside its experts: B's call is refused (RuntimeError naming both threads)
+    and does not count, so the next calls of A and B on every rank pair and equal a fresh
+    EpRouted's. Before: the main thread's dispatch counted for the refused call too, B's call
+    count moved ahead on rank 0 alone, and B's next call raised EpDesyncError on every rank
+    (found by a careless-user probe)."""
+    seed = agreed_seed(dep.cpu_group, 346)
+    gen = torch.Generator().manual_seed(seed + dep.rank)
+    x = torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16)
+    experts = Batches(dep, layer, seed, T).experts
+    failures: list[str] = []
+    with build(dep) as fresh:
+        a = EpMoeLayer(dense_weights(seed), fresh, experts, topk=TINY.topk, layer_index=0)
+        b = EpMoeLayer(dense_weights(seed + 1), fresh, experts, topk=TINY.topk, layer_index=1)
+        want = [a(x), b(x), a(x), b(x)]
+    with build(dep) as routed:
+        a = EpMoeLayer(dense_weights(seed), routed, experts, topk=TINY.topk, layer_index=0)
+        b = EpMoeLayer(dense_weights(seed + 1), routed, experts, topk=TINY.topk, layer_index=1)
+        got = [a(x), b(x)]
+        if dep.rank == 0:
+            # B's call starts first and waits in its own work (its front GEMM) until A's call
+            # has dispatched; A's experts wait until B's call was refused.
+            started, dispatched, refused = threading.Event(), threading.Event(), threading.Event()
+            inner, front, second = experts.forward, b.front, {}
+
+            def b_front(h):
+                started.set()
+                dispatched.wait(10)
+                return front(h)
+
+            def held(*args, **kwargs):
+                dispatched.set()
+                refused.wait(10)
+                return inner(*args, **kwargs)
+
+            def call_b():
+                try:
+                    b(x)
+                except RuntimeError as err:
+                    second["error"] = err
+                refused.set()
+
+            experts.forward, b.front = held, b_front
+            thread = threading.Thread(target=call_b, name="second")
+            thread.start()
+            started.wait(10)
+            try:
+                got.append(a(x))
+            finally:
+                thread.join()
+                experts.forward, b.front = inner, front
+            if "thread 'second'" not in str(second.get("error")):
+                failures.append(f"the second thread's call: {second.get('error')!r}")
+        else:
+            got.append(a(x))
+        try:
+            got.append(b(x))
+        except Exception as err:  # reported collectively
+            failures.append(f"B's next call: {type(err).__name__}: {err}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
+            failures.append(f"call {i}: not the fresh object's bits")
+    if len(got) != len(want):
+        failures.append(f"{len(got)} of {len(want)} calls returned")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_reset_after_a_peer_closed_names_it_at_once(dep, layer):
     """The last rank closes its EpRouted; the others then call reset(), as a desync or a timeout
