@@ -80,7 +80,8 @@ def shared_routed(
         spelled = str(resolve_device("shared_routed", device))  # "cpu:0" is "cpu"
     except (TypeError, ValueError):
         spelled = repr(device)  # the construction refuses it, on every rank
-    key = (group, spelled, num_experts, latent, topk, max_tokens)
+    sizes = {"num_experts": num_experts, "latent": latent, "topk": topk, "max_tokens": max_tokens}
+    key = (group, spelled, *(_key_int(name, v) for name, v in sizes.items()))
     routed = _SHARED.get(key)
     if routed is not None and not routed.closed and routed.config != config:
         raise ValueError(
@@ -100,6 +101,16 @@ def shared_routed(
         )
         _SHARED[key] = routed
     return routed
+
+
+def _key_int(name: str, value: object) -> object:
+    """An integer argument of shared_routed as its cache key holds it: a Python int for an
+    integer of any kind (a 0-dim tensor hashes by identity: each call would build a new object),
+    else its repr (the construction refuses it, on every rank)."""
+    try:
+        return check_int("shared_routed", name, value)
+    except TypeError:
+        return repr(value)
 
 
 def close_shared() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -1049,6 +1050,11 @@ def test_situ_check_and_integration_helpers(dep, layer):
         failures.append("shared_routed built a second EpRouted for the same geometry")
     if common.shared_routed(dep.cpu_group, "cpu:0", **kw) is not first:
         failures.append('shared_routed("cpu:0") is not the EpRouted of "cpu"')
+    # Integers of any kind (before: a 0-dim tensor hashed by identity, and each call built a new
+    # EpRouted; found by a careless-user probe).
+    spelled = dict(kw, max_tokens=torch.tensor(8), topk=np.int64(TINY.topk))
+    if common.shared_routed(dep.cpu_group, "cpu", **spelled) is not first:
+        failures.append("shared_routed(max_tokens=torch.tensor(8)) is not the same EpRouted")
     expect_raises(
         failures,
         "shared_routed with another config",
