@@ -215,30 +215,42 @@ def workload(args, rank: int, world_size: int) -> list[Request]:
     ]
 
 
+# The token-id dtypes a prompt may hold (the embedding's lookup takes them; torch has no min()
+# of the unsigned 16-64 bit ones on CPU).
+PROMPT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+PROMPT_KINDS = "uint8, int8, int16, int32 or int64"
+
+
 def refusal(request: Request, max_prompt: int, vocab: int) -> str | None:
     """Why `request` cannot be served, or None: a prompt that is not a 1-D tensor of integer
-    token ids in 0..vocab-1 (an embedding lookup would wrap a negative id onto another token,
-    and a float or bool prompt would be cast), empty or over `max_prompt` tokens; a max_new
-    that is not an int >= 1 (such a request would never finish); an arrival time that is not
-    a finite number."""
+    token ids (PROMPT_DTYPES) in 0..vocab-1 (an embedding lookup would wrap a negative id onto
+    another token, and a float or bool prompt would be cast), empty, over `max_prompt` tokens,
+    or whose values cannot be read (a meta tensor); a max_new that is not an int >= 1 (such a
+    request would never finish); an arrival time that is not a finite int or float."""
     prompt = request.prompt
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1:
         return "its prompt is not a 1-D tensor of token ids"
     length = prompt.numel()
     if length == 0:
         return "its prompt is empty"
-    if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
-        return f"its prompt holds {prompt.dtype} values, not integer token ids"
+    if prompt.dtype not in PROMPT_DTYPES:
+        return f"its prompt holds {prompt.dtype} values, not integer token ids ({PROMPT_KINDS})"
     if length > max_prompt:
         return f"its prompt of {length} tokens is over the limit of {max_prompt}"
-    low, high = int(prompt.min()), int(prompt.max())
+    try:
+        low, high = int(prompt.min()), int(prompt.max())
+    except (RuntimeError, NotImplementedError) as err:  # a meta or sparse tensor, say
+        return f"its prompt's token ids cannot be read ({type(err).__name__}: {err})"
     if low < 0 or high >= vocab:
         return f"its prompt holds token ids {low}..{high}, outside 0..{vocab - 1}"
     new = request.max_new
     if not isinstance(new, numbers.Integral) or isinstance(new, bool) or new < 1:
         return f"max_new={new!r}; expected an int >= 1"
-    if not finite_time(request.arrival_s):
-        return f"its arrival time {request.arrival_s!r} is not a finite number"
+    arrival = request.arrival_s
+    if not isinstance(arrival, numbers.Real) or isinstance(arrival, bool):
+        return f"its arrival time {arrival!r} is not a real number (an int or a float)"
+    if not math.isfinite(arrival):
+        return f"its arrival time {arrival!r} is not finite"
     return None
 
 

@@ -89,8 +89,9 @@ def test_a_request_the_loop_cannot_serve_is_refused_not_served_or_left():
     token ids (an embedding lookup wrapped -1 onto the last token and served it), float, bool
     and 2-D prompts (cast or flattened before), max_new 0 or -1 (never finished), a NaN, inf or
     missing arrival (a NaN blocked every request behind it in the queue, an inf kept the loop
-    waiting); well-formed ones pass (int32 ids, a NumPy max_new), and the scheduler takes the
-    requests whose arrival is not a finite number out of the queue."""
+    waiting), unsigned 16-64 bit and meta prompts (refusal() raised); well-formed ones pass
+    (int32, int16 and uint8 ids, a NumPy max_new), and the scheduler takes the requests whose
+    arrival is not a finite number out of the queue."""
     server = load_server()
     args = settings(vocab=32, max_prompt=9)
     ok = torch.tensor([1, 5, 31])
@@ -105,9 +106,20 @@ def test_a_request_the_loop_cannot_serve_is_refused_not_served_or_left():
         (ok, 0, 0.0, "max_new=0"),
         (ok, -1, 0.0, "max_new=-1"),
         (ok, 2.0, 0.0, "max_new=2.0"),
-        (ok, 3, float("nan"), "not a finite number"),
-        (ok, 3, float("inf"), "not a finite number"),
-        (ok, 3, None, "not a finite number"),
+        (ok, 3, float("nan"), "is not finite"),
+        (ok, 3, float("inf"), "is not finite"),
+        (ok, 3, None, "not a real number"),
+        # A 0-dim tensor is not an arrival time (before: "not a finite number" for 0.5).
+        (ok, 3, torch.tensor(0.5), "not a real number"),
+        # Integer dtypes without a min() on CPU, and a tensor without values (before: the
+        # refusal raised, and the rank left the loop while its peers waited in their
+        # collectives; found by a careless-user probe).
+        (ok.to(torch.uint16), 3, 0.0, "uint16 values"),
+        (ok.to(torch.uint32), 3, 0.0, "uint32 values"),
+        (ok.to(torch.uint64), 3, 0.0, "uint64 values"),
+        (ok.to("meta"), 3, 0.0, "cannot be read"),
+        (ok.to(torch.uint8), 3, 0.0, None),
+        (ok.to(torch.int16), 3, 0.0, None),
         (ok.int(), np.int64(3), 1, None),  # int32 ids, a NumPy max_new, an int arrival
         (torch.tensor([]), 3, 0.0, "empty"),
         (torch.tensor(5), 3, 0.0, "1-D tensor"),
