@@ -21,6 +21,7 @@ from dep_ep.checks import (
     check_padding,
     check_positive_int,
     check_rows,
+    check_step_tokens,
     check_tag,
     check_tensor,
     check_tokens,
@@ -1376,9 +1377,7 @@ class EpRouted:
         the steps it runs as (see `routed`)."""
         fn = "EpRouted.warmup"
         self._check_usable(fn)
-        total = check_int(fn, "tokens", tokens)
-        if total < 1:
-            raise ValueError(f"{fn}: tokens={total}; expected >= 1")
+        total = check_step_tokens(fn, tokens)  # the T a step may have: 1..MAX_STEP_TOKENS
         check_experts_match(fn, self, experts)
         sizes = {min(total, self.max_tokens), (total - 1) % self.max_tokens + 1}
         for size in sorted(sizes):

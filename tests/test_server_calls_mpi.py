@@ -906,7 +906,8 @@ def test_custom_op_rejects_every_piece_of_a_step_given_no_tokens(dep, layer, mon
 
 @pytest.mark.mpi(min_size=2)
 def test_warmup_is_local_and_counts_accumulate(dep, layer):
-    """warmup(T, experts) on rank 0 alone returns (no collective), and a bad T is a ValueError;
+    """warmup(T, experts) on rank 0 alone returns (no collective), and a bad T (0, 2^31: no step
+    has it) is a ValueError;
     expert_counts(out=, accumulate=True) over three steps is the sum of their counts, and without
     accumulate the last step's."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 640), 6)
@@ -924,6 +925,14 @@ def test_warmup_is_local_and_counts_accumulate(dep, layer):
                 ValueError,
                 "tokens=0",
                 lambda: routed.warmup(0, batches.experts),
+            )
+            # A T no step may have (before: accepted; found by a careless-user probe).
+            expect_raises(
+                failures,
+                "warmup(2**31)",
+                ValueError,
+                "tokens=2147483648; expected 1..2147483647",
+                lambda: routed.warmup(2**31, batches.experts),
             )
         total = torch.zeros(routed.experts_per_rank, dtype=torch.int64)
         want = torch.zeros_like(total)
