@@ -324,3 +324,42 @@ def test_a_reset_after_the_counter_read_complete_abandons_the_call():
     store.hook = ("add", reset_and_delete)  # on rank 0's next read of the counter
     with pytest.raises(EpResetDuringCallError):
         b._wait_all(store, keys, "phase", 5.0, (0, 0), 0b01, (0, 0))
+
+
+def test_a_rank_out_of_step_gives_up_both_barriers():
+    """Two objects on each of 2 ranks; rank 0 calls X then Y, rank 1 Y then X. Each first
+    exchange raises EpDesyncError within 1 s (one rank finds the other waiting in the object it
+    has not reached, gives up its own barrier and that one, and raises; the other reads the
+    give-up or finds the same), and so does each second exchange, at once: no barrier of either
+    object passes on any rank. Before the out-of-step give-up, a second exchange could pair
+    with the peer's waiting first one (two objects of one geometry built in different orders
+    returned the other model's rows with no error)."""
+    store = dist.HashStore()
+    objects = []
+    for r in range(2):
+        channel = Channel(store, r, 2)
+        x = ObjectBarriers(channel, "x", "object X")
+        y = ObjectBarriers(channel, "y", "object Y")
+        objects.append((x, y) if r == 0 else (y, x))
+    results: list = [[], []]
+
+    def rank(r: int) -> None:
+        for barriers in objects[r]:
+            start = time.monotonic()
+            try:
+                outcome = barriers.exchange("dispatch", {"rank": r}, 5.0)
+            except Exception as err:  # compared below
+                outcome = err
+            results[r].append((barriers.label, outcome, time.monotonic() - start))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for r in range(2):
+        assert len(results[r]) == 2, f"rank {r}: {results[r]}"
+        for label, outcome, took in results[r]:
+            assert isinstance(outcome, EpDesyncError), (r, label, outcome)
+            assert "out of step" in str(outcome), (r, label, outcome)
+            assert took < 1.0, (r, label, took)
