@@ -58,9 +58,11 @@ barrier another way, an interrupt or a desync, is told to reset, and the reset s
   EpPeerTimeoutError naming the rank that gave up (read from the counter) and those it waited
   for, or EpDesyncError naming it for the out-of-step mark; a rank that finds every bit at its
   deadline passes, as the others do.
-- An abandoned barrier is passed by no rank, and each rank that gives it up, arrives late or
-  reads the give-up counts it: its next barrier is the one after it (a construction retried
-  after a timeout pairs there). A rank that left the barrier another way (an interrupt) finds
+- An abandoned barrier is passed by no rank, and each rank that gives it up at its deadline,
+  arrives late or reads the give-up counts it: its next barrier is the one after it (a
+  construction retried after a timeout pairs there). A rank that gives a barrier up for being
+  out of step raises EpDesyncError without counting it: the reset that error asks for settles
+  the counts. A rank that left the barrier another way (an interrupt) finds
   the give-up at its next attempt there, which fails once and counts it.
 Ordering: a rank writes its payload (shared-memory rows) before it publishes, and its peers read
 the rows after they found its message; the store's socket round trips order the two (the
@@ -239,13 +241,23 @@ class ObjectBarriers:
             return f"waits in {phase} of {target.label}{gone}, which this rank has not reached"
         return None
 
-    def _check_waiting(self, store, keys: list[str], missing: list[int], phase: str) -> None:
+    def _check_waiting(
+        self,
+        store,
+        keys: list[str],
+        missing: list[int],
+        phase: str,
+        barrier: tuple[int, int],
+        began: tuple[int, int],
+    ) -> None:
         """Raise when a rank whose message (under `keys`, by rank) is missing will not come
         (module docstring). A position read says something only while the rank's message is
         still missing after the read: a rank may publish here and move on in between, and
         a rank that has moved on has published here first. Before EpDesyncError for a rank
-        that waits where this rank will not go, this rank gives up this barrier and the one
-        that rank waits in (`_give_up_out_of_step`)."""
+        that waits where this rank will not go, this rank gives up `barrier` (the one it waits
+        in) and the one that rank waits in (`_give_up_out_of_step`); when `barrier` completed
+        meanwhile (that rank came after all), it returns and the barrier passes. A reset (a
+        signal handler's) since `began` abandons the call first."""
         ch = self.channel
         dead = ch.gone(missing)
         if dead:
@@ -262,7 +274,10 @@ class ObjectBarriers:
                 raise self._closed_by([r], phase)
             why = self._blocking(where)
             if why is not None:
-                self._give_up_out_of_step(store, where)
+                # Not into a new epoch's first barrier: a reset run since the read is the call's.
+                self._refuse_interrupted(phase, began)
+                if self._give_up_out_of_step(store, where, barrier) == COMPLETE:
+                    return
                 raise EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
                     f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
@@ -270,29 +285,34 @@ class ObjectBarriers:
                     RECOVERY_RESET,
                 )
 
-    def _give_up_out_of_step(self, store, peer_where: dict) -> None:
-        """This rank found a peer waiting where it will not go (`peer_where`, the peer's
-        position): it gives up, with the out-of-step mark, this object's current barrier and,
-        when the peer waits in a barrier of a live object in the same epoch as this rank's, that
-        barrier. So the peer's wait ends at its next look, and neither barrier is passed later
-        by a rank that arrives after this one left: before, this rank's next call of the other
-        object paired with the peer's waiting call, which returned rows of the wrong object
-        with no error (two EpRouted of one geometry built or called in different orders). A
-        counter already complete or given up is left as it is."""
+    def _give_up_out_of_step(self, store, peer_where: dict, barrier: tuple[int, int]) -> str:
+        """This rank, waiting in `barrier`, found a peer waiting where it will not go
+        (`peer_where`, the peer's position): it gives up, with the out-of-step mark, `barrier`
+        and, when the peer waits in a barrier of a live object in the same epoch as that
+        object's here, that barrier. So the peer's wait ends at its next look, and neither
+        barrier is passed later by a rank that arrives after this one left: before, this rank's
+        next call of the other object paired with the peer's waiting call, which returned rows
+        of the wrong object with no error (two EpRouted of one geometry built or called in
+        different orders). A counter already complete or given up is left as it is. Returns
+        COMPLETE when `barrier` completed before its give-up (the peer came after all: it
+        passes, and the other barrier is left alone), else ABANDONED."""
         ch = self.channel
         mark = GAVE_UP * (ch.rank + 1 + BARRIER_RANKS)
         everyone = (1 << ch.size) - 1
-        barriers = [(self, (self.epoch, self.count))]
+        barriers = [(self, barrier)]
         target = ch.objects.get(peer_where.get("obj"))
         if target is not None and target is not self and peer_where.get("phase") != "reset":
             if peer_where.get("epoch") == target.epoch and "count" in peer_where:
                 barriers.append((target, (target.epoch, peer_where["count"])))
-        for owner, barrier in barriers:
-            key = owner._counter_key(*barrier)
+        for owner, (epoch, count) in barriers:
+            key = owner._counter_key(epoch, count)
             try:
-                give_up(store, key, store.add(key, 0), everyone, mark, GAVE_UP)
+                counter, _ = give_up(store, key, store.add(key, 0), everyone, mark, GAVE_UP)
             except LookupError:
-                pass  # a reset deleted it: no rank passes it any more
+                continue  # a reset deleted it: no rank passes it any more
+            if owner is self and counter == everyone:
+                return COMPLETE
+        return ABANDONED
 
     def _closed_key(self, rank: int) -> str:
         """Where rank `rank` marks that it closed this object (set once, kept: unlike its
@@ -542,7 +562,7 @@ class ObjectBarriers:
             if now >= next_look:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 if missing:
-                    self._check_waiting(store, keys, missing, phase)
+                    self._check_waiting(store, keys, missing, phase, barrier, began)
                 if now >= deadline:
                     outcome = self._give_up(store, phase, timeout_s, missing, barrier, began)
                     break

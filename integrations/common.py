@@ -109,7 +109,7 @@ def _key_int(name: str, value: object) -> object:
     else its repr (the construction refuses it, on every rank)."""
     try:
         return check_int("shared_routed", name, value)
-    except TypeError:
+    except Exception:  # not an int, or a tensor without a value (meta): refused by the build
         return repr(value)
 
 

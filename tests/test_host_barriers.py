@@ -10,6 +10,7 @@ step apart from the other (EpDesyncError at every call, every reset() succeeding
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -363,3 +364,52 @@ def test_a_rank_out_of_step_gives_up_both_barriers():
             assert isinstance(outcome, EpDesyncError), (r, label, outcome)
             assert "out of step" in str(outcome), (r, label, outcome)
             assert took < 1.0, (r, label, took)
+
+
+def waiting_in_x_while_rank_1_is_in_y(store):
+    """Rank 0 published and arrived at X's barrier (0, 0); rank 1's position says it waits in
+    Y's (0, 0). Returns (rank 0's X, rank 1's X, the keys of X's barrier)."""
+    x0, x1 = (ObjectBarriers(Channel(store, r, 2), "x", "object X") for r in range(2))
+    for barriers in (x0, x1):
+        ObjectBarriers(barriers.channel, "y", "object Y")
+    where = {"obj": "y", "phase": "dispatch", "epoch": 0, "count": 0}
+    store.set(x1.channel.key("where", 1), json.dumps(where))
+    keys = [x0.channel.key("x", "0.0", r) for r in range(2)]
+    store.set(keys[0], json.dumps({"phase": "dispatch"}))
+    x0._arrive(store, (0, 0))
+    return x0, x1, keys
+
+
+def test_a_reset_before_the_out_of_step_give_up_abandons_the_call():
+    """A signal handler's reset lands right after rank 0 read rank 1's position elsewhere: the
+    call raises EpResetDuringCallError and gives up nothing, so the new epoch's first barrier
+    is open (before: the out-of-step mark went on (1, 0), and the next call, which needs no
+    reset, raised EpDesyncError on every rank; found by a review)."""
+    store = HookStore()
+    x0, _, keys = waiting_in_x_while_rank_1_is_in_y(store)
+    store.hook = ("multi_get", reset_of(x0))
+    with pytest.raises(EpResetDuringCallError):
+        x0._check_waiting(store, keys, [1], "dispatch", (0, 0), (0, 0))
+    assert store.add(x0._counter_key(1, 0), 0) == 0
+    assert store.add(x0._counter_key(0, 0), 0) == 1  # the old barrier: rank 0's bit alone
+
+
+def test_a_peer_that_comes_before_the_out_of_step_give_up_passes_with_this_rank():
+    """Rank 1 leaves Y (its own timeout there, say) and arrives at X's barrier right after
+    rank 0 read its position in Y: rank 0's give-up finds the counter complete, so it does not
+    raise and the barrier passes on both ranks (before: rank 0 raised EpDesyncError while rank
+    1 passed; found by a review)."""
+    store = dist.HashStore()
+    x0, x1, keys = waiting_in_x_while_rank_1_is_in_y(store)
+    blocking = x0._blocking
+
+    def then_rank_1_arrives(where):
+        why = blocking(where)
+        store.set(keys[1], json.dumps({"phase": "dispatch"}))
+        x1._arrive(store, (0, 0))
+        return why
+
+    x0._blocking = then_rank_1_arrives
+    x0._check_waiting(store, keys, [1], "dispatch", (0, 0), (0, 0))
+    assert store.add(x0._counter_key(0, 0), 0) == 3
+    assert store.add(x0._counter_key(0, 0).replace("/x/", "/y/"), 0) == 0
