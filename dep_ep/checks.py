@@ -29,7 +29,7 @@ def check_int(fn: str, name: str, value: object) -> int:
         return value
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and not (value.is_floating_point() or value.is_complex()):
-            if value.dtype != torch.bool:
+            if value.dtype != torch.bool and value.device.type != "meta":  # meta: no value
                 return int(value)
     elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
@@ -44,6 +44,7 @@ def check_real(fn: str, name: str, value: object) -> float:
     real = False
     if isinstance(value, torch.Tensor):
         real = value.dim() == 0 and value.dtype != torch.bool and not value.is_complex()
+        real = real and value.device.type != "meta"  # a meta tensor has no value
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         real = True
     if not real:

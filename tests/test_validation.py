@@ -49,7 +49,10 @@ def test_workspace_bytes_takes_numpy_and_torch_integers():
 
 def test_check_int_and_tokens():
     assert check_int("f", "n", np.int64(3)) == 3 and type(check_int("f", "n", np.int64(3))) is int
-    for bad in (3.0, True, np.float64(3.0), torch.tensor(3.0), torch.tensor([3]), "3"):
+    # A meta tensor has no value (before: int() raised RuntimeError, which a call's checks did
+    # not refuse collectively, and the peers waited out timeout_s; a careless-user probe).
+    meta = torch.tensor(3, device="meta")
+    for bad in (3.0, True, np.float64(3.0), torch.tensor(3.0), torch.tensor([3]), "3", meta):
         with pytest.raises(TypeError, match="f: n="):
             check_int("f", "n", bad)
     assert check_tokens("f", np.int16(4), 8) == 4
@@ -69,7 +72,8 @@ def test_check_int_and_tokens():
 def test_check_eps_takes_reals():
     assert check_eps("f", np.float32(1e-5)) == pytest.approx(1e-5)
     assert check_eps("f", 1) == 1.0 and check_eps("f", torch.tensor(1e-6)) == pytest.approx(1e-6)
-    for bad in (0.0, -1e-5, math.inf, math.nan, True, "1e-5", torch.tensor([1e-5])):
+    meta = torch.tensor(1e-5, device="meta")
+    for bad in (0.0, -1e-5, math.inf, math.nan, True, "1e-5", torch.tensor([1e-5]), meta):
         with pytest.raises((TypeError, ValueError), match="f: eps="):
             check_eps("f", bad)
     # Finite and > 0, but 0.0 or inf in fp32, where the norm adds it.
