@@ -1109,12 +1109,26 @@ class EpRouted:
         return out
 
     def _check_out(self, fn: str, out: object, rows: int) -> None:
-        """ValueError unless `out` is bf16 [rows, L] on the device, and, where it lies in this
-        object's buffers, within receive().out: the other receive rows (x, sf, ids, weights,
-        flags) are the peers' to write, by their next dispatch as soon as this combine
+        """ValueError unless `out` is bf16 [rows, L] on the device, writable here (not requiring
+        grad under autograd, not an inference tensor outside inference mode), and, where it
+        lies in this object's buffers, within receive().out: the other receive rows (x, sf, ids,
+        weights, flags) are the peers' to write, by their next dispatch as soon as this combine
         completes, before a copy into them could land (receive().out is written by this rank's
         experts only, and read by the peers until combine-end)."""
         check_rows(fn, "out", out, torch.bfloat16, (rows, self.latent), self.device)
+        # Writes torch refuses, found here so that the step is refused on every rank: the
+        # transport writes `out` in place after the exchange, where an error is this rank's alone.
+        if out.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{fn}: out requires grad, and torch refuses writes into it under autograd: pass"
+                " a tensor that does not (the call is inference-only), or call under no_grad()"
+            )
+        if out.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(
+                f"{fn}: out is an inference tensor (made under torch.inference_mode()) and this"
+                " call runs outside inference mode, where torch refuses writes into it: pass"
+                " another tensor, or call inside inference mode"
+            )
         if lies_in(out, *self._segment_span):
             first, end = byte_span(out)
             out_first, out_end = self._out_span

@@ -53,8 +53,9 @@ def layer(dep):
 def test_combine_into_the_callers_buffer(dep, layer):
     """routed(..., out=) returns `out` holding the bits routed() returns, with n = T (written in
     place) and n < T (copied); a misshapen `out` on one rank is a ValueError there and
-    EpPeerError on the others, and so is an out that is no tensor (a list); the next call is
-    good. The experts run row by row: the n < T call
+    EpPeerError on the others, and so are an out that is no tensor (a list), a leaf out that
+    requires grad and an inference tensor outside inference mode (routed and combine); the next
+    call is good. The experts run row by row: the n < T call
     hands them fewer rows, and a GEMM over another row count may sum in another order."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 610), 8)
     norm, experts = layer.norm_weight(), RowByRowExperts(batches.experts)
@@ -89,6 +90,26 @@ def test_combine_into_the_callers_buffer(dep, layer):
             None,
             lambda: routed(latent, ids, weights, norm, experts=experts, out=[] if bad else good),
         )
+        # An out torch refuses to write on one rank, in place (n = T): a leaf requiring grad,
+        # an inference tensor outside inference mode (before: the copy failed inside the
+        # transport after the exchange, on that rank alone, whose next call then waited out
+        # timeout_s on its peers; found by a careless-user probe).
+        with torch.inference_mode():
+            inference = torch.empty(8, TINY.latent, dtype=torch.bfloat16)
+        needs_grad = torch.empty(8, TINY.latent, dtype=torch.bfloat16, requires_grad=True)
+        for label, unwritable in (("requires grad", needs_grad), ("inference tensor", inference)):
+            for call in ("routed", "combine"):
+                expected, match = (ValueError, label) if bad else (EpPeerError, None)
+                out = unwritable if bad else good
+
+                def run(out=out, call=call):
+                    if call == "routed":
+                        return routed(latent, ids, weights, norm, experts=experts, out=out)
+                    rows = routed.dispatch(latent, ids, weights)
+                    experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
+                    return routed.combine(norm, out=out)
+
+                expect_raises(failures, f"out {label} ({call})", expected, match, run)
         failures += compare(batches.run(routed, 1), batches.reference(1), "the next call")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
