@@ -216,10 +216,12 @@ class EpBuffers(RankRegions):
         local and views handed out earlier keep their mapping alive until they are dropped."""
         if self._closed:
             return
+        # The peers are told first (the barriers' closed mark): a close() interrupted there is
+        # still open, and a retry tells them.
+        self.barriers.close()
+        self._closed = True  # before the peers go: `peers` raises from here on
         own, self._segment = self._segment, torch.empty(0, dtype=torch.uint8)
         self._full = {}
         self._peers = []
-        self._closed = True
-        self.barriers.close()
         if self.device.type == "cuda":
             free_nvshmem(own)

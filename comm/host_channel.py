@@ -680,11 +680,15 @@ class ObjectBarriers:
         rank's position says "closed" until its next barrier elsewhere; its closed mark stays)."""
         ch = self.channel
         if ch.objects.get(self.obj) is self:
-            del ch.objects[self.obj]
-            ch.closed[self.obj] = self
+            # The mark first, the local state after: a close() interrupted in between (a
+            # KeyboardInterrupt in the store call) is still open here, so a retry publishes it
+            # (before, the retry found the object closed and did nothing, and the peers waited
+            # out their timeout_s).
             if ch.size > 1:
                 try:
                     ch.store.set(self._closed_key(ch.rank), "1")
                     self._set_where(ch.store, "closed")
                 except dist.DistError:
                     pass  # the store is gone: the peers learn that from it
+            del ch.objects[self.obj]
+            ch.closed[self.obj] = self

@@ -1114,6 +1114,44 @@ def test_a_close_from_a_signal_handler_inside_a_call_fails_it(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_close_interrupted_at_its_mark_and_retried_tells_the_peers(dep, layer, monkeypatch):
+    """Rank 0's close() is interrupted (KeyboardInterrupt) in the store call that publishes its
+    closed mark, and rank 0 calls close() again, while its peers wait in a call: the peers
+    raise EpPeerLostError naming rank 0 within 2 s (not EpTimeoutError after TIMEOUT_S), and
+    the retried close() closes the object. Before: the first close() had flagged the object closed before
+    the mark was out, so the retry did nothing and the peers waited out timeout_s (found by a
+    careless-user probe)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 381), T)
+    failures: list[str] = []
+    routed = build(dep)
+    failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+    dist.barrier(group=dep.cpu_group)
+    if dep.rank == 0:
+        time.sleep(0.2)  # the peers are inside their call
+        closed_key = ObjectBarriers._closed_key
+
+        def interrupted(self, rank):
+            monkeypatch.setattr(ObjectBarriers, "_closed_key", closed_key)
+            raise KeyboardInterrupt("Ctrl-C inside close()")
+
+        monkeypatch.setattr(ObjectBarriers, "_closed_key", interrupted)
+        err, _ = timed(routed.close)
+        if not isinstance(err, KeyboardInterrupt):
+            failures.append(f"the interrupted close(): {err!r}")
+        routed.close()
+        if not routed.closed:
+            failures.append("the retried close() left the EpRouted open")
+    else:
+        err, took = timed(lambda: batches.run(routed, 1))
+        if not isinstance(err, EpPeerLostError) or "rank 0" not in str(err):
+            failures.append(f"the call while rank 0 closed: {err!r}")
+        if took > 2.0:
+            failures.append(f"the peer's error took {took:.1f} s")
+        routed.close()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
 class UnprintableError(Exception):
     """An exception whose str() raises."""
 
