@@ -1119,9 +1119,9 @@ def test_a_close_interrupted_at_its_mark_and_retried_tells_the_peers(dep, layer,
     """Rank 0's close() is interrupted (KeyboardInterrupt) in the store call that publishes its
     closed mark, and rank 0 calls close() again, while its peers wait in a call: the peers
     raise EpPeerLostError naming rank 0 within 2 s (not EpTimeoutError after TIMEOUT_S), and
-    the retried close() closes the object. Before: the first close() had flagged the object closed before
-    the mark was out, so the retry did nothing and the peers waited out timeout_s (found by a
-    careless-user probe)."""
+    the retried close() closes the object. Before: the first close() had flagged the object
+    closed before the mark was out, so the retry did nothing and the peers waited out
+    timeout_s (found by a careless-user probe)."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 381), T)
     failures: list[str] = []
     routed = build(dep)
