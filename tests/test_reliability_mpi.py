@@ -14,7 +14,7 @@ import dep_ep.ep.routed as routed_module
 from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpMoeLayer, EpRouted
-from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK, UnwrittenRows
+from dep_ep.ep.unwritten_rows import UnwrittenRows, mark_rows
 from dep_ep.experts import ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.allgather_reference import NORM_EPS
@@ -460,10 +460,8 @@ def test_split_api_misuse(dep, layer, monkeypatch):
         rows = routed.dispatch(step.latent, step.ids, step.weights)
         experts.forward(rows.x, rows.sf, rows.ids, rows.weights, rows.out)
         if dep.rank == 0:
-            with_local = (rows.ids >= 0).any(dim=1).nonzero().flatten()
-            rows.out[with_local[-1], 0] = torch.tensor(UNWRITTEN_ROW_MARK, dtype=torch.int16).view(
-                torch.bfloat16
-            )
+            last = int((rows.ids >= 0).any(dim=1).nonzero()[-1])
+            mark_rows(rows.out[last : last + 1])  # the row keeps the dispatch's mark
         expected, match = (
             (EpUnwrittenRowsError, "1 of this rank's .* did not write them")
             if dep.rank == 0

@@ -29,17 +29,22 @@ TIMEOUT_S = 20.0  # a waited-out timeout would show as a failure of the 1 s boun
 FAST_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def routed(gpu_dep):
-    r = EpRouted(
+def build_routed(gpu_dep, config: EpConfig) -> EpRouted:
+    """An EpRouted of the TINY geometry on this rank's GPU."""
+    return EpRouted(
         gpu_dep.cpu_group,
         MAX_TOKENS,
         torch.device("cuda"),
         num_experts=TINY.experts,
         latent=TINY.latent,
         topk=TINY.topk,
-        config=EpConfig(timeout_s=TIMEOUT_S, count_experts=True),
+        config=config,
     )
+
+
+@pytest.fixture(scope="module")
+def routed(gpu_dep):
+    r = build_routed(gpu_dep, EpConfig(timeout_s=TIMEOUT_S, count_experts=True))
     yield r
     r.close()
 
@@ -347,16 +352,7 @@ def test_unwritten_rows_fail_every_rank_eager_and_replayed(gpu_dep, layer, exper
     bad = rank == n - 1
     used = SkippingExperts(experts) if bad else experts
     norm = layer.norm_weight().cuda()
-    config = EpConfig(timeout_s=TIMEOUT_S, check_expert_rows=True)
-    routed = EpRouted(
-        gpu_dep.cpu_group,
-        MAX_TOKENS,
-        torch.device("cuda"),
-        num_experts=TINY.experts,
-        latent=TINY.latent,
-        topk=TINY.topk,
-        config=config,
-    )
+    routed = build_routed(gpu_dep, EpConfig(timeout_s=TIMEOUT_S, check_expert_rows=True))
 
     def expect_step_error(label, call):
         if bad:
