@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_dequantize
+from dep_ep.experts.base import check_receive_rows
 from dep_ep.experts.reference.reference_experts import ReferenceExperts
 from dep_ep.experts.situ import situ
 from dep_ep.experts.weights import ExpertWeights
@@ -25,6 +26,7 @@ class DenseExperts(ReferenceExperts):
         self._w2 = self.w2_bf16.float()  # fp32 [E_local, L, I]
 
     def forward(self, x, sf, ids, weights, out):
+        check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent, self.device)
         h = mxfp8_dequantize(x, sf).float()
         gate_up = torch.einsum("rl,eil->eri", h, self._w13)
         act = situ(gate_up[..., : self.intermediate], gate_up[..., self.intermediate :])
@@ -36,7 +38,10 @@ class DenseExperts(ReferenceExperts):
         total = torch.zeros(x.shape[0], self.latent, dtype=torch.float32, device=x.device)
         for k in range(ids.shape[1]):
             picked = expert_out[local[:, k].clamp(0, self.num_local_experts - 1), rows]
-            scale = torch.where(valid[:, k], weights[:, k], torch.zeros_like(weights[:, k]))
-            total = total + scale.unsqueeze(1) * picked
+            # A slot without a local id adds +0.0, not 0 * picked: the clamped expert's output
+            # may be NaN or Inf (its weights' scale byte 255), which must not reach rows that
+            # never chose it.
+            term = weights[:, k].unsqueeze(1) * picked
+            total = total + torch.where(valid[:, k].unsqueeze(1), term, 0.0)
         out.copy_(total.to(torch.bfloat16))
         return out
