@@ -62,7 +62,10 @@ def e8m0_to_fp32(sf: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp8_dequantize(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
-    """(q uint8 [..., L], sf uint8 [..., L/32]) -> BF16 [..., L]; exact for finite scales."""
+    """(q uint8 [..., L], sf uint8 [..., L/32]) -> BF16 [..., L]. Exact for scale bytes 3..246
+    (every e4m3 value times 2^(byte - 127) is a BF16 value there); below 3 e4m3's smallest
+    values fall under BF16's subnormals (2^-133), above 246 its largest overflow to inf; 255 is
+    NaN."""
     if q.dtype != torch.uint8 or sf.dtype != torch.uint8:
         raise TypeError(f"mxfp8_dequantize: q {q.dtype}, sf {sf.dtype}; expected torch.uint8 both")
     if q.shape[:-1] != sf.shape[:-1] or q.shape[-1] != sf.shape[-1] * SCALE_BLOCK:

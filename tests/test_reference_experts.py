@@ -84,3 +84,51 @@ def test_backends_declare_their_hardware():
         RuntimeError, match="NeedsBlackwell cannot run on cpu.*compute capability 10"
     ):
         NeedsBlackwell.check_device(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", [ReferenceExperts, DenseExperts])
+def test_a_non_finite_expert_reaches_only_the_rows_that_chose_it(kind):
+    """Local expert 0's weights hold a NaN scale byte (255); rows that never chose it stay
+    finite and equal to the backend on the same weights with that byte finite, rows that did
+    are NaN. DenseExperts computed every expert on every row and multiplied the clamped expert's
+    output by a zero weight: 0 * NaN made every row NaN."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    layer = SyntheticLayer(TINY, seed=seed)
+    clean = layer.local_weights(FIRST, COUNT)
+    w13, s13, w2, s2 = (t.clone() for t in clean.tensors)
+    s2[0, 3, 1] = 255  # one block of expert FIRST's down projection: NaN
+    poisoned = type(clean)(w13, s13, w2, s2, first_expert=FIRST, num_experts=TINY.experts)
+    q, sf, ids, weights = rows_case(seed)
+    ids[ids == FIRST] = FIRST + 1
+    ids[:4, 0] = FIRST  # four rows chose the poisoned expert
+    chose = (ids == FIRST).any(dim=1)
+    written = ((ids >= FIRST) & (ids < FIRST + COUNT)).any(dim=1)
+    want = torch.full((ids.shape[0], TINY.latent), float("nan"), dtype=torch.bfloat16)
+    kind(clean).forward(q, sf, ids, weights, want)
+    got = torch.full_like(want, float("nan"))
+    kind(poisoned).forward(q, sf, ids, weights, got)
+    others = written & ~chose
+    assert others.sum() > 10, f"seed {seed}"
+    assert torch.equal(got[others], want[others]), f"{kind.__name__} seed {seed}"
+    assert got[chose].isnan().any(dim=1).all(), f"{kind.__name__} seed {seed}"
+
+
+@pytest.mark.parametrize("kind", [ReferenceExperts, DenseExperts])
+def test_forward_refuses_rows_off_the_row_contract(kind):
+    """forward checks the row contract as the GPU backends do (experts.base.check_receive_rows):
+    before, float ids were truncated (12.9 read as expert 12), ids for fewer rows than x left
+    rows unwritten, and extra weight columns were ignored, all with no error."""
+    backend = kind(SyntheticLayer(TINY, seed=1).local_weights(FIRST, COUNT))
+    q, sf, ids, weights = rows_case(2)
+    out = torch.empty(q.shape[0], TINY.latent, dtype=torch.bfloat16)
+    name = kind.__name__
+    with pytest.raises(TypeError, match=f"{name}.forward: ids dtype torch.float32"):
+        backend.forward(q, sf, ids.float() + 0.9, weights, out)
+    with pytest.raises(ValueError, match=f"{name}.forward: ids shape"):
+        backend.forward(q, sf, ids[:4], weights[:4], out)
+    with pytest.raises(ValueError, match=f"{name}.forward: weights shape"):
+        backend.forward(q, sf, ids, torch.cat([weights, weights], 1), out)
+    with pytest.raises(ValueError, match=f"{name}.forward: x shape"):
+        backend.forward(torch.cat([q, q], 1), torch.cat([sf, sf], 1), ids, weights, out)
+    with pytest.raises(TypeError, match=f"{name}.forward: out dtype torch.float32"):
+        backend.forward(q, sf, ids, weights, out.float())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_dequantize
-from dep_ep.experts.base import ExpertsBackend
+from dep_ep.experts.base import ExpertsBackend, check_receive_rows
 from dep_ep.experts.mxfp4 import mxfp4_dequantize
 from dep_ep.experts.situ import situ
 from dep_ep.experts.weights import ExpertWeights
@@ -43,7 +43,8 @@ def _expert_slices(counts: list[int]):
 class ReferenceExperts(ExpertsBackend):
     """The rank's experts from an ExpertWeights (experts/weights.py: the checkpoint layout).
 
-    Numerics: x dequantized exactly from MXFP8; g, u = x @ w1^T, x @ w3^T with fp32 products and
+    Numerics: x dequantized from MXFP8 into BF16 (exact for scale bytes 3..246:
+    comm.mxfp8.mxfp8_dequantize); g, u = x @ w1^T, x @ w3^T with fp32 products and
     sums; SiTU in fp32, one cast to BF16; the expert output (act @ w2^T, fp32 sums) cast to BF16;
     the weighted sum over the row's local ids in fp32, k in order; one cast to BF16. Only the
     order of the fp32 sums inside a GEMM differs between devices.
@@ -128,6 +129,7 @@ class ReferenceExperts(ExpertsBackend):
         weights: torch.Tensor,
         out: torch.Tensor,
     ) -> torch.Tensor:
+        check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent, self.device)
         local_ids = ids.long() - self.first_expert
         local = (local_ids >= 0) & (local_ids < self.num_local_experts)  # bool [R, K]
         rows = local.any(dim=1).nonzero().squeeze(1)  # [N] rows with a local id (host sync)
@@ -138,7 +140,7 @@ class ReferenceExperts(ExpertsBackend):
         pair_expert = local_ids[rows][pair_row, pair_k]
         order = torch.argsort(pair_expert, stable=True)
         counts = torch.bincount(pair_expert, minlength=self.num_local_experts).tolist()
-        h = mxfp8_dequantize(x[rows], sf[rows])  # BF16, exact
+        h = mxfp8_dequantize(x[rows], sf[rows])  # BF16, exact for scale bytes 3..246
         sorted_out = self.expert_outputs(h[pair_row[order]], counts)
         num_pairs = pair_row.numel()
         padded = torch.zeros(num_pairs + 1, self.latent, dtype=torch.bfloat16, device=x.device)
