@@ -88,7 +88,8 @@ class _Step:
 
 
 def check_experts_match(fn: str, routed: EpRouted, experts: object) -> None:
-    """An ExpertsBackend holding exactly the experts `routed`'s rank owns, at its latent width."""
+    """An ExpertsBackend holding exactly the experts `routed`'s rank owns, at its latent width,
+    of the model's num_experts where the backend says it (the library's backends do)."""
     if not isinstance(experts, ExpertsBackend):
         raise TypeError(f"{fn}: experts is {type(experts).__name__}; expected an ExpertsBackend")
     mine = (routed.first_expert, routed.experts_per_rank, routed.latent)
@@ -98,6 +99,14 @@ def check_experts_match(fn: str, routed: EpRouted, experts: object) -> None:
             f"{fn}: experts hold first_expert={theirs[0]}, {theirs[1]} experts, latent"
             f" {theirs[2]}; rank {routed.rank} owns experts {mine[0]}..{mine[0] + mine[1] - 1}"
             f" (first_expert={mine[0]}, {mine[1]} experts) of latent {mine[2]}"
+        )
+    # The library's backends take the model's E from their ExpertWeights (TrtllmExperts' routing
+    # and HopperExperts' kernel choice read it); a backend without the attribute is not checked.
+    total = getattr(experts, "num_experts", None)
+    if total is not None and total != routed.num_experts:
+        raise ValueError(
+            f"{fn}: experts were built for num_experts={total}; the EpRouted was built for"
+            f" num_experts={routed.num_experts}"
         )
 
 

@@ -10,7 +10,7 @@ import torch
 from dep_ep.comm import EpPeerError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
-from dep_ep.experts import ExpertWeights
+from dep_ep.experts import ExpertWeights, ReferenceExperts
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.compare import compare
 
@@ -67,6 +67,14 @@ def corrupt(case_name, latent, ids, weights, experts, norm, rank, num_ranks, lay
     if case_name == "foreign_experts":
         other = make_experts(layer, (rank + 1) % num_ranks, num_ranks)
         return latent, ids, weights, other, norm, f"rank {rank} owns experts"
+    if case_name == "other_model_experts":
+        # this rank's experts, of a model with twice the experts (its ExpertWeights' num_experts)
+        per_rank = E // num_ranks
+        tensors = layer.local(rank * per_rank, per_rank)
+        other = ReferenceExperts(
+            ExpertWeights(*tensors, first_expert=rank * per_rank, num_experts=2 * E)
+        )
+        return latent, ids, weights, other, norm, f"experts were built for num_experts={2 * E}"
     if case_name == "norm_dtype":
         return latent, ids, weights, experts, norm.float(), "norm_weight dtype"
     raise AssertionError(case_name)
@@ -87,6 +95,7 @@ CASES = [
     "device",
     "weights_nan",
     "foreign_experts",
+    "other_model_experts",
     "norm_dtype",
 ]
 
