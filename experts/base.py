@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from dep_ep.checks import check_tensor
+from dep_ep.checks import check_int, check_tensor
 from dep_ep.comm.failure import FAILURE_WORDS, StepFailure
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
@@ -145,8 +145,13 @@ class ExpertsBackend(ABC):
         `device_failures` is True is called as EpRouted calls it, with a StepFailure (scratch
         status and record words on the device, written only by an overflow), so that the
         kernels of a call that may fail the step (HopperExperts' finalize with FAIL_STEP)
-        compile here too."""
-        if rows < 1:
+        compile here too. rows 0 does nothing; TypeError for a non-int, ValueError for rows
+        below 0 or topk below 1."""
+        fn = f"{type(self).__name__}.warmup"
+        rows, topk = check_int(fn, "rows", rows), check_int(fn, "topk", topk)
+        if rows < 0 or topk < 1:
+            raise ValueError(f"{fn}: rows={rows}, topk={topk}; expected rows >= 0 and topk >= 1")
+        if rows == 0:
             return
         on = dict(device=self.device)
         x = torch.zeros(rows, self.latent, dtype=torch.uint8, **on)

@@ -16,11 +16,12 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 
 
 def mxfp4_pack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [..., K] (each 0..15, K even) -> packed uint8 [..., K/2]."""
-    if codes.dtype != torch.uint8 or codes.shape[-1] % 2:
-        raise ValueError(
-            f"mxfp4_pack: codes {codes.dtype} {tuple(codes.shape)}; need uint8, K even"
-        )
+    """uint8 codes [..., K] (each 0..15, K even) -> packed uint8 [..., K/2]. TypeError for
+    another dtype, ValueError for an odd K or a code above 15."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"mxfp4_pack: codes dtype {codes.dtype}; expected torch.uint8")
+    if codes.dim() == 0 or codes.shape[-1] % 2:
+        raise ValueError(f"mxfp4_pack: codes shape {tuple(codes.shape)}; need K (last) even")
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError("mxfp4_pack: codes must be in 0..15")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -38,8 +39,18 @@ def mxfp4_dequantize(
 ) -> torch.Tensor:
     """(packed uint8 [..., K/2], scales uint8 [..., K/32]) -> `dtype` [..., K].
 
-    Exact in bf16 and fp32 (a 2-bit mantissa times a power of two)."""
-    k = packed.shape[-1] * 2
+    Exact in bf16 and fp32 (a 2-bit mantissa times a power of two) for scale bytes whose
+    products stay in the dtype's range. TypeError for a packed dtype other than uint8,
+    ValueError for a K that is not a positive multiple of 32 or scales of another shape or
+    dtype."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"mxfp4_dequantize: packed dtype {packed.dtype}; expected torch.uint8")
+    k = packed.shape[-1] * 2 if packed.dim() else 0
+    if k % SCALE_BLOCK or not k:
+        raise ValueError(
+            f"mxfp4_dequantize: packed {tuple(packed.shape)} holds K={k} elements a row; K must"
+            f" be a positive multiple of {SCALE_BLOCK} (one scale per {SCALE_BLOCK})"
+        )
     if scales.dtype != torch.uint8 or scales.shape != (*packed.shape[:-1], k // SCALE_BLOCK):
         raise ValueError(
             f"mxfp4_dequantize: scales {scales.dtype} {tuple(scales.shape)}; expected uint8"

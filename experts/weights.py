@@ -30,9 +30,9 @@ class ExpertWeights:
                                   one value that is right for both.
 
     Rules (TypeError for a type or dtype, ValueError for the rest, each naming the field): the
-    four are torch tensors of dtype uint8, 3-D, of the shapes above for the E_local, L and I that
-    w13 gives, with E_local >= 1 and L and I positive multiples of 32, all on one device that
-    holds data (not "meta").
+    four are dense (strided) torch tensors of dtype uint8, 3-D, of the shapes above for the
+    E_local, L and I that w13 gives, with E_local >= 1 and L and I positive multiples of 32, all
+    on one device that holds data (not "meta").
 
     The tensors are the caller's, neither copied nor changed; a backend prepares its own layout
     from them at construction (docs/experts.md says which keep them). `to(device)` moves all four.
@@ -61,6 +61,11 @@ class ExpertWeights:
                 raise ValueError(
                     f"{fn}: {name} shape {tuple(t.shape)}; expected 3-D [E_local, rows, K/2 or"
                     " K/32]"
+                )
+            if t.layout != torch.strided:
+                raise ValueError(
+                    f"{fn}: {name} layout {t.layout}; expected torch.strided (a dense tensor:"
+                    " call .to_dense())"
                 )
         for name in ("first_expert", "num_experts"):  # integers of any kind, kept as int
             object.__setattr__(self, name, check_int(fn, name, getattr(self, name)))

@@ -128,6 +128,12 @@ def bad_inputs():
             r"s2 shape \(3, 256, 2\); expected \(3, 256, 4\)",
         ),
         (
+            "sparse",
+            {"w2": w2.to_sparse()},
+            ValueError,
+            "w2 layout torch.sparse_coo; expected torch.strided",
+        ),
+        (
             "devices",
             {"s13": s13.to("meta")},
             ValueError,

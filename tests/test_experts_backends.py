@@ -173,3 +173,18 @@ def test_warmup_holds_no_more_pairs_than_the_backends_budget():
         recorder.warmup(rows, TINY.topk)
         assert recorder.pairs[-1] == want, (rows, budget, recorder.pairs)
     assert ReferenceExperts(layer.local_weights(0, 4)).max_pairs(6, TINY.topk) == 6 * TINY.topk
+
+
+def test_warmup_refuses_what_no_call_has():
+    """warmup's rows and topk: ints, rows >= 0 (0 does nothing), topk >= 1; before, topk 0
+    raised an IndexError from torch, rows -3 did nothing and rows 8.0 raised torch's TypeError
+    from zeros()."""
+    backend = ReferenceExperts(SyntheticLayer(TINY, seed=2).local_weights(0, 4))
+    with pytest.raises(ValueError, match=r"ReferenceExperts.warmup: rows=8, topk=0; expected"):
+        backend.warmup(8, 0)
+    with pytest.raises(ValueError, match=r"rows=-3, topk=6; expected rows >= 0"):
+        backend.warmup(-3, 6)
+    with pytest.raises(TypeError, match=r"ReferenceExperts.warmup: rows=8.0; expected an int"):
+        backend.warmup(8.0, 6)
+    backend.warmup(0, 6)
+    backend.warmup(torch.tensor(2), 6)  # an integer of any kind

@@ -37,6 +37,25 @@ def test_mxfp4_pack_roundtrip_random():
         mxfp4_dequantize(mxfp4_pack(codes), scales[..., :1])
 
 
+def test_mxfp4_helpers_name_what_is_wrong():
+    """A K that is not a multiple of 32 (whose scales' shape then matched) and a wrong dtype
+    are refused by name; before, mxfp4_dequantize raised torch's reshape error, and mxfp4_pack
+    a ValueError where mxfp4_unpack raised a TypeError for the same dtype."""
+    with pytest.raises(ValueError, match="K=40 elements a row; K must be a positive multiple"):
+        mxfp4_dequantize(
+            torch.zeros(4, 20, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8)
+        )
+    with pytest.raises(ValueError, match="K=16 elements a row"):
+        mxfp4_dequantize(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8))
+    for fn in (mxfp4_pack, mxfp4_unpack):
+        with pytest.raises(TypeError, match=f"{fn.__name__}: .* dtype torch.int64; expected"):
+            fn(torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="mxfp4_dequantize: packed dtype torch.int8"):
+        mxfp4_dequantize(torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="mxfp4_pack: codes shape \\(2, 3\\); need K"):
+        mxfp4_pack(torch.zeros(2, 3, dtype=torch.uint8))
+
+
 def test_layout_regions_aligned_disjoint():
     layout = EpLayout(num_ranks=3, max_tokens=37, latent=256, topk=6)
     regions = sorted(layout.regions.values(), key=lambda r: r.offset)
