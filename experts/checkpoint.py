@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dep_ep.checks import check_int
 from dep_ep.config import MoeGeometry
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.weights import ExpertWeights
@@ -102,8 +103,14 @@ class CheckpointReader:
         self.folder = Path(folder)
         index = self.folder / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.folder / file for name, file in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.files = {name: self.folder / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(
+                    f"CheckpointReader: {index} is not a safetensors index (a JSON object whose"
+                    f' "weight_map" maps tensor names to files): {type(err).__name__}: {err}'
+                ) from err
         else:
             files = sorted(self.folder.glob("*.safetensors"))
             if len(files) != 1:
@@ -120,13 +127,14 @@ class CheckpointReader:
         path = self.files.get(name)
         if path is None:
             raise KeyError(f"checkpoint {self.folder}: tensor {name} is missing")
-        if path not in self._open:
-            self._open[path] = self._safe_open(path, framework="pt").__enter__()
         try:
+            if path not in self._open:
+                self._open[path] = self._safe_open(path, framework="pt").__enter__()
             t = self._open[path].get_tensor(name)
-        except Exception as err:  # a name in the index but not in its file
+        except Exception as err:  # a file missing or damaged, a name the file lacks
             raise KeyError(
-                f"checkpoint {self.folder}: tensor {name} not readable from {path.name}: {err}"
+                f"checkpoint {self.folder}: tensor {name} not readable from {path.name}:"
+                f" {type(err).__name__}: {err}"
             ) from err
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(
@@ -154,19 +162,38 @@ def load_moe_layer(
     """Read MoE layer `layer`: experts [first_expert, first_expert + num_local_experts) of the
     geometry's E (an ExpertWeights) and (when `dense`) the layer's dense weights, onto `device`.
     Blocks the host; reads only those tensors. Raises KeyError naming a missing tensor,
-    ValueError naming a tensor of the wrong shape/dtype."""
-    if (
-        first_expert < 0
-        or num_local_experts < 1
-        or first_expert + num_local_experts > geometry.experts
-    ):
+    ValueError naming a tensor of the wrong shape/dtype, a file or index that cannot be read,
+    or a bad argument (TypeError for its type)."""
+    fn = "load_moe_layer"
+    if not isinstance(geometry, MoeGeometry):
+        raise TypeError(f"{fn}: geometry is {type(geometry).__name__}; expected a MoeGeometry")
+    layer = check_int(fn, "layer", layer)
+    first_expert = check_int(fn, "first_expert", first_expert)
+    num_local_experts = check_int(fn, "num_local_experts", num_local_experts)
+    if num_local_experts < 1:
+        raise ValueError(f"{fn}: num_local_experts={num_local_experts}; expected an int >= 1")
+    if first_expert < 0 or first_expert + num_local_experts > geometry.experts:
         raise ValueError(
-            f"load_moe_layer: experts {first_expert}..{first_expert + num_local_experts - 1}"
+            f"{fn}: experts {first_expert}..{first_expert + num_local_experts - 1}"
             f" outside 0..{geometry.experts - 1}"
         )
     prefix = layer_prefix(layer)
     reader = CheckpointReader(folder)
     try:
+        # The geometry's E against the checkpoint's experts, by their names (no read): with
+        # dense=False no tensor of the model's E (the gate) is read to catch another E.
+        last, beyond = (
+            f"{prefix}experts.{e}.w1.weight_packed"
+            for e in (geometry.experts - 1, geometry.experts)
+        )
+        if last not in reader.files or beyond in reader.files:
+            held, name, state = ("fewer", last, "missing")
+            if last in reader.files:
+                held, name, state = ("more", beyond, "present")
+            raise ValueError(
+                f"{fn}: checkpoint {reader.folder} holds {held} than the geometry's"
+                f" {geometry.experts} experts in layer {layer} ({name} {state})"
+            )
         w13, s13, w2, s2 = [], [], [], []
         for e in range(first_expert, first_expert + num_local_experts):
             t = {n: reader.get(prefix + n, *spec) for n, spec in expert_shapes(geometry, e).items()}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -103,3 +105,51 @@ def test_wrong_tensor_is_named(tmp_path, layer, bad):
 def test_bad_expert_range(tmp_path):
     with pytest.raises(ValueError, match="outside 0..47"):
         load_moe_layer(tmp_path, LAYER, TINY, first_expert=40, num_local_experts=12)
+
+
+def test_the_geometry_s_expert_count_is_the_checkpoint_s(tmp_path, layer):
+    """With dense=False no gate weight ([E, H]) is read, so the experts' names tell the
+    checkpoint's E: a geometry of more or fewer experts is refused (before, it loaded with the
+    wrong num_experts and nothing noticed)."""
+    write_sharded(tmp_path, checkpoint_tensors(layer))
+    for experts, held in ((2 * TINY.experts, "fewer"), (TINY.experts - 8, "more")):
+        other = dataclasses.replace(TINY, experts=experts)
+        with pytest.raises(ValueError, match=f"holds {held} than the geometry's {experts} experts"):
+            load_moe_layer(tmp_path, LAYER, other, first_expert=0, num_local_experts=4, dense=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"first_expert": 12.0}, TypeError, "load_moe_layer: first_expert=12.0; expected an int"),
+        ({"num_local_experts": True}, TypeError, "num_local_experts=True; expected an int"),
+        ({"num_local_experts": 0}, ValueError, "num_local_experts=0; expected an int >= 1"),
+        ({"geometry": "tiny"}, TypeError, "geometry is str; expected a MoeGeometry"),
+        ({"layer": "3"}, TypeError, "layer='3'; expected an int"),
+    ],
+)
+def test_bad_arguments_are_named(tmp_path, layer, kwargs, error, message):
+    write_sharded(tmp_path, checkpoint_tensors(layer))
+    args = {"geometry": TINY, "first_expert": 12, "num_local_experts": 12, "layer": LAYER} | kwargs
+    with pytest.raises(error, match=re.escape(message)):
+        load_moe_layer(tmp_path, **args)
+
+
+def test_an_unreadable_index_or_shard_is_named(tmp_path, layer):
+    """An index without weight_map, a shard the index names but the folder lacks, and a
+    truncated shard each raise an error naming the index or the tensor."""
+    tensors = checkpoint_tensors(layer)
+    write_sharded(tmp_path, tensors)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="is not a safetensors index"):
+        load_moe_layer(tmp_path, LAYER, TINY, first_expert=12, num_local_experts=12)
+    name = f"{layer_prefix(LAYER)}experts.12.w1.weight_packed"
+    shard = tmp_path / index["weight_map"][name]
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    with pytest.raises(KeyError, match=re.escape(name)):
+        load_moe_layer(tmp_path, LAYER, TINY, first_expert=12, num_local_experts=12)
+    shard.unlink()  # gone
+    with pytest.raises(KeyError, match=re.escape(name)):
+        load_moe_layer(tmp_path, LAYER, TINY, first_expert=12, num_local_experts=12)
