@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from dep_ep.constants import SCALE_BLOCK
 
 from helpers.mxfp8_blocks import bf16_values, edge_blocks
 
@@ -118,3 +119,17 @@ def test_bad_input(bad):
     x = torch.randn(2, 64) if bad == "dtype" else torch.randn(2, 48).bfloat16()
     with pytest.raises((TypeError, ValueError), match="mxfp8_quantize"):
         mxfp8_quantize(x)
+
+
+def test_dequantize_is_exact_for_scale_bytes_3_to_246():
+    """Every finite e4m3 code times 2^(byte - 127) is a BF16 value for scale bytes 3..246 (the
+    docstring's claim), and not at 2 (the smallest codes under BF16's subnormals) nor 247 (the
+    largest overflow)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F][:224].reshape(-1, SCALE_BLOCK)  # no NaN code
+    exact = {}
+    for byte in (2, 3, 127, 246, 247):
+        sf = torch.full((codes.shape[0], 1), byte, dtype=torch.uint8)
+        want = codes.view(torch.float8_e4m3fn).double() * 2.0 ** (byte - 127)
+        exact[byte] = torch.equal(mxfp8_dequantize(codes, sf).double(), want)
+    assert exact == {2: False, 3: True, 127: True, 246: True, 247: False}
