@@ -32,6 +32,7 @@ from dep_ep.constants import (
     LAYER_STEP_BITS,
     LAYER_TAG_BASE,
 )
+from dep_ep.ep.expert_sources import ExpertSources
 from dep_ep.ep.routed import EpRouted, check_experts_match, step_total
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
@@ -296,7 +297,13 @@ class EpMoeLayer:
     them; a weight update in place): seen without anything more when written in place into the
     tensors given or their storage (copy_, .data.copy_, load_state_dict, a collective receiving
     into them), and into what the layer copied (`copied`) before its first call, which copies
-    those again; after it, `refresh()` does. The fingerprint the layer's tags carry is read at
+    those again; after it, `refresh()` does. The routed experts' weights are read once into the
+    backend's own copy: given as a backend, when it was built; given as tensors (an
+    ExpertWeights or the tuple), at construction and again at the first call when their bytes
+    changed meanwhile, while the tensor objects given live (the layer holds weak references
+    and a digest, ep/expert_sources.py); after the first call a change is refused by
+    `refresh()` (RuntimeError naming the tensors: a CUDA graph captured since holds the old
+    backend): build a new layer. The fingerprint the layer's tags carry is read at
     its first call (so: after loading), and again by `refresh()`; after weights
     change once the layer has been called, call `refresh()` on every rank so that their
     fingerprints stay equal. Not seen at all (docs/layer.md lists them): tensors replaced
@@ -340,7 +347,11 @@ class EpMoeLayer:
                     f"{fn}: experts hold num_experts={experts.num_experts}; the EpRouted was"
                     f" built for num_experts={routed.num_experts}"
                 )
+            # Built from tensors: watched for writes in place until the first call (ExpertSources).
+            self._expert_sources = ExpertSources(experts)
             experts = default_experts(experts)
+        else:
+            self._expert_sources = None
         check_experts_match(fn, routed, experts)
         if check_int(fn, "topk", topk) != routed.topk:
             raise ValueError(f"{fn}: topk={topk!r}; the EpRouted was built for topk={routed.topk}")
@@ -436,13 +447,25 @@ class EpMoeLayer:
         layer does not see (class docstring, "Weights after construction"): copy the caller's
         tensors the layer holds copies of (`copied`) into those copies, read through the tensors
         their views were taken of, and recompute the fingerprint its tags carry (one
-        device-to-host copy). RuntimeError inside a CUDA graph capture, or naming a tensor whose
-        source was moved to other memory since construction (nothing is copied then)."""
+        device-to-host copy); before the first call, build the experts backend again when the
+        expert tensors it was built from changed. RuntimeError inside a CUDA graph capture,
+        naming a tensor whose source was moved to other memory since construction, or naming
+        the expert tensors that changed since the first call (nothing is copied then)."""
         if self._capturing():
             raise RuntimeError(
                 "EpMoeLayer.refresh: called inside a CUDA graph capture; call it before capturing"
             )
+        changed = self._expert_sources.changed() if self._expert_sources is not None else []
+        if changed and self._read_once:
+            raise RuntimeError(
+                f"EpMoeLayer.refresh: the experts' tensors {changed} changed since the layer"
+                " built its experts backend from them at its first call; a backend holds its own"
+                " copy of the weights (and a CUDA graph captured since holds that backend), so"
+                " build a new layer (and capture its graphs again)"
+            )
         self._copy_sources()
+        if changed:
+            self._rebuild_experts()
         self.fingerprint = dense_fingerprint(self.dense)
         self._read_once = True
 
@@ -451,9 +474,23 @@ class EpMoeLayer:
         layer run by its parts, which reads the packed weight before routed_path's call),
         outside a CUDA graph capture: copy again what the layer copied, so that a load between
         construction and serving reaches it."""
-        if not self._read_once and self._copied and not self._capturing():
+        if not self._read_once and self._unread() and not self._capturing():
             self._copy_sources()
+            if self._expert_sources is not None and self._expert_sources.changed():
+                self._rebuild_experts()
             self._read_once = True
+
+    def _unread(self) -> bool:
+        """Whether the first use has sources to read: copied dense tensors, or expert tensors
+        the layer built its experts backend from."""
+        return bool(self._copied) or self._expert_sources is not None
+
+    def _rebuild_experts(self) -> None:
+        """Build the experts backend again from the expert tensors as they are now (written in
+        place since the layer was built): `experts.default_experts`, as the construction did."""
+        experts = default_experts(self._expert_sources.weights())
+        check_experts_match("EpMoeLayer", self.routed, experts)
+        self.experts = experts
 
     def _capturing(self) -> bool:
         """True inside a CUDA graph capture on the current stream (nothing may be read to the
@@ -702,7 +739,7 @@ class EpMoeLayer:
         handler's) restarted the count on every rank: it stays at 0."""
         calls, entered, resets = self._calls, self.routed._entered_here(), self.routed._resets
         unready = None
-        first = not self._read_once and bool(self._copied)
+        first = not self._read_once and self._unread()
         read_fingerprint = self.fingerprint is None
         if first or read_fingerprint:
             if self._capturing():

@@ -11,6 +11,7 @@ import torch
 from dep_ep.comm.errors import EpDesyncError, EpPeerError
 from dep_ep.config import TINY, EpConfig
 from dep_ep.ep import EpMoeLayer, EpRouted
+from dep_ep.experts import ExpertWeights
 from dep_ep.experts.checkpoint import (
     BIAS,
     DENSE_NAMES,
@@ -414,4 +415,42 @@ def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypat
         out = moe(x)
         if out.shape != x.shape or not out.isfinite().all() or moe.fingerprint is None:
             failures.append("the next call was not served")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("given", ["tuple", "ExpertWeights"])
+def test_expert_tensors_loaded_after_construction_are_used(dep, layer, given):
+    """A layer built on zero placeholders of this rank's expert tensors (given as the
+    checkpoint tuple or as an ExpertWeights), then loaded by copy_, gives the bits of a layer
+    built on the loaded experts: its first call builds the experts backend again from the
+    tensors. Loaded again after the first call, refresh() refuses on every rank that loaded
+    (the backend, and a graph captured since, hold the old copy), naming the tensors. Before,
+    the backend kept the placeholders' copy (the routed part zero, no error) and refresh() did
+    not see it."""
+    seed, experts, x = case(dep, layer, 930)
+    v1 = make_dense(TINY, seed)
+    per_rank = TINY.experts // dep.size
+    first = dep.rank * per_rank
+    loaded = layer.local(first, per_rank)
+    failures: list[str] = []
+    with build(dep) as routed, torch.no_grad():
+        held = tuple(torch.zeros_like(t) for t in loaded)
+        if given == "tuple":
+            moe = EpMoeLayer(v1, routed, held, topk=TINY.topk, layer_index=0)
+        else:
+            weights = ExpertWeights(*held, first_expert=first, num_experts=TINY.experts)
+            moe = EpMoeLayer(v1, routed, weights, topk=TINY.topk, layer_index=0)
+        made_on_loaded = EpMoeLayer(v1, routed, experts, topk=TINY.topk, layer_index=1)
+        for placeholder, value in zip(held, loaded):
+            placeholder.copy_(value)
+        if not torch.equal(bits(moe(x)), bits(made_on_loaded(x))):
+            failures.append(f"{given}: not the loaded experts' bits")
+        held[3][0, 0, 0] += 1  # one scale byte of the first local expert's down projection
+        try:
+            moe.refresh()
+            failures.append(f"{given}: refresh() after the experts changed raised nothing")
+        except RuntimeError as err:
+            if "the experts' tensors ['s2'] changed" not in str(err):
+                failures.append(f"{given}: refresh() raised {err}")
     collective_assert(dep.cpu_group, failures, seeds=seed)
