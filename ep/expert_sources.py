@@ -1,13 +1,17 @@
 """ExpertSources: the expert tensors an EpMoeLayer built its experts backend from, watched for
-writes in place (a server builds its modules, then loads the checkpoint into them).
+writes after construction (a server builds its modules, then loads the checkpoint into them).
 
-A backend prepares its own copy of the weights when it is built (ReferenceExperts a BF16 cache,
-HopperExperts humming's re-laid copy): writes into the tensors it was built from do not reach
-it. The layer therefore keeps weak references to those tensors (it does not keep them alive:
-memory the caller frees stays freed) and a digest of their bytes, and compares the digest at its
-first call (where it builds the backend again from the tensors when they changed, before any
-CUDA graph can hold the old one) and in `refresh()` (where it refuses: a graph captured since
-would keep reading the old backend).
+Most backends prepare their own copy of the weights when they are built (ReferenceExperts a BF16
+cache, HopperExperts' humming engine its re-laid copy, TrtllmExperts its shuffled copy;
+`ExpertsBackend.copies_weights`): writes into the tensors they were built from never reach them,
+and the layer would compute with the weights as they were. So the layer keeps, for each of the
+four tensors, a weak reference to the tensor object and one to its storage (it keeps neither
+alive: memory the caller frees stays freed), with a digest of the bytes, and compares them at
+its first call and in `refresh()`, which refuse a change on every rank instead of computing with
+the old copy. The tensor object is read while it lives (a `.data =` or `set_` re-pointing it is
+seen); else its storage, through the view's offset, shape and strides (a temporary view such as
+`.data` or a slice of a buffer dies at once, its storage lives on with the buffer); when both
+are gone nothing can write them.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from dep_ep.experts.weights import TENSORS, ExpertWeights
 # sums kept. A change of one word changes its row's sum (an odd weight times a nonzero difference
 # below 2^32 is not 0 mod 2^64), and so does a swap of two different words of a row (the weights
 # differ by 2(i - j) * DIGEST_MULTIPLIER, at most 2^11 in their power of two); other changes of
-# several words cancel only when their weighted differences sum to 0 mod 2^64. DIGEST_ROWS rows
-# a step bound the int64 temporary (twice the bytes: 32 MiB a step).
+# several words cancel only when their weighted differences sum to 0 mod 2^64. ROWS_PER_STEP rows
+# a step bound the temporaries (the words as int64 and their weighted products: 4 times the
+# bytes, 64 MiB a step).
 DIGEST_ROW_BYTES = 4096
-DIGEST_ROWS = 4096
+ROWS_PER_STEP = 4096
 WORD_BYTES = 4
 # An odd 64-bit multiplier (the golden ratio's 64-bit constant, as a signed int64).
 DIGEST_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -35,15 +40,16 @@ DIGEST_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)
 def byte_digest(t: torch.Tensor) -> torch.Tensor:
     """int64 [ceil(bytes / DIGEST_ROW_BYTES)] on t's device: each row of DIGEST_ROW_BYTES of t's
     bytes (row-major; the last row zero-padded) as int32 words, summed with the position
-    weights. Equal bytes give equal digests; what a different one means: DIGEST_ROW_BYTES."""
+    weights. Equal bytes give equal digests; a different digest means different bytes, and the
+    comment on DIGEST_ROW_BYTES says which changes of bytes keep it equal."""
     flat = t.detach().reshape(-1).view(torch.uint8)
     rows = -(-flat.numel() // DIGEST_ROW_BYTES)
     words = DIGEST_ROW_BYTES // WORD_BYTES
     odd = torch.arange(words, dtype=torch.int64, device=t.device) * 2 + 1
     weights = odd * DIGEST_MULTIPLIER
     digest = torch.empty(rows, dtype=torch.int64, device=t.device)
-    for start in range(0, rows, DIGEST_ROWS):
-        end = min(start + DIGEST_ROWS, rows)
+    for start in range(0, rows, ROWS_PER_STEP):
+        end = min(start + ROWS_PER_STEP, rows)
         part = flat[start * DIGEST_ROW_BYTES : end * DIGEST_ROW_BYTES]
         full = (end - start) * DIGEST_ROW_BYTES
         if part.numel() != full or part.storage_offset() % WORD_BYTES:
@@ -56,45 +62,46 @@ def byte_digest(t: torch.Tensor) -> torch.Tensor:
     return digest
 
 
+class _Watched:
+    """One tensor the backend was built from: weak references to the tensor object and to its
+    storage, the view's geometry on that storage, and the digest of its bytes then."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = weakref.ref(t)
+        self.storage = weakref.ref(t.untyped_storage())
+        self.dtype, self.device = t.dtype, t.device
+        self.view = (t.storage_offset(), tuple(t.shape), t.stride())
+        self.digest = byte_digest(t)
+
+    def current(self) -> torch.Tensor | None:
+        """The tensor as it is now: the object while it lives, else the same view of its
+        storage while that lives, else None."""
+        t = self.tensor()
+        if t is not None:
+            return t
+        storage = self.storage()
+        if storage is None:
+            return None
+        offset, shape, stride = self.view
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        return empty.set_(storage, offset, shape, stride)
+
+    def changed(self) -> bool:
+        """Whether the bytes differ from the digest (a different shape counts as a change)."""
+        t = self.current()
+        if t is None:
+            return False
+        return tuple(t.shape) != self.view[1] or not torch.equal(byte_digest(t), self.digest)
+
+
 class ExpertSources:
-    """Weak references to the four tensors of an ExpertWeights (w13, s13, w2, s2) and their
-    digests, with the geometry to build an ExpertWeights of them again."""
+    """The four tensors of an ExpertWeights (w13, s13, w2, s2) an experts backend was built from,
+    watched (module docstring)."""
 
     def __init__(self, weights: ExpertWeights) -> None:
-        self._refs = [weakref.ref(t) for t in weights.tensors]
-        self.first_expert, self.num_experts = weights.first_expert, weights.num_experts
-        self._take(weights.tensors)
-
-    def _take(self, tensors) -> None:
-        """Remember the tensors' shapes and digests as the ones `changed` compares with."""
-        self._shapes = [tuple(t.shape) for t in tensors]
-        self._digests = [byte_digest(t) for t in tensors]
-
-    def alive(self) -> list[torch.Tensor] | None:
-        """The four tensors while every one of them lives, else None (nothing can write them
-        through the objects the layer was given)."""
-        tensors = [ref() for ref in self._refs]
-        return None if any(t is None for t in tensors) else tensors
+        self._watched = [_Watched(t) for t in weights.tensors]
 
     def changed(self) -> list[str]:
-        """The names of the tensors whose bytes differ from their digests (one host read)."""
-        tensors = self.alive()
-        if tensors is None:
-            return []
-        return [
-            name
-            for name, t, shape, digest in zip(TENSORS, tensors, self._shapes, self._digests)
-            if tuple(t.shape) != shape or not torch.equal(byte_digest(t), digest)
-        ]
-
-    def weights(self) -> ExpertWeights:
-        """An ExpertWeights of the tensors as they are now (checked again), whose digests become
-        the ones `changed` compares with. RuntimeError when a tensor is gone."""
-        tensors = self.alive()
-        if tensors is None:
-            raise RuntimeError("ExpertSources.weights: a tensor the layer was given is gone")
-        weights = ExpertWeights(
-            *tensors, first_expert=self.first_expert, num_experts=self.num_experts
-        )
-        self._take(weights.tensors)
-        return weights
+        """The names of the tensors whose bytes differ from those the backend was built from
+        (one device-to-host read a tensor)."""
+        return [name for name, w in zip(TENSORS, self._watched) if w.changed()]

@@ -298,13 +298,13 @@ class EpMoeLayer:
     tensors given or their storage (copy_, .data.copy_, load_state_dict, a collective receiving
     into them), and into what the layer copied (`copied`) before its first call, which copies
     those again; after it, `refresh()` does. The routed experts' weights are read once into the
-    backend's own copy: given as a backend, when it was built; given as tensors (an
-    ExpertWeights or the tuple), at construction and again at the first call when their bytes
-    changed meanwhile, while the tensor objects given live (the layer holds weak references
-    and a digest, ep/expert_sources.py); after the first call a change is refused by
-    `refresh()` (RuntimeError naming the tensors: a CUDA graph captured since holds the old
-    backend): build a new layer. The fingerprint the layer's tags carry is read at
-    its first call (so: after loading), and again by `refresh()`; after weights
+    backend's own copy when it is built (`copies_weights`; HopperExperts' triton engine reads
+    contiguous tensors in place): given as a backend, when it was built; given as tensors (an
+    ExpertWeights or the tuple), at construction, and the layer watches them (weak references
+    and a byte digest, ep/expert_sources.py): its first call, on every rank, and `refresh()`
+    refuse tensors written since (RuntimeError naming them) instead of computing with the old
+    copy. Build the layer after loading the experts' weights. The fingerprint the layer's tags
+    carry is read at its first call (so: after loading), and again by `refresh()`; after weights
     change once the layer has been called, call `refresh()` on every rank so that their
     fingerprints stay equal. Not seen at all (docs/layer.md lists them): tensors replaced
     instead of written (load_state_dict(..., assign=True), `.data =`, `set_`, `module.to()`),
@@ -347,9 +347,11 @@ class EpMoeLayer:
                     f"{fn}: experts hold num_experts={experts.num_experts}; the EpRouted was"
                     f" built for num_experts={routed.num_experts}"
                 )
-            # Built from tensors: watched for writes in place until the first call (ExpertSources).
-            self._expert_sources = ExpertSources(experts)
-            experts = default_experts(experts)
+            given = experts
+            experts = default_experts(given)
+            # A backend with its own copy never sees later writes into the tensors: watched, so
+            # that the first call and refresh() refuse a change instead (ep/expert_sources.py).
+            self._expert_sources = ExpertSources(given) if experts.copies_weights else None
         else:
             self._expert_sources = None
         check_experts_match(fn, routed, experts)
@@ -432,6 +434,7 @@ class EpMoeLayer:
         # Made at the first call (after the server loaded its weights), or refresh().
         self.fingerprint: int | None = None
         self._read_once = False  # the first call (or refresh) read the copied sources again
+        self._experts_checked = False  # a call found the expert tensors unchanged
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
 
@@ -447,25 +450,18 @@ class EpMoeLayer:
         layer does not see (class docstring, "Weights after construction"): copy the caller's
         tensors the layer holds copies of (`copied`) into those copies, read through the tensors
         their views were taken of, and recompute the fingerprint its tags carry (one
-        device-to-host copy); before the first call, build the experts backend again when the
-        expert tensors it was built from changed. RuntimeError inside a CUDA graph capture,
-        naming a tensor whose source was moved to other memory since construction, or naming
-        the expert tensors that changed since the first call (nothing is copied then)."""
+        device-to-host copy). RuntimeError inside a CUDA graph capture, naming a tensor whose
+        source was moved to other memory since construction, or naming the expert tensors
+        written since the layer built its experts backend from them (`_stale_experts`; nothing
+        is copied then)."""
         if self._capturing():
             raise RuntimeError(
                 "EpMoeLayer.refresh: called inside a CUDA graph capture; call it before capturing"
             )
-        changed = self._expert_sources.changed() if self._expert_sources is not None else []
-        if changed and self._read_once:
-            raise RuntimeError(
-                f"EpMoeLayer.refresh: the experts' tensors {changed} changed since the layer"
-                " built its experts backend from them at its first call; a backend holds its own"
-                " copy of the weights (and a CUDA graph captured since holds that backend), so"
-                " build a new layer (and capture its graphs again)"
-            )
+        stale = self._stale_experts("EpMoeLayer.refresh")
+        if stale is not None:
+            raise stale
         self._copy_sources()
-        if changed:
-            self._rebuild_experts()
         self.fingerprint = dense_fingerprint(self.dense)
         self._read_once = True
 
@@ -474,23 +470,25 @@ class EpMoeLayer:
         layer run by its parts, which reads the packed weight before routed_path's call),
         outside a CUDA graph capture: copy again what the layer copied, so that a load between
         construction and serving reaches it."""
-        if not self._read_once and self._unread() and not self._capturing():
+        if not self._read_once and self._copied and not self._capturing():
             self._copy_sources()
-            if self._expert_sources is not None and self._expert_sources.changed():
-                self._rebuild_experts()
             self._read_once = True
 
-    def _unread(self) -> bool:
-        """Whether the first use has sources to read: copied dense tensors, or expert tensors
-        the layer built its experts backend from."""
-        return bool(self._copied) or self._expert_sources is not None
-
-    def _rebuild_experts(self) -> None:
-        """Build the experts backend again from the expert tensors as they are now (written in
-        place since the layer was built): `experts.default_experts`, as the construction did."""
-        experts = default_experts(self._expert_sources.weights())
-        check_experts_match("EpMoeLayer", self.routed, experts)
-        self.experts = experts
+    def _stale_experts(self, fn: str) -> RuntimeError | None:
+        """The error when the expert tensors the layer built its experts backend from were
+        written since (the backend computes with its own copy of them as they were), else
+        None. One device-to-host read a tensor; not inside a CUDA graph capture."""
+        if self._expert_sources is None:
+            return None
+        changed = self._expert_sources.changed()
+        if not changed:
+            return None
+        return RuntimeError(
+            f"{fn}: the experts' tensors {changed} changed since the layer built its experts"
+            f" backend ({type(self.experts).__name__}) from them at construction; the backend"
+            " computes with its own copy of the weights as they were then. Build the layer (or"
+            " its experts backend) after the experts' weights are loaded"
+        )
 
     def _capturing(self) -> bool:
         """True inside a CUDA graph capture on the current stream (nothing may be read to the
@@ -739,9 +737,10 @@ class EpMoeLayer:
         handler's) restarted the count on every rank: it stays at 0."""
         calls, entered, resets = self._calls, self.routed._entered_here(), self.routed._resets
         unready = None
-        first = not self._read_once and self._unread()
+        first = not self._read_once and bool(self._copied)
         read_fingerprint = self.fingerprint is None
-        if first or read_fingerprint:
+        check_experts = not self._experts_checked
+        if first or read_fingerprint or check_experts:
             if self._capturing():
                 unready = RuntimeError(
                     f"{fn}: the layer's first call is inside a CUDA graph capture, where it"
@@ -753,6 +752,9 @@ class EpMoeLayer:
                     self._read_sources_once()
                     if read_fingerprint:
                         self.fingerprint = dense_fingerprint(self.dense)
+                    if check_experts:
+                        unready = self._stale_experts(fn)
+                        self._experts_checked = unready is None
                 except BaseException as err:  # the step still fails on every rank
                     unready = err
         wire = None

@@ -69,6 +69,11 @@ class ExpertsBackend(ABC):
     latent: int
     # True when forward takes `failure=` and may fail a call through it (the class docstring).
     device_failures: bool = False
+    # True when the backend computes from its own copy of the weights, made at construction
+    # (writes into the ExpertWeights' tensors since do not reach it); False when it reads the
+    # caller's tensors in place (HopperExperts' triton engine, given contiguous tensors).
+    # EpMoeLayer refuses expert tensors changed after it built such a backend from them.
+    copies_weights: bool = True
     # Human-readable hardware the backend needs, for error messages ("any torch device", ...).
     requires: str = "any torch device"
     # Format of FC2's input (the SiTU activation): "bf16", or "mxfp8" (e4m3 elements with one

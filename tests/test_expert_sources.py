@@ -4,11 +4,12 @@ in place, and the weak references that keep no tensor alive."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 
 from dep_ep.config import TINY
-from dep_ep.ep.expert_sources import DIGEST_ROW_BYTES, DIGEST_ROWS, ExpertSources, byte_digest
+from dep_ep.ep.expert_sources import DIGEST_ROW_BYTES, ROWS_PER_STEP, ExpertSources, byte_digest
 from dep_ep.testing import SyntheticLayer
 
 
@@ -16,17 +17,18 @@ def test_any_one_byte_changed_changes_the_digest():
     """Fresh random bytes over several digest steps with a short last row: one byte changed at
     random positions (the first, the last, one in the short row, any) changes the digest;
     equal bytes in another tensor give an equal digest."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    size = (DIGEST_ROWS + 3) * DIGEST_ROW_BYTES + 123  # two steps, the last row short
+    seed = int(torch.randint(0, 2**31, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    size = (ROWS_PER_STEP + 3) * DIGEST_ROW_BYTES + 123  # two steps, the last row short
     t = torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8)
     digest = byte_digest(t)
-    assert digest.shape == (DIGEST_ROWS + 4,)
+    assert digest.shape == (ROWS_PER_STEP + 4,)
     assert torch.equal(byte_digest(t.clone()), digest)
     positions = [0, size - 1, size - 50, *torch.randint(0, size, (8,), generator=gen).tolist()]
     for at in positions:
         changed = t.clone()
         changed[at] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
-        assert not torch.equal(byte_digest(changed), digest), f"byte {at} of {size}"
+        assert not torch.equal(byte_digest(changed), digest), f"byte {at} of {size}, seed {seed}"
 
 
 def test_two_words_swapped_change_the_digest():
@@ -48,7 +50,10 @@ def test_a_view_off_a_word_boundary():
     assert torch.equal(byte_digest(view), byte_digest(view.clone()))
 
 
-def test_sources_see_writes_and_keep_nothing_alive():
+def test_sources_see_writes_through_the_object_or_its_storage_and_keep_nothing_alive():
+    """Writes into the tensor objects, a re-pointed object, writes through a buffer whose
+    temporary views were given (the objects gone, the storage alive): each is seen; with the
+    objects and their storage gone nothing is watched, and nothing kept them alive."""
     weights = SyntheticLayer(TINY, seed=3).local_weights(12, 12)
     tensors = [t.clone() for t in weights.tensors]
     sources = ExpertSources(type(weights)(*tensors, first_expert=12, num_experts=TINY.experts))
@@ -56,8 +61,23 @@ def test_sources_see_writes_and_keep_nothing_alive():
     tensors[1][5, 6, 2] ^= 1
     tensors[2][0, 0, 0] ^= 16
     assert sources.changed() == ["s13", "w2"]
-    again = sources.weights()  # the tensors as they are now, checked again
-    assert again.tensors[1] is tensors[1] and sources.changed() == []
-    del again, tensors
+    tensors[1][5, 6, 2] ^= 1
+    tensors[2].data = tensors[2].clone()  # re-pointed: the object is read, not the old storage
+    assert sources.changed() == ["w2"]
+    tensors[2][0, 0, 0] ^= 16  # reverted in the new storage
+    assert sources.changed() == []
+    tensors[3].set_(torch.zeros_like(tensors[3]))
+    assert sources.changed() == ["s2"]
+    # Temporary views of buffers: only the storage says where the bytes are.
+    buffers = [torch.cat([t.reshape(-1), t.reshape(-1)]) for t in weights.tensors]
+    views = [b[: t.numel()].view(t.shape) for b, t in zip(buffers, weights.tensors)]
+    watched = ExpertSources(type(weights)(*views, first_expert=12, num_experts=TINY.experts))
+    del views
     gc.collect()
-    assert sources.alive() is None and sources.changed() == []
+    assert watched.changed() == []
+    buffers[0][7] ^= 4
+    assert watched.changed() == ["w13"]
+    dead = weakref.ref(buffers[0])
+    del buffers, tensors
+    gc.collect()
+    assert dead() is None and watched.changed() == [] and sources.changed() == []

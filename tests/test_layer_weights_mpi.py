@@ -419,15 +419,16 @@ def test_a_first_call_whose_reads_fail_fails_on_every_rank(dep, layer, monkeypat
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("given", ["tuple", "ExpertWeights"])
-def test_expert_tensors_loaded_after_construction_are_used(dep, layer, given):
-    """A layer built on zero placeholders of this rank's expert tensors (given as the
-    checkpoint tuple or as an ExpertWeights), then loaded by copy_, gives the bits of a layer
-    built on the loaded experts: its first call builds the experts backend again from the
-    tensors. Loaded again after the first call, refresh() refuses on every rank that loaded
-    (the backend, and a graph captured since, hold the old copy), naming the tensors. Before,
-    the backend kept the placeholders' copy (the routed part zero, no error) and refresh() did
-    not see it."""
+@pytest.mark.parametrize("given", ["tuple", "ExpertWeights", ".data views", "buffer slices"])
+def test_expert_tensors_written_after_construction_are_refused_on_every_rank(dep, layer, given):
+    """A layer built on zero placeholders of this rank's expert tensors, then loaded by copy_:
+    its backend (ReferenceExperts) computes with its copy of the placeholders, so the first call
+    raises on every rank (RuntimeError naming the tensors on the loading rank; only rank 0
+    loads, so the others raise EpPeerError), and so does refresh() on that rank. Given as the
+    tuple, an ExpertWeights, `.data` views of parameters or slices of buffers (the view objects
+    gone, the storage alive). A layer built after loading computes the loaded experts. Before,
+    the layer returned the shared experts alone (the routed part from zero experts), with no
+    error."""
     seed, experts, x = case(dep, layer, 930)
     v1 = make_dense(TINY, seed)
     per_rank = TINY.experts // dep.size
@@ -435,22 +436,31 @@ def test_expert_tensors_loaded_after_construction_are_used(dep, layer, given):
     loaded = layer.local(first, per_rank)
     failures: list[str] = []
     with build(dep) as routed, torch.no_grad():
-        held = tuple(torch.zeros_like(t) for t in loaded)
+        held = [torch.nn.Parameter(torch.zeros_like(t), requires_grad=False) for t in loaded]
+        buffers = [torch.zeros(2 * t.numel(), dtype=t.dtype) for t in loaded]
         if given == "tuple":
-            moe = EpMoeLayer(v1, routed, held, topk=TINY.topk, layer_index=0)
+            tensors = tuple(held)
+        elif given == "ExpertWeights":
+            tensors = ExpertWeights(*held, first_expert=first, num_experts=TINY.experts)
+        elif given == ".data views":
+            tensors = tuple(p.data for p in held)
         else:
-            weights = ExpertWeights(*held, first_expert=first, num_experts=TINY.experts)
-            moe = EpMoeLayer(v1, routed, weights, topk=TINY.topk, layer_index=0)
-        made_on_loaded = EpMoeLayer(v1, routed, experts, topk=TINY.topk, layer_index=1)
-        for placeholder, value in zip(held, loaded):
-            placeholder.copy_(value)
-        if not torch.equal(bits(moe(x)), bits(made_on_loaded(x))):
-            failures.append(f"{given}: not the loaded experts' bits")
-        held[3][0, 0, 0] += 1  # one scale byte of the first local expert's down projection
-        try:
-            moe.refresh()
-            failures.append(f"{given}: refresh() after the experts changed raised nothing")
-        except RuntimeError as err:
-            if "the experts' tensors ['s2'] changed" not in str(err):
-                failures.append(f"{given}: refresh() raised {err}")
+            tensors = tuple(b[t.numel() :].view(t.shape) for b, t in zip(buffers, loaded))
+        moe = EpMoeLayer(v1, routed, tensors, topk=TINY.topk, layer_index=0)
+        del tensors
+        if dep.rank == 0:
+            for p, b, value in zip(held, buffers, loaded):
+                p.copy_(value)
+                b[value.numel() :].copy_(value.reshape(-1))
+        message = "the experts' tensors \\['w13', 's13', 'w2', 's2'\\] changed since"
+        if dep.rank == 0:
+            expect_raises(failures, f"{given}: call", RuntimeError, message, lambda: moe(x))
+            expect_raises(failures, f"{given}: refresh()", RuntimeError, message, moe.refresh)
+        else:
+            expect_raises(failures, f"{given}: call", EpPeerError, "rank 0", lambda: moe(x))
+        after = ExpertWeights(*loaded, first_expert=first, num_experts=TINY.experts)
+        built_after = EpMoeLayer(v1, routed, after, topk=TINY.topk, layer_index=1)
+        made_on_loaded = EpMoeLayer(v1, routed, experts, topk=TINY.topk, layer_index=2)
+        if not torch.equal(bits(built_after(x)), bits(made_on_loaded(x))):
+            failures.append(f"{given}: a layer built after loading is not the loaded experts")
     collective_assert(dep.cpu_group, failures, seeds=seed)

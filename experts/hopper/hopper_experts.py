@@ -26,7 +26,7 @@ from dep_ep.experts.hopper.engine import PAIR_BUDGET_SKEW, HopperEngine, check_s
 from dep_ep.experts.hopper.humming_engine import HummingEngine, humming_installed
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.hopper.triton_engine import TritonEngine
-from dep_ep.experts.weights import ExpertWeights
+from dep_ep.experts.weights import TENSORS, ExpertWeights
 
 # HummingEngine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
 # 3072 = 6 x 512); humming has run only at K3's widths.
@@ -89,8 +89,9 @@ class HopperExperts(ExpertsBackend):
       a comm.failure.StepFailure through which an overflowing call fails the step on every rank
       (experts/base.py).
 
-    Memory: the triton engine keeps the caller's weights (no copy when contiguous); humming keeps
-    its own re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
+    Memory: the triton engine keeps the caller's weights (no copy when contiguous, and then
+    `copies_weights` is False: writes into them reach the backend); humming keeps its own
+    re-laid-out copy (the same 17.5 MB per K3 expert) and not the caller's. Per call,
     `workspace_bytes` from torch's caching allocator (inside a graph capture, the graph's pool).
     The humming engine compiles its kernels the first time a call's `tuning_pairs` (a power of
     two from the row count) is new (seconds): make one eager call of each row count before
@@ -147,6 +148,15 @@ class HopperExperts(ExpertsBackend):
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.prepared = engine.prepare(owner, weights, self.sms, self.pair_skew)
         self.pairs_over_budget = self.prepared.pairs_over_budget
+        # The triton engine reads the caller's tensors in place when they are contiguous.
+        kept = getattr(self.prepared, "w13", None)
+        self.copies_weights = not (
+            kept is not None
+            and all(
+                getattr(self.prepared, name).data_ptr() == t.data_ptr()
+                for name, t in zip(TENSORS, weights.tensors)
+            )
+        )
         # A call can overflow (and fail its step through forward's `failure`) only under a budget.
         self.device_failures = self.pair_skew is not None
 
