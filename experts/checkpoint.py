@@ -122,19 +122,34 @@ class CheckpointReader:
                 self.files = {name: files[0] for name in f.keys()}
         self._open: dict[Path, object] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The tensor `name`, checked against `shape` and `dtype`; errors name the tensor."""
+    def _handle(self, name: str):
+        """The open file that holds tensor `name`, checked to hold it: KeyError naming the
+        tensor when the index lacks it, or its file is missing, damaged or lacks it."""
         path = self.files.get(name)
         if path is None:
             raise KeyError(f"checkpoint {self.folder}: tensor {name} is missing")
         try:
             if path not in self._open:
                 self._open[path] = self._safe_open(path, framework="pt").__enter__()
-            t = self._open[path].get_tensor(name)
-        except Exception as err:  # a file missing or damaged, a name the file lacks
+            handle = self._open[path]
+            if name not in handle.keys():
+                raise KeyError(f"{path.name} holds no tensor {name}")
+        except Exception as err:
             raise KeyError(
                 f"checkpoint {self.folder}: tensor {name} not readable from {path.name}:"
                 f" {type(err).__name__}: {err}"
+            ) from err
+        return handle
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor `name`, checked against `shape` and `dtype`; errors name the tensor."""
+        handle = self._handle(name)
+        try:
+            t = handle.get_tensor(name)
+        except Exception as err:  # a damaged file whose header still reads
+            raise KeyError(
+                f"checkpoint {self.folder}: tensor {name} not readable from"
+                f" {self.files[name].name}: {type(err).__name__}: {err}"
             ) from err
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(
@@ -142,6 +157,10 @@ class CheckpointReader:
                 f" expected {dtype} {shape}"
             )
         return t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name` from its file's header (no data read); errors as get's."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
 
     def close(self) -> None:
         for handle in self._open.values():
@@ -168,6 +187,8 @@ def load_moe_layer(
     if not isinstance(geometry, MoeGeometry):
         raise TypeError(f"{fn}: geometry is {type(geometry).__name__}; expected a MoeGeometry")
     layer = check_int(fn, "layer", layer)
+    if layer < 0:
+        raise ValueError(f"{fn}: layer={layer}; expected an int >= 0")
     first_expert = check_int(fn, "first_expert", first_expert)
     num_local_experts = check_int(fn, "num_local_experts", num_local_experts)
     if num_local_experts < 1:
@@ -180,20 +201,17 @@ def load_moe_layer(
     prefix = layer_prefix(layer)
     reader = CheckpointReader(folder)
     try:
-        # The geometry's E against the checkpoint's experts, by their names (no read): with
-        # dense=False no tensor of the model's E (the gate) is read to catch another E.
-        last, beyond = (
-            f"{prefix}experts.{e}.w1.weight_packed"
-            for e in (geometry.experts - 1, geometry.experts)
-        )
-        if last not in reader.files or beyond in reader.files:
-            held, name, state = ("fewer", last, "missing")
-            if last in reader.files:
-                held, name, state = ("more", beyond, "present")
-            raise ValueError(
-                f"{fn}: checkpoint {reader.folder} holds {held} than the geometry's"
-                f" {geometry.experts} experts in layer {layer} ({name} {state})"
-            )
+        # The geometry's E against the gate's rows ([E, H]), from its header (no data read):
+        # with dense=False the gate is not read, and a geometry of another E loaded silently.
+        # A folder without the gate (one rank's experts alone) is not checked.
+        gate = prefix + GATE
+        if gate in reader.files:
+            rows = reader.shape(gate)[0]
+            if rows != geometry.experts:
+                raise ValueError(
+                    f"{fn}: checkpoint {reader.folder}: {gate} has {rows} rows (the model's"
+                    f" experts); the geometry {geometry.name} has {geometry.experts}"
+                )
         w13, s13, w2, s2 = [], [], [], []
         for e in range(first_expert, first_expert + num_local_experts):
             t = {n: reader.get(prefix + n, *spec) for n, spec in expert_shapes(geometry, e).items()}

@@ -40,9 +40,9 @@ def mxfp4_dequantize(
     """(packed uint8 [..., K/2], scales uint8 [..., K/32]) -> `dtype` [..., K].
 
     Exact in bf16 and fp32 (a 2-bit mantissa times a power of two) for scale bytes whose
-    products stay in the dtype's range. TypeError for a packed dtype other than uint8,
-    ValueError for a K that is not a positive multiple of 32 or scales of another shape or
-    dtype."""
+    products stay in the dtype's range. TypeError for a packed or scales dtype other than
+    uint8, ValueError for a K that is not a positive multiple of 32 or scales of another
+    shape."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"mxfp4_dequantize: packed dtype {packed.dtype}; expected torch.uint8")
     k = packed.shape[-1] * 2 if packed.dim() else 0
@@ -51,7 +51,9 @@ def mxfp4_dequantize(
             f"mxfp4_dequantize: packed {tuple(packed.shape)} holds K={k} elements a row; K must"
             f" be a positive multiple of {SCALE_BLOCK} (one scale per {SCALE_BLOCK})"
         )
-    if scales.dtype != torch.uint8 or scales.shape != (*packed.shape[:-1], k // SCALE_BLOCK):
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"mxfp4_dequantize: scales dtype {scales.dtype}; expected torch.uint8")
+    if scales.shape != (*packed.shape[:-1], k // SCALE_BLOCK):
         raise ValueError(
             f"mxfp4_dequantize: scales {scales.dtype} {tuple(scales.shape)}; expected uint8"
             f" {(*packed.shape[:-1], k // SCALE_BLOCK)} for packed {tuple(packed.shape)}"

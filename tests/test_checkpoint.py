@@ -108,14 +108,26 @@ def test_bad_expert_range(tmp_path):
 
 
 def test_the_geometry_s_expert_count_is_the_checkpoint_s(tmp_path, layer):
-    """With dense=False no gate weight ([E, H]) is read, so the experts' names tell the
-    checkpoint's E: a geometry of more or fewer experts is refused (before, it loaded with the
-    wrong num_experts and nothing noticed)."""
-    write_sharded(tmp_path, checkpoint_tensors(layer))
-    for experts, held in ((2 * TINY.experts, "fewer"), (TINY.experts - 8, "more")):
+    """With dense=False the gate ([E, H]) is not read, but its header tells the checkpoint's E:
+    a geometry of another E is refused (before, it loaded with the wrong num_experts and
+    nothing noticed). A folder holding one rank's experts alone (no gate) still loads."""
+    tensors = checkpoint_tensors(layer)
+    write_sharded(tmp_path, tensors)
+    for experts in (2 * TINY.experts, TINY.experts - 8):
         other = dataclasses.replace(TINY, experts=experts)
-        with pytest.raises(ValueError, match=f"holds {held} than the geometry's {experts} experts"):
+        with pytest.raises(ValueError, match=f"has {TINY.experts} rows .* has {experts}"):
             load_moe_layer(tmp_path, LAYER, other, first_expert=0, num_local_experts=4, dense=False)
+    mine = tmp_path / "rank1"
+    mine.mkdir()
+    prefix = f"{layer_prefix(LAYER)}experts."
+    own = {
+        n: t
+        for n, t in tensors.items()
+        if n.startswith(prefix) and 12 <= int(n.split(".")[-3]) < 24
+    }
+    write_sharded(mine, own, shards=2)
+    loaded = load_moe_layer(mine, LAYER, TINY, first_expert=12, num_local_experts=12, dense=False)
+    assert torch.equal(loaded.experts.w2, layer.local(12, 12)[2])
 
 
 @pytest.mark.parametrize(
@@ -126,6 +138,7 @@ def test_the_geometry_s_expert_count_is_the_checkpoint_s(tmp_path, layer):
         ({"num_local_experts": 0}, ValueError, "num_local_experts=0; expected an int >= 1"),
         ({"geometry": "tiny"}, TypeError, "geometry is str; expected a MoeGeometry"),
         ({"layer": "3"}, TypeError, "layer='3'; expected an int"),
+        ({"layer": -1}, ValueError, "layer=-1; expected an int >= 0"),
     ],
 )
 def test_bad_arguments_are_named(tmp_path, layer, kwargs, error, message):

@@ -50,6 +50,8 @@ def test_mxfp4_helpers_name_what_is_wrong():
     for fn in (mxfp4_pack, mxfp4_unpack):
         with pytest.raises(TypeError, match=f"{fn.__name__}: .* dtype torch.int64; expected"):
             fn(torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="mxfp4_dequantize: scales dtype torch.int8"):
+        mxfp4_dequantize(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.int8))
     with pytest.raises(TypeError, match="mxfp4_dequantize: packed dtype torch.int8"):
         mxfp4_dequantize(torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="mxfp4_pack: codes shape \\(2, 3\\); need K"):
