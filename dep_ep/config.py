@@ -68,7 +68,7 @@ class EpConfig:
       the dispatch (experts skipped or writing elsewhere): EpUnwrittenRowsError on this rank,
       EpPeerError on the others (on GPU at the next call, poll() or synchronize(), every output
       of the step NaN). No host sync: on GPU a fill at dispatch and one check launch at combine
-      (ep/unwritten_rows.py), built to be captured in a CUDA graph (not run on a GPU yet).
+      (ep/unwritten_rows.py), captured in a CUDA graph as well (its cost on a GPU not measured).
       A row counts as written once its element 0 changed: a backend that fills `out` first
       (zeros, say) and then skips rows, or writes element 0 alone, is not caught. Off, such a
       combine returns sums of whatever the rows hold (the previous call's, for instance).
