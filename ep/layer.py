@@ -434,7 +434,7 @@ class EpMoeLayer:
         # Made at the first call (after the server loaded its weights), or refresh().
         self.fingerprint: int | None = None
         self._read_once = False  # the first call (or refresh) read the copied sources again
-        self._experts_checked = False  # a call found the expert tensors unchanged
+        self._experts_checked = False  # a call or refresh() found the expert tensors unchanged
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
 
@@ -463,7 +463,7 @@ class EpMoeLayer:
             raise stale
         self._copy_sources()
         self.fingerprint = dense_fingerprint(self.dense)
-        self._read_once = True
+        self._read_once = self._experts_checked = True
 
     def _read_sources_once(self) -> None:
         """At the layer's first use of its weights (the first call, or the first front() of a
