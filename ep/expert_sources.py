@@ -8,10 +8,15 @@ and the layer would compute with the weights as they were. So the layer keeps, f
 four tensors, a weak reference to the tensor object and one to its storage (it keeps neither
 alive: memory the caller frees stays freed), with a digest of the bytes, and compares them at
 its first call and in `refresh()`, which refuse a change on every rank instead of computing with
-the old copy. The tensor object is read while it lives (a `.data =` or `set_` re-pointing it is
-seen); else its storage, through the view's offset, shape and strides (a temporary view such as
-`.data` or a slice of a buffer dies at once, its storage lives on with the buffer); when both
-are gone nothing can write them.
+the old copy. The tensor object is read while it lives (a `.data =` or `set_` re-pointing it at
+bytes of the same shape is seen); else its storage, through the view's offset, shape and strides
+(a temporary view such as `.data` or a slice of a buffer dies at once, its storage lives on with
+the buffer). Not seen: tensors replaced rather than written once the objects given and their
+storage are gone (`load_state_dict(..., assign=True)` on the parameters given, `.data =` on the
+base of a view given, a buffer read again into new memory), which the layer cannot tell from
+tensors freed after it was built (a temporary ExpertWeights, `.data = torch.empty(0)`, a storage
+resized to 0); it reads neither. A digest can also miss several words changed together whose
+weighted differences cancel (DIGEST_ROW_BYTES).
 """
 
 from __future__ import annotations
@@ -73,35 +78,45 @@ class _Watched:
         self.view = (t.storage_offset(), tuple(t.shape), t.stride())
         self.digest = byte_digest(t)
 
-    def current(self) -> torch.Tensor | None:
-        """The tensor as it is now: the object while it lives, else the same view of its
-        storage while that lives, else None."""
-        t = self.tensor()
-        if t is not None:
-            return t
-        storage = self.storage()
-        if storage is None:
-            return None
-        offset, shape, stride = self.view
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        return empty.set_(storage, offset, shape, stride)
-
     def changed(self) -> bool:
-        """Whether the bytes differ from the digest (a different shape counts as a change)."""
-        t = self.current()
+        """Whether the tensor holds other bytes than the digest's, read through the object while
+        it lives, else through its storage. Nothing to compare (False): the object and its
+        storage gone, a storage freed in place below the view (read no further), or another
+        shape (`.data = torch.empty(0)`, say): freed, or replaced by another tensor, which the
+        layer cannot see (module docstring)."""
+        t = self.tensor()
+        offset, shape, stride = self.view
         if t is None:
+            storage = self.storage()
+            if storage is None or not _holds(storage, self.dtype, offset, shape, stride):
+                return False
+            t = torch.empty(0, dtype=self.dtype, device=self.device)
+            t = t.set_(storage, offset, shape, stride)
+        elif tuple(t.shape) != shape or not _holds(
+            t.untyped_storage(), t.dtype, t.storage_offset(), t.shape, t.stride()
+        ):
             return False
-        return tuple(t.shape) != self.view[1] or not torch.equal(byte_digest(t), self.digest)
+        return not torch.equal(byte_digest(t), self.digest)
+
+
+def _holds(storage, dtype: torch.dtype, offset: int, shape, stride) -> bool:
+    """Whether `storage` holds every element of the view (offset, shape, stride) of `dtype`:
+    a storage resized below it (freed in place) must not be read."""
+    if any(size == 0 for size in shape):
+        return True
+    last = offset + sum((size - 1) * step for size, step in zip(shape, stride))
+    return storage.nbytes() >= (last + 1) * dtype.itemsize
 
 
 class ExpertSources:
     """The four tensors of an ExpertWeights (w13, s13, w2, s2) an experts backend was built from,
-    watched (module docstring)."""
+    watched (module docstring). Built before the backend, so that a write landing while the
+    backend copies the tensors shows as a change, never as the state the backend holds."""
 
     def __init__(self, weights: ExpertWeights) -> None:
         self._watched = [_Watched(t) for t in weights.tensors]
 
     def changed(self) -> list[str]:
-        """The names of the tensors whose bytes differ from those the backend was built from
-        (one device-to-host read a tensor)."""
+        """The names of the tensors that hold other bytes than those the backend was built from
+        (`_Watched.changed`); one device-to-host read a tensor."""
         return [name for name, w in zip(TENSORS, self._watched) if w.changed()]

@@ -301,9 +301,11 @@ class EpMoeLayer:
     backend's own copy when it is built (`copies_weights`; HopperExperts' triton engine reads
     contiguous tensors in place): given as a backend, when it was built; given as tensors (an
     ExpertWeights or the tuple), at construction, and the layer watches them (weak references
-    and a byte digest, ep/expert_sources.py): its first call, on every rank, and `refresh()`
-    refuse tensors written since (RuntimeError naming them) instead of computing with the old
-    copy. Build the layer after loading the experts' weights. The fingerprint the layer's tags
+    and a byte digest, ep/expert_sources.py): its first call, on every rank, and every
+    `refresh()` refuse tensors written since (RuntimeError naming them; after a refusing
+    refresh() every call refuses) instead of computing with the old copy; tensors replaced
+    rather than written are not seen (docs/layer.md). Build the layer after loading the experts'
+    weights. The fingerprint the layer's tags
     carry is read at its first call (so: after loading), and again by `refresh()`; after weights
     change once the layer has been called, call `refresh()` on every rank so that their
     fingerprints stay equal. Not seen at all (docs/layer.md lists them): tensors replaced
@@ -347,11 +349,11 @@ class EpMoeLayer:
                     f"{fn}: experts hold num_experts={experts.num_experts}; the EpRouted was"
                     f" built for num_experts={routed.num_experts}"
                 )
-            given = experts
-            experts = default_experts(given)
-            # A backend with its own copy never sees later writes into the tensors: watched, so
-            # that the first call and refresh() refuse a change instead (ep/expert_sources.py).
-            self._expert_sources = ExpertSources(given) if experts.copies_weights else None
+            # Watched from before the backend copies them (ep/expert_sources.py): a backend with
+            # its own copy never sees later writes, so the first call and refresh() refuse them.
+            sources = ExpertSources(experts)
+            experts = default_experts(experts)
+            self._expert_sources = sources if experts.copies_weights else None
         else:
             self._expert_sources = None
         check_experts_match(fn, routed, experts)
@@ -434,7 +436,8 @@ class EpMoeLayer:
         # Made at the first call (after the server loaded its weights), or refresh().
         self.fingerprint: int | None = None
         self._read_once = False  # the first call (or refresh) read the copied sources again
-        self._experts_checked = False  # a call or refresh() found the expert tensors unchanged
+        # A call found the expert tensors unchanged (refresh() finding them changed clears it).
+        self._experts_checked = self._expert_sources is None
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
 
@@ -460,10 +463,11 @@ class EpMoeLayer:
             )
         stale = self._stale_experts("EpMoeLayer.refresh")
         if stale is not None:
+            self._experts_checked = False  # every later call refuses too, on every rank
             raise stale
         self._copy_sources()
         self.fingerprint = dense_fingerprint(self.dense)
-        self._read_once = self._experts_checked = True
+        self._read_once = True
 
     def _read_sources_once(self) -> None:
         """At the layer's first use of its weights (the first call, or the first front() of a
@@ -484,10 +488,10 @@ class EpMoeLayer:
         if not changed:
             return None
         return RuntimeError(
-            f"{fn}: the experts' tensors {changed} changed since the layer built its experts"
+            f"{fn}: the experts' tensors {changed} were written since the layer built its experts"
             f" backend ({type(self.experts).__name__}) from them at construction; the backend"
-            " computes with its own copy of the weights as they were then. Build the layer (or"
-            " its experts backend) after the experts' weights are loaded"
+            " computes with its own copy of the weights as they were then. Build the layer after"
+            " the experts' weights are loaded"
         )
 
     def _capturing(self) -> bool:
@@ -744,8 +748,9 @@ class EpMoeLayer:
             if self._capturing():
                 unready = RuntimeError(
                     f"{fn}: the layer's first call is inside a CUDA graph capture, where it"
-                    " reads the weights it copied and their fingerprint; call the layer (or"
-                    " refresh()) once before capturing"
+                    " reads the weights it copied, their fingerprint and (given expert tensors)"
+                    " the experts' digest; call the layer once before capturing (refresh() is"
+                    " enough for a layer given an experts backend)"
                 )
             else:
                 try:

@@ -81,3 +81,21 @@ def test_sources_see_writes_through_the_object_or_its_storage_and_keep_nothing_a
     del buffers, tensors
     gc.collect()
     assert dead() is None and watched.changed() == [] and sources.changed() == []
+
+
+def test_freed_or_reshaped_tensors_are_not_read():
+    """A storage resized to 0 under the object or under a dead view (freed in place, as FSDP
+    frees), and an object re-pointed at an empty tensor (`.data = torch.empty(0)`), have
+    nothing to compare: no change, and no read of freed memory (a non-contiguous view
+    included)."""
+    weights = SyntheticLayer(TINY, seed=4).local_weights(0, 4)
+    tensors = [t.clone() for t in weights.tensors]
+    base = tensors[2].clone()
+    tensors[2] = base.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous, same values
+    sources = ExpertSources(type(weights)(*tensors, first_expert=0, num_experts=TINY.experts))
+    tensors[0].untyped_storage().resize_(0)
+    tensors[1].data = torch.empty(0, dtype=torch.uint8)
+    tensors[2].untyped_storage().resize_(0)
+    assert sources.changed() == []
+    tensors[3][0, 0, 0] ^= 1
+    assert sources.changed() == ["s2"]

@@ -452,7 +452,7 @@ def test_expert_tensors_written_after_construction_are_refused_on_every_rank(dep
             for p, b, value in zip(held, buffers, loaded):
                 p.copy_(value)
                 b[value.numel() :].copy_(value.reshape(-1))
-        message = "the experts' tensors \\['w13', 's13', 'w2', 's2'\\] changed since"
+        message = "the experts' tensors \\['w13', 's13', 'w2', 's2'\\] were written since"
         if dep.rank == 0:
             expect_raises(failures, f"{given}: call", RuntimeError, message, lambda: moe(x))
             expect_raises(failures, f"{given}: refresh()", RuntimeError, message, moe.refresh)
@@ -463,4 +463,38 @@ def test_expert_tensors_written_after_construction_are_refused_on_every_rank(dep
         made_on_loaded = EpMoeLayer(v1, routed, experts, topk=TINY.topk, layer_index=2)
         if not torch.equal(bits(built_after(x)), bits(made_on_loaded(x))):
             failures.append(f"{given}: a layer built after loading is not the loaded experts")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_refresh_neither_waives_nor_forgets_a_stale_experts_check(dep, layer):
+    """refresh() before the first call, then a load into the expert tensors: the first call
+    still refuses them on every rank (refresh() does not mark them checked). After a good first
+    call, a write on rank 1 alone: refresh() raises there, and every later call refuses on every
+    rank (rank 1 RuntimeError, the others EpPeerError) instead of computing with rank 1's stale
+    experts (before, refresh() left the layer callable)."""
+    seed, experts, x = case(dep, layer, 940)
+    v1 = make_dense(TINY, seed)
+    per_rank = TINY.experts // dep.size
+    loaded = layer.local(dep.rank * per_rank, per_rank)
+    failures: list[str] = []
+    written = "were written since"
+    with build(dep) as routed, torch.no_grad():
+        held = tuple(torch.zeros_like(t) for t in loaded)
+        moe = EpMoeLayer(v1, routed, held, topk=TINY.topk, layer_index=0)
+        moe.refresh()
+        for placeholder, value in zip(held, loaded):
+            placeholder.copy_(value)
+        expect_raises(failures, "after refresh()", RuntimeError, written, lambda: moe(x))
+        ready = tuple(t.clone() for t in loaded)
+        good = EpMoeLayer(v1, routed, ready, topk=TINY.topk, layer_index=1)
+        good(x)
+        if dep.rank == 1:
+            ready[0][0, 0, 0] ^= 1
+            expect_raises(failures, "refresh()", RuntimeError, written, good.refresh)
+        for call in range(2):
+            if dep.rank == 1:
+                expect_raises(failures, f"call {call}", RuntimeError, written, lambda: good(x))
+            else:
+                expect_raises(failures, f"call {call}", EpPeerError, "rank 1", lambda: good(x))
     collective_assert(dep.cpu_group, failures, seeds=seed)
