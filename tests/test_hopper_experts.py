@@ -1056,3 +1056,19 @@ def test_gpu_workspace_bytes_is_what_a_call_allocates(monkeypatch, name, chunk_p
     where = f"{name} {chunk_pairs} seed {seed}"
     assert allocated == backend.workspace_bytes(256, 16), f"{where}: {allocated} != {parts}"
     assert freed == allocated, f"{where}: {allocated} allocated, {freed} freed"
+
+
+def test_the_engines_say_whether_they_copy_the_weights():
+    """`copies_weights` (EpMoeLayer watches the tensors of a backend that copies them): the triton
+    engine reads the caller's contiguous tensors in place and copies a non-contiguous one; the
+    humming engine always keeps its own re-laid copy."""
+    weights = SyntheticLayer(TINY, seed=1).local_weights(0, 4)
+    assert TritonEngine().prepare("T", weights, 1).copies_weights is False
+    w2 = weights.w2.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
+    strided = type(weights)(
+        weights.w13, weights.s13, w2, weights.s2, first_expert=0, num_experts=TINY.experts
+    )
+    assert TritonEngine().prepare("T", strided, 1).copies_weights is True
+    from dep_ep.experts.hopper.humming_engine import HummingPrepared
+
+    assert HummingPrepared.copies_weights is True

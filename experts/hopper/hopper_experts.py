@@ -26,7 +26,7 @@ from dep_ep.experts.hopper.engine import PAIR_BUDGET_SKEW, HopperEngine, check_s
 from dep_ep.experts.hopper.humming_engine import HummingEngine, humming_installed
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.hopper.triton_engine import TritonEngine
-from dep_ep.experts.weights import TENSORS, ExpertWeights
+from dep_ep.experts.weights import ExpertWeights
 
 # HummingEngine is the default where L and I are multiples of this (K3: 3584 = 7 x 512,
 # 3072 = 6 x 512); humming has run only at K3's widths.
@@ -148,15 +148,7 @@ class HopperExperts(ExpertsBackend):
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.prepared = engine.prepare(owner, weights, self.sms, self.pair_skew)
         self.pairs_over_budget = self.prepared.pairs_over_budget
-        # The triton engine reads the caller's tensors in place when they are contiguous.
-        kept = getattr(self.prepared, "w13", None)
-        self.copies_weights = not (
-            kept is not None
-            and all(
-                getattr(self.prepared, name).data_ptr() == t.data_ptr()
-                for name, t in zip(TENSORS, weights.tensors)
-            )
-        )
+        self.copies_weights = self.prepared.copies_weights
         # A call can overflow (and fail its step through forward's `failure`) only under a budget.
         self.device_failures = self.pair_skew is not None
 

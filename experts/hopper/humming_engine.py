@@ -259,6 +259,8 @@ class HummingPrepared:
     skew: float | None
     situ_block_i: int
     pairs_over_budget: torch.Tensor
+    # humming re-lays out its own copy of the weights (HummingGemm.prepare).
+    copies_weights = True
     # Not an init field: dataclasses.replace() starts a new object's shapes afresh.
     shapes: dict[tuple[int, int], CallShape] = field(
         default_factory=dict, init=False, repr=False, compare=False

@@ -65,14 +65,16 @@ class TritonEngine(HopperEngine):
         """The caller's uint8 weights as the kernels read them (contiguous: no copy when they
         are), tiles.programs_per_sm persistent programs per SM, and the pair budget's skew
         (`pair_budget`; None: every call sized for its capacity R * K)."""
+        kept = tuple(t.contiguous() for t in weights.tensors)
         return TritonPrepared(
-            *(t.contiguous() for t in weights.tensors),
+            *kept,
             first_expert=weights.first_expert,
             tiles=self.tiles,
             programs=sms * self.tiles.programs_per_sm,
             num_experts=weights.num_experts,
             skew=skew,
             pairs_over_budget=torch.zeros(1, dtype=torch.int32, device=weights.device),
+            copies_weights=any(k is not t for k, t in zip(kept, weights.tensors)),
         )
 
 
@@ -127,7 +129,8 @@ class TritonPrepared:
     the global id of local expert 0, the tiles, the persistent programs per GEMM, the model's
     expert count and the pair budget's skew (`pair_budget`), and pairs_over_budget int32 [1] on
     the device: 0, or the largest pair count of a call over its budget since it was last zeroed
-    (written by the finalize of such a call, whose rows with a local id are NaN)."""
+    (written by the finalize of such a call, whose rows with a local id are NaN); copies_weights:
+    whether any of the four is a copy (False: the caller's contiguous tensors, read in place)."""
 
     w13: torch.Tensor
     s13: torch.Tensor
@@ -139,6 +142,7 @@ class TritonPrepared:
     num_experts: int
     skew: float | None
     pairs_over_budget: torch.Tensor
+    copies_weights: bool
 
     def max_pairs(self, rows: int, topk: int) -> int:
         """The pair budget of a call over `rows` receive rows: `pair_budget(...)`."""
