@@ -305,13 +305,13 @@ class EpMoeLayer:
     `refresh()` refuse tensors written since (RuntimeError naming them; after a refusing
     refresh() every call refuses) instead of computing with the old copy; tensors replaced
     rather than written are not seen (docs/layer.md). Build the layer after loading the experts'
-    weights. The fingerprint the layer's tags
-    carry is read at its first call (so: after loading), and again by `refresh()`; after weights
-    change once the layer has been called, call `refresh()` on every rank so that their
-    fingerprints stay equal. Not seen at all (docs/layer.md lists them): tensors replaced
-    instead of written (load_state_dict(..., assign=True), `.data =`, `set_`, `module.to()`),
-    weights computed from others (parametrizations), writes through memory torch does not
-    count (a NumPy array under torch.from_numpy): build a new layer.
+    weights. The fingerprint the layer's tags carry is read at its first call (so: after
+    loading), and again by `refresh()`; after weights change once the layer has been called,
+    call `refresh()` on every rank so that their fingerprints stay equal. Not seen at all
+    (docs/layer.md lists them): tensors replaced instead of written (load_state_dict(...,
+    assign=True), `.data =`, `set_`, `module.to()`), weights computed from others
+    (parametrizations), writes through memory torch does not count (a NumPy array under
+    torch.from_numpy): build a new layer.
 
     Errors: construction raises ValueError (missing names, shapes, devices, values) or TypeError
     (types, dtypes) naming the tensor or argument. A call is collective like EpRouted.routed:

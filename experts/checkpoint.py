@@ -135,11 +135,15 @@ class CheckpointReader:
             if name not in handle.keys():
                 raise KeyError(f"{path.name} holds no tensor {name}")
         except Exception as err:
-            raise KeyError(
-                f"checkpoint {self.folder}: tensor {name} not readable from {path.name}:"
-                f" {type(err).__name__}: {err}"
-            ) from err
+            raise self._unreadable(name, err) from err
         return handle
+
+    def _unreadable(self, name: str, err: Exception) -> KeyError:
+        """The KeyError for tensor `name` that its file could not give (`err` says why)."""
+        return KeyError(
+            f"checkpoint {self.folder}: tensor {name} not readable from"
+            f" {self.files[name].name}: {type(err).__name__}: {err}"
+        )
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tensor `name`, checked against `shape` and `dtype`; errors name the tensor."""
@@ -147,10 +151,7 @@ class CheckpointReader:
         try:
             t = handle.get_tensor(name)
         except Exception as err:  # a damaged file whose header still reads
-            raise KeyError(
-                f"checkpoint {self.folder}: tensor {name} not readable from"
-                f" {self.files[name].name}: {type(err).__name__}: {err}"
-            ) from err
+            raise self._unreadable(name, err) from err
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(
                 f"checkpoint {self.folder}: tensor {name} is {t.dtype} {tuple(t.shape)};"

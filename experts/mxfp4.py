@@ -55,7 +55,7 @@ def mxfp4_dequantize(
         raise TypeError(f"mxfp4_dequantize: scales dtype {scales.dtype}; expected torch.uint8")
     if scales.shape != (*packed.shape[:-1], k // SCALE_BLOCK):
         raise ValueError(
-            f"mxfp4_dequantize: scales {scales.dtype} {tuple(scales.shape)}; expected uint8"
+            f"mxfp4_dequantize: scales shape {tuple(scales.shape)}; expected"
             f" {(*packed.shape[:-1], k // SCALE_BLOCK)} for packed {tuple(packed.shape)}"
         )
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
