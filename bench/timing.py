@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from dep_ep.cuda_graphs import capture_graph
+
 
 def capture(fn: Callable[[], object], launches: int) -> torch.cuda.CUDAGraph:
     """A graph of `launches` back-to-back calls of `fn`, after one warm-up call on the capture's
@@ -18,7 +20,7 @@ def capture(fn: Callable[[], object], launches: int) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         for _ in range(launches):
             fn()
     return graph
@@ -101,7 +103,7 @@ def pair_timed_us(
         event.record()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         for i in range(reps):
             events[2 * i].record()
             first()

@@ -1,7 +1,7 @@
 """dep_ep: expert-parallel MoE under data-parallel attention (DEP) over NVLink symmetric memory.
 
 Subpackages, imported one way (each may import those before it and the leaf modules
-`dep_ep.constants`, `dep_ep.config`, `dep_ep.checks`):
+`dep_ep.constants`, `dep_ep.config`, `dep_ep.checks`, `dep_ep.cuda_graphs`):
   dep_ep.launch   environment -> rank context, DEP groups, NVSHMEM bootstrap
   dep_ep.comm     layout, symmetric buffers, MXFP8, the host and device transports
   dep_ep.experts  routed-expert backends, MXFP4 formats, checkpoint loading
@@ -24,6 +24,7 @@ from dep_ep.comm import (
     EpUnwrittenRowsError,
 )
 from dep_ep.config import K3, PRESETS, TINY, EpConfig, MoeGeometry
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.ep import EpMoeLayer, EpRouted, ReceiveRows
 from dep_ep.experts import (
     DenseExperts,
@@ -65,6 +66,7 @@ __all__ = [
     "ReferenceExperts",
     "TrtllmExperts",
     "__version__",
+    "capture_graph",
     "default_experts",
     "init_rank_context",
     "new_dep_group",

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.config import PRESETS, EpConfig
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.ep import EpMoeLayer
 from dep_ep.experts import default_experts
 from dep_ep.integrations.common import (
@@ -442,7 +443,7 @@ def capture_step(step, emulated: bool):
         outputs = step()
         return outputs, lambda: copy_into(outputs, step())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         outputs = step()
     return outputs, graph.replay
 

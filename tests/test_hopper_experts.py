@@ -18,6 +18,7 @@ import torch
 
 from dep_ep.comm.mxfp8 import e8m0_to_fp32, mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.experts import ReferenceExperts, default_experts, default_experts_class
 from dep_ep.experts.hopper import (
     Grouping,
@@ -697,7 +698,7 @@ def test_gpu_bitwise_reruns_and_graph_replay(name):
         backend.forward(x, sf, ids, weights, out)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         backend.forward(x, sf, ids, weights, out)
     # New routing and rows in the same buffers: the replay must follow them.
     _, _, _, x2, sf2, ids2, weights2 = gpu_case(64, seed + 1, TritonEngine())
@@ -760,7 +761,7 @@ def test_gpu_pair_budget_fits_overflows_and_replays(monkeypatch, name, budget):
         backend.forward(*rows, graph_out)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         backend.forward(*rows, graph_out)
     rows[2].copy_(full)
     graph_out.fill_(3.0)

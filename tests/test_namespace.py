@@ -22,7 +22,7 @@ SUBPACKAGES = {
     "testing": "testing",
     "integrations": "integrations",
 }
-LEAVES = {"constants", "config", "checks", "version"}
+LEAVES = {"constants", "config", "checks", "cuda_graphs", "version"}
 # What each part may import of dep_ep: the leaf modules, and the subpackages before it.
 ALLOWED = {
     "leaf": {"leaf"},

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.experts import default_experts
 from dep_ep.experts.hopper import HopperExperts
 from dep_ep.testing import SyntheticLayer, allgather_reference
@@ -72,7 +73,7 @@ def test_routed_with_default_experts_matches_allgather_reference(
     torch.cuda.synchronize()
     dist.barrier(gpu_dep.cpu_group)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         captured = routed_k3.routed(latent, ids, probs, norm, experts=experts)
     graph.replay()
     routed_k3.synchronize()
@@ -197,7 +198,7 @@ def test_pair_budget_overflow_fails_every_rank_eager_and_replayed(
         expect_step_error("warm-up overflow, synchronize()", routed.synchronize)
         dist.barrier(gpu_dep.cpu_group)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture_graph(graph):
             captured = routed.routed(latent, over_ids, over_probs, norm, experts=experts, tag=tag)
         for replay in range(2):
             graph.replay()

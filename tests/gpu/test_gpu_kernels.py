@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.comm.reference import owner_ranks, rms_norm
 from dep_ep.config import EpConfig
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.ep import TINY, EpRouted, MoeGeometry
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.testing import SyntheticLayer, allgather_reference, internals
@@ -417,7 +418,7 @@ def test_graph_replay_matches_eager(gpu_dep, routed_path):
     torch.cuda.synchronize()
     dist.barrier(gpu_dep.cpu_group)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         captured = routed.routed(*static, norm, experts=experts)
     failures = []
     for step in range(REPLAYS):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.config import EpConfig, MoeGeometry
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.ep import K3, TINY, EpMoeLayer, EpRouted
 from dep_ep.experts import DenseExperts, ReferenceExperts
 from dep_ep.testing import SyntheticLayer
@@ -206,7 +207,7 @@ def test_graph_replay_matches_eager(gpu_dep, tiny, schedule):
     torch.cuda.synchronize()
     dist.barrier(gpu_dep.cpu_group)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         captured = layer(static, tokens=tokens)
     failures = []
     for step in range(REPLAYS):

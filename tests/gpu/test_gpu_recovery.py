@@ -26,6 +26,7 @@ import torch.distributed as dist
 from dep_ep.comm import EpDesyncError, EpPeerError, EpTimeoutError
 from dep_ep.comm.device_transport import DeviceTransport
 from dep_ep.config import TINY, EpConfig
+from dep_ep.cuda_graphs import capture_graph, held_collector
 from dep_ep.ep import EpRouted
 from dep_ep.experts import DenseExperts, ExpertsBackend
 from dep_ep.testing import SyntheticLayer, allgather_reference
@@ -242,7 +243,7 @@ def capture(routed, args, norm, experts, tag, warm_args):
     torch.cuda.synchronize()
     routed.poll()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         out = routed(*args, norm, experts=experts, tag=tag)
     return graph, out
 
@@ -327,7 +328,7 @@ def named_peer(message: str) -> int | None:
 def _poll_in_capture(routed):
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
+    with held_collector(), torch.cuda.stream(stream):
         graph.capture_begin()
         try:
             routed.poll()

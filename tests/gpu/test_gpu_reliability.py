@@ -14,6 +14,7 @@ import torch.distributed as dist
 from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
 from dep_ep.comm.reference import owner_ranks, rms_norm
 from dep_ep.config import EpConfig
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.ep import TINY, EpRouted
 from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK
 from dep_ep.experts import DenseExperts, ExpertsBackend
@@ -397,7 +398,7 @@ def test_unwritten_rows_fail_every_rank_eager_and_replayed(gpu_dep, layer, exper
         for label, backend in (("good", experts), ("unwritten", used)):
             dist.barrier(gpu_dep.cpu_group)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capture_graph(graph):
                 captured = routed(latent, ids, weights, norm, experts=backend, tag=tag)
             graph.replay()
             torch.cuda.synchronize()

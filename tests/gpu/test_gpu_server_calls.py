@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm.device_transport import compiled_count
+from dep_ep.cuda_graphs import capture_graph
 from dep_ep.ep.custom_op import register_routed, routed_op, unregister_routed
 from dep_ep.experts import default_experts
 from dep_ep.experts.hopper import HopperExperts, HummingEngine, TritonEngine
@@ -146,7 +147,7 @@ def test_capture_after_warmup_compiles_nothing_and_replays_the_eager_call(
         dist.barrier(group)
         graph, compiled, refused = torch.cuda.CUDAGraph(), None, None
         try:
-            with triton_compiles() as compiled, torch.cuda.graph(graph):
+            with triton_compiles() as compiled, capture_graph(graph):
                 captured = routed_k3.routed(latent, ids, probs, norm, experts=experts, tag=TAG)
         except Exception as err:  # a compile inside a capture often fails the capture itself
             refused = err
@@ -213,7 +214,7 @@ def capture_after_one_step(step, group):
     torch.cuda.synchronize()
     dist.barrier(group)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         outputs = step()
     return graph, outputs
 
@@ -345,7 +346,7 @@ def test_sglang_padding_mask_is_shared_within_one_capture_only():
     with torch.cuda.stream(stream):
         for _ in range(2):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
+            with capture_graph(graph, stream=stream):
                 assert capture_id(device) not in (None, -1)
                 first = padding_mask(engine, rows, device)
                 assert padding_mask(engine, rows, device) is first  # a later layer
