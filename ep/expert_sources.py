@@ -47,7 +47,7 @@ def byte_digest(t: torch.Tensor) -> torch.Tensor:
     bytes (row-major; the last row zero-padded) as int32 words, summed with the position
     weights. Equal bytes give equal digests; a different digest means different bytes, and the
     comment on DIGEST_ROW_BYTES says which changes of bytes keep it equal."""
-    flat = t.detach().reshape(-1).view(torch.uint8)
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)  # a strided view: its copy
     rows = -(-flat.numel() // DIGEST_ROW_BYTES)
     words = DIGEST_ROW_BYTES // WORD_BYTES
     odd = torch.arange(words, dtype=torch.int64, device=t.device) * 2 + 1

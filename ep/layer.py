@@ -32,7 +32,7 @@ from dep_ep.constants import (
     LAYER_STEP_BITS,
     LAYER_TAG_BASE,
 )
-from dep_ep.ep.expert_sources import ExpertSources
+from dep_ep.ep.expert_sources import ExpertSources, byte_digest
 from dep_ep.ep.routed import EpRouted, check_experts_match, step_total
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
@@ -52,7 +52,6 @@ from dep_ep.experts.situ import situ
 from dep_ep.experts.weights import ExpertWeights
 
 SCHEDULES = ("overlap", "serial")
-FINGERPRINT_SAMPLES = 64  # elements of each dense tensor a layer's fingerprint reads
 
 
 def layer_tag(index: int, fingerprint: int, step: int) -> int:
@@ -78,26 +77,28 @@ def given_layer_tag(index: int, fingerprint: int, tag: int) -> int:
 
 def dense_fingerprint(dense: Mapping[str, torch.Tensor]) -> int:
     """A LAYER_FINGERPRINT_BITS-bit digest of one layer's dense tensors (DENSE_NAMES): their
-    names, shapes and dtypes and the bits of FINGERPRINT_SAMPLES elements of each, evenly spaced
-    over the tensor. Every DEP rank holds the same dense weights of a model layer, so the digest
-    is the same on every rank for the same layer, and differs between layers whose sampled
-    elements differ (except by a 2^-24 chance). One small gather and one device-to-host copy,
-    at a layer's first call and in its refresh(); nothing on later calls."""
-    described, samples = [], []
+    names, shapes and dtypes and every byte of each, in element order (a strided view and a
+    contiguous copy of the same values agree). The bytes are read by `byte_digest` on their
+    device, whose row sums are folded there with odd position weights into one int64 a tensor
+    (a change of any one 4-byte word changes it: an odd weight times a nonzero difference is not
+    0 mod 2^64); those int64 and the descriptions are hashed (blake2b) on the host. Every DEP
+    rank holds the same dense weights of a model layer, so the digest is the same on every rank
+    for the same layer, and a rank whose weights differ in any element (a `refresh()` missing
+    there after a load) gives another one except by a 2^-24 chance. At a layer's first call and
+    in its refresh(), nothing on later calls: one pass over the dense bytes (380 MB at K3: 0.4 s
+    on a 2-core x86 host) and one device-to-host copy of 8 int64."""
+    described, folded = [], []
     for name in DENSE_NAMES:
         t = dense[name]
         described.append(f"{name}:{tuple(t.shape)}:{t.dtype}")
-        count = t.numel()
-        if count == 0:
+        if t.numel() == 0:
             continue
-        picks = torch.linspace(0, count - 1, min(FINGERPRINT_SAMPLES, count)).long()
-        index = tuple(torch.unravel_index(picks, t.shape))
-        values = t.detach()[tuple(i.to(t.device) for i in index)]
-        bits = values.view({2: torch.int16, 4: torch.int32}[values.element_size()])
-        samples.append(bits.long())
+        rows = byte_digest(t)
+        position = torch.arange(rows.numel(), dtype=torch.int64, device=rows.device) * 2 + 1
+        folded.append((rows * position).sum().reshape(1))
     digest = hashlib.blake2b(";".join(described).encode(), digest_size=8)
-    if samples:
-        digest.update(torch.cat(samples).cpu().numpy().tobytes())
+    if folded:
+        digest.update(torch.cat(folded).cpu().numpy().tobytes())
     return int.from_bytes(digest.digest(), "little") & ((1 << LAYER_FINGERPRINT_BITS) - 1)
 
 

@@ -50,6 +50,17 @@ def test_a_view_off_a_word_boundary():
     assert torch.equal(byte_digest(view), byte_digest(view.clone()))
 
 
+def test_strided_views_digest_as_their_elements():
+    """A strided 1-D view (every other element of a buffer) and a transposed 2-D view digest as
+    a contiguous copy of their elements (before, the 1-D view raised: its bytes cannot be
+    viewed in place)."""
+    buffer = torch.randn(2 * DIGEST_ROW_BYTES).to(torch.bfloat16)
+    every_other = buffer[::2]
+    assert torch.equal(byte_digest(every_other), byte_digest(every_other.clone()))
+    transposed = buffer.view(64, -1).t()
+    assert torch.equal(byte_digest(transposed), byte_digest(transposed.contiguous()))
+
+
 def test_sources_see_writes_through_the_object_or_its_storage_and_keep_nothing_alive():
     """Writes into the tensor objects, a re-pointed object, writes through a buffer whose
     temporary views were given (the objects gone, the storage alive): each is seen; with the

@@ -188,6 +188,42 @@ def test_refresh_reads_projections_the_layer_could_only_copy(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_refresh_missing_on_one_rank_after_any_one_element_changed(dep, layer):
+    """A layer that copied its dense tensors (aliases of them kept by the caller): after its
+    first call every rank changes one element of one tensor (the same, picked fresh each run)
+    in place and only rank 0 calls refresh(). The next call raises EpDesyncError on every rank
+    (before: the fingerprint read 64 evenly spaced elements of each tensor, and a change outside
+    them left the ranks' fingerprints equal: the last rank computed with its old copy, no error,
+    relative L2 up to 0.68; found by a careless-user probe). After reset() and refresh() on every
+    rank the call gives the bits of a layer built on the changed weights."""
+    seed, experts, x = case(dep, layer, 960)
+    failures: list[str] = []
+    dense = make_dense(TINY, seed)
+    aliases = {name: t.detach() for name, t in dense.items()}
+    pick = torch.Generator().manual_seed(seed)
+    name = DENSE_NAMES[int(torch.randint(0, len(DENSE_NAMES), (1,), generator=pick))]
+    where = int(torch.randint(0, dense[name].numel(), (1,), generator=pick))
+    with build(dep) as routed, torch.no_grad():
+        moe = EpMoeLayer(aliases, routed, experts, topk=TINY.topk)
+        moe(x)
+        dense[name].view(-1)[where] += 1.0
+        if dep.rank == 0:
+            moe.refresh()
+        label = f"{name}[{where}] changed, refresh() on rank 0 only: the next call"
+        expect_raises(failures, label, EpDesyncError, "refresh", lambda: moe(x))
+        routed.reset()
+        moe.refresh()
+        made_now = EpMoeLayer(
+            {n: t.clone() for n, t in dense.items()}, routed, experts, topk=TINY.topk
+        )
+        if not torch.equal(bits(moe(x)), bits(made_now(x))):
+            failures.append(
+                f"{name}[{where}] changed, reset() and refresh() everywhere: other bits"
+            )
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
 class Model(torch.nn.Module):
     """A model's module holding one layer's dense tensors as its parameters (zeros until
     loaded), named after the checkpoint names with '.' as '__'."""
