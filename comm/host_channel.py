@@ -21,6 +21,10 @@ Why a stale or foreign message is never taken for the one awaited:
 - A rank writes each message key once: its count only grows within an epoch, and a reset takes
   every rank to an epoch no key was written in. So a key holds the message of its barrier or
   nothing.
+- A call's barriers compare the object's (epoch, reset round) with the call's start
+  (`call_began`, set around each call by its caller): after a reset() nested in the call (a
+  signal handler's), whether it came before the call's first barrier or during one, the call
+  publishes nothing in the new epoch, so no peer's next call pairs with the abandoned one.
 - A rank deletes its message of barrier c - 1 once it has passed barrier c: passing c means that
   every rank published c, which each does only after it has read every message of c - 1. The
   message of a barrier that raised before passing on this rank stays until the object's next
@@ -208,6 +212,11 @@ class ObjectBarriers:
         # This rank's keys of barriers that raised before passing (an interrupt, a desync, a
         # timeout, a lost peer): a peer may be reading them still, so they go at the next reset.
         self._stale: list[str] = []
+        # (epoch, reset round) when the object's current call began (set by the caller around
+        # each call: EpRouted's `_one_thread`), None outside a call. A reset() run on this rank
+        # since (nested in the call: a signal handler's) makes the call's later barriers and
+        # launches refuse before this rank publishes anything (`refuse_reset_since`).
+        self.call_began: tuple[int, int] | None = None
         channel.objects[obj] = self
 
     # ------------------------------------------------------------------------ positions
@@ -348,6 +357,14 @@ class ObjectBarriers:
         if (self.epoch, self.reset_round) != began:
             raise self._reset_during_call(phase)
 
+    def refuse_reset_since(self, since: tuple[int, int] | None, phase: str) -> None:
+        """EpResetDuringCallError when this rank reset the object since `since` (its (epoch,
+        reset round) at the start of the call, `call_began`; None: nothing to compare): the
+        call was abandoned by that reset and must not publish or launch in the new epoch, where
+        its peers' next calls would pair with it."""
+        if since is not None and (self.epoch, self.reset_round) != since:
+            raise self._reset_during_call(phase)
+
     def _reset_during_call(self, phase: str) -> EpResetDuringCallError:
         return EpResetDuringCallError(
             f"rank {self.channel.rank} in {phase} of {self.label}: reset() ran on this rank"
@@ -364,10 +381,19 @@ class ObjectBarriers:
             raise self._closed_by(closed, phase)
 
     # ------------------------------------------------------------------------ barriers
-    def exchange(self, phase: str, payload: dict, timeout_s: float) -> list[dict]:
+    def exchange(
+        self,
+        phase: str,
+        payload: dict,
+        timeout_s: float,
+        since: tuple[int, int] | None = None,
+    ) -> list[dict]:
         """Collective over the group: publish this rank's `payload` (JSON-serialisable) for this
         object's next barrier, wait (at most `timeout_s`) for every rank's, and return them in
-        rank order, each with its "phase". Raises EpDesyncError when the ranks are in different
+        rank order, each with its "phase". `since`: the object's (epoch, reset round) when the
+        call this barrier belongs to began (`call_began`), None for now; a reset() on this rank
+        after it (nested in the call) raises EpResetDuringCallError, before this rank publishes
+        when it came before the barrier. Raises EpDesyncError when the ranks are in different
         phases or a missing rank waits elsewhere (recovery "reset"), EpPeerLostError,
         EpTimeoutError naming the missing ranks, EpPeerTimeoutError when a peer gave the barrier
         up before every rank arrived (the module docstring: then it passes on no rank), and
@@ -377,18 +403,24 @@ class ObjectBarriers:
         every rank that raises EpTimeoutError or EpPeerTimeoutError."""
         ch = self.channel
         self._refuse_closed(phase)
-        began = (self.epoch, self.reset_round)  # a reset inside the call changes them
+        # One look at the object's state, with no call in between (where a signal handler's
+        # reset() could run): the barrier's keys are this epoch's, so a reset after it leaves
+        # this rank's message in an epoch no rank is in, and the wait refuses the call.
+        epoch, count, reset_round = self.epoch, self.count, self.reset_round
+        began = (epoch, reset_round) if since is None else since
+        if (epoch, reset_round) != began:  # reset since the call began: publish nothing
+            raise self._reset_during_call(phase)
         message = dict(payload, phase=phase)
         if ch.size == 1:
             self.count += 1
             return [message]
         store, me = ch.store, ch.rank
-        barrier = (self.epoch, self.count)
+        barrier = (epoch, count)
         keys = [ch.key(self.obj, f"{barrier[0]}.{barrier[1]}", r) for r in range(ch.size)]
         counter_key = self._counter_key(*barrier)
         passed = False
         try:
-            self._set_where(store, phase, epoch=self.epoch, count=self.count)
+            self._set_where(store, phase, epoch=epoch, count=count)
             store.set(keys[me], json.dumps(message))
             counter, added = self._arrive(store, barrier)
             if counter >= GAVE_UP:  # a peer gave the barrier up before this rank's bit

@@ -89,7 +89,8 @@ class HostTransport(Transport):
         self._agree("combine", rejected, cause, tokens, tag)
         normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
         # Return only once every rank has read this rank's rows: the caller may rewrite them.
-        self.buffers.barriers.exchange("combine-end", {}, self.timeout_s)
+        barriers = self.buffers.barriers
+        barriers.exchange("combine-end", {}, self.timeout_s, since=barriers.call_began)
         return normed if out is None else out.copy_(normed)
 
     def _experts_failure(self) -> Exception:
@@ -129,7 +130,8 @@ class HostTransport(Transport):
         elsewhere) or the ranks' T differ (ValueError)."""
         failed = None if error is None else f"{cause}: {error_text(error)}"
         payload = {"tokens": tokens if error is None else -1, "tag": tag, "failed": failed}
-        messages = self.buffers.barriers.exchange(phase, payload, self.timeout_s)
+        barriers = self.buffers.barriers
+        messages = barriers.exchange(phase, payload, self.timeout_s, since=barriers.call_began)
         failures = {r: m["failed"] for r, m in enumerate(messages) if m["failed"]}
         # A failed rank's tag may be the argument it rejected: only the others' must agree.
         tags = [m["tag"] for m in messages]

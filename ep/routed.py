@@ -248,8 +248,10 @@ def _one_thread(method):
     ended is free.
 
     A call (but reset and close) during which this rank's reset() ran, nested on its thread (a
-    signal handler's), returns nothing: whatever it did after the reset (a dispatch it recorded
-    again, a barrier counted in the new epoch) is dropped (`_abandon_call`), and it raises
+    signal handler's), returns nothing: from that reset on its barriers publish nothing and its
+    launches do not run (each compares the object's epoch with the call's start,
+    `ObjectBarriers.call_began`), so no peer's next call pairs with it; whatever it did after the
+    reset (a dispatch it recorded again) is dropped (`_abandon_call`), and it raises
     EpResetDuringCallError, recovery "none"."""
     name = f"EpRouted.{method.__name__}"
 
@@ -271,28 +273,45 @@ def _one_thread(method):
                     f" {busy[1]} on this EpRouted; drive an EpRouted from one thread (two"
                     " threads would pair this rank's calls with its peers' in another order)"
                 )
-            if not outer or method.__name__ in ("reset", "close"):
+            if method.__name__ in ("reset", "close"):
                 return method(self, *args, **kwargs)
-            resets = self._resets
+            # The call's start, which its barriers and launches compare with: after a reset()
+            # nested in it they publish and launch nothing (comm/host_channel.py, call_began).
+            # Saved and restored: a call nested in this one (a signal handler's) has its own.
+            barriers = self._buffers.barriers
+            began, barriers.call_began = barriers.call_began, (barriers.epoch, barriers.reset_round)
             try:
-                result = method(self, *args, **kwargs)
-            except EpResetDuringCallError:
-                self._abandon_call()
-                raise
-            except BaseException as err:
-                if self._resets == resets:
-                    raise
-                self._abandon_call()
-                raise _reset_during(name) from err
-            if self._resets != resets:
-                self._abandon_call()
-                raise _reset_during(name)
-            return result
+                if not outer:
+                    return method(self, *args, **kwargs)
+                return _abandoned_if_reset(self, name, method, args, kwargs)
+            finally:
+                barriers.call_began = began
         finally:
             if outer:
                 self._caller = None
 
     return guarded
+
+
+def _abandoned_if_reset(routed, name: str, method, args, kwargs):
+    """`method(routed, ...)`, the outermost call of this thread; when this rank's reset() ran
+    during it (nested: a signal handler's), what the call left is dropped (`_abandon_call`) and
+    EpResetDuringCallError raised instead of its result or its error."""
+    resets = routed._resets
+    try:
+        result = method(routed, *args, **kwargs)
+    except EpResetDuringCallError:
+        routed._abandon_call()
+        raise
+    except BaseException as err:
+        if routed._resets == resets:
+            raise
+        routed._abandon_call()
+        raise _reset_during(name) from err
+    if routed._resets != resets:
+        routed._abandon_call()
+        raise _reset_during(name)
+    return result
 
 
 class EpRouted:

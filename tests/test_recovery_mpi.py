@@ -1261,6 +1261,78 @@ def test_a_reset_from_a_signal_handler_inside_a_call_abandons_it(dep, layer, whe
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["before the transport", "before the barrier"])
+@pytest.mark.parametrize("caller", ["routed", "dispatch", "layer"])
+def test_a_reset_before_the_calls_first_barrier_publishes_nothing(dep, layer, caller, where):
+    """Rank 0's reset() runs nested in its call before the call's first barrier (where a signal
+    handler's may run): before the call reaches the transport, or inside it right before the
+    dispatch barrier (its rows written, its message not). The peers, waiting in that barrier,
+    raise EpDesyncError and reset; rank 0's call raises EpResetDuringCallError, whose "the next
+    call needs no reset" holds: with no other reset, every rank retries the step and gets the
+    reference rows (an EpMoeLayer: a fresh layer's bits), and so do the next steps.
+    Before: rank 0's call went on after the reset and published its dispatch in the new epoch,
+    where it paired with the peers' retry, then raised EpResetDuringCallError without its
+    combine: the retry raised EpDesyncError on every rank (dispatch against combine) and a
+    second reset was needed (found by a careless-user probe: a SIGUSR1 handler's reset() at a
+    random moment of a call hit it in 2 of 29 calls)."""
+    from dep_ep.comm.errors import RECOVERY_RESET, EpResetDuringCallError
+
+    seed = agreed_seed(dep.cpu_group, 415)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    batches = Batches(dep, layer, seed, T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        a = EpMoeLayer(dense_weights(seed + 1), routed, batches.experts, topk=TINY.topk)
+        got_before = a(mine)
+        if dep.rank == 0 and where == "before the transport":
+            transport_dispatch = routed._transport.dispatch
+
+            def reset_then_dispatch(*args, **kwargs):
+                routed._transport.dispatch = transport_dispatch  # once
+                routed.reset()  # as a signal handler's would
+                return transport_dispatch(*args, **kwargs)
+
+            routed._transport.dispatch = reset_then_dispatch
+        elif dep.rank == 0:
+            barriers = routed._buffers.barriers
+            exchange = barriers.exchange
+
+            def reset_then_exchange(*args, **kwargs):
+                del barriers.exchange  # once: the class's method again
+                routed.reset()
+                return exchange(*args, **kwargs)
+
+            barriers.exchange = reset_then_exchange
+        latent, ids, weights = batches.inputs(1)
+        calls = {
+            "layer": lambda: a(mine),
+            "dispatch": lambda: routed.dispatch(latent, ids, weights, experts=batches.experts),
+            "routed": lambda: batches.run(routed, 1),
+        }
+        err, _ = timed(calls[caller])
+        if dep.rank == 0 and not isinstance(err, EpResetDuringCallError):
+            failures.append(f"rank 0's call: {type(err).__name__}: {err}")
+        if dep.rank != 0:
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"a peer's call: {type(err).__name__}: {err}")
+            elif err.recovery == RECOVERY_RESET:
+                routed.reset()
+        retried = timed(lambda: a(mine))  # the step again, with no other reset
+        if retried[0] is not None:
+            failures.append(f"the retried layer call: {type(retried[0]).__name__}: {retried[0]}")
+        got = a(mine)
+        for i in (1, 2):
+            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
+    dense = [dense_weights(seed + 1)]
+    failures += fresh_bits_failures(dep, dense, batches.experts, mine, [got_before], "before")
+    failures += fresh_bits_failures(dep, dense, batches.experts, mine, [got], "after the reset")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("caller", ["routed", "dispatch", "layer"])
 def test_a_reset_right_after_a_barrier_drops_what_the_call_did_next(dep, layer, caller):
     """Rank 0's reset() runs nested in its call right after its dispatch barrier returned (where
