@@ -29,6 +29,7 @@ so the traced graph holds the one opaque node.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
@@ -40,6 +41,9 @@ from dep_ep.experts.base import ExpertsBackend
 
 # handle -> (EpRouted, its experts backend); handles are never reused within a process.
 _REGISTERED: dict[int, tuple[EpRouted, ExpertsBackend]] = {}
+# handle -> the EpRouted it named, for handles unregistered while their EpRouted lives: a call
+# with one fails its step through that EpRouted on every rank (`_unregistered`).
+_UNREGISTERED: dict[int, weakref.ref[EpRouted]] = {}
 _HANDLES = itertools.count(1)
 
 
@@ -55,8 +59,32 @@ def register_routed(routed: EpRouted, experts: ExpertsBackend) -> int:
 
 
 def unregister_routed(handle: int) -> None:
-    """Forget a handle (the EpRouted is not closed)."""
-    _REGISTERED.pop(handle, None)
+    """Forget a handle (the EpRouted is not closed). A later call with it fails its step on
+    every rank while the EpRouted lives (`routed_op`'s docstring)."""
+    entry = _REGISTERED.pop(handle, None)
+    if entry is not None:
+        _UNREGISTERED[handle] = weakref.ref(entry[0])
+
+
+def _unregistered(fn: str, handle: object, tokens: object, latent: object) -> ValueError:
+    """The error of a call with a handle that is not registered. One unregistered while its
+    EpRouted lives rejects the step through that EpRouted first (every piece of it when T is
+    above max_tokens), so every rank raises and no peer's call pairs with this rank's next one
+    (before, this rank raised alone, and its next call paired with its peers' waiting call of
+    another layer: rows of the other layer, no error, for untagged calls). A handle never
+    registered, or whose EpRouted is gone, names no EpRouted to reject through: this rank
+    raises alone."""
+    error = ValueError(f"{fn}: handle {handle!r} is not registered (register_routed)")
+    reference = _UNREGISTERED.get(handle) if isinstance(handle, int) else None
+    routed = None if reference is None else reference()
+    if routed is None or routed.closed:
+        return error
+    error = ValueError(
+        f"{fn}: handle {handle!r} was unregistered (unregister_routed) while its EpRouted lives;"
+        " the step failed on every rank"
+    )
+    routed.reject_step(error, tag=None, tokens=step_total(tokens, latent))
+    return error  # not reached: reject_step raises `error` once the step failed everywhere
 
 
 # FRAGMENT: another module may define operators in the dep_ep namespace too ("DEF" claims it).
@@ -69,10 +97,10 @@ _LIBRARY.define(
 
 def _routed(latent, ids, weights, norm_weight, handle, tokens, tag, eps, padding) -> torch.Tensor:
     """The operator's kernel: EpRouted.routed of the handle's EpRouted and backend."""
-    try:
-        routed, experts = _REGISTERED[handle]
-    except KeyError:
-        raise ValueError(f"dep_ep::routed: handle {handle} is not registered") from None
+    entry = _REGISTERED.get(handle)
+    if entry is None:
+        raise _unregistered("dep_ep::routed", handle, tokens, latent)
+    routed, experts = entry
     return routed.routed(
         latent,
         ids,
@@ -118,10 +146,12 @@ def routed_op(
     tag; padding None: no padding mask). Returns bf16 [n, L]; collective, like EpRouted.routed:
     a `tokens` or `tag` that is not an int in range, an `eps` EpRouted.routed refuses, or a
     `padding` that is not a tensor, fails the step on every rank (this rank raises its error,
-    the others EpPeerError). An unknown handle raises ValueError on this rank alone."""
+    the others EpPeerError). A handle unregistered (unregister_routed) while its EpRouted lives
+    fails the step on every rank too (ValueError here); a handle never registered raises
+    ValueError on this rank alone (it names no EpRouted to fail the step through)."""
     fn = "routed_op"
     if handle not in _REGISTERED:
-        raise ValueError(f"{fn}: handle {handle!r} is not registered (register_routed)")
+        raise _unregistered(fn, handle, tokens, latent)
     try:
         tokens = None if tokens is None else check_step_tokens(fn, tokens)
         tag = check_tag(fn, tag)

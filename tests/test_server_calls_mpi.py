@@ -16,7 +16,9 @@ import torch
 from dep_ep.comm.errors import EpDesyncError, EpPeerError, EpTokenCountError
 from dep_ep.comm.tags import first_piece
 from dep_ep.config import TINY, EpConfig
+from dep_ep.constants import NO_TAG
 from dep_ep.ep import EpRouted, register_routed, routed_op
+from dep_ep.ep.custom_op import unregister_routed
 from dep_ep.experts import ExpertsBackend
 from dep_ep.integrations import common
 from dep_ep.testing import SyntheticLayer
@@ -882,6 +884,47 @@ def test_custom_op_refuses_bad_tokens_on_every_rank(dep, layer):
         if not torch.equal(bits(got), bits(want)):
             failures.append("the call after the refusals: other bits")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", ["routed_op", "operator"])
+@pytest.mark.parametrize("total", [6, 10])
+def test_a_handle_unregistered_on_one_rank_fails_the_step_on_every_rank(dep, layer, path, total):
+    """Two handles on one EpRouted (two layers' calls), untagged, max_tokens 4 (T = 10 runs in
+    three pieces): the last rank unregisters the first handle and calls with it, through
+    routed_op or the operator torch dispatches to (a compiled model's path). It raises
+    ValueError saying the handle was unregistered, the others EpPeerError, in the same call;
+    then the second handle's call gives the reference bits on every rank with no reset.
+    Before: that rank raised alone, before any exchange, and its call with the second handle
+    paired with its peers' waiting call with the first: rows of the other call on the peers,
+    no error (relative L2 1.04; found by a careless-user probe), then a timeout."""
+    seed = agreed_seed(dep.cpu_group, 678)
+    batches = Batches(dep, layer, seed, total)
+    latent, ids, weights = batches.inputs(0)
+    norm = layer.norm_weight()
+    failures: list[str] = []
+    with build(dep, 4) as routed:
+        first = register_routed(routed, batches.experts)
+        second = register_routed(routed, batches.experts)
+        want = routed(latent, ids, weights, norm, experts=batches.experts).clone()
+        gone = dep.rank == dep.size - 1
+        if gone:
+            unregister_routed(first)
+        if path == "routed_op":
+            call = lambda: routed_op(latent, ids, weights, norm, first)  # noqa: E731
+        else:
+            operator = torch.ops.dep_ep.routed.default
+            call = lambda: operator(latent, ids, weights, norm, first, None, NO_TAG, 1e-6, None)  # noqa: E731
+        last = dep.size - 1
+        expected = (ValueError, "was unregistered") if gone else (EpPeerError, f"rank {last}")
+        expect_raises(failures, f"the call with handle {first}", *expected, call)
+        got = routed_op(latent, ids, weights, norm, second)
+        if not torch.equal(bits(got), bits(want)):
+            failures.append("the next call (the second handle): other bits")
+        unregister_routed(second)
+        if not gone:
+            unregister_routed(first)
+    collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
 @pytest.mark.mpi(min_size=2)
