@@ -418,9 +418,10 @@ class DeviceTransport(Transport):
         `rejected`."""
         if checked:
             self.check()
-        # A reset() nested in the call before this launch (a signal handler's): launch nothing
-        # in the new epoch, where the peers' next calls would pair with this abandoned one.
-        self.barriers.refuse_reset_since(self.barriers.call_began, "dispatch")
+        # A reset() nested in the call before this point (a signal handler's): launch nothing
+        # in the new epoch, where the peers' next calls would pair with this abandoned one. A
+        # reset between here and the launch is not caught (docs/reliability.md).
+        self.barriers.refuse_reset_in_call("dispatch")
         if rejected is not None:
             self._reject("reject_dispatch", tag)
             raise rejected
@@ -442,7 +443,7 @@ class DeviceTransport(Transport):
         or None (the plain sum); returns
         bf16 [T, L]. A rejected call takes part without payload (RejectKernel; its peers see
         STATUS_FAILED when the cause is the experts) and then raises `rejected`."""
-        self.barriers.refuse_reset_since(self.barriers.call_began, "combine")
+        self.barriers.refuse_reset_in_call("combine")
         if rejected is not None:
             self._reject("fail_combine" if cause in EXPERT_CAUSES else "reject_combine", tag)
             raise rejected

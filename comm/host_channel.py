@@ -213,9 +213,10 @@ class ObjectBarriers:
         # timeout, a lost peer): a peer may be reading them still, so they go at the next reset.
         self._stale: list[str] = []
         # (epoch, reset round) when the object's current call began (set by the caller around
-        # each call: EpRouted's `_one_thread`), None outside a call. A reset() run on this rank
-        # since (nested in the call: a signal handler's) makes the call's later barriers and
-        # launches refuse before this rank publishes anything (`refuse_reset_since`).
+        # each call: EpRouted's `_one_thread`, or an EpMoeLayer call around its routed calls),
+        # None outside a call. A reset() run on this rank since (nested in the call: a signal
+        # handler's) makes the call's later barriers and launches refuse before this rank
+        # publishes anything (`exchange(since=)`, `refuse_reset_in_call`).
         self.call_began: tuple[int, int] | None = None
         channel.objects[obj] = self
 
@@ -357,11 +358,12 @@ class ObjectBarriers:
         if (self.epoch, self.reset_round) != began:
             raise self._reset_during_call(phase)
 
-    def refuse_reset_since(self, since: tuple[int, int] | None, phase: str) -> None:
-        """EpResetDuringCallError when this rank reset the object since `since` (its (epoch,
-        reset round) at the start of the call, `call_began`; None: nothing to compare): the
-        call was abandoned by that reset and must not publish or launch in the new epoch, where
-        its peers' next calls would pair with it."""
+    def refuse_reset_in_call(self, phase: str) -> None:
+        """EpResetDuringCallError when this rank reset the object since its current call began
+        (`call_began`; outside a call nothing is compared): the call was abandoned by that reset
+        and must not publish or launch in the new epoch, where its peers' next calls would pair
+        with it."""
+        since = self.call_began
         if since is not None and (self.epoch, self.reset_round) != since:
             raise self._reset_during_call(phase)
 

@@ -27,7 +27,9 @@ from collections.abc import Iterator
 def held_collector(collect: bool = True) -> Iterator[None]:
     """The block runs with the automatic cyclic collector off; with `collect`, one full
     collection first. The collector's state before the block (enabled or not) is restored after
-    it, also when the block raises; a block inside another one leaves it off."""
+    it, also when the block raises; a block inside another one leaves it off. The collector is
+    the process's: blocks of two threads that overlap without nesting turn it back on when the
+    first ends: capture from one thread."""
     was_enabled = gc.isenabled()
     if collect:
         gc.collect()

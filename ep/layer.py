@@ -32,7 +32,8 @@ from dep_ep.constants import (
     LAYER_STEP_BITS,
     LAYER_TAG_BASE,
 )
-from dep_ep.ep.expert_sources import ExpertSources, byte_digest
+from dep_ep.ep.digest import byte_digest
+from dep_ep.ep.expert_sources import ExpertSources
 from dep_ep.ep.routed import EpRouted, check_experts_match, step_total
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
@@ -86,7 +87,8 @@ def dense_fingerprint(dense: Mapping[str, torch.Tensor]) -> int:
     for the same layer, and a rank whose weights differ in any element (a `refresh()` missing
     there after a load) gives another one except by a 2^-24 chance. At a layer's first call and
     in its refresh(), nothing on later calls: one pass over the dense bytes (380 MB at K3: 0.4 s
-    on a 2-core x86 host) and one device-to-host copy of 8 int64."""
+    on an idle 2-core x86 host, 1.1-1.3 s with other processes on it; not timed on a GPU) and
+    one device-to-host copy of 8 int64."""
     described, folded = [], []
     for name in DENSE_NAMES:
         t = dense[name]
@@ -272,8 +274,8 @@ class EpMoeLayer:
     called on another rank raises EpDesyncError on every rank, and so does a layer whose index
     is another layer's on another rank (layers built in other orders without layer_index=):
     every rank holds the same dense weights of a layer, so the fingerprint (`dense_fingerprint`,
-    read at the layer's first call) tells layers apart across ranks. Two layers whose sampled
-    dense elements are equal share a fingerprint: give them layer_index=. A call given tag=
+    read at the layer's first call) tells layers apart across ranks. Two layers with equal dense
+    tensors (tied weights) share a fingerprint: give them layer_index=. A call given tag=
     sends the layer index and a digest of the tag and the fingerprint (`given_layer_tag`) in
     place of the tag, so one tag given to every layer of a step pairs no two layers either.
     EpRouted.reset() restarts the counts. Under CUDA-graph replay the tag is the one the graph
@@ -739,7 +741,22 @@ class EpMoeLayer:
         do): an exception before that (a KeyboardInterrupt in this rank's own work, a call
         refused because another thread is inside one) leaves the count where the peers' is,
         and the next call pairs with theirs. A reset() during the call (a signal
-        handler's) restarted the count on every rank: it stays at 0."""
+        handler's) restarted the count on every rank: it stays at 0, and the call's routed calls
+        publish nothing in the new epoch (the EpRouted's barriers compare with the start of
+        this call, taken before its count and tag: `ObjectBarriers.call_began`), so it raises
+        EpResetDuringCallError and the peers' retry pairs with this rank's next call."""
+        barriers = self.routed._buffers.barriers
+        began = barriers.call_began
+        barriers.call_began = (barriers.epoch, barriers.reset_round)
+        try:
+            with self._counted_call(fn, tag) as call:
+                yield call
+        finally:
+            barriers.call_began = began
+
+    @contextlib.contextmanager
+    def _counted_call(self, fn: str, tag: object):
+        """`_call` after it took the call's start: the first call's reads, the tag, the count."""
         calls, entered, resets = self._calls, self.routed._entered_here(), self.routed._resets
         unready = None
         first = not self._read_once and bool(self._copied)

@@ -248,11 +248,11 @@ def _one_thread(method):
     ended is free.
 
     A call (but reset and close) during which this rank's reset() ran, nested on its thread (a
-    signal handler's), returns nothing: from that reset on its barriers publish nothing and its
-    launches do not run (each compares the object's epoch with the call's start,
-    `ObjectBarriers.call_began`), so no peer's next call pairs with it; whatever it did after the
-    reset (a dispatch it recorded again) is dropped (`_abandon_call`), and it raises
-    EpResetDuringCallError, recovery "none"."""
+    signal handler's), returns nothing: from that reset on its barriers publish nothing and, on
+    GPU, launches it has not reached yet do not run (each compares the object's epoch with the
+    call's start, `ObjectBarriers.call_began`), so no peer's next call pairs with it; whatever it
+    did after the reset (a dispatch it recorded again) is dropped (`_abandon_call`), and it
+    raises EpResetDuringCallError, recovery "none"."""
     name = f"EpRouted.{method.__name__}"
 
     @functools.wraps(method)
@@ -277,9 +277,13 @@ def _one_thread(method):
                 return method(self, *args, **kwargs)
             # The call's start, which its barriers and launches compare with: after a reset()
             # nested in it they publish and launch nothing (comm/host_channel.py, call_began).
-            # Saved and restored: a call nested in this one (a signal handler's) has its own.
+            # An outermost call inside an EpMoeLayer call keeps the layer call's start (a reset
+            # in the layer's own work came after it); a call nested in another (a signal
+            # handler's) has its own. Restored on the way out.
             barriers = self._buffers.barriers
-            began, barriers.call_began = barriers.call_began, (barriers.epoch, barriers.reset_round)
+            began = barriers.call_began
+            if began is None or not outer:
+                barriers.call_began = (barriers.epoch, barriers.reset_round)
             try:
                 if not outer:
                     return method(self, *args, **kwargs)

@@ -127,9 +127,14 @@ def _call_name(node: ast.expr) -> str:
     return ast.unparse(node.func) if isinstance(node, ast.Call) else ""
 
 
+# torch's capture helpers that do not hold the collector.
+BYPASSES = {"graph", "make_graphed_callables"}
+
+
 def uncollected_captures(path: Path) -> list[str]:
     """ "line: call" of every capture in `path` that does not hold the collector: a
-    `torch.cuda.graph(...)` anywhere, or a `.capture_begin()` outside a `with` whose items call
+    `torch.cuda.graph(...)` or `torch.cuda.make_graphed_callables(...)` anywhere, either of them
+    imported from torch.cuda, or a `.capture_begin()` outside a `with` whose items call
     `held_collector`."""
     tree = ast.parse(path.read_text(), str(path))
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
@@ -145,8 +150,13 @@ def uncollected_captures(path: Path) -> list[str]:
 
     found = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("torch.cuda", "torch.cuda.graphs"):
+            names = {alias.name for alias in node.names} & BYPASSES
+            found += [(node.lineno, f"from {node.module} import {n}") for n in sorted(names)]
         name = _call_name(node) if isinstance(node, ast.Call) else ""
-        if name == "torch.cuda.graph" or (name.endswith(".capture_begin") and not held(node)):
+        if name in {f"torch.cuda.{n}" for n in BYPASSES} or (
+            name.endswith(".capture_begin") and not held(node)
+        ):
             found.append((node.lineno, name))
     return [f"{line}: {name}" for line, name in sorted(found)]
 
@@ -161,7 +171,7 @@ def test_every_capture_in_the_repository_holds_the_collector():
 
 
 def test_the_source_check_finds_an_unheld_capture(tmp_path):
-    """The check above can fail: it finds both forms, and passes the held one."""
+    """The check above can fail: it finds each form, and passes the held one."""
     source = tmp_path / "case.py"
     source.write_text(
         "import torch\n"
@@ -170,5 +180,12 @@ def test_the_source_check_finds_an_unheld_capture(tmp_path):
         "with torch.cuda.graph(g):\n    pass\n"
         "g.capture_begin()\n"
         "with held_collector():\n    g.capture_begin()\n"
+        "from torch.cuda import graph\n"
+        "torch.cuda.make_graphed_callables(f, (x,))\n"
     )
-    assert uncollected_captures(source) == ["4: torch.cuda.graph", "6: g.capture_begin"]
+    assert uncollected_captures(source) == [
+        "4: torch.cuda.graph",
+        "6: g.capture_begin",
+        "9: from torch.cuda import graph",
+        "10: torch.cuda.make_graphed_callables",
+    ]

@@ -9,7 +9,8 @@ import weakref
 import torch
 
 from dep_ep.config import TINY
-from dep_ep.ep.expert_sources import DIGEST_ROW_BYTES, ROWS_PER_STEP, ExpertSources, byte_digest
+from dep_ep.ep.digest import DIGEST_ROW_BYTES, ROWS_PER_STEP, byte_digest
+from dep_ep.ep.expert_sources import ExpertSources
 from dep_ep.testing import SyntheticLayer
 
 

@@ -1333,6 +1333,61 @@ def test_a_reset_before_the_calls_first_barrier_publishes_nothing(dep, layer, ca
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("part", ["front", "latent_of"])
+@pytest.mark.parametrize("earlier_calls", [0, 2])
+def test_a_reset_in_a_layer_calls_own_work_publishes_nothing(dep, layer, part, earlier_calls):
+    """Rank 0's reset() runs nested in an EpMoeLayer call's own work (its front projection, or
+    the latent projection), after the layer took its call count and tag and before its routed
+    call, with 0 or 2 calls of the layer since the last reset. Rank 0's call raises
+    EpResetDuringCallError, the peers EpDesyncError and reset; then, with no other reset, the
+    retry and the next call give a fresh layer's bits on every rank.
+    Before: the layer's routed call took the start of the routed call, after the reset, and
+    sent the stale count's tag in the new epoch: with earlier calls every rank desynced at the
+    retry; with none the call paired and this rank's count stayed behind, and the next call
+    desynced (found by a review)."""
+    from dep_ep.comm.errors import RECOVERY_RESET, EpResetDuringCallError
+
+    seed = agreed_seed(dep.cpu_group, 418)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    mine = x[dep.rank]
+    batches = Batches(dep, layer, seed, T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        a = EpMoeLayer(dense_weights(seed + 1), routed, batches.experts, topk=TINY.topk)
+        for _ in range(earlier_calls):
+            a(mine)
+        if dep.rank == 0:
+            work = getattr(a, part)
+
+            def reset_then_work(*args, **kwargs):
+                delattr(a, part)  # once: the method again
+                routed.reset()  # as a signal handler's would
+                return work(*args, **kwargs)
+
+            setattr(a, part, reset_then_work)
+        err, _ = timed(lambda: a(mine))
+        if dep.rank == 0 and not isinstance(err, EpResetDuringCallError):
+            failures.append(f"rank 0's call: {type(err).__name__}: {err}")
+        if dep.rank != 0:
+            if not isinstance(err, EpDesyncError):
+                failures.append(f"a peer's call: {type(err).__name__}: {err}")
+            elif err.recovery == RECOVERY_RESET:
+                routed.reset()
+        got = []
+        for label in ("the retry", "the next call"):
+            err, _ = timed(lambda: got.append(a(mine)))
+            if err is not None:
+                failures.append(f"{label}: {type(err).__name__}: {err}")
+    got += [torch.full_like(mine, float("nan"))] * (2 - len(got))  # a call that raised
+    dense = [dense_weights(seed + 1)]
+    failures += fresh_bits_failures(dep, dense, batches.experts, mine, got[:1], "the retry")
+    failures += fresh_bits_failures(dep, dense, batches.experts, mine, got[1:], "the next")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("caller", ["routed", "dispatch", "layer"])
 def test_a_reset_right_after_a_barrier_drops_what_the_call_did_next(dep, layer, caller):
     """Rank 0's reset() runs nested in its call right after its dispatch barrier returned (where
