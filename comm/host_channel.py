@@ -81,6 +81,7 @@ import time
 import torch.distributed as dist
 
 from dep_ep.comm.errors import (
+    RECOVERY_REBUILD,
     RECOVERY_RESET,
     EpDesyncError,
     EpError,
@@ -194,6 +195,30 @@ class GroupChannel:
             "the rendezvous store (group rank 0's process or the launcher)",
             f"it stopped answering ({detail})",
         )
+
+
+# What a construction given up or out of step tells its caller in place of "call reset()": there
+# is no object to reset.
+CONSTRUCTION_REMEDY = (
+    "no object was built on any rank: build it again on every rank, in the same order (when that"
+    " fails again, a rank built an object its peers did not, and the group's constructions stay"
+    " out of step: restart the processes of the group)"
+)
+
+
+def _construction_failed(error: EpError) -> EpError:
+    """`error` of the group's construction barrier with the construction's remedy and recovery
+    "rebuild" (its text said to call reset(), which no object can take)."""
+    text = str(error)
+    for reset_text in ("call reset() on every rank", "call reset()"):
+        if reset_text in text:
+            text = text.replace(reset_text, CONSTRUCTION_REMEDY, 1)
+            break
+    else:
+        text = f"{text}; {CONSTRUCTION_REMEDY}"
+    error.args = (text,)
+    error.recovery = RECOVERY_REBUILD
+    return error
 
 
 class ObjectBarriers:
@@ -495,6 +520,8 @@ class ObjectBarriers:
         if self.count >= 1:
             self._stale.append(self._counter_key(self.epoch, self.count - 1))
         self.count += 1
+        if self.obj == CONSTRUCTION:
+            return _construction_failed(error)
         return error
 
     def _counter_key(self, epoch: int, count: int) -> str:

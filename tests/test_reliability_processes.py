@@ -28,6 +28,13 @@ def test_construction_with_a_missing_rank_times_out(missing):
     assert "phase 'construction'" in waiting and str(missing) in waiting.split("waiting for")[1]
     took = float(re.search(r"after ([\d.]+)s", waiting).group(1))
     assert took <= TIMEOUT_S + 1.0, f"the construction waited {took}s with timeout_s={TIMEOUT_S}"
+    # No object exists to reset: both say to build again (before: "call reset() on every rank").
+    late = lines[missing]
+    assert f"RESULT rank {missing}: late, EpPeerTimeoutError" in late, late
+    assert float(re.search(r"after ([\d.]+)s", late).group(1)) < 1.0, late
+    for line in (waiting, late):
+        assert "recovery rebuild" in line and "build it again on every rank" in line, line
+        assert "reset()" not in line, line
 
 
 def test_mpi_start_up_without_a_rank_ends_after_timeout_s():

@@ -1,6 +1,7 @@
-"""Two CPU ranks; rank MISSING (argv[1]) never constructs its EpRouted: the other rank must raise
-EpTimeoutError naming the construction and the missing rank within timeout_s + 1 s. Prints one
-RESULT line per rank.
+"""Two CPU ranks; rank MISSING (argv[1]) constructs its EpRouted only after the other rank's
+timeout_s: the other rank must raise EpTimeoutError naming the construction and the missing rank
+within timeout_s + 1 s, and the late rank EpPeerTimeoutError at once; both with recovery
+"rebuild" and the construction's remedy (no object to reset). Prints one RESULT line per rank.
 
     cd tests && mpiexec -n 2 python -m helpers.missing_rank_case 1
 """
@@ -8,7 +9,7 @@ RESULT line per rank.
 import sys
 import time
 
-from dep_ep.comm import EpTimeoutError
+from dep_ep.comm import EpPeerTimeoutError, EpTimeoutError
 from dep_ep.config import EpConfig
 from dep_ep.ep import TINY, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group
@@ -18,22 +19,42 @@ missing = int(sys.argv[1])
 
 ctx = init_rank_context("cpu", timeout_s=30.0)
 dep = new_dep_group(ctx, ctx.world_size)
+
+
+def build() -> None:
+    EpRouted(
+        dep.cpu_group,
+        4,
+        "cpu",
+        num_experts=TINY.experts,
+        latent=TINY.latent,
+        topk=TINY.topk,
+        config=EpConfig(timeout_s=TIMEOUT_S),
+    )
+
+
 if dep.rank == missing:
-    time.sleep(TIMEOUT_S + 3.0)  # never arrives within the others' timeout
-    print(f"RESULT rank {dep.rank}: missing", flush=True)
+    time.sleep(TIMEOUT_S + 3.0)  # arrives after the others' timeout
+    start = time.monotonic()
+    try:
+        build()
+        print(f"RESULT rank {dep.rank}: late, no error", flush=True)
+    except EpPeerTimeoutError as err:
+        took = time.monotonic() - start
+        print(
+            f"RESULT rank {dep.rank}: late, EpPeerTimeoutError after {took:.2f}s,"
+            f" recovery {err.recovery}: {err}",
+            flush=True,
+        )
 else:
     start = time.monotonic()
     try:
-        EpRouted(
-            dep.cpu_group,
-            4,
-            "cpu",
-            num_experts=TINY.experts,
-            latent=TINY.latent,
-            topk=TINY.topk,
-            config=EpConfig(timeout_s=TIMEOUT_S),
-        )
+        build()
         print(f"RESULT rank {dep.rank}: no error", flush=True)
     except EpTimeoutError as err:
         took = time.monotonic() - start
-        print(f"RESULT rank {dep.rank}: EpTimeoutError after {took:.2f}s: {err}", flush=True)
+        print(
+            f"RESULT rank {dep.rank}: EpTimeoutError after {took:.2f}s, recovery {err.recovery}:"
+            f" {err}",
+            flush=True,
+        )
