@@ -76,6 +76,7 @@ kernel's socket locks give happens-before from the writer's send to the reader's
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch.distributed as dist
@@ -237,13 +238,23 @@ class ObjectBarriers:
         # This rank's keys of barriers that raised before passing (an interrupt, a desync, a
         # timeout, a lost peer): a peer may be reading them still, so they go at the next reset.
         self._stale: list[str] = []
-        # (epoch, reset round) when the object's current call began (set by the caller around
-        # each call: EpRouted's `_one_thread`, or an EpMoeLayer call around its routed calls),
-        # None outside a call. A reset() run on this rank since (nested in the call: a signal
-        # handler's) makes the call's later barriers and launches refuse before this rank
-        # publishes anything (`exchange(since=)`, `refuse_reset_in_call`).
-        self.call_began: tuple[int, int] | None = None
+        # `call_began` of each thread (a signal handler runs on the thread it interrupts, so a
+        # handler's call nests in that thread's call; another thread's call is its own).
+        self._threads = threading.local()
         channel.objects[obj] = self
+
+    @property
+    def call_began(self) -> tuple[int, int] | None:
+        """(epoch, reset round) when the calling thread's current call of the object began (set
+        by the caller around each call: EpRouted's `_one_thread`, or an EpMoeLayer call around
+        its routed calls), None outside a call. A reset() run on this rank since (nested in the
+        call: a signal handler's) makes the call's later barriers and launches refuse before
+        this rank publishes anything (`exchange(since=)`, `refuse_reset_in_call`)."""
+        return getattr(self._threads, "call_began", None)
+
+    @call_began.setter
+    def call_began(self, value: tuple[int, int] | None) -> None:
+        self._threads.call_began = value
 
     # ------------------------------------------------------------------------ positions
     def _set_where(self, store, phase: str, **position) -> None:

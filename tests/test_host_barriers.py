@@ -413,3 +413,36 @@ def test_a_peer_that_comes_before_the_out_of_step_give_up_passes_with_this_rank(
     x0._check_waiting(store, keys, [1], "dispatch", (0, 0), (0, 0))
     assert store.add(x0._counter_key(0, 0), 0) == 3
     assert store.add(x0._counter_key(0, 0).replace("/x/", "/y/"), 0) == 0
+
+
+def test_a_reset_since_the_calls_start_refuses_the_barrier_before_publishing():
+    """`exchange(since=)` with the call's start: after a reset on this rank (its epoch moved;
+    done here by hand as reset() would) the barrier raises EpResetDuringCallError and publishes
+    no message, in the old epoch or the new; with the current state it pairs as usual. The
+    call's start is the calling thread's own: another thread setting its start leaves this
+    thread's alone."""
+    barriers = ranks_of(2)
+    me = barriers[0]
+    me.call_began = (me.epoch, me.reset_round)
+    start = me.call_began
+    me.epoch, me.reset_round = me.epoch + 1, me.reset_round + 1  # what a nested reset() leaves
+    with pytest.raises(EpResetDuringCallError, match="reset\\(\\) ran on this rank"):
+        me.exchange("phase", {"rank": 0}, 1.0, since=me.call_began)
+    with pytest.raises(EpResetDuringCallError):
+        me.refuse_reset_in_call("dispatch")
+    store = me.channel.store
+    for epoch in (0, 1):
+        assert not store.check([me.channel.key(OBJ, f"{epoch}.0", 0)]), "a message was published"
+    seen = []
+    other = threading.Thread(
+        target=lambda: (seen.append(me.call_began), setattr(me, "call_began", (9, 9)))
+    )
+    other.start()
+    other.join()
+    assert seen == [None] and me.call_began == start
+    me.call_began = None
+    me.refuse_reset_in_call("dispatch")  # outside a call: nothing compared
+    barriers[1].epoch = barriers[1].reset_round = 1  # both in the new epoch now
+    results = run_ranks(barriers, [(0.0, 5.0), (0.0, 5.0)])
+    for messages, _ in results:
+        assert [m["rank"] for m in messages] == [0, 1], messages
