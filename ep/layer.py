@@ -747,17 +747,21 @@ class EpMoeLayer:
         EpResetDuringCallError and the peers' retry pairs with this rank's next call."""
         barriers = self.routed._buffers.barriers
         began = barriers.call_began
-        barriers.call_began = (barriers.epoch, barriers.reset_round)
+        start = (barriers.epoch, barriers.reset_round)  # plain reads: no handler runs between
+        barriers.call_began = start
         try:
-            with self._counted_call(fn, tag) as call:
+            with self._counted_call(fn, tag, barriers, start) as call:
                 yield call
         finally:
             barriers.call_began = began
 
     @contextlib.contextmanager
-    def _counted_call(self, fn: str, tag: object):
-        """`_call` after it took the call's start: the first call's reads, the tag, the count."""
-        calls, entered, resets = self._calls, self.routed._entered_here(), self.routed._resets
+    def _counted_call(self, fn: str, tag: object, barriers, start: tuple[int, int]):
+        """`_call` after it took the call's `start` (the EpRouted's barriers' epoch and reset
+        round): the first call's reads, the tag, and the count, which moves only when the call
+        reached the transport and no reset() ran since `start` (one before it restarted the
+        count this call read; one after it abandoned the call, whose barriers refused)."""
+        calls, entered = self._calls, self.routed._entered_here()
         unready = None
         first = not self._read_once and bool(self._copied)
         read_fingerprint = self.fingerprint is None
@@ -791,7 +795,8 @@ class EpMoeLayer:
         try:
             yield wire, unready
         finally:
-            if self.routed._entered_here() != entered and self.routed._resets == resets:
+            reset_since = (barriers.epoch, barriers.reset_round) != start
+            if self.routed._entered_here() != entered and not reset_since:
                 self._calls = calls + 1
 
     # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a
