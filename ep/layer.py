@@ -795,8 +795,10 @@ class EpMoeLayer:
         try:
             yield wire, unready
         finally:
-            reset_since = (barriers.epoch, barriers.reset_round) != start
-            if self.routed._entered_here() != entered and not reset_since:
+            moved = self.routed._entered_here() != entered
+            # No call between this read and the store below, where a handler's reset() could
+            # run after the read and restart the count this store would then undo.
+            if moved and (barriers.epoch, barriers.reset_round) == start:
                 self._calls = calls + 1
 
     # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a
