@@ -57,7 +57,10 @@ barrier another way, an interrupt or a desync, is told to reset, and the reset s
   counter first). A rank that gives up at its deadline sets GAVE_UP * (its rank + 1) into the
   counter by compare-and-set, and only while a bit is missing: so a give-up comes before the
   last bit or not at all. The barrier completes iff every bit comes in with no give-up. A rank
-  that finds the ranks out of step sets GAVE_UP * (its rank + 1 + BARRIER_RANKS) the same way.
+  that finds the ranks out of step sets GAVE_UP * (its rank + 1 + BARRIER_RANKS) the same way,
+  and a rank whose reset() runs nested in its exchange (a signal handler's) GAVE_UP * (its rank
+  + 1 + 2 * BARRIER_RANKS): the peers waiting there raise EpDesyncError at their next look
+  instead of waiting for its arrival bit until their timeout.
 - A rank whose arrival finds a give-up, and a waiting rank that reads one, raise
   EpPeerTimeoutError naming the rank that gave up (read from the counter) and those it waited
   for, or EpDesyncError naming it for the out-of-step mark; a rank that finds every bit at its
@@ -75,6 +78,7 @@ kernel's socket locks give happens-before from the writer's send to the reader's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -102,13 +106,15 @@ from dep_ep.launch.store import give_up, group_name, group_store
 # at the next poll; a desync or a dead peer is seen within WAIT_SLICE_S.
 POLL_SPIN_S, POLL_SLEEP_MIN_S, POLL_SLEEP_MAX_S = 2e-3, 5e-5, 2e-3
 WAIT_SLICE_S = 0.02
-# A barrier's counter: bit r is rank r's arrival; a give-up sets GAVE_UP times (the rank that
-# gave up + 1) above them at a timeout, GAVE_UP times (the rank + 1 + BARRIER_RANKS) when the
-# rank found the ranks out of step. So a group takes at most BARRIER_RANKS ranks, the GPU
-# kernels' limit.
+# A barrier's counter: bit r is rank r's arrival; a give-up sets GAVE_UP * (the rank that gave
+# up + 1 + kind * BARRIER_RANKS) above them: kind 0 at a timeout, OUT_OF_STEP when the rank
+# found the ranks out of step, RESET_IN_CALL when a reset() ran nested in the rank's exchange (a
+# signal handler's). So a group takes at most BARRIER_RANKS ranks, the GPU kernels' limit, and
+# the largest mark, 96 * 2^32, fits the int64 counter.
 BARRIER_RANKS = MAX_RANKS
 GAVE_UP_SHIFT = BARRIER_RANKS
 GAVE_UP = 1 << GAVE_UP_SHIFT
+OUT_OF_STEP, RESET_IN_CALL = 1, 2
 COMPLETE, ABANDONED = "complete", "abandoned"
 # Bound of a store call that should answer at once (a set, a read of keys that exist): only a
 # store that stopped answering takes this long.
@@ -241,6 +247,11 @@ class ObjectBarriers:
         # `call_began` of each thread (a signal handler runs on the thread it interrupts, so a
         # handler's call nests in that thread's call; another thread's call is its own).
         self._threads = threading.local()
+        # The barrier (epoch, count) this rank's exchange is in, from before it publishes until
+        # it leaves: a reset() nested in it (a signal handler's) gives it up, so that the peers
+        # waiting there for this rank's arrival raise instead of waiting out their timeout, and
+        # no peer passes it after this rank abandoned it.
+        self._in_barrier: tuple[int, int] | None = None
         channel.objects[obj] = self
 
     @property
@@ -343,7 +354,7 @@ class ObjectBarriers:
         COMPLETE when `barrier` completed before its give-up (the peer came after all: it
         passes, and the other barrier is left alone), else ABANDONED."""
         ch = self.channel
-        mark = GAVE_UP * (ch.rank + 1 + BARRIER_RANKS)
+        mark = GAVE_UP * (ch.rank + 1 + OUT_OF_STEP * BARRIER_RANKS)
         everyone = (1 << ch.size) - 1
         barriers = [(self, barrier)]
         target = ch.objects.get(peer_where.get("obj"))
@@ -457,6 +468,7 @@ class ObjectBarriers:
         keys = [ch.key(self.obj, f"{barrier[0]}.{barrier[1]}", r) for r in range(ch.size)]
         counter_key = self._counter_key(*barrier)
         passed = False
+        outer_barrier, self._in_barrier = self._in_barrier, barrier
         try:
             self._set_where(store, phase, epoch=epoch, count=count)
             store.set(keys[me], json.dumps(message))
@@ -474,6 +486,7 @@ class ObjectBarriers:
                 raise self._reset_during_call(phase) from None
             raise ch.lost(phase, err) from None
         finally:
+            self._in_barrier = outer_barrier
             if not passed and keys[me] not in self._stale:
                 # Not deleted here: a peer that saw every message may be reading this one (a
                 # read of a missing key would wait for it). After the next reset no rank is.
@@ -553,8 +566,16 @@ class ObjectBarriers:
         when it found the ranks out of step."""
         me, ranks = self.channel.rank, range(self.channel.size)
         giver = (counter >> GAVE_UP_SHIFT) - 1
-        if giver >= BARRIER_RANKS:
-            giver -= BARRIER_RANKS
+        if giver >= RESET_IN_CALL * BARRIER_RANKS:
+            giver -= RESET_IN_CALL * BARRIER_RANKS
+            return EpDesyncError(
+                f"rank {me} in {phase} of {self.label}: rank {giver} called reset() during this"
+                " call (a signal handler's, say), which gave the call up on every rank; call"
+                " reset() on every rank",
+                RECOVERY_RESET,
+            )
+        if giver >= OUT_OF_STEP * BARRIER_RANKS:
+            giver -= OUT_OF_STEP * BARRIER_RANKS
             who = "this rank" if giver == me else f"rank {giver}"
             return EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: the ranks are out of step: {who} found"
@@ -669,6 +690,11 @@ class ObjectBarriers:
         round_keys = [ch.key(self.obj, "reset", r) for r in range(ch.size)]
         deadline = time.monotonic() + timeout_s
         try:
+            if self._in_barrier is not None:  # nested in this rank's exchange: give it up
+                key = self._counter_key(*self._in_barrier)
+                mark = GAVE_UP * (me + 1 + RESET_IN_CALL * BARRIER_RANKS)
+                with contextlib.suppress(LookupError):  # a counter gone: no rank passes it
+                    give_up(store, key, store.add(key, 0), (1 << ch.size) - 1, mark, GAVE_UP)
             self._set_where(store, "reset", round=target)
             mine = store.add(round_keys[me], 0)
             store.add(round_keys[me], target - mine)

@@ -446,3 +446,49 @@ def test_a_reset_since_the_calls_start_refuses_the_barrier_before_publishing():
     results = run_ranks(barriers, [(0.0, 5.0), (0.0, 5.0)])
     for messages, _ in results:
         assert [m["rank"] for m in messages] == [0, 1], messages
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("published", [False, True])
+def test_a_reset_nested_in_an_exchange_gives_its_barrier_up_for_the_waiting_peers(published):
+    """Rank 1 waits in a barrier; rank 0's reset() runs nested in its exchange of that barrier (a
+    signal handler's), before or after rank 0 published its message there but before its
+    arrival bit. Rank 0's reset gives the barrier up (the reset mark): rank 1 raises
+    EpDesyncError saying rank 0 called reset() during the call within a second, resets, and
+    meets rank 0's reset; rank 0's exchange raises EpResetDuringCallError; the next barrier
+    pairs. Before: with the message published, rank 1 waited for the arrival bit and never
+    looked at rank 0's position, so rank 1's wait and rank 0's reset both timed out (found by a
+    careless-user probe, 29 of 761 points of a step)."""
+    store, (b0, b1) = hooked_ranks(2)
+    outcome: list = []
+
+    def rank1() -> None:
+        start = time.monotonic()
+        try:
+            b1.exchange("phase", {"rank": 1}, 5.0)
+            outcome.append(("passed", time.monotonic() - start))
+        except EpDesyncError as err:
+            outcome.append((err, time.monotonic() - start))
+        b1.reset(5.0)
+
+    peer = threading.Thread(target=rank1)
+    peer.start()
+    time.sleep(0.2)  # rank 1 waits in the barrier
+
+    def nested_reset() -> None:
+        b0.reset(5.0)
+
+    # The set after rank 0's position is its message: the reset lands after the one or the other.
+    store.hook = (
+        "set",
+        (lambda: setattr(store, "hook", ("set", nested_reset))) if published else nested_reset,
+    )
+    with pytest.raises(EpResetDuringCallError):
+        b0.exchange("phase", {"rank": 0}, 5.0)
+    peer.join(10)
+    assert outcome and isinstance(outcome[0][0], EpDesyncError), outcome
+    assert "rank 0 called reset() during this call" in str(outcome[0][0])
+    assert outcome[0][1] < 1.5, outcome
+    results = run_ranks([b0, b1], [(0.0, 5.0), (0.0, 5.0)])
+    for messages, _ in results:
+        assert [m["rank"] for m in messages] == [0, 1], messages
