@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import gc
-import subprocess
 import weakref
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import torch
 
 from dep_ep import capture_graph
 from dep_ep.cuda_graphs import held_collector
+
+from helpers.source_files import python_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,20 +110,6 @@ def test_a_capture_that_cannot_start_restores_the_collector():
     assert gc.isenabled()
 
 
-def _repository_python_files() -> list[Path]:
-    listing = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "*.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if listing.returncode == 0:
-        names = set(listing.stdout.split("\0")) - {""}
-        return sorted(ROOT / n for n in names if (ROOT / n).is_file())
-    skip = {".git", ".venv", "venv", "build", "dist", ".stage", ".engines"}
-    return sorted(p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts))
-
-
 def _call_name(node: ast.expr) -> str:
     return ast.unparse(node.func) if isinstance(node, ast.Call) else ""
 
@@ -162,7 +149,7 @@ def uncollected_captures(path: Path) -> list[str]:
 
 
 def test_every_capture_in_the_repository_holds_the_collector():
-    files = [p for p in _repository_python_files() if p != ROOT / "dep_ep" / "cuda_graphs.py"]
+    files = [p for p in python_files(ROOT) if p != ROOT / "dep_ep" / "cuda_graphs.py"]
     assert any(p.name == "test_gpu_server_calls.py" for p in files), "the listing missed tests/gpu"
     offenders = {
         str(p.relative_to(ROOT)): found for p in files if (found := uncollected_captures(p))

@@ -12,6 +12,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from helpers.source_files import SKIP_DIRS, python_files
+
 ROOT = Path(__file__).resolve().parents[1]
 # Folder -> the dep_ep subpackage it is installed as (pyproject.toml, package-dir).
 SUBPACKAGES = {
@@ -35,27 +37,6 @@ ALLOWED = {
     # The yardsticks: they may read anything; nothing of the library proper imports them.
     "testing": {"leaf", "launch", "comm", "experts", "ep", "testing"},
 }
-SKIP_DIRS = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".pytest_cache", ".stage"}
-
-
-def python_files(top: Path) -> list[Path]:
-    """Every .py file of the repository under `top`: git's tracked and untracked files less the
-    ignored ones in a checkout, else every file below `top` (links not followed) outside build
-    and environment folders."""
-    listing = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "*.py"],
-        cwd=top,
-        capture_output=True,
-        text=True,
-    )
-    if listing.returncode == 0:
-        names = set(listing.stdout.split("\0")) - {""}
-        return sorted(top / name for name in names if (top / name).is_file())  # not deleted
-    found = []
-    for folder, dirs, files in os.walk(top):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
-        found += [Path(folder, name) for name in files if name.endswith(".py")]
-    return sorted(found)
 
 
 def imported_modules(path: Path, package: str | None) -> list[tuple[int, str]]:
