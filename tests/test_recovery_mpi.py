@@ -1259,6 +1259,37 @@ def test_a_reset_from_a_signal_handler_inside_a_call_abandons_it(dep, layer, whe
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
+def reset_nested_once(routed, owner, name: str, let_by: int = 0) -> None:
+    """Make `owner.name` (a method) run `routed.reset()` first at its call after `let_by` more,
+    as a signal handler's reset() landing there would; then it is the method again."""
+    work = getattr(owner, name)
+    left = [let_by]
+
+    def reset_then_work(*args, **kwargs):
+        if left[0]:
+            left[0] -= 1
+            return work(*args, **kwargs)
+        delattr(owner, name)  # once: the method again
+        routed.reset()
+        return work(*args, **kwargs)
+
+    setattr(owner, name, reset_then_work)
+
+
+def check_nested_reset_outcome(dep, routed, err, failures: list[str]) -> None:
+    """Rank 0, whose reset() ran nested in its call, raised EpResetDuringCallError; its peers
+    raised EpDesyncError and reset() here, as its recovery says."""
+    from dep_ep.comm.errors import RECOVERY_RESET, EpResetDuringCallError
+
+    if dep.rank == 0:
+        if not isinstance(err, EpResetDuringCallError):
+            failures.append(f"rank 0's call: {type(err).__name__}: {err}")
+    elif not isinstance(err, EpDesyncError):
+        failures.append(f"a peer's call: {type(err).__name__}: {err}")
+    elif err.recovery == RECOVERY_RESET:
+        routed.reset()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["before the transport", "before the barrier"])
@@ -1275,8 +1306,6 @@ def test_a_reset_before_the_calls_first_barrier_publishes_nothing(dep, layer, ca
     combine: the retry raised EpDesyncError on every rank (dispatch against combine) and a
     second reset was needed (found by a careless-user probe: a SIGUSR1 handler's reset() at a
     random moment of a call hit it in 2 of 29 calls)."""
-    from dep_ep.comm.errors import RECOVERY_RESET, EpResetDuringCallError
-
     seed = agreed_seed(dep.cpu_group, 415)
     gen = torch.Generator().manual_seed(seed)
     x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
@@ -1287,24 +1316,9 @@ def test_a_reset_before_the_calls_first_barrier_publishes_nothing(dep, layer, ca
         a = EpMoeLayer(dense_weights(seed + 1), routed, batches.experts, topk=TINY.topk)
         got_before = a(mine)
         if dep.rank == 0 and where == "before the transport":
-            transport_dispatch = routed._transport.dispatch
-
-            def reset_then_dispatch(*args, **kwargs):
-                routed._transport.dispatch = transport_dispatch  # once
-                routed.reset()  # as a signal handler's would
-                return transport_dispatch(*args, **kwargs)
-
-            routed._transport.dispatch = reset_then_dispatch
+            reset_nested_once(routed, routed._transport, "dispatch")
         elif dep.rank == 0:
-            barriers = routed._buffers.barriers
-            exchange = barriers.exchange
-
-            def reset_then_exchange(*args, **kwargs):
-                del barriers.exchange  # once: the class's method again
-                routed.reset()
-                return exchange(*args, **kwargs)
-
-            barriers.exchange = reset_then_exchange
+            reset_nested_once(routed, routed._buffers.barriers, "exchange")
         latent, ids, weights = batches.inputs(1)
         calls = {
             "layer": lambda: a(mine),
@@ -1312,13 +1326,7 @@ def test_a_reset_before_the_calls_first_barrier_publishes_nothing(dep, layer, ca
             "routed": lambda: batches.run(routed, 1),
         }
         err, _ = timed(calls[caller])
-        if dep.rank == 0 and not isinstance(err, EpResetDuringCallError):
-            failures.append(f"rank 0's call: {type(err).__name__}: {err}")
-        if dep.rank != 0:
-            if not isinstance(err, EpDesyncError):
-                failures.append(f"a peer's call: {type(err).__name__}: {err}")
-            elif err.recovery == RECOVERY_RESET:
-                routed.reset()
+        check_nested_reset_outcome(dep, routed, err, failures)
         retried = timed(lambda: a(mine))  # the step again, with no other reset
         if retried[0] is not None:
             failures.append(f"the retried layer call: {type(retried[0]).__name__}: {retried[0]}")
@@ -1348,8 +1356,6 @@ def test_a_reset_in_a_layer_calls_own_work_publishes_nothing(dep, layer, part, e
     sent the stale count's tag in the new epoch: with earlier calls every rank desynced at the
     retry; with none the call paired and this rank's count stayed behind, and the next call
     desynced (found by a review)."""
-    from dep_ep.comm.errors import RECOVERY_RESET, EpResetDuringCallError
-
     seed = agreed_seed(dep.cpu_group, 418)
     gen = torch.Generator().manual_seed(seed)
     x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
@@ -1362,21 +1368,11 @@ def test_a_reset_in_a_layer_calls_own_work_publishes_nothing(dep, layer, part, e
             a(mine)
         if dep.rank == 0:
             # "count": the EpRouted's count of calls handed to the transport, which the layer
-            # reads with its own count.
-            counted = part.startswith("count")
-            owner, name = (routed, "_entered_here") if counted else (a, part)
-            work = getattr(owner, name)
-            passes = [1 if part == "count after" else 0]  # reads to let by before the reset
-
-            def reset_then_work(*args, **kwargs):
-                if passes[0]:
-                    passes[0] -= 1
-                    return work(*args, **kwargs)
-                delattr(owner, name)  # once: the method again
-                routed.reset()  # as a signal handler's would
-                return work(*args, **kwargs)
-
-            setattr(owner, name, reset_then_work)
+            # reads with its own count ("count after": its second read, after the routed call).
+            if part.startswith("count"):
+                reset_nested_once(routed, routed, "_entered_here", int(part == "count after"))
+            else:
+                reset_nested_once(routed, a, part)
         err, _ = timed(lambda: a(mine))
         if part == "count after":
             # The call completed on every rank; rank 0's reset then waits for its peers', whose
@@ -1385,14 +1381,8 @@ def test_a_reset_in_a_layer_calls_own_work_publishes_nothing(dep, layer, part, e
                 failures.append(f"the completed call: {type(err).__name__}: {err}")
             if dep.rank != 0:
                 err, _ = timed(lambda: a(mine))
-        if dep.rank == 0 and part != "count after":
-            if not isinstance(err, EpResetDuringCallError):
-                failures.append(f"rank 0's call: {type(err).__name__}: {err}")
-        if dep.rank != 0:
-            if not isinstance(err, EpDesyncError):
-                failures.append(f"a peer's call: {type(err).__name__}: {err}")
-            elif err.recovery == RECOVERY_RESET:
-                routed.reset()
+        if dep.rank != 0 or part != "count after":
+            check_nested_reset_outcome(dep, routed, err, failures)
         got = []
         for label in ("the retry", "the next call"):
             err, _ = timed(lambda: got.append(a(mine)))
