@@ -21,40 +21,32 @@ ctx = init_rank_context("cpu", timeout_s=30.0)
 dep = new_dep_group(ctx, ctx.world_size)
 
 
-def build() -> None:
-    EpRouted(
-        dep.cpu_group,
-        4,
-        "cpu",
-        num_experts=TINY.experts,
-        latent=TINY.latent,
-        topk=TINY.topk,
-        config=EpConfig(timeout_s=TIMEOUT_S),
-    )
+def build_and_report(how: str, expected: type[EpTimeoutError]) -> None:
+    """Construct this rank's EpRouted and print its RESULT line: "no error", or `expected`'s
+    name, the seconds it took, its recovery and its text; `how` precedes them ("late, ")."""
+    start = time.monotonic()
+    try:
+        EpRouted(
+            dep.cpu_group,
+            4,
+            "cpu",
+            num_experts=TINY.experts,
+            latent=TINY.latent,
+            topk=TINY.topk,
+            config=EpConfig(timeout_s=TIMEOUT_S),
+        )
+        print(f"RESULT rank {dep.rank}: {how}no error", flush=True)
+    except expected as err:
+        took = time.monotonic() - start
+        print(
+            f"RESULT rank {dep.rank}: {how}{type(err).__name__} after {took:.2f}s,"
+            f" recovery {err.recovery}: {err}",
+            flush=True,
+        )
 
 
 if dep.rank == missing:
     time.sleep(TIMEOUT_S + 3.0)  # arrives after the others' timeout
-    start = time.monotonic()
-    try:
-        build()
-        print(f"RESULT rank {dep.rank}: late, no error", flush=True)
-    except EpPeerTimeoutError as err:
-        took = time.monotonic() - start
-        print(
-            f"RESULT rank {dep.rank}: late, EpPeerTimeoutError after {took:.2f}s,"
-            f" recovery {err.recovery}: {err}",
-            flush=True,
-        )
+    build_and_report("late, ", EpPeerTimeoutError)
 else:
-    start = time.monotonic()
-    try:
-        build()
-        print(f"RESULT rank {dep.rank}: no error", flush=True)
-    except EpTimeoutError as err:
-        took = time.monotonic() - start
-        print(
-            f"RESULT rank {dep.rank}: EpTimeoutError after {took:.2f}s, recovery {err.recovery}:"
-            f" {err}",
-            flush=True,
-        )
+    build_and_report("", EpTimeoutError)
