@@ -22,6 +22,8 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
+import torch
+
 
 @contextlib.contextmanager
 def held_collector(collect: bool = True) -> Iterator[None]:
@@ -47,7 +49,5 @@ def capture_graph(graph, *, collect: bool = True, **graph_args) -> Iterator[None
     (`pool`, `stream`, `capture_error_mode` as there), inside `held_collector(collect)`.
     `collect=False` skips the collection before the capture (a server that collected already, or
     captures many graphs in a row) and still keeps the collector off during it."""
-    import torch  # the leaf module stays importable without torch's CUDA parts being touched
-
     with held_collector(collect), torch.cuda.graph(graph, **graph_args):
         yield
