@@ -134,15 +134,20 @@ class EpTimeoutError(EpError):
     """A bounded wait expired: names the rank that waited, the phase and the peer(s) it waited for.
 
     The ranks' states are unknown afterwards (a peer may still be inside the call): call reset()
-    on every rank before the next step.
+    on every rank before the next step. `remedy`, when given, ends the message with what to do
+    (a host barrier's: comm/host_channel.py; the group's constructions say to build again, with
+    `recovery` "rebuild").
     """
 
     recovery = RECOVERY_RESET
 
-    def __init__(self, rank: int, phase: str, peers: str, detail: str = "") -> None:
+    def __init__(
+        self, rank: int, phase: str, peers: str, detail: str = "", remedy: str = ""
+    ) -> None:
         self.rank, self.phase, self.peers = rank, phase, peers
         msg = f"rank {rank}: timed out in phase '{phase}' waiting for {peers}"
-        super().__init__(msg + (f" ({detail})" if detail else ""))
+        msg += f" ({detail})" if detail else ""
+        super().__init__(msg + (f"; {remedy}" if remedy else ""))
 
 
 class EpPeerTimeoutError(EpTimeoutError):
@@ -151,18 +156,27 @@ class EpPeerTimeoutError(EpTimeoutError):
     late itself (every message may have come by now) or waited; nothing of the call is used.
     Names this rank, the phase, the rank that gave up (`gave_up_rank`: one a barrier) and the
     ranks whose arrival this rank found missing (`peers`; read after the give-up, so ranks that
-    came late meanwhile are not among them). `recovery` is "reset", as the peer's
+    came late meanwhile are not among them). `remedy` ends the message; `recovery` is the
+    peer's: "reset" for an object's barrier, "rebuild" for a construction's
     (comm/host_channel.py: a barrier given up is passed by no rank)."""
 
-    def __init__(self, rank: int, phase: str, gave_up_rank: int, missing: list[int]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        phase: str,
+        gave_up_rank: int,
+        missing: list[int],
+        remedy: str = "call reset() on every rank",
+        recovery: str = RECOVERY_RESET,
+    ) -> None:
         self.rank, self.phase, self.gave_up_rank = rank, phase, gave_up_rank
         self.peers = f"rank(s) {', '.join(map(str, missing))}" if missing else "a late rank"
+        self.recovery = recovery
         late = " (this rank, late)" if rank in missing else ""
         EpError.__init__(
             self,
             f"rank {rank}: in phase '{phase}', rank {gave_up_rank} timed out waiting for"
-            f" {self.peers}{late} (its timeout_s): the call is given up on every rank; call"
-            " reset() on every rank",
+            f" {self.peers}{late} (its timeout_s): the call is given up on every rank; {remedy}",
         )
 
 

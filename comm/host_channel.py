@@ -165,7 +165,9 @@ class GroupChannel:
         # at the same count proposes again (comm/agreement.py).
         self.proposed_job: tuple[int, str] | None = None
         self.checkable: list[bool] = [False] * self.size
-        self.constructions = ObjectBarriers(self, CONSTRUCTION, "the group's constructions")
+        self.constructions = ObjectBarriers(
+            self, CONSTRUCTION, "the group's constructions", CONSTRUCTION_REMEDY, RECOVERY_REBUILD
+        )
 
     def learn_identities(self, identities: list[ProcessIdentity]) -> None:
         """Every rank's process (from a construction exchange): which of them this rank can
@@ -204,8 +206,10 @@ class GroupChannel:
         )
 
 
-# What a construction given up or out of step tells its caller in place of "call reset()": there
-# is no object to reset.
+# What an object's barrier given up or out of step tells its caller to do, with the recovery
+# (comm/errors.py) its errors carry.
+RESET_REMEDY = "call reset() on every rank"
+# The group's constructions have no object to reset.
 CONSTRUCTION_REMEDY = (
     "no object was built on any rank: build it again on every rank, in the same order (when that"
     " fails again, a rank built an object its peers did not, and the group's constructions stay"
@@ -213,28 +217,22 @@ CONSTRUCTION_REMEDY = (
 )
 
 
-def _construction_failed(error: EpError) -> EpError:
-    """`error` of the group's construction barrier with the construction's remedy and recovery
-    "rebuild" (its text said to call reset(), which no object can take)."""
-    text = str(error)
-    for reset_text in ("call reset() on every rank", "call reset()"):
-        if reset_text in text:
-            text = text.replace(reset_text, CONSTRUCTION_REMEDY, 1)
-            break
-    else:
-        text = f"{text}; {CONSTRUCTION_REMEDY}"
-    error.args = (text,)
-    error.recovery = RECOVERY_REBUILD
-    return error
-
-
 class ObjectBarriers:
     """The barriers of one object on a group: `exchange` (one barrier with a payload), `reset`
     (every rank to a new epoch), `close`. Driven from one thread, in the same order on every
-    rank, as the object's collective calls are."""
+    rank, as the object's collective calls are. `remedy` and `recovery`: what its errors of a
+    barrier given up or out of step tell the caller to do, and their `recovery`."""
 
-    def __init__(self, channel: GroupChannel, obj: str, label: str) -> None:
+    def __init__(
+        self,
+        channel: GroupChannel,
+        obj: str,
+        label: str,
+        remedy: str = RESET_REMEDY,
+        recovery: str = RECOVERY_RESET,
+    ) -> None:
         self.channel, self.obj, self.label = channel, obj, label
+        self.remedy, self.recovery = remedy, recovery
         self.epoch, self.count, self.reset_round = 0, 0, 0
         # The barrier (epoch, count) whose counter this rank last added its arrival bit to: a
         # retry of that barrier (its attempt raised, a KeyboardInterrupt say) adds it only if
@@ -338,8 +336,8 @@ class ObjectBarriers:
                 raise EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
                     f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
-                    " orders, or one rank reset); call reset() on every rank",
-                    RECOVERY_RESET,
+                    f" orders, or one rank reset); {self.remedy}",
+                    self.recovery,
                 )
 
     def _give_up_out_of_step(self, store, peer_where: dict, barrier: tuple[int, int]) -> str:
@@ -516,8 +514,8 @@ class ObjectBarriers:
             ranks = "; ".join(f"rank {r}: {p}" for r, p in enumerate(phases))
             raise EpDesyncError(
                 f"rank {me}: the ranks are in different calls of {self.label} ({ranks}): a rank"
-                " skipped a call; call reset() on every rank",
-                RECOVERY_RESET,
+                f" skipped a call; {self.remedy}",
+                self.recovery,
             )
         return messages
 
@@ -544,8 +542,6 @@ class ObjectBarriers:
         if self.count >= 1:
             self._stale.append(self._counter_key(self.epoch, self.count - 1))
         self.count += 1
-        if self.obj == CONSTRUCTION:
-            return _construction_failed(error)
         return error
 
     def _counter_key(self, epoch: int, count: int) -> str:
@@ -570,9 +566,9 @@ class ObjectBarriers:
             giver -= RESET_IN_CALL * BARRIER_RANKS
             return EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: rank {giver} called reset() during this"
-                " call (a signal handler's, say), which gave the call up on every rank; call"
-                " reset() on every rank",
-                RECOVERY_RESET,
+                f" call (a signal handler's, say), which gave the call up on every rank;"
+                f" {self.remedy}",
+                self.recovery,
             )
         if giver >= OUT_OF_STEP * BARRIER_RANKS:
             giver -= OUT_OF_STEP * BARRIER_RANKS
@@ -580,12 +576,11 @@ class ObjectBarriers:
             return EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: the ranks are out of step: {who} found"
                 " a rank waiting in another call or object and gave this call up (the ranks"
-                " call their EpRouted, or their layers, in different orders); call reset() on"
-                " every rank",
-                RECOVERY_RESET,
+                f" call their EpRouted, or their layers, in different orders); {self.remedy}",
+                self.recovery,
             )
         missing = [r for r in ranks if not counter >> r & 1 or (late and r == me)]
-        return EpPeerTimeoutError(me, phase, giver, missing)
+        return EpPeerTimeoutError(me, phase, giver, missing, self.remedy, self.recovery)
 
     def _give_up(
         self,
@@ -614,8 +609,8 @@ class ObjectBarriers:
             self._refuse_interrupted(phase, began)
             raise EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: the barrier's counter is gone (a reset"
-                " ran); call reset() on every rank",
-                RECOVERY_RESET,
+                f" ran); {self.remedy}",
+                self.recovery,
             ) from None
         if mine:
             timeout = EpTimeoutError(
@@ -623,7 +618,9 @@ class ObjectBarriers:
                 phase,
                 f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank's arrival",
                 f"no message within {timeout_s:g} s",
+                self.remedy,
             )
+            timeout.recovery = self.recovery
             raise self._abandon(timeout, phase, began)
         if counter >= GAVE_UP:
             raise self._abandon(self._given_up(phase, counter, late=False), phase, began)

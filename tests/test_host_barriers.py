@@ -23,7 +23,14 @@ from dep_ep.comm.errors import (
     EpResetDuringCallError,
     EpTimeoutError,
 )
-from dep_ep.comm.host_channel import ABANDONED, COMPLETE, GAVE_UP, ObjectBarriers
+from dep_ep.comm.host_channel import (
+    ABANDONED,
+    COMPLETE,
+    CONSTRUCTION_REMEDY,
+    GAVE_UP,
+    RESET_REMEDY,
+    ObjectBarriers,
+)
 
 OBJ = "obj"
 
@@ -364,6 +371,56 @@ def test_a_rank_out_of_step_gives_up_both_barriers():
             assert isinstance(outcome, EpDesyncError), (r, label, outcome)
             assert "out of step" in str(outcome), (r, label, outcome)
             assert took < 1.0, (r, label, took)
+
+
+@pytest.mark.parametrize(
+    "remedy, recovery", [(RESET_REMEDY, "reset"), (CONSTRUCTION_REMEDY, "rebuild")]
+)
+def test_every_error_of_a_barrier_ends_with_its_remedy(remedy, recovery):
+    """The errors of a barrier given up (the rank at its deadline, the late rank) and of ranks
+    out of step (objects X and Y called in different orders on 2 ranks: every outcome of X's
+    barriers, whether the rank found the other waiting or read its give-up) end with X's
+    remedy and carry its recovery; Y's keep the default. The group's constructions are such a
+    barrier: their errors say to build again ("rebuild"), as no object exists to reset.
+    Before, only a construction's give-up was rewritten after the fact; a construction that
+    found its peer out of step said "call reset() on every rank" with recovery "reset"."""
+    store = dist.HashStore()
+    barriers = [ObjectBarriers(Channel(store, r, 2), OBJ, "X", remedy, recovery) for r in (0, 1)]
+    (first, _), (late, _) = run_ranks(barriers, [(0.0, 0.3), (0.6, 5.0)])
+    outcomes = [("the give-up", first), ("the late rank", late)]
+    store = dist.HashStore()
+    objects = []
+    for r in range(2):
+        channel = Channel(store, r, 2)
+        x = ObjectBarriers(channel, "x", "object X", remedy, recovery)
+        y = ObjectBarriers(channel, "y", "object Y")
+        objects.append((x, y) if r == 0 else (y, x))
+    out_of_step: list = []
+
+    def rank(r: int) -> None:
+        for obj in objects[r]:
+            try:
+                obj.exchange("dispatch", {"rank": r}, 5.0)
+                out_of_step.append((r, obj, None))
+            except Exception as err:  # compared below
+                out_of_step.append((r, obj, err))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(out_of_step) == 4, out_of_step
+    for r, obj, err in out_of_step:
+        assert isinstance(err, EpDesyncError), (r, obj.label, err)
+        if obj.label == "object X":
+            outcomes.append((f"rank {r}'s X out of step", err))
+        else:
+            assert str(err).endswith(RESET_REMEDY) and err.recovery == "reset", (r, err)
+    for what, err in outcomes:
+        assert isinstance(err, EpTimeoutError | EpDesyncError), (what, err)
+        assert str(err).endswith(remedy), (what, err)
+        assert err.recovery == recovery, (what, err.recovery)
 
 
 def waiting_in_x_while_rank_1_is_in_y(store):
