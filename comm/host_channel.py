@@ -71,6 +71,10 @@ barrier another way, an interrupt or a desync, is told to reset, and the reset s
   out of step raises EpDesyncError without counting it: the reset that error asks for settles
   the counts. A rank that left the barrier another way (an interrupt) finds
   the give-up at its next attempt there, which fails once and counts it.
+- The group's constructions go further: a rank that finds a construction's barrier given up by a
+  peer that now waits in a later construction barrier counts it and goes on to that one, so a
+  construction one rank gave up alone (an object only it built) does not leave the group's
+  constructions one barrier apart for good.
 Ordering: a rank writes its payload (shared-memory rows) before it publishes, and its peers read
 the rows after they found its message; the store's socket round trips order the two (the
 kernel's socket locks give happens-before from the writer's send to the reader's receive).
@@ -161,12 +165,17 @@ class GroupChannel:
         # when it is before that; a barrier this rank never entered waits for ever).
         self.closed: dict[str, ObjectBarriers] = {}
         self.identities: list[ProcessIdentity] | None = None  # every rank's, once agreed
-        # (constructions' barrier count, job): the job this rank proposed there, which a retry
-        # at the same count proposes again (comm/agreement.py).
-        self.proposed_job: tuple[int, str] | None = None
+        # The job this rank's constructions propose until one's exchange returns: a retry
+        # proposes it again (comm/agreement.py).
+        self.proposed_job: str | None = None
         self.checkable: list[bool] = [False] * self.size
         self.constructions = ObjectBarriers(
-            self, CONSTRUCTION, "the group's constructions", CONSTRUCTION_REMEDY, RECOVERY_REBUILD
+            self,
+            CONSTRUCTION,
+            "the group's constructions",
+            CONSTRUCTION_REMEDY,
+            RECOVERY_REBUILD,
+            skips_given_up=True,
         )
 
     def learn_identities(self, identities: list[ProcessIdentity]) -> None:
@@ -212,8 +221,7 @@ RESET_REMEDY = "call reset() on every rank"
 # The group's constructions have no object to reset.
 CONSTRUCTION_REMEDY = (
     "no object was built on any rank: build it again on every rank, in the same order (when that"
-    " fails again, a rank built an object its peers did not, and the group's constructions stay"
-    " out of step: restart the processes of the group)"
+    " fails again, restart the processes of the group)"
 )
 
 
@@ -221,7 +229,10 @@ class ObjectBarriers:
     """The barriers of one object on a group: `exchange` (one barrier with a payload), `reset`
     (every rank to a new epoch), `close`. Driven from one thread, in the same order on every
     rank, as the object's collective calls are. `remedy` and `recovery`: what its errors of a
-    barrier given up or out of step tell the caller to do, and their `recovery`."""
+    barrier given up or out of step tell the caller to do, and their `recovery`.
+    `skips_given_up` (the group's constructions): a rank whose barrier a peer gave up at its
+    deadline goes on to the later barrier that peer waits in instead of raising (a barrier of
+    calls would pair different calls so; constructions only pair the next construction)."""
 
     def __init__(
         self,
@@ -230,9 +241,13 @@ class ObjectBarriers:
         label: str,
         remedy: str = RESET_REMEDY,
         recovery: str = RECOVERY_RESET,
+        skips_given_up: bool = False,
     ) -> None:
         self.channel, self.obj, self.label = channel, obj, label
         self.remedy, self.recovery = remedy, recovery
+        # Whether a rank that finds a barrier given up by a peer now waiting in a later barrier
+        # of the object goes on to that one (`_giver_went_on`).
+        self.skips_given_up = skips_given_up
         self.epoch, self.count, self.reset_round = 0, 0, 0
         # The barrier (epoch, count) whose counter this rank last added its arrival bit to: a
         # retry of that barrier (its attempt raised, a KeyboardInterrupt say) adds it only if
@@ -449,6 +464,7 @@ class ObjectBarriers:
         differing phases, and as given up (counted too, so that the next barrier pairs) on
         every rank that raises EpTimeoutError or EpPeerTimeoutError."""
         ch = self.channel
+        deadline = time.monotonic() + timeout_s  # kept by a skip to a later barrier
         self._refuse_closed(phase)
         # One look at the object's state, with no call in between (where a signal handler's
         # reset() could run): the barrier's keys are this epoch's, so a reset after it leaves
@@ -465,7 +481,7 @@ class ObjectBarriers:
         barrier = (epoch, count)
         keys = [ch.key(self.obj, f"{barrier[0]}.{barrier[1]}", r) for r in range(ch.size)]
         counter_key = self._counter_key(*barrier)
-        passed = False
+        passed = skipped = False
         outer_barrier, self._in_barrier = self._in_barrier, barrier
         try:
             self._set_where(store, phase, epoch=epoch, count=count)
@@ -476,6 +492,10 @@ class ObjectBarriers:
             values = self._wait_all(store, keys, phase, timeout_s, began, counter, barrier)
             self._refuse_closed(phase)
             passed = True
+        except EpPeerTimeoutError as err:
+            if time.monotonic() >= deadline or not self._giver_went_on(store, err, phase, barrier):
+                raise
+            skipped = True  # counted by `_abandon`, as a given-up barrier is
         except (EpDesyncError, EpTimeoutError, EpPeerLostError, EpResetDuringCallError):
             raise
         except dist.DistError as err:
@@ -489,6 +509,8 @@ class ObjectBarriers:
                 # Not deleted here: a peer that saw every message may be reading this one (a
                 # read of a missing key would wait for it). After the next reset no rank is.
                 self._stale += [keys[me], counter_key]
+        if skipped:
+            return self.exchange(phase, payload, max(0.0, deadline - time.monotonic()), since)
         # A reset() run on this rank meanwhile (a signal handler's) moved the object to a new
         # epoch: this barrier belongs to none, and its key waits for the next reset (a peer's
         # own reset may have come after its last look, so it may still read it). No call stands
@@ -518,6 +540,35 @@ class ObjectBarriers:
                 self.recovery,
             )
         return messages
+
+    def _giver_went_on(
+        self, store, error: EpPeerTimeoutError, phase: str, barrier: tuple[int, int]
+    ) -> bool:
+        """For an object that `skips_given_up`: whether the rank that gave `barrier` up at its
+        deadline (`error`'s) now waits in a later barrier of this object, in the same phase and
+        epoch. Then this rank goes on to the next barrier (its message and arrival at
+        `barrier` are stale, and `barrier` counted), and so on until it meets that rank: a
+        construction one rank gave up alone (an object only it built, or a retry before its
+        peers came) left the group's constructions one barrier apart for good before, every
+        later construction failing on every rank. No barrier of another object is entered, a
+        construction it pairs with is compared as any (arguments, job), and the exchange keeps
+        its one deadline (a peer giving up alone again and again does not prolong it). When
+        the giver has not yet entered its next barrier, the error stands."""
+        if not self.skips_given_up or error.gave_up_rank == self.channel.rank:
+            return False
+        key = self.channel.key("where", error.gave_up_rank)
+        try:
+            if not store.check([key]):
+                return False
+            where = json.loads(store.get(key))
+        except dist.DistError:
+            return False  # the error stands; the next barrier finds the store gone
+        return (
+            where.get("obj") == self.obj
+            and where.get("phase") == phase
+            and where.get("epoch") == barrier[0]
+            and where.get("count", -1) > barrier[1]
+        )
 
     def _arrive(self, store, barrier: tuple[int, int]) -> tuple[int, bool]:
         """Add this rank's arrival bit to barrier `barrier`'s counter (once, also when an

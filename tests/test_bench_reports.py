@@ -145,6 +145,24 @@ def test_report_puts_the_peer_beside_ours(tmp_path):
     assert "# Routed path with experts, 2 GPUs," in page and "448 local experts per rank" in page
 
 
+def test_report_gives_the_checked_steps_time_and_its_cost(tmp_path):
+    """--check-expert-rows: the checked call's time and its difference from ours, a column
+    each, after the peer's."""
+    results = [
+        dict(tokens=1, us=150.0, touched=16, floor_us=65.0, mode="graph", finite=True),
+        dict(tokens=4, us=400.0, touched=62, floor_us=250.0, mode="graph", finite=True),
+    ]
+    results[0]["checked_us"], results[1]["checked_us"] = 153.25, 399.5
+    meta = dict(n=1, local=896, bandwidth=4100.0, backend="HopperExperts (humming)")
+    meta["grouping"] = "torch"
+    run = torchrun(1, "bench.bench_routed_experts", "--check-expert-rows", "--out", "docs")
+    routed_experts.write_report(tmp_path, results, {}, meta, run)
+    page = (tmp_path / "bench_routed_experts1.md").read_text()
+    assert "| 1 | 16 | 65 | 150 | 43% | - | - | - | 153.2 | +3.2 | graph | yes |" in page, page
+    assert "| 4 | 62 | 250 | 400 | 62% | - | - | - | 399.5 | -0.5 | graph | yes |" in page, page
+    assert "checked us | + |" in page and "check_expert_rows on" in page, page
+
+
 def dep_row(tokens: int, peer: bool) -> dict:
     row = dict(tokens=tokens, routing="uniform", skew=1.0, pair_skew=1.02, receive_mib=0.5)
     row.update(dispatch=10.0, combine=20.0, pair=28.0, allgather=12.0, reduce_scatter=30.0)

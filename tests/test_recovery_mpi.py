@@ -648,6 +648,45 @@ def test_a_construction_interrupted_on_one_rank_is_retried_at_once(dep, layer, m
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+def test_an_object_one_rank_built_alone_leaves_the_next_constructions_working(dep, layer):
+    """The last rank builds an EpRouted alone (a misuse: whether to build decided by a rank-local
+    value), which gives its construction up after 1 s (EpTimeoutError, recovery "rebuild"), and
+    builds again at once; the others build 1 s after that, so they come to the barrier it gave
+    up while it waits in the next. Every rank's construction succeeds at the first try, a step
+    on it matches the reference, and a second construction on every rank succeeds too.
+    Before (found by a careless-user probe): the others found the give-up and raised
+    EpPeerTimeoutError, the lone rank waited out timeout_s in the next barrier, and so on at
+    every retry: the group's constructions stayed one barrier apart for good."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 349), T)
+    lone = dep.rank == dep.size - 1
+    failures: list[str] = []
+    built: list[EpRouted] = []
+    dist.barrier(group=dep.cpu_group)
+    if lone:
+        err, _ = timed(lambda: build(dep, EpConfig(timeout_s=1.0)).close())
+        if not isinstance(err, EpTimeoutError) or err.recovery != "rebuild":
+            failures.append(f"the construction alone gave {err!r}")
+    else:
+        time.sleep(2.0)  # the lone rank gave up at 1 s and waits in the next barrier
+    for attempt in ("first", "second"):
+        err, took = timed(lambda: built.append(build(dep)))
+        if err is not None:
+            failures.append(f"the {attempt} construction: {type(err).__name__}: {err}")
+        elif took > TIMEOUT_S - 0.5:
+            failures.append(f"the {attempt} construction took {took:.2f} s")
+    if len(built) == 2:
+        for i, routed in enumerate(built):
+            try:
+                failures += compare(batches.run(routed, i), batches.reference(i), f"object {i}")
+            except Exception as err:  # reported collectively
+                failures.append(f"a step on object {i}: {type(err).__name__}: {err}")
+    for routed in built:
+        routed.close()
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("tag", [None, 7])
 def test_layers_built_in_different_orders(dep, layer, tag):
     """Two EpMoeLayers on one EpRouted, no layer_index=, no tag= or tag=7 for both: rank 0 builds
