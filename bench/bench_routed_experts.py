@@ -79,6 +79,11 @@ def main() -> int:
     p.add_argument("--grouping", choices=groupings, default=HopperTiles().grouping.value)
     p.add_argument("--peer-log", type=Path, default=None, help="FlashInfer fused layer's stdout")
     p.add_argument("--peer-ranks", type=int, default=2, help="the ranks the peer ran on")
+    p.add_argument(
+        "--check-expert-rows",
+        action="store_true",
+        help="also time each step on an EpRouted with EpConfig(check_expert_rows=True)",
+    )
     args = p.parse_args()
     # The peer's log is read before any GPU work, so that a wrong file fails at once.
     peer = read_peer_log(args.peer_log, K3.experts // args.peer_ranks) if args.peer_log else {}
@@ -87,15 +92,14 @@ def main() -> int:
         raise SystemExit("bench.bench_routed_experts: one GPU per rank (time-slicing)")
     n, rank = ctx.world_size, ctx.rank
     cpu = new_dep_group(ctx, n).cpu_group
-    routed = EpRouted(
-        cpu,
-        max(args.tokens),
-        "cuda",
-        num_experts=K3.experts,
-        latent=K3.latent,
-        topk=K3.topk,
-        config=EpConfig(timeout_s=60.0),
-    )
+
+    def build(check_expert_rows: bool) -> EpRouted:
+        config = EpConfig(timeout_s=60.0, check_expert_rows=check_expert_rows)
+        geometry = dict(num_experts=K3.experts, latent=K3.latent, topk=K3.topk)
+        return EpRouted(cpu, max(args.tokens), "cuda", config=config, **geometry)
+
+    routed = build(False)
+    checked = build(True) if args.check_expert_rows else None
     local = routed.experts_per_rank
     synthetic = SyntheticLayer(K3, seed=1, device="cuda")
     weights_4bit = synthetic.local_weights(routed.first_expert, local)
@@ -114,8 +118,8 @@ def main() -> int:
         ids = synthetic_ids(tokens, K3.experts, K3.topk, "uniform", gen, "cuda")
         weights = torch.rand(tokens, K3.topk, device="cuda", generator=gen)
 
-        def step():
-            return routed.routed(latent, ids, weights, norm, experts=experts, tokens=tokens)
+        def step(on: EpRouted = routed):
+            return on.routed(latent, ids, weights, norm, experts=experts, tokens=tokens)
 
         finite = bool(step().isfinite().all())  # eager first: humming compiles here
         routed.synchronize()
@@ -132,6 +136,8 @@ def main() -> int:
             "finite": slowest(0.0 if finite else 1.0, cpu) == 0.0,
         }
         row["floor_us"] = row["touched"] * EXPERT_BYTES / (bandwidth * 1e9) * 1e6
+        if checked is not None:
+            row["checked_us"] = slowest(checked_us(checked, step, cpu, args), cpu)
         results.append(row)
         if rank == 0:
             print(row, flush=True)
@@ -139,6 +145,8 @@ def main() -> int:
         f" ({experts.engine})" if hasattr(experts, "engine") else ""
     )
     routed.close()
+    if checked is not None:
+        checked.close()
     if peer and args.peer_ranks != n:
         peer = {}  # another world size: nothing to compare with
         print(f"--peer-ranks {args.peer_ranks} != {n} ranks: the peer is left out", file=sys.stderr)
@@ -153,6 +161,20 @@ def main() -> int:
         write_report(args.out, results, peer, meta)
     teardown(ctx)
     return 0
+
+
+def checked_us(checked: EpRouted, step, cpu, args) -> float:
+    """The median us of `step(checked)`: the same call on `checked`, an EpRouted with
+    check_expert_rows on (the mark at dispatch, the check's launch before the combine). Its rows
+    must be the unchecked call's bits: the check changes nothing it sums."""
+    want = step()
+    got = step(checked)
+    checked.synchronize()
+    if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
+        raise SystemExit("bench_routed_experts: check_expert_rows changed a step's bits")
+    us, _ = timed_us(lambda: step(checked), cpu, args.reps, args.samples)
+    checked.synchronize()
+    return us
 
 
 def write_report(
@@ -179,6 +201,13 @@ def write_report(
         " session (--peer-log); x = FlashInfer / ours (above 1: ours is faster).",
     )
     columns = "T | touched | floor us | ours us | ours % | FlashInfer us | FlashInfer % | x"
+    check = all("checked_us" in r for r in results)
+    if check:
+        page.text(
+            "checked: the same call on an EpRouted with check_expert_rows on (its rows the same"
+            " bits); + = checked - ours.",
+        )
+        columns += " | checked us | +"
     rows = []
     for r in results:
         theirs = peer.get(r["tokens"])
@@ -197,6 +226,8 @@ def write_report(
                 f"{100 * r['floor_us'] / theirs:.0f}%",
                 f"{theirs / r['us']:.2f}",
             ]
+        if check:
+            cells += [f"{r['checked_us']:.1f}", f"{r['checked_us'] - r['us']:+.1f}"]
         cells += [r["mode"], "yes" if r["finite"] else "NO"]
         rows.append(cells)
     page.table([*columns.split(" | "), "timing", "finite"], rows)
