@@ -41,13 +41,13 @@ def agree_on_construction(
     error, if any: that rank raises it and every other rank EpPeerError naming it and its error.
     Raises ValueError on every rank when the fingerprints differ."""
     channel = GroupChannel.of(group)
-    # A construction retried after an attempt that raised inside the exchange proposes the same
-    # job: after an interrupt at the same barrier (its message published), a peer may have read
-    # that message and gone on into the new object's barriers under its id; after a barrier
-    # given up (this rank counts it and goes on to the next, comm/host_channel.py), no rank
-    # passed it, so no object holds the id. A new job comes once an exchange has returned.
-    job = channel.proposed_job or uuid.uuid4().hex[:16]
-    channel.proposed_job = job
+    # A construction retried at the same barrier (the last attempt raised inside the exchange, a
+    # KeyboardInterrupt say, after its message was published) proposes the same job: a peer may
+    # have read that message and gone on into the new object's barriers under its id.
+    count = channel.constructions.count
+    proposed = channel.proposed_job
+    job = proposed[1] if proposed is not None and proposed[0] == count else uuid.uuid4().hex[:16]
+    channel.proposed_job = (count, job)
     payload = {
         "fingerprint": {field: repr(value) for field, value in fingerprint.items()},
         "job": job,
@@ -55,7 +55,6 @@ def agree_on_construction(
         "identity": ProcessIdentity.mine().as_dict(),
     }
     messages = channel.constructions.exchange("construction", payload, timeout_s)
-    channel.proposed_job = None
     channel.learn_identities([ProcessIdentity.from_dict(m["identity"]) for m in messages])
     refusals = {r: m["rejected"] for r, m in enumerate(messages) if m["rejected"]}
     if refusals:

@@ -1,7 +1,8 @@
 """Errors of the communication layer. Each says what happened and what to do next; `recovery`
 says the same for code: "none" (the ranks are in step, the next call is good), "reset" (call
-reset() on every rank, then the next call is good) or "rebuild" (a rank is gone: close the
-EpRouted; the job's processes must be restarted)."""
+reset() on every rank, then the next call is good) or "rebuild" (no usable object: a rank is
+gone, so close the EpRouted and restart the job's processes; or a construction failed, so
+build the object again on every rank)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from dep_ep.constants import (
 )
 
 RECOVERY_NONE, RECOVERY_RESET, RECOVERY_REBUILD = "none", "reset", "rebuild"
+# What an error with recovery "reset" tells its caller to do.
+RESET_REMEDY = "call reset() on every rank"
 # What differing tags in one call mean (the transports' EpDesyncError says it).
 TAGS_DIFFER = (
     "a rank skipped a step, called its layers in another order, or built its EpMoeLayers in"
@@ -142,9 +145,15 @@ class EpTimeoutError(EpError):
     recovery = RECOVERY_RESET
 
     def __init__(
-        self, rank: int, phase: str, peers: str, detail: str = "", remedy: str = ""
+        self,
+        rank: int,
+        phase: str,
+        peers: str,
+        detail: str = "",
+        remedy: str = "",
+        recovery: str = RECOVERY_RESET,
     ) -> None:
-        self.rank, self.phase, self.peers = rank, phase, peers
+        self.rank, self.phase, self.peers, self.recovery = rank, phase, peers, recovery
         msg = f"rank {rank}: timed out in phase '{phase}' waiting for {peers}"
         msg += f" ({detail})" if detail else ""
         super().__init__(msg + (f"; {remedy}" if remedy else ""))
@@ -166,7 +175,7 @@ class EpPeerTimeoutError(EpTimeoutError):
         phase: str,
         gave_up_rank: int,
         missing: list[int],
-        remedy: str = "call reset() on every rank",
+        remedy: str = RESET_REMEDY,
         recovery: str = RECOVERY_RESET,
     ) -> None:
         self.rank, self.phase, self.gave_up_rank = rank, phase, gave_up_rank

@@ -71,10 +71,9 @@ barrier another way, an interrupt or a desync, is told to reset, and the reset s
   out of step raises EpDesyncError without counting it: the reset that error asks for settles
   the counts. A rank that left the barrier another way (an interrupt) finds
   the give-up at its next attempt there, which fails once and counts it.
-- The group's constructions go further: a rank that finds a construction's barrier given up by a
-  peer that now waits in a later construction barrier counts it and goes on to that one, so a
-  construction one rank gave up alone (an object only it built) does not leave the group's
-  constructions one barrier apart for good.
+- The group's constructions have no reset() to settle their counts: a construction given up
+  for being out of step is counted by every rank at its next attempt, which fails there (the
+  rank that gave it up finds its own mark), so that the attempt after it pairs on every rank.
 Ordering: a rank writes its payload (shared-memory rows) before it publishes, and its peers read
 the rows after they found its message; the store's socket round trips order the two (the
 kernel's socket locks give happens-before from the writer's send to the reader's receive).
@@ -92,6 +91,7 @@ import torch.distributed as dist
 from dep_ep.comm.errors import (
     RECOVERY_REBUILD,
     RECOVERY_RESET,
+    RESET_REMEDY,
     EpDesyncError,
     EpError,
     EpPeerLostError,
@@ -165,9 +165,9 @@ class GroupChannel:
         # when it is before that; a barrier this rank never entered waits for ever).
         self.closed: dict[str, ObjectBarriers] = {}
         self.identities: list[ProcessIdentity] | None = None  # every rank's, once agreed
-        # The job this rank's constructions propose until one's exchange returns: a retry
-        # proposes it again (comm/agreement.py).
-        self.proposed_job: str | None = None
+        # (constructions' barrier count, job): the job this rank proposed there, which a retry
+        # at the same count proposes again (comm/agreement.py).
+        self.proposed_job: tuple[int, str] | None = None
         self.checkable: list[bool] = [False] * self.size
         self.constructions = ObjectBarriers(
             self,
@@ -175,7 +175,6 @@ class GroupChannel:
             "the group's constructions",
             CONSTRUCTION_REMEDY,
             RECOVERY_REBUILD,
-            skips_given_up=True,
         )
 
     def learn_identities(self, identities: list[ProcessIdentity]) -> None:
@@ -215,24 +214,26 @@ class GroupChannel:
         )
 
 
-# What an object's barrier given up or out of step tells its caller to do, with the recovery
-# (comm/errors.py) its errors carry.
-RESET_REMEDY = "call reset() on every rank"
-# The group's constructions have no object to reset.
+# What an error of the group's constructions tells its caller to do in place of RESET_REMEDY
+# (comm/errors.py): there is no object to reset.
 CONSTRUCTION_REMEDY = (
-    "no object was built on any rank: build it again on every rank, in the same order (when that"
-    " fails again, restart the processes of the group)"
+    "no object was built on any rank: build it again on every rank, in the same order"
 )
+
+
+def _marked_out_of_step(counter: int) -> bool:
+    """Whether a barrier's counter holds the give-up of a rank that found the ranks out of step
+    (module docstring: GAVE_UP * (rank + 1 + OUT_OF_STEP * BARRIER_RANKS))."""
+    giver = (counter >> GAVE_UP_SHIFT) - 1
+    return OUT_OF_STEP * BARRIER_RANKS <= giver < RESET_IN_CALL * BARRIER_RANKS
 
 
 class ObjectBarriers:
     """The barriers of one object on a group: `exchange` (one barrier with a payload), `reset`
     (every rank to a new epoch), `close`. Driven from one thread, in the same order on every
-    rank, as the object's collective calls are. `remedy` and `recovery`: what its errors of a
-    barrier given up or out of step tell the caller to do, and their `recovery`.
-    `skips_given_up` (the group's constructions): a rank whose barrier a peer gave up at its
-    deadline goes on to the later barrier that peer waits in instead of raising (a barrier of
-    calls would pair different calls so; constructions only pair the next construction)."""
+    rank, as the object's collective calls are. `remedy`: what its errors of a barrier given
+    up or out of step tell the caller to do; `recovery`: the same for code (comm/errors.py).
+    """
 
     def __init__(
         self,
@@ -241,13 +242,9 @@ class ObjectBarriers:
         label: str,
         remedy: str = RESET_REMEDY,
         recovery: str = RECOVERY_RESET,
-        skips_given_up: bool = False,
     ) -> None:
         self.channel, self.obj, self.label = channel, obj, label
         self.remedy, self.recovery = remedy, recovery
-        # Whether a rank that finds a barrier given up by a peer now waiting in a later barrier
-        # of the object goes on to that one (`_giver_went_on`).
-        self.skips_given_up = skips_given_up
         self.epoch, self.count, self.reset_round = 0, 0, 0
         # The barrier (epoch, count) whose counter this rank last added its arrival bit to: a
         # retry of that barrier (its attempt raised, a KeyboardInterrupt say) adds it only if
@@ -348,12 +345,39 @@ class ObjectBarriers:
                 self._refuse_interrupted(phase, began)
                 if self._give_up_out_of_step(store, where, barrier) == COMPLETE:
                     return
+                # Not counted: the reset() asked for settles an object's counts; the group's
+                # constructions are counted at every rank's next attempt (`_abandon`).
+                remedy, recovery = self._out_of_step_remedy(where)
                 raise EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
                     f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
-                    f" orders, or one rank reset); {self.remedy}",
-                    self.recovery,
+                    f" orders, or one rank reset); {remedy}",
+                    recovery,
                 )
+
+    def _where(self, rank: int) -> dict:
+        """Rank `rank`'s position (`_set_where`), {} when it has none or the store fails (for
+        an error's text only)."""
+        key = self.channel.key("where", rank)
+        try:
+            if self.channel.store is None or not self.channel.store.check([key]):
+                return {}
+            return json.loads(self.channel.store.get(key))
+        except dist.DistError:
+            return {}
+
+    def _out_of_step_remedy(self, peer_where: dict) -> tuple[str, str]:
+        """(remedy, recovery) of an error for being out of step with a peer at `peer_where`:
+        the object's own, but for a construction whose peer waits in a call of another live
+        object, whose barrier was given up with it: only a reset() of that object on every rank
+        settles that one, so it comes first (recovery "reset")."""
+        other = self.channel.objects.get(peer_where.get("obj"))
+        if self.obj == CONSTRUCTION and other is not None and other is not self:
+            return (
+                f"call reset() of {other.label} on every rank, then {self.remedy}",
+                RECOVERY_RESET,
+            )
+        return self.remedy, self.recovery
 
     def _give_up_out_of_step(self, store, peer_where: dict, barrier: tuple[int, int]) -> str:
         """This rank, waiting in `barrier`, found a peer waiting where it will not go
@@ -456,15 +480,15 @@ class ObjectBarriers:
         call this barrier belongs to began (`call_began`), None for now; a reset() on this rank
         after it (nested in the call) raises EpResetDuringCallError, before this rank publishes
         when it came before the barrier. Raises EpDesyncError when the ranks are in different
-        phases or a missing rank waits elsewhere (recovery "reset"), EpPeerLostError,
-        EpTimeoutError naming the missing ranks, EpPeerTimeoutError when a peer gave the barrier
-        up before every rank arrived (the module docstring: then it passes on no rank), and
-        RuntimeError when this rank closed the object, before the barrier or while it waited.
-        The barrier counts as passed on every rank that returns or raises EpDesyncError for
-        differing phases, and as given up (counted too, so that the next barrier pairs) on
-        every rank that raises EpTimeoutError or EpPeerTimeoutError."""
+        phases or a missing rank waits elsewhere; EpPeerLostError; EpTimeoutError naming the
+        missing ranks; EpPeerTimeoutError when a peer gave the barrier up before every rank
+        arrived (the module docstring: then it passes on no rank); RuntimeError when this rank
+        closed the object, before the barrier or while it waited. The errors of a barrier given
+        up or out of step end with the object's `remedy` and carry its `recovery`. The barrier
+        counts as passed on every rank that returns or raises EpDesyncError for differing
+        phases, and as given up (counted too, so that the next barrier pairs) on every rank
+        that raises EpTimeoutError or EpPeerTimeoutError."""
         ch = self.channel
-        deadline = time.monotonic() + timeout_s  # kept by a skip to a later barrier
         self._refuse_closed(phase)
         # One look at the object's state, with no call in between (where a signal handler's
         # reset() could run): the barrier's keys are this epoch's, so a reset after it leaves
@@ -481,7 +505,7 @@ class ObjectBarriers:
         barrier = (epoch, count)
         keys = [ch.key(self.obj, f"{barrier[0]}.{barrier[1]}", r) for r in range(ch.size)]
         counter_key = self._counter_key(*barrier)
-        passed = skipped = False
+        passed = False
         outer_barrier, self._in_barrier = self._in_barrier, barrier
         try:
             self._set_where(store, phase, epoch=epoch, count=count)
@@ -492,10 +516,6 @@ class ObjectBarriers:
             values = self._wait_all(store, keys, phase, timeout_s, began, counter, barrier)
             self._refuse_closed(phase)
             passed = True
-        except EpPeerTimeoutError as err:
-            if time.monotonic() >= deadline or not self._giver_went_on(store, err, phase, barrier):
-                raise
-            skipped = True  # counted by `_abandon`, as a given-up barrier is
         except (EpDesyncError, EpTimeoutError, EpPeerLostError, EpResetDuringCallError):
             raise
         except dist.DistError as err:
@@ -509,8 +529,6 @@ class ObjectBarriers:
                 # Not deleted here: a peer that saw every message may be reading this one (a
                 # read of a missing key would wait for it). After the next reset no rank is.
                 self._stale += [keys[me], counter_key]
-        if skipped:
-            return self.exchange(phase, payload, max(0.0, deadline - time.monotonic()), since)
         # A reset() run on this rank meanwhile (a signal handler's) moved the object to a new
         # epoch: this barrier belongs to none, and its key waits for the next reset (a peer's
         # own reset may have come after its last look, so it may still read it). No call stands
@@ -541,35 +559,6 @@ class ObjectBarriers:
             )
         return messages
 
-    def _giver_went_on(
-        self, store, error: EpPeerTimeoutError, phase: str, barrier: tuple[int, int]
-    ) -> bool:
-        """For an object that `skips_given_up`: whether the rank that gave `barrier` up at its
-        deadline (`error`'s) now waits in a later barrier of this object, in the same phase and
-        epoch. Then this rank goes on to the next barrier (its message and arrival at
-        `barrier` are stale, and `barrier` counted), and so on until it meets that rank: a
-        construction one rank gave up alone (an object only it built, or a retry before its
-        peers came) left the group's constructions one barrier apart for good before, every
-        later construction failing on every rank. No barrier of another object is entered, a
-        construction it pairs with is compared as any (arguments, job), and the exchange keeps
-        its one deadline (a peer giving up alone again and again does not prolong it). When
-        the giver has not yet entered its next barrier, the error stands."""
-        if not self.skips_given_up or error.gave_up_rank == self.channel.rank:
-            return False
-        key = self.channel.key("where", error.gave_up_rank)
-        try:
-            if not store.check([key]):
-                return False
-            where = json.loads(store.get(key))
-        except dist.DistError:
-            return False  # the error stands; the next barrier finds the store gone
-        return (
-            where.get("obj") == self.obj
-            and where.get("phase") == phase
-            and where.get("epoch") == barrier[0]
-            and where.get("count", -1) > barrier[1]
-        )
-
     def _arrive(self, store, barrier: tuple[int, int]) -> tuple[int, bool]:
         """Add this rank's arrival bit to barrier `barrier`'s counter (once, also when an
         earlier attempt at the same barrier raised after adding it). Returns the counter and
@@ -582,13 +571,22 @@ class ObjectBarriers:
         self._arriving = barrier  # before the add: a retry reads the counter first
         return store.add(arrived, bit), True
 
-    def _abandon(self, error: EpError, phase: str, began: tuple[int, int]) -> EpError:
+    def _abandon(
+        self, error: EpError, phase: str, began: tuple[int, int], counter: int | None = None
+    ) -> EpError:
         """The barrier is given up (module docstring): no rank passes it, and this rank's next
         barrier is the one after it (a construction retried after a timeout pairs there), unless
         a reset (a signal handler's) already moved the object on since `began`: then the call
-        was abandoned by that reset. Returns the error to raise."""
+        was abandoned by that reset. `counter`: the barrier's counter as this rank, there in
+        time, read it given up; a construction given up for being out of step (its mark in
+        `counter`) is then not counted here: the ranks that never arrived count it at their
+        next attempt, which fails there, and this rank's next attempt fails there too, so that
+        every rank's attempt after that pairs (no reset() settles the constructions' counts).
+        Returns the error to raise."""
         if (self.epoch, self.reset_round) != began:
             return self._reset_during_call(phase)
+        if self.obj == CONSTRUCTION and counter is not None and _marked_out_of_step(counter):
+            return error
         # The barrier before it is passed, but its counter would have gone when this one was.
         if self.count >= 1:
             self._stale.append(self._counter_key(self.epoch, self.count - 1))
@@ -624,11 +622,12 @@ class ObjectBarriers:
         if giver >= OUT_OF_STEP * BARRIER_RANKS:
             giver -= OUT_OF_STEP * BARRIER_RANKS
             who = "this rank" if giver == me else f"rank {giver}"
+            remedy, recovery = self._out_of_step_remedy(self._where(giver))
             return EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: the ranks are out of step: {who} found"
                 " a rank waiting in another call or object and gave this call up (the ranks"
-                f" call their EpRouted, or their layers, in different orders); {self.remedy}",
-                self.recovery,
+                f" call their EpRouted, or their layers, in different orders); {remedy}",
+                recovery,
             )
         missing = [r for r in ranks if not counter >> r & 1 or (late and r == me)]
         return EpPeerTimeoutError(me, phase, giver, missing, self.remedy, self.recovery)
@@ -670,11 +669,11 @@ class ObjectBarriers:
                 f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank's arrival",
                 f"no message within {timeout_s:g} s",
                 self.remedy,
+                self.recovery,
             )
-            timeout.recovery = self.recovery
             raise self._abandon(timeout, phase, began)
         if counter >= GAVE_UP:
-            raise self._abandon(self._given_up(phase, counter, late=False), phase, began)
+            raise self._abandon(self._given_up(phase, counter, late=False), phase, began, counter)
         return COMPLETE
 
     def _wait_all(
@@ -713,7 +712,7 @@ class ObjectBarriers:
                 time.sleep(sleep)
             counter = store.add(arrived, 0)
         if outcome == ABANDONED:
-            raise self._abandon(self._given_up(phase, counter, late=False), phase, began)
+            raise self._abandon(self._given_up(phase, counter, late=False), phase, began, counter)
         # A reset() a signal handler ran meanwhile (every rank then reset) may have deleted the
         # messages after the counter was read complete: a read of a missing key would wait for it
         # until the store call's bound (30 s), and the call is abandoned anyway.

@@ -35,7 +35,7 @@ from dep_ep.ep import EpMoeLayer, EpRouted
 from dep_ep.experts import ExpertsBackend
 from dep_ep.experts.checkpoint import dense_shapes
 from dep_ep.launch.store import group_store
-from dep_ep.testing import SyntheticLayer
+from dep_ep.testing import SyntheticLayer, internals
 from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
@@ -648,15 +648,14 @@ def test_a_construction_interrupted_on_one_rank_is_retried_at_once(dep, layer, m
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_an_object_one_rank_built_alone_leaves_the_next_constructions_working(dep, layer):
+def test_after_an_object_one_rank_built_alone_building_again_pairs(dep, layer):
     """The last rank builds an EpRouted alone (a misuse: whether to build decided by a rank-local
-    value), which gives its construction up after 1 s (EpTimeoutError, recovery "rebuild"), and
-    builds again at once; the others build 1 s after that, so they come to the barrier it gave
-    up while it waits in the next. Every rank's construction succeeds at the first try, a step
-    on it matches the reference, and a second construction on every rank succeeds too.
-    Before (found by a careless-user probe): the others found the give-up and raised
-    EpPeerTimeoutError, the lone rank waited out timeout_s in the next barrier, and so on at
-    every retry: the group's constructions stayed one barrier apart for good."""
+    value), which it gives up after 1 s (EpTimeoutError, recovery "rebuild"), and builds again
+    at once; the others build 1 s after that, when it waits in its next construction barrier.
+    The others' construction raises EpPeerTimeoutError at once, saying to build again (recovery
+    "rebuild"); building again at once meets the lone rank's waiting construction, which
+    succeeds with it; a step on it matches the reference, and a further construction on every
+    rank succeeds."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 349), T)
     lone = dep.rank == dep.size - 1
     failures: list[str] = []
@@ -667,20 +666,70 @@ def test_an_object_one_rank_built_alone_leaves_the_next_constructions_working(de
         if not isinstance(err, EpTimeoutError) or err.recovery != "rebuild":
             failures.append(f"the construction alone gave {err!r}")
     else:
-        time.sleep(2.0)  # the lone rank gave up at 1 s and waits in the next barrier
-    for attempt in ("first", "second"):
+        time.sleep(2.0)  # the lone rank gave up at 1 s and waits in its next construction
         err, took = timed(lambda: built.append(build(dep)))
+        if not isinstance(err, EpPeerTimeoutError) or err.recovery != "rebuild":
+            failures.append(f"the construction after the lone one gave {err!r}")
+        elif "build it again on every rank" not in str(err) or took > 1.0:
+            failures.append(f"that construction's error took {took:.2f} s: {err}")
+    for attempt in ("next", "further"):
+        err, _ = timed(lambda: built.append(build(dep)))
         if err is not None:
             failures.append(f"the {attempt} construction: {type(err).__name__}: {err}")
-        elif took > TIMEOUT_S - 0.5:
-            failures.append(f"the {attempt} construction took {took:.2f} s")
-    if len(built) == 2:
-        for i, routed in enumerate(built):
-            try:
-                failures += compare(batches.run(routed, i), batches.reference(i), f"object {i}")
-            except Exception as err:  # reported collectively
-                failures.append(f"a step on object {i}: {type(err).__name__}: {err}")
-    for routed in built:
+    for i, routed in enumerate(built):
+        try:
+            failures += compare(batches.run(routed, i), batches.reference(i), f"object {i}")
+        except Exception as err:  # reported collectively
+            failures.append(f"a step on object {i}: {type(err).__name__}: {err}")
+        routed.close()
+    if len(built) != 2:
+        failures.append(f"{len(built)} objects built, expected 2")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_construction_while_a_peer_waits_in_a_call_says_to_reset_that_object(dep, layer):
+    """Rank 0 builds a second EpRouted while the others call the first (a misuse: the ranks'
+    orders differ). Rank 0's construction raises EpDesyncError within 2 s saying to call
+    reset() of the first object on every rank, then build again (recovery "reset"); the
+    others' call raises EpDesyncError. After reset() of the first object on every rank, every
+    rank's next construction raises EpDesyncError at once (it lands on the construction barrier
+    rank 0 gave up, which no rank passes), and the one after it succeeds on every rank; steps
+    on both objects match the reference.
+    Before: rank 0's error said "no object was built on any rank: build it again" with
+    recovery "rebuild", though its peers' object needed a reset()."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 351), T)
+    failures: list[str] = []
+    first = build(dep)
+    second: list[EpRouted] = []
+    dist.barrier(group=dep.cpu_group)
+    if dep.rank == 0:
+        err, took = timed(lambda: second.append(build(dep)))
+        label = internals.buffers(first).barriers.label
+        want = rf"call reset\(\) of {re.escape(label)} on every rank, then"
+        if not isinstance(err, EpDesyncError) or not re.search(want, str(err)):
+            failures.append(f"the construction gave {err!r}")
+        elif err.recovery != "reset" or took > 2.0:
+            failures.append(f"the construction's error: recovery {err.recovery}, {took:.2f} s")
+    else:
+        err, _ = timed(lambda: batches.run(first, 0))
+        if not isinstance(err, EpDesyncError):
+            failures.append(f"the call gave {err!r}; expected EpDesyncError")
+    err, _ = timed(first.reset)
+    if err is not None:
+        failures.append(f"reset(): {type(err).__name__}: {err}")
+    err, took = timed(lambda: second.append(build(dep)))
+    if not isinstance(err, EpDesyncError) or took > 1.0:
+        failures.append(f"the construction after the reset gave {err!r} in {took:.2f} s")
+    err, _ = timed(lambda: second.append(build(dep)))
+    if err is not None:
+        failures.append(f"the construction after that: {type(err).__name__}: {err}")
+    for i, routed in enumerate([first, *second]):
+        try:
+            failures += compare(batches.run(routed, i), batches.reference(i), f"object {i}")
+        except Exception as err:  # reported collectively
+            failures.append(f"a step on object {i}: {type(err).__name__}: {err}")
         routed.close()
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
