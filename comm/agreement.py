@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dep_ep.comm.errors import EpPeerError, error_text
-from dep_ep.comm.host_channel import GroupChannel, ObjectBarriers
+from dep_ep.comm.errors import RECOVERY_REBUILD, EpPeerError, error_text
+from dep_ep.comm.host_channel import CONSTRUCTION_REMEDY, GroupChannel, ObjectBarriers
 from dep_ep.comm.liveness import ProcessIdentity
 
 
@@ -75,4 +75,9 @@ def agree_on_construction(
         )
     job = messages[0]["job"]
     number = channel.constructions.count
-    return Agreement(job, ObjectBarriers(channel, job, f"EpRouted #{number} ({job[:8]})"))
+    # Until the constructor returns (`ObjectBarriers.built`), the new object's barriers (the
+    # shared-memory setup, the NVSHMEM bootstrap) fail as a construction does: no object exists
+    # to reset.
+    label = f"EpRouted #{number} ({job[:8]})"
+    barriers = ObjectBarriers(channel, job, label, CONSTRUCTION_REMEDY, RECOVERY_REBUILD)
+    return Agreement(job, barriers)

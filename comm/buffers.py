@@ -148,7 +148,8 @@ class EpBuffers(RankRegions):
                 f" {dist.get_world_size(group)} ranks and this process is {dist.get_rank(group)}"
             )
         layout = EpLayout(ranks, max_tokens, latent, topk)
-        if agreement is None:  # EpRouted agrees on more and passes its own
+        own = agreement is None  # EpRouted agrees on more and passes its own
+        if own:
             fingerprint = {"layout": layout, "device": device.type}
             agreement = agree_on_construction("EpBuffers", group, fingerprint, timeout_s)
         self.barriers = agreement.barriers
@@ -172,6 +173,8 @@ class EpBuffers(RankRegions):
                 free_nvshmem(segments[rank])
             raise
         self._closed = False
+        if own:
+            self.barriers.built()
 
     @staticmethod
     def _allocate(group, rank, ranks, layout, device, agreement, timeout_s):

@@ -71,9 +71,12 @@ barrier another way, an interrupt or a desync, is told to reset, and the reset s
   out of step raises EpDesyncError without counting it: the reset that error asks for settles
   the counts. A rank that left the barrier another way (an interrupt) finds
   the give-up at its next attempt there, which fails once and counts it.
-- The group's constructions have no reset() to settle their counts: a construction given up
-  for being out of step is counted by every rank at its next attempt, which fails there (the
-  rank that gave it up finds its own mark), so that the attempt after it pairs on every rank.
+- The group's constructions have no reset() to settle their counts. A construction barrier
+  given up for being out of step together with a call of another object is counted by a rank
+  that was in that call at its first attempt there, and by a rank that was building (it set the
+  mark, read it, or came after it) at its next attempt, which fails there
+  (`_counts_construction`): after that object's reset() every rank's first construction fails
+  once and the next pairs on every rank.
 Ordering: a rank writes its payload (shared-memory rows) before it publishes, and its peers read
 the rows after they found its message; the store's socket round trips order the two (the
 kernel's socket locks give happens-before from the writer's send to the reader's receive).
@@ -217,7 +220,7 @@ class GroupChannel:
 # What an error of the group's constructions tells its caller to do in place of RESET_REMEDY
 # (comm/errors.py): there is no object to reset.
 CONSTRUCTION_REMEDY = (
-    "no object was built on any rank: build it again on every rank, in the same order"
+    "build it again on every rank, in the same order (no object was built on any rank)"
 )
 
 
@@ -246,6 +249,9 @@ class ObjectBarriers:
         self.channel, self.obj, self.label = channel, obj, label
         self.remedy, self.recovery = remedy, recovery
         self.epoch, self.count, self.reset_round = 0, 0, 0
+        # The group's constructions only: the counts of construction barriers given up together
+        # with a call of another object this rank was in (`_counts_construction`).
+        self.owed: set[int] = set()
         # The barrier (epoch, count) whose counter this rank last added its arrival bit to: a
         # retry of that barrier (its attempt raised, a KeyboardInterrupt say) adds it only if
         # the counter lacks it.
@@ -263,6 +269,10 @@ class ObjectBarriers:
         # no peer passes it after this rank abandoned it.
         self._in_barrier: tuple[int, int] | None = None
         channel.objects[obj] = self
+
+    def built(self) -> None:
+        """The object's constructor returned: its errors from now on say to reset it."""
+        self.remedy, self.recovery = RESET_REMEDY, RECOVERY_RESET
 
     @property
     def call_began(self) -> tuple[int, int] | None:
@@ -347,7 +357,7 @@ class ObjectBarriers:
                     return
                 # Not counted: the reset() asked for settles an object's counts; the group's
                 # constructions are counted at every rank's next attempt (`_abandon`).
-                remedy, recovery = self._out_of_step_remedy(where)
+                remedy, recovery = self._out_of_step_remedy(where.get("obj"), where.get("epoch"))
                 raise EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
                     f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
@@ -355,28 +365,25 @@ class ObjectBarriers:
                     recovery,
                 )
 
-    def _where(self, rank: int) -> dict:
-        """Rank `rank`'s position (`_set_where`), {} when it has none or the store fails (for
-        an error's text only)."""
-        key = self.channel.key("where", rank)
-        try:
-            if self.channel.store is None or not self.channel.store.check([key]):
-                return {}
-            return json.loads(self.channel.store.get(key))
-        except dist.DistError:
-            return {}
+    def _with_key(self, barrier: tuple[int, int]) -> str:
+        """Where a barrier given up for being out of step together with a construction barrier
+        names the other: on the construction's, the object and its epoch then ({"obj",
+        "epoch"}); on the object's, the construction's count ({"construction"}). Set before the
+        marks, so a rank that reads a mark finds it."""
+        return self._counter_key(*barrier) + "/with"
 
-    def _out_of_step_remedy(self, peer_where: dict) -> tuple[str, str]:
-        """(remedy, recovery) of an error for being out of step with a peer at `peer_where`:
-        the object's own, but for a construction whose peer waits in a call of another live
-        object, whose barrier was given up with it: only a reset() of that object on every rank
-        settles that one, so it comes first (recovery "reset")."""
-        other = self.channel.objects.get(peer_where.get("obj"))
+    def _out_of_step_remedy(self, other_obj: str | None, epoch: int | None) -> tuple[str, str]:
+        """(remedy, recovery) of an error for being out of step: the object's own, but for a
+        construction given up with a call of another live object `other_obj` in `epoch`,
+        whose barrier was given up with it: only a reset() of that object on every rank
+        settles that one, so it comes first (recovery "reset"), unless this rank has reset
+        that object since."""
+        other = self.channel.objects.get(other_obj)
         if self.obj == CONSTRUCTION and other is not None and other is not self:
-            return (
-                f"call reset() of {other.label} on every rank, then {self.remedy}",
-                RECOVERY_RESET,
-            )
+            if other.epoch == epoch:
+                return f"call reset() of {other.label} on every rank, then {self.remedy}", (
+                    RECOVERY_RESET
+                )
         return self.remedy, self.recovery
 
     def _give_up_out_of_step(self, store, peer_where: dict, barrier: tuple[int, int]) -> str:
@@ -398,6 +405,17 @@ class ObjectBarriers:
         if target is not None and target is not self and peer_where.get("phase") != "reset":
             if peer_where.get("epoch") == target.epoch and "count" in peer_where:
                 barriers.append((target, (target.epoch, peer_where["count"])))
+        if len(barriers) == 2 and CONSTRUCTION in (self.obj, target.obj):
+            # A construction given up with a call of a live object: the ranks that read the
+            # construction's mark learn which object to reset first (`_with_key`, `_given_up`).
+            (construction, at), (other, other_at) = sorted(
+                barriers, key=lambda pair: pair[0].obj != CONSTRUCTION
+            )
+            record = {"obj": other.obj, "epoch": other_at[0]}
+            store.set(construction._with_key(at), json.dumps(record))
+            store.set(other._with_key(other_at), json.dumps({"construction": at[1]}))
+            if other is self:  # this rank was in the call: it owes the construction
+                construction.owed.add(at[1])
         for owner, (epoch, count) in barriers:
             key = owner._counter_key(epoch, count)
             try:
@@ -512,7 +530,9 @@ class ObjectBarriers:
             store.set(keys[me], json.dumps(message))
             counter, added = self._arrive(store, barrier)
             if counter >= GAVE_UP:  # a peer gave the barrier up before this rank's bit
-                raise self._abandon(self._given_up(phase, counter, late=added), phase, began)
+                error = self._given_up(phase, counter, added, barrier)
+                count = self._counts_construction(counter, barrier, first_touch=added)
+                raise self._abandon(error, phase, began, count)
             values = self._wait_all(store, keys, phase, timeout_s, began, counter, barrier)
             self._refuse_closed(phase)
             passed = True
@@ -572,26 +592,41 @@ class ObjectBarriers:
         return store.add(arrived, bit), True
 
     def _abandon(
-        self, error: EpError, phase: str, began: tuple[int, int], counter: int | None = None
+        self, error: EpError, phase: str, began: tuple[int, int], count: bool = True
     ) -> EpError:
         """The barrier is given up (module docstring): no rank passes it, and this rank's next
         barrier is the one after it (a construction retried after a timeout pairs there), unless
         a reset (a signal handler's) already moved the object on since `began`: then the call
-        was abandoned by that reset. `counter`: the barrier's counter as this rank, there in
-        time, read it given up; a construction given up for being out of step (its mark in
-        `counter`) is then not counted here: the ranks that never arrived count it at their
-        next attempt, which fails there, and this rank's next attempt fails there too, so that
-        every rank's attempt after that pairs (no reset() settles the constructions' counts).
-        Returns the error to raise."""
+        was abandoned by that reset, or `count` is False (`_counts_construction`). Returns the
+        error to raise."""
         if (self.epoch, self.reset_round) != began:
             return self._reset_during_call(phase)
-        if self.obj == CONSTRUCTION and counter is not None and _marked_out_of_step(counter):
+        if not count:
             return error
         # The barrier before it is passed, but its counter would have gone when this one was.
         if self.count >= 1:
             self._stale.append(self._counter_key(self.epoch, self.count - 1))
         self.count += 1
         return error
+
+    def _counts_construction(
+        self, counter: int, barrier: tuple[int, int], first_touch: bool
+    ) -> bool:
+        """Whether this rank counts `barrier`, given up (`counter`), now. Always, but for a
+        construction given up for being out of step (no reset() settles the constructions'
+        counts): a rank that was building when the mark came (it set it, read it while it
+        waited, or came to the barrier after it: `first_touch`, its bit added by this attempt)
+        counts it at its next attempt, which fails there; a rank that was in the call given up
+        with it (`owed`) counts it at its first. So every rank fails one attempt there after the
+        reset() of that call's object, and the next pairs. Before, a rank that read the mark
+        while it waited, or came to it late, counted it at once and its next construction met
+        its peers' failing one: the ranks stayed one construction apart."""
+        if self.obj != CONSTRUCTION or not _marked_out_of_step(counter):
+            return True
+        if barrier[1] in self.owed:
+            self.owed.discard(barrier[1])
+            return True
+        return not first_touch
 
     def _counter_key(self, epoch: int, count: int) -> str:
         """Barrier (epoch, count)'s counter (module docstring)."""
@@ -604,7 +639,7 @@ class ObjectBarriers:
             return ABANDONED
         return COMPLETE if counter == (1 << self.channel.size) - 1 else None
 
-    def _given_up(self, phase: str, counter: int, late: bool) -> EpError:
+    def _given_up(self, phase: str, counter: int, late: bool, barrier: tuple[int, int]) -> EpError:
         """The error of a barrier a rank gave up (held in the counter): EpPeerTimeoutError
         naming that rank and those whose arrival `counter` lacks (this rank too when it is
         `late`: its own bit came after the give-up) after its timeout; EpDesyncError naming it
@@ -622,7 +657,12 @@ class ObjectBarriers:
         if giver >= OUT_OF_STEP * BARRIER_RANKS:
             giver -= OUT_OF_STEP * BARRIER_RANKS
             who = "this rank" if giver == me else f"rank {giver}"
-            remedy, recovery = self._out_of_step_remedy(self._where(giver))
+            record = self._given_up_with(barrier)
+            constructions = getattr(self.channel, "constructions", None)
+            if "construction" in record and constructions is not None:
+                # This rank was in the call given up with a construction: it owes that one.
+                constructions.owed.add(record["construction"])
+            remedy, recovery = self._out_of_step_remedy(record.get("obj"), record.get("epoch"))
             return EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: the ranks are out of step: {who} found"
                 " a rank waiting in another call or object and gave this call up (the ranks"
@@ -631,6 +671,17 @@ class ObjectBarriers:
             )
         missing = [r for r in ranks if not counter >> r & 1 or (late and r == me)]
         return EpPeerTimeoutError(me, phase, giver, missing, self.remedy, self.recovery)
+
+    def _given_up_with(self, barrier: tuple[int, int]) -> dict:
+        """The record of what `barrier`, given up for being out of step, was given up with
+        (`_with_key`); {} when none or the store fails."""
+        store, key = self.channel.store, self._with_key(barrier)
+        try:
+            if store is None or not store.check([key]):
+                return {}
+            return json.loads(store.get(key))
+        except dist.DistError:
+            return {}
 
     def _give_up(
         self,
@@ -673,7 +724,9 @@ class ObjectBarriers:
             )
             raise self._abandon(timeout, phase, began)
         if counter >= GAVE_UP:
-            raise self._abandon(self._given_up(phase, counter, late=False), phase, began, counter)
+            error = self._given_up(phase, counter, False, barrier)
+            count = self._counts_construction(counter, barrier, first_touch=True)
+            raise self._abandon(error, phase, began, count)
         return COMPLETE
 
     def _wait_all(
@@ -712,7 +765,9 @@ class ObjectBarriers:
                 time.sleep(sleep)
             counter = store.add(arrived, 0)
         if outcome == ABANDONED:
-            raise self._abandon(self._given_up(phase, counter, late=False), phase, began, counter)
+            error = self._given_up(phase, counter, False, barrier)
+            count = self._counts_construction(counter, barrier, first_touch=True)
+            raise self._abandon(error, phase, began, count)
         # A reset() a signal handler ran meanwhile (every rank then reset) may have deleted the
         # messages after the counter was read complete: a read of a missing key would wait for it
         # until the store call's bound (30 s), and the call is abandoned anyway.

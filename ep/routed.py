@@ -415,6 +415,7 @@ class EpRouted:
             # retried on every rank pairs at once.
             self._abandon(agreement)
             raise
+        agreement.barriers.built()
 
     def _open(self, group, agreement, config, max_tokens, num_experts, latent, topk, rank):
         """The constructor after the agreement: the buffers, the transport and the state."""

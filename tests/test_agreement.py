@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import dep_ep.comm.agreement as agreement
-from dep_ep.comm.errors import EpPeerTimeoutError
+from dep_ep.comm.errors import RESET_REMEDY, EpPeerTimeoutError
+from dep_ep.comm.host_channel import CONSTRUCTION_REMEDY
 
 
 class Constructions:
@@ -49,7 +50,7 @@ def test_a_retry_at_the_same_barrier_proposes_the_same_job(monkeypatch):
     outcomes = ["interrupted before passing"] * 2 + ["given up", "interrupted after passing"]
     channel = Channel([*outcomes, "passed"])
     monkeypatch.setattr(agreement.GroupChannel, "of", staticmethod(lambda group: channel))
-    monkeypatch.setattr(agreement, "ObjectBarriers", lambda channel, job, label: job)
+    monkeypatch.setattr(agreement, "ObjectBarriers", lambda channel, job, *rest: job)
     for _ in outcomes:
         with pytest.raises((KeyboardInterrupt, EpPeerTimeoutError)):
             agreement.agree_on_construction("EpRouted", None, {"T": 4}, 1.0)
@@ -58,3 +59,18 @@ def test_a_retry_at_the_same_barrier_proposes_the_same_job(monkeypatch):
     assert jobs[0] == jobs[1] == jobs[2], jobs
     assert len({jobs[2], jobs[3], jobs[4]}) == 3, jobs
     assert built.job == jobs[4], (built, jobs)
+
+
+def test_the_new_objects_barriers_fail_as_a_construction_until_it_is_built(monkeypatch):
+    """The agreed object's barriers (its shared-memory setup and NVSHMEM bootstrap run on them
+    inside the constructor) end their errors with the construction's remedy, recovery
+    "rebuild", until `built()`: before, a timeout there said to call reset() on an object the
+    caller never got."""
+    channel = Channel(["passed"])
+    channel.objects = {}
+    monkeypatch.setattr(agreement.GroupChannel, "of", staticmethod(lambda group: channel))
+    agreed = agreement.agree_on_construction("EpRouted", None, {"T": 4}, 1.0)
+    barriers = agreed.barriers
+    assert (barriers.remedy, barriers.recovery) == (CONSTRUCTION_REMEDY, "rebuild")
+    barriers.built()
+    assert (barriers.remedy, barriers.recovery) == (RESET_REMEDY, "reset")

@@ -27,6 +27,7 @@ from dep_ep.comm.errors import (
 from dep_ep.comm.host_channel import (
     ABANDONED,
     COMPLETE,
+    CONSTRUCTION,
     CONSTRUCTION_REMEDY,
     GAVE_UP,
     ObjectBarriers,
@@ -44,6 +45,7 @@ class Channel:
         self.prefix = "test/"
         self.objects: dict = {}
         self.closed: dict = {}
+        self.constructions: ObjectBarriers | None = None  # set by tests that build
 
     def key(self, *parts) -> str:
         return self.prefix + "/".join(str(p) for p in parts)
@@ -139,10 +141,12 @@ def test_every_bit_after_a_give_up_is_still_abandoned():
         barriers[0]._give_up(store, "phase", 1.0, [1], (0, 0), (0, 0))
     counter, added = barriers[1]._arrive(store, (0, 0))
     assert counter >= GAVE_UP and added
-    late = barriers[1]._given_up("phase", counter, late=True)
+    late = barriers[1]._given_up("phase", counter, late=True, barrier=(0, 0))
     assert "rank 0 timed out waiting for rank(s) 1 (this rank, late)" in str(late), late
     assert barriers[2]._outcome(counter) == ABANDONED
-    assert "rank 0 timed out" in str(barriers[2]._given_up("phase", counter, late=False))
+    assert "rank 0 timed out" in str(
+        barriers[2]._given_up("phase", counter, late=False, barrier=(0, 0))
+    )
     assert barriers[0].count == 1
 
 
@@ -549,3 +553,63 @@ def test_a_reset_nested_in_an_exchange_gives_its_barrier_up_for_the_waiting_peer
     results = run_ranks([b0, b1], [(0.0, 5.0), (0.0, 5.0)])
     for messages, _ in results:
         assert [m["rank"] for m in messages] == [0, 1], messages
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_a_construction_out_of_step_with_a_call_fails_once_more_on_every_rank_then_pairs(size):
+    """Ranks 0 .. size-2 build (rank 1 0.3 s late) while the last rank calls object Y: the
+    construction and Y's call are given up on every rank (EpDesyncError; the builders' errors
+    say to reset Y first, recovery "reset"). After Y's reset on every rank, every rank's next
+    construction fails at once (recovery "rebuild") with equal construction counts, and the one
+    after pairs on every rank. Before, the late builder counted the given-up barrier at its
+    arrival, and the last rank at its first construction after the reset: in lockstep the late
+    builder waited one barrier ahead at every round, timing out, and no construction paired."""
+    store = dist.HashStore()
+    ranks = []
+    for r in range(size):
+        channel = Channel(store, r, size)
+        channel.constructions = ObjectBarriers(
+            channel, CONSTRUCTION, "the group's constructions", CONSTRUCTION_REMEDY, "rebuild"
+        )
+        ranks.append((channel.constructions, ObjectBarriers(channel, "y", "object Y")))
+
+    def round_of(plans):
+        """Each rank's (outcome, construction count) for its (what, delay) plan, in threads."""
+        outcomes: list = [None] * size
+
+        def rank(r: int) -> None:
+            what, delay = plans[r]
+            time.sleep(delay)
+            build, y = ranks[r]
+            try:
+                if what == "reset":
+                    y.reset(5.0)
+                    outcome = None
+                else:
+                    outcome = (build if what == "build" else y).exchange(what, {"rank": r}, 2.0)
+            except Exception as err:  # compared below
+                outcome = err
+            outcomes[r] = (outcome, build.count)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert all(outcome is not None for outcome in outcomes), outcomes
+        return outcomes
+
+    builders = [("build", 0.3 if r == 1 else 0.0) for r in range(size - 1)]
+    first = round_of([*builders, ("dispatch", 0.0)])
+    for r, (err, _) in enumerate(first):
+        assert isinstance(err, EpDesyncError), (r, err)
+        if r < size - 1:
+            assert err.recovery == "reset" and "call reset() of object Y" in str(err), (r, err)
+    assert all(err is None for err, _ in round_of([("reset", 0.0)] * size))
+    again = round_of([("build", 0.0)] * size)
+    for r, (err, _) in enumerate(again):
+        assert isinstance(err, EpDesyncError) and err.recovery == "rebuild", (r, err)
+    assert len({count for _, count in again}) == 1, again
+    for r, (messages, _) in enumerate(round_of([("build", 0.0)] * size)):
+        assert isinstance(messages, list), (r, messages)
+        assert [m["rank"] for m in messages] == list(range(size)), (r, messages)

@@ -9,6 +9,7 @@ at 6f889cd, run once with this file as it is)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -651,7 +652,8 @@ def test_a_construction_interrupted_on_one_rank_is_retried_at_once(dep, layer, m
 def test_after_an_object_one_rank_built_alone_building_again_pairs(dep, layer):
     """The last rank builds an EpRouted alone (a misuse: whether to build decided by a rank-local
     value), which it gives up after 1 s (EpTimeoutError, recovery "rebuild"), and builds again
-    at once; the others build 1 s after that, when it waits in its next construction barrier.
+    at once; the others build 0.5 s after its give-up (a store key says when), while it waits
+    in its next construction barrier (for 3 s).
     The others' construction raises EpPeerTimeoutError at once, saying to build again (recovery
     "rebuild"); building again at once meets the lone rank's waiting construction, which
     succeeds with it; a step on it matches the reference, and a further construction on every
@@ -660,13 +662,17 @@ def test_after_an_object_one_rank_built_alone_building_again_pairs(dep, layer):
     lone = dep.rank == dep.size - 1
     failures: list[str] = []
     built: list[EpRouted] = []
+    store = group_store(dep.cpu_group, 30.0)
+    gave_up = f"test/lone-gave-up/{batches.seed}"
     dist.barrier(group=dep.cpu_group)
     if lone:
         err, _ = timed(lambda: build(dep, EpConfig(timeout_s=1.0)).close())
         if not isinstance(err, EpTimeoutError) or err.recovery != "rebuild":
             failures.append(f"the construction alone gave {err!r}")
+        store.set(gave_up, "1")
     else:
-        time.sleep(2.0)  # the lone rank gave up at 1 s and waits in its next construction
+        store.wait([gave_up], datetime.timedelta(seconds=30))
+        time.sleep(0.5)  # the lone rank is in its next construction by now
         err, took = timed(lambda: built.append(build(dep)))
         if not isinstance(err, EpPeerTimeoutError) or err.recovery != "rebuild":
             failures.append(f"the construction after the lone one gave {err!r}")
@@ -695,13 +701,16 @@ def test_a_construction_while_a_peer_waits_in_a_call_says_to_reset_that_object(d
     reset() of the first object on every rank, then build again (recovery "reset"); the
     others' call raises EpDesyncError. After reset() of the first object on every rank, every
     rank's next construction raises EpDesyncError at once (it lands on the construction barrier
-    rank 0 gave up, which no rank passes), and the one after it succeeds on every rank; steps
-    on both objects match the reference.
-    Before: rank 0's error said "no object was built on any rank: build it again" with
-    recovery "rebuild", though its peers' object needed a reset()."""
+    given up, which no rank passes) with recovery "rebuild" (the first object's reset is done),
+    and the one after it succeeds on every rank; steps on both objects match the reference.
+    Before: rank 0's error said to build again with recovery "rebuild", though its peers'
+    object needed a reset(), and with 4 ranks a rank that read the give-up while it waited
+    counted it at once, so its next construction met its peers' failing one."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 351), T)
     failures: list[str] = []
     first = build(dep)
+    if internals.buffers(first).barriers.recovery != "reset":  # built: its errors say reset()
+        failures.append("a built object's barriers do not say to reset it")
     second: list[EpRouted] = []
     dist.barrier(group=dep.cpu_group)
     if dep.rank == 0:
@@ -720,7 +729,7 @@ def test_a_construction_while_a_peer_waits_in_a_call_says_to_reset_that_object(d
     if err is not None:
         failures.append(f"reset(): {type(err).__name__}: {err}")
     err, took = timed(lambda: second.append(build(dep)))
-    if not isinstance(err, EpDesyncError) or took > 1.0:
+    if not isinstance(err, EpDesyncError) or took > 1.0 or err.recovery != "rebuild":
         failures.append(f"the construction after the reset gave {err!r} in {took:.2f} s")
     err, _ = timed(lambda: second.append(build(dep)))
     if err is not None:
