@@ -356,7 +356,7 @@ class ObjectBarriers:
                 if self._give_up_out_of_step(store, where, barrier) == COMPLETE:
                     return
                 # Not counted: the reset() asked for settles an object's counts; the group's
-                # constructions are counted at every rank's next attempt (`_abandon`).
+                # constructions are counted as `_counts_construction` says.
                 remedy, recovery = self._out_of_step_remedy(where.get("obj"), where.get("epoch"))
                 raise EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
@@ -368,8 +368,9 @@ class ObjectBarriers:
     def _with_key(self, barrier: tuple[int, int]) -> str:
         """Where a barrier given up for being out of step together with a construction barrier
         names the other: on the construction's, the object and its epoch then ({"obj",
-        "epoch"}); on the object's, the construction's count ({"construction"}). Set before the
-        marks, so a rank that reads a mark finds it."""
+        "epoch"}; kept, as the constructions' counters are: they are never reset); on the
+        object's, the construction's count ({"construction"}; deleted at the object's reset by
+        the ranks that read it). Set before the marks, so a rank that reads a mark finds it."""
         return self._counter_key(*barrier) + "/with"
 
     def _out_of_step_remedy(self, other_obj: str | None, epoch: int | None) -> tuple[str, str]:
@@ -414,6 +415,7 @@ class ObjectBarriers:
             record = {"obj": other.obj, "epoch": other_at[0]}
             store.set(construction._with_key(at), json.dumps(record))
             store.set(other._with_key(other_at), json.dumps({"construction": at[1]}))
+            other._stale.append(other._with_key(other_at))
             if other is self:  # this rank was in the call: it owes the construction
                 construction.owed.add(at[1])
         for owner, (epoch, count) in barriers:
@@ -662,6 +664,7 @@ class ObjectBarriers:
             if "construction" in record and constructions is not None:
                 # This rank was in the call given up with a construction: it owes that one.
                 constructions.owed.add(record["construction"])
+                self._stale.append(self._with_key(barrier))
             remedy, recovery = self._out_of_step_remedy(record.get("obj"), record.get("epoch"))
             return EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: the ranks are out of step: {who} found"
