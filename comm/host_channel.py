@@ -357,7 +357,10 @@ class ObjectBarriers:
                     return
                 # Not counted: the reset() asked for settles an object's counts; the group's
                 # constructions are counted as `_counts_construction` says.
-                remedy, recovery = self._out_of_step_remedy(where.get("obj"), where.get("epoch"))
+                other, epoch = ch.objects.get(where.get("obj")), where.get("epoch")
+                if where.get("phase") == "reset" and other is not None:
+                    epoch = other.epoch  # in a reset() of it this rank has not joined
+                remedy, recovery = self._out_of_step_remedy(where.get("obj"), epoch)
                 raise EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
                     f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
