@@ -121,7 +121,7 @@ WAIT_SLICE_S = 0.02
 BARRIER_RANKS = MAX_RANKS
 GAVE_UP_SHIFT = BARRIER_RANKS
 GAVE_UP = 1 << GAVE_UP_SHIFT
-OUT_OF_STEP, RESET_IN_CALL = 1, 2
+TIMED_OUT, OUT_OF_STEP, RESET_IN_CALL = 0, 1, 2  # the kinds of give-up
 COMPLETE, ABANDONED = "complete", "abandoned"
 # Bound of a store call that should answer at once (a set, a read of keys that exist): only a
 # store that stopped answering takes this long.
@@ -224,11 +224,15 @@ CONSTRUCTION_REMEDY = (
 )
 
 
-def _marked_out_of_step(counter: int) -> bool:
-    """Whether a barrier's counter holds the give-up of a rank that found the ranks out of step
-    (module docstring: GAVE_UP * (rank + 1 + OUT_OF_STEP * BARRIER_RANKS))."""
-    giver = (counter >> GAVE_UP_SHIFT) - 1
-    return OUT_OF_STEP * BARRIER_RANKS <= giver < RESET_IN_CALL * BARRIER_RANKS
+def _give_up_mark(kind: int, rank: int) -> int:
+    """What rank `rank` sets into a barrier's counter to give it up for `kind` (TIMED_OUT,
+    OUT_OF_STEP, RESET_IN_CALL): GAVE_UP * (rank + 1 + kind * BARRIER_RANKS)."""
+    return GAVE_UP * (rank + 1 + kind * BARRIER_RANKS)
+
+
+def _given_up_by(counter: int) -> tuple[int, int]:
+    """(kind, rank) of the give-up a counter at or above GAVE_UP holds (`_give_up_mark`)."""
+    return divmod((counter >> GAVE_UP_SHIFT) - 1, BARRIER_RANKS)
 
 
 class ObjectBarriers:
@@ -402,7 +406,7 @@ class ObjectBarriers:
         COMPLETE when `barrier` completed before its give-up (the peer came after all: it
         passes, and the other barrier is left alone), else ABANDONED."""
         ch = self.channel
-        mark = GAVE_UP * (ch.rank + 1 + OUT_OF_STEP * BARRIER_RANKS)
+        mark = _give_up_mark(OUT_OF_STEP, ch.rank)
         everyone = (1 << ch.size) - 1
         barriers = [(self, barrier)]
         target = ch.objects.get(peer_where.get("obj"))
@@ -535,9 +539,7 @@ class ObjectBarriers:
             store.set(keys[me], json.dumps(message))
             counter, added = self._arrive(store, barrier)
             if counter >= GAVE_UP:  # a peer gave the barrier up before this rank's bit
-                error = self._given_up(phase, counter, added, barrier)
-                count = self._counts_construction(counter, barrier, first_touch=added)
-                raise self._abandon(error, phase, began, count)
+                raise self._found_given_up(phase, counter, barrier, began, added, added)
             values = self._wait_all(store, keys, phase, timeout_s, began, counter, barrier)
             self._refuse_closed(phase)
             passed = True
@@ -614,6 +616,23 @@ class ObjectBarriers:
         self.count += 1
         return error
 
+    def _found_given_up(
+        self,
+        phase: str,
+        counter: int,
+        barrier: tuple[int, int],
+        began: tuple[int, int],
+        late: bool = False,
+        first_touch: bool = True,
+    ) -> EpError:
+        """The error to raise for `barrier`, found given up (`counter`): `_given_up`'s (`late`:
+        this rank's bit came after the give-up), after `_abandon` counted the barrier or not
+        (`_counts_construction`; `first_touch`: this attempt's bit is this rank's first there,
+        as it is for a rank that found the give-up while it waited)."""
+        error = self._given_up(phase, counter, late, barrier)
+        count = self._counts_construction(counter, barrier, first_touch)
+        return self._abandon(error, phase, began, count)
+
     def _counts_construction(
         self, counter: int, barrier: tuple[int, int], first_touch: bool
     ) -> bool:
@@ -626,7 +645,7 @@ class ObjectBarriers:
         reset() of that call's object, and the next pairs. Before, a rank that read the mark
         while it waited, or came to it late, counted it at once and its next construction met
         its peers' failing one: the ranks stayed one construction apart."""
-        if self.obj != CONSTRUCTION or not _marked_out_of_step(counter):
+        if self.obj != CONSTRUCTION or _given_up_by(counter)[0] != OUT_OF_STEP:
             return True
         if barrier[1] in self.owed:
             self.owed.discard(barrier[1])
@@ -650,17 +669,15 @@ class ObjectBarriers:
         `late`: its own bit came after the give-up) after its timeout; EpDesyncError naming it
         when it found the ranks out of step."""
         me, ranks = self.channel.rank, range(self.channel.size)
-        giver = (counter >> GAVE_UP_SHIFT) - 1
-        if giver >= RESET_IN_CALL * BARRIER_RANKS:
-            giver -= RESET_IN_CALL * BARRIER_RANKS
+        kind, giver = _given_up_by(counter)
+        if kind == RESET_IN_CALL:
             return EpDesyncError(
                 f"rank {me} in {phase} of {self.label}: rank {giver} called reset() during this"
                 f" call (a signal handler's, say), which gave the call up on every rank;"
                 f" {self.remedy}",
                 self.recovery,
             )
-        if giver >= OUT_OF_STEP * BARRIER_RANKS:
-            giver -= OUT_OF_STEP * BARRIER_RANKS
+        if kind == OUT_OF_STEP:
             who = "this rank" if giver == me else f"rank {giver}"
             record = self._given_up_with(barrier)
             constructions = getattr(self.channel, "constructions", None)
@@ -710,7 +727,8 @@ class ObjectBarriers:
         self._refuse_interrupted(phase, began)
         counter = store.add(arrived, 0)
         try:
-            counter, mine = give_up(store, arrived, counter, everyone, GAVE_UP * (me + 1), GAVE_UP)
+            mark = _give_up_mark(TIMED_OUT, me)
+            counter, mine = give_up(store, arrived, counter, everyone, mark, GAVE_UP)
         except LookupError:
             # A reset (this rank's, a signal handler's, which every rank joined) deleted it.
             self._refuse_interrupted(phase, began)
@@ -730,9 +748,7 @@ class ObjectBarriers:
             )
             raise self._abandon(timeout, phase, began)
         if counter >= GAVE_UP:
-            error = self._given_up(phase, counter, False, barrier)
-            count = self._counts_construction(counter, barrier, first_touch=True)
-            raise self._abandon(error, phase, began, count)
+            raise self._found_given_up(phase, counter, barrier, began)
         return COMPLETE
 
     def _wait_all(
@@ -771,9 +787,7 @@ class ObjectBarriers:
                 time.sleep(sleep)
             counter = store.add(arrived, 0)
         if outcome == ABANDONED:
-            error = self._given_up(phase, counter, False, barrier)
-            count = self._counts_construction(counter, barrier, first_touch=True)
-            raise self._abandon(error, phase, began, count)
+            raise self._found_given_up(phase, counter, barrier, began)
         # A reset() a signal handler ran meanwhile (every rank then reset) may have deleted the
         # messages after the counter was read complete: a read of a missing key would wait for it
         # until the store call's bound (30 s), and the call is abandoned anyway.
@@ -800,7 +814,7 @@ class ObjectBarriers:
         try:
             if self._in_barrier is not None:  # nested in this rank's exchange: give it up
                 key = self._counter_key(*self._in_barrier)
-                mark = GAVE_UP * (me + 1 + RESET_IN_CALL * BARRIER_RANKS)
+                mark = _give_up_mark(RESET_IN_CALL, me)
                 with contextlib.suppress(LookupError):  # a counter gone: no rank passes it
                     give_up(store, key, store.add(key, 0), (1 << ch.size) - 1, mark, GAVE_UP)
             self._set_where(store, "reset", round=target)

@@ -64,12 +64,11 @@ class EpConfig:
       syncs the host with a GPU, so None means on for CPU ranks and off for CUDA ranks.
     check_expert_rows: None means on for CPU ranks and off for CUDA ranks (where it cost 4.1 us
       on a 119.9 us K3 routed step at EP=1, T = 1, HopperExperts (humming), one H200; larger T
-      not measured). On, dispatch
-      marks the expert output rows, and before the combine a check fails the step on every
-      rank when a row that holds a local expert id was not written since the dispatch (experts
-      skipped or writing elsewhere): EpUnwrittenRowsError on this rank, EpPeerError on the
-      others (on GPU at the next call, poll() or synchronize(), every output of the step NaN).
-      No host sync: on GPU a fill at dispatch and one check launch at combine
+      not measured). On, dispatch marks the expert output rows, and before the combine a check
+      fails the step on every rank when a row that holds a local expert id was not written since
+      the dispatch (experts skipped or writing elsewhere): EpUnwrittenRowsError on this rank,
+      EpPeerError on the others (on GPU at the next call, poll() or synchronize(), every output
+      of the step NaN). No host sync: on GPU a fill at dispatch and one check launch at combine
       (ep/unwritten_rows.py), captured in a CUDA graph as well.
       A row counts as written once its element 0 changed: a backend that fills `out` first
       (zeros, say) and then skips rows, or writes element 0 alone, is not caught. Off, such a
