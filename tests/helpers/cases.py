@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dep_ep.config import MoeGeometry
+from dep_ep.config import TINY, EpConfig, MoeGeometry
+from dep_ep.ep import EpRouted
 
 ROUTINGS = ("random", "skewed", "padded", "same", "duplicate", "nan", "ragged")
 
@@ -82,3 +83,11 @@ def agreed_seed(group: dist.ProcessGroup, base: int) -> int:
     t = torch.tensor([base + offset])
     dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
     return int(t)
+
+
+def tiny_routed(group: dist.ProcessGroup, max_tokens: int, device: str, timeout_s: float):
+    """An EpRouted of the TINY geometry on `group` (collective), every wait bounded by
+    `timeout_s`: the one the whole-process cases (helpers/*_case*.py) build."""
+    geometry = dict(num_experts=TINY.experts, latent=TINY.latent, topk=TINY.topk)
+    config = EpConfig(timeout_s=timeout_s)
+    return EpRouted(group, max_tokens, device, config=config, **geometry)

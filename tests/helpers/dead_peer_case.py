@@ -17,11 +17,11 @@ import time
 
 import torch.distributed as dist
 
-from dep_ep.config import TINY, EpConfig
-from dep_ep.ep import EpRouted
+from dep_ep.config import TINY
 from dep_ep.launch import init_rank_context, new_dep_group
 from dep_ep.testing import SyntheticLayer
 
+from helpers.cases import tiny_routed
 from helpers.recovery import Batches
 
 TIMEOUT_S = 20.0  # far above the 1 s the survivors must take: their error is not a timeout
@@ -32,15 +32,7 @@ ctx = init_rank_context("cpu", timeout_s=30.0)
 dep = new_dep_group(ctx, ctx.world_size)
 layer = SyntheticLayer(TINY, 7)
 batches = Batches(dep, layer, 11, 4)
-routed = EpRouted(
-    dep.cpu_group,
-    4,
-    "cpu",
-    num_experts=TINY.experts,
-    latent=TINY.latent,
-    topk=TINY.topk,
-    config=EpConfig(timeout_s=TIMEOUT_S),
-)
+routed = tiny_routed(dep.cpu_group, 4, "cpu", TIMEOUT_S)
 batches.run(routed, 0)
 dist.barrier(dep.cpu_group)  # every rank is past step 0 before the victim dies
 print(f"READY rank {dep.rank}", flush=True)

@@ -13,13 +13,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from dep_ep.config import TINY, EpConfig
-from dep_ep.ep import EpRouted
+from dep_ep.config import TINY
 from dep_ep.experts import DenseExperts
 from dep_ep.launch import init_rank_context, new_dep_group
 from dep_ep.testing import SyntheticLayer
 
-from helpers.cases import make_case
+from helpers.cases import make_case, tiny_routed
 
 TIMEOUT_S = 20.0
 DIES_AFTER_S = 0.5
@@ -30,15 +29,7 @@ rank, n = dep.rank, dep.size
 layer = SyntheticLayer(TINY, 3)
 per_rank = TINY.experts // n
 experts = DenseExperts(layer.local_weights(rank * per_rank, per_rank).to("cuda"))
-routed = EpRouted(
-    dep.cpu_group,
-    8,
-    "cuda",
-    num_experts=TINY.experts,
-    latent=TINY.latent,
-    topk=TINY.topk,
-    config=EpConfig(timeout_s=TIMEOUT_S),
-)
+routed = tiny_routed(dep.cpu_group, 8, "cuda", TIMEOUT_S)
 case = make_case(TINY, n, 8, 5)
 args = [t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[rank])]
 norm = layer.norm_weight().cuda()

@@ -10,9 +10,9 @@ import sys
 import time
 
 from dep_ep.comm import EpPeerTimeoutError, EpTimeoutError
-from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group
+
+from helpers.cases import tiny_routed
 
 TIMEOUT_S = 2.0
 missing = int(sys.argv[1])
@@ -26,15 +26,7 @@ def build_and_report(how: str, expected: type[EpTimeoutError]) -> None:
     name, the seconds it took, its recovery and its text; `how` precedes them ("late, ")."""
     start = time.monotonic()
     try:
-        EpRouted(
-            dep.cpu_group,
-            4,
-            "cpu",
-            num_experts=TINY.experts,
-            latent=TINY.latent,
-            topk=TINY.topk,
-            config=EpConfig(timeout_s=TIMEOUT_S),
-        )
+        tiny_routed(dep.cpu_group, 4, "cpu", TIMEOUT_S)
         print(f"RESULT rank {dep.rank}: {how}no error", flush=True)
     except expected as err:
         took = time.monotonic() - start

@@ -10,9 +10,9 @@ import os
 import time
 
 from dep_ep.comm.shm import SHM_PREFIX
-from dep_ep.config import TINY, EpConfig
-from dep_ep.ep import EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group
+
+from helpers.cases import tiny_routed
 
 ctx = init_rank_context("cpu", timeout_s=60.0)
 dep = new_dep_group(ctx, ctx.world_size)
@@ -26,13 +26,5 @@ if dep.rank == 1:
 
     os.open = held_open
 print(f"BUILDING rank {dep.rank}", flush=True)
-EpRouted(
-    dep.cpu_group,
-    4,
-    "cpu",
-    num_experts=TINY.experts,
-    latent=TINY.latent,
-    topk=TINY.topk,
-    config=EpConfig(timeout_s=60.0),
-)
+tiny_routed(dep.cpu_group, 4, "cpu", 60.0)
 print(f"BUILT rank {dep.rank}", flush=True)

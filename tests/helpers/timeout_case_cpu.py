@@ -11,11 +11,12 @@ import time
 import torch
 
 from dep_ep.comm.errors import EpError
-from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted
+from dep_ep.ep import TINY
 from dep_ep.experts import ReferenceExperts
 from dep_ep.launch import init_rank_context, new_dep_group
 from dep_ep.testing import SyntheticLayer
+
+from helpers.cases import tiny_routed
 
 TIMEOUT_S = 3.0
 
@@ -24,15 +25,7 @@ dep = new_dep_group(ctx, ctx.world_size)
 layer = SyntheticLayer(TINY, 0)
 per_rank = TINY.experts // dep.size
 experts = ReferenceExperts(layer.local_weights(dep.rank * per_rank, per_rank))
-routed = EpRouted(
-    dep.cpu_group,
-    4,
-    "cpu",
-    num_experts=TINY.experts,
-    latent=TINY.latent,
-    topk=TINY.topk,
-    config=EpConfig(timeout_s=TIMEOUT_S),
-)
+routed = tiny_routed(dep.cpu_group, 4, "cpu", TIMEOUT_S)
 latent = torch.randn(4, TINY.latent).bfloat16()
 ids = torch.randint(0, TINY.experts, (4, TINY.topk), dtype=torch.int32)
 weights = torch.full((4, TINY.topk), 1.0 / TINY.topk)

@@ -10,14 +10,13 @@ RESULT line per rank.
 import time
 
 from dep_ep.comm import EpTimeoutError
-from dep_ep.config import EpConfig
-from dep_ep.ep import TINY, EpRouted
+from dep_ep.ep import TINY
 from dep_ep.experts import ReferenceExperts
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
 from dep_ep.testing import SyntheticLayer, allgather_reference
 from dep_ep.testing.compare import compare
 
-from helpers.cases import make_case
+from helpers.cases import make_case, tiny_routed
 
 TIMEOUT_S = 2.0
 
@@ -32,15 +31,7 @@ inputs = [t.cuda() for t in (case.latent[rank], case.ids[rank], case.weights[ran
 
 
 def build():
-    return EpRouted(
-        dep.cpu_group,
-        8,
-        "cuda",
-        num_experts=TINY.experts,
-        latent=TINY.latent,
-        topk=TINY.topk,
-        config=EpConfig(timeout_s=TIMEOUT_S),
-    )
+    return tiny_routed(dep.cpu_group, 8, "cuda", TIMEOUT_S)
 
 
 routed = build()
