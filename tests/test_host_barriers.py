@@ -10,9 +10,11 @@ step apart from the other (EpDesyncError at every call, every reset() succeeding
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch.distributed as dist
@@ -62,28 +64,44 @@ def ranks_of(size: int) -> list[ObjectBarriers]:
     return [ObjectBarriers(Channel(store, r, size), OBJ, "the test object") for r in range(size)]
 
 
-def run_ranks(barriers: list[ObjectBarriers], plans: list[tuple[float, float]]) -> list:
-    """Each rank, in its own thread, sleeps its plan's delay, then exchanges with its plan's
-    timeout. Returns each rank's (messages or exception, seconds from its exchange's start)."""
-    results: list = [None] * len(barriers)
+def outcome_of(call: Callable[[], object]) -> object:
+    """What `call()` returned, or the exception it raised (each rank's outcome is compared by
+    the test)."""
+    try:
+        return call()
+    except Exception as err:
+        return err
+
+
+def in_threads(ranks: list[Callable[[], object]]) -> list:
+    """Each rank's work in its own thread, started together; each one's return value (within
+    30 s, else the test fails)."""
+    results: list = [None] * len(ranks)
 
     def rank(r: int) -> None:
-        delay, timeout_s = plans[r]
-        time.sleep(delay)
-        start = time.monotonic()
-        try:
-            outcome = barriers[r].exchange("phase", {"rank": r}, timeout_s)
-        except Exception as err:  # each rank's outcome is compared below
-            outcome = err
-        results[r] = (outcome, time.monotonic() - start)
+        results[r] = (ranks[r](),)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(barriers))]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(ranks))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert all(result is not None for result in results), "a rank's exchange did not return"
-    return results
+    assert all(result is not None for result in results), "a rank's work did not return"
+    return [result[0] for result in results]
+
+
+def run_ranks(barriers: list[ObjectBarriers], plans: list[tuple[float, float]]) -> list:
+    """Each rank, in its own thread, sleeps its plan's delay, then exchanges with its plan's
+    timeout. Returns each rank's (messages or exception, seconds from its exchange's start)."""
+
+    def rank(r: int) -> tuple[object, float]:
+        delay, timeout_s = plans[r]
+        time.sleep(delay)
+        start = time.monotonic()
+        outcome = outcome_of(lambda: barriers[r].exchange("phase", {"rank": r}, timeout_s))
+        return outcome, time.monotonic() - start
+
+    return in_threads([functools.partial(rank, r) for r in range(len(barriers))])
 
 
 def test_a_barrier_given_up_passes_on_no_rank_and_the_next_pairs():
@@ -353,22 +371,16 @@ def test_a_rank_out_of_step_gives_up_both_barriers():
         x = ObjectBarriers(channel, "x", "object X")
         y = ObjectBarriers(channel, "y", "object Y")
         objects.append((x, y) if r == 0 else (y, x))
-    results: list = [[], []]
 
-    def rank(r: int) -> None:
+    def rank(r: int) -> list[tuple[str, object, float]]:
+        done = []
         for barriers in objects[r]:
             start = time.monotonic()
-            try:
-                outcome = barriers.exchange("dispatch", {"rank": r}, 5.0)
-            except Exception as err:  # compared below
-                outcome = err
-            results[r].append((barriers.label, outcome, time.monotonic() - start))
+            outcome = outcome_of(lambda b=barriers: b.exchange("dispatch", {"rank": r}, 5.0))
+            done.append((barriers.label, outcome, time.monotonic() - start))
+        return done
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    results = in_threads([functools.partial(rank, r) for r in range(2)])
     for r in range(2):
         assert len(results[r]) == 2, f"rank {r}: {results[r]}"
         for label, outcome, took in results[r]:
@@ -399,21 +411,16 @@ def test_every_error_of_a_barrier_ends_with_its_remedy(remedy, recovery):
         x = ObjectBarriers(channel, "x", "object X", remedy, recovery)
         y = ObjectBarriers(channel, "y", "object Y")
         objects.append((x, y) if r == 0 else (y, x))
-    out_of_step: list = []
 
-    def rank(r: int) -> None:
-        for obj in objects[r]:
-            try:
-                obj.exchange("dispatch", {"rank": r}, 5.0)
-                out_of_step.append((r, obj, None))
-            except Exception as err:  # compared below
-                out_of_step.append((r, obj, err))
+    def rank(r: int) -> list[tuple[int, ObjectBarriers, object]]:
+        return [
+            (r, obj, outcome_of(lambda o=obj: o.exchange("dispatch", {"rank": r}, 5.0)))
+            for obj in objects[r]
+        ]
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    out_of_step = [
+        done for dones in in_threads([functools.partial(rank, r) for r in (0, 1)]) for done in dones
+    ]
     assert len(out_of_step) == 4, out_of_step
     for r, obj, err in out_of_step:
         assert isinstance(err, EpDesyncError), (r, obj.label, err)
@@ -575,29 +582,19 @@ def test_a_construction_out_of_step_with_a_call_fails_once_more_on_every_rank_th
 
     def round_of(plans):
         """Each rank's (outcome, construction count) for its (what, delay) plan, in threads."""
-        outcomes: list = [None] * size
 
-        def rank(r: int) -> None:
+        def rank(r: int) -> tuple[object, int]:
             what, delay = plans[r]
             time.sleep(delay)
             build, y = ranks[r]
-            try:
-                if what == "reset":
-                    y.reset(5.0)
-                    outcome = None
-                else:
-                    outcome = (build if what == "build" else y).exchange(what, {"rank": r}, 2.0)
-            except Exception as err:  # compared below
-                outcome = err
-            outcomes[r] = (outcome, build.count)
+            if what == "reset":
+                outcome = outcome_of(lambda: y.reset(5.0))
+            else:
+                obj = build if what == "build" else y
+                outcome = outcome_of(lambda: obj.exchange(what, {"rank": r}, 2.0))
+            return outcome, build.count
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        assert all(outcome is not None for outcome in outcomes), outcomes
-        return outcomes
+        return in_threads([functools.partial(rank, r) for r in range(size)])
 
     builders = [("build", 0.3 if r == 1 else 0.0) for r in range(size - 1)]
     first = round_of([*builders, ("dispatch", 0.0)])
