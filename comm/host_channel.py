@@ -357,19 +357,30 @@ class ObjectBarriers:
             if why is not None:
                 # Not into a new epoch's first barrier: a reset run since the read is the call's.
                 self._refuse_interrupted(phase, began)
-                if self._give_up_out_of_step(store, where, barrier) == COMPLETE:
+                outcome, earlier = self._give_up_out_of_step(store, where, barrier)
+                if outcome == COMPLETE:
                     return
-                # Not counted: the reset() asked for settles an object's counts; the group's
-                # constructions are counted as `_counts_construction` says.
                 other, epoch = ch.objects.get(where.get("obj")), where.get("epoch")
                 if where.get("phase") == "reset" and other is not None:
                     epoch = other.epoch  # in a reset() of it this rank has not joined
                 remedy, recovery = self._out_of_step_remedy(where.get("obj"), epoch)
-                raise EpDesyncError(
+                error = EpDesyncError(
                     f"rank {ch.rank} in {phase} of {self.label}: the ranks are out of step: rank"
                     f" {r} {why} (the ranks call their EpRouted, or their layers, in different"
                     f" orders, or one rank reset); {remedy}",
                     recovery,
+                )
+                if earlier is None:
+                    # Not counted: the reset() asked for settles an object's counts; a
+                    # construction given up out of step by this rank is counted at the next
+                    # attempt (`_counts_construction`).
+                    raise error
+                # Another rank gave the barrier up first (at its deadline, say) and counted it,
+                # or counts it as `_counts_construction` says: this rank counts it the same
+                # way. Before, it did not, and a construction's count stayed one behind that
+                # rank's, so their next constructions did not pair.
+                raise self._abandon(
+                    error, phase, began, self._counts_construction(earlier, barrier, True)
                 )
 
     def _with_key(self, barrier: tuple[int, int]) -> str:
@@ -394,7 +405,9 @@ class ObjectBarriers:
                 )
         return self.remedy, self.recovery
 
-    def _give_up_out_of_step(self, store, peer_where: dict, barrier: tuple[int, int]) -> str:
+    def _give_up_out_of_step(
+        self, store, peer_where: dict, barrier: tuple[int, int]
+    ) -> tuple[str, int | None]:
         """This rank, waiting in `barrier`, found a peer waiting where it will not go
         (`peer_where`, the peer's position): it gives up, with the out-of-step mark, `barrier`
         and, when the peer waits in a barrier of a live object in the same epoch as that
@@ -403,8 +416,9 @@ class ObjectBarriers:
         next call of the other object paired with the peer's waiting call, which returned rows
         of the wrong object with no error (two EpRouted of one geometry built or called in
         different orders). A counter already complete or given up is left as it is. Returns
-        COMPLETE when `barrier` completed before its give-up (the peer came after all: it
-        passes, and the other barrier is left alone), else ABANDONED."""
+        (COMPLETE, None) when `barrier` completed before its give-up (the peer came after all:
+        it passes, and the other barrier is left alone), else (ABANDONED, the counter of
+        `barrier` when another rank's give-up was in it first, else None)."""
         ch = self.channel
         mark = _give_up_mark(OUT_OF_STEP, ch.rank)
         everyone = (1 << ch.size) - 1
@@ -425,15 +439,18 @@ class ObjectBarriers:
             other._stale.append(other._with_key(other_at))
             if other is self:  # this rank was in the call: it owes the construction
                 construction.owed.add(at[1])
+        earlier = None
         for owner, (epoch, count) in barriers:
             key = owner._counter_key(epoch, count)
             try:
-                counter, _ = give_up(store, key, store.add(key, 0), everyone, mark, GAVE_UP)
+                counter, mine = give_up(store, key, store.add(key, 0), everyone, mark, GAVE_UP)
             except LookupError:
                 continue  # a reset deleted it: no rank passes it any more
             if owner is self and counter == everyone:
-                return COMPLETE
-        return ABANDONED
+                return COMPLETE, None
+            if owner is self and not mine:
+                earlier = counter
+        return ABANDONED, earlier
 
     def _closed_key(self, rank: int) -> str:
         """Where rank `rank` marks that it closed this object (set once, kept: unlike its

@@ -483,6 +483,35 @@ def test_a_peer_that_comes_before_the_out_of_step_give_up_passes_with_this_rank(
     assert store.add(x0._counter_key(0, 0).replace("/x/", "/y/"), 0) == 0
 
 
+def test_a_construction_given_up_by_a_peer_first_counts_as_the_peer_did():
+    """Three ranks build; rank 1 gives the construction up at its deadline (rank 2 missing) and
+    counts it; rank 0, still waiting there, then finds rank 2 waiting in a call of object Y and
+    raises EpDesyncError, giving Y's barrier up. Rank 0 counts the construction as rank 1 did,
+    so their next constructions pair. Before, rank 0 did not count it: its constructions stayed
+    one behind rank 1's (found by a review)."""
+    store = dist.HashStore()
+    builds = []
+    for r in range(3):
+        channel = Channel(store, r, 3)
+        channel.constructions = ObjectBarriers(
+            channel, CONSTRUCTION, "the group's constructions", CONSTRUCTION_REMEDY, "rebuild"
+        )
+        ObjectBarriers(channel, "y", "object Y")
+        builds.append(channel.constructions)
+    keys = [builds[0].channel.key(CONSTRUCTION, "0.0", r) for r in range(3)]
+    for r in (0, 1):
+        store.set(keys[r], json.dumps({"phase": "build"}))
+        builds[r]._arrive(store, (0, 0))
+    with pytest.raises(EpTimeoutError):
+        builds[1]._give_up(store, "build", 0.1, [2], (0, 0), (0, 0))
+    where = {"obj": "y", "phase": "dispatch", "epoch": 0, "count": 0}
+    store.set(builds[2].channel.key("where", 2), json.dumps(where))
+    with pytest.raises(EpDesyncError, match="rank 2 waits in dispatch of object Y"):
+        builds[0]._check_waiting(store, keys, [2], "build", (0, 0), (0, 0))
+    assert [b.count for b in builds[:2]] == [1, 1]
+    assert store.add(builds[0].channel.key("y", "0.0", "arrived"), 0) >= GAVE_UP
+
+
 def test_a_reset_since_the_calls_start_refuses_the_barrier_before_publishing():
     """`exchange(since=)` with the call's start: after a reset on this rank (its epoch moved;
     done here by hand as reset() would) the barrier raises EpResetDuringCallError and publishes
