@@ -140,7 +140,7 @@ def main() -> int:
         end.synchronize()
         if int(error[ERROR_STATUS]) == ERROR_COMPLETE:
             raise EpTimeoutError(
-                rank, "pingpong", f"rank {int(error[ERROR_PEER])}", "flag never came"
+                rank, "pingpong", f"rank {int(error[ERROR_PEER])}", "flag never came", remedy=""
             )
         base += args.rounds
         if launch >= 2:  # two warm-up launches

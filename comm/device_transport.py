@@ -264,7 +264,7 @@ class DeviceTransport(Transport):
                 rank,
                 phase,
                 f"rank {peer}",
-                "recorded by the GPU kernel; call reset() on every rank",
+                "recorded by the GPU kernel",
             )
         if kind == KIND_ABORTED:
             if theirs == ABORT_PEER_LOST:

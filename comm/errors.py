@@ -137,9 +137,9 @@ class EpTimeoutError(EpError):
     """A bounded wait expired: names the rank that waited, the phase and the peer(s) it waited for.
 
     The ranks' states are unknown afterwards (a peer may still be inside the call): call reset()
-    on every rank before the next step. `remedy`, when given, ends the message with what to do
-    (a host barrier's: comm/host_channel.py; the group's constructions say to build again, with
-    `recovery` "rebuild").
+    on every rank before the next step. `remedy` ends the message with what to do (RESET_REMEDY
+    by default, as EpPeerTimeoutError's; a host barrier passes its own: comm/host_channel.py,
+    where the group's constructions say to build again, with `recovery` "rebuild").
     """
 
     recovery = RECOVERY_RESET
@@ -150,7 +150,7 @@ class EpTimeoutError(EpError):
         phase: str,
         peers: str,
         detail: str = "",
-        remedy: str = "",
+        remedy: str = RESET_REMEDY,
         recovery: str = RECOVERY_RESET,
     ) -> None:
         self.rank, self.phase, self.peers, self.recovery = rank, phase, peers, recovery

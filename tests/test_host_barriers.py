@@ -639,3 +639,15 @@ def test_a_construction_out_of_step_with_a_call_fails_once_more_on_every_rank_th
     for r, (messages, _) in enumerate(round_of([("build", 0.0)] * size)):
         assert isinstance(messages, list), (r, messages)
         assert [m["rank"] for m in messages] == list(range(size)), (r, messages)
+
+
+def test_a_reset_that_times_out_says_to_reset_on_every_rank():
+    """reset() on one rank of 2 waits at most its timeout for the other's; its EpTimeoutError
+    names the phase and the missing rank and, as every timeout, ends with what to do (before:
+    a timeout raised with no remedy given ended with no remedy)."""
+    lone = ranks_of(2)[0]
+    with pytest.raises(EpTimeoutError) as caught:
+        lone.reset(0.3)
+    text = str(caught.value)
+    assert "timed out in phase 'reset' waiting for rank(s) 1" in text, text
+    assert text.endswith(RESET_REMEDY) and caught.value.recovery == "reset", text
