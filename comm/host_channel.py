@@ -69,14 +69,16 @@ barrier another way, an interrupt or a desync, is told to reset, and the reset s
   arrives late or reads the give-up counts it: its next barrier is the one after it (a
   construction retried after a timeout pairs there). A rank that gives a barrier up for being
   out of step raises EpDesyncError without counting it: the reset that error asks for settles
-  the counts. A rank that left the barrier another way (an interrupt) finds
+  the counts; when another rank's give-up was there first, it counts it as a rank that reads
+  that give-up does. A rank that left the barrier another way (an interrupt) finds
   the give-up at its next attempt there, which fails once and counts it.
 - The group's constructions have no reset() to settle their counts. A construction barrier
-  given up for being out of step together with a call of another object is counted by a rank
-  that was in that call at its first attempt there, and by a rank that was building (it set the
-  mark, read it, or came after it) at its next attempt, which fails there
-  (`_counts_construction`): after that object's reset() every rank's first construction fails
-  once and the next pairs on every rank.
+  given up for being out of step together with a call or a reset() of another object is
+  counted by a rank that was in that call or reset() at its first attempt there (it read the
+  call's mark, or has reset that object since: the construction's record names it), and by a
+  rank that was building (it set the mark, read it, or came after it) at its next attempt,
+  which fails there (`_counts_construction`): after that object's reset() every rank's first
+  construction fails once and the next pairs on every rank.
 Ordering: a rank writes its payload (shared-memory rows) before it publishes, and its peers read
 the rows after they found its message; the store's socket round trips order the two (the
 kernel's socket locks give happens-before from the writer's send to the reader's receive).
@@ -375,10 +377,9 @@ class ObjectBarriers:
                     # construction given up out of step by this rank is counted at the next
                     # attempt (`_counts_construction`).
                     raise error
-                # Another rank gave the barrier up first (at its deadline, say) and counted it,
-                # or counts it as `_counts_construction` says: this rank counts it the same
-                # way. Before, it did not, and a construction's count stayed one behind that
-                # rank's, so their next constructions did not pair.
+                # Another rank gave the barrier up first (at its deadline, say): this rank
+                # counts it as a rank that reads that give-up does, so a construction's count
+                # stays equal to that of the rank that gave it up at its deadline.
                 raise self._abandon(
                     error, phase, began, self._counts_construction(earlier, barrier, True)
                 )
@@ -439,6 +440,12 @@ class ObjectBarriers:
             other._stale.append(other._with_key(other_at))
             if other is self:  # this rank was in the call: it owes the construction
                 construction.owed.add(at[1])
+        elif self.obj == CONSTRUCTION and target is not None and target is not self:
+            # A construction given up with a peer in a reset() of a live object (no barrier of
+            # it to give up): the record tells the ranks of that reset, at their first attempt
+            # here, that they were not building (`_counts_construction`).
+            record = {"obj": target.obj, "epoch": target.epoch}
+            store.set(self._with_key(barrier), json.dumps(record))
         earlier = None
         for owner, (epoch, count) in barriers:
             key = owner._counter_key(epoch, count)
@@ -658,16 +665,32 @@ class ObjectBarriers:
         counts): a rank that was building when the mark came (it set it, read it while it
         waited, or came to the barrier after it: `first_touch`, its bit added by this attempt)
         counts it at its next attempt, which fails there; a rank that was in the call given up
-        with it (`owed`) counts it at its first. So every rank fails one attempt there after the
-        reset() of that call's object, and the next pairs. Before, a rank that read the mark
-        while it waited, or came to it late, counted it at once and its next construction met
-        its peers' failing one: the ranks stayed one construction apart."""
+        with it (`owed`), or in that object's call or reset() and has reset it since
+        (`_settled_since`), counts it at its first. So every rank fails one attempt there after
+        the reset() of that object, and the next pairs. Before, a rank that read the mark while
+        it waited, or came to it late, counted it at once, and a rank that gave that call up at
+        its own deadline, or was in the reset(), at its next attempt: the ranks stayed one
+        construction apart."""
         if self.obj != CONSTRUCTION or _given_up_by(counter)[0] != OUT_OF_STEP:
             return True
         if barrier[1] in self.owed:
             self.owed.discard(barrier[1])
             return True
-        return not first_touch
+        return not first_touch or self._settled_since(barrier)
+
+    def _settled_since(self, barrier: tuple[int, int]) -> bool:
+        """Whether the object that construction barrier `barrier` was given up with (its
+        `_with_key` record) was reset or closed on this rank since: then this rank was in that
+        object's call or reset() when the construction was given up, not building, and counts
+        the construction at its first attempt, as `owed` does for a rank that read the mark.
+        A rank that learned nothing from a mark (it gave that call up at its own deadline, or
+        was in the reset() a builder found) is known so."""
+        record = self._given_up_with(barrier)
+        obj, epoch = record.get("obj"), record.get("epoch")
+        live = self.channel.objects.get(obj)
+        if live is not None:
+            return epoch is not None and live.epoch > epoch
+        return obj in self.channel.closed
 
     def _counter_key(self, epoch: int, count: int) -> str:
         """Barrier (epoch, count)'s counter (module docstring)."""

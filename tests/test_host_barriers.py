@@ -488,7 +488,7 @@ def test_a_construction_given_up_by_a_peer_first_counts_as_the_peer_did():
     counts it; rank 0, still waiting there, then finds rank 2 waiting in a call of object Y and
     raises EpDesyncError, giving Y's barrier up. Rank 0 counts the construction as rank 1 did,
     so their next constructions pair. Before, rank 0 did not count it: its constructions stayed
-    one behind rank 1's (found by a review)."""
+    one behind rank 1's."""
     store = dist.HashStore()
     builds = []
     for r in range(3):
@@ -591,6 +591,50 @@ def test_a_reset_nested_in_an_exchange_gives_its_barrier_up_for_the_waiting_peer
         assert [m["rank"] for m in messages] == [0, 1], messages
 
 
+def builders_with_y(size: int) -> list[tuple[ObjectBarriers, ObjectBarriers]]:
+    """Each rank's (group's constructions, object Y) on one store."""
+    store = dist.HashStore()
+    ranks = []
+    for r in range(size):
+        channel = Channel(store, r, size)
+        channel.constructions = ObjectBarriers(
+            channel, CONSTRUCTION, "the group's constructions", CONSTRUCTION_REMEDY, "rebuild"
+        )
+        ranks.append((channel.constructions, ObjectBarriers(channel, "y", "object Y")))
+    return ranks
+
+
+def round_of_plans(ranks, plans) -> list[tuple[object, int]]:
+    """Each rank's (outcome, construction count) for its (what, delay) plan, in threads: what
+    is "reset" (Y's), "build" or another phase (a call of Y)."""
+
+    def rank(r: int) -> tuple[object, int]:
+        what, delay = plans[r]
+        time.sleep(delay)
+        build, y = ranks[r]
+        if what == "reset":
+            outcome = outcome_of(lambda: y.reset(5.0))
+        else:
+            obj = build if what == "build" else y
+            outcome = outcome_of(lambda: obj.exchange(what, {"rank": r}, 2.0))
+        return outcome, build.count
+
+    return in_threads([functools.partial(rank, r) for r in range(len(ranks))])
+
+
+def assert_fails_once_then_pairs(ranks) -> None:
+    """Every rank's next construction fails at once (recovery "rebuild") with equal counts
+    after it, and the one after that pairs on every rank."""
+    size = len(ranks)
+    again = round_of_plans(ranks, [("build", 0.0)] * size)
+    for r, (err, _) in enumerate(again):
+        assert isinstance(err, EpDesyncError) and err.recovery == "rebuild", (r, err)
+    assert len({count for _, count in again}) == 1, again
+    for r, (messages, _) in enumerate(round_of_plans(ranks, [("build", 0.0)] * size)):
+        assert isinstance(messages, list), (r, messages)
+        assert [m["rank"] for m in messages] == list(range(size)), (r, messages)
+
+
 @pytest.mark.parametrize("size", [3, 4])
 def test_a_construction_out_of_step_with_a_call_fails_once_more_on_every_rank_then_pairs(size):
     """Ranks 0 .. size-2 build (rank 1 0.3 s late) while the last rank calls object Y: the
@@ -600,31 +644,8 @@ def test_a_construction_out_of_step_with_a_call_fails_once_more_on_every_rank_th
     after pairs on every rank. Before, the late builder counted the given-up barrier at its
     arrival, and the last rank at its first construction after the reset: in lockstep the late
     builder waited one barrier ahead at every round, timing out, and no construction paired."""
-    store = dist.HashStore()
-    ranks = []
-    for r in range(size):
-        channel = Channel(store, r, size)
-        channel.constructions = ObjectBarriers(
-            channel, CONSTRUCTION, "the group's constructions", CONSTRUCTION_REMEDY, "rebuild"
-        )
-        ranks.append((channel.constructions, ObjectBarriers(channel, "y", "object Y")))
-
-    def round_of(plans):
-        """Each rank's (outcome, construction count) for its (what, delay) plan, in threads."""
-
-        def rank(r: int) -> tuple[object, int]:
-            what, delay = plans[r]
-            time.sleep(delay)
-            build, y = ranks[r]
-            if what == "reset":
-                outcome = outcome_of(lambda: y.reset(5.0))
-            else:
-                obj = build if what == "build" else y
-                outcome = outcome_of(lambda: obj.exchange(what, {"rank": r}, 2.0))
-            return outcome, build.count
-
-        return in_threads([functools.partial(rank, r) for r in range(size)])
-
+    ranks = builders_with_y(size)
+    round_of = functools.partial(round_of_plans, ranks)
     builders = [("build", 0.3 if r == 1 else 0.0) for r in range(size - 1)]
     first = round_of([*builders, ("dispatch", 0.0)])
     for r, (err, _) in enumerate(first):
@@ -632,13 +653,61 @@ def test_a_construction_out_of_step_with_a_call_fails_once_more_on_every_rank_th
         if r < size - 1:
             assert err.recovery == "reset" and "call reset() of object Y" in str(err), (r, err)
     assert all(err is None for err, _ in round_of([("reset", 0.0)] * size))
-    again = round_of([("build", 0.0)] * size)
-    for r, (err, _) in enumerate(again):
-        assert isinstance(err, EpDesyncError) and err.recovery == "rebuild", (r, err)
-    assert len({count for _, count in again}) == 1, again
-    for r, (messages, _) in enumerate(round_of([("build", 0.0)] * size)):
-        assert isinstance(messages, list), (r, messages)
-        assert [m["rank"] for m in messages] == list(range(size)), (r, messages)
+    assert_fails_once_then_pairs(ranks)
+
+
+def test_a_construction_out_of_step_with_a_reset_after_a_timeout_fails_once_then_pairs():
+    """Rank 0 gives a call of Y up at its deadline (rank 1 missing) and resets Y as told; rank 1
+    builds meanwhile, finds rank 0 in Y's reset() and gives the construction up (EpDesyncError
+    saying to reset Y first), then resets Y. After it every rank's next construction fails at
+    once with equal counts, and the next pairs. Before, rank 0, which read no mark, counted the
+    construction only at its second attempt, and rank 1 at its first: the ranks stayed one
+    construction apart, each round timing out."""
+    ranks = builders_with_y(2)
+    (_, y0), (build1, y1) = ranks
+    timeout = outcome_of(lambda: y0.exchange("dispatch", {"rank": 0}, 0.2))
+    assert isinstance(timeout, EpTimeoutError) and timeout.recovery == "reset", timeout
+    reset0 = threading.Thread(target=lambda: y0.reset(5.0))
+    reset0.start()
+    time.sleep(0.1)
+    err = outcome_of(lambda: build1.exchange("build", {"rank": 1}, 5.0))
+    assert isinstance(err, EpDesyncError) and err.recovery == "reset", err
+    assert "call reset() of object Y on every rank" in str(err), err
+    y1.reset(5.0)
+    reset0.join(10)
+    assert (y0.epoch, y1.epoch) == (1, 1)
+    assert_fails_once_then_pairs(ranks)
+
+
+def test_a_call_given_up_at_a_deadline_then_out_of_step_with_a_builder_fails_once_then_pairs():
+    """Ranks 0 and 1 call Y while rank 2 builds: rank 1 gives Y's barrier up at its deadline,
+    then rank 0, still waiting there, finds rank 2 building and gives the construction up.
+    After Y's reset on every rank, every rank's next construction fails at once with equal
+    counts, and the next pairs. Before, rank 1, which read no mark, counted the construction
+    only at its second attempt."""
+    ranks = builders_with_y(3)
+    ys = [y for _, y in ranks]
+    store = ys[0].channel.store
+    keys = [ys[0].channel.key("y", "0.0", r) for r in range(3)]
+    for r in (0, 1):
+        ys[r]._set_where(store, "dispatch", epoch=0, count=0)
+        store.set(keys[r], json.dumps({"phase": "dispatch"}))
+        ys[r]._arrive(store, (0, 0))
+    with pytest.raises(EpTimeoutError):
+        ys[1]._give_up(store, "dispatch", 0.2, [2], (0, 0), (0, 0))
+    build2 = ranks[2][0]
+    built = []
+    builder = threading.Thread(
+        target=lambda: built.append(outcome_of(lambda: build2.exchange("build", {}, 5.0)))
+    )
+    builder.start()
+    time.sleep(0.1)
+    with pytest.raises(EpDesyncError, match="rank 2 waits in build"):
+        ys[0]._check_waiting(store, keys, [2], "dispatch", (0, 0), (0, 0))
+    builder.join(10)
+    assert isinstance(built[0], EpDesyncError) and built[0].recovery == "reset", built
+    assert all(err is None for err, _ in round_of_plans(ranks, [("reset", 0.0)] * 3))
+    assert_fails_once_then_pairs(ranks)
 
 
 def test_a_reset_that_times_out_says_to_reset_on_every_rank():
