@@ -224,6 +224,14 @@ class GroupChannel:
 CONSTRUCTION_REMEDY = (
     "build it again on every rank, in the same order (no object was built on any rank)"
 )
+# What a rank that came to a construction after its peers gave it up at their deadline is told:
+# they counted it, so their retry is already one construction on, and a retry of this rank only
+# after the group agrees again (a lockstep retry) would be one behind at every round.
+CONSTRUCTION_LATE_REMEDY = (
+    "no object was built on any rank; this rank came after its peers gave it up, so build it"
+    " again on this rank at once, before any other agreement with them: their retry pairs with"
+    " it (a group that agrees before every retry stays one construction apart)"
+)
 
 
 def _give_up_mark(kind: int, rank: int) -> int:
@@ -356,6 +364,12 @@ class ObjectBarriers:
             if where.get("obj") == self.obj and where.get("phase") == "closed":
                 raise self._closed_by([r], phase)
             why = self._blocking(where)
+            if why is not None and self._given_up_there(store, where):
+                # It gave that barrier up (at its deadline, say) or leaves it at its next look:
+                # its position is old, not a wait. Before, a rank that came to its next call
+                # within the peer's timeout_s read such a position as out of step, and the
+                # call failed on every rank.
+                continue
             if why is not None:
                 # Not into a new epoch's first barrier: a reset run since the read is the call's.
                 self._refuse_interrupted(phase, began)
@@ -383,6 +397,15 @@ class ObjectBarriers:
                 raise self._abandon(
                     error, phase, began, self._counts_construction(earlier, barrier, True)
                 )
+
+    def _given_up_there(self, store, peer_where: dict) -> bool:
+        """Whether the barrier of a live object a peer's position names (`peer_where`) holds a
+        give-up: the peer raised there or raises at its next look, and then goes elsewhere."""
+        target = self.channel.objects.get(peer_where.get("obj"))
+        if target is None or peer_where.get("phase") == "reset" or "count" not in peer_where:
+            return False
+        key = target._counter_key(peer_where["epoch"], peer_where["count"])
+        return bool(store.check([key])) and store.add(key, 0) >= GAVE_UP
 
     def _with_key(self, barrier: tuple[int, int]) -> str:
         """Where a barrier given up for being out of step together with a construction barrier
@@ -733,7 +756,8 @@ class ObjectBarriers:
                 recovery,
             )
         missing = [r for r in ranks if not counter >> r & 1 or (late and r == me)]
-        return EpPeerTimeoutError(me, phase, giver, missing, self.remedy, self.recovery)
+        remedy = CONSTRUCTION_LATE_REMEDY if late and self.obj == CONSTRUCTION else self.remedy
+        return EpPeerTimeoutError(me, phase, giver, missing, remedy, self.recovery)
 
     def _given_up_with(self, barrier: tuple[int, int]) -> dict:
         """The record of what `barrier`, given up for being out of step, was given up with

@@ -512,6 +512,37 @@ def test_a_construction_given_up_by_a_peer_first_counts_as_the_peer_did():
     assert store.add(builds[0].channel.key("y", "0.0", "arrived"), 0) >= GAVE_UP
 
 
+def test_a_peer_whose_position_is_a_barrier_it_gave_up_is_not_out_of_step():
+    """Rank 0 gave a construction up at its deadline (rank 1 never came) and goes on to a call
+    of Y; rank 1 calls Y first and reads rank 0's position, still that construction. It keeps
+    waiting (rank 0 is not waiting there), gives nothing up, and the call pairs when rank 0
+    comes. Before, it raised EpDesyncError ("rank 0 waits in construction ...") and gave Y's
+    call up: a step lost on every rank, its message blaming the call order."""
+    (build0, y0), (_, y1) = builders_with_y(2)
+    store = y0.channel.store
+    build0._set_where(store, "construction", epoch=0, count=0)
+    store.set(build0.channel.key(CONSTRUCTION, "0.0", 0), json.dumps({"phase": "construction"}))
+    build0._arrive(store, (0, 0))
+    with pytest.raises(EpTimeoutError):
+        build0._give_up(store, "construction", 0.1, [1], (0, 0), (0, 0))
+    keys = [y1.channel.key("y", "0.0", r) for r in range(2)]
+    y1._set_where(store, "dispatch", epoch=0, count=0)
+    store.set(keys[1], json.dumps({"phase": "dispatch", "rank": 1}))
+    y1._arrive(store, (0, 0))
+    y1._check_waiting(store, keys, [0], "dispatch", (0, 0), (0, 0))
+    assert store.add(y1._counter_key(0, 0), 0) == 0b10  # not given up
+    both = in_threads(
+        [
+            lambda: outcome_of(lambda: y0.exchange("dispatch", {"rank": 0}, 5.0)),
+            lambda: outcome_of(
+                lambda: y1._wait_all(store, keys, "dispatch", 5.0, (0, 0), 2, (0, 0))
+            ),
+        ]
+    )
+    assert isinstance(both[0], list) and [m["rank"] for m in both[0]] == [0, 1], both[0]
+    assert len(both[1]) == 2, both[1]
+
+
 def test_a_reset_since_the_calls_start_refuses_the_barrier_before_publishing():
     """`exchange(since=)` with the call's start: after a reset on this rank (its epoch moved;
     done here by hand as reset() would) the barrier raises EpResetDuringCallError and publishes
@@ -720,3 +751,37 @@ def test_a_reset_that_times_out_says_to_reset_on_every_rank():
     text = str(caught.value)
     assert "timed out in phase 'reset' waiting for rank(s) 1" in text, text
     assert text.endswith(RESET_REMEDY) and caught.value.recovery == "reset", text
+
+
+AT_ONCE_TAIL = (
+    "before any other agreement with them: their retry pairs with it (a group that agrees before"
+    " every retry stays one construction apart)"
+)
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_a_rank_missing_at_a_construction_builds_again_at_once_and_pairs(size):
+    """The last rank never comes to a construction (its own load failed, say); the others give
+    it up at their deadline and count it. In the group's next round each rank builds again: the
+    last rank's attempt lands on the given-up barrier and fails at once, saying to build again
+    on this rank at once; done so, it pairs with its peers' retry in the same round. A group
+    that instead agrees before every retry stays one construction apart (docs/reliability.md,
+    open cases)."""
+    ranks = builders_with_y(size)
+    first = round_of_plans(ranks[:-1], [("build", 0.0)] * (size - 1))
+    assert all(isinstance(err, EpTimeoutError) for err, _ in first), first
+
+    def retry(r: int) -> object:
+        build = ranks[r][0]
+        if r == size - 1:
+            late = outcome_of(lambda: build.exchange("build", {"rank": r}, 5.0))
+            if not isinstance(late, EpPeerTimeoutError) or "this rank, late" not in str(late):
+                return late
+            if not str(late).endswith("build it again on this rank at once, " + AT_ONCE_TAIL):
+                return late
+        return outcome_of(lambda: build.exchange("build", {"rank": r}, 5.0))
+
+    # The builders' retry (their second barrier) pairs with the late rank's second attempt.
+    for r, messages in enumerate(in_threads([functools.partial(retry, r) for r in range(size)])):
+        assert isinstance(messages, list), (r, messages)
+        assert [m["rank"] for m in messages] == list(range(size)), (r, messages)
