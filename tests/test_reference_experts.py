@@ -46,7 +46,14 @@ def test_deterministic(kind):
     out, again, written = run_backend(kind, seed)
     assert written.sum() > 10 and (~written).sum() >= 8
     assert not out[written].isnan().any(), f"seed {seed}"
-    assert torch.equal(again[written], out[written]), f"{kind.__name__} seed {seed}"
+    # On a mismatch, how far apart: last-bit differences in a few rows point at a GEMM's sum
+    # order (BLAS threads), NaN or large ones at memory the call did not write.
+    differ = again[written] != out[written]
+    gap = (again[written].float() - out[written].float())[differ].abs().max() if differ.any() else 0
+    assert not differ.any(), (
+        f"{kind.__name__} seed {seed}: {int(differ.any(1).sum())} of {int(written.sum())} rows"
+        f" differ, largest |difference| {float(gap):.3g}, {torch.get_num_threads()} threads"
+    )
 
 
 def test_reference_leaves_rows_without_local_ids():
