@@ -225,12 +225,14 @@ CONSTRUCTION_REMEDY = (
     "build it again on every rank, in the same order (no object was built on any rank)"
 )
 # What a rank that came to a construction after its peers gave it up at their deadline is told:
-# they counted it, so their retry is already one construction on, and a retry of this rank only
-# after the group agrees again (a lockstep retry) would be one behind at every round.
+# they counted it, so this rank's next construction pairs with their next one, whatever object
+# that is; a retry of this rank only after the group agrees again (a lockstep retry) would be
+# one behind at every round.
 CONSTRUCTION_LATE_REMEDY = (
-    "no object was built on any rank; this rank came after its peers gave it up, so build it"
-    " again on this rank at once, before any other agreement with them: their retry pairs with"
-    " it (a group that agrees before every retry stays one construction apart)"
+    "no object was built on any rank; this rank came after its peers gave it up and counted it,"
+    " so its next construction pairs with their next one: build the object they build next (this"
+    " one, as their error says) on this rank at once, before any other agreement with them (a"
+    " group that agrees before every retry stays one construction apart)"
 )
 
 
