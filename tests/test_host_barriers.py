@@ -489,19 +489,9 @@ def test_a_construction_given_up_by_a_peer_first_counts_as_the_peer_did():
     raises EpDesyncError, giving Y's barrier up. Rank 0 counts the construction as rank 1 did,
     so their next constructions pair. Before, rank 0 did not count it: its constructions stayed
     one behind rank 1's."""
-    store = dist.HashStore()
-    builds = []
-    for r in range(3):
-        channel = Channel(store, r, 3)
-        channel.constructions = ObjectBarriers(
-            channel, CONSTRUCTION, "the group's constructions", CONSTRUCTION_REMEDY, "rebuild"
-        )
-        ObjectBarriers(channel, "y", "object Y")
-        builds.append(channel.constructions)
-    keys = [builds[0].channel.key(CONSTRUCTION, "0.0", r) for r in range(3)]
-    for r in (0, 1):
-        store.set(keys[r], json.dumps({"phase": "build"}))
-        builds[r]._arrive(store, (0, 0))
+    builds = [build for build, _ in builders_with_y(3)]
+    store = builds[0].channel.store
+    keys = [arrived_at_first_barrier(builds[r], "build") for r in (0, 1)][0]
     with pytest.raises(EpTimeoutError):
         builds[1]._give_up(store, "build", 0.1, [2], (0, 0), (0, 0))
     where = {"obj": "y", "phase": "dispatch", "epoch": 0, "count": 0}
@@ -520,15 +510,10 @@ def test_a_peer_whose_position_is_a_barrier_it_gave_up_is_not_out_of_step():
     call up: a step lost on every rank, its message blaming the call order."""
     (build0, y0), (_, y1) = builders_with_y(2)
     store = y0.channel.store
-    build0._set_where(store, "construction", epoch=0, count=0)
-    store.set(build0.channel.key(CONSTRUCTION, "0.0", 0), json.dumps({"phase": "construction"}))
-    build0._arrive(store, (0, 0))
+    arrived_at_first_barrier(build0, "construction")
     with pytest.raises(EpTimeoutError):
         build0._give_up(store, "construction", 0.1, [1], (0, 0), (0, 0))
-    keys = [y1.channel.key("y", "0.0", r) for r in range(2)]
-    y1._set_where(store, "dispatch", epoch=0, count=0)
-    store.set(keys[1], json.dumps({"phase": "dispatch", "rank": 1}))
-    y1._arrive(store, (0, 0))
+    keys = arrived_at_first_barrier(y1, "dispatch")
     y1._check_waiting(store, keys, [0], "dispatch", (0, 0), (0, 0))
     assert store.add(y1._counter_key(0, 0), 0) == 0b10  # not given up
     both = in_threads(
@@ -635,6 +620,17 @@ def builders_with_y(size: int) -> list[tuple[ObjectBarriers, ObjectBarriers]]:
     return ranks
 
 
+def arrived_at_first_barrier(barriers: ObjectBarriers, phase: str) -> list[str]:
+    """This rank of `barriers` entered barrier (0, 0) in `phase` as exchange() does before it
+    waits: its position, its message and its arrival bit. Returns the barrier's keys by rank."""
+    ch = barriers.channel
+    barriers._set_where(ch.store, phase, epoch=0, count=0)
+    keys = [ch.key(barriers.obj, "0.0", r) for r in range(ch.size)]
+    ch.store.set(keys[ch.rank], json.dumps({"phase": phase, "rank": ch.rank}))
+    barriers._arrive(ch.store, (0, 0))
+    return keys
+
+
 def round_of_plans(ranks, plans) -> list[tuple[object, int]]:
     """Each rank's (outcome, construction count) for its (what, delay) plan, in threads: what
     is "reset" (Y's), "build" or another phase (a call of Y)."""
@@ -719,11 +715,7 @@ def test_a_call_given_up_at_a_deadline_then_out_of_step_with_a_builder_fails_onc
     ranks = builders_with_y(3)
     ys = [y for _, y in ranks]
     store = ys[0].channel.store
-    keys = [ys[0].channel.key("y", "0.0", r) for r in range(3)]
-    for r in (0, 1):
-        ys[r]._set_where(store, "dispatch", epoch=0, count=0)
-        store.set(keys[r], json.dumps({"phase": "dispatch"}))
-        ys[r]._arrive(store, (0, 0))
+    keys = [arrived_at_first_barrier(ys[r], "dispatch") for r in (0, 1)][0]
     with pytest.raises(EpTimeoutError):
         ys[1]._give_up(store, "dispatch", 0.2, [2], (0, 0), (0, 0))
     build2 = ranks[2][0]
