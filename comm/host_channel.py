@@ -466,9 +466,10 @@ class ObjectBarriers:
             if other is self:  # this rank was in the call: it owes the construction
                 construction.owed.add(at[1])
         elif self.obj == CONSTRUCTION and target is not None and target is not self:
-            # A construction given up with a peer in a reset() of a live object (no barrier of
-            # it to give up): the record tells the ranks of that reset, at their first attempt
-            # here, that they were not building (`_counts_construction`).
+            # A construction given up with a peer in a reset() of a live object, or in a call
+            # of it in an epoch this rank has not reached (no barrier of it to give up here):
+            # the record tells the ranks there, at their first attempt here after they reset
+            # that object, that they were not building (`_counts_construction`).
             record = {"obj": target.obj, "epoch": target.epoch}
             store.set(self._with_key(barrier), json.dumps(record))
         earlier = None
