@@ -18,7 +18,7 @@ nvidia-smi topo -m > "$out/logs_topology.txt" 2>&1 || true
 status=0
 log() { bash scripts/run_logged.sh "$out" "$@" || status=1; }
 log experts_gpu 400 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_experts_backends.py \
-  tests/test_hopper_experts.py \
+  tests/test_hopper_experts.py tests/test_experts_pdl.py \
   tests/test_reference_experts.py tests/test_narrow_gemm.py
 if [ "$gpus" -ge 2 ]; then
   log gpu_timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_timeout.py

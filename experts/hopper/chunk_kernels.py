@@ -14,6 +14,7 @@ from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.hopper.chunks import ChunkPlan, ChunkRoutes, route_row_shape
 from dep_ep.experts.hopper.grouping import PairGroups, TileRoutes
 from dep_ep.experts.hopper.kernels import _e8m0_to_fp32
+from dep_ep.experts.hopper.pdl import pdl_options, wait_then_release
 
 SCALE_BLOCK_C = tl.constexpr(SCALE_BLOCK)
 # chunk_routes_kernel: tiles scanned and slots written per step.
@@ -40,6 +41,7 @@ def chunk_routes_kernel(
     TILES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program c of a grid of `chunks` programs writes chunk c of ChunkRoutes from one tiling:
     PairGroups' tile_expert, tile_start, tile_rows int32 [TC] and num_tiles, num_pairs int32
@@ -47,7 +49,9 @@ def chunk_routes_kernel(
     into routes int32 [chunks, SLOTS], experts int32 [chunks, TILES], num_padded and pairs int32
     [chunks] (chunks.ChunkRoutes: chunk-local pair numbers, the sentinel `chunk`). A call
     over its budget (num_pairs > chunks * chunk, the grid's chunks) gets no tile and no pair in
-    any chunk: its GEMMs, gathers and SiTU do no work, and the finalize writes its NaN rows."""
+    any chunk: its GEMMs, gathers and SiTU do no work, and the finalize writes its NaN rows.
+    PDL: launched with programmatic dependent launch (experts/hopper/pdl.py)."""
+    wait_then_release(PDL)
     c = tl.program_id(0)
     lo = c.to(tl.int64) * chunk
     hi = lo + chunk
@@ -93,10 +97,11 @@ def chunk_routes_kernel(
 
 
 def chunk_routes(
-    groups: PairGroups, routes: TileRoutes, plan: ChunkPlan, num_local: int
+    groups: PairGroups, routes: TileRoutes, plan: ChunkPlan, num_local: int, pdl: bool = False
 ) -> ChunkRoutes:
     """One tiling's routes in the plan's chunks (ChunkRoutes), one launch, on the groups'
-    device (a CUDA GPU or Triton's CPU interpreter); no host synchronisation."""
+    device (a CUDA GPU or Triton's CPU interpreter); no host synchronisation. pdl: launch with
+    programmatic dependent launch (experts/hopper/pdl.py)."""
     device = groups.tile_expert.device
     slots, tiles = route_row_shape(plan.chunk, groups.block_n, num_local, groups.tile_capacity)
     out = ChunkRoutes(
@@ -123,6 +128,7 @@ def chunk_routes(
         groups.block_n,
         ROUTE_BLOCK,
         num_warps=4,
+        **pdl_options(pdl),
     )
     return out
 
@@ -141,11 +147,13 @@ def gather_rows_kernel(
     LATENT: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """For j < chunk_pairs (int32 [1]): xg[j] = x[pair_row[first_pair + j]] (uint8 [.., L], the
     e4m3 bytes) and xs[j] = 2^(byte - 127) of that row's E8M0 scales sf uint8 [R, L/32] (fp32
     [.., L/32]; byte 255 NaN, as widen_scales_kernel). Grid (programs, L / BLOCK_L); program p
-    takes rows p * ROWS, (p + programs) * ROWS, ..."""
+    takes rows p * ROWS, (p + programs) * ROWS, ... PDL as in chunk_routes_kernel."""
+    wait_then_release(PDL)
     count = tl.load(chunk_pairs_ptr)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     scale_cols = tl.program_id(1) * (BLOCK_L // SCALE_BLOCK_C) + tl.arange(
@@ -181,12 +189,13 @@ def gather_rows(
     xg: torch.Tensor,
     xs: torch.Tensor,
     sms: int,
+    pdl: bool = False,
 ) -> None:
     """Launch gather_rows_kernel: x uint8 [R, L] (e4m3 bytes), sf uint8 [R, L/32] (E8M0),
     pair_row int32 [R * K] (PairGroups: the receive row of pair p, in expert order), rows
     first_pair .. first_pair + count - 1 of it, count = element 0 of chunk_pairs (an int32 view,
     ChunkRoutes.pairs[c:]), into xg uint8 [C, L] and xs fp32 [C, L/32] (rows past count
-    untouched); `sms` sizes the grid."""
+    untouched); `sms` sizes the grid; pdl as in chunk_routes."""
     latent = x.shape[1]
     block_l = math.gcd(GATHER_MAX_BLOCK_L, latent)
     column_blocks = latent // block_l
@@ -204,4 +213,5 @@ def gather_rows(
         GATHER_ROWS,
         block_l,
         num_warps=4,
+        **pdl_options(pdl),
     )

@@ -203,19 +203,25 @@ def tile_routes(groups: PairGroups) -> TileRoutes:
 
 
 def grouped(
-    ids: torch.Tensor, first_expert: int, num_local: int, block_n: int, grouping: Grouping
+    ids: torch.Tensor,
+    first_expert: int,
+    num_local: int,
+    block_n: int,
+    grouping: Grouping,
+    pdl: bool = False,
 ) -> tuple[PairGroups, TileRoutes | None]:
     """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
     them in the same launch (Grouping.TRITON; TORCH returns None: tile_routes would cost
     launches). TRITON takes block_n up to grouping_kernel.MAX_BLOCK_N (16384); a larger one is
-    grouped in torch, with the same result."""
+    grouped in torch, with the same result. pdl: the kernel launched with programmatic dependent
+    launch (experts/hopper/pdl.py)."""
     check_grouping("grouped", grouping)
     check_grouping_args("grouped", ids, first_expert, num_local, block_n)
     if grouping is Grouping.TRITON:
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route  # imports triton
 
         if fits(block_n):
-            return group_and_route(ids, first_expert, num_local, block_n)
+            return group_and_route(ids, first_expert, num_local, block_n, pdl)
     return group_pairs(ids, first_expert, num_local, block_n), None
 
 
@@ -225,10 +231,12 @@ def routed_tilings(
     num_local: int,
     block_ns: tuple[int, ...],
     grouping: Grouping,
+    pdl: bool = False,
 ) -> list[tuple[PairGroups, TileRoutes]]:
     """[(groups, routes)] for each tile size in block_ns (one or two, distinct), as group_pairs and
     tile_routes give them: Grouping.TRITON in one launch of experts/hopper/grouping_kernel.py (when
-    every size fits), TORCH (or a size past the kernel's lanes) in torch, once per size."""
+    every size fits; pdl: with programmatic dependent launch, experts/hopper/pdl.py), TORCH (or a
+    size past the kernel's lanes) in torch, once per size."""
     check_grouping("routed_tilings", grouping)
     for block_n in block_ns:
         check_grouping_args("routed_tilings", ids, first_expert, num_local, block_n)
@@ -236,7 +244,7 @@ def routed_tilings(
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route_tilings
 
         if all(fits(block_n) for block_n in block_ns):
-            return group_and_route_tilings(ids, first_expert, num_local, tuple(block_ns))
+            return group_and_route_tilings(ids, first_expert, num_local, tuple(block_ns), pdl)
     tilings = []
     for block_n in block_ns:
         groups = group_pairs(ids, first_expert, num_local, block_n)

@@ -48,6 +48,7 @@ from dep_ep.experts.hopper.grouping import (
     pair_capacity,
     tile_capacity,
 )
+from dep_ep.experts.hopper.pdl import pdl_options, wait_then_release
 
 # Slots a chunk, and warps a program: on an H200 at K3's DEP16 shard (tiles of 16) 1024 slots over
 # 4 warps took 5.6 / 7.0 / 9.3 / 17.5 / 36.0 us at T = 8 / 32 / 64 / 128 / 256 where 2048 over 8
@@ -189,7 +190,9 @@ def chunk_histogram_kernel(
     num_local,
     BINS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pdl.py)
 ):
+    wait_then_release(PDL)
     chunk = tl.program_id(0)
     JUNK: tl.constexpr = BINS - 1
     offs = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -205,10 +208,12 @@ def chunk_prefix_kernel(
     BINS: tl.constexpr,
     BLOCK_B: tl.constexpr,  # bins a program (a power of two dividing BINS)
     BLOCK_C: tl.constexpr,  # chunks a step
+    PDL: tl.constexpr = False,  # as in chunk_histogram_kernel
 ):
     """Row c of hist becomes the sum of rows 0..c, in place. Program p takes bins
     [p * BLOCK_B, (p + 1) * BLOCK_B) (the grid: BINS / BLOCK_B), BLOCK_C rows a step, the running
     sum of the rows before carried in registers (int32: the sums are exact)."""
+    wait_then_release(PDL)
     bins = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     carry = tl.zeros([BLOCK_B], dtype=tl.int32)
     for first in range(0, num_chunks, BLOCK_C):
@@ -271,7 +276,9 @@ def group_route_kernel(
     BLOCK_S: tl.constexpr,  # slots a chunk
     CHUNKED: tl.constexpr,  # more than one chunk: the counts come from hist_ptr
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr = False,  # as in chunk_histogram_kernel
 ):
+    wait_then_release(PDL)
     me = tl.program_id(0)  # local expert, or num_local for the non-local slots
     chunk = tl.program_id(1)
     JUNK: tl.constexpr = BINS - 1
@@ -437,23 +444,28 @@ def workspace_parts(
 
 
 def group_and_route(
-    ids: torch.Tensor, first_expert: int, num_local: int, block_n: int
+    ids: torch.Tensor, first_expert: int, num_local: int, block_n: int, pdl: bool = False
 ) -> tuple[PairGroups, TileRoutes]:
     """`group_pairs(ids, ...)` and `tile_routes` of it (experts/hopper/grouping.py), bitwise the
     same tensors, from one launch on ids' device (a CUDA GPU, or Triton's CPU interpreter). ids
-    int32 [R, K], contiguous; block_n 1..MAX_BLOCK_N (`fits`)."""
-    return _launch("group_and_route", ids, first_expert, num_local, (block_n,))[0]
+    int32 [R, K], contiguous; block_n 1..MAX_BLOCK_N (`fits`). pdl: launch with programmatic
+    dependent launch (experts/hopper/pdl.py; `launches_pdl` says where it may)."""
+    return _launch("group_and_route", ids, first_expert, num_local, (block_n,), pdl)[0]
 
 
 def group_and_route_tilings(
-    ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...]
+    ids: torch.Tensor,
+    first_expert: int,
+    num_local: int,
+    block_ns: tuple[int, ...],
+    pdl: bool = False,
 ) -> list[tuple[PairGroups, TileRoutes]]:
     """`group_and_route` for one or two distinct tile sizes in one launch: [(groups, routes)]
     per block_n, as group_pairs(ids, ..., block_n) and tile_routes of it would give; the pair
     tensors (pair_row, pair_flat, num_pairs, pair_slot, expert_pairs) are shared. humming's FC1
     and FC2 kernels can tile differently (24 and 32 pairs at T=64 on a DEP16 shard): one launch
-    instead of two saves one grouping (21 us there)."""
-    return _launch("group_and_route_tilings", ids, first_expert, num_local, block_ns)
+    instead of two saves one grouping (21 us there). pdl as in group_and_route."""
+    return _launch("group_and_route_tilings", ids, first_expert, num_local, block_ns, pdl)
 
 
 def _tiling_outputs(groups: PairGroups, routes: TileRoutes) -> tuple[torch.Tensor, ...]:
@@ -468,7 +480,12 @@ def _tile_lanes(groups: PairGroups) -> tuple[int, int]:
 
 
 def _launch(
-    owner: str, ids: torch.Tensor, first_expert: int, num_local: int, block_ns: tuple[int, ...]
+    owner: str,
+    ids: torch.Tensor,
+    first_expert: int,
+    num_local: int,
+    block_ns: tuple[int, ...],
+    pdl: bool,
 ) -> list[tuple[PairGroups, TileRoutes]]:
     """The checks (ValueError naming `owner`), the outputs and the launch of both functions."""
     if not isinstance(block_ns, tuple) or len(block_ns) not in (1, 2):
@@ -534,7 +551,15 @@ def _launch(
     hist = torch.empty(chunks, bins, dtype=torch.int32, device=device)
     if chunks > 1:
         chunk_histogram_kernel[(chunks,)](
-            ids, hist, slots, first_expert, num_local, bins, BLOCK_S, num_warps=NUM_WARPS
+            ids,
+            hist,
+            slots,
+            first_expert,
+            num_local,
+            bins,
+            BLOCK_S,
+            num_warps=NUM_WARPS,
+            **pdl_options(pdl),
         )
         # Each program reads two rows of the prefix where it read every chunk's row (57 x 512
         # programs x 512 rows at T = 2048 on a DEP16 shard: 3.8 GB of L2 reads).
@@ -543,7 +568,13 @@ def _launch(
         else:
             width = min(bins, PREFIX_BINS)
             chunk_prefix_kernel[(bins // width,)](
-                hist, chunks, bins, width, PREFIX_TILE // width, num_warps=NUM_WARPS
+                hist,
+                chunks,
+                bins,
+                width,
+                PREFIX_TILE // width,
+                num_warps=NUM_WARPS,
+                **pdl_options(pdl),
             )
     # group_route_kernel's arguments, in the groups of its signature.
     pair_outputs = (a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs)
@@ -560,5 +591,6 @@ def _launch(
         *_tile_lanes(b),
         *flags,
         num_warps=NUM_WARPS,
+        **pdl_options(pdl),
     )
     return tilings

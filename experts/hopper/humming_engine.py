@@ -205,8 +205,9 @@ class HummingEngine(HopperEngine):
             if error is not None:
                 raise ValueError(error)
         w13, s13, w2, s2 = (t.contiguous() for t in weights.tensors)
-        fc1 = HummingGemm.prepare(w13, s13, self.deterministic)
-        fc2 = HummingGemm.prepare(w2, s2, self.deterministic)
+        # humming's GEMMs with PDL as our kernels around them (HopperTiles.pdl).
+        fc1 = HummingGemm.prepare(w13, s13, self.deterministic, pdl=self.tiles.pdl)
+        fc2 = HummingGemm.prepare(w2, s2, self.deterministic, pdl=self.tiles.pdl)
         return HummingPrepared(
             fc1=fc1,
             fc2=fc2,
@@ -327,17 +328,25 @@ class HummingPrepared:
     ) -> torch.Tensor:
         """forward's contract (same tensors) on the humming engine, R >= 1: on the slots or in
         chunks (module docstring); `failure` as TritonEngine's finalize takes it."""
+        from dep_ep.experts.hopper import kernels
+        from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
+        from dep_ep.experts.hopper.triton_engine import fail_step
+
         rows, topk = ids.shape
         shape = self.shape(rows, topk)
+        pdl = launches_pdl(self.tiles.pdl, x.device, kernels.finalize_kernel)
         tilings = routed_tilings(
-            ids, self.first_expert, self.num_local_experts, shape.block_ns, self.tiles.grouping
+            ids,
+            self.first_expert,
+            self.num_local_experts,
+            shape.block_ns,
+            self.tiles.grouping,
+            pdl,
         )
         if shape.plan is None:
-            expert_out = self._on_slots(x, sf, ids, tilings, shape.tuned)
+            expert_out = self._on_slots(x, sf, ids, tilings, shape.tuned, pdl)
         else:
-            expert_out = self._in_chunks(x, sf, ids, tilings, shape.plan, shape.tuned)
-        from dep_ep.experts.hopper import kernels
-        from dep_ep.experts.hopper.triton_engine import fail_step
+            expert_out = self._in_chunks(x, sf, ids, tilings, shape.plan, shape.tuned, pdl)
 
         latent = self.latent
         columns = self.tiles.finalize_columns(latent)
@@ -354,12 +363,15 @@ class HummingPrepared:
             columns,
             **fail_step(failure),
             num_warps=self.tiles.finalize_warps,
+            **pdl_options(pdl),
         )
         return out
 
-    def _situ(self, gate_up, pair_flat, num_pairs, act, act_scale, rows, indexed) -> None:
-        """situ_mxfp8_kernel over `rows` activation rows (`indexed`: gate_up row pair_flat[j])."""
+    def _situ(self, gate_up, pair_flat, num_pairs, act, act_scale, rows, indexed, pdl) -> None:
+        """situ_mxfp8_kernel over `rows` activation rows (`indexed`: gate_up row pair_flat[j]),
+        with programmatic dependent launch when `pdl`."""
         from dep_ep.experts.hopper import kernels
+        from dep_ep.experts.hopper.pdl import pdl_options
 
         column_blocks = self.intermediate // self.situ_block_i
         programs = max(
@@ -376,13 +388,16 @@ class HummingPrepared:
             self.situ_block_i,
             indexed,
             num_warps=4,
+            **pdl_options(pdl),
         )
 
-    def _on_slots(self, x, sf, ids, tilings, tuned: int) -> torch.Tensor:
+    def _on_slots(self, x, sf, ids, tilings, tuned: int, pdl: bool) -> torch.Tensor:
         """FC1 on the receive rows (top_k = K, one output row a slot), SiTU, FC2, humming's
-        kernels chosen for `tuned` pairs: the expert output BF16 [R * K, L] by pair number (a
-        call on the slots never overflows: its max_pairs is its capacity)."""
+        kernels chosen for `tuned` pairs, our kernels launched with PDL when `pdl`: the expert
+        output BF16 [R * K, L] by pair number (a call on the slots never overflows: its
+        max_pairs is its capacity)."""
         from dep_ep.experts.hopper import kernels
+        from dep_ep.experts.hopper.pdl import pdl_options
 
         rows, topk = ids.shape
         inter, latent = self.intermediate, self.latent
@@ -391,7 +406,7 @@ class HummingPrepared:
         # humming reads the rows' scales as fp32 2^(byte - 127).
         scales = torch.empty(sf.shape, dtype=torch.float32, device=x.device)
         kernels.widen_scales_kernel[(-(-sf.numel() // WIDEN_BLOCK),)](
-            sf, scales, sf.numel(), WIDEN_BLOCK, num_warps=4
+            sf, scales, sf.numel(), WIDEN_BLOCK, num_warps=4, **pdl_options(pdl)
         )
         # FC1 reads row id // K of x for pair id = row * K + k and writes row id of gate_up.
         gate_up = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device=x.device)
@@ -410,7 +425,7 @@ class HummingPrepared:
             capacity, inter // SCALE_BLOCK, dtype=torch.float32, device=x.device
         )
         num_pairs = fc1_groups.num_pairs
-        self._situ(gate_up, fc1_groups.pair_flat, num_pairs, act, act_scale, capacity, True)
+        self._situ(gate_up, fc1_groups.pair_flat, num_pairs, act, act_scale, capacity, True, pdl)
         # FC2: pair j reads act row j and writes expert output row j.
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
         self.fc2(
@@ -425,15 +440,16 @@ class HummingPrepared:
         )
         return expert_out
 
-    def _in_chunks(self, x, sf, ids, tilings, plan, tuned: int) -> torch.Tensor:
+    def _in_chunks(self, x, sf, ids, tilings, plan, tuned: int, pdl: bool) -> torch.Tensor:
         """Each chunk's pairs gathered, FC1, SiTU and FC2 (experts/hopper/chunks.py), humming's
-        kernels chosen for `tuned` pairs: the expert output BF16 [P, L] by pair number, P =
-        plan.pairs (the finalize's bound: a call over it writes NaN rows, never reads past P)."""
+        kernels chosen for `tuned` pairs, ours launched with PDL when `pdl`: the expert output
+        BF16 [P, L] by pair number, P = plan.pairs (the finalize's bound: a call over it writes
+        NaN rows, never reads past P)."""
         inter, latent = self.intermediate, self.latent
         from dep_ep.experts.hopper.chunk_kernels import chunk_routes, gather_rows
 
         local = self.num_local_experts
-        cut = [chunk_routes(groups, routes, plan, local) for groups, routes in tilings]
+        cut = [chunk_routes(groups, routes, plan, local, pdl) for groups, routes in tilings]
         fc1_cut, fc2_cut = cut[0], cut[-1]
         groups = tilings[0][0]
         device, c = x.device, plan.chunk
@@ -445,7 +461,7 @@ class HummingPrepared:
         expert_out = torch.empty(plan.pairs, latent, dtype=torch.bfloat16, device=device)
         for i in range(plan.chunks):
             pairs = fc1_cut.pairs[i:]  # element 0: chunk i's pair count
-            gather_rows(x, sf, groups.pair_row, i * c, pairs, xg, xs, self.sms)
+            gather_rows(x, sf, groups.pair_row, i * c, pairs, xg, xs, self.sms, pdl)
             self.fc1(
                 xg.view(torch.float8_e4m3fn),
                 xs,
@@ -456,7 +472,7 @@ class HummingPrepared:
                 gate_up,
                 tuned,
             )
-            self._situ(gate_up, groups.pair_flat, pairs, act, act_scale, c, False)
+            self._situ(gate_up, groups.pair_flat, pairs, act, act_scale, c, False, pdl)
             self.fc2(
                 act,
                 act_scale,

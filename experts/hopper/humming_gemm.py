@@ -57,13 +57,18 @@ class HummingGemm:
     """One MoE GEMM out [M, n] = inputs [M', k] @ W_e^T over num_experts MXFP4 experts (W uint8
     [E, n, k/2], scales uint8 [E, n, k/32]), prepared once for e4m3 inputs with fp32 per-32
     scales (or, `prepare(..., bf16_inputs=True)`, BF16 inputs) and BF16 output. The caller's
-    tensors are copied, never changed."""
+    tensors are copied, never changed. pdl: every kernel launched with programmatic dependent
+    launch (humming's `use_pdl`: each CTA runs griddepcontrol.wait before it reads the inputs,
+    then griddepcontrol.launch_dependents; its scheduler reads the routes and the padded count
+    before that wait: experts/hopper/pdl.py), or not (False), or as humming's heuristic picks
+    (None)."""
 
     config: object
     tensors: dict
     locks: torch.Tensor
     tunings: dict
     deterministic: bool
+    pdl: bool | None = None
 
     @classmethod
     def prepare(
@@ -72,6 +77,7 @@ class HummingGemm:
         scales: torch.Tensor,
         deterministic: bool,
         bf16_inputs: bool = False,
+        pdl: bool | None = None,
     ) -> HummingGemm:
         """bf16_inputs: humming's W4A16 kernels, for BF16 inputs without scales (the weights in
         their layout for BF16; measured in bench/bench_humming_a16.py, used by no engine)."""
@@ -104,16 +110,19 @@ class HummingGemm:
         config, tensors = transform.prepare_fp16_e8m0_scale(config, tensors)
         tensors = transform.transform_humming_tensors(config, tensors)
         locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
-        return cls(config, tensors, locks, {}, deterministic)
+        return cls(config, tensors, locks, {}, deterministic, pdl)
 
     def tuning(self, pairs: int) -> dict:
         """humming's kernel choice for `pairs` pairs (engine.tuning_pairs: one compilation per
         value, cached) with TUNING_UPDATES applied. deterministic: humming's batch-invariant
         choice, without stream-K (which splits K over CTAs and adds the BF16 partial outputs,
         atomically beyond 3 slices: extra roundings, and an order that can change between
-        reruns)."""
+        reruns). pdl, unless None, sets `use_pdl`."""
         if pairs not in self.tunings:
-            self.tunings[pairs] = {**self.heuristic(pairs), **TUNING_UPDATES.get(pairs, {})}
+            tuning = {**self.heuristic(pairs), **TUNING_UPDATES.get(pairs, {})}
+            if self.pdl is not None:
+                tuning["use_pdl"] = self.pdl
+            self.tunings[pairs] = tuning
         return self.tunings[pairs]
 
     def heuristic(self, pairs: int) -> dict:

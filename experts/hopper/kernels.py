@@ -34,6 +34,7 @@ import triton.language as tl
 
 from dep_ep.comm.failure import FAILURE_PAIR_BUDGET
 from dep_ep.constants import E4M3_MAX, KIND_EXPERTS, RCP_448, SCALE_BLOCK
+from dep_ep.experts.hopper.pdl import wait_then_release
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 
 SCALE_BLOCK_C = tl.constexpr(SCALE_BLOCK)
@@ -252,6 +253,7 @@ def fc1_situ_kernel(
     BLOCK_K: tl.constexpr,
     MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """act bf16 [pair_cap, I] = SiTU(x @ w1^T, x @ w3^T) of each pair's row and expert.
 
@@ -261,8 +263,10 @@ def fc1_situ_kernel(
     fp32 accumulators and only the BF16 activation is written. PERSISTENT: each program walks work
     items w = pid, pid + programs, ...; else one item per program (the grid covers the capacity).
     More pairs than pair_cap (the rows of act; num_pairs int32 [1] on the device): no work item
-    runs (the finalize writes NaN rows), so no pair past act's rows is written.
+    runs (the finalize writes NaN rows), so no pair past act's rows is written. PDL: launched
+    with programmatic dependent launch (experts/hopper/pdl.py).
     """
+    wait_then_release(PDL)
     num_tiles = tl.load(num_tiles_ptr)
     work = tl.where(tl.load(num_pairs_ptr) > pair_cap, 0, num_tiles * (INTER // BLOCK_M))
     w = tl.program_id(0)
@@ -352,12 +356,14 @@ def fc2_kernel(
     BLOCK_K: tl.constexpr,
     MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """y bf16 [pair_cap, L] = act [pair_cap, I] @ w2^T of each pair's expert (fp32 sums, one
     rounding).
 
     w2 uint8 [E, L, I/2], s2 uint8 [E, L, I/32]. A work item is (tile, BLOCK_M output columns);
-    PERSISTENT and pair_cap as in fc1_situ_kernel."""
+    PERSISTENT, pair_cap and PDL as in fc1_situ_kernel."""
+    wait_then_release(PDL)
     num_tiles = tl.load(num_tiles_ptr)
     work = tl.where(tl.load(num_pairs_ptr) > pair_cap, 0, num_tiles * (LATENT // BLOCK_M))
     w = tl.program_id(0)
@@ -406,10 +412,12 @@ def _mxfp8_blocks(values, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def widen_scales_kernel(sf_ptr, out_ptr, count, BLOCK: tl.constexpr):
+def widen_scales_kernel(sf_ptr, out_ptr, count, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out fp32 [count] = 2^(byte - 127) of the E8M0 bytes sf uint8 [count] (byte 0: 2^-127,
     255: NaN; comm/mxfp8.e8m0_to_fp32 bit for bit): the per-32 factors humming reads, in one
-    launch where torch's table lookup took two (7.5 us at T=64 on a DEP16 shard)."""
+    launch where torch's table lookup took two (7.5 us at T=64 on a DEP16 shard). PDL as in
+    fc1_situ_kernel."""
+    wait_then_release(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < count
     scale = tl.load(sf_ptr + offs, mask=inside, other=0)
@@ -429,13 +437,15 @@ def situ_mxfp8_kernel(
     ROWS: tl.constexpr,
     BLOCK_I: tl.constexpr,
     INDEXED: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
     """For pairs j < num_pairs: act[j] = MXFP8 of SiTU(gate, up) in fp32, where gate_up bf16
     [R * K, 2I] row pair_flat[j] holds [gate | up] (humming's FC1 output on the receive slots);
     INDEXED False: row j of gate_up [pairs, 2I] (a chunk's FC1 output, experts/hopper/chunks.py;
     pair_flat is not read). act e4m3 [pairs, I], act_scale fp32 [pairs, I/32] (2^(scale - 127),
     the per-32 factors humming's FC2 reads). Grid (programs, I / BLOCK_I); program p takes rows
-    p * ROWS, (p + programs) * ROWS, ..."""
+    p * ROWS, (p + programs) * ROWS, ... PDL as in fc1_situ_kernel."""
+    wait_then_release(PDL)
     num_pairs = tl.load(num_pairs_ptr)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     scale_cols = tl.program_id(1) * (BLOCK_I // SCALE_BLOCK_C) + tl.arange(
@@ -490,6 +500,7 @@ def finalize_kernel(
     record_ptr=None,
     tag_high=0,
     tag_low=0,
+    PDL: tl.constexpr = False,
 ):
     """out[row] = BF16(sum over k in order of weights[row, k] * y[pair of (row, k)]) in fp32, for
     rows with a local id; rows without one are left as they are. Grid (R, L / BLOCK_L).
@@ -506,8 +517,9 @@ def finalize_kernel(
     tag from its int32 halves).
     The branch per k skips the loads of non-local slots (15 of 16 on a DEP16 shard): a branch-free
     variant with masked loads took 1.9x as long at T=64 there (9.2 against 4.8 us, BLOCK_L 512 over
-    2 warps, H200).
+    2 warps, H200). PDL as in fc1_situ_kernel.
     """
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     num_pairs = tl.load(num_pairs_ptr)

@@ -1,5 +1,5 @@
 """HopperTiles: the block shapes and launches of HopperExperts' kernels, which each engine carries
-(TritonEngine reads them all, HummingEngine the finalize's and the grouping)."""
+(TritonEngine reads them all, HummingEngine the finalize's, the grouping and pdl)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ MATHS = ("bf16", "fp32")  # experts/hopper/kernels.py
 @dataclass(frozen=True)
 class HopperTiles:
     """Block shapes and launch of the triton engine's kernels (experts/hopper/kernels.py has what
-    they mean); HummingEngine uses finalize_block_l, finalize_warps and grouping only.
+    they mean); HummingEngine uses finalize_block_l, finalize_warps, grouping and pdl only.
 
     block_n: pairs per tile (the MMA's N side; >= 16); fc1_block_m: intermediate columns per FC1
     work item (it reads 2 * fc1_block_m weight rows: gate and up); fc2_block_m: output columns per
@@ -26,7 +26,9 @@ class HopperTiles:
     programs_per_sm: persistent programs per SM; math: one of MATHS;
     persistent: each GEMM program walks the work list (True) or one program per work item, the
     grid covering the work list's capacity (False); grouping: a Grouping (both engines),
-    how the rows are grouped by expert (the same tensors either way).
+    how the rows are grouped by expert (the same tensors either way); pdl: every kernel of a call
+    launched with programmatic dependent launch where the GPU has it (experts/hopper/pdl.py; both
+    engines, humming's GEMMs included), so each starts while the one before it finishes.
     """
 
     block_n: int = 16
@@ -45,6 +47,7 @@ class HopperTiles:
     math: str = "bf16"
     persistent: bool = True
     grouping: Grouping = Grouping.TRITON
+    pdl: bool = True
 
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
@@ -53,8 +56,10 @@ class HopperTiles:
         if self.math not in MATHS:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
         check_grouping("HopperTiles", self.grouping)
-        if not isinstance(self.persistent, bool):
-            raise TypeError(f"HopperTiles: persistent={self.persistent!r}; expected a bool")
+        for name in ("persistent", "pdl"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"HopperTiles: {name}={value!r}; expected a bool")
         for name in (
             "block_n",
             "fc1_block_m",

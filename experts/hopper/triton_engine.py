@@ -217,7 +217,10 @@ def fused_experts(
     rows, topk = ids.shape
     # The kernel grouping also writes tile routes, which this engine does not read (workspace_parts
     # counts them).
-    groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping)
+    from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
+
+    pdl = launches_pdl(tiles.pdl, x.device, kernels.finalize_kernel)
+    groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping, pdl)
     if max_pairs is not None and max_pairs < 1:
         raise ValueError(f"fused_experts: max_pairs={max_pairs}; expected None or >= 1")
     # At least one row: R = 0 (a direct call; forward returns before) launches on empty work.
@@ -228,7 +231,7 @@ def fused_experts(
         pairs_over_budget = torch.zeros(1, dtype=torch.int32, device=x.device)
     act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(pairs, latent, dtype=torch.bfloat16, device=x.device)
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **pdl_options(pdl)}
     budget = (groups.num_pairs, pairs)
     tile_args = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
     fc1_work = groups.tile_capacity * (inter // tiles.fc1_block_m)
@@ -283,5 +286,6 @@ def fused_experts(
             columns,
             **fail_step(failure),
             num_warps=tiles.finalize_warps,
+            **pdl_options(pdl),
         )
     return out
