@@ -11,7 +11,8 @@ token's first choice), keeping the tokens with at least one of rank 0's experts.
   pairs expected from num_experts, with the one-launch grouping kernel (the default);
   "humming-torch-grouping", the same with the torch grouping; "humming-capacity",
   HummingEngine(tune_for_capacity=True), its kernels chosen for the pair capacity;
-  "humming-slots", every call on its receive slots, never in chunks; "triton",
+  "humming-slots", every call on its receive slots, never in chunks; "humming-no-pdl", the
+  default engine with its kernels launched without programmatic dependent launch; "triton",
   TritonEngine): CUDA-graph replay of back-to-back calls on the same rows (a call has no host
   synchronisation), median of `--samples` replays, per call; `--reps` calls a graph, fewer where
   one eager call takes longer than REPLAY_BUDGET_US / reps (`graph_reps`); one eager call first
@@ -194,6 +195,8 @@ VARIANTS = [
     ("humming-capacity", HummingEngine(tune_for_capacity=True)),
     # Every call on its receive slots (no chunks): the humming engine before its chunked calls.
     ("humming-slots", HummingEngine(chunk_pairs=SLOTS_ONLY)),
+    # Every kernel launched without programmatic dependent launch (experts/hopper/pdl.py).
+    ("humming-no-pdl", HummingEngine(tiles=HopperTiles(pdl=False))),
     ("triton", TritonEngine()),
 ]
 VARIANT_NAMES = [name for name, _ in VARIANTS]

@@ -6,7 +6,8 @@ floor, beside FlashInfer's fused MoE-EP layer when its log is given.
     # docs/results/bench_routed_experts{N}.md, .png
 
 Weights: SyntheticLayer(K3) experts, this rank's 896 / N (448 at N = 2). Experts backend: on
-SM90 HopperExperts(..., num_experts=896, tiles=HopperTiles(grouping=--grouping)), its default
+SM90 HopperExperts(..., num_experts=896, tiles=HopperTiles(grouping=--grouping, pdl=not
+--no-pdl)), its default
 engine (humming where installed); elsewhere `default_experts`. Routing: uniform, 16 distinct
 experts a token (synthetic_ids), fresh per T. Times: EpRouted.routed (dispatch + experts +
 combine + RMSNorm), median over --samples of CUDA-event-timed graph replays of --reps calls (eager
@@ -89,6 +90,11 @@ def main() -> int:
         action="store_true",
         help="also time each step on an EpRouted with EpConfig(check_expert_rows=True)",
     )
+    p.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="HopperExperts' kernels without programmatic dependent launch (HopperTiles.pdl)",
+    )
     args = p.parse_args()
     # The peer's log is read before any GPU work, so that a wrong file fails at once.
     peer = read_peer_log(args.peer_log, K3.experts // args.peer_ranks) if args.peer_log else {}
@@ -109,7 +115,7 @@ def main() -> int:
     synthetic = SyntheticLayer(K3, seed=1, device="cuda")
     weights_4bit = synthetic.local_weights(routed.first_expert, local)
     if HopperExperts.unsupported_reason(ctx.device) is None:
-        tiles = HopperTiles(grouping=Grouping(args.grouping))
+        tiles = HopperTiles(grouping=Grouping(args.grouping), pdl=not args.no_pdl)
         engine = default_engine(K3.latent, K3.intermediate, tiles=tiles)
         experts = HopperExperts(weights_4bit, engine=engine)
     else:  # not SM90: the device's default backend (--grouping does not apply)

@@ -433,6 +433,33 @@ def test_experts_page_shows_both_floors_and_the_percent_of_the_larger(tmp_path):
     assert (tmp_path / "bench_experts.png").stat().st_size > 0
 
 
+def test_layer_workspace_page_gives_memory_in_mib_and_flags_a_changed_output(tmp_path):
+    from bench import bench_layer_workspace as workspace
+
+    def row(tokens: int, bitwise: bool) -> dict:
+        return {
+            "local": 56,
+            "tokens": tokens,
+            "rows": 9,
+            "pairs": 13,
+            "workspace": 3 * 2**20,
+            "one call": 3 * 2**20,
+            "layers eager": 3 * 2**20,
+            "one call graph pool": 4 * 2**20,
+            "graph pool": 4 * 2**20,
+            "sequence us": 80.04,
+            "alone us": 76.0,
+            "bitwise": bitwise,
+        }
+
+    run = report.Run("python -m bench.bench_layer_workspace", "1 x H100", "torch", "2026-12-05")
+    text = workspace.write_page(tmp_path, [row(1, True), row(64, False)], 4, run).read_text()
+    assert "| local | T | rows | pairs | workspace MiB | one call peak MiB |" in text, text
+    assert "| 4 layers eager peak MiB | one call's graph pool MiB | 4 layers' graph pool" in text
+    assert "| 56 | 1 | 9 | 13 | 3 | 3 | 3 | 4 | 4 | 80.0 | 76.0 | yes |" in text, text
+    assert "| 56 | 64 | 9 | 13 | 3 | 3 | 3 | 4 | 4 | 80.0 | 76.0 | NO |" in text, text
+
+
 def raw_csv(rows: list[tuple[str, str, str, str]], time_unit: str = "ns") -> str:
     """ncu's `--csv --page raw` text as ncu 2025.3 writes it: the program's own lines first (one
     holding "ID" in quotes), the header, the units row, a launch per (kernel name, duration,
