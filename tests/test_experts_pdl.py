@@ -260,7 +260,7 @@ def test_kernel_waits_before_its_first_global_access(case):
 def test_pdl_is_off_on_cpu_and_for_interpreted_kernels():
     """launches_pdl: never for a CPU device or a kernel Triton's interpreter runs (it has no
     griddepcontrol), never when not wanted; pdl_options sets the constant and the launch
-    attribute together."""
+    attribute together, so a caller asking for PDL there gets a launch without it."""
     assert not launches_pdl(True, torch.device("cpu"), object())
     assert not launches_pdl(False, torch.device("cuda", 0), object())
     if HAVE_TRITON:
@@ -271,8 +271,10 @@ def test_pdl_is_off_on_cpu_and_for_interpreted_kernels():
 
         interpreted = InterpretedFunction(body)
         assert not launches_pdl(True, torch.device("cuda", 0), interpreted)
-    assert pdl_options(True) == {"PDL": True, "launch_pdl": True}
-    assert pdl_options(False) == {"PDL": False, "launch_pdl": False}
+        assert pdl_options(True, torch.device("cpu"), interpreted) == {
+            "PDL": False,
+            "launch_pdl": False,
+        }
 
 
 def test_tiles_pdl_must_be_a_bool():

@@ -101,7 +101,7 @@ def chunk_routes(
 ) -> ChunkRoutes:
     """One tiling's routes in the plan's chunks (ChunkRoutes), one launch, on the groups'
     device (a CUDA GPU or Triton's CPU interpreter); no host synchronisation. pdl: launch with
-    programmatic dependent launch (experts/hopper/pdl.py)."""
+    programmatic dependent launch where the device allows it (experts/hopper/pdl.py)."""
     device = groups.tile_expert.device
     slots, tiles = route_row_shape(plan.chunk, groups.block_n, num_local, groups.tile_capacity)
     out = ChunkRoutes(
@@ -128,7 +128,7 @@ def chunk_routes(
         groups.block_n,
         ROUTE_BLOCK,
         num_warps=4,
-        **pdl_options(pdl),
+        **pdl_options(pdl, device, chunk_routes_kernel),
     )
     return out
 
@@ -213,5 +213,5 @@ def gather_rows(
         GATHER_ROWS,
         block_l,
         num_warps=4,
-        **pdl_options(pdl),
+        **pdl_options(pdl, x.device, gather_rows_kernel),
     )

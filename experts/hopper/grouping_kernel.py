@@ -449,7 +449,7 @@ def group_and_route(
     """`group_pairs(ids, ...)` and `tile_routes` of it (experts/hopper/grouping.py), bitwise the
     same tensors, from one launch on ids' device (a CUDA GPU, or Triton's CPU interpreter). ids
     int32 [R, K], contiguous; block_n 1..MAX_BLOCK_N (`fits`). pdl: launch with programmatic
-    dependent launch (experts/hopper/pdl.py; `launches_pdl` says where it may)."""
+    dependent launch where the device allows it (experts/hopper/pdl.py, `pdl_options`)."""
     return _launch("group_and_route", ids, first_expert, num_local, (block_n,), pdl)[0]
 
 
@@ -559,7 +559,7 @@ def _launch(
             bins,
             BLOCK_S,
             num_warps=NUM_WARPS,
-            **pdl_options(pdl),
+            **pdl_options(pdl, device, chunk_histogram_kernel),
         )
         # Each program reads two rows of the prefix where it read every chunk's row (57 x 512
         # programs x 512 rows at T = 2048 on a DEP16 shard: 3.8 GB of L2 reads).
@@ -574,7 +574,7 @@ def _launch(
                 width,
                 PREFIX_TILE // width,
                 num_warps=NUM_WARPS,
-                **pdl_options(pdl),
+                **pdl_options(pdl, device, chunk_prefix_kernel),
             )
     # group_route_kernel's arguments, in the groups of its signature.
     pair_outputs = (a.pair_row, a.pair_flat, a.pair_slot, a.num_pairs, a.expert_pairs)
@@ -591,6 +591,6 @@ def _launch(
         *_tile_lanes(b),
         *flags,
         num_warps=NUM_WARPS,
-        **pdl_options(pdl),
+        **pdl_options(pdl, device, group_route_kernel),
     )
     return tilings

@@ -329,12 +329,12 @@ class HummingPrepared:
         """forward's contract (same tensors) on the humming engine, R >= 1: on the slots or in
         chunks (module docstring); `failure` as TritonEngine's finalize takes it."""
         from dep_ep.experts.hopper import kernels
-        from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
+        from dep_ep.experts.hopper.pdl import pdl_options
         from dep_ep.experts.hopper.triton_engine import fail_step
 
         rows, topk = ids.shape
         shape = self.shape(rows, topk)
-        pdl = launches_pdl(self.tiles.pdl, x.device, kernels.finalize_kernel)
+        pdl = self.tiles.pdl
         tilings = routed_tilings(
             ids,
             self.first_expert,
@@ -363,13 +363,13 @@ class HummingPrepared:
             columns,
             **fail_step(failure),
             num_warps=self.tiles.finalize_warps,
-            **pdl_options(pdl),
+            **pdl_options(pdl, out.device, kernels.finalize_kernel),
         )
         return out
 
     def _situ(self, gate_up, pair_flat, num_pairs, act, act_scale, rows, indexed, pdl) -> None:
         """situ_mxfp8_kernel over `rows` activation rows (`indexed`: gate_up row pair_flat[j]),
-        with programmatic dependent launch when `pdl`."""
+        with programmatic dependent launch where `pdl` (wanted) and the device allow."""
         from dep_ep.experts.hopper import kernels
         from dep_ep.experts.hopper.pdl import pdl_options
 
@@ -388,12 +388,12 @@ class HummingPrepared:
             self.situ_block_i,
             indexed,
             num_warps=4,
-            **pdl_options(pdl),
+            **pdl_options(pdl, act.device, kernels.situ_mxfp8_kernel),
         )
 
     def _on_slots(self, x, sf, ids, tilings, tuned: int, pdl: bool) -> torch.Tensor:
         """FC1 on the receive rows (top_k = K, one output row a slot), SiTU, FC2, humming's
-        kernels chosen for `tuned` pairs, our kernels launched with PDL when `pdl`: the expert
+        kernels chosen for `tuned` pairs, ours launched with PDL where `pdl` (pdl.py): the expert
         output BF16 [R * K, L] by pair number (a call on the slots never overflows: its
         max_pairs is its capacity)."""
         from dep_ep.experts.hopper import kernels
@@ -406,7 +406,12 @@ class HummingPrepared:
         # humming reads the rows' scales as fp32 2^(byte - 127).
         scales = torch.empty(sf.shape, dtype=torch.float32, device=x.device)
         kernels.widen_scales_kernel[(-(-sf.numel() // WIDEN_BLOCK),)](
-            sf, scales, sf.numel(), WIDEN_BLOCK, num_warps=4, **pdl_options(pdl)
+            sf,
+            scales,
+            sf.numel(),
+            WIDEN_BLOCK,
+            num_warps=4,
+            **pdl_options(pdl, sf.device, kernels.widen_scales_kernel),
         )
         # FC1 reads row id // K of x for pair id = row * K + k and writes row id of gate_up.
         gate_up = torch.empty(capacity, 2 * inter, dtype=torch.bfloat16, device=x.device)
@@ -442,9 +447,9 @@ class HummingPrepared:
 
     def _in_chunks(self, x, sf, ids, tilings, plan, tuned: int, pdl: bool) -> torch.Tensor:
         """Each chunk's pairs gathered, FC1, SiTU and FC2 (experts/hopper/chunks.py), humming's
-        kernels chosen for `tuned` pairs, ours launched with PDL when `pdl`: the expert output
-        BF16 [P, L] by pair number, P = plan.pairs (the finalize's bound: a call over it writes
-        NaN rows, never reads past P)."""
+        kernels chosen for `tuned` pairs, ours launched with PDL where `pdl` (pdl.py): the
+        expert output BF16 [P, L] by pair number, P = plan.pairs (the finalize's bound: a call
+        over it writes NaN rows, never reads past P)."""
         inter, latent = self.intermediate, self.latent
         from dep_ep.experts.hopper.chunk_kernels import chunk_routes, gather_rows
 

@@ -4,9 +4,9 @@ A kernel launched with PDL (Triton's `launch_pdl=True`, humming's `use_pdl`) may
 while the kernel before it on the stream is still running, once every program of that kernel
 has run `griddepcontrol.launch_dependents` (or exited); its programs then wait in
 `griddepcontrol.wait` until the kernel before has completed and its memory is visible. What it
-saves is the launch latency and ramp between two kernels of a call: the gaps between kernels
-and the programs' start-up, which at T = 1 are a few us of a call of 70-120 us
-(docs/experts.md, "Where the time goes").
+saves is the launch latency and ramp between two kernels of a call: on one H200, 4 us of a call
+at T = 1 (76 -> 72 us at 56 local experts) and 2-19 us from T = 4 to 256 (docs/experts.md,
+"Programmatic dependent launch").
 
 Each of HopperExperts' Triton kernels takes PDL: tl.constexpr and starts with `wait_then_release`
 (PDL): wait for the kernel before, then let the kernel after launch, before any global memory
@@ -16,11 +16,14 @@ launched only once every program of the kernel before them has waited, so once t
 before that have completed. A kernel launched without PDL (torch's, a caller's) waits for the
 whole stream before it as always, and one launched with PDL after it starts when it completes.
 
-Triton's CPU interpreter runs no `griddepcontrol` (the kernels there take PDL False):
-`launches_pdl` is False for a CPU device and for the interpreter's kernels.
+Each launch asks `pdl_options(wanted, device, kernel)`: PDL where it is wanted (HopperTiles.pdl)
+and can run, that is on a CUDA device of SM90 or later and not in Triton's CPU interpreter
+(which runs no `griddepcontrol`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -31,22 +34,31 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 PDL_MIN_MAJOR = 9
 
 
+@functools.cache
+def device_has_pdl(index: int) -> bool:
+    """Whether CUDA device `index` has griddepcontrol (compute capability 9.0 or later)."""
+    return torch.cuda.get_device_capability(index)[0] >= PDL_MIN_MAJOR
+
+
 def launches_pdl(wanted: bool, device: torch.device, kernel) -> bool:
-    """Whether HopperExperts' kernels on `device` run with PDL: `wanted` (HopperTiles.pdl), a
-    CUDA device of compute capability 9.0 or later, and `kernel` (any of ours) compiled for the
-    GPU, not run by Triton's CPU interpreter."""
+    """Whether `kernel` (one of HopperExperts' Triton kernels) runs with PDL on `device`:
+    `wanted` (HopperTiles.pdl), a CUDA device with griddepcontrol, and the kernel compiled for
+    the GPU, not run by Triton's CPU interpreter."""
     if not wanted or device.type != "cuda":
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(kernel, InterpretedFunction):
         return False
-    return torch.cuda.get_device_capability(device)[0] >= PDL_MIN_MAJOR
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device_has_pdl(index)
 
 
-def pdl_options(pdl: bool) -> dict:
-    """A Triton launch's keyword arguments for `pdl`: the kernel's PDL constant and the launch
-    attribute (both or neither: a kernel launched with PDL must wait)."""
+def pdl_options(wanted: bool, device: torch.device, kernel) -> dict:
+    """The keyword arguments of a launch of `kernel` on `device`: the kernel's PDL constant and
+    Triton's launch attribute, both set where `launches_pdl` says so and neither elsewhere (a
+    kernel launched with PDL must wait, and the interpreter cannot)."""
+    pdl = launches_pdl(wanted, device, kernel)
     return {"PDL": pdl, "launch_pdl": pdl}
 
 

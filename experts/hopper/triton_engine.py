@@ -217,10 +217,9 @@ def fused_experts(
     rows, topk = ids.shape
     # The kernel grouping also writes tile routes, which this engine does not read (workspace_parts
     # counts them).
-    from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
+    from dep_ep.experts.hopper.pdl import pdl_options
 
-    pdl = launches_pdl(tiles.pdl, x.device, kernels.finalize_kernel)
-    groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping, pdl)
+    groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping, tiles.pdl)
     if max_pairs is not None and max_pairs < 1:
         raise ValueError(f"fused_experts: max_pairs={max_pairs}; expected None or >= 1")
     # At least one row: R = 0 (a direct call; forward returns before) launches on empty work.
@@ -231,7 +230,9 @@ def fused_experts(
         pairs_over_budget = torch.zeros(1, dtype=torch.int32, device=x.device)
     act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(pairs, latent, dtype=torch.bfloat16, device=x.device)
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **pdl_options(pdl)}
+    # fc1_situ_kernel and fc2_kernel: one compile each, PDL alike.
+    pdl = pdl_options(tiles.pdl, x.device, kernels.fc1_situ_kernel)
+    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **pdl}
     budget = (groups.num_pairs, pairs)
     tile_args = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
     fc1_work = groups.tile_capacity * (inter // tiles.fc1_block_m)
@@ -286,6 +287,6 @@ def fused_experts(
             columns,
             **fail_step(failure),
             num_warps=tiles.finalize_warps,
-            **pdl_options(pdl),
+            **pdl_options(tiles.pdl, out.device, kernels.finalize_kernel),
         )
     return out
