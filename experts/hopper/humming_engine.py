@@ -363,13 +363,15 @@ class HummingPrepared:
             columns,
             **fail_step(failure),
             num_warps=self.tiles.finalize_warps,
-            **pdl_options(pdl, out.device, kernels.finalize_kernel),
+            # After FC2: launched behind the whole stream, releasing the combine (pdl.py).
+            **pdl_options(pdl, out.device, kernels.finalize_kernel, after_humming=True),
         )
         return out
 
     def _situ(self, gate_up, pair_flat, num_pairs, act, act_scale, rows, indexed, pdl) -> None:
         """situ_mxfp8_kernel over `rows` activation rows (`indexed`: gate_up row pair_flat[j]),
-        with programmatic dependent launch where `pdl` (wanted) and the device allow."""
+        right after FC1: launched behind the whole stream, releasing FC2 at once where `pdl`
+        (wanted) and the device allow (pdl.py, after_humming)."""
         from dep_ep.experts.hopper import kernels
         from dep_ep.experts.hopper.pdl import pdl_options
 
@@ -388,7 +390,7 @@ class HummingPrepared:
             self.situ_block_i,
             indexed,
             num_warps=4,
-            **pdl_options(pdl, act.device, kernels.situ_mxfp8_kernel),
+            **pdl_options(pdl, act.device, kernels.situ_mxfp8_kernel, after_humming=True),
         )
 
     def _on_slots(self, x, sf, ids, tilings, tuned: int, pdl: bool) -> torch.Tensor:
@@ -466,7 +468,8 @@ class HummingPrepared:
         expert_out = torch.empty(plan.pairs, latent, dtype=torch.bfloat16, device=device)
         for i in range(plan.chunks):
             pairs = fc1_cut.pairs[i:]  # element 0: chunk i's pair count
-            gather_rows(x, sf, groups.pair_row, i * c, pairs, xg, xs, self.sms, pdl)
+            # Chunks after the first gather behind the last chunk's FC2 (pdl.py, after_humming).
+            gather_rows(x, sf, groups.pair_row, i * c, pairs, xg, xs, self.sms, pdl, i > 0)
             self.fc1(
                 xg.view(torch.float8_e4m3fn),
                 xs,

@@ -4,8 +4,9 @@ A kernel launched with PDL (Triton's `launch_pdl=True`, humming's `use_pdl`) may
 while the kernel before it on the stream is still running, once every program of that kernel
 has run `griddepcontrol.launch_dependents` (or exited); its programs then wait in
 `griddepcontrol.wait` until the kernel before has completed and its memory is visible. What it
-saves is the launch latency and ramp between two kernels of a call: on one H200, 4 us of a call
-at T = 1 (76 -> 72 us at 56 local experts) and 2-19 us from T = 4 to 256 (docs/experts.md,
+saves is the launch latency and ramp between two kernels of a call: on one H200, with every
+kernel launched with PDL (before `after_humming`, below, which is not timed), 4 us of a call at
+T = 1 (76 -> 72 us at 56 local experts) and 2-19 us from T = 4 to 256 (docs/experts.md,
 "Programmatic dependent launch").
 
 Each of HopperExperts' Triton kernels takes PDL: tl.constexpr and starts with `wait_then_release`
@@ -15,6 +16,13 @@ by the grouping, two kernels before FC1) before their own `griddepcontrol.wait`;
 launched only once every program of the kernel before them has waited, so once the kernels
 before that have completed. A kernel launched without PDL (torch's, a caller's) waits for the
 whole stream before it as always, and one launched with PDL after it starts when it completes.
+
+The kernel after one of humming's GEMMs is launched without PDL (`after_humming`): humming's
+CTAs that get no tile exit without `griddepcontrol.wait`, so a GEMM with no pair (a call or a
+chunk without one) can complete while the kernel before it still runs, and a wait on that GEMM
+alone would not cover it (the PTX manual promises a wait on the grids a kernel depends on, not
+on theirs). Launched without PDL, the kernel starts once everything before it on the stream has
+completed; it still releases the kernel after it at once.
 
 Each launch asks `pdl_options(wanted, device, kernel)`: PDL where it is wanted (HopperTiles.pdl)
 and can run, that is on a CUDA device of SM90 or later and not in Triton's CPU interpreter
@@ -54,12 +62,14 @@ def launches_pdl(wanted: bool, device: torch.device, kernel) -> bool:
     return device_has_pdl(index)
 
 
-def pdl_options(wanted: bool, device: torch.device, kernel) -> dict:
-    """The keyword arguments of a launch of `kernel` on `device`: the kernel's PDL constant and
-    Triton's launch attribute, both set where `launches_pdl` says so and neither elsewhere (a
-    kernel launched with PDL must wait, and the interpreter cannot)."""
+def pdl_options(wanted: bool, device: torch.device, kernel, *, after_humming: bool = False) -> dict:
+    """The keyword arguments of a launch of `kernel` on `device`: the kernel's PDL constant (wait,
+    then release the next kernel) where `launches_pdl` says so, and Triton's launch attribute
+    with it unless the kernel comes right after one of humming's GEMMs (`after_humming`: module
+    docstring). Never the attribute without the constant: a kernel launched with PDL must wait,
+    and the interpreter runs neither."""
     pdl = launches_pdl(wanted, device, kernel)
-    return {"PDL": pdl, "launch_pdl": pdl}
+    return {"PDL": pdl, "launch_pdl": pdl and not after_humming}
 
 
 @triton.jit

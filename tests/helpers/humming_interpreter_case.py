@@ -26,11 +26,17 @@ CASE:
             128 and 129 pairs against the budget of 128: the first bitwise as no budget, the
             second NaN in every row with a local id, the rows without one untouched, no GEMM tile
             computed and the record [FAILURE_PAIR_BUDGET, 129, 128, tag].
+  "pdl"     the launches of a call on the slots and in chunks (dense rows, and rows without a
+            local pair), in order with the GEMM calls: every Triton launch asks for programmatic
+            dependent launch (the default tiles), and exactly those right after a humming GEMM
+            ask with after_humming (launched without the attribute: experts/hopper/pdl.py); the
+            interpreter runs every launch without PDL, so the result is the chunks case's.
 Prints "ok CASE ..." when every check holds, else raises naming the seed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -280,7 +286,69 @@ def budget(seed: int) -> None:
     print(f"ok budget seed {seed}: {pairs} pairs, then 128 and 129 against 128")
 
 
+class LoggedGemm:
+    """An IndexedGemm that appends ("gemm", name) to `events` at each call."""
+
+    def __init__(self, gemm: IndexedGemm, name: str, events: list) -> None:
+        self.gemm, self.name, self.events = gemm, name, events
+
+    def block_m(self, pairs: int) -> int:
+        return self.gemm.block_m(pairs)
+
+    def __call__(self, *args):
+        self.events.append(("gemm", self.name))
+        return self.gemm(*args)
+
+
+def pdl(seed: int) -> None:
+    from dep_ep.experts.hopper import chunk_kernels, grouping_kernel
+    from dep_ep.experts.hopper import pdl as pdl_module
+
+    events = []  # ("gemm", name) and ("launch", kernel, wanted, after_humming), in call order
+    real = pdl_module.pdl_options
+
+    def recorded(wanted, device, kernel, *, after_humming=False):
+        events.append(("launch", kernel.fn.__name__, wanted, after_humming))
+        return real(wanted, device, kernel, after_humming=after_humming)
+
+    for module in (pdl_module, chunk_kernels, grouping_kernel):
+        module.pdl_options = recorded
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyntheticLayer(GEOMETRY, seed)
+    done = []
+    for chunk_pairs in (1024, CHUNK):
+        call = prepared(layer, chunk_pairs, None)
+        call = dataclasses.replace(
+            call, fc1=LoggedGemm(call.fc1, "fc1", events), fc2=LoggedGemm(call.fc2, "fc2", events)
+        )
+        for kind in ("dense", "none local"):
+            ids, weights = rows_for("dense", gen)
+            if kind == "none local":
+                ids = torch.where(ids >= 0, FIRST + COUNT, ids)  # a remote expert everywhere
+            latent = torch.randn(ids.shape[0], GEOMETRY.latent, generator=gen).to(torch.bfloat16)
+            x, sf = mxfp8_quantize(latent)
+            events.clear()
+            out = torch.full((ids.shape[0], GEOMETRY.latent), float("nan"), dtype=torch.bfloat16)
+            call(x, sf, ids, weights, out)
+            where = f"pdl seed {seed}, chunk_pairs {chunk_pairs}, {kind}"
+            gemms = [e for e in events if e[0] == "gemm"]
+            launches = [e for e in events if e[0] == "launch"]
+            assert gemms and launches, f"{where}: {events}"
+            assert events[-1][:2] == ("launch", "finalize_kernel"), f"{where}: {events[-3:]}"
+            for before, event in zip([None, *events], events):
+                if event[0] != "launch":
+                    continue
+                behind = before is not None and before[0] == "gemm"
+                assert event[2] is True, f"{where}: {event} does not ask for PDL"
+                assert event[3] is behind, f"{where}: {event} after {before}"
+            assert all(b[0] == "launch" for a, b in zip(events, events[1:]) if a[0] == "gemm")
+            if kind == "none local":
+                assert out.isnan().all(), f"{where}: a row without a local id changed"
+            done.append(f"{where.split(', ', 1)[1]}: {len(gemms)} GEMMs, {len(launches)} launches")
+    print(f"ok pdl seed {seed}: " + "; ".join(done))
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
-    {"chunks": chunks, "budget": budget}[sys.argv[1]](int(sys.argv[2]))
+    {"chunks": chunks, "budget": budget, "pdl": pdl}[sys.argv[1]](int(sys.argv[2]))
