@@ -277,6 +277,18 @@ def test_pdl_is_off_on_cpu_and_for_interpreted_kernels():
         }
 
 
+def test_pdl_requests_must_be_bools():
+    """A launch's request (the grouping's and chunk kernels' `pdl`) and HummingGemm's pdl: a
+    TypeError naming the value, not a truthiness guess."""
+    for value in (None, 1, "no", torch.tensor(True)):
+        with pytest.raises(TypeError, match="pdl=.*; expected a bool"):
+            launches_pdl(value, torch.device("cpu"), object())
+    assert not launches_pdl(True, "cpu", object())  # a device's name is taken
+    for value in (1, "no"):
+        with pytest.raises(TypeError, match="HummingGemm: pdl=.*; expected None or a bool"):
+            HummingGemm(None, {}, torch.zeros(1), {}, False, value)
+
+
 def test_tiles_pdl_must_be_a_bool():
     """Checked with the other tiles when HopperExperts is built, before the device."""
     weights = SyntheticLayer(TINY, 0).local_weights(0, 4)

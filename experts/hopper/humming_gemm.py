@@ -70,6 +70,10 @@ class HummingGemm:
     deterministic: bool
     pdl: bool | None = None
 
+    def __post_init__(self) -> None:
+        if self.pdl is not None and not isinstance(self.pdl, bool):
+            raise TypeError(f"HummingGemm: pdl={self.pdl!r}; expected None or a bool")
+
     @classmethod
     def prepare(
         cls,
@@ -77,6 +81,7 @@ class HummingGemm:
         scales: torch.Tensor,
         deterministic: bool,
         bf16_inputs: bool = False,
+        *,
         pdl: bool | None = None,
     ) -> HummingGemm:
         """bf16_inputs: humming's W4A16 kernels, for BF16 inputs without scales (the weights in

@@ -50,8 +50,12 @@ def device_has_pdl(index: int) -> bool:
 
 def launches_pdl(wanted: bool, device: torch.device, kernel) -> bool:
     """Whether `kernel` (one of HopperExperts' Triton kernels) runs with PDL on `device`:
-    `wanted` (HopperTiles.pdl), a CUDA device with griddepcontrol, and the kernel compiled for
-    the GPU, not run by Triton's CPU interpreter."""
+    `wanted` (HopperTiles.pdl; TypeError unless a bool), a CUDA device with griddepcontrol (a
+    torch.device or its name), and the kernel compiled for the GPU, not run by Triton's CPU
+    interpreter."""
+    if not isinstance(wanted, bool):
+        raise TypeError(f"pdl={wanted!r}; expected a bool")
+    device = torch.device(device)
     if not wanted or device.type != "cuda":
         return False
     from triton.runtime.interpreter import InterpretedFunction
