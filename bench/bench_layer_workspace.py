@@ -11,9 +11,8 @@ its own output. Memory, above what was allocated once the layers, rows and outpu
 peak during one eager call of every layer in turn; "graph pool": the memory the allocator
 reserved for a CUDA graph (its private pool, after torch.cuda.empty_cache()) of the first
 layer's call, and of every layer's call once; "workspace": HopperExperts.workspace_bytes of one
-call. Time: a graph
-of every layer's call, replayed (median of --samples), per layer, against a graph of the first
-layer's call alone replayed --layers times (its rows and weights then stay in L2 across calls
+call. Time: a graph of every layer's call, replayed (median of --samples), per layer, against
+a graph of --layers calls of the first layer (its rows and weights then stay in L2 across calls
 where they fit, the layers' own weights do not). Output: every layer's rows compared bitwise
 with its own eager call (deterministic=True, so a rerun is bitwise equal).
 """

@@ -1,14 +1,15 @@
 """Programmatic dependent launch between HopperExperts' kernels (experts/hopper/pdl.py).
 
-On CPU: every Triton kernel of both engines, compiled for SM90 with PDL, waits for the kernel
-before it (griddepcontrol.wait) before its first global memory access and then releases the
-kernel after it (griddepcontrol.launch_dependents); without PDL it has neither. Where PDL is
-off (CPU, the interpreter, HopperTiles(pdl=False)), the flag's check, and humming's `use_pdl`
-following HopperTiles.pdl. On an SM90 GPU: a kernel that lets the next launch at once and
-writes the call's routing ids and rows 200 us later, then a call of each engine (on the slots
-and in chunks) launched right behind it, bitwise equal to the same call once the writer is
-done; beside it, a control kernel launched with PDL that does not wait reads the stale values
-(so the GPU does launch early, and the test could see a kernel that read too soon).
+On CPU: every Triton kernel the engines launch (the list checked against the modules), compiled
+for SM90 with PDL, waits for the kernel before it (griddepcontrol.wait) before its first global
+memory access and then releases the kernel after it (griddepcontrol.launch_dependents); without
+PDL it has neither. Where PDL is off (CPU, the interpreter, HopperTiles(pdl=False)), the
+requests' checks, and humming's GEMMs never launching with it. On an SM90 GPU: a kernel that
+lets the next launch at once and writes the call's routing ids 200 us later, then a call of each
+engine (on the slots, in chunks, with the torch grouping, over one to seven grouping chunks,
+without a local pair) launched right behind it, bitwise equal to the same call without PDL;
+beside it, a control kernel launched with PDL that does not wait reads the stale values (so the
+GPU does launch early, and the test could see a kernel that read too soon).
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ import torch
 from dep_ep.comm.mxfp8 import mxfp8_quantize
 from dep_ep.config import K3, TINY, MoeGeometry
 from dep_ep.cuda_graphs import capture_graph
-from dep_ep.experts.hopper import HopperExperts, HopperTiles, HummingEngine, TritonEngine
+from dep_ep.experts.hopper import (
+    Grouping,
+    HopperExperts,
+    HopperTiles,
+    HummingEngine,
+    TritonEngine,
+)
 from dep_ep.experts.hopper.humming_gemm import HummingGemm
 from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
 from dep_ep.testing.synthetic import SyntheticLayer
@@ -31,8 +38,10 @@ from dep_ep.testing.synthetic import SyntheticLayer
 from helpers.interpreter import HAVE_TRITON, NO_TRITON
 
 SM90 = 90
-# PTX instructions that touch global memory (loads, stores, atomics, reductions, bulk copies).
-GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld|st|atom|red|cp)\.[\w.:]*global")
+# PTX instructions that may touch global memory: loads, stores, atomics, reductions, copies and
+# prefetches, predicated or not, in the global state space or in none named (generic addresses).
+MEMORY_OP = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|ldu|st|atom|red|cp|prefetch)\.([\w.:]+)")
+OTHER_SPACES = (".param", ".shared", ".local", ".const")
 WAIT = "griddepcontrol.wait"
 RELEASE = "griddepcontrol.launch_dependents"
 
@@ -234,10 +243,34 @@ def ptx_order(ptx: str) -> tuple[int | None, int | None, int]:
             wait = n
         if release is None and RELEASE in line:
             release = n
-        if access is None and GLOBAL_ACCESS.match(line):
+        op = MEMORY_OP.match(line)
+        spaces = "." + op.group(3) if op else ""
+        is_global = ".global" in spaces or not any(space in spaces for space in OTHER_SPACES)
+        if access is None and op and is_global:
             access = n
     assert access is not None, "no global access in the PTX: the pattern no longer matches"
     return wait, release, access
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter's kernels are not JIT ones"
+)
+def test_every_kernel_of_the_engines_is_checked():
+    """kernel_cases lists every Triton kernel of the modules the engines launch from (a new one
+    must be added there, with its PDL wait)."""
+    import triton
+
+    from dep_ep.experts.hopper import chunk_kernels, grouping_kernel, kernels
+
+    found = {
+        name
+        for module in (kernels, grouping_kernel, chunk_kernels)
+        for name, value in vars(module).items()
+        if name.endswith("_kernel") and isinstance(value, triton.runtime.jit.JITFunction)
+    }
+    assert found, "no kernel found: the search no longer matches"
+    assert found == {name for name, *_ in kernel_cases()}
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
@@ -278,15 +311,12 @@ def test_pdl_is_off_on_cpu_and_for_interpreted_kernels():
 
 
 def test_pdl_requests_must_be_bools():
-    """A launch's request (the grouping's and chunk kernels' `pdl`) and HummingGemm's pdl: a
-    TypeError naming the value, not a truthiness guess."""
+    """A launch's request (the grouping's and chunk kernels' `pdl`): a TypeError naming the
+    value, not a truthiness guess."""
     for value in (None, 1, "no", torch.tensor(True)):
         with pytest.raises(TypeError, match="pdl=.*; expected a bool"):
             launches_pdl(value, torch.device("cpu"), object())
     assert not launches_pdl(True, "cpu", object())  # a device's name is taken
-    for value in (1, "no"):
-        with pytest.raises(TypeError, match="HummingGemm: pdl=.*; expected None or a bool"):
-            HummingGemm(None, {}, torch.zeros(1), {}, False, value)
 
 
 def test_tiles_pdl_must_be_a_bool():
@@ -298,18 +328,18 @@ def test_tiles_pdl_must_be_a_bool():
     assert HopperTiles().pdl is True
 
 
-def test_humming_tuning_takes_pdl_from_the_engine(monkeypatch):
-    """HummingGemm.tuning sets humming's use_pdl to its pdl (HummingEngine passes
-    HopperTiles.pdl) over the heuristic's choice, and leaves the heuristic's when pdl is None."""
+def test_humming_gemms_never_launch_with_pdl(monkeypatch):
+    """HummingGemm.tuning sets humming's use_pdl off over any heuristic choice: its CTAs without
+    a tile would exit without waiting (experts/hopper/pdl.py)."""
 
     def heuristic(self, pairs):
-        return {"block_shape": (16, 128, 256), "use_pdl": "heuristic"}
+        return {"block_shape": (16, 128, 256), "use_pdl": True}
 
     monkeypatch.setattr(HummingGemm, "heuristic", heuristic)
-    for pdl, want in ((True, True), (False, False), (None, "heuristic")):
-        gemm = HummingGemm(None, {}, torch.zeros(1), {}, False, pdl)
-        assert gemm.tuning(512)["use_pdl"] == want, pdl
-        assert gemm.tuning(512)["use_stream_k"] is False  # TUNING_UPDATES still applied
+    gemm = HummingGemm(None, {}, torch.zeros(1), {}, False)
+    for pairs in (16, 512, 4096):
+        assert gemm.tuning(pairs)["use_pdl"] is False, pairs
+    assert gemm.tuning(512)["use_stream_k"] is False  # TUNING_UPDATES still applied
 
 
 def sm90_here() -> str | None:
@@ -359,33 +389,61 @@ K3_WIDTHS = MoeGeometry(
     intermediate=K3.intermediate,
 )
 LOCAL = 8  # experts 0..7 of K3_WIDTHS' 32 are local
-ENGINES = {
-    "triton": TritonEngine(),
-    "humming-slots": HummingEngine(deterministic=True),
-    # Chunks of 64 pairs: a 48-row call runs in chunks (gathers, chunk routes).
-    "humming-chunks": HummingEngine(deterministic=True, chunk_pairs=64),
-}
+TORCH_GROUPING = HopperTiles(grouping=Grouping.TORCH)
+# (id, engine, rows, routing): the engines' paths. 48 rows x 16 slots fit one grouping chunk of
+# 1024 slots; 80 rows take two (the histogram and torch's cumsum), 400 rows seven (the prefix
+# kernel). "none local": no row has a local id, so humming's GEMMs get no tile (their CTAs exit
+# without waiting); its stale ids are local, so a call reading them would write rows.
+CASES = [
+    ("triton", TritonEngine(), 48, "mixed"),
+    ("triton-torch-grouping", TritonEngine(tiles=TORCH_GROUPING), 48, "mixed"),
+    ("humming-slots", HummingEngine(deterministic=True), 48, "mixed"),
+    ("humming-slots-80", HummingEngine(deterministic=True), 80, "mixed"),
+    ("humming-slots-400", HummingEngine(deterministic=True), 400, "mixed"),
+    ("humming-slots-none-local", HummingEngine(deterministic=True), 48, "none local"),
+    (
+        "humming-torch-grouping",
+        HummingEngine(deterministic=True, tiles=TORCH_GROUPING),
+        48,
+        "mixed",
+    ),
+    # Chunks of 64 pairs: a 48-row call runs in chunks (gathers, chunk routes), most of them
+    # without a pair.
+    ("humming-chunks", HummingEngine(deterministic=True, chunk_pairs=64), 48, "mixed"),
+    (
+        "humming-chunks-none-local",
+        HummingEngine(deterministic=True, chunk_pairs=64),
+        48,
+        "none local",
+    ),
+]
 
 
-def call_rows(rows: int, seed: int):
-    """(x, sf, ids, weights) on the GPU: MXFP8 rows, 16 distinct ids of 32 a row, fp32 weights."""
+def call_rows(rows: int, seed: int, routing: str):
+    """(x, sf, fresh ids, stale ids, weights) on the GPU: MXFP8 rows, 16 distinct ids of 32 a
+    row ("none local": of experts LOCAL..31 and -1), fp32 weights; stale: ids the call must not
+    see (-1 everywhere, or every row's local experts for "none local")."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(32, generator=gen)[: K3.topk] for _ in range(rows)]).int()
+    stale = torch.full_like(ids, -1)
+    if routing == "none local":
+        stale = torch.where(ids < LOCAL, ids, -1)
+        ids = torch.where(ids < LOCAL, -1, ids)
     latent = torch.randn(rows, K3.latent, generator=gen).to(torch.bfloat16)
     weights = torch.rand(rows, K3.topk, generator=gen)
     x, sf = mxfp8_quantize(latent)
-    return x.cuda(), sf.cuda(), ids.cuda(), weights.cuda()
+    return x.cuda(), sf.cuda(), ids.cuda(), stale.cuda(), weights.cuda()
 
 
 @pytest.mark.skipif(sm90_here() is not None, reason=str(sm90_here()))
-@pytest.mark.parametrize("name", list(ENGINES))
-def test_a_call_behind_a_late_writer_reads_what_it_wrote_on_gpu(name):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_a_call_behind_a_late_writer_reads_what_it_wrote_on_gpu(case):
     """The routing ids of a call written by a kernel that releases the next launch at once and
     writes them 200 us later: the call (its kernels with PDL) equals, bit for bit, the same call
     without PDL once the writer is done, eager and in a graph that replays both. A control
     kernel launched with PDL that does not wait (widen_scales_kernel with PDL False) reads the
     ids before the writer wrote them: this GPU launches early, so the comparison could fail."""
-    engine = ENGINES[name]
+    name, engine, rows, routing = case
     if isinstance(engine, HummingEngine):
         from dep_ep.experts.hopper.humming_engine import humming_installed
 
@@ -397,29 +455,32 @@ def test_a_call_behind_a_late_writer_reads_what_it_wrote_on_gpu(name):
     seed = int.from_bytes(os.urandom(4), "little")
     weights = SyntheticLayer(K3_WIDTHS, seed).local_weights(0, LOCAL).to("cuda")
     with_pdl = HopperExperts(weights, engine=engine)
-    without = HopperExperts(weights, engine=replace(engine, tiles=HopperTiles(pdl=False)))
-    rows = 48
-    x, sf, fresh, route_weights = call_rows(rows, seed)
-    stale = torch.full_like(fresh, -1)  # no local id: a call reading these writes no row
+    no_pdl = replace(engine, tiles=replace(engine.tiles, pdl=False))
+    without = HopperExperts(weights, engine=no_pdl)
+    x, sf, fresh, stale, route_weights = call_rows(rows, seed, routing)
     want = without.forward(x, sf, fresh, route_weights, poisoned(rows))
-    assert not want[((fresh >= 0) & (fresh < LOCAL)).any(dim=1)].isnan().any()
+    written = ((fresh >= 0) & (fresh < LOCAL)).any(dim=1)
+    assert not want[written].isnan().any() and want[~written].isnan().all()
+    assert routing != "none local" or not written.any()
 
-    # Control: the first id's 4 bytes read by a kernel that does not wait. The stale bytes
-    # (0xFF) widen to NaN; the fresh id's (an expert < 32, then zeros) to finite values. Each
-    # kernel runs once first: a launch that compiles starts after the writer is long done.
-    ids = stale.clone()
+    # Control: the first id's 4 bytes read by a kernel that does not wait, behind the writer.
+    # Bytes of -1 (0xFF) widen to NaN; a written id's (an expert < 32, then zeros) to finite
+    # values. Each kernel runs once first: a launch that compiles starts after the writer is done.
+    control = torch.full_like(fresh, -1)
+    written_ids = torch.full_like(fresh, 5)
     seen = torch.zeros(4, dtype=torch.float32, device="cuda")
-    write[(1,)](fresh, ids, fresh.numel(), 0, BLOCK=1024)
-    kernels.widen_scales_kernel[(1,)](ids.view(torch.uint8), seen, 4, 1024, launch_pdl=True)
+    write[(1,)](written_ids, control, fresh.numel(), 0, BLOCK=1024)
+    kernels.widen_scales_kernel[(1,)](control.view(torch.uint8), seen, 4, 1024, launch_pdl=True)
     with_pdl.forward(x, sf, fresh, route_weights, poisoned(rows))
-    ids.copy_(stale)
+    control.fill_(-1)
     torch.cuda.synchronize()
-    write[(1,)](fresh, ids, fresh.numel(), LATE_NS, BLOCK=1024)
-    kernels.widen_scales_kernel[(1,)](ids.view(torch.uint8), seen, 4, 1024, launch_pdl=True)
+    write[(1,)](written_ids, control, fresh.numel(), LATE_NS, BLOCK=1024)
+    kernels.widen_scales_kernel[(1,)](control.view(torch.uint8), seen, 4, 1024, launch_pdl=True)
     torch.cuda.synchronize()
-    assert torch.equal(ids, fresh), "the writer did not write"
+    assert torch.equal(control, written_ids), "the writer did not write"
     assert seen.isnan().all(), f"seed {seed}: the control read {seen.tolist()}: no early launch"
 
+    ids = stale.clone()
     for attempt in range(3):
         ids.copy_(stale)
         got = poisoned(rows)

@@ -196,10 +196,9 @@ def test_pair_budget_in_triton_interpreter():
 def test_humming_engine_in_chunks_in_triton_interpreter(case):
     """The humming engine's call with a torch stand-in for humming's GEMM: in chunks bitwise equal
     to the call on the slots, both equal to the rounding recipe in torch, the pair budget's NaN
-    rows and records, workspace_parts exact, and which launches ask for programmatic dependent
-    launch (every one, the kernels right after a GEMM without the launch attribute)
-    (tests/helpers/humming_interpreter_case.py). The call runs the grouping kernel, which loops
-    to a kernel argument."""
+    rows and records, workspace_parts exact, and every launch asking for programmatic
+    dependent launch as the tiles say (tests/helpers/humming_interpreter_case.py). The call runs
+    the grouping kernel, which loops to a kernel argument."""
     skip_without_interpreter_loops()
     seed = fresh_seed()
     run_in_interpreter("helpers.humming_interpreter_case", case, str(seed), expect=f"ok {case}")

@@ -190,14 +190,12 @@ def gather_rows(
     xs: torch.Tensor,
     sms: int,
     pdl: bool = False,
-    after_humming: bool = False,
 ) -> None:
     """Launch gather_rows_kernel: x uint8 [R, L] (e4m3 bytes), sf uint8 [R, L/32] (E8M0),
     pair_row int32 [R * K] (PairGroups: the receive row of pair p, in expert order), rows
     first_pair .. first_pair + count - 1 of it, count = element 0 of chunk_pairs (an int32 view,
     ChunkRoutes.pairs[c:]), into xg uint8 [C, L] and xs fp32 [C, L/32] (rows past count
-    untouched); `sms` sizes the grid; pdl as in chunk_routes; after_humming: the kernel before
-    it is one of humming's GEMMs (pdl.pdl_options)."""
+    untouched); `sms` sizes the grid; pdl as in chunk_routes."""
     latent = x.shape[1]
     block_l = math.gcd(GATHER_MAX_BLOCK_L, latent)
     column_blocks = latent // block_l
@@ -215,5 +213,5 @@ def gather_rows(
         GATHER_ROWS,
         block_l,
         num_warps=4,
-        **pdl_options(pdl, x.device, gather_rows_kernel, after_humming=after_humming),
+        **pdl_options(pdl, x.device, gather_rows_kernel),
     )

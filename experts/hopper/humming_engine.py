@@ -205,9 +205,8 @@ class HummingEngine(HopperEngine):
             if error is not None:
                 raise ValueError(error)
         w13, s13, w2, s2 = (t.contiguous() for t in weights.tensors)
-        # humming's GEMMs with PDL as our kernels around them (HopperTiles.pdl).
-        fc1 = HummingGemm.prepare(w13, s13, self.deterministic, pdl=self.tiles.pdl)
-        fc2 = HummingGemm.prepare(w2, s2, self.deterministic, pdl=self.tiles.pdl)
+        fc1 = HummingGemm.prepare(w13, s13, self.deterministic)
+        fc2 = HummingGemm.prepare(w2, s2, self.deterministic)
         return HummingPrepared(
             fc1=fc1,
             fc2=fc2,
@@ -363,15 +362,13 @@ class HummingPrepared:
             columns,
             **fail_step(failure),
             num_warps=self.tiles.finalize_warps,
-            # After FC2: launched behind the whole stream, releasing the combine (pdl.py).
-            **pdl_options(pdl, out.device, kernels.finalize_kernel, after_humming=True),
+            **pdl_options(pdl, out.device, kernels.finalize_kernel),
         )
         return out
 
-    def _situ(self, gate_up, pair_flat, num_pairs, act, act_scale, rows, indexed, pdl) -> None:
+    def _situ(self, gate_up, pair_flat, num_pairs, act, act_scale, rows, *, indexed, pdl) -> None:
         """situ_mxfp8_kernel over `rows` activation rows (`indexed`: gate_up row pair_flat[j]),
-        right after FC1: launched behind the whole stream, releasing FC2 at once where `pdl`
-        (wanted) and the device allow (pdl.py, after_humming)."""
+        with programmatic dependent launch where `pdl` (wanted) and the device allow (pdl.py)."""
         from dep_ep.experts.hopper import kernels
         from dep_ep.experts.hopper.pdl import pdl_options
 
@@ -390,14 +387,14 @@ class HummingPrepared:
             self.situ_block_i,
             indexed,
             num_warps=4,
-            **pdl_options(pdl, act.device, kernels.situ_mxfp8_kernel, after_humming=True),
+            **pdl_options(pdl, act.device, kernels.situ_mxfp8_kernel),
         )
 
     def _on_slots(self, x, sf, ids, tilings, tuned: int, pdl: bool) -> torch.Tensor:
         """FC1 on the receive rows (top_k = K, one output row a slot), SiTU, FC2, humming's
-        kernels chosen for `tuned` pairs, ours launched with PDL where `pdl` (pdl.py): the expert
-        output BF16 [R * K, L] by pair number (a call on the slots never overflows: its
-        max_pairs is its capacity)."""
+        kernels chosen for `tuned` pairs (launched without PDL), ours with it where `pdl`
+        (pdl.py): the expert output BF16 [R * K, L] by pair number (a call on the slots never
+        overflows: its max_pairs is its capacity)."""
         from dep_ep.experts.hopper import kernels
         from dep_ep.experts.hopper.pdl import pdl_options
 
@@ -432,7 +429,16 @@ class HummingPrepared:
             capacity, inter // SCALE_BLOCK, dtype=torch.float32, device=x.device
         )
         num_pairs = fc1_groups.num_pairs
-        self._situ(gate_up, fc1_groups.pair_flat, num_pairs, act, act_scale, capacity, True, pdl)
+        self._situ(
+            gate_up,
+            fc1_groups.pair_flat,
+            num_pairs,
+            act,
+            act_scale,
+            capacity,
+            indexed=True,
+            pdl=pdl,
+        )
         # FC2: pair j reads act row j and writes expert output row j.
         expert_out = torch.empty(capacity, latent, dtype=torch.bfloat16, device=x.device)
         self.fc2(
@@ -449,9 +455,9 @@ class HummingPrepared:
 
     def _in_chunks(self, x, sf, ids, tilings, plan, tuned: int, pdl: bool) -> torch.Tensor:
         """Each chunk's pairs gathered, FC1, SiTU and FC2 (experts/hopper/chunks.py), humming's
-        kernels chosen for `tuned` pairs, ours launched with PDL where `pdl` (pdl.py): the
-        expert output BF16 [P, L] by pair number, P = plan.pairs (the finalize's bound: a call
-        over it writes NaN rows, never reads past P)."""
+        kernels chosen for `tuned` pairs (launched without PDL), ours with it where `pdl`
+        (pdl.py): the expert output BF16 [P, L] by pair number, P = plan.pairs (the finalize's
+        bound: a call over it writes NaN rows, never reads past P)."""
         inter, latent = self.intermediate, self.latent
         from dep_ep.experts.hopper.chunk_kernels import chunk_routes, gather_rows
 
@@ -468,8 +474,7 @@ class HummingPrepared:
         expert_out = torch.empty(plan.pairs, latent, dtype=torch.bfloat16, device=device)
         for i in range(plan.chunks):
             pairs = fc1_cut.pairs[i:]  # element 0: chunk i's pair count
-            # Chunks after the first gather behind the last chunk's FC2 (pdl.py, after_humming).
-            gather_rows(x, sf, groups.pair_row, i * c, pairs, xg, xs, self.sms, pdl, i > 0)
+            gather_rows(x, sf, groups.pair_row, i * c, pairs, xg, xs, self.sms, pdl=pdl)
             self.fc1(
                 xg.view(torch.float8_e4m3fn),
                 xs,
@@ -480,7 +485,7 @@ class HummingPrepared:
                 gate_up,
                 tuned,
             )
-            self._situ(gate_up, groups.pair_flat, pairs, act, act_scale, c, False, pdl)
+            self._situ(gate_up, groups.pair_flat, pairs, act, act_scale, c, indexed=False, pdl=pdl)
             self.fc2(
                 act,
                 act_scale,

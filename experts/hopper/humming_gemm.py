@@ -34,6 +34,12 @@ LOCK_WORDS = 1 << 16
 # 190 / 207 with it; FC2 within 3% (the last run: docs/results/bench_humming_tuning.md, "Variants").
 # Without stream-K each output element is written once: no BF16 partial outputs added.
 TUNING_UPDATES = {512: {"use_stream_k": False}, 1024: {"use_stream_k": False}}
+# humming's kernels never launch with programmatic dependent launch (0.1.19's SM90 heuristic sets
+# no `use_pdl`; off is its default): with it, a CTA that gets no tile exits without
+# griddepcontrol.wait, so a GEMM with no pair could complete before the kernel ahead of it, and
+# the kernels after it, which wait on the GEMM alone, could run beside that kernel
+# (experts/hopper/pdl.py).
+HUMMING_USE_PDL = False
 
 
 def scale_spread_error(owner: str, name: str, scales: torch.Tensor) -> str | None:
@@ -57,22 +63,14 @@ class HummingGemm:
     """One MoE GEMM out [M, n] = inputs [M', k] @ W_e^T over num_experts MXFP4 experts (W uint8
     [E, n, k/2], scales uint8 [E, n, k/32]), prepared once for e4m3 inputs with fp32 per-32
     scales (or, `prepare(..., bf16_inputs=True)`, BF16 inputs) and BF16 output. The caller's
-    tensors are copied, never changed. pdl: every kernel launched with programmatic dependent
-    launch (humming's `use_pdl`: each CTA runs griddepcontrol.wait before it reads the inputs,
-    then griddepcontrol.launch_dependents; its scheduler reads the routes and the padded count
-    before that wait: experts/hopper/pdl.py), or not (False), or as humming's heuristic picks
-    (None)."""
+    tensors are copied, never changed. Its kernels launch without programmatic dependent launch
+    (HUMMING_USE_PDL)."""
 
     config: object
     tensors: dict
     locks: torch.Tensor
     tunings: dict
     deterministic: bool
-    pdl: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.pdl is not None and not isinstance(self.pdl, bool):
-            raise TypeError(f"HummingGemm: pdl={self.pdl!r}; expected None or a bool")
 
     @classmethod
     def prepare(
@@ -81,8 +79,6 @@ class HummingGemm:
         scales: torch.Tensor,
         deterministic: bool,
         bf16_inputs: bool = False,
-        *,
-        pdl: bool | None = None,
     ) -> HummingGemm:
         """bf16_inputs: humming's W4A16 kernels, for BF16 inputs without scales (the weights in
         their layout for BF16; measured in bench/bench_humming_a16.py, used by no engine)."""
@@ -115,19 +111,17 @@ class HummingGemm:
         config, tensors = transform.prepare_fp16_e8m0_scale(config, tensors)
         tensors = transform.transform_humming_tensors(config, tensors)
         locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
-        return cls(config, tensors, locks, {}, deterministic, pdl)
+        return cls(config, tensors, locks, {}, deterministic)
 
     def tuning(self, pairs: int) -> dict:
         """humming's kernel choice for `pairs` pairs (engine.tuning_pairs: one compilation per
         value, cached) with TUNING_UPDATES applied. deterministic: humming's batch-invariant
         choice, without stream-K (which splits K over CTAs and adds the BF16 partial outputs,
         atomically beyond 3 slices: extra roundings, and an order that can change between
-        reruns). pdl, unless None, sets `use_pdl`."""
+        reruns). `use_pdl` is HUMMING_USE_PDL whatever the heuristic says."""
         if pairs not in self.tunings:
             tuning = {**self.heuristic(pairs), **TUNING_UPDATES.get(pairs, {})}
-            if self.pdl is not None:
-                tuning["use_pdl"] = self.pdl
-            self.tunings[pairs] = tuning
+            self.tunings[pairs] = {**tuning, "use_pdl": HUMMING_USE_PDL}
         return self.tunings[pairs]
 
     def heuristic(self, pairs: int) -> dict:

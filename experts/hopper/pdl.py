@@ -1,28 +1,24 @@
 """Programmatic dependent launch (PDL) between HopperExperts' kernels.
 
-A kernel launched with PDL (Triton's `launch_pdl=True`, humming's `use_pdl`) may be launched
-while the kernel before it on the stream is still running, once every program of that kernel
-has run `griddepcontrol.launch_dependents` (or exited); its programs then wait in
-`griddepcontrol.wait` until the kernel before has completed and its memory is visible. What it
-saves is the launch latency and ramp between two kernels of a call: on one H200, with every
-kernel launched with PDL (before `after_humming`, below, which is not timed), 4 us of a call at
-T = 1 (76 -> 72 us at 56 local experts) and 2-19 us from T = 4 to 256 (docs/experts.md,
-"Programmatic dependent launch").
+A kernel launched with PDL (Triton's `launch_pdl=True`) may be launched while the kernel before
+it on the stream is still running, once every program of that kernel has run
+`griddepcontrol.launch_dependents` (or exited); its programs then wait in `griddepcontrol.wait`
+until the kernel before has completed and its memory is visible. What it saves is the launch
+latency and start-up between two kernels of a call (docs/experts.md, "Programmatic dependent
+launch", has what was measured).
 
 Each of HopperExperts' Triton kernels takes PDL: tl.constexpr and starts with `wait_then_release`
-(PDL): wait for the kernel before, then let the kernel after launch, before any global memory
-access. The order matters: humming's GEMMs read their tile routes and padded pair count (made
-by the grouping, two kernels before FC1) before their own `griddepcontrol.wait`; they are
-launched only once every program of the kernel before them has waited, so once the kernels
-before that have completed. A kernel launched without PDL (torch's, a caller's) waits for the
-whole stream before it as always, and one launched with PDL after it starts when it completes.
+(PDL): every program waits for the kernel before, then lets the kernel after launch, before any
+global memory access. So a kernel of ours completes only after the kernel before it has
+completed, and by induction after everything before it on the stream.
 
-The kernel after one of humming's GEMMs is launched without PDL (`after_humming`): humming's
-CTAs that get no tile exit without `griddepcontrol.wait`, so a GEMM with no pair (a call or a
-chunk without one) can complete while the kernel before it still runs, and a wait on that GEMM
-alone would not cover it (the PTX manual promises a wait on the grids a kernel depends on, not
-on theirs). Launched without PDL, the kernel starts once everything before it on the stream has
-completed; it still releases the kernel after it at once.
+humming's GEMMs are launched without PDL (experts/hopper/humming_gemm.py, HUMMING_USE_PDL): with
+its `use_pdl` their CTAs wait at their first tile, but a CTA that gets no tile exits without
+waiting, so a GEMM with no pair (a call or a chunk without one) could complete while the kernel
+before it still runs, and the PTX manual promises a wait only on the grids a kernel depends on.
+Launched without PDL, a GEMM starts once everything before it has completed (its scheduler also
+reads the routes and padded pair count before it would wait). A kernel launched with PDL after
+one launched without it (a GEMM, a torch kernel, a caller's) starts when that one completes.
 
 Each launch asks `pdl_options(wanted, device, kernel)`: PDL where it is wanted (HopperTiles.pdl)
 and can run, that is on a CUDA device of SM90 or later and not in Triton's CPU interpreter
@@ -66,14 +62,13 @@ def launches_pdl(wanted: bool, device: torch.device, kernel) -> bool:
     return device_has_pdl(index)
 
 
-def pdl_options(wanted: bool, device: torch.device, kernel, *, after_humming: bool = False) -> dict:
+def pdl_options(wanted: bool, device: torch.device, kernel) -> dict:
     """The keyword arguments of a launch of `kernel` on `device`: the kernel's PDL constant (wait,
-    then release the next kernel) where `launches_pdl` says so, and Triton's launch attribute
-    with it unless the kernel comes right after one of humming's GEMMs (`after_humming`: module
-    docstring). Never the attribute without the constant: a kernel launched with PDL must wait,
-    and the interpreter runs neither."""
+    then release the next kernel) and Triton's launch attribute, both where `launches_pdl` says
+    so and neither elsewhere (a kernel launched with PDL must wait, and the interpreter runs
+    neither)."""
     pdl = launches_pdl(wanted, device, kernel)
-    return {"PDL": pdl, "launch_pdl": pdl and not after_humming}
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit

@@ -26,9 +26,10 @@ class HopperTiles:
     programs_per_sm: persistent programs per SM; math: one of MATHS;
     persistent: each GEMM program walks the work list (True) or one program per work item, the
     grid covering the work list's capacity (False); grouping: a Grouping (both engines),
-    how the rows are grouped by expert (the same tensors either way); pdl: every kernel of a call
-    launched with programmatic dependent launch where the GPU has it (experts/hopper/pdl.py; both
-    engines, humming's GEMMs included), so each starts while the one before it finishes.
+    how the rows are grouped by expert (the same tensors either way); pdl: our Triton kernels of a
+    call (both engines) launched with programmatic dependent launch where the GPU has it, each
+    waiting for the kernel before it in every program (experts/hopper/pdl.py); humming's GEMMs
+    never are.
     """
 
     block_n: int = 16

@@ -211,14 +211,13 @@ def fused_experts(
     StepFailure, from EpRouted): such a call also fails the step on every rank through it
     (comm/failure.py: the status word and the record [FAILURE_PAIR_BUDGET, pairs, P, tag])."""
     from dep_ep.experts.hopper import kernels  # triton is imported on first use
+    from dep_ep.experts.hopper.pdl import pdl_options
 
     num_local, two_inter, half_latent = w13.shape
     latent, inter = 2 * half_latent, two_inter // 2
     rows, topk = ids.shape
     # The kernel grouping also writes tile routes, which this engine does not read (workspace_parts
     # counts them).
-    from dep_ep.experts.hopper.pdl import pdl_options
-
     groups, _ = grouped(ids, first_expert, num_local, tiles.block_n, tiles.grouping, tiles.pdl)
     if max_pairs is not None and max_pairs < 1:
         raise ValueError(f"fused_experts: max_pairs={max_pairs}; expected None or >= 1")
@@ -230,9 +229,7 @@ def fused_experts(
         pairs_over_budget = torch.zeros(1, dtype=torch.int32, device=x.device)
     act = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(pairs, latent, dtype=torch.bfloat16, device=x.device)
-    # fc1_situ_kernel and fc2_kernel: one compile each, PDL alike.
-    pdl = pdl_options(tiles.pdl, x.device, kernels.fc1_situ_kernel)
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **pdl}
+    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     budget = (groups.num_pairs, pairs)
     tile_args = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
     fc1_work = groups.tile_capacity * (inter // tiles.fc1_block_m)
@@ -254,6 +251,7 @@ def fused_experts(
         tiles.math,
         tiles.persistent,
         **launch,
+        **pdl_options(tiles.pdl, x.device, kernels.fc1_situ_kernel),
     )
     fc2_work = groups.tile_capacity * (latent // tiles.fc2_block_m)
     fc2_programs = min(programs, fc2_work) if tiles.persistent else fc2_work
@@ -272,6 +270,7 @@ def fused_experts(
         tiles.math,
         tiles.persistent,
         **launch,
+        **pdl_options(tiles.pdl, x.device, kernels.fc2_kernel),
     )
     if rows:  # forward returns before this for R = 0; a direct call may not
         columns = tiles.finalize_columns(latent)

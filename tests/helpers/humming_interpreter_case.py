@@ -26,11 +26,10 @@ CASE:
             128 and 129 pairs against the budget of 128: the first bitwise as no budget, the
             second NaN in every row with a local id, the rows without one untouched, no GEMM tile
             computed and the record [FAILURE_PAIR_BUDGET, 129, 128, tag].
-  "pdl"     the launches of a call on the slots and in chunks (dense rows, and rows without a
-            local pair), in order with the GEMM calls: every Triton launch asks for programmatic
-            dependent launch (the default tiles), and exactly those right after a humming GEMM
-            ask with after_humming (launched without the attribute: experts/hopper/pdl.py); the
-            interpreter runs every launch without PDL, so the result is the chunks case's.
+  "pdl"     every Triton launch of a call on the slots and in chunks (dense rows, and rows
+            without a local pair) asks for programmatic dependent launch as the tiles say
+            (HopperTiles.pdl True, the default, and False: experts/hopper/pdl.py), both GEMMs
+            called; the interpreter runs each launch without it, so outputs are the same.
 Prints "ok CASE ..." when every check holds, else raises naming the seed.
 """
 
@@ -94,13 +93,14 @@ class IndexedGemm:
         return out
 
 
-def prepared(layer: SyntheticLayer, chunk_pairs: int, skew: float | None):
-    """A HummingPrepared on the CPU with IndexedGemm for humming."""
+def prepared(layer: SyntheticLayer, chunk_pairs: int, skew: float | None, pdl: bool = True):
+    """A HummingPrepared on the CPU with IndexedGemm for humming (pdl: HopperTiles.pdl)."""
     from dep_ep.experts.hopper import Grouping, HopperTiles, HummingEngine
     from dep_ep.experts.hopper.humming_engine import HummingPrepared
 
     w13, s13, w2, s2 = layer.local(FIRST, COUNT)
-    engine = HummingEngine(chunk_pairs=chunk_pairs, tiles=HopperTiles(grouping=Grouping.TRITON))
+    tiles = HopperTiles(grouping=Grouping.TRITON, pdl=pdl)
+    engine = HummingEngine(chunk_pairs=chunk_pairs, tiles=tiles)
     return HummingPrepared(
         fc1=IndexedGemm(w13, s13, FC1_BLOCK),
         fc2=IndexedGemm(w2, s2, FC2_BLOCK),
@@ -304,20 +304,20 @@ def pdl(seed: int) -> None:
     from dep_ep.experts.hopper import chunk_kernels, grouping_kernel
     from dep_ep.experts.hopper import pdl as pdl_module
 
-    events = []  # ("gemm", name) and ("launch", kernel, wanted, after_humming), in call order
+    events = []  # ("gemm", name) and ("launch", kernel, wanted), in call order
     real = pdl_module.pdl_options
 
-    def recorded(wanted, device, kernel, *, after_humming=False):
-        events.append(("launch", kernel.fn.__name__, wanted, after_humming))
-        return real(wanted, device, kernel, after_humming=after_humming)
+    def recorded(wanted, device, kernel):
+        events.append(("launch", kernel.fn.__name__, wanted))
+        return real(wanted, device, kernel)
 
     for module in (pdl_module, chunk_kernels, grouping_kernel):
         module.pdl_options = recorded
     gen = torch.Generator().manual_seed(seed)
     layer = SyntheticLayer(GEOMETRY, seed)
     done = []
-    for chunk_pairs in (1024, CHUNK):
-        call = prepared(layer, chunk_pairs, None)
+    for chunk_pairs, wanted in ((1024, True), (CHUNK, True), (CHUNK, False)):
+        call = prepared(layer, chunk_pairs, None, wanted)
         call = dataclasses.replace(
             call, fc1=LoggedGemm(call.fc1, "fc1", events), fc2=LoggedGemm(call.fc2, "fc2", events)
         )
@@ -330,21 +330,22 @@ def pdl(seed: int) -> None:
             events.clear()
             out = torch.full((ids.shape[0], GEOMETRY.latent), float("nan"), dtype=torch.bfloat16)
             call(x, sf, ids, weights, out)
-            where = f"pdl seed {seed}, chunk_pairs {chunk_pairs}, {kind}"
-            gemms = [e for e in events if e[0] == "gemm"]
+            where = f"pdl seed {seed}, chunk_pairs {chunk_pairs}, pdl {wanted}, {kind}"
+            gemms = {e[1] for e in events if e[0] == "gemm"}
             launches = [e for e in events if e[0] == "launch"]
-            assert gemms and launches, f"{where}: {events}"
-            assert events[-1][:2] == ("launch", "finalize_kernel"), f"{where}: {events[-3:]}"
-            for before, event in zip([None, *events], events):
-                if event[0] != "launch":
-                    continue
-                behind = before is not None and before[0] == "gemm"
-                assert event[2] is True, f"{where}: {event} does not ask for PDL"
-                assert event[3] is behind, f"{where}: {event} after {before}"
-            assert all(b[0] == "launch" for a, b in zip(events, events[1:]) if a[0] == "gemm")
+            assert gemms == {"fc1", "fc2"} and launches, f"{where}: {events}"
+            names = {e[1] for e in launches}
+            expected = {"group_route_kernel", "situ_mxfp8_kernel", "finalize_kernel"}
+            expected |= {"widen_scales_kernel"} if chunk_pairs == 1024 else set()
+            expected |= (
+                {"chunk_routes_kernel", "gather_rows_kernel"} if chunk_pairs == CHUNK else set()
+            )
+            assert names == expected, f"{where}: launched {sorted(names)}"
+            asked = [e for e in launches if e[2] is not wanted]
+            assert not asked, f"{where}: {asked} ask otherwise than the tiles"
             if kind == "none local":
                 assert out.isnan().all(), f"{where}: a row without a local id changed"
-            done.append(f"{where.split(', ', 1)[1]}: {len(gemms)} GEMMs, {len(launches)} launches")
+            done.append(f"{where.split(', ', 1)[1]}: {len(launches)} launches")
     print(f"ok pdl seed {seed}: " + "; ".join(done))
 
 
