@@ -75,7 +75,7 @@ def kernel_cases() -> list[tuple[str, object, dict, dict]]:
         "MATH": "bf16",
         "PERSISTENT": True,
     }
-    return [
+    base = [
         (
             "widen_scales_kernel",
             kernels.widen_scales_kernel,
@@ -215,6 +215,20 @@ def kernel_cases() -> list[tuple[str, object, dict, dict]]:
             {"LATENT": 3584, "ROWS": 8, "BLOCK_L": 512},
         ),
     ]
+    # The other specialisations the launches compile (each its own code).
+    variants = {
+        "situ_mxfp8_kernel": [("chunk rows", {"INDEXED": False})],
+        "finalize_kernel": [("no step failure", {"FAIL_STEP": False})],
+        "group_route_kernel": [("one chunk, one tiling", {"CHUNKED": False, "TWO_TILINGS": False})],
+        "fc1_situ_kernel": [("one-shot, fp32", {"PERSISTENT": False, "MATH": "fp32"})],
+        "fc2_kernel": [("one-shot, fp32", {"PERSISTENT": False, "MATH": "fp32"})],
+    }
+    more = [
+        (f"{name}, {label}", kernel, signature, {**constants, **change})
+        for name, kernel, signature, constants in base
+        for label, change in variants.get(name, [])
+    ]
+    return base + more
 
 
 def sm90_ptx(kernel, signature: dict, constants: dict, pdl: bool) -> str:
@@ -270,7 +284,7 @@ def test_every_kernel_of_the_engines_is_checked():
         if name.endswith("_kernel") and isinstance(value, triton.runtime.jit.JITFunction)
     }
     assert found, "no kernel found: the search no longer matches"
-    assert found == {name for name, *_ in kernel_cases()}
+    assert found == {kernel.fn.__name__ for _, kernel, *_ in kernel_cases()}
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
@@ -392,8 +406,9 @@ LOCAL = 8  # experts 0..7 of K3_WIDTHS' 32 are local
 TORCH_GROUPING = HopperTiles(grouping=Grouping.TORCH)
 # (id, engine, rows, routing): the engines' paths. 48 rows x 16 slots fit one grouping chunk of
 # 1024 slots; 80 rows take two (the histogram and torch's cumsum), 400 rows seven (the prefix
-# kernel). "none local": no row has a local id, so humming's GEMMs get no tile (their CTAs exit
-# without waiting); its stale ids are local, so a call reading them would write rows.
+# kernel). "none local": no row has a local id, so humming's GEMMs get no tile and our kernels
+# have no pair (they still wait); its stale ids are local, so a call reading them would write
+# rows.
 CASES = [
     ("triton", TritonEngine(), 48, "mixed"),
     ("triton-torch-grouping", TritonEngine(tiles=TORCH_GROUPING), 48, "mixed"),
@@ -440,7 +455,8 @@ def call_rows(rows: int, seed: int, routing: str):
 def test_a_call_behind_a_late_writer_reads_what_it_wrote_on_gpu(case):
     """The routing ids of a call written by a kernel that releases the next launch at once and
     writes them 200 us later: the call (its kernels with PDL) equals, bit for bit, the same call
-    without PDL once the writer is done, eager and in a graph that replays both. A control
+    without PDL once the writer is done, eager, queued behind another call, and in a graph that
+    replays both. A control
     kernel launched with PDL that does not wait (widen_scales_kernel with PDL False) reads the
     ids before the writer wrote them: this GPU launches early, so the comparison could fail."""
     name, engine, rows, routing = case
@@ -490,6 +506,19 @@ def test_a_call_behind_a_late_writer_reads_what_it_wrote_on_gpu(case):
         torch.cuda.synchronize()
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
             f"{name} seed {seed}, eager call {attempt}: differs from the call without PDL"
+        )
+    # Two calls queued back to back, the second's ids written late: the second may reuse the
+    # first's freed workspace blocks while nothing has synchronised.
+    first, second = poisoned(rows), poisoned(rows)
+    ids.copy_(stale)
+    torch.cuda.synchronize()
+    with_pdl.forward(x, sf, fresh, route_weights, first)
+    write[(1,)](fresh, ids, fresh.numel(), LATE_NS, BLOCK=1024)
+    with_pdl.forward(x, sf, ids, route_weights, second)
+    torch.cuda.synchronize()
+    for got in (first, second):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+            f"{name} seed {seed}: a call queued behind another differs from the call without PDL"
         )
     # Both in one graph: the replay's call waits for the replay's writer.
     got = poisoned(rows)

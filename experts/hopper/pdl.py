@@ -18,7 +18,8 @@ waiting, so a GEMM with no pair (a call or a chunk without one) could complete w
 before it still runs, and the PTX manual promises a wait only on the grids a kernel depends on.
 Launched without PDL, a GEMM starts once everything before it has completed (its scheduler also
 reads the routes and padded pair count before it would wait). A kernel launched with PDL after
-one launched without it (a GEMM, a torch kernel, a caller's) starts when that one completes.
+one launched without it (a GEMM, a torch kernel, a caller's) makes its first memory access
+after that one has completed.
 
 Each launch asks `pdl_options(wanted, device, kernel)`: PDL where it is wanted (HopperTiles.pdl)
 and can run, that is on a CUDA device of SM90 or later and not in Triton's CPU interpreter

@@ -316,7 +316,7 @@ def pdl(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     layer = SyntheticLayer(GEOMETRY, seed)
     done = []
-    for chunk_pairs, wanted in ((1024, True), (CHUNK, True), (CHUNK, False)):
+    for chunk_pairs, wanted in ((1024, True), (1024, False), (CHUNK, True), (CHUNK, False)):
         call = prepared(layer, chunk_pairs, None, wanted)
         call = dataclasses.replace(
             call, fc1=LoggedGemm(call.fc1, "fc1", events), fc2=LoggedGemm(call.fc2, "fc2", events)
