@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dep_ep.comm.mxfp8 import mxfp8_quantize
-from dep_ep.config import K3, TINY, MoeGeometry
+from dep_ep.config import K3, TINY
 from dep_ep.cuda_graphs import capture_graph
 from dep_ep.experts.hopper import (
     Grouping,
@@ -36,6 +36,7 @@ from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
 from dep_ep.testing.synthetic import SyntheticLayer
 
 from helpers.interpreter import HAVE_TRITON, NO_TRITON
+from helpers.k3_32 import K3_32
 
 SM90 = 90
 # PTX instructions that may touch global memory: loads, stores, atomics, reductions, copies and
@@ -394,15 +395,7 @@ def late_writer():
 
 
 LATE_NS = 200_000  # the writer's delay: far longer than a launch, short beside a test
-K3_WIDTHS = MoeGeometry(
-    "k3-widths",
-    hidden=K3.hidden,
-    latent=K3.latent,
-    experts=32,
-    topk=K3.topk,
-    intermediate=K3.intermediate,
-)
-LOCAL = 8  # experts 0..7 of K3_WIDTHS' 32 are local
+LOCAL = 8  # experts 0..7 of K3_32's 32 are local
 TORCH_GROUPING = HopperTiles(grouping=Grouping.TORCH)
 # (id, engine, rows, routing): the engines' paths. 48 rows x 16 slots fit one grouping chunk of
 # 1024 slots; 80 rows take two (the histogram and torch's cumsum), 400 rows seven (the prefix
@@ -469,7 +462,7 @@ def test_a_call_behind_a_late_writer_reads_what_it_wrote_on_gpu(case):
 
     write = late_writer()
     seed = int.from_bytes(os.urandom(4), "little")
-    weights = SyntheticLayer(K3_WIDTHS, seed).local_weights(0, LOCAL).to("cuda")
+    weights = SyntheticLayer(K3_32, seed).local_weights(0, LOCAL).to("cuda")
     with_pdl = HopperExperts(weights, engine=engine)
     no_pdl = replace(engine, tiles=replace(engine.tiles, pdl=False))
     without = HopperExperts(weights, engine=no_pdl)
