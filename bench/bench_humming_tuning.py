@@ -12,6 +12,11 @@ Tunings that pick the same kernel are timed once, under the smallest pair count 
 Variants (56 local experts, T = VARIANT_TOKENS): humming's own choices for 512, 1024 and 2048
 pairs (before hopper_humming.TUNING_UPDATES) and each of the first two with 16, 24 or 32 pairs a
 block, stream-K on or off; the measurement behind TUNING_UPDATES.
+Decode variants (--decode-variants; 56 local experts, T = DECODE_TOKENS): the kernel humming
+picks for DECODE_BASE pairs (the one `tuning_pairs` picks at T = 1 there) and, one change at a
+time, other block N and K, pipeline stages, CTAs an SM and stream-K; at T = 1 the GEMMs read
+the touched experts' weights at 61-83% of the copy bandwidth (docs/experts.md), and these are
+the launch shapes that decide how evenly the SMs share that stream.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from dep_ep.testing.synthetic import SyntheticLayer
 CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T per rank
 VARIANT_LOCAL, VARIANT_TOKENS = 56, (16, 32, 64, 128)
 VARIANT_BASES, VARIANT_BLOCKS = (512, 1024, 2048), (16, 24, 32)
+DECODE_TOKENS, DECODE_BASE = (1, 2, 4), 16
+DECODE_BLOCK_N, DECODE_BLOCK_K = (64, 128, 256), (128, 256, 512)
+DECODE_STAGES, DECODE_CTAS = (2, 3, 4, 6), (1, 2, 3, 4)
 TUNINGS = [1 << i for i in range(4, 17)]  # pair counts humming is asked to tune for
 REPS, SAMPLES = 10, 10  # calls per captured graph, timed replays (median)
 E4M3 = torch.float8_e4m3fn
@@ -129,33 +137,65 @@ def variant_configs(gemm) -> dict[str, dict]:
     return configs
 
 
-def add_variants(page: report.Page, gen: torch.Generator, timing: tuple[int, int]) -> None:
-    """The variants' sections of `page`: per GEMM, a row per variant, a column per T (us, or why
-    not run)."""
+def decode_variant_configs(gemm) -> dict[str, dict]:
+    """{label: config}: humming's own choice for DECODE_BASE pairs, then that kernel with one
+    change each: block N (DECODE_BLOCK_N), block K (DECODE_BLOCK_K), pipeline stages
+    (DECODE_STAGES), CTAs an SM (DECODE_CTAS), stream-K flipped (distinct only; humming may
+    refuse some, which the page says)."""
+    base = gemm.heuristic(DECODE_BASE)
+    m, n, k = base["block_shape"]
+    tried = [(f"humming's {DECODE_BASE}", base)]
+    tried += [(f"N {v}", {**base, "block_shape": [m, v, k]}) for v in DECODE_BLOCK_N]
+    tried += [(f"K {v}", {**base, "block_shape": [m, n, v]}) for v in DECODE_BLOCK_K]
+    tried += [(f"{v} stages", {**base, "num_stages": v}) for v in DECODE_STAGES]
+    tried += [(f"{v} CTAs an SM", {**base, "num_ctas_per_sm": v}) for v in DECODE_CTAS]
+    stream_k = not base.get("use_stream_k", True)
+    tried.append((f"stream-K {'on' if stream_k else 'off'}", {**base, "use_stream_k": stream_k}))
+    configs, seen = {}, set()
+    for label, config in tried:
+        key = json.dumps(config, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            configs[label] = config
+    return configs
+
+
+def add_variants(
+    page: report.Page,
+    gen: torch.Generator,
+    timing: tuple[int, int],
+    configs_of=None,
+    token_counts: tuple[int, ...] = VARIANT_TOKENS,
+    title: str = "Variants",
+) -> None:
+    """The variants' sections of `page`: per GEMM, a row per variant (`configs_of(gemm)`,
+    default `variant_configs`), a column per T of `token_counts` (us, or why not run)."""
+    configs_of = configs_of or variant_configs
     weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, VARIANT_LOCAL)
     backend = HopperExperts(weights, engine=HummingEngine())
     rows = {
-        t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen) for t in VARIANT_TOKENS
+        t: receive_rows(K3.experts // VARIANT_LOCAL, t, VARIANT_LOCAL, gen) for t in token_counts
     }
     for name in ("fc1", "fc2"):
         gemm = getattr(backend.prepared, name)
         table = []
-        for index, (label, config) in enumerate(variant_configs(gemm).items()):
+        for index, (label, config) in enumerate(configs_of(gemm).items()):
             column = -1 - index  # a tuning key no pair count uses
             gemm.tunings[column] = config
             cells = []
-            for tokens in VARIANT_TOKENS:
+            for tokens in token_counts:
                 try:
                     times = time_gemm(backend, name, {column: config}, rows[tokens], timing)
                     cells.append(f"{times[column]:.0f}")
                 except Exception as error:  # humming refuses some shapes (an assertion)
                     cells.append(f"not built ({type(error).__name__})")
             block = ", ".join(str(v) for v in config["block_shape"])
-            table.append([label, block, config["use_stream_k"], *cells])
+            shape = [block, config.get("num_stages", "-"), config.get("num_ctas_per_sm", "-")]
+            table.append([label, *shape, config.get("use_stream_k", "-"), *cells])
             print(name, table[-1], flush=True)
-        page.section(f"Variants, {VARIANT_LOCAL} local experts: {name.upper()}")
-        columns = ["kernel", "block (pairs, N, K)", "stream-K"]
-        page.table(columns + [f"T = {t} us" for t in VARIANT_TOKENS], table)
+        page.section(f"{title}, {VARIANT_LOCAL} local experts: {name.upper()}")
+        columns = ["kernel", "block (pairs, N, K)", "stages", "CTAs an SM", "stream-K"]
+        page.table(columns + [f"T = {t} us" for t in token_counts], table)
 
 
 def main() -> int:
@@ -165,6 +205,16 @@ def main() -> int:
         "--variants",
         action="store_true",
         help="also time the variants of humming's kernels (VARIANT_TOKENS)",
+    )
+    p.add_argument(
+        "--decode-variants",
+        action="store_true",
+        help="also time the decode variants of humming's kernel for DECODE_BASE pairs",
+    )
+    p.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="time only the variants asked for, not humming's kernel per pair count (CASES)",
     )
     args = p.parse_args()
     timing = (args.reps, args.samples)
@@ -182,7 +232,7 @@ def main() -> int:
         " ..., 65536 pairs, each under the smallest count picking it; bold: the kernel of"
         " `tuning_pairs` for these rows (the power of two nearest the expected pairs).",
     )
-    for local, token_counts in CASES.items():
+    for local, token_counts in ({} if args.variants_only else CASES).items():
         weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, local)
         backend = HopperExperts(weights, engine=HummingEngine())
         gemms = {"fc1": backend.prepared.fc1, "fc2": backend.prepared.fc2}
@@ -223,6 +273,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     if args.variants:
         add_variants(page, gen, timing)
+    if args.decode_variants:
+        add_variants(page, gen, timing, decode_variant_configs, DECODE_TOKENS, "Decode variants")
     page.write()
     return 0
 

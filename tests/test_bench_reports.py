@@ -301,6 +301,24 @@ def test_humming_variants_are_distinct_and_keep_the_bases():
     assert all(c["block_shape"][1:] == [256, 128] for c in variants.values())
 
 
+def test_humming_decode_variants_change_one_thing_each_from_the_base():
+    variants = tuning.decode_variant_configs(FakeHeuristic())
+    base = variants["humming's 16"]
+    assert list(variants)[0] == "humming's 16" and base["block_shape"] == [8, 256, 128]
+    # N 256 and K 128 are the base's own: dropped as duplicates.
+    assert "N 256" not in variants and "K 128" not in variants
+    assert variants["N 64"]["block_shape"] == [8, 64, 128]
+    assert variants["K 512"]["block_shape"] == [8, 256, 512]
+    assert (
+        variants["3 stages"]["num_stages"] == 3 and variants["4 CTAs an SM"]["num_ctas_per_sm"] == 4
+    )
+    assert variants["stream-K off"]["use_stream_k"] is False
+    assert len(variants) == 1 + 2 + 2 + 4 + 4 + 1
+    for label, config in variants.items():
+        changed = {key for key in {**config, **base} if config.get(key) != base.get(key)}
+        assert len(changed) <= 1, (label, changed)
+
+
 def ncu_csv(rows: list[tuple[str, str, str, str, str]]) -> str:
     """ncu's `--csv --page details` text: a banner line, the header, one line per (launch,
     section, metric, unit, value)."""
