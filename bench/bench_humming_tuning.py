@@ -117,24 +117,30 @@ def time_gemm(
     return times
 
 
+def distinct_configs(tried: list[tuple[str, dict]]) -> dict[str, dict]:
+    """{label: config} of `tried` in order, each config once (under its first label)."""
+    configs, seen = {}, set()
+    for label, config in tried:
+        key = json.dumps(config, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            configs[label] = config
+    return configs
+
+
 def variant_configs(gemm) -> dict[str, dict]:
     """{label: config}: humming's own choice for each of VARIANT_BASES and, for all but the last,
     the same kernel with VARIANT_BLOCKS pairs a block and stream-K on or off (distinct only)."""
-    configs, seen = {}, set()
+    tried = []
     for base_pairs in VARIANT_BASES:
         base = gemm.heuristic(base_pairs)
-        tried = [(f"humming's {base_pairs}", base)]
+        tried.append((f"humming's {base_pairs}", base))
         if base_pairs != VARIANT_BASES[-1]:
             for block, stream_k in itertools.product(VARIANT_BLOCKS, (True, False)):
                 label = f"{base_pairs}'s, {block} pairs, stream-K {'on' if stream_k else 'off'}"
                 shape = [block, *base["block_shape"][1:]]
                 tried.append((label, {**base, "block_shape": shape, "use_stream_k": stream_k}))
-        for label, config in tried:
-            key = json.dumps(config, sort_keys=True)
-            if key not in seen:
-                seen.add(key)
-                configs[label] = config
-    return configs
+    return distinct_configs(tried)
 
 
 def decode_variant_configs(gemm) -> dict[str, dict]:
@@ -151,13 +157,7 @@ def decode_variant_configs(gemm) -> dict[str, dict]:
     tried += [(f"{v} CTAs an SM", {**base, "num_ctas_per_sm": v}) for v in DECODE_CTAS]
     stream_k = not base.get("use_stream_k", True)
     tried.append((f"stream-K {'on' if stream_k else 'off'}", {**base, "use_stream_k": stream_k}))
-    configs, seen = {}, set()
-    for label, config in tried:
-        key = json.dumps(config, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            configs[label] = config
-    return configs
+    return distinct_configs(tried)
 
 
 def add_variants(
