@@ -38,17 +38,22 @@ SAMPLES = 10
 MIB = 1 << 20
 
 
-def pool_bytes(fn) -> int:
-    """The memory the allocator reserves for a CUDA graph of one call of `fn` (its private pool,
-    after torch.cuda.empty_cache()); the graph is dropped after."""
+def captured_with_pool(fn) -> tuple[torch.cuda.CUDAGraph, int]:
+    """(graph, bytes): a CUDA graph of one call of `fn` and the memory the allocator reserved for
+    it (its private pool, after torch.cuda.empty_cache()), held while the graph lives."""
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     graph = capture(fn, 1)
     torch.cuda.synchronize()
-    pool = torch.cuda.memory_reserved() - reserved
-    del graph
-    torch.cuda.empty_cache()
-    return pool
+    return graph, torch.cuda.memory_reserved() - reserved
+
+
+def peak_bytes(fn, base: int) -> int:
+    """The allocator's peak above `base` bytes while `fn()` runs (eager, synchronised)."""
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def bench_row(layers: list, local: int, tokens: int, samples: int, gen) -> dict:
@@ -67,21 +72,11 @@ def bench_row(layers: list, local: int, tokens: int, samples: int, gen) -> dict:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    call(0)
-    torch.cuda.synchronize()
-    one_call = torch.cuda.max_memory_allocated() - base
-    torch.cuda.reset_peak_memory_stats()
-    for i in range(len(layers)):
-        call(i)
-    torch.cuda.synchronize()
-    layers_eager = torch.cuda.max_memory_allocated() - base
-    one_graph_pool = pool_bytes(lambda: call(0))
-    torch.cuda.empty_cache()
-    reserved = torch.cuda.memory_reserved()
-    sequence = capture(lambda: [call(i) for i in range(len(layers))], 1)
-    torch.cuda.synchronize()
-    graph_pool = torch.cuda.memory_reserved() - reserved
+    one_call = peak_bytes(lambda: call(0), base)
+    layers_eager = peak_bytes(lambda: [call(i) for i in range(len(layers))], base)
+    one_graph, one_graph_pool = captured_with_pool(lambda: call(0))
+    del one_graph  # its pool is freed by the next empty_cache()
+    sequence, graph_pool = captured_with_pool(lambda: [call(i) for i in range(len(layers))])
     sequence_us = replay_us(sequence, len(layers), samples)
     alone = capture(lambda: call(0), len(layers))
     alone_us = replay_us(alone, len(layers), samples)
