@@ -14,6 +14,7 @@ GPU does launch early, and the test could see a kernel that read too soon).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import replace
@@ -368,9 +369,11 @@ def sm90_here() -> str | None:
     return None
 
 
+@functools.cache
 def late_writer():
     """A Triton kernel of one program that lets the next kernel launch at once, spins `spin_ns`
-    of the GPU's global timer, then copies src into dst (both int32, n elements)."""
+    of the GPU's global timer, then copies src into dst (both int32, n elements); made once, so
+    every case launches one compiled kernel."""
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents
