@@ -10,7 +10,7 @@ grouping for that kernel's tile size; FC2 reads random e4m3 activations with uni
 time does not depend on their values).
 Tunings that pick the same kernel are timed once, under the smallest pair count picking it.
 Variants (56 local experts, T = VARIANT_TOKENS): humming's own choices for 512, 1024 and 2048
-pairs (before hopper_humming.TUNING_UPDATES) and each of the first two with 16, 24 or 32 pairs a
+pairs (before humming_gemm.TUNING_UPDATES) and each of the first two with 16, 24 or 32 pairs a
 block, stream-K on or off; the measurement behind TUNING_UPDATES.
 Decode variants (--decode-variants; 56 local experts, T = DECODE_TOKENS): the kernel humming
 picks for DECODE_BASE pairs (the one `tuning_pairs` picks at T = 1 there) and, one change at a
@@ -39,6 +39,7 @@ from dep_ep.experts.hopper import (
     routed_tilings,
     tuning_pairs,
 )
+from dep_ep.experts.hopper.humming_gemm import HUMMING_USE_PDL
 from dep_ep.testing.synthetic import SyntheticLayer
 
 CASES = {56: (1, 8, 16, 32, 64, 128, 256), 448: (16, 256)}  # local experts: T per rank
@@ -181,7 +182,8 @@ def add_variants(
         table = []
         for index, (label, config) in enumerate(configs_of(gemm).items()):
             column = -1 - index  # a tuning key no pair count uses
-            gemm.tunings[column] = config
+            # launched as the engine launches humming's kernels (the heuristic asks for PDL)
+            gemm.tunings[column] = {**config, "use_pdl": HUMMING_USE_PDL}
             cells = []
             for tokens in token_counts:
                 try:
@@ -226,12 +228,14 @@ def main() -> int:
         report.summary(__doc__),
         report.Run.this_process(),
     )
-    page.text(
-        "Each GEMM alone, graph replay, us per call. Columns: the kernels HummingGemm.tuning picks"
-        " (humming's heuristic with hopper_humming.TUNING_UPDATES) when asked to tune for 16, 32,"
-        " ..., 65536 pairs, each under the smallest count picking it; bold: the kernel of"
-        " `tuning_pairs` for these rows (the power of two nearest the expected pairs).",
-    )
+    page.text("Each GEMM alone, graph replay, us per call.")
+    if not args.variants_only:
+        page.text(
+            "Per pair count, columns: the kernels HummingGemm.tuning picks (humming's heuristic"
+            " with humming_gemm.TUNING_UPDATES) when asked to tune for 16, 32, ..., 65536 pairs,"
+            " each under the smallest count picking it; bold: the kernel of `tuning_pairs` for"
+            " these rows (the power of two nearest the expected pairs).",
+        )
     for local, token_counts in ({} if args.variants_only else CASES).items():
         weights = SyntheticLayer(K3, seed=1, device="cuda").local_weights(0, local)
         backend = HopperExperts(weights, engine=HummingEngine())
