@@ -48,6 +48,10 @@ VARIANT_BASES, VARIANT_BLOCKS = (512, 1024, 2048), (16, 24, 32)
 DECODE_TOKENS, DECODE_BASE = (1, 2, 4), 16
 DECODE_BLOCK_N, DECODE_BLOCK_K = (64, 128, 256), (128, 256, 512)
 DECODE_STAGES, DECODE_CTAS = (2, 3, 4, 6), (1, 2, 3, 4)
+# A --variants-only page's summary: it has no per-count tables.
+VARIANTS_DOC = f"""FC1 and FC2 of HopperExperts' humming engine timed alone, at K3 geometry on rank
+0's receive rows at {VARIANT_LOCAL} local experts, with variants of the kernels humming picks (one
+change at a time), graph replay."""
 TUNINGS = [1 << i for i in range(4, 17)]  # pair counts humming is asked to tune for
 REPS, SAMPLES = 10, 10  # calls per captured graph, timed replays (median)
 E4M3 = torch.float8_e4m3fn
@@ -182,7 +186,7 @@ def add_variants(
         table = []
         for index, (label, config) in enumerate(configs_of(gemm).items()):
             column = -1 - index  # a tuning key no pair count uses
-            # launched as the engine launches humming's kernels (the heuristic asks for PDL)
+            # use_pdl set as HummingGemm.tuning sets it, whatever a later humming's heuristic says
             gemm.tunings[column] = {**config, "use_pdl": HUMMING_USE_PDL}
             cells = []
             for tokens in token_counts:
@@ -221,11 +225,16 @@ def main() -> int:
     args = p.parse_args()
     timing = (args.reps, args.samples)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    title = "humming's kernel per pair count (HopperExperts' humming engine)"
+    title, summary = "humming's kernel per pair count (HopperExperts' humming engine)", __doc__
+    if args.variants_only:
+        title, summary = (
+            "Variants of humming's kernels (HopperExperts' humming engine)",
+            VARIANTS_DOC,
+        )
     page = report.Page(
         args.out / "bench_humming_tuning.md",
         title,
-        report.summary(__doc__),
+        report.summary(summary),
         report.Run.this_process(),
     )
     page.text("Each GEMM alone, graph replay, us per call.")
