@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from dep_ep.checks import check_int, check_tensor
+from dep_ep.checks import check_int, check_tensor, shares_bytes
 from dep_ep.comm.failure import FAILURE_WORDS, StepFailure
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
@@ -17,9 +17,9 @@ def check_receive_rows(
     owner: str, x, sf, ids, weights, out, latent: int, device: torch.device | None = None
 ) -> None:
     """Raise naming `owner`.forward and the argument unless the tensors follow the row contract
-    (ExpertsBackend) with R rows of width `latent` on `device` (None: x's device), contiguous;
-    ids must be int32 here. A wrong dtype or type raises TypeError, a wrong shape, device or
-    layout ValueError."""
+    (ExpertsBackend) with R rows of width `latent` on `device` (None: x's device), contiguous,
+    `out` sharing no byte with an input; ids must be int32 here. A wrong dtype or type raises
+    TypeError, a wrong shape, device, layout or an overlap ValueError."""
     rows = x.shape[0] if x.dim() == 2 else -1
     topk = ids.shape[1] if ids.dim() == 2 else -1
     fn, device = f"{owner}.forward", x.device if device is None else device
@@ -28,6 +28,12 @@ def check_receive_rows(
     check_tensor(fn, "ids", ids, (torch.int32,), (rows, topk), device)
     check_tensor(fn, "weights", weights, (torch.float32,), (rows, topk), device)
     check_tensor(fn, "out", out, (torch.bfloat16,), (rows, latent), device)
+    # A backend may write rows of `out` while it still reads the inputs (HopperExperts'
+    # finalize reads `weights` as it writes: weights inside `out` gave rows 5 off at outputs of
+    # about 5, with no error).
+    for name, t in (("x", x), ("sf", sf), ("ids", ids), ("weights", weights)):
+        if shares_bytes(out, t):
+            raise ValueError(f"{fn}: out shares memory with {name}; give out a tensor of its own")
 
 
 def cuda_capability_reason(device: torch.device | str, major: int) -> str | None:
@@ -49,7 +55,7 @@ class ExpertsBackend(ABC):
     `forward(x, sf, ids, weights, out)` consumes receive rows (the row contract):
       x uint8 [R, L] MXFP8 e4m3 bytes, sf uint8 [R, L/32] E8M0 bytes (linear layout),
       ids int32 [R, K] global expert ids (-1 = none; ids outside this rank's range are skipped),
-      weights fp32 [R, K], out bf16 [R, L] (caller-allocated).
+      weights fp32 [R, K], out bf16 [R, L] (caller-allocated, sharing no memory with the inputs).
     For every row holding at least one local id it writes out[row] = BF16 of the fp32 sum over k in
     order of weights[row, k] * expert_{ids[row, k]}(x[row]) (each expert output BF16). Rows with no
     local id may hold anything in x/sf/weights; a backend may leave their output or write anything
