@@ -36,6 +36,16 @@ def check_receive_rows(
             raise ValueError(f"{fn}: out shares memory with {name}; give out a tensor of its own")
 
 
+def check_call_size(fn: str, rows: object, topk: object) -> tuple[int, int]:
+    """(rows, topk) as ints: TypeError naming `fn` for a non-int (a bool included), ValueError
+    for rows below 0 or topk below 1 (the sizes every per-row-count question of a backend
+    takes: max_pairs, warmup, workspace_bytes, tuning_pairs)."""
+    rows, topk = check_int(fn, "rows", rows), check_int(fn, "topk", topk)
+    if rows < 0 or topk < 1:
+        raise ValueError(f"{fn}: rows={rows}, topk={topk}; expected rows >= 0 and topk >= 1")
+    return rows, topk
+
+
 def cuda_capability_reason(device: torch.device | str, major: int) -> str | None:
     """None when `device` is a CUDA device, CUDA is available and the device has compute
     capability major.x, else why not (a CPU-only torch gets a reason, not torch's
@@ -143,7 +153,8 @@ class ExpertsBackend(ABC):
     def max_pairs(self, rows: int, topk: int) -> int:
         """The (row, local expert) pairs a call over `rows` receive rows of `topk` ids is sized
         for: its capacity rows * topk here; a backend with a pair budget (HopperExperts) says
-        its own."""
+        its own. TypeError for a non-int, ValueError for rows below 0 or topk below 1."""
+        rows, topk = check_call_size(f"{type(self).__name__}.max_pairs", rows, topk)
         return rows * topk
 
     def warmup(self, rows: int, topk: int) -> None:
@@ -158,10 +169,7 @@ class ExpertsBackend(ABC):
         kernels of a call that may fail the step (HopperExperts' finalize with FAIL_STEP)
         compile here too. rows 0 does nothing; TypeError for a non-int, ValueError for rows
         below 0 or topk below 1."""
-        fn = f"{type(self).__name__}.warmup"
-        rows, topk = check_int(fn, "rows", rows), check_int(fn, "topk", topk)
-        if rows < 0 or topk < 1:
-            raise ValueError(f"{fn}: rows={rows}, topk={topk}; expected rows >= 0 and topk >= 1")
+        rows, topk = check_call_size(f"{type(self).__name__}.warmup", rows, topk)
         if rows == 0:
             return
         on = dict(device=self.device)

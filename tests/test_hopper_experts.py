@@ -302,6 +302,67 @@ def test_tuning_pairs_is_the_nearest_power_of_two_of_the_expected_pairs():
     assert tuning_pairs(1, 16, 56, 896) == 16  # never below 16
 
 
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: tuning_pairs(-1, 16, 56, 896), ValueError, "tuning_pairs: rows=-1, topk=16"),
+        (lambda: tuning_pairs(8, 0, 56, 896), ValueError, "rows=8, topk=0; expected"),
+        (lambda: tuning_pairs(8, 16, 0, 896), ValueError, "num_local=0; expected >= 1"),
+        (lambda: tuning_pairs(8, 16, 60, 48), ValueError, "num_experts=48; expected >= 60"),
+        (lambda: tuning_pairs("8", 16, 56, 896), TypeError, "rows='8'; expected an int"),
+        (lambda: tuning_pairs(8.5, 16, 56, 896), TypeError, "rows=8.5; expected an int"),
+        (
+            lambda: TritonEngine().workspace_bytes(8, 6, -256, 128),
+            ValueError,
+            "TritonEngine.workspace_parts: latent=-256; expected >= 1",
+        ),
+        (
+            lambda: TritonEngine().workspace_bytes(8, 6, 256, 128, max_pairs=-100),
+            ValueError,
+            "max_pairs=-100; expected >= 1",
+        ),
+        (
+            lambda: TritonEngine().workspace_bytes(-1, 6, 256, 128),
+            ValueError,
+            "rows=-1, topk=6",
+        ),
+        (
+            lambda: HummingEngine().workspace_bytes(8, 6, 256, 128, max_pairs=-64),
+            ValueError,
+            "HummingEngine.workspace_parts: max_pairs=-64; expected >= 1",
+        ),
+        (
+            lambda: HummingEngine().workspace_bytes(True, 6, 256, 128),
+            TypeError,
+            "rows=True; expected an int",
+        ),
+        (
+            lambda: HummingEngine().workspace_bytes(8, 6, 256, 128, num_local=0),
+            ValueError,
+            "num_local=0; expected >= 1",
+        ),
+    ],
+)
+def test_sizes_out_of_range_are_refused(call, error, match):
+    """The per-row-count sizes refuse what no call has (before, workspace_bytes(-1, 6) gave
+    -3888 bytes, a negative latent or max_pairs a negative size, humming's budget was ignored
+    below 1, tuning_pairs took more local experts than experts and divided by zero at topk 0:
+    found by a careless-user probe); HopperExperts' max_pairs, workspace_bytes and tuning_pairs
+    check rows and topk with `check_call_size`, as every backend's max_pairs and warmup do."""
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_sizes_in_range_are_taken():
+    """The refusals above leave every size a call can have: rows 0, integers of any kind."""
+    assert tuning_pairs(0, 16, 56, 896) == 16
+    assert tuning_pairs(np.int64(9), torch.tensor(16), 56, 896) == 16
+    assert TritonEngine().workspace_bytes(0, 6, 256, 128) >= 0
+    assert HummingEngine().workspace_bytes(8, 6, 256, 128, max_pairs=np.int64(16)) > 0
+    with pytest.raises(ValueError, match="ReferenceExperts.max_pairs: rows=-1, topk=6"):
+        ReferenceExperts(SyntheticLayer(TINY, seed=2).local_weights(0, 4)).max_pairs(-1, 6)
+
+
 def test_tiles_checked():
     with pytest.raises(ValueError, match="fc1_block_m=48"):
         HopperTiles(fc1_block_m=48).check(256, 128)

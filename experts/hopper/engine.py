@@ -10,6 +10,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from dep_ep.checks import check_int
+from dep_ep.experts.base import check_call_size
 from dep_ep.experts.hopper.grouping import pair_capacity
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.weights import ExpertWeights
@@ -33,6 +35,30 @@ PreparedCall = Callable[
 ]
 
 
+def check_at_least(fn: str, name: str, value: object, least: int) -> int:
+    """value as an int: TypeError naming `fn` and `name` for a non-int (a bool included),
+    ValueError below `least`."""
+    value = check_int(fn, name, value)
+    if value < least:
+        raise ValueError(f"{fn}: {name}={value}; expected >= {least}")
+    return value
+
+
+def check_workspace_args(
+    fn: str, rows, topk, latent, intermediate, num_local, max_pairs
+) -> tuple[int, int, int, int]:
+    """(rows, topk, latent, intermediate) as ints, each checked (`check_call_size`; latent and
+    intermediate >= 1), and num_local and max_pairs (None, or ints >= 1): the arguments of the
+    engines' workspace_parts."""
+    rows, topk = check_call_size(fn, rows, topk)
+    latent = check_at_least(fn, "latent", latent, 1)
+    intermediate = check_at_least(fn, "intermediate", intermediate, 1)
+    for name, value in (("num_local", num_local), ("max_pairs", max_pairs)):
+        if value is not None:
+            check_at_least(fn, name, value, 1)
+    return rows, topk, latent, intermediate
+
+
 def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) -> int:
     """The pair count humming's kernels are tuned for (humming's shape_m): the power of two
     nearest in log2 to the pairs R = rows receive rows are expected to hold, at least 16 (one
@@ -43,7 +69,12 @@ def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) 
     Nearest rather than the next power of two up: on an H200 at K3's shapes the kernel chosen for
     the nearest one was the fastest of humming's tunings for 16..65536 pairs, or within 10%, for
     FC1 and FC2 at T = 1..256 on a DEP16 shard and at T = 16, 256 on a DEP2 shard; the next one
-    up took 1.3x at T = 64 (docs/results/bench_humming_tuning.md)."""
+    up took 1.3x at T = 64 (docs/results/bench_humming_tuning.md). TypeError for a non-int;
+    ValueError for rows below 0, topk or num_local below 1, num_experts below num_local."""
+    rows, topk = check_call_size("tuning_pairs", rows, topk)
+    num_local = check_at_least("tuning_pairs", "num_local", num_local, 1)
+    if num_experts is not None:
+        check_at_least("tuning_pairs", "num_experts", num_experts, num_local)
     pairs = float(pair_capacity(rows, topk))
     if num_experts is not None:
         share = num_local / num_experts

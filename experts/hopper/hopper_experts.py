@@ -21,7 +21,12 @@ import importlib.util
 import torch
 
 from dep_ep.comm.failure import StepFailure
-from dep_ep.experts.base import ExpertsBackend, check_receive_rows, cuda_capability_reason
+from dep_ep.experts.base import (
+    ExpertsBackend,
+    check_call_size,
+    check_receive_rows,
+    cuda_capability_reason,
+)
 from dep_ep.experts.hopper.engine import PAIR_BUDGET_SKEW, HopperEngine, check_skew
 from dep_ep.experts.hopper.humming_engine import HummingEngine, humming_installed
 from dep_ep.experts.hopper.tiles import HopperTiles
@@ -164,7 +169,9 @@ class HopperExperts(ExpertsBackend):
     def tuning_pairs(self, rows: int, topk: int) -> int:
         """The pair count humming's kernels are chosen for on R = rows receive rows: the prepared
         call's (capped at its plan's tuning_cap in chunks) where it chooses by it, else
-        `engine.tuning_pairs(rows, topk, num_local_experts, num_experts)`."""
+        `engine.tuning_pairs(rows, topk, num_local_experts, num_experts)`. TypeError for a
+        non-int, ValueError for rows below 0 or topk below 1."""
+        rows, topk = check_call_size(f"{type(self).__name__}.tuning_pairs", rows, topk)
         chosen = getattr(self.prepared, "tuning_pairs", None)
         if chosen is not None:
             return chosen(rows, topk)
@@ -174,14 +181,17 @@ class HopperExperts(ExpertsBackend):
         """The pairs a call over `rows` receive rows of `topk` ids is sized for, the prepared
         call's, so this and the call agree: `pair_budget(rows, topk, num_local_experts,
         num_experts, pair_skew)` on the triton engine; on humming the capacity rows * topk for a
-        call on its slots, the budget rounded up to whole chunks for a call in chunks."""
+        call on its slots, the budget rounded up to whole chunks for a call in chunks. TypeError
+        for a non-int, ValueError for rows below 0 or topk below 1."""
+        rows, topk = check_call_size(f"{type(self).__name__}.max_pairs", rows, topk)
         return self.prepared.max_pairs(rows, topk)
 
     def workspace_bytes(self, rows: int, topk: int) -> int:
         """Bytes a call over `rows` receive rows with `topk` ids each allocates, at its pair
         budget: the sum of the prepared call's `workspace_parts` (exact with the grouping kernel,
         Grouping.TRITON, the default; with Grouping.TORCH the grouping's temporaries are an
-        estimate)."""
+        estimate). TypeError for a non-int, ValueError for rows below 0 or topk below 1."""
+        rows, topk = check_call_size(f"{type(self).__name__}.workspace_bytes", rows, topk)
         return sum(self.prepared.workspace_parts(rows, topk).values())
 
     def check_pair_budget(self) -> None:

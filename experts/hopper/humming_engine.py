@@ -28,6 +28,7 @@ from dep_ep.experts.hopper.engine import (
     PreparedCall,
     check_flag,
     check_tiles,
+    check_workspace_args,
     pair_budget,
     tuning_pairs,
 )
@@ -150,7 +151,12 @@ class HummingEngine(HopperEngine):
           "expert_out" BF16 [R * K, L];
           in chunks (C pairs, P = chunks * C): the grouping; "chunk_routes" (chunks.
           chunk_routes_bytes per tiling); "gathered" e4m3 [C, L] and fp32 scales [C, L/32];
-          "fc1_out" BF16 [C, 2I]; "act" [C, I] and [C, I/32]; "expert_out" BF16 [P, L]."""
+          "fc1_out" BF16 [C, 2I]; "act" [C, I] and [C, I/32]; "expert_out" BF16 [P, L].
+        A size that is not an int, or out of range: TypeError or ValueError naming it
+        (`engine.check_workspace_args`)."""
+        rows, topk, latent, intermediate = check_workspace_args(
+            "HummingEngine.workspace_parts", rows, topk, latent, intermediate, num_local, max_pairs
+        )
         slots = pair_capacity(rows, topk)
         exact = num_local is not None and self.tiles.grouping is Grouping.TRITON
         if exact:

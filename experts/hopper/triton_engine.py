@@ -15,6 +15,7 @@ from dep_ep.experts.hopper.engine import (
     HopperEngine,
     PreparedCall,
     check_tiles,
+    check_workspace_args,
     pair_budget,
 )
 from dep_ep.experts.hopper.grouping import Grouping, grouped, pair_capacity
@@ -109,7 +110,11 @@ def workspace_parts(
     [E_local]; "tiles" int32 tile_expert, tile_start, tile_rows [TC] and num_tiles [1] (TC =
     tile_capacity); "routes" int32 flat, pair [TC * block_n] and num_padded [1]; "histogram" int32
     [chunks, bins]. Otherwise "grouping" GROUPING_BYTES_PER_SLOT a slot (group_pairs' temporaries,
-    an estimate)."""
+    an estimate). A size that is not an int, or out of range: TypeError or ValueError naming it
+    (`engine.check_workspace_args`)."""
+    rows, topk, latent, intermediate = check_workspace_args(
+        "TritonEngine.workspace_parts", rows, topk, latent, intermediate, num_local, max_pairs
+    )
     slots = pair_capacity(rows, topk)
     pairs = slots if max_pairs is None else min(slots, max_pairs)
     parts = {"act": pairs * intermediate * 2, "y": pairs * latent * 2}
