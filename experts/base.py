@@ -17,12 +17,25 @@ def check_receive_rows(
     owner: str, x, sf, ids, weights, out, latent: int, device: torch.device | None = None
 ) -> None:
     """Raise naming `owner`.forward and the argument unless the tensors follow the row contract
-    (ExpertsBackend) with R rows of width `latent` on `device` (None: x's device), contiguous,
-    `out` sharing no byte with an input; ids must be int32 here. A wrong dtype or type raises
-    TypeError, a wrong shape, device, layout or an overlap ValueError."""
+    (ExpertsBackend) with R rows of width `latent` on `device` (None: x's device), K >= 1 ids a
+    row, contiguous, `out` sharing no byte with an input; ids must be int32 here. A wrong dtype
+    or type raises TypeError, a wrong shape, device, layout or an overlap ValueError."""
+    fn = f"{owner}.forward"
+    for name, t in (("x", x), ("sf", sf), ("ids", ids), ("weights", weights), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} is {type(t).__name__}; expected a torch.Tensor")
     rows = x.shape[0] if x.dim() == 2 else -1
     topk = ids.shape[1] if ids.dim() == 2 else -1
-    fn, device = f"{owner}.forward", x.device if device is None else device
+    if topk == 0:
+        raise ValueError(f"{fn}: ids shape {tuple(ids.shape)}; expected topk >= 1 columns")
+    device = x.device if device is None else device
+    if (
+        out.dtype == torch.bfloat16
+        and tuple(out.shape) == (rows, latent)
+        and not out.is_contiguous()
+    ):
+        # .contiguous() would make a copy, which the result would not reach.
+        raise ValueError(f"{fn}: out must be contiguous (row-major): pass a contiguous tensor")
     check_tensor(fn, "x", x, (torch.uint8,), (rows, latent), device)
     check_tensor(fn, "sf", sf, (torch.uint8,), (rows, latent // SCALE_BLOCK), device)
     check_tensor(fn, "ids", ids, (torch.int32,), (rows, topk), device)

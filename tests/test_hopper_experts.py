@@ -353,6 +353,21 @@ def test_sizes_out_of_range_are_refused(call, error, match):
         call()
 
 
+def test_forward_refuses_a_failure_that_is_not_a_step_failure():
+    """forward's `failure` is None or a StepFailure: anything else is a TypeError naming it
+    (before, True raised AttributeError 'tag_halves' from the launch; found by a careless-user
+    probe). Checked on CPU before any launch: the object is made without its GPU state, so a
+    call that got past the check would fail on the missing `prepared`, not with this error."""
+    backend = object.__new__(HopperExperts)
+    backend.latent, backend.device, backend.device_failures = TINY.latent, torch.device("cpu"), True
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x, sf = mxfp8_quantize(torch.randn(4, TINY.latent, generator=gen).bfloat16())
+    ids = torch.randint(0, TINY.experts, (4, TINY.topk), generator=gen, dtype=torch.int32)
+    weights, out = torch.rand(4, TINY.topk), torch.empty(4, TINY.latent, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="HopperExperts.forward: failure is bool; expected None"):
+        backend.forward(x, sf, ids, weights, out, failure=True)
+
+
 def test_sizes_in_range_are_taken():
     """The refusals above leave every size a call can have: rows 0, integers of any kind."""
     assert tuning_pairs(0, 16, 56, 896) == 16
@@ -370,6 +385,12 @@ def test_tiles_checked():
         HopperTiles(finalize_block_l=24).check(256, 128)
     with pytest.raises(ValueError, match="finalize_warps=3; expected a power of two"):
         HopperTiles(finalize_warps=3).check(256, 128)
+    # A CUDA block holds at most 32 warps (num_warps=64 failed in ptxas, found by a careless-user
+    # probe); 32 itself is taken.
+    for name in ("num_warps", "finalize_warps"):
+        with pytest.raises(ValueError, match=f"{name}=64; expected a power of two <= 32"):
+            HopperTiles(**{name: 64}).check(256, 128)
+        HopperTiles(**{name: 32}).check(256, 128)
     with pytest.raises(ValueError, match="num_stages=0; expected >= 1"):
         HopperTiles(num_stages=0).check(256, 128)
     assert HopperTiles().finalize_columns(256) == 256  # the default 512 does not divide 256

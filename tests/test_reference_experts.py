@@ -161,3 +161,15 @@ def test_forward_refuses_rows_off_the_row_contract(kind):
         backend.forward(torch.cat([q, q], 1), torch.cat([sf, sf], 1), ids, weights, out)
     with pytest.raises(TypeError, match=f"{name}.forward: out dtype torch.float32"):
         backend.forward(q, sf, ids, weights, out.float())
+    # Found by a careless-user probe: a NumPy x raised AttributeError ('dim'), ids of no column
+    # an error naming an internal function (HopperExperts), and a strided out was told to call
+    # .contiguous(), whose copy the result would not reach.
+    with pytest.raises(TypeError, match=f"{name}.forward: x is ndarray; expected a torch.Tensor"):
+        backend.forward(q.numpy(), sf, ids, weights, out)
+    with pytest.raises(TypeError, match=f"{name}.forward: ids is NoneType; expected a torch"):
+        backend.forward(q, sf, None, weights, out)
+    with pytest.raises(ValueError, match=rf"{name}.forward: ids shape \(\d+, 0\); expected topk"):
+        backend.forward(q, sf, ids[:, :0].contiguous(), weights[:, :0].contiguous(), out)
+    wide = torch.empty(q.shape[0], 2 * TINY.latent, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"{name}.forward: out must be contiguous.*pass a contig"):
+        backend.forward(q, sf, ids, weights, wide[:, : TINY.latent])

@@ -219,6 +219,11 @@ class HopperExperts(ExpertsBackend):
         failure: StepFailure | None = None,
     ) -> torch.Tensor:
         check_receive_rows(type(self).__name__, x, sf, ids, weights, out, self.latent, self.device)
+        if failure is not None and not isinstance(failure, StepFailure):
+            raise TypeError(
+                f"{type(self).__name__}.forward: failure is {type(failure).__name__}; expected"
+                " None or a StepFailure (EpRouted.step_failure())"
+            )
         if ids.shape[0] == 0:
             return out
         with torch.cuda.device(self.device):  # triton and humming launch on the current device

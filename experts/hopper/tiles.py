@@ -11,6 +11,8 @@ from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.hopper.grouping import Grouping, check_grouping
 
 MATHS = ("bf16", "fp32")  # experts/hopper/kernels.py
+# A CUDA thread block holds at most 1024 threads: 32 warps (64 failed in ptxas).
+MAX_WARPS = 32
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,10 @@ class HopperTiles:
                 )
         for name in ("num_warps", "finalize_warps"):
             value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"HopperTiles: {name}={value}; expected a power of two")
+            if value < 1 or value & (value - 1) or value > MAX_WARPS:
+                raise ValueError(
+                    f"HopperTiles: {name}={value}; expected a power of two <= {MAX_WARPS}"
+                )
         for name, value in (
             ("num_stages", self.num_stages),
             ("programs_per_sm", self.programs_per_sm),
