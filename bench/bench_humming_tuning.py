@@ -50,8 +50,8 @@ DECODE_BLOCK_N, DECODE_BLOCK_K = (64, 128, 256), (128, 256, 512)
 DECODE_STAGES, DECODE_CTAS = (2, 3, 4, 6), (1, 2, 3, 4)
 # A --variants-only page's summary: it has no per-count tables.
 VARIANTS_DOC = f"""FC1 and FC2 of HopperExperts' humming engine timed alone, at K3 geometry on rank
-0's receive rows at {VARIANT_LOCAL} local experts, with variants of the kernels humming picks (one
-change at a time), graph replay."""
+0's receive rows at {VARIANT_LOCAL} local experts, with variants of the kernels humming picks
+(the page's sections say which), graph replay."""
 TUNINGS = [1 << i for i in range(4, 17)]  # pair counts humming is asked to tune for
 REPS, SAMPLES = 10, 10  # calls per captured graph, timed replays (median)
 E4M3 = torch.float8_e4m3fn

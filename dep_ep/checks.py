@@ -1,7 +1,7 @@
-"""Argument validation for EpRouted, EpMoeLayer and the experts backends: every message names
-the call, the argument, the value and what is allowed. Integers and reals of any kind are
-accepted where the kind is right (Python, numpy and 0-dim torch numbers: `numbers.Integral`,
-`numbers.Real`); a bool is never a number here."""
+"""Argument validation for EpRouted and EpMoeLayer: every message names the call, the argument,
+the value and what is allowed. Integers and reals of any kind are accepted where the kind is
+right (Python, numpy and 0-dim torch numbers: `numbers.Integral`, `numbers.Real`); a bool is
+never a number here."""
 
 from __future__ import annotations
 
@@ -117,33 +117,6 @@ def check_tensor(
     if not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous (row-major); call .contiguous()")
     return t
-
-
-def byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, end) byte addresses `t`'s elements can occupy (strides >= 0; a tensor of no
-    element occupies none: (start, start))."""
-    start = t.data_ptr()
-    if t.numel() == 0:
-        return start, start
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return start, start + (last + 1) * t.element_size()
-
-
-def shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when the byte spans of `a` and `b` intersect (conservative: interleaved views that
-    share no byte count as sharing); a tensor of no element shares none."""
-    return b.numel() > 0 and lies_in(a, *byte_span(b))
-
-
-def lies_in(t: torch.Tensor, first: int, end: int) -> bool:
-    """True when a byte of `t` may lie in [first, end): first its storage's range (two
-    comparisons: most tensors are in other allocations), then its byte span."""
-    storage = t.untyped_storage()
-    start = storage.data_ptr()
-    if start + storage.nbytes() <= first or start >= end or t.numel() == 0:
-        return False
-    t0, t1 = byte_span(t)
-    return t0 < end and first < t1
 
 
 def vector_start(t: torch.Tensor) -> bool:

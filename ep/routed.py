@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from dep_ep.checks import (
     MAX_STEP_TOKENS,
-    byte_span,
     check_aligned,
     check_eps,
     check_ids,
@@ -27,8 +26,6 @@ from dep_ep.checks import (
     check_tensor,
     check_tokens,
     check_weights,
-    lies_in,
-    shares_bytes,
     vector_start,
 )
 from dep_ep.comm.agreement import agree_on_construction
@@ -120,6 +117,33 @@ def step_total(tokens: object, latent: object) -> object:
         return tokens
     shape = getattr(latent, "shape", None)
     return shape[0] if shape is not None and len(shape) >= 1 else None
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, end) byte addresses `t`'s elements can occupy (strides >= 0; a tensor of no
+    element occupies none: (start, start))."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the byte spans of `a` and `b` intersect (conservative: interleaved views that
+    share no byte count as sharing); a tensor of no element shares none."""
+    return b.numel() > 0 and lies_in(a, *byte_span(b))
+
+
+def lies_in(t: torch.Tensor, first: int, end: int) -> bool:
+    """True when a byte of `t` may lie in [first, end): first its storage's range (two
+    comparisons: most tensors are in other allocations), then its byte span."""
+    storage = t.untyped_storage()
+    start = storage.data_ptr()
+    if start + storage.nbytes() <= first or start >= end or t.numel() == 0:
+        return False
+    t0, t1 = byte_span(t)
+    return t0 < end and first < t1
 
 
 def may_overlap(out: torch.Tensor, latent: torch.Tensor) -> bool:

@@ -341,6 +341,18 @@ def test_tuning_pairs_is_the_nearest_power_of_two_of_the_expected_pairs():
             ValueError,
             "num_local=0; expected >= 1",
         ),
+        (
+            lambda: TritonEngine().workspace_bytes(8, 6, 256, 128, max_pairs=0),
+            ValueError,
+            "max_pairs=0; expected >= 1",
+        ),
+        (
+            lambda: ReferenceExperts(SyntheticLayer(TINY, seed=2).local_weights(0, 4)).max_pairs(
+                -1, 6
+            ),
+            ValueError,
+            "ReferenceExperts.max_pairs: rows=-1, topk=6",
+        ),
     ],
 )
 def test_sizes_out_of_range_are_refused(call, error, match):
@@ -374,8 +386,14 @@ def test_sizes_in_range_are_taken():
     assert tuning_pairs(np.int64(9), torch.tensor(16), 56, 896) == 16
     assert TritonEngine().workspace_bytes(0, 6, 256, 128) >= 0
     assert HummingEngine().workspace_bytes(8, 6, 256, 128, max_pairs=np.int64(16)) > 0
-    with pytest.raises(ValueError, match="ReferenceExperts.max_pairs: rows=-1, topk=6"):
-        ReferenceExperts(SyntheticLayer(TINY, seed=2).local_weights(0, 4)).max_pairs(-1, 6)
+    # A call of no row: its budget is 0 (pair_budget), as HopperExperts.workspace_bytes(0, K)
+    # passes it to the engines.
+    for engine in (TritonEngine(), HummingEngine()):
+        budget = pair_budget(0, 6, 4, 48, 2.25)
+        assert budget == 0
+        assert engine.workspace_bytes(0, 6, 256, 128, num_local=4, max_pairs=budget) >= 0
+    reference = ReferenceExperts(SyntheticLayer(TINY, seed=2).local_weights(0, 4))
+    assert reference.max_pairs(np.int64(9), 6) == 54
 
 
 def test_tiles_checked():

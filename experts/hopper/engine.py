@@ -48,14 +48,16 @@ def check_workspace_args(
     fn: str, rows, topk, latent, intermediate, num_local, max_pairs
 ) -> tuple[int, int, int, int]:
     """(rows, topk, latent, intermediate) as ints, each checked (`check_call_size`; latent and
-    intermediate >= 1), and num_local and max_pairs (None, or ints >= 1): the arguments of the
-    engines' workspace_parts."""
+    intermediate >= 1), and num_local and max_pairs (None, or ints >= 1; max_pairs 0 where rows
+    * topk is 0, the budget `pair_budget` gives such a call): the arguments of the engines'
+    workspace_parts."""
     rows, topk = check_call_size(fn, rows, topk)
     latent = check_at_least(fn, "latent", latent, 1)
     intermediate = check_at_least(fn, "intermediate", intermediate, 1)
-    for name, value in (("num_local", num_local), ("max_pairs", max_pairs)):
-        if value is not None:
-            check_at_least(fn, name, value, 1)
+    if num_local is not None:
+        check_at_least(fn, "num_local", num_local, 1)
+    if max_pairs is not None:  # a call of no slot has a budget of 0 (pair_budget)
+        check_at_least(fn, "max_pairs", max_pairs, 1 if rows * topk else 0)
     return rows, topk, latent, intermediate
 
 
