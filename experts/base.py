@@ -38,8 +38,8 @@ def check_receive_rows(
         raise ValueError(f"{fn}: out must be contiguous (row-major): pass a contiguous tensor")
     check_tensor(fn, "out", out, (torch.bfloat16,), (rows, latent), device)
     # A backend may write rows of `out` while it still reads the inputs (HopperExperts'
-    # finalize reads `weights` as it writes: weights inside `out` gave rows 5 off at outputs of
-    # about 5, with no error). Every tensor is contiguous here, so its bytes are one interval:
+    # finalize reads `weights` as it writes: weights inside `out` gave rows up to 4.9 off at
+    # outputs of about 5, no error). Every tensor is contiguous here, so its bytes are one interval:
     # 1.7 us a call for the four, where ep/routed.py's byte-span helpers took 15.0 (views of one
     # segment, as EpRouted passes them, timeit on a loaded 2-core CPU).
     first = out.data_ptr()
