@@ -258,6 +258,22 @@ def test_grouping_kernel_refuses_bad_arguments():
         grouped(ids, 0, 4, 2.0, Grouping.TRITON)
     with pytest.raises(ValueError, match="first_expert \\+ num_local = 2147483652; expected at"):
         group_and_route(ids, 2**31, 4, 16)
+    # Found by a careless-user probe: int64 ids, which `grouped` takes, were refused under
+    # TRITON by group_and_route; a non-bool pdl was refused without the function's name (or
+    # taken, by the torch grouping); block_ns of () or a bare int were an empty list or
+    # "'int' object is not iterable".
+    groups, routes = grouped(ids.long(), 0, 4, 16, Grouping.TRITON)
+    assert routes is None and torch.equal(groups.pair_slot, group_pairs(ids, 0, 4, 16).pair_slot)
+    [(groups, routes)] = routed_tilings(ids.long(), 0, 4, (16,), Grouping.TRITON)
+    assert torch.equal(routes.flat, tile_routes(group_pairs(ids, 0, 4, 16)).flat)
+    for grouping in Grouping:
+        with pytest.raises(TypeError, match="grouped: pdl=1; expected a bool"):
+            grouped(ids, 0, 4, 16, grouping, pdl=1)
+        with pytest.raises(TypeError, match="routed_tilings: pdl='yes'; expected a bool"):
+            routed_tilings(ids, 0, 4, (16,), grouping, pdl="yes")
+        for block_ns in ((), 16):
+            with pytest.raises(TypeError, match="routed_tilings: block_ns=.*; expected a tuple"):
+                routed_tilings(ids, 0, 4, block_ns, grouping)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
@@ -582,11 +598,15 @@ def test_pair_skew_checked_before_the_device():
         (0.5, ValueError, "pair_skew=0.5; expected None or a finite number >= 1"),
         (float("inf"), ValueError, "pair_skew=inf"),
         (float("nan"), ValueError, "pair_skew=nan"),
+        # Found by a careless-user probe: a bare OverflowError naming nothing.
+        (10**400, ValueError, "pair_skew=.{1,40} is outside the float range"),
+        (torch.tensor([2.0]), TypeError, r"pair_skew=tensor\(\[2.\]\); expected None or a"),
     ):
         with pytest.raises(error, match=f"HopperExperts: {message}"):
             HopperExperts(weights, engine=TritonEngine(), pair_skew=skew)
     # Valid arguments on CPU: the device refusal.
-    for skew in (2, 2.5, np.int64(2), np.float32(2.5)):  # any real number, NumPy's too
+    # Any real number, NumPy's and 0-dim torch numbers too (torch.tensor(2.0) was refused).
+    for skew in (2, 2.5, np.int64(2), np.float32(2.5), torch.tensor(2.0)):
         with pytest.raises(RuntimeError, match="HopperExperts cannot run on cpu"):
             HopperExperts(weights, engine=TritonEngine(), pair_skew=skew)
     assert TritonEngine.takes_pair_budget and HummingEngine.takes_pair_budget

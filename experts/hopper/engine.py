@@ -4,13 +4,12 @@ pair counts both size their work by."""
 from __future__ import annotations
 
 import math
-import numbers
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
 import torch
 
-from dep_ep.checks import check_int
+from dep_ep.checks import check_int, check_real
 from dep_ep.experts.base import check_call_size
 from dep_ep.experts.hopper.grouping import pair_capacity
 from dep_ep.experts.hopper.tiles import HopperTiles
@@ -107,15 +106,17 @@ def pair_budget(rows: int, topk: int, num_local: int, num_experts: int, skew: fl
 
 
 def check_skew(owner: str, skew: object) -> float | None:
-    """None, or `skew` as a float >= 1 (a finite real number, NumPy's included; bools refused);
-    TypeError or ValueError naming `owner`."""
+    """None, or `skew` as a float >= 1 (a finite real number of any kind, `check_real`'s: NumPy's
+    and 0-dim torch numbers included; bools refused); TypeError or ValueError naming `owner`."""
     if skew is None:
         return None
-    if isinstance(skew, bool) or not isinstance(skew, numbers.Real):
-        raise TypeError(f"{owner}: pair_skew={skew!r}; expected None or a number >= 1")
-    if not 1.0 <= float(skew) < math.inf:
+    try:
+        value = check_real(owner, "pair_skew", skew)
+    except TypeError:
+        raise TypeError(f"{owner}: pair_skew={skew!r}; expected None or a number >= 1") from None
+    if not 1.0 <= value < math.inf:
         raise ValueError(f"{owner}: pair_skew={skew!r}; expected None or a finite number >= 1")
-    return float(skew)
+    return value
 
 
 def check_flag(owner: str, name: str, value: object) -> None:

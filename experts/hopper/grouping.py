@@ -130,6 +130,19 @@ def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
         )
 
 
+def check_pdl(fn: str, pdl: object) -> None:
+    """TypeError naming `fn` unless `pdl` is a bool (the groupings' request for programmatic
+    dependent launch, which the torch grouping ignores)."""
+    if not isinstance(pdl, bool):
+        raise TypeError(f"{fn}: pdl={pdl!r}; expected a bool")
+
+
+def kernel_ids(ids: torch.Tensor) -> bool:
+    """Whether the grouping kernel reads `ids` as they are: contiguous int32 (the row contract's;
+    int64 or strided ids are grouped in torch)."""
+    return ids.dtype == torch.int32 and ids.is_contiguous()
+
+
 def group_pairs(ids: torch.Tensor, first_expert: int, num_local: int, block_n: int) -> PairGroups:
     """Group the local (row, k) slots of ids int32 [R, K] (global ids, -1 = none) by local expert
     (module docstring). Runs on ids' device; no host synchronisation. On an H200, with
@@ -212,12 +225,13 @@ def grouped(
 ) -> tuple[PairGroups, TileRoutes | None]:
     """The pairs of ids grouped by local expert, and their tile routes where the grouping makes
     them in the same launch (Grouping.TRITON; TORCH returns None: tile_routes would cost
-    launches). TRITON takes block_n up to grouping_kernel.MAX_BLOCK_N (16384); a larger one is
-    grouped in torch, with the same result. pdl: the kernel launched with programmatic dependent
-    launch (experts/hopper/pdl.py)."""
+    launches). TRITON takes contiguous int32 ids and block_n up to grouping_kernel.MAX_BLOCK_N
+    (16384); other ids or a larger block_n are grouped in torch, with the same result. pdl (a
+    bool): the kernel launched with programmatic dependent launch (experts/hopper/pdl.py)."""
     check_grouping("grouped", grouping)
     check_grouping_args("grouped", ids, first_expert, num_local, block_n)
-    if grouping is Grouping.TRITON:
+    check_pdl("grouped", pdl)
+    if grouping is Grouping.TRITON and kernel_ids(ids):
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route  # imports triton
 
         if fits(block_n):
@@ -233,14 +247,18 @@ def routed_tilings(
     grouping: Grouping,
     pdl: bool = False,
 ) -> list[tuple[PairGroups, TileRoutes]]:
-    """[(groups, routes)] for each tile size in block_ns (one or two, distinct), as group_pairs and
-    tile_routes give them: Grouping.TRITON in one launch of experts/hopper/grouping_kernel.py (when
-    every size fits; pdl: with programmatic dependent launch, experts/hopper/pdl.py), TORCH (or a
-    size past the kernel's lanes) in torch, once per size."""
+    """[(groups, routes)] for each tile size in block_ns (a tuple of one or two, distinct), as
+    group_pairs and tile_routes give them: Grouping.TRITON in one launch of experts/hopper/
+    grouping_kernel.py (when every size fits and the ids are contiguous int32; pdl, a bool: with
+    programmatic dependent launch, experts/hopper/pdl.py), TORCH (or a size past the kernel's
+    lanes, or other ids) in torch, once per size."""
     check_grouping("routed_tilings", grouping)
+    if not isinstance(block_ns, (tuple, list)) or not block_ns:
+        raise TypeError(f"routed_tilings: block_ns={block_ns!r}; expected a tuple of tile sizes")
     for block_n in block_ns:
         check_grouping_args("routed_tilings", ids, first_expert, num_local, block_n)
-    if grouping is Grouping.TRITON:
+    check_pdl("routed_tilings", pdl)
+    if grouping is Grouping.TRITON and kernel_ids(ids):
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route_tilings
 
         if all(fits(block_n) for block_n in block_ns):
