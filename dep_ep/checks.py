@@ -57,6 +57,12 @@ def check_real(fn: str, name: str, value: object) -> float:
         raise ValueError(f"{fn}: {name}={shown} is outside the float range") from None
 
 
+def check_flag(fn: str, name: str, value: object) -> None:
+    """TypeError naming `fn` and the option unless `value` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name}={value!r}; expected a bool")
+
+
 def check_positive_int(fn: str, name: str, value: object, multiple_of: int = 1) -> int:
     """An int >= 1 (and a multiple of `multiple_of`), returned as a Python int."""
     n = check_int(fn, name, value)

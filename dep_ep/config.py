@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dep_ep.checks import check_real_between
+from dep_ep.checks import check_flag, check_real_between
 from dep_ep.constants import SCALE_BLOCK
 
 
@@ -98,8 +98,7 @@ class EpConfig:
             raise TypeError(
                 f"EpConfig: check_expert_rows={self.check_expert_rows!r}; expected None or a bool"
             )
-        if not isinstance(self.count_experts, bool):
-            raise TypeError(f"EpConfig: count_experts={self.count_experts!r}; expected a bool")
+        check_flag("EpConfig", "count_experts", self.count_experts)
         if self.check_values not in (None, True, False):
             raise TypeError(f"EpConfig: check_values={self.check_values!r}; expected bool or None")
         if self.peer_watch_s is not None:

@@ -15,6 +15,7 @@ from dep_ep.checks import (
     MAX_STEP_TOKENS,
     check_aligned,
     check_eps,
+    check_flag,
     check_ids,
     check_int,
     check_layer_index,
@@ -735,8 +736,7 @@ class EpRouted:
         check_tensor(
             fn, "out", out, (torch.int32, torch.int64), (self.experts_per_rank,), self.device
         )
-        if not isinstance(accumulate, bool):
-            raise TypeError(f"{fn}: accumulate={accumulate!r}; expected a bool")
+        check_flag(fn, "accumulate", accumulate)
         if accumulate:
             out.add_(self._counts)
         else:

@@ -119,12 +119,6 @@ def check_skew(owner: str, skew: object) -> float | None:
     return value
 
 
-def check_flag(owner: str, name: str, value: object) -> None:
-    """TypeError naming `owner` and the option unless `value` is a bool."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}: {name}={value!r}; expected a bool")
-
-
 def check_tiles(owner: str, tiles: object) -> None:
     """TypeError naming `owner` unless `tiles` is a HopperTiles."""
     if not isinstance(tiles, HopperTiles):

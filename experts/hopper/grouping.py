@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dep_ep.checks import check_int_in
+from dep_ep.checks import check_flag, check_int_in
 from dep_ep.constants import MAX_EXPERTS
 
 
@@ -130,13 +130,6 @@ def check_grouping_args(fn: str, ids, first_expert, num_local, block_n) -> None:
         )
 
 
-def check_pdl(fn: str, pdl: object) -> None:
-    """TypeError naming `fn` unless `pdl` is a bool (the groupings' request for programmatic
-    dependent launch, which the torch grouping ignores)."""
-    if not isinstance(pdl, bool):
-        raise TypeError(f"{fn}: pdl={pdl!r}; expected a bool")
-
-
 def kernel_ids(ids: torch.Tensor) -> bool:
     """Whether the grouping kernel reads `ids` as they are: contiguous int32 (the row contract's;
     int64 or strided ids are grouped in torch)."""
@@ -230,7 +223,7 @@ def grouped(
     bool): the kernel launched with programmatic dependent launch (experts/hopper/pdl.py)."""
     check_grouping("grouped", grouping)
     check_grouping_args("grouped", ids, first_expert, num_local, block_n)
-    check_pdl("grouped", pdl)
+    check_flag("grouped", "pdl", pdl)
     if grouping is Grouping.TRITON and kernel_ids(ids):
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route  # imports triton
 
@@ -257,7 +250,7 @@ def routed_tilings(
         raise TypeError(f"routed_tilings: block_ns={block_ns!r}; expected a tuple of tile sizes")
     for block_n in block_ns:
         check_grouping_args("routed_tilings", ids, first_expert, num_local, block_n)
-    check_pdl("routed_tilings", pdl)
+    check_flag("routed_tilings", "pdl", pdl)
     if grouping is Grouping.TRITON and kernel_ids(ids):
         from dep_ep.experts.hopper.grouping_kernel import fits, group_and_route_tilings
 

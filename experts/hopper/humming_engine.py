@@ -18,7 +18,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from dep_ep.checks import check_positive_int
+from dep_ep.checks import check_flag, check_positive_int
 from dep_ep.comm.failure import StepFailure
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.hopper import chunks as chunking
@@ -26,7 +26,6 @@ from dep_ep.experts.hopper.engine import (
     GROUPING_BYTES_PER_SLOT,
     HopperEngine,
     PreparedCall,
-    check_flag,
     check_tiles,
     check_workspace_args,
     pair_budget,

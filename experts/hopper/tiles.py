@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dep_ep.checks import check_int, check_int_in
+from dep_ep.checks import check_flag, check_int, check_int_in
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.hopper.grouping import Grouping, check_grouping
 
@@ -60,9 +60,7 @@ class HopperTiles:
             raise ValueError(f"HopperTiles: math={self.math!r}; expected one of {MATHS}")
         check_grouping("HopperTiles", self.grouping)
         for name in ("persistent", "pdl"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"HopperTiles: {name}={value!r}; expected a bool")
+            check_flag("HopperTiles", name, getattr(self, name))
         for name in (
             "block_n",
             "fc1_block_m",
