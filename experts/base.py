@@ -21,19 +21,18 @@ def check_receive_rows(
     row, contiguous, `out` sharing no byte with an input; ids must be int32 here. A wrong dtype
     or type raises TypeError, a wrong shape, device, layout or an overlap ValueError."""
     fn = f"{owner}.forward"
-    for name, t in (("x", x), ("sf", sf), ("ids", ids), ("weights", weights), ("out", out)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} is {type(t).__name__}; expected a torch.Tensor")
-    rows = x.shape[0] if x.dim() == 2 else -1
-    topk = ids.shape[1] if ids.dim() == 2 else -1
-    if topk == 0:
-        raise ValueError(f"{fn}: ids shape {tuple(ids.shape)}; expected topk >= 1 columns")
-    device = x.device if device is None else device
+    # The sizes from x and ids where they are 2-D tensors; check_tensor refuses anything else.
+    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
+    topk = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else -1
+    device = x.device if device is None and isinstance(x, torch.Tensor) else device
     check_tensor(fn, "x", x, (torch.uint8,), (rows, latent), device)
     check_tensor(fn, "sf", sf, (torch.uint8,), (rows, latent // SCALE_BLOCK), device)
     check_tensor(fn, "ids", ids, (torch.int32,), (rows, topk), device)
+    if topk == 0:
+        raise ValueError(f"{fn}: ids shape {tuple(ids.shape)}; expected topk >= 1 columns")
     check_tensor(fn, "weights", weights, (torch.float32,), (rows, topk), device)
-    if out.dtype == torch.bfloat16 and out.shape == (rows, latent) and not out.is_contiguous():
+    out_shaped = isinstance(out, torch.Tensor) and out.shape == (rows, latent)
+    if out_shaped and out.dtype == torch.bfloat16 and not out.is_contiguous():
         # .contiguous() would make a copy, which the result would not reach.
         raise ValueError(f"{fn}: out must be contiguous (row-major): pass a contiguous tensor")
     check_tensor(fn, "out", out, (torch.bfloat16,), (rows, latent), device)

@@ -9,7 +9,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from dep_ep.checks import check_int, check_real
+from dep_ep.checks import check_int, check_positive_int, check_real
 from dep_ep.experts.base import check_call_size
 from dep_ep.experts.hopper.grouping import pair_capacity
 from dep_ep.experts.hopper.tiles import HopperTiles
@@ -36,7 +36,7 @@ PreparedCall = Callable[
 
 def check_at_least(fn: str, name: str, value: object, least: int) -> int:
     """value as an int: TypeError naming `fn` and `name` for a non-int (a bool included),
-    ValueError below `least`."""
+    ValueError below `least` (a bound that varies; for 1, dep_ep.checks.check_positive_int)."""
     value = check_int(fn, name, value)
     if value < least:
         raise ValueError(f"{fn}: {name}={value}; expected >= {least}")
@@ -51,10 +51,10 @@ def check_workspace_args(
     * topk is 0, the budget `pair_budget` gives such a call): the arguments of the engines'
     workspace_parts."""
     rows, topk = check_call_size(fn, rows, topk)
-    latent = check_at_least(fn, "latent", latent, 1)
-    intermediate = check_at_least(fn, "intermediate", intermediate, 1)
+    latent = check_positive_int(fn, "latent", latent)
+    intermediate = check_positive_int(fn, "intermediate", intermediate)
     if num_local is not None:
-        check_at_least(fn, "num_local", num_local, 1)
+        check_positive_int(fn, "num_local", num_local)
     if max_pairs is not None:  # a call of no slot has a budget of 0 (pair_budget)
         check_at_least(fn, "max_pairs", max_pairs, 1 if rows * topk else 0)
     return rows, topk, latent, intermediate
@@ -73,7 +73,7 @@ def tuning_pairs(rows: int, topk: int, num_local: int, num_experts: int | None) 
     up took 1.3x at T = 64 (docs/results/bench_humming_tuning.md). TypeError for a non-int;
     ValueError for rows below 0, topk or num_local below 1, num_experts below num_local."""
     rows, topk = check_call_size("tuning_pairs", rows, topk)
-    num_local = check_at_least("tuning_pairs", "num_local", num_local, 1)
+    num_local = check_positive_int("tuning_pairs", "num_local", num_local)
     if num_experts is not None:
         check_at_least("tuning_pairs", "num_experts", num_experts, num_local)
     pairs = float(pair_capacity(rows, topk))
