@@ -22,8 +22,11 @@ def check_receive_rows(
     or type raises TypeError, a wrong shape, device, layout or an overlap ValueError."""
     fn = f"{owner}.forward"
     # The sizes from x and ids where they are 2-D tensors; check_tensor refuses anything else.
-    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
-    topk = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else -1
+    for name, t, dims in (("x", x, "[R, L]"), ("ids", ids, "[R, K]")):
+        if isinstance(t, torch.Tensor) and t.dim() != 2:
+            raise ValueError(f"{fn}: {name} shape {tuple(t.shape)}; expected a 2-D {dims}")
+    rows = x.shape[0] if isinstance(x, torch.Tensor) else -1
+    topk = ids.shape[1] if isinstance(ids, torch.Tensor) else -1
     device = x.device if device is None and isinstance(x, torch.Tensor) else device
     check_tensor(fn, "x", x, (torch.uint8,), (rows, latent), device)
     check_tensor(fn, "sf", sf, (torch.uint8,), (rows, latent // SCALE_BLOCK), device)

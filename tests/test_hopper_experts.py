@@ -425,8 +425,24 @@ def test_tiles_checked():
         with pytest.raises(ValueError, match=f"{name}=64; expected a power of two <= 32"):
             HopperTiles(**{name: 64}).check(256, 128)
         HopperTiles(**{name: 32}).check(256, 128)
-    with pytest.raises(ValueError, match="num_stages=0; expected >= 1"):
+    with pytest.raises(ValueError, match=r"num_stages=0; expected 1\.\.8"):
         HopperTiles(num_stages=0).check(256, 128)
+    # Upper bounds (a careless-user probe: block_n=1024 compiled for 190 s, then lacked shared
+    # memory; 32768 failed inside Triton). Each bound itself is taken.
+    for name, most in (
+        ("block_n", 256),
+        ("fc1_block_m", 256),
+        ("fc2_block_m", 256),
+        ("fc1_block_k", 1024),
+        ("fc2_block_k", 1024),
+    ):
+        with pytest.raises(ValueError, match=f"{name}={2 * most}; expected a power of two >= "):
+            HopperTiles(**{name: 2 * most}).check(4096, 4096)
+        HopperTiles(**{name: most}).check(4096, 4096)
+    for name, most in (("num_stages", 8), ("programs_per_sm", 32)):
+        with pytest.raises(ValueError, match=rf"{name}={most + 1}; expected 1\.\.{most}"):
+            HopperTiles(**{name: most + 1}).check(256, 128)
+        HopperTiles(**{name: most}).check(256, 128)
     assert HopperTiles().finalize_columns(256) == 256  # the default 512 does not divide 256
     assert HopperTiles().finalize_columns(3584) == 512 and HopperTiles().finalize_columns(48) == 16
     with pytest.raises(ValueError, match="math='fp16'"):
@@ -471,7 +487,7 @@ def test_refuses_cpu_after_checking_arguments():
         (
             TritonEngine(tiles=HopperTiles(fc1_block_m=256)),
             ValueError,
-            "fc1_block_m=256; expected a power of two >= 16 dividing 128",
+            "fc1_block_m=256; expected a power of two >= 16 and <= 256 dividing 128",
         ),  # TINY's I
     ]
     for engine, error, message in bad:
@@ -664,6 +680,9 @@ def test_engines_check_their_options():
     ):
         with pytest.raises(error, match=message):
             make()
+    # An integer of another kind is kept as a Python int (as HopperTiles' sizes are).
+    assert type(HummingEngine(chunk_pairs=np.int64(1024)).chunk_pairs) is int
+    assert HummingEngine(chunk_pairs=np.int64(1024)) == HummingEngine(chunk_pairs=1024)
     assert (str(HummingEngine()), str(TritonEngine())) == ("humming", "triton")
     assert (HummingEngine.activation_format, TritonEngine.activation_format) == ("mxfp8", "bf16")
     assert TritonEngine().deterministic and not HummingEngine().deterministic

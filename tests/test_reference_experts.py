@@ -170,6 +170,15 @@ def test_forward_refuses_rows_off_the_row_contract(kind):
         backend.forward(q, sf, None, weights, out)
     with pytest.raises(ValueError, match=rf"{name}.forward: ids shape \(\d+, 0\); expected topk"):
         backend.forward(q, sf, ids[:, :0].contiguous(), weights[:, :0].contiguous(), out)
+    # 1-D ids or x were told to have shape (R, -1) or (-1, L).
+    with pytest.raises(
+        ValueError, match=rf"{name}.forward: ids shape \(\d+,\); expected a 2-D \[R, K\]"
+    ):
+        backend.forward(q, sf, ids[:, 0].contiguous(), weights, out)
+    with pytest.raises(
+        ValueError, match=rf"{name}.forward: x shape \(\d+,\); expected a 2-D \[R, L\]"
+    ):
+        backend.forward(q.view(-1), sf, ids, weights, out)
     wide = torch.empty(q.shape[0], 2 * TINY.latent, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=f"{name}.forward: out must be contiguous.*pass a contig"):
         backend.forward(q, sf, ids, weights, wide[:, : TINY.latent])

@@ -110,9 +110,11 @@ class HummingEngine(HopperEngine):
         owner = type(self).__name__
         check_flag(owner, "deterministic", self.deterministic)
         check_flag(owner, "tune_for_capacity", self.tune_for_capacity)
-        if isinstance(self.chunk_pairs, bool):
-            raise TypeError(f"{owner}: chunk_pairs={self.chunk_pairs!r}; expected an int")
-        check_positive_int(owner, "chunk_pairs", self.chunk_pairs, chunking.CHUNK_ALIGN)
+        # A Python int from here on (a NumPy or 0-dim torch integer is taken, as everywhere).
+        chunk_pairs = check_positive_int(
+            owner, "chunk_pairs", self.chunk_pairs, chunking.CHUNK_ALIGN
+        )
+        object.__setattr__(self, "chunk_pairs", chunk_pairs)
         check_tiles(owner, self.tiles)
 
     def tuning_pairs(self, rows: int, topk: int, num_local: int, num_experts: int) -> int:

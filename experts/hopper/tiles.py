@@ -13,6 +13,14 @@ from dep_ep.experts.hopper.grouping import Grouping, check_grouping
 MATHS = ("bf16", "fp32")  # experts/hopper/kernels.py
 # A CUDA thread block holds at most 1024 threads: 32 warps (64 failed in ptxas).
 MAX_WARPS = 32
+# The largest block side of the triton engine's GEMMs (block_n, fc1_block_m, fc2_block_m) and K
+# step (*_block_k). Past them a kernel cannot fit an SM: block_n=1024 compiled for 190 s and then
+# needed more than the 227 KiB of shared memory, block_n=32768 failed inside Triton (a
+# careless-user probe). Within them Triton names the shared memory a shape lacks at its first call.
+MAX_BLOCK_SIDE, MAX_BLOCK_K = 256, 1024
+# An SM90 SM holds at most 32 resident CTAs, and a software pipeline deeper than this buys nothing
+# at K3's K (28 steps of 128 at most).
+MAX_PROGRAMS_PER_SM, MAX_STAGES = 32, 8
 
 
 @dataclass(frozen=True)
@@ -76,18 +84,20 @@ class HopperTiles:
             # A Python int (an integer of another kind is taken, as everywhere in dep_ep): the
             # kernels take these as compile-time constants.
             object.__setattr__(self, name, check_int("HopperTiles", name, getattr(self, name)))
-        for name, value, dim, least in (
-            ("block_n", self.block_n, None, 16),
-            ("fc1_block_m", self.fc1_block_m, intermediate, 16),
-            ("fc1_block_k", self.fc1_block_k, latent, 2 * SCALE_BLOCK),
-            ("fc2_block_m", self.fc2_block_m, latent, 16),
-            ("fc2_block_k", self.fc2_block_k, intermediate, 2 * SCALE_BLOCK),
-            ("finalize_block_l", self.finalize_block_l, None, 16),
+        for name, value, dim, least, most in (
+            ("block_n", self.block_n, None, 16, MAX_BLOCK_SIDE),
+            ("fc1_block_m", self.fc1_block_m, intermediate, 16, MAX_BLOCK_SIDE),
+            ("fc1_block_k", self.fc1_block_k, latent, 2 * SCALE_BLOCK, MAX_BLOCK_K),
+            ("fc2_block_m", self.fc2_block_m, latent, 16, MAX_BLOCK_SIDE),
+            ("fc2_block_k", self.fc2_block_k, intermediate, 2 * SCALE_BLOCK, MAX_BLOCK_K),
+            ("finalize_block_l", self.finalize_block_l, None, 16, None),
         ):
-            if value < least or value & (value - 1) or (dim is not None and dim % value):
+            bad = value < least or value & (value - 1) or (dim is not None and dim % value)
+            if bad or (most is not None and value > most):
                 where = "" if dim is None else f" dividing {dim}"
+                upto = "" if most is None else f" and <= {most}"
                 raise ValueError(
-                    f"HopperTiles: {name}={value}; expected a power of two >= {least}{where}"
+                    f"HopperTiles: {name}={value}; expected a power of two >= {least}{upto}{where}"
                 )
         for name in ("num_warps", "finalize_warps"):
             value = getattr(self, name)
@@ -95,12 +105,12 @@ class HopperTiles:
                 raise ValueError(
                     f"HopperTiles: {name}={value}; expected a power of two <= {MAX_WARPS}"
                 )
-        for name, value in (
-            ("num_stages", self.num_stages),
-            ("programs_per_sm", self.programs_per_sm),
+        for name, value, most in (
+            ("num_stages", self.num_stages, MAX_STAGES),
+            ("programs_per_sm", self.programs_per_sm, MAX_PROGRAMS_PER_SM),
         ):
-            if value < 1:
-                raise ValueError(f"HopperTiles: {name}={value}; expected >= 1")
+            if value < 1 or value > most:
+                raise ValueError(f"HopperTiles: {name}={value}; expected 1..{most}")
 
     def finalize_columns(self, latent: int) -> int:
         """Output columns per finalize program at L = latent: the largest power of two <=
