@@ -320,6 +320,23 @@ def default_variant(result: dict) -> str | None:
     return next((name for name in VARIANT_NAMES if name in result), None)
 
 
+def page_summary(results: list[dict]) -> str:
+    """What the page's rows cover (shards, T, routings; ReferenceExperts where measured), from the
+    rows themselves: a part of the run (`--local 56 --routing hot`) is not described as the
+    whole."""
+    shards = sorted({(r["local"], r["ranks"]) for r in results})
+    tokens = sorted({r["tokens"] for r in results})
+    routings = [name for name in ROUTINGS if any(r["routing"] == name for r in results)]
+    reference = ", beside ReferenceExperts" if any("reference" in r for r in results) else ""
+    return (
+        f"Experts backends on one GPU at K3 geometry: HopperExperts against the hardware floor"
+        f"{reference}, at {report.words([str(local) for local, _ in shards])} local experts"
+        f" (rank 0 of {report.words([str(ranks) for _, ranks in shards])} ranks), T ="
+        f" {', '.join(map(str, tokens))} tokens per rank,"
+        f" {report.words(routings)} routing, all measured in the same run."
+    )
+
+
 def write_report(
     out: Path,
     results: list[dict],
@@ -334,7 +351,7 @@ def write_report(
     names = [name for name in VARIANT_NAMES if any(name in r for r in results)]
     groupings = [name for name in GROUPINGS if any(name in r for r in results)]
     title = "Experts backends on one GPU, K3 geometry"
-    page = report.Page(out / "bench_experts.md", title, report.summary(__doc__), run)
+    page = report.Page(out / "bench_experts.md", title, page_summary(results), run)
     page.text(
         f"One process. Measured in the run: copy bandwidth {bandwidth:.0f} GB/s, dense FP8 rate"
         f" {tflops:.0f} TFLOP/s (torch._scaled_mm, e4m3 {FP8_GEMM}^3).",

@@ -46,6 +46,12 @@ def summary(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())
 
 
+def words(items: Sequence[str]) -> str:
+    """items in a sentence: "a", "a and b", "a, b and c" ("" for none)."""
+    items = list(items)
+    return " and ".join(items) if len(items) < 3 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def main_module() -> str | None:
     """The module this process runs as `python -m`, e.g. "bench.bench_dep" (None: a file)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)

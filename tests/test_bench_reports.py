@@ -449,6 +449,24 @@ def test_experts_page_shows_both_floors_and_the_percent_of_the_larger(tmp_path):
     assert "| 448 (2) | 1 | zipf |" in text and "| 2000 | - | 2.0e-04 |" in text, text
     assert "![K3 experts on 1 x H200: % of the floor](bench_experts.png)" in text
     assert (tmp_path / "bench_experts.png").stat().st_size > 0
+    # The summary says what the rows cover, not the whole run's default.
+    covered = (
+        "HopperExperts against the hardware floor, beside ReferenceExperts, at 56 and 448 local"
+        " experts (rank 0 of 16 and 2 ranks), T = 1, 2048 tokens per rank, uniform, zipf and hot"
+        " routing"
+    )
+    assert covered in text, text
+    one = experts.write_report(tmp_path, results[1:2], 4000.0, 1000.0, 10, 20, run).read_text()
+    assert "floor, at 56 local experts (rank 0 of 16 ranks), T = 2048 tokens per rank, hot" in one
+
+
+def test_report_words():
+    assert [report.words(x) for x in ([], ["a"], ["a", "b"], ["a", "b", "c"])] == [
+        "",
+        "a",
+        "a and b",
+        "a, b and c",
+    ]
 
 
 def test_layer_workspace_page_gives_memory_in_mib_and_flags_a_changed_output(tmp_path):
