@@ -70,6 +70,7 @@ from dep_ep.constants import (
     MAX_TOPK,
     NO_TAG,
     PHASE_NAMES,
+    STATE_CALL,
     STATE_STEP_STATUS,
     STATE_WORDS,
     STATUS_FAILED,
@@ -171,8 +172,9 @@ class DeviceTransport(Transport):
     The error record (int64 [ERROR_WORDS], host-mapped): the first error a kernel met, read by
     `check()` without a device sync, and the host's abort request (a PeerWatch thread sets it
     when a peer's process is gone or a peer called reset(); reset() sets it so that waits end at
-    once). The failure record (int64 [4], host-mapped): an experts backend's failure of a step on
-    the device (comm/failure.py), which check() raises as this rank's error.
+    once). The failure record (int64 [FAILURE_WORDS], host-mapped): an experts backend's
+    failure of a step on the device (comm/failure.py), which check() raises as this rank's error
+    when it is the rejected call's.
     """
 
     completes_on_return = False
@@ -194,6 +196,8 @@ class DeviceTransport(Transport):
         # status word, which the combine reads, and a host-mapped record of the failure.
         self.failure_record = new_record(pinned=True)
         self._status_word = self.state[STATE_STEP_STATUS : STATE_STEP_STATUS + 1]
+        # The calls done, which a step's failure record takes its call index from.
+        self._calls_done = self.state[STATE_CALL : STATE_CALL + 1]
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.geometry = KernelGeometry(
             layout.num_ranks, layout.latent, layout.topk, experts_per_rank
@@ -291,7 +295,9 @@ class DeviceTransport(Transport):
                 "this rank's output of that call is NaN, and so is every peer's (they raise"
                 f" EpPeerError naming rank {rank}). This call did not start: call it again"
             )
-            failure = failure_error(self.failure_record, where, outcome)
+            # A record of another call is stale: a failed step's kernels stored it after an
+            # earlier check() cleared the record (comm/failure.py); it is dropped here.
+            failure = failure_error(self.failure_record, where, outcome, call)
             if failure is not None:
                 raise failure
             cause = {STATUS_FAILED: CAUSE_EXPERTS, STATUS_UNUSABLE: CAUSE_UNUSABLE}.get(
@@ -402,7 +408,7 @@ class DeviceTransport(Transport):
         self.watch.stop()
 
     def step_failure(self, tag: int) -> StepFailure:
-        return StepFailure(self._status_word, self.failure_record, tag)
+        return StepFailure(self._status_word, self.failure_record, tag, self._calls_done)
 
     def step_ok(self) -> torch.Tensor:
         """bool [] on the device, stream-ordered: the last call passed every check on this rank

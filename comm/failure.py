@@ -11,10 +11,16 @@ from its own kernels, stream-ordered before the step's combine:
   rejection (EpPeerError at their next call, poll() or synchronize()); this rank records its own
   flag and raises the failure below at the same point. On CPU (comm/host_transport.py) the
   combine fails the call on every rank in that call.
-- `record`, when its code word is still 0 (the first failure since the host read it wins):
-  [code, count, limit, tag], the code last. Host-readable without a sync (host-mapped pinned
-  memory on GPU, CPU memory on CPU); the transport turns it into the error this rank raises
-  (`failure_error`) and zeroes it.
+- `record`, when it is vacant (`record_vacant`: its code word is 0, or it holds another call's
+  failure; the first failure of a call wins): [code, count, limit, tag, call], the code last.
+  Host-readable without a sync (host-mapped pinned memory on GPU, CPU memory on CPU); the
+  transport turns it into the error this rank raises (`failure_error`) and zeroes it.
+  `call` is the step's call index, read on the device from the transport's count of calls done
+  (`StepFailure.calls_done`, the GPU state's STATE_CALL word, + 1), so a graph replay records its
+  own call. The GPU transport reads the record at its next call without a sync, and kernels of a
+  failed step still queued then may write it after it was cleared; a later step's rejection
+  (another call index) then finds it stale and does not raise it as this step's failure. 0:
+  no call index (the host transport, whose combine reads the record in the same call).
 EpRouted fails a step the same way under EpConfig.check_expert_rows when the experts left receive
 rows unwritten (ep/unwritten_rows.py; code FAILURE_UNWRITTEN_ROWS).
 The dispatch of every step zeroes the status word (GPU: the dispatch kernel; CPU: the host
@@ -30,8 +36,8 @@ import torch
 from dep_ep.comm.errors import EpPairBudgetError, EpUnwrittenRowsError, tag_text
 
 # The record's words (int64) and its codes.
-FAILURE_WORDS = 4
-FAILURE_CODE, FAILURE_COUNT, FAILURE_LIMIT, FAILURE_TAG = 0, 1, 2, 3
+FAILURE_WORDS = 5
+FAILURE_CODE, FAILURE_COUNT, FAILURE_LIMIT, FAILURE_TAG, FAILURE_CALL = 0, 1, 2, 3, 4
 FAILURE_PAIR_BUDGET = 1  # count: the call's (row, local expert) pairs; limit: its pair budget
 # EpConfig.check_expert_rows (ep/unwritten_rows.py), count: the receive rows with a local id the
 # experts left unwritten; limit: the step's receive rows checked.
@@ -43,11 +49,14 @@ class StepFailure:
     """Where a backend fails the current step (module docstring): `status` int64 [1] on the
     experts' device (the transport's step status word), `record` int64 [FAILURE_WORDS] the host
     reads without a sync, `tag` the step's tag (the one its dispatch sent; a CUDA graph replays
-    the tag it was captured with, as the transport's kernels do)."""
+    the tag it was captured with, as the transport's kernels do), `calls_done` int64 [1] on the
+    experts' device: the transport's count of calls done, which the step's call index exceeds by
+    1 until its combine counts it (None: no call index, the record's call word stays 0)."""
 
     status: torch.Tensor
     record: torch.Tensor
     tag: int
+    calls_done: torch.Tensor | None = None
 
     def tag_halves(self) -> tuple[int, int]:
         """The tag as two signed 32-bit ints (high, low), so that a kernel taking them as int32
@@ -63,15 +72,27 @@ def new_record(pinned: bool) -> torch.Tensor:
     return record.pin_memory() if pinned else record
 
 
+def record_vacant(record: torch.Tensor, call: int) -> bool:
+    """Whether a step of call index `call` (0: none known) may store its failure into `record`
+    (int64 [FAILURE_WORDS], CPU memory): its code word is 0, or it holds the failure of another
+    call (a stale record). The kernels that fail a step make the same test on the device."""
+    code, recorded = int(record[FAILURE_CODE]), int(record[FAILURE_CALL])
+    return code == 0 or (call != 0 and recorded != call)
+
+
 def failure_error(
-    record: torch.Tensor, where: str, outcome: str
+    record: torch.Tensor, where: str, outcome: str, call: int = 0
 ) -> EpPairBudgetError | EpUnwrittenRowsError | None:
-    """The error of a failure `record` holds (zeroing it), or None when it holds none. `where`
-    names the rank and the call, `outcome` says what became of the step and what follows."""
-    code, count, limit, tag = (int(v) for v in record.tolist())
+    """The error of the failure `record` holds (zeroing it), or None when it holds none or, with
+    `call` (the call index of the step being raised; 0: any), the failure of another call (a stale
+    record, zeroed too: module docstring). `where` names the rank and the call, `outcome` says
+    what became of the step and what follows."""
+    code, count, limit, tag, recorded = (int(v) for v in record.tolist())
     if code == 0:
         return None
     record.zero_()
+    if call != 0 and recorded != call:
+        return None
     if code == FAILURE_PAIR_BUDGET:
         return EpPairBudgetError(
             f"{where}, {tag_text(tag)}: this rank's experts received {count} (row, local expert)"

@@ -13,10 +13,11 @@ would otherwise have the combine sum whatever the row held (the previous step's 
 - before the combine, `UnwrittenRows.fail_step` counts the rows that hold a local id (>= 0) and
   still hold the mark, and when there are any fails the step through its StepFailure
   (comm/failure.py), as an experts backend fails a step it cannot compute: KIND_EXPERTS into the
-  step status word, [FAILURE_UNWRITTEN_ROWS, rows missing, rows checked, tag] into the failure
-  record when its code is 0. The combine then fails the step on every rank: on CPU in the call
-  (this rank EpUnwrittenRowsError, the peers EpPeerError naming it); on GPU every rank's output
-  of the step is NaN and the errors come at the next call, poll() or synchronize().
+  step status word, [FAILURE_UNWRITTEN_ROWS, rows missing, rows checked, tag, call] into the
+  failure record when it is vacant (comm.failure.record_vacant). The combine then fails the step
+  on every rank: on CPU in the call (this rank EpUnwrittenRowsError, the peers EpPeerError naming
+  it); on GPU every rank's output of the step is NaN and the errors come at the next call, poll()
+  or synchronize().
 On CPU the count is a few torch operations on the rows; on GPU one launch of
 unwritten_rows_kernel (ep/unwritten_rows_kernel.py) on the rows' device and its current stream,
 built to be captured in a CUDA graph (fixed addresses, the tag a launch argument; eager and
@@ -29,7 +30,12 @@ import contextlib
 
 import torch
 
-from dep_ep.comm.failure import FAILURE_UNWRITTEN_ROWS, FAILURE_WORDS, StepFailure
+from dep_ep.comm.failure import (
+    FAILURE_UNWRITTEN_ROWS,
+    FAILURE_WORDS,
+    StepFailure,
+    record_vacant,
+)
 from dep_ep.constants import KIND_EXPERTS
 
 # bf16 bits 0xFFA5 as int16: element 0 of every expert output row at dispatch.
@@ -70,8 +76,10 @@ class UnwrittenRows:
             missing = int(count_unwritten(out, ids))
             if missing:
                 failure.status.fill_(KIND_EXPERTS)
-                if int(failure.record[0]) == 0:
-                    failure.record[1:] = torch.tensor([missing, out.shape[0], failure.tag])
+                call = 0 if failure.calls_done is None else int(failure.calls_done[0]) + 1
+                if record_vacant(failure.record, call):
+                    words = [missing, out.shape[0], failure.tag, call]
+                    failure.record[1:] = torch.tensor(words)
                     failure.record[0] = FAILURE_UNWRITTEN_ROWS
             return
         launch_check(out, ids, self.scratch, failure)
@@ -84,11 +92,12 @@ class UnwrittenRows:
         if self.scratch is None:
             return
         words = torch.zeros(
-            SCRATCH_WORDS + 1 + FAILURE_WORDS, dtype=torch.int64, device=self.device
+            SCRATCH_WORDS + 2 + FAILURE_WORDS, dtype=torch.int64, device=self.device
         )
         scratch, status = words[:SCRATCH_WORDS], words[SCRATCH_WORDS : SCRATCH_WORDS + 1]
-        record = words[SCRATCH_WORDS + 1 :]
-        launch_check(out, ids, scratch, StepFailure(status, record, tag=0))
+        calls_done = words[SCRATCH_WORDS + 1 : SCRATCH_WORDS + 2]
+        record = words[SCRATCH_WORDS + 2 :]
+        launch_check(out, ids, scratch, StepFailure(status, record, 0, calls_done))
 
 
 def launch_check(
@@ -120,9 +129,11 @@ def launch_check(
             scratch,
             failure.status,
             failure.record,
+            failure.calls_done,
             rows,
             high,
             low,
+            HAS_CALL=failure.calls_done is not None,
             MARK=UNWRITTEN_ROW_MARK,
             OUT_STRIDE=out.stride(0),
             IDS_STRIDE=ids.stride(0),

@@ -8,10 +8,11 @@ mark (int32 [R, K]; the other rows' ids are not loaded). A row is missing when i
 and a local id (>= 0). A program that finds any adds its count into scratch word 0 and stores
 KIND_EXPERTS into the step status word; every program then counts itself done in scratch word 1.
 The last program done reads the total and zeroes both scratch words (so a CUDA graph replays the
-launch from zero), and when the total is nonzero and the record's code word is 0 (the first
-failure since the host read it wins) stores [FAILURE_UNWRITTEN_ROWS, total, R, tag] into the
-record, the code last. The atomics are acquire-release at GPU scope: a program's count is added
-before its done count, so the last program reads every count.
+launch from zero), and when the total is nonzero and the record is vacant (its code word 0, or
+another call's failure: the first failure of a call wins) stores [FAILURE_UNWRITTEN_ROWS, total, R,
+tag, call] into the record, the code last (comm/failure_kernel.py's store_failure). The atomics are
+acquire-release at GPU scope: a program's count is added before its done count, so the last program
+reads every count.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from dep_ep.comm.failure import FAILURE_UNWRITTEN_ROWS
+from dep_ep.comm.failure_kernel import store_failure
 from dep_ep.constants import KIND_EXPERTS
 
 KIND_EXPERTS_C = tl.constexpr(KIND_EXPERTS)
@@ -27,7 +29,7 @@ FAILURE_UNWRITTEN_ROWS_C = tl.constexpr(FAILURE_UNWRITTEN_ROWS)
 # The pointers read or written one word at a time: not specialised on 16-byte alignment (the
 # status word lies 8 bytes into the device transport's state, where a warm-up's is a fresh
 # allocation; a specialisation would compile the kernel again for the capture after a warm-up).
-SCALAR_POINTERS = ("scratch_ptr", "status_ptr", "record_ptr")
+SCALAR_POINTERS = ("scratch_ptr", "status_ptr", "record_ptr", "calls_done_ptr")
 
 
 # rows follows T and the tag's halves vary per step: specialising on them (the value 1, or
@@ -42,9 +44,11 @@ def unwritten_rows_kernel(
     scratch_ptr,
     status_ptr,
     record_ptr,
+    calls_done_ptr,
     rows,
     tag_high,
     tag_low,
+    HAS_CALL: tl.constexpr,
     MARK: tl.constexpr,
     OUT_STRIDE: tl.constexpr,
     IDS_STRIDE: tl.constexpr,
@@ -54,7 +58,8 @@ def unwritten_rows_kernel(
 ):
     """marks int16 [R, L] (out's bits, rows OUT_STRIDE apart), ids int32 [R, TOPK] (rows
     IDS_STRIDE apart), scratch int64 [2] (zero before the launch, zero after it), status int64
-    [1], record int64 [4]; the module docstring."""
+    [1], record int64 [FAILURE_WORDS], calls_done int64 [1] (read with HAS_CALL); the module
+    docstring."""
     row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = row < rows
     mark = tl.load(marks_ptr + row.to(tl.int64) * OUT_STRIDE, mask=inside, other=0)
@@ -74,9 +79,13 @@ def unwritten_rows_kernel(
         total = tl.atomic_xchg(scratch_ptr, 0, sem="acq_rel", scope="gpu")
         tl.atomic_xchg(scratch_ptr + 1, 0, sem="acq_rel", scope="gpu")
         if total > 0:
-            if tl.load(record_ptr) == 0:
-                tag = (tag_high.to(tl.int64) << 32) | (tag_low.to(tl.int64) & 0xFFFFFFFF)
-                tl.store(record_ptr + 1, total)
-                tl.store(record_ptr + 2, rows.to(tl.int64))
-                tl.store(record_ptr + 3, tag)
-                tl.store(record_ptr, FAILURE_UNWRITTEN_ROWS_C)
+            store_failure(
+                record_ptr,
+                FAILURE_UNWRITTEN_ROWS_C,
+                total,
+                rows,
+                tag_high,
+                tag_low,
+                calls_done_ptr,
+                HAS_CALL,
+            )

@@ -202,6 +202,10 @@ class ExpertsBackend(ABC):
             return
         # Device words, freed stream-ordered: a kernel's late store never lands in memory
         # handed out again (a page-locked record would be, at once, when this returns).
+        # With a count of calls done, as a transport's StepFailure has on a GPU: the kernels
+        # compile as a step runs them.
         status = torch.zeros(1, dtype=torch.int64, **on)
         record = torch.zeros(FAILURE_WORDS, dtype=torch.int64, **on)
-        self.forward(x, sf, ids, weights, out, failure=StepFailure(status, record, tag=0))
+        calls_done = torch.zeros(1, dtype=torch.int64, **on)
+        failure = StepFailure(status, record, 0, calls_done)
+        self.forward(x, sf, ids, weights, out, failure=failure)

@@ -111,8 +111,9 @@ def kernel_cases() -> list[tuple[str, object, dict, dict]]:
                 "record_ptr": i64,
                 "tag_high": "i32",
                 "tag_low": "i32",
+                "calls_done_ptr": i64,
             },
-            {"LATENT": 3584, "TOPK": 16, "BLOCK_L": 512, "FAIL_STEP": True},
+            {"LATENT": 3584, "TOPK": 16, "BLOCK_L": 512, "FAIL_STEP": True, "HAS_CALL": True},
         ),
         (
             "fc1_situ_kernel",
@@ -220,7 +221,10 @@ def kernel_cases() -> list[tuple[str, object, dict, dict]]:
     # The other specialisations the launches compile (each its own code).
     variants = {
         "situ_mxfp8_kernel": [("chunk rows", {"INDEXED": False})],
-        "finalize_kernel": [("no step failure", {"FAIL_STEP": False})],
+        "finalize_kernel": [
+            ("no step failure", {"FAIL_STEP": False, "HAS_CALL": False}),
+            ("no call index", {"HAS_CALL": False}),
+        ],
         "group_route_kernel": [("one chunk, one tiling", {"CHUNKED": False, "TWO_TILINGS": False})],
         "fc1_situ_kernel": [("one-shot, fp32", {"PERSISTENT": False, "MATH": "fp32"})],
         "fc2_kernel": [("one-shot, fp32", {"PERSISTENT": False, "MATH": "fp32"})],

@@ -297,6 +297,7 @@ def test_finalize_kernel_compiles_once_for_any_alignment_of_its_scalar_pointers(
         "over_ptr",
         "status_ptr",
         "record_ptr",
+        "calls_done_ptr",
     )
     assert [n for n in scalar if not params[n].do_not_specialize_on_alignment] == []
     # The rows it loads and stores whole stay specialised (their vector accesses need it).

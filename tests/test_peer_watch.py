@@ -36,6 +36,7 @@ from dep_ep.constants import (
     ERROR_ABORT,
     ERROR_CALL,
     ERROR_COMPLETE,
+    ERROR_KERNEL_WORDS,
     ERROR_KIND,
     ERROR_MINE,
     ERROR_PEER,
@@ -235,7 +236,7 @@ def test_check_raises_this_rank_s_pair_budget_failure_first(peer, status):
     error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
     transport = transport_with(error, [])
     tag = -(1 << 62) + 5
-    transport.failure_record[:] = torch.tensor([FAILURE_PAIR_BUDGET, 96, 32, tag])
+    transport.failure_record[:] = torch.tensor([FAILURE_PAIR_BUDGET, 96, 32, tag, 7])
     for with_record in (True, False):
         error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
         error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, peer, status
@@ -272,9 +273,10 @@ def test_check_raises_unwritten_rows_and_clears_a_record_it_does_not_raise():
     record (found by a careless-user probe, reading the code)."""
     error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
     transport = transport_with(error, [])
-    transport.failure_record[:] = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 9])
+    transport.failure_record[:] = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 9, 4])
     error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
     error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 0, STATUS_UNUSABLE
+    error[ERROR_CALL] = 4
     with pytest.raises(
         EpUnwrittenRowsError, match="tag 9: 3 of this rank's 64 receive row"
     ) as info:
@@ -282,7 +284,7 @@ def test_check_raises_unwritten_rows_and_clears_a_record_it_does_not_raise():
     assert isinstance(info.value, ValueError)
     assert (info.value.rows, info.value.checked, info.value.tag) == (3, 64, 9)
     assert not transport.failure_record.any() and not error.any()
-    transport.failure_record[:] = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 9])
+    transport.failure_record[:] = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 9, 5])
     error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_TOKENS
     error[ERROR_PHASE], error[ERROR_PEER] = PHASE_COMBINE, 1
     error[ERROR_THEIRS], error[ERROR_MINE] = 5, 4
@@ -292,6 +294,35 @@ def test_check_raises_unwritten_rows_and_clears_a_record_it_does_not_raise():
     error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
     error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 1, STATUS_REJECTED
     with pytest.raises(EpPeerError, match="rank 1 rejected its input"):
+        transport.check()
+
+
+@pytest.mark.parametrize("code", [FAILURE_PAIR_BUDGET, FAILURE_UNWRITTEN_ROWS])
+def test_check_drops_a_failure_record_stored_after_it_was_cleared(code):
+    """The double fault of docs/reliability.md: step 5's first error is of another kind (T
+    differs), which check() raises at call 6, clearing the failure record; step 5's experts
+    kernels, still queued then, store their failure after it. A peer's rejection of call 9 then
+    reads that record: it holds call 5, not 9, so check() drops it and raises the peer's
+    EpPeerError (before the call index, it raised this rank's failure of step 5 as step 9's). A
+    record of call 9 itself is raised as this rank's failure."""
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+    transport = transport_with(error, [])
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_TOKENS
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_CALL] = PHASE_COMBINE, 1, 5
+    error[ERROR_THEIRS], error[ERROR_MINE] = 5, 4
+    with pytest.raises(EpTokenCountError):
+        transport.check()
+    transport.failure_record[:] = torch.tensor([code, 96, 32, 11, 5])  # the late store
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 1, STATUS_REJECTED
+    error[ERROR_CALL] = 9
+    with pytest.raises(EpPeerError, match="call 9 .*rank 1 rejected its input"):
+        transport.check()
+    assert not transport.failure_record.any() and not error[:ERROR_KERNEL_WORDS].any()
+    transport.failure_record[:] = torch.tensor([code, 96, 32, 11, 9])
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 0, STATUS_UNUSABLE
+    with pytest.raises(EpPairBudgetError if code == FAILURE_PAIR_BUDGET else EpUnwrittenRowsError):
         transport.check()
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dep_ep.comm import EpUnwrittenRowsError
+from dep_ep.comm import EpPairBudgetError, EpUnwrittenRowsError
 from dep_ep.comm.failure import (
     FAILURE_PAIR_BUDGET,
     FAILURE_UNWRITTEN_ROWS,
     StepFailure,
     failure_error,
+    record_vacant,
 )
 from dep_ep.constants import KIND_EXPERTS
 from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK, UnwrittenRows, count_unwritten, mark_rows
@@ -59,34 +60,60 @@ def test_cpu_check_counts_and_keeps_the_first_failure() -> None:
     want = len([r for r in range(40) if r % 3 == 0 and r % 2 == 1])
     assert int(count_unwritten(out, ids)) == want
     check = UnwrittenRows(torch.device("cpu"))
-    status, record = torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    status, record = torch.zeros(1, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
     check.fail_step(out, ids, StepFailure(status, record, tag=-3))
     assert int(status[0]) == KIND_EXPERTS
-    assert record.tolist() == [FAILURE_UNWRITTEN_ROWS, want, 40, -3]
-    earlier = [FAILURE_PAIR_BUDGET, 9, 8, 1]
+    assert record.tolist() == [FAILURE_UNWRITTEN_ROWS, want, 40, -3, 0]  # no call index
+    earlier = [FAILURE_PAIR_BUDGET, 9, 8, 1, 0]
     status.zero_()
     record.copy_(torch.tensor(earlier))
     check.fail_step(out, ids, StepFailure(status, record, tag=5))
     assert int(status[0]) == KIND_EXPERTS and record.tolist() == earlier
+    # With the transport's calls done (6: this is call 7), a record of call 7 is kept and one of
+    # another call (stale: stored after the host cleared it) is replaced.
+    calls_done = torch.tensor([6])
+    for held, kept in ((7, True), (3, False)):
+        record.copy_(torch.tensor([FAILURE_PAIR_BUDGET, 9, 8, 1, held]))
+        check.fail_step(out, ids, StepFailure(status, record, 5, calls_done))
+        mine = [FAILURE_UNWRITTEN_ROWS, want, 40, 5, 7]
+        assert record.tolist() == ([FAILURE_PAIR_BUDGET, 9, 8, 1, held] if kept else mine)
     out[:, 0] = 0.0  # every row written: nothing stored
     status.zero_()
     record.zero_()
     check.fail_step(out, ids, StepFailure(status, record, tag=5))
-    assert int(status[0]) == 0 and record.tolist() == [0, 0, 0, 0]
+    assert int(status[0]) == 0 and record.tolist() == [0, 0, 0, 0, 0]
+
+
+def test_record_vacant_and_a_stale_record_raises_nothing() -> None:
+    """comm.failure: a record is vacant when its code is 0 or, with a call index, it holds
+    another call's failure; failure_error drops (zeroes, returns None for) the failure of another
+    call than the one being raised, the GPU transport's double-fault case (a failed step's kernel
+    storing its record after check() cleared it, read at a later peer rejection)."""
+    assert record_vacant(torch.zeros(5, dtype=torch.int64), 0)
+    held = torch.tensor([FAILURE_PAIR_BUDGET, 9, 8, 1, 4])
+    assert not record_vacant(held, 0) and not record_vacant(held, 4) and record_vacant(held, 5)
+    stale = held.clone()
+    assert failure_error(stale, "where", "outcome", call=5) is None
+    assert stale.tolist() == [0, 0, 0, 0, 0]
+    current = held.clone()
+    assert isinstance(failure_error(current, "where", "outcome", call=4), EpPairBudgetError)
+    assert current.tolist() == [0, 0, 0, 0, 0]
+    unknown = held.clone()  # call 0: the host transport, which reads its record in the call
+    assert isinstance(failure_error(unknown, "where", "outcome"), EpPairBudgetError)
 
 
 def test_record_reads_as_unwritten_rows_error() -> None:
     """failure_error turns the record into EpUnwrittenRowsError (a ValueError) with the counts
     and the tag, zeroing the record; an unknown code is a RuntimeError."""
-    record = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 12], dtype=torch.int64)
-    err = failure_error(record, "EpRouted (rank 1): call 4 (combine)", "the outcome")
+    record = torch.tensor([FAILURE_UNWRITTEN_ROWS, 3, 64, 12, 4], dtype=torch.int64)
+    err = failure_error(record, "EpRouted (rank 1): call 4 (combine)", "the outcome", call=4)
     assert isinstance(err, EpUnwrittenRowsError) and isinstance(err, ValueError)
     assert (err.rows, err.checked, err.tag, err.recovery) == (3, 64, 12, "none")
     assert "3 of this rank's 64 receive row(s)" in str(err) and "tag 12" in str(err)
     assert "the outcome" in str(err)
-    assert record.tolist() == [0, 0, 0, 0]
+    assert record.tolist() == [0, 0, 0, 0, 0]
     with pytest.raises(RuntimeError, match="unknown experts failure code 9"):
-        failure_error(torch.tensor([9, 1, 2, 3]), "where", "outcome")
+        failure_error(torch.tensor([9, 1, 2, 3, 0]), "where", "outcome")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)

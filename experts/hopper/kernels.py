@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from dep_ep.comm.failure import FAILURE_PAIR_BUDGET
+from dep_ep.comm.failure_kernel import store_failure
 from dep_ep.constants import E4M3_MAX, KIND_EXPERTS, RCP_448, SCALE_BLOCK
 from dep_ep.experts.hopper.pdl import wait_then_release
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
@@ -227,6 +228,7 @@ FINALIZE_SCALAR_POINTERS = (
     "over_ptr",
     "status_ptr",
     "record_ptr",
+    "calls_done_ptr",
 )
 
 
@@ -500,6 +502,8 @@ def finalize_kernel(
     record_ptr=None,
     tag_high=0,
     tag_low=0,
+    calls_done_ptr=None,
+    HAS_CALL: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """out[row] = BF16(sum over k in order of weights[row, k] * y[pair of (row, k)]) in fp32, for
@@ -512,9 +516,10 @@ def finalize_kernel(
     that is larger (a sticky record of the overflow for the host to read later; one program
     writes it, so no atomics). With FAIL_STEP (a StepFailure given, comm/failure.py), program
     (0, 0) of an overflowing call also fails the step: KIND_EXPERTS into status int64 [1] (the
-    transport's step status word, which the step's combine reads) and, when record int64 [4]'s
-    code word is 0, [FAILURE_PAIR_BUDGET, num_pairs, pair_cap, tag] into it, the code last (the
-    tag from its int32 halves).
+    transport's step status word, which the step's combine reads) and, when record int64
+    [FAILURE_WORDS] is vacant, [FAILURE_PAIR_BUDGET, num_pairs, pair_cap, tag, call] into it, the
+    code last (comm/failure_kernel.py's store_failure: the tag from its int32 halves, the call
+    from calls_done int64 [1] with HAS_CALL).
     The branch per k skips the loads of non-local slots (15 of 16 on a DEP16 shard): a branch-free
     variant with masked loads took 1.9x as long at T=64 there (9.2 against 4.8 us, BLOCK_L 512 over
     2 warps, H200). PDL as in fc1_situ_kernel.
@@ -541,9 +546,13 @@ def finalize_kernel(
         if FAIL_STEP:
             if num_pairs > pair_cap:
                 tl.store(status_ptr, KIND_EXPERTS_C)
-                if tl.load(record_ptr) == 0:
-                    tag = (tag_high.to(tl.int64) << 32) | (tag_low.to(tl.int64) & 0xFFFFFFFF)
-                    tl.store(record_ptr + 1, num_pairs)  # stores cast to int64
-                    tl.store(record_ptr + 2, pair_cap)
-                    tl.store(record_ptr + 3, tag)
-                    tl.store(record_ptr, FAILURE_PAIR_BUDGET_C)
+                store_failure(
+                    record_ptr,
+                    FAILURE_PAIR_BUDGET_C,
+                    num_pairs,
+                    pair_cap,
+                    tag_high,
+                    tag_low,
+                    calls_done_ptr,
+                    HAS_CALL,
+                )

@@ -90,6 +90,8 @@ def fail_step(failure: StepFailure | None) -> dict:
         record_ptr=failure.record,
         tag_high=high,
         tag_low=low,
+        calls_done_ptr=failure.calls_done,
+        HAS_CALL=failure.calls_done is not None,
     )
 
 

@@ -259,7 +259,7 @@ def budget(seed: int) -> None:
             assert out.isnan().all(), f"{where}: an overflowing call wrote a finite row"
             assert int(call.pairs_over_budget) == 192, f"{where}: {call.pairs_over_budget}"
             assert int(status) == KIND_EXPERTS, f"{where}: status {status.tolist()}"
-            failure = [FAILURE_PAIR_BUDGET, 192, 128, tag]
+            failure = [FAILURE_PAIR_BUDGET, 192, 128, tag, 0]  # no call index given
             assert record.tolist() == failure, f"{where}: record {record.tolist()}"
     # The same rows with 128 and 129 pairs left (slots -1 from the first row on: rows 0..14 hold
     # no local id), against the budget of 128: the first fits bitwise, the second overflows by
@@ -282,7 +282,7 @@ def budget(seed: int) -> None:
         assert (out[~written] == 3.0).all() and (~written).sum() == 15, f"{label}: rows changed"
         ran = over.fc1.tiles_run + over.fc2.tiles_run - tiles_before
         assert ran == 0, f"{label}: the GEMMs computed {ran} tiles of an overflowing call"
-        assert record.tolist() == [FAILURE_PAIR_BUDGET, 129, 128, 7], f"{label}: {record}"
+        assert record.tolist() == [FAILURE_PAIR_BUDGET, 129, 128, 7, 0], f"{label}: {record}"
     print(f"ok budget seed {seed}: {pairs} pairs, then 128 and 129 against 128")
 
 

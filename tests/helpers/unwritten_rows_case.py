@@ -9,12 +9,12 @@ gives (0x7FC0, 0xFFC0, 0x7FFF) among them, ids with -1 where the row's expert is
 and guard rows past the end (marked, with local ids). Row counts below, at and past the
 kernel's block (several programs and a part block), top-k 8, 16 and 6 (not a power of two),
 rows wider apart than the latent (a strided view), tags of either sign and past 32 bits.
-Checked: the status word and the record against the torch form (the status starts as a poison
-word the kernel must leave alone when no row is missing), a record already holding another
-failure left as it is while the status is still set, two launches on the same scratch words
-(as two replays of a graph) giving the same record and leaving the scratch zero, and marks only
-on rows without a local id counted as nothing. Prints "ok ..." or raises naming the seed and
-the case.
+Checked: the status word and the record against the torch form (the status starts as a poison word
+the kernel must leave alone when no row is missing) with the step's call index from the transport's
+calls done, a record already holding another failure of the call left as it is while the status is
+still set, one holding an earlier call's (stale) replaced, two launches on the same scratch words
+(as two replays of a graph) giving the same record and leaving the scratch zero, and marks only on
+rows without a local id counted as nothing. Prints "ok ..." or raises naming the seed and the case.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ import sys
 
 import torch
 
-from dep_ep.comm.failure import FAILURE_PAIR_BUDGET, FAILURE_UNWRITTEN_ROWS, StepFailure
+from dep_ep.comm.failure import (
+    FAILURE_PAIR_BUDGET,
+    FAILURE_UNWRITTEN_ROWS,
+    FAILURE_WORDS,
+    StepFailure,
+)
 from dep_ep.constants import KIND_EXPERTS
 from dep_ep.ep.unwritten_rows import (
     SCRATCH_WORDS,
@@ -60,12 +65,18 @@ def case_rows(gen, rows: int, latent: int, stride: int, topk: int):
     return out, ids
 
 
+# The transport's calls done in these cases: the step is call CALLS_DONE + 1.
+CALLS_DONE = 41
+
+
 def run(out, ids, tag: int, record_before: list[int], status_before: int):
-    """The kernel's (status, record, scratch) from the given starting words, fresh scratch."""
+    """The kernel's (status, record, scratch) from the given starting words, fresh scratch, the
+    step's call CALLS_DONE + 1."""
     status = torch.tensor([status_before], dtype=torch.int64)
     record = torch.tensor(record_before, dtype=torch.int64)
     scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64)
-    launch_check(out, ids, scratch, StepFailure(status, record, tag), block=BLOCK)
+    calls_done = torch.tensor([CALLS_DONE])
+    launch_check(out, ids, scratch, StepFailure(status, record, tag, calls_done), block=BLOCK)
     return int(status[0]), record.tolist(), scratch.tolist()
 
 
@@ -75,29 +86,41 @@ def check_case(seed, gen, rows, latent, stride, topk, tag) -> int:
     missing = int(count_unwritten(out, ids))
     # The torch form of the same case, as the CPU transport runs it.
     cpu_status = torch.zeros(1, dtype=torch.int64)
-    cpu_record = torch.zeros(4, dtype=torch.int64)
-    UnwrittenRows(torch.device("cpu")).fail_step(out, ids, StepFailure(cpu_status, cpu_record, tag))
+    cpu_record = torch.zeros(FAILURE_WORDS, dtype=torch.int64)
+    calls_done = torch.tensor([CALLS_DONE])
+    cpu_failure = StepFailure(cpu_status, cpu_record, tag, calls_done)
+    UnwrittenRows(torch.device("cpu")).fail_step(out, ids, cpu_failure)
+    call = CALLS_DONE + 1
     if missing:
-        want_status, want_record = KIND_EXPERTS, [FAILURE_UNWRITTEN_ROWS, missing, rows, tag]
+        want_status = KIND_EXPERTS
+        want_record = [FAILURE_UNWRITTEN_ROWS, missing, rows, tag, call]
     else:
-        want_status, want_record = 0, [0, 0, 0, 0]
+        want_status, want_record = 0, [0] * FAILURE_WORDS
     assert (int(cpu_status[0]), cpu_record.tolist()) == (want_status, want_record), where
     # Two launches on the same words, as two replays of a graph, the host reading (zeroing) the
     # record and the dispatch zeroing the status in between: the same result each time.
     scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64)
-    status, record = torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    status, record = (
+        torch.zeros(1, dtype=torch.int64),
+        torch.zeros(FAILURE_WORDS, dtype=torch.int64),
+    )
     for replay in range(2):
         status.fill_(POISON)
         record.zero_()
-        launch_check(out, ids, scratch, StepFailure(status, record, tag), block=BLOCK)
+        launch_check(out, ids, scratch, StepFailure(status, record, tag, calls_done), block=BLOCK)
         got = (int(status[0]), record.tolist(), scratch.tolist())
         want = (KIND_EXPERTS if missing else POISON, want_record, [0] * SCRATCH_WORDS)
         assert got == want, f"{where}, launch {replay}: (status, record, scratch) {got} != {want}"
-    # Another failure recorded first (the pair budget) stays; the status is still set.
-    other = [FAILURE_PAIR_BUDGET, 77, 66, 5]
+    # Another failure of this call recorded first (the pair budget) stays; the status is still
+    # set. One of an earlier call (stale: stored after the host cleared the record) is replaced.
+    other = [FAILURE_PAIR_BUDGET, 77, 66, 5, call]
     status, record, _ = run(out, ids, tag, other, 0)
     assert record == other, f"{where}: an earlier record was overwritten: {record}"
     assert status == (KIND_EXPERTS if missing else 0), f"{where}: status {status}"
+    stale = [FAILURE_PAIR_BUDGET, 77, 66, 5, call - 3]
+    _, record, _ = run(out, ids, tag, stale, 0)
+    want = want_record if missing else stale
+    assert record == want, f"{where}: a stale record gave {record}, expected {want}"
     return missing
 
 
@@ -117,8 +140,8 @@ def main(seed: int) -> None:
     # A case with marks only on rows without a local id, and one with no mark: nothing stored.
     out, ids = case_rows(gen, 200, 64, 64, 16)
     ids[out[:, 0].view(torch.int16) == UNWRITTEN_ROW_MARK] = -1
-    status, record, _ = run(out, ids, 9, [0, 0, 0, 0], POISON)
-    assert (status, record) == (POISON, [0, 0, 0, 0]), f"seed {seed}: marks without ids counted"
+    status, record, _ = run(out, ids, 9, [0] * FAILURE_WORDS, POISON)
+    assert (status, record) == (POISON, [0] * FAILURE_WORDS), f"seed {seed}: marks without ids"
     print(f"ok seed {seed}: missing rows {missing}")
 
 
