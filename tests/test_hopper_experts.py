@@ -457,6 +457,14 @@ def test_tiles_checked():
     with pytest.raises(ValueError, match="intermediate=-128"):
         HopperTiles().check(256, -128)
     HopperTiles().check(K3.latent, K3.intermediate)
+    # Integers of other kinds become Python ints when the tiles are made; check() changes no
+    # field of the frozen object (it normalised them in place before).
+    tiles = HopperTiles(block_n=np.int64(32), num_warps=torch.tensor(8))
+    assert (type(tiles.block_n), type(tiles.num_warps)) == (int, int)
+    assert tiles == HopperTiles(block_n=32, num_warps=8)
+    before = dict(vars(tiles))
+    tiles.check(K3.latent, K3.intermediate)
+    assert vars(tiles) == before
 
 
 def test_refuses_cpu_after_checking_arguments():

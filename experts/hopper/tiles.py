@@ -21,6 +21,20 @@ MAX_BLOCK_SIDE, MAX_BLOCK_K = 256, 1024
 # An SM90 SM holds at most 32 resident CTAs, and a software pipeline deeper than this buys nothing
 # at K3's K (28 steps of 128 at most).
 MAX_PROGRAMS_PER_SM, MAX_STAGES = 32, 8
+# HopperTiles' fields that are sizes: Python ints once made (the kernels take them as
+# compile-time constants).
+SIZE_FIELDS = (
+    "block_n",
+    "fc1_block_m",
+    "fc1_block_k",
+    "fc2_block_m",
+    "fc2_block_k",
+    "finalize_block_l",
+    "finalize_warps",
+    "num_warps",
+    "num_stages",
+    "programs_per_sm",
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,15 @@ class HopperTiles:
     grouping: Grouping = Grouping.TRITON
     pdl: bool = True
 
+    def __post_init__(self) -> None:
+        # An integer of another kind (NumPy, a 0-dim torch integer) becomes a Python int here, as
+        # everywhere in dep_ep; anything else stays for `check` to name.
+        for name in SIZE_FIELDS:
+            try:
+                object.__setattr__(self, name, check_int("HopperTiles", name, getattr(self, name)))
+            except TypeError:
+                pass
+
     def check(self, latent: int, intermediate: int) -> None:
         """ValueError naming the field unless every block divides its dimension (powers of two)."""
         check_int_in("HopperTiles.check", "latent", latent, 1)
@@ -69,21 +92,8 @@ class HopperTiles:
         check_grouping("HopperTiles", self.grouping)
         for name in ("persistent", "pdl"):
             check_flag("HopperTiles", name, getattr(self, name))
-        for name in (
-            "block_n",
-            "fc1_block_m",
-            "fc1_block_k",
-            "fc2_block_m",
-            "fc2_block_k",
-            "finalize_block_l",
-            "finalize_warps",
-            "num_warps",
-            "num_stages",
-            "programs_per_sm",
-        ):
-            # A Python int (an integer of another kind is taken, as everywhere in dep_ep): the
-            # kernels take these as compile-time constants.
-            object.__setattr__(self, name, check_int("HopperTiles", name, getattr(self, name)))
+        for name in SIZE_FIELDS:
+            check_int("HopperTiles", name, getattr(self, name))  # TypeError naming a non-int
         for name, value, dim, least, most in (
             ("block_n", self.block_n, None, 16, MAX_BLOCK_SIDE),
             ("fc1_block_m", self.fc1_block_m, intermediate, 16, MAX_BLOCK_SIDE),
