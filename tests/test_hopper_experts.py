@@ -930,6 +930,58 @@ def test_gpu_pair_budget_fits_overflows_and_replays(monkeypatch, name, budget):
 
 
 @GPU
+@pytest.mark.parametrize("name", ["triton", "humming-chunks-deterministic"])
+def test_gpu_step_failure_records_the_call_and_replaces_a_stale_record(monkeypatch, name):
+    """An overflowing call with a StepFailure as a transport hands it (a host-mapped record, the
+    count of calls done on the device): KIND_EXPERTS and [FAILURE_PAIR_BUDGET, pairs, budget,
+    tag, calls done + 1] in the record, eager and in graph replay (the replay reads the count on
+    the device: call 10, then 11); a record of the same call is kept, one of an earlier call
+    (stale, comm/failure.py) replaced. The compiled finalize's store_failure, beside the
+    interpreter's (tests/helpers/hopper_interpreter_case.py)."""
+    from dep_ep.comm.failure import FAILURE_PAIR_BUDGET, StepFailure, new_record
+    from dep_ep.constants import KIND_EXPERTS
+
+    monkeypatch.setattr(engine_module, "PAIR_BUDGET_LEAST", 1)
+    setting, _ = engine(name)
+    seed = fresh_seed()
+    _, layer, _, x, sf, ids, weights = gpu_case(48, seed, TritonEngine())
+    backend = HopperExperts(layer.local_weights(0, 8).to("cuda"), pair_skew=1.5, engine=setting)
+    budget = backend.max_pairs(48, 16)
+    assert budget < 384, f"{name}: budget {budget}"
+    full = ids.clone()  # every row holds the 8 local experts: 384 pairs, over the budget
+    full[:, :8] = torch.stack([torch.randperm(8) for _ in range(48)]).int().cuda()
+    full[:, 8:] = torch.where(full[:, 8:] < 8, -1, full[:, 8:])
+    status = torch.zeros(1, dtype=torch.int64, device="cuda")
+    calls_done = torch.tensor([8], dtype=torch.int64, device="cuda")
+    record, tag = new_record(pinned=True), -(1 << 62) + 3
+    failure = StepFailure(status, record, tag, calls_done)
+    backend.forward(x, sf, full, weights, poisoned(48), failure=failure)
+    torch.cuda.synchronize()
+    want = [FAILURE_PAIR_BUDGET, 384, budget, tag, 9]
+    assert (int(status), record.tolist()) == (KIND_EXPERTS, want), f"{name} seed {seed}"
+    record[1] = 7  # a record of call 9 already there stays
+    backend.forward(x, sf, full, weights, poisoned(48), failure=failure)
+    torch.cuda.synchronize()
+    assert record.tolist() == [FAILURE_PAIR_BUDGET, 7, budget, tag, 9], f"{name} seed {seed}"
+    rows = [t.clone() for t in (x, sf, full, weights)]
+    out = poisoned(48)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(*rows, out, failure=failure)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        backend.forward(*rows, out, failure=failure)
+    for done in (9, 10):  # the stale record of call 9, then of call 10, is replaced
+        calls_done.fill_(done)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = [FAILURE_PAIR_BUDGET, 384, budget, tag, done + 1]
+        assert record.tolist() == want, f"{name} seed {seed}: replay at {done} calls done"
+
+
+@GPU
 def test_gpu_fused_experts_budget_of_exactly_the_pairs_is_bitwise_the_capacity():
     """fused_experts with max_pairs = the pairs present equals no budget bitwise; one less gives NaN
     rows and the record (hot routing at K3 widths)."""
