@@ -11,16 +11,17 @@ from its own kernels, stream-ordered before the step's combine:
   rejection (EpPeerError at their next call, poll() or synchronize()); this rank records its own
   flag and raises the failure below at the same point. On CPU (comm/host_transport.py) the
   combine fails the call on every rank in that call.
-- `record`, when it is vacant (`record_vacant`: its code word is 0, or it holds another call's
-  failure; the first failure of a call wins): [code, count, limit, tag, call], the code last.
-  Host-readable without a sync (host-mapped pinned memory on GPU, CPU memory on CPU); the
-  transport turns it into the error this rank raises (`failure_error`) and zeroes it.
+- `record`, when its code word is still 0 (the first failure since the host read it wins, as
+  the first error wins in the transport's error record): [code, count, limit, tag, call], the
+  code last. Host-readable without a sync (host-mapped pinned memory on GPU, CPU memory on CPU);
+  the transport turns it into the error this rank raises (`failure_error`) and zeroes it.
   `call` is the step's call index, read on the device from the transport's count of calls done
   (`StepFailure.calls_done`, the GPU state's STATE_CALL word, + 1), so a graph replay records its
-  own call. The GPU transport reads the record at its next call without a sync, and kernels of a
-  failed step still queued then may write it after it was cleared; a later step's rejection
-  (another call index) then finds it stale and does not raise it as this step's failure. 0:
-  no call index (the host transport, whose combine reads the record in the same call).
+  own call; 0: none (the host transport, whose combine reads the record in the same call). The
+  GPU transport reads the record at its next call without a sync, and kernels of a failed step
+  still queued then may store it after it was cleared (a step with two faults, whose first
+  error was of another kind): a later step's rejection finds a record of another call, drops it
+  and raises the rejection as it is (`failure_error`'s `call`).
 EpRouted fails a step the same way under EpConfig.check_expert_rows when the experts left receive
 rows unwritten (ep/unwritten_rows.py; code FAILURE_UNWRITTEN_ROWS).
 The dispatch of every step zeroes the status word (GPU: the dispatch kernel; CPU: the host
@@ -70,14 +71,6 @@ def new_record(pinned: bool) -> torch.Tensor:
     a CUDA kernel stores into it and the host reads it without a sync) when `pinned`."""
     record = torch.zeros(FAILURE_WORDS, dtype=torch.int64)
     return record.pin_memory() if pinned else record
-
-
-def record_vacant(record: torch.Tensor, call: int) -> bool:
-    """Whether a step of call index `call` (0: none known) may store its failure into `record`
-    (int64 [FAILURE_WORDS], CPU memory): its code word is 0, or it holds the failure of another
-    call (a stale record). The kernels that fail a step make the same test on the device."""
-    code, recorded = int(record[FAILURE_CODE]), int(record[FAILURE_CALL])
-    return code == 0 or (call != 0 and recorded != call)
 
 
 def failure_error(

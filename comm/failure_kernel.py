@@ -28,20 +28,17 @@ FAILURE_CALL_C = tl.constexpr(FAILURE_CALL)
 def store_failure(
     record_ptr, code, count, limit, tag_high, tag_low, calls_done_ptr, HAS_CALL: tl.constexpr
 ):
-    """record int64 [FAILURE_WORDS] := [code, count, limit, tag, call] when it is vacant (its
-    code word 0, or, with HAS_CALL, another call's failure: comm.failure.record_vacant), the code
-    last. tag = (tag_high << 32) | (tag_low & 0xFFFFFFFF) from StepFailure.tag_halves; call =
-    calls_done[0] + 1 with HAS_CALL (the transport's calls done, int64 [1]), else 0. One program
-    stores it (no atomics: the callers elect it)."""
-    if HAS_CALL:
-        call = tl.load(calls_done_ptr) + 1
-        vacant = (tl.load(record_ptr + FAILURE_CODE_C) == 0) | (
-            tl.load(record_ptr + FAILURE_CALL_C) != call
-        )
-    else:
-        call = tl.zeros([], dtype=tl.int64)
-        vacant = tl.load(record_ptr + FAILURE_CODE_C) == 0
-    if vacant:
+    """record int64 [FAILURE_WORDS] := [code, count, limit, tag, call] when its code word is 0
+    (the first failure since the host read it wins: a record is never rewritten, so the code
+    stored last keeps a host read from seeing a part-written one). tag = (tag_high << 32) |
+    (tag_low & 0xFFFFFFFF) from StepFailure.tag_halves; call = calls_done[0] + 1 with HAS_CALL
+    (the transport's calls done, int64 [1]), else 0. One program stores it (no atomics: the
+    callers elect it)."""
+    if tl.load(record_ptr + FAILURE_CODE_C) == 0:
+        if HAS_CALL:
+            call = tl.load(calls_done_ptr) + 1
+        else:
+            call = tl.zeros([], dtype=tl.int64)
         tag = (tag_high.to(tl.int64) << 32) | (tag_low.to(tl.int64) & 0xFFFFFFFF)
         tl.store(record_ptr + FAILURE_COUNT_C, count.to(tl.int64))
         tl.store(record_ptr + FAILURE_LIMIT_C, limit.to(tl.int64))

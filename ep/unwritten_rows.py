@@ -14,7 +14,7 @@ would otherwise have the combine sum whatever the row held (the previous step's 
   still hold the mark, and when there are any fails the step through its StepFailure
   (comm/failure.py), as an experts backend fails a step it cannot compute: KIND_EXPERTS into the
   step status word, [FAILURE_UNWRITTEN_ROWS, rows missing, rows checked, tag, call] into the
-  failure record when it is vacant (comm.failure.record_vacant). The combine then fails the step
+  failure record when its code is 0. The combine then fails the step
   on every rank: on CPU in the call (this rank EpUnwrittenRowsError, the peers EpPeerError naming
   it); on GPU every rank's output of the step is NaN and the errors come at the next call, poll()
   or synchronize().
@@ -31,10 +31,10 @@ import contextlib
 import torch
 
 from dep_ep.comm.failure import (
+    FAILURE_CODE,
     FAILURE_UNWRITTEN_ROWS,
     FAILURE_WORDS,
     StepFailure,
-    record_vacant,
 )
 from dep_ep.constants import KIND_EXPERTS
 
@@ -76,8 +76,8 @@ class UnwrittenRows:
             missing = int(count_unwritten(out, ids))
             if missing:
                 failure.status.fill_(KIND_EXPERTS)
-                call = 0 if failure.calls_done is None else int(failure.calls_done[0]) + 1
-                if record_vacant(failure.record, call):
+                if int(failure.record[FAILURE_CODE]) == 0:
+                    call = 0 if failure.calls_done is None else int(failure.calls_done[0]) + 1
                     words = [missing, out.shape[0], failure.tag, call]
                     failure.record[1:] = torch.tensor(words)
                     failure.record[0] = FAILURE_UNWRITTEN_ROWS

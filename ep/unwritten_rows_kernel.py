@@ -8,11 +8,10 @@ mark (int32 [R, K]; the other rows' ids are not loaded). A row is missing when i
 and a local id (>= 0). A program that finds any adds its count into scratch word 0 and stores
 KIND_EXPERTS into the step status word; every program then counts itself done in scratch word 1.
 The last program done reads the total and zeroes both scratch words (so a CUDA graph replays the
-launch from zero), and when the total is nonzero and the record is vacant (its code word 0, or
-another call's failure: the first failure of a call wins) stores [FAILURE_UNWRITTEN_ROWS, total, R,
-tag, call] into the record, the code last (comm/failure_kernel.py's store_failure). The atomics are
-acquire-release at GPU scope: a program's count is added before its done count, so the last program
-reads every count.
+launch from zero), and when the total is nonzero and the record's code word is 0 (the first failure
+since the host read it wins) stores [FAILURE_UNWRITTEN_ROWS, total, R, tag, call] into the record,
+the code last (comm/failure_kernel.py's store_failure). The atomics are acquire-release at GPU
+scope: a program's count is added before its done count, so the last program reads every count.
 """
 
 from __future__ import annotations

@@ -931,13 +931,13 @@ def test_gpu_pair_budget_fits_overflows_and_replays(monkeypatch, name, budget):
 
 @GPU
 @pytest.mark.parametrize("name", ["triton", "humming-chunks-deterministic"])
-def test_gpu_step_failure_records_the_call_and_replaces_a_stale_record(monkeypatch, name):
+def test_gpu_step_failure_records_the_call_read_on_the_device(monkeypatch, name):
     """An overflowing call with a StepFailure as a transport hands it (a host-mapped record, the
     count of calls done on the device): KIND_EXPERTS and [FAILURE_PAIR_BUDGET, pairs, budget,
     tag, calls done + 1] in the record, eager and in graph replay (the replay reads the count on
-    the device: call 10, then 11); a record of the same call is kept, one of an earlier call
-    (stale, comm/failure.py) replaced. The compiled finalize's store_failure, beside the
-    interpreter's (tests/helpers/hopper_interpreter_case.py)."""
+    the device: call 10, then 11, the host zeroing the record between); a record already there
+    stays, whatever its call. The compiled finalize's store_failure, beside the interpreter's
+    (tests/helpers/hopper_interpreter_case.py)."""
     from dep_ep.comm.failure import FAILURE_PAIR_BUDGET, StepFailure, new_record
     from dep_ep.constants import KIND_EXPERTS
 
@@ -973,7 +973,12 @@ def test_gpu_step_failure_records_the_call_and_replaces_a_stale_record(monkeypat
     graph = torch.cuda.CUDAGraph()
     with capture_graph(graph):
         backend.forward(*rows, out, failure=failure)
-    for done in (9, 10):  # the stale record of call 9, then of call 10, is replaced
+    calls_done.fill_(9)  # call 10 finds call 9's record: it stays
+    graph.replay()
+    torch.cuda.synchronize()
+    assert record.tolist() == [FAILURE_PAIR_BUDGET, 7, budget, tag, 9], f"{name} seed {seed}"
+    for done in (9, 10):  # the host read (zeroed) the record: calls 10 and 11 store theirs
+        record.zero_()
         calls_done.fill_(done)
         graph.replay()
         torch.cuda.synchronize()

@@ -319,11 +319,15 @@ def test_check_drops_a_failure_record_stored_after_it_was_cleared(code):
     with pytest.raises(EpPeerError, match="call 9 .*rank 1 rejected its input"):
         transport.check()
     assert not transport.failure_record.any() and not error[:ERROR_KERNEL_WORDS].any()
-    transport.failure_record[:] = torch.tensor([code, 96, 32, 11, 9])
-    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
-    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 0, STATUS_UNUSABLE
-    with pytest.raises(EpPairBudgetError if code == FAILURE_PAIR_BUDGET else EpUnwrittenRowsError):
-        transport.check()
+    own = EpPairBudgetError if code == FAILURE_PAIR_BUDGET else EpUnwrittenRowsError
+    for recorded, raised in ((9, own), (8, EpPeerError)):  # only call 9's record is call 9's
+        transport.failure_record[:] = torch.tensor([code, 96, 32, 11, recorded])
+        error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+        error[ERROR_PHASE], error[ERROR_PEER] = PHASE_COMBINE, 0
+        error[ERROR_THEIRS], error[ERROR_CALL] = STATUS_UNUSABLE, 9
+        with pytest.raises(raised, match="call 9 "):
+            transport.check()
+        assert not transport.failure_record.any()
 
 
 def test_step_failure_tag_halves_rebuild_the_tag():

@@ -15,7 +15,6 @@ from dep_ep.comm.failure import (
     FAILURE_UNWRITTEN_ROWS,
     StepFailure,
     failure_error,
-    record_vacant,
 )
 from dep_ep.constants import KIND_EXPERTS
 from dep_ep.ep.unwritten_rows import UNWRITTEN_ROW_MARK, UnwrittenRows, count_unwritten, mark_rows
@@ -69,14 +68,16 @@ def test_cpu_check_counts_and_keeps_the_first_failure() -> None:
     record.copy_(torch.tensor(earlier))
     check.fail_step(out, ids, StepFailure(status, record, tag=5))
     assert int(status[0]) == KIND_EXPERTS and record.tolist() == earlier
-    # With the transport's calls done (6: this is call 7), a record of call 7 is kept and one of
-    # another call (stale: stored after the host cleared it) is replaced.
+    # With the transport's calls done (6: this is call 7) the record holds call 7; a record
+    # already there stays, whatever its call.
     calls_done = torch.tensor([6])
-    for held, kept in ((7, True), (3, False)):
+    record.zero_()
+    check.fail_step(out, ids, StepFailure(status, record, 5, calls_done))
+    assert record.tolist() == [FAILURE_UNWRITTEN_ROWS, want, 40, 5, 7]
+    for held in (7, 3):
         record.copy_(torch.tensor([FAILURE_PAIR_BUDGET, 9, 8, 1, held]))
         check.fail_step(out, ids, StepFailure(status, record, 5, calls_done))
-        mine = [FAILURE_UNWRITTEN_ROWS, want, 40, 5, 7]
-        assert record.tolist() == ([FAILURE_PAIR_BUDGET, 9, 8, 1, held] if kept else mine)
+        assert record.tolist() == [FAILURE_PAIR_BUDGET, 9, 8, 1, held]
     out[:, 0] = 0.0  # every row written: nothing stored
     status.zero_()
     record.zero_()
@@ -84,14 +85,11 @@ def test_cpu_check_counts_and_keeps_the_first_failure() -> None:
     assert int(status[0]) == 0 and record.tolist() == [0, 0, 0, 0, 0]
 
 
-def test_record_vacant_and_a_stale_record_raises_nothing() -> None:
-    """comm.failure: a record is vacant when its code is 0 or, with a call index, it holds
-    another call's failure; failure_error drops (zeroes, returns None for) the failure of another
-    call than the one being raised, the GPU transport's double-fault case (a failed step's kernel
-    storing its record after check() cleared it, read at a later peer rejection)."""
-    assert record_vacant(torch.zeros(5, dtype=torch.int64), 0)
+def test_a_stale_record_raises_nothing() -> None:
+    """failure_error drops (zeroes, returns None for) the failure of another call than the one
+    being raised, the GPU transport's double-fault case (a failed step's kernel storing its
+    record after check() cleared it, read at a later peer rejection)."""
     held = torch.tensor([FAILURE_PAIR_BUDGET, 9, 8, 1, 4])
-    assert not record_vacant(held, 0) and not record_vacant(held, 4) and record_vacant(held, 5)
     stale = held.clone()
     assert failure_error(stale, "where", "outcome", call=5) is None
     assert stale.tolist() == [0, 0, 0, 0, 0]

@@ -517,9 +517,9 @@ def finalize_kernel(
     writes it, so no atomics). With FAIL_STEP (a StepFailure given, comm/failure.py), program
     (0, 0) of an overflowing call also fails the step: KIND_EXPERTS into status int64 [1] (the
     transport's step status word, which the step's combine reads) and, when record int64
-    [FAILURE_WORDS] is vacant, [FAILURE_PAIR_BUDGET, num_pairs, pair_cap, tag, call] into it, the
-    code last (comm/failure_kernel.py's store_failure: the tag from its int32 halves, the call
-    from calls_done int64 [1] with HAS_CALL).
+    [FAILURE_WORDS]'s code word is 0, [FAILURE_PAIR_BUDGET, num_pairs, pair_cap, tag, call] into
+    it, the code last (comm/failure_kernel.py's store_failure: the tag from its int32 halves, the
+    call from calls_done int64 [1] with HAS_CALL).
     The branch per k skips the loads of non-local slots (15 of 16 on a DEP16 shard): a branch-free
     variant with masked loads took 1.9x as long at T=64 there (9.2 against 4.8 us, BLOCK_L 512 over
     2 warps, H200). PDL as in fc1_situ_kernel.

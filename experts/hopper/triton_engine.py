@@ -216,7 +216,8 @@ def fused_experts(
     pairs_over_budget int32 [1] (on x's device; None: a scratch one) to its pair count when that
     is larger: no host synchronisation, so a CUDA graph replays it as it is. `failure` (a
     StepFailure, from EpRouted): such a call also fails the step on every rank through it
-    (comm/failure.py: the status word and the record [FAILURE_PAIR_BUDGET, pairs, P, tag])."""
+    (comm/failure.py: the status word and the record [FAILURE_PAIR_BUDGET, pairs, P, tag,
+    call])."""
     from dep_ep.experts.hopper import kernels  # triton is imported on first use
     from dep_ep.experts.hopper.pdl import pdl_options
 

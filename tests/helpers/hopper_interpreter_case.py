@@ -13,9 +13,8 @@ id is the same local expert; the other local experts have no rows), "single" (on
 torch), "budget" (the pair budget, `budget`: the "mixed" rows grouped by the kernel, with a budget
 of exactly their pairs bitwise equal to no budget, and one pair less NaN in every row with a local
 id and nowhere else, the overflow record the most pairs seen; the bytes the call allocates equal
-`workspace_parts`; with a StepFailure an overflowing call stores KIND_EXPERTS and its call's
-first failure [code, pairs, budget, tag, call], a later call's replacing it, a fitting one
-nothing).
+`workspace_parts`; with a StepFailure an overflowing call stores KIND_EXPERTS and the first
+failure [code, pairs, budget, tag, call] until the host zeroes it, a fitting one nothing).
 """
 
 from __future__ import annotations
@@ -167,8 +166,8 @@ def budget(seed: int) -> None:
     assert int(record) == pairs, f"{where}: overflow record {int(record)} after a fitting call"
     # With a StepFailure (comm/failure.py): a fitting call stores nothing; an overflowing one
     # KIND_EXPERTS into the status word and [code, pairs, budget, tag, call] into the record
-    # (call: the transport's calls done + 1), whose first failure of a call stays until the host
-    # zeroes it; a later call's failure replaces it (the earlier one is stale then).
+    # (call: the transport's calls done + 1), whose first failure stays until the host zeroes it,
+    # a later call's included.
     status, failed = torch.zeros(1, dtype=torch.int64), new_record(pinned=False)
     calls_done = torch.tensor([11])
     tag = -(1 << 62) + seed % 1000  # an EpMoeLayer tag: needs 64 bits
@@ -186,8 +185,11 @@ def budget(seed: int) -> None:
     assert failed.tolist() == want, f"{where}: the second overflow replaced the first's record"
     calls_done += 1
     call(1, record, StepFailure(status, failed, 5, calls_done))
+    assert failed.tolist() == want, f"{where}: call 13 replaced call 12's record"
+    failed.zero_()  # the host read it
+    call(1, record, StepFailure(status, failed, 5, calls_done))
     later = [FAILURE_PAIR_BUDGET, pairs, 1, 5, 13]
-    assert failed.tolist() == later, f"{where}: call 13 kept call 12's record: {failed.tolist()}"
+    assert failed.tolist() == later, f"{where}: call 13's record {failed.tolist()}"
     print(f"ok budget seed {seed}: {pairs} pairs, {int(written.sum())} rows")
 
 
