@@ -153,6 +153,10 @@ def test_warmup_calls_a_device_failures_backend_with_a_step_failure():
     assert isinstance(failure, StepFailure)
     assert failure.status.shape == (1,) and failure.status.dtype == torch.int64
     assert failure.record.shape == (FAILURE_WORDS,) and failure.record.dtype == torch.int64
+    # With a count of calls done, as the device transport's StepFailure: the kernels compile the
+    # variant a step runs (HAS_CALL), not one the capture would compile again.
+    assert failure.calls_done is not None and failure.calls_done.shape == (1,)
+    assert failure.calls_done.dtype == torch.int64
     plain = ReferenceExperts(layer.local_weights(0, TINY.experts))
     calls = []
     plain.forward = lambda *args, **kwargs: calls.append(kwargs)
