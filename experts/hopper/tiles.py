@@ -18,8 +18,8 @@ MAX_WARPS = 32
 # needed more than the 227 KiB of shared memory, block_n=32768 failed inside Triton (a
 # careless-user probe). Within them Triton names the shared memory a shape lacks at its first call.
 MAX_BLOCK_SIDE, MAX_BLOCK_K = 256, 1024
-# An SM90 SM holds at most 32 resident CTAs, and a software pipeline deeper than this buys nothing
-# at K3's K (28 steps of 128 at most).
+# An SM90 SM holds at most 32 resident CTAs. Stages: bounds, not measured optima (the defaults
+# are 4 stages and 2 programs an SM); they stop values no launch can use.
 MAX_PROGRAMS_PER_SM, MAX_STAGES = 32, 8
 # HopperTiles' fields that are sizes: Python ints once made (the kernels take them as
 # compile-time constants).
