@@ -73,6 +73,11 @@ class UnwrittenRows:
         """Fail the step through `failure` when rows of `out` (bf16 [R, L]) with a local id in
         `ids` (int32 [R, K]) still hold the mark; stream-ordered before the combine on GPU."""
         if self.scratch is None:
+            if out.shape[0] != ids.shape[0]:  # torch would broadcast one row of ids over out
+                raise ValueError(
+                    f"UnwrittenRows.fail_step: out {tuple(out.shape)} and ids {tuple(ids.shape)};"
+                    " expected as many rows"
+                )
             missing = int(count_unwritten(out, ids))
             if missing:
                 failure.status.fill_(KIND_EXPERTS)

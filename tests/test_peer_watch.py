@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from dep_ep.comm.failure import (
     FAILURE_PAIR_BUDGET,
     FAILURE_UNWRITTEN_ROWS,
     StepFailure,
+    failure_error,
     new_record,
 )
 from dep_ep.comm.host_channel import ObjectBarriers
@@ -334,6 +336,41 @@ def test_step_failure_tag_halves_rebuild_the_tag():
     """StepFailure.tag_halves: two int32 values whose (high << 32) | (low & 0xFFFFFFFF) is the
     tag, for the extremes of int64 and the library's tag kinds."""
     for tag in (0, 1, -1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), -(1 << 62) + 12345):
-        high, low = StepFailure(torch.zeros(1), torch.zeros(4), tag).tag_halves()
+        status, record = torch.zeros(1, dtype=torch.int64), new_record(pinned=False)
+        high, low = StepFailure(status, record, tag).tag_halves()
         assert -(2**31) <= high < 2**31 and -(2**31) <= low < 2**31
         assert (high << 32) | (low & 0xFFFFFFFF) == tag
+
+
+def test_step_failure_refuses_words_the_kernels_cannot_use():
+    """The kernels store FAILURE_WORDS words into the record and read one of status and
+    calls_done whatever they are given: a 4-word record (the format before the call word) had
+    the word after it overwritten, an empty calls_done was read out of bounds (a careless-user
+    probe). StepFailure refuses them, and a tag that is not an int64, naming the field."""
+    status, record = torch.zeros(1, dtype=torch.int64), new_record(pinned=False)
+    calls = torch.zeros(1, dtype=torch.int64)
+    assert StepFailure(status, record, np.int64(-5), calls).tag == -5
+    bad = [
+        ((status, record[:4], 0), ValueError, r"record shape \(4,\); expected \[5\]"),
+        ((status, torch.zeros(10, dtype=torch.int64)[::2], 0), ValueError, "record shape"),
+        ((status, record.int(), 0), TypeError, "record is torch.int32; expected an int64 tensor"),
+        ((status.view(1, 1), record, 0), ValueError, r"status shape \(1, 1\)"),
+        ((None, record, 0), TypeError, "status is NoneType"),
+        ((status, record, 0, torch.zeros(0, dtype=torch.int64)), ValueError, "calls_done shape"),
+        ((status, record, 0, 6), TypeError, "calls_done is int; expected an int64 tensor"),
+        ((status, record, 2**63), ValueError, "tag=9223372036854775808; expected an int64"),
+        ((status, record, 1.5), TypeError, "StepFailure: tag=1.5; expected an int"),
+    ]
+    for args, error, match in bad:
+        with pytest.raises(error, match=match):
+            StepFailure(*args)
+
+
+def test_failure_error_reads_call_zero_as_any_and_refuses_unknown_codes_of_any_call():
+    """A record stored without a call index (0) is taken as the rejected call's, and a code no
+    kernel stores raises whatever call it names (a stale-looking stray write is not hidden)."""
+    record = torch.tensor([FAILURE_PAIR_BUDGET, 9, 8, 3, 0])
+    assert isinstance(failure_error(record, "where", "outcome", call=7), EpPairBudgetError)
+    for recorded in (1, 2):
+        with pytest.raises(RuntimeError, match="unknown experts failure code 9"):
+            failure_error(torch.tensor([9, 9, 8, 1, recorded]), "where", "outcome", call=2)

@@ -85,6 +85,21 @@ def test_cpu_check_counts_and_keeps_the_first_failure() -> None:
     assert int(status[0]) == 0 and record.tolist() == [0, 0, 0, 0, 0]
 
 
+def test_cpu_check_refuses_rows_of_other_counts() -> None:
+    """The torch form refuses out and ids of different row counts, as the kernel's launch does
+    (torch broadcast one row of ids over every row of out: 4 rows counted missing of 1 checked,
+    found by a careless-user probe)."""
+    out = torch.zeros(4, 16, dtype=torch.bfloat16)
+    mark_rows(out)
+    ids = torch.zeros(1, 4, dtype=torch.int32)
+    status, record = torch.zeros(1, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
+    check = UnwrittenRows(torch.device("cpu"))
+    for a, b in ((out, ids), (out[:1], ids.expand(4, 4))):
+        with pytest.raises(ValueError, match="expected as many rows"):
+            check.fail_step(a, b, StepFailure(status, record, 0))
+    assert not status.any() and not record.any()
+
+
 def test_a_stale_record_raises_nothing() -> None:
     """failure_error drops (zeroes, returns None for) the failure of another call than the one
     being raised, the GPU transport's double-fault case (a failed step's kernel storing its
