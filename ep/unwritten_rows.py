@@ -14,10 +14,9 @@ would otherwise have the combine sum whatever the row held (the previous step's 
   still hold the mark, and when there are any fails the step through its StepFailure
   (comm/failure.py), as an experts backend fails a step it cannot compute: KIND_EXPERTS into the
   step status word, [FAILURE_UNWRITTEN_ROWS, rows missing, rows checked, tag, call] into the
-  failure record when its code is 0. The combine then fails the step
-  on every rank: on CPU in the call (this rank EpUnwrittenRowsError, the peers EpPeerError naming
-  it); on GPU every rank's output of the step is NaN and the errors come at the next call, poll()
-  or synchronize().
+  failure record when its code is 0. The combine then fails the step on every rank: on CPU in
+  the call (this rank EpUnwrittenRowsError, the peers EpPeerError naming it); on GPU every rank's
+  output of the step is NaN and the errors come at the next call, poll() or synchronize().
 On CPU the count is a few torch operations on the rows; on GPU one launch of
 unwritten_rows_kernel (ep/unwritten_rows_kernel.py) on the rows' device and its current stream,
 built to be captured in a CUDA graph (fixed addresses, the tag a launch argument; eager and
