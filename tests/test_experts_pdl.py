@@ -36,6 +36,7 @@ from dep_ep.experts.hopper.humming_gemm import HummingGemm
 from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
 from dep_ep.testing.synthetic import SyntheticLayer
 
+from helpers import ptx
 from helpers.interpreter import HAVE_TRITON, NO_TRITON
 from helpers.k3_32 import K3_32
 
@@ -239,18 +240,7 @@ def kernel_cases() -> list[tuple[str, object, dict, dict]]:
 
 def sm90_ptx(kernel, signature: dict, constants: dict, pdl: bool) -> str:
     """The kernel's PTX for SM90 (Triton compiles it here, no GPU needed) with PDL as given."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    constants = {**constants, "PDL": pdl}
-    params = [p.name for p in kernel.params]
-    missing = [n for n in params if n not in signature and n not in constants]
-    assert not missing, f"{kernel.fn.__name__}: no type for {missing}"
-    full = {n: signature.get(n, "constexpr") for n in params}
-    source = ASTSource(fn=kernel, signature=full, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", SM90, 32))
-    return compiled.asm["ptx"]
+    return ptx.sm90_ptx(kernel, signature, {**constants, "PDL": pdl})
 
 
 def ptx_order(ptx: str) -> tuple[int | None, int | None, int]:

@@ -6,6 +6,9 @@ on GPU: tests/gpu/test_gpu_reliability.py::test_unwritten_rows_fail_every_rank_e
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 
@@ -127,6 +130,39 @@ def test_record_reads_as_unwritten_rows_error() -> None:
     assert record.tolist() == [0, 0, 0, 0, 0]
     with pytest.raises(RuntimeError, match="unknown experts failure code 9"):
         failure_error(torch.tensor([9, 1, 2, 3, 0]), "where", "outcome")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+def test_kernel_compiles_for_sm90_with_and_without_a_call_index() -> None:
+    """unwritten_rows_kernel compiles for SM90 here (no GPU) as both launches compile it: with a
+    count of calls done (a transport's StepFailure, HAS_CALL) and without (a StepFailure built
+    without one); the call index costs one more 8-byte global load, of the calls-done word, and
+    the record's five words are stored in both."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("Triton's interpreter compiles nothing")
+    from dep_ep.ep.unwritten_rows_kernel import unwritten_rows_kernel
+
+    from helpers.ptx import sm90_ptx
+
+    signature = {
+        "marks_ptr": "*i16",
+        "ids_ptr": "*i32",
+        "scratch_ptr": "*i64",
+        "status_ptr": "*i64",
+        "record_ptr": "*i64",
+        "calls_done_ptr": "*i64",
+        "rows": "i32",
+        "tag_high": "i32",
+        "tag_low": "i32",
+    }
+    constants = dict(MARK=-91, OUT_STRIDE=64, IDS_STRIDE=16, TOPK=16, TOPK_POW2=16, BLOCK=256)
+    loads, stores = {}, {}
+    for has_call in (True, False):
+        code = sm90_ptx(unwritten_rows_kernel, signature, {**constants, "HAS_CALL": has_call})
+        loads[has_call] = len(re.findall(r"ld\.global[\w.]*\.[bu]64", code))
+        stores[has_call] = len(re.findall(r"st\.global[\w.]*\.[bu]64", code))
+    assert loads[True] == loads[False] + 1, loads
+    assert stores[True] == stores[False] == 5 + 1, stores  # the record, and the status word
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
