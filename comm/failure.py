@@ -21,7 +21,8 @@ from its own kernels, stream-ordered before the step's combine:
   GPU transport reads the record at its next call without a sync, and kernels of a failed step
   still queued then may store it after it was cleared (a step with two faults, whose first
   error was of another kind): a later step's rejection finds a record of another call, drops it
-  and raises the rejection as it is (`failure_error`'s `call`).
+  and raises the rejection as it is (`failure_error`'s `call`), unless its code is none a kernel
+  stores (a stray write: RuntimeError, whatever call it names).
 EpRouted fails a step the same way under EpConfig.check_expert_rows when the experts left receive
 rows unwritten (ep/unwritten_rows.py; code FAILURE_UNWRITTEN_ROWS).
 The dispatch of every step zeroes the status word (GPU: the dispatch kernel; CPU: the host
@@ -88,10 +89,10 @@ def check_words(name: str, t: object, words: int) -> None:
         raise TypeError(f"StepFailure: {name} is {type(t).__name__}; expected an int64 tensor")
     if t.dtype != torch.int64:
         raise TypeError(f"StepFailure: {name} is {t.dtype}; expected an int64 tensor")
-    if t.shape != (words,) or not t.is_contiguous():
-        raise ValueError(
-            f"StepFailure: {name} shape {tuple(t.shape)}; expected [{words}], contiguous"
-        )
+    if t.shape != (words,):
+        raise ValueError(f"StepFailure: {name} shape {tuple(t.shape)}; expected [{words}]")
+    if not t.is_contiguous():
+        raise ValueError(f"StepFailure: {name} is not contiguous (strides {t.stride()})")
 
 
 def new_record(pinned: bool) -> torch.Tensor:
