@@ -95,6 +95,16 @@ def check_words(name: str, t: object, words: int) -> None:
         raise ValueError(f"StepFailure: {name} is not contiguous (strides {t.stride()})")
 
 
+def warmup_failure(device: torch.device | str) -> StepFailure:
+    """A StepFailure over fresh zeroed words on `device` (status, calls done and the record, one
+    allocation), for a warm-up launch that compiles what a step's launch compiles (a count of
+    calls done, as a transport's StepFailure has on a GPU) without touching a transport's words.
+    Device words are freed stream-ordered: a kernel's late store never lands in memory handed out
+    again (a page-locked record would be, at once, when the caller drops it)."""
+    words = torch.zeros(2 + FAILURE_WORDS, dtype=torch.int64, device=device)
+    return StepFailure(words[0:1], words[2:], 0, words[1:2])
+
+
 def new_record(pinned: bool) -> torch.Tensor:
     """A zeroed record: int64 [FAILURE_WORDS] in CPU memory, page-locked (host-mapped under UVA, so
     a CUDA kernel stores into it and the host reads it without a sync) when `pinned`."""

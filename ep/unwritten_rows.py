@@ -32,8 +32,8 @@ import torch
 from dep_ep.comm.failure import (
     FAILURE_CODE,
     FAILURE_UNWRITTEN_ROWS,
-    FAILURE_WORDS,
     StepFailure,
+    warmup_failure,
 )
 from dep_ep.constants import KIND_EXPERTS
 
@@ -95,13 +95,8 @@ class UnwrittenRows:
         nothing; the rows are read, not changed. Nothing on CPU."""
         if self.scratch is None:
             return
-        words = torch.zeros(
-            SCRATCH_WORDS + 2 + FAILURE_WORDS, dtype=torch.int64, device=self.device
-        )
-        scratch, status = words[:SCRATCH_WORDS], words[SCRATCH_WORDS : SCRATCH_WORDS + 1]
-        calls_done = words[SCRATCH_WORDS + 1 : SCRATCH_WORDS + 2]
-        record = words[SCRATCH_WORDS + 2 :]
-        launch_check(out, ids, scratch, StepFailure(status, record, 0, calls_done))
+        scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=self.device)
+        launch_check(out, ids, scratch, warmup_failure(self.device))
 
 
 def launch_check(

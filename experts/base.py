@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from dep_ep.checks import check_int, check_tensor
-from dep_ep.comm.failure import FAILURE_WORDS, StepFailure
+from dep_ep.comm.failure import warmup_failure
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.situ import SITU_BETA, SITU_LINEAR_BETA
 from dep_ep.experts.weights import ExpertWeights, expect_expert_weights
@@ -200,12 +200,4 @@ class ExpertsBackend(ABC):
         if not self.device_failures:
             self.forward(x, sf, ids, weights, out)
             return
-        # Device words, freed stream-ordered: a kernel's late store never lands in memory
-        # handed out again (a page-locked record would be, at once, when this returns).
-        # With a count of calls done, as a transport's StepFailure has on a GPU: the kernels
-        # compile as a step runs them.
-        status = torch.zeros(1, dtype=torch.int64, **on)
-        record = torch.zeros(FAILURE_WORDS, dtype=torch.int64, **on)
-        calls_done = torch.zeros(1, dtype=torch.int64, **on)
-        failure = StepFailure(status, record, 0, calls_done)
-        self.forward(x, sf, ids, weights, out, failure=failure)
+        self.forward(x, sf, ids, weights, out, failure=warmup_failure(self.device))
