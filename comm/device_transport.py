@@ -404,6 +404,18 @@ class DeviceTransport(Transport):
         torch.cuda.synchronize(self.device)
         self.barriers.exchange("reset-done", {}, self.timeout_s)
 
+    def drop_abandoned_failure(self) -> None:
+        """The abandoned call's kernels queued after the reset (its experts' finalize, the
+        unwritten-rows check) read calls done 0 and store a record naming call 1, the next
+        call's index: wait for them (they wait on no peer: the reset refused the call's combine),
+        then zero the record. Not during a CUDA graph capture, where nothing queued has run (a
+        reset() there has already failed the capture)."""
+        if self.capturing():
+            return
+        torch.cuda.synchronize(self.device)
+        with self.watch.lock:
+            self.failure_record.zero_()
+
     def close(self) -> None:
         self.watch.stop()
 

@@ -119,6 +119,14 @@ class Transport(ABC):
         afresh (a new epoch of the host barriers; on GPU also zeroed step flags and state), so
         that nothing a failed call left can be taken for a later call's."""
 
+    def drop_abandoned_failure(self) -> None:
+        """Local: after this rank's reset() overtook a call (a signal handler's, nested in it),
+        wait for what that call queued after the reset and clear the failure record it may have
+        stored. Its experts' kernels launched after the reset read the new epoch's call count,
+        so a record they stored would carry the next call's index and be raised as that call's
+        failure. Nothing to do on CPU: every call completes before it returns, and each dispatch
+        clears the record."""
+
     @abstractmethod
     def close(self) -> None:
         """Stop what the transport runs beside the calls (local)."""

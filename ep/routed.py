@@ -1081,6 +1081,14 @@ class EpRouted:
         self._check_usable(fn)
         step = self._step
         if step is None:
+            if self._step_failure == "reset() since":
+                # The caller's own experts of the dispatch a reset() dropped (a signal handler's,
+                # nested in them) may have stored a failure record after it (_abandon_call).
+                self._transport.drop_abandoned_failure()
+                raise RuntimeError(
+                    f"{fn}: no dispatch to combine: reset() ran since the last dispatch, which"
+                    " dropped it on every rank; dispatch the step again"
+                )
             raise RuntimeError(f"{fn}: no dispatch to combine")
         self._step = None
         if error is None:
@@ -1484,9 +1492,11 @@ class EpRouted:
     def _abandon_call(self) -> None:
         """What a call overtaken by this rank's reset() left behind goes, as reset() clears it:
         a pending dispatch, the refusal of further calls (the ranks are in step after the
-        reset; a lost peer stays lost)."""
+        reset; a lost peer stays lost), and a failure record its experts' kernels stored after
+        the reset, which would name the next call (Transport.drop_abandoned_failure)."""
         self._step = None
         self._broken = None
+        self._transport.drop_abandoned_failure()
 
     @_one_thread
     def close(self) -> None:

@@ -332,6 +332,39 @@ def test_check_drops_a_failure_record_stored_after_it_was_cleared(code):
         assert not transport.failure_record.any()
 
 
+@pytest.mark.parametrize("code", [FAILURE_PAIR_BUDGET, FAILURE_UNWRITTEN_ROWS])
+def test_drop_abandoned_failure_waits_for_the_queued_kernels_then_clears(code, monkeypatch):
+    """A call a reset() overtook (a signal handler's, nested in its experts) queued its
+    finalize after the reset; that kernel reads calls done 0 and stores a record naming call 1,
+    the next call's index. drop_abandoned_failure() waits for it (the store lands during the
+    wait, as the queued kernel's would) and then zeroes the record, so a peer's rejection of
+    the next call 1 raises EpPeerError naming the peer, not this rank's abandoned failure.
+    Zeroing before the wait fails this (the store comes after the zeroing); without the drop,
+    call 1's check raises this rank's EpPairBudgetError or EpUnwrittenRowsError."""
+    error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
+    transport = transport_with(error, [])
+    transport.device = torch.device("cpu")
+    monkeypatch.setattr(transport, "capturing", lambda: False)
+    waits: list[int] = []
+
+    def the_queued_finalize_completes(device=None) -> None:
+        waits.append(1)
+        transport.failure_record[:] = torch.tensor([code, 96, 32, 11, 1])
+
+    monkeypatch.setattr(torch.cuda, "synchronize", the_queued_finalize_completes)
+    transport.drop_abandoned_failure()
+    assert waits == [1] and not transport.failure_record.any()
+    error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
+    error[ERROR_PHASE], error[ERROR_PEER], error[ERROR_THEIRS] = PHASE_COMBINE, 1, STATUS_REJECTED
+    error[ERROR_CALL] = 1
+    with pytest.raises(EpPeerError, match="call 1 .*rank 1 rejected its input"):
+        transport.check()
+    monkeypatch.setattr(transport, "capturing", lambda: True)
+    transport.failure_record[:] = torch.tensor([code, 96, 32, 11, 1])
+    transport.drop_abandoned_failure()  # inside a capture nothing queued has run: left alone
+    assert waits == [1] and transport.failure_record.any()
+
+
 def test_step_failure_tag_halves_rebuild_the_tag():
     """StepFailure.tag_halves: two int32 values whose (high << 32) | (low & 0xFFFFFFFF) is the
     tag, for the extremes of int64 and the library's tag kinds."""
