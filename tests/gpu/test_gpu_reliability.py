@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dep_ep.comm import EpDesyncError, EpPeerError, EpUnwrittenRowsError
+from dep_ep.comm.failure import FAILURE_PAIR_BUDGET
 from dep_ep.comm.reference import owner_ranks, rms_norm
 from dep_ep.config import EpConfig
 from dep_ep.cuda_graphs import capture_graph
@@ -417,3 +418,59 @@ def test_unwritten_rows_fail_every_rank_eager_and_replayed(gpu_dep, layer, exper
     finally:
         routed.close()
     collective_assert(gpu_dep.cpu_group, failures, seeds=seed)
+
+
+class ResetThenFailingKernels(ExpertsBackend):
+    """Experts whose forward runs a reset() first on every rank (as a signal handler nested in
+    it would), then queues what HopperExperts' finalize over its budget does after it: a kernel
+    that takes 20 ms (so the host reaches its next statement first), then the failure record's
+    store, naming call 1 (the new epoch's calls done 0, plus one) and the status word."""
+
+    device_failures = True
+
+    def __init__(self, inner: ExpertsBackend, routed: EpRouted):
+        self.inner, self.routed = inner, routed
+        self.first_expert, self.num_local_experts = inner.first_expert, inner.num_local_experts
+        self.latent = inner.latent
+
+    def forward(self, x, sf, ids, weights, out, *, failure=None):
+        self.inner.forward(x, sf, ids, weights, out)
+        self.routed.reset()
+        torch.cuda._sleep(40_000_000)  # about 20 ms at 2 GHz
+        stored = torch.tensor([FAILURE_PAIR_BUDGET, 96, 32, 0, 1], device="cuda")
+        failure.record.copy_(stored, non_blocking=True)
+        failure.status.fill_(1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_reset_inside_the_experts_drops_the_record_their_kernels_store_after_it(
+    gpu_dep, layer, experts
+):
+    """The call a nested reset() overtook raises EpResetDuringCallError on every rank, after its
+    queued kernels completed and the failure record they stored (naming call 1, the next call)
+    was zeroed: the record is zero when the call returns, and the next steps match the
+    reference, their synchronize() passing. Before: the record still held the abandoned call's
+    EpPairBudgetError for call 1 (zeroed before the store, or never)."""
+    from dep_ep.comm import EpResetDuringCallError
+
+    failures: list[str] = []
+    routed = build_routed(gpu_dep, EpConfig(timeout_s=TIMEOUT_S))
+    try:
+        failures += good_step(gpu_dep, routed, layer, experts, 960, "before")
+        _, _, latent, ids, weights = step_inputs(gpu_dep, 961)
+        norm = layer.norm_weight().cuda()
+        resetting = ResetThenFailingKernels(experts, routed)
+        expect_raises(
+            failures,
+            "the overtaken call",
+            EpResetDuringCallError,
+            "reset",
+            lambda: routed(latent, ids, weights, norm, experts=resetting),
+        )
+        record = routed._transport.failure_record.tolist()
+        if any(record):
+            failures.append(f"the record after the abandoned call: {record}, expected zeros")
+        failures += good_step(gpu_dep, routed, layer, experts, 962, "after")
+    finally:
+        routed.close()
+    collective_assert(gpu_dep.cpu_group, failures)
