@@ -369,6 +369,11 @@ class DeviceTransport(Transport):
         """Wait for this rank's current stream, watching the peers meanwhile (a peer found gone
         ends the waits, so this returns), then `check()`. The wait polls the stream rather than
         blocking inside CUDA, so a signal (SIGINT) takes effect within a millisecond."""
+        self._wait_stream()
+        self.check()
+
+    def _wait_stream(self) -> None:
+        """Wait for this rank's current stream as `synchronize()` does, without `check()`."""
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         spin_until = time.monotonic() + SYNC_SPIN_S
@@ -380,7 +385,6 @@ class DeviceTransport(Transport):
                 next_look = now + SYNC_WATCH_S
             if now >= spin_until:
                 time.sleep(SYNC_SLEEP_S)
-        self.check()
 
     def reset(self) -> None:
         """Ask this rank's kernels to end their waits (the abort request), let its queued work
@@ -405,14 +409,15 @@ class DeviceTransport(Transport):
         self.barriers.exchange("reset-done", {}, self.timeout_s)
 
     def drop_abandoned_failure(self) -> None:
-        """The abandoned call's kernels queued after the reset (its experts' finalize, the
-        unwritten-rows check) read calls done 0 and store a record naming call 1, the next
-        call's index: wait for them (they wait on no peer: the reset refused the call's combine),
-        then zero the record. Not during a CUDA graph capture, where nothing queued has run (a
-        reset() there has already failed the capture)."""
+        """The abandoned call's kernels queued after the reset on the current stream (its
+        experts' finalize, the unwritten-rows check) read calls done 0 and store a record naming
+        call 1, the next call's index: wait for them as `synchronize()` waits (polling, the
+        peers watched; they wait on no peer: the reset refused the call's combine), then zero
+        the record. Not during a CUDA graph capture, where nothing queued has run (a reset()
+        there has already failed the capture)."""
         if self.capturing():
             return
-        torch.cuda.synchronize(self.device)
+        self._wait_stream()
         with self.watch.lock:
             self.failure_record.zero_()
 

@@ -1086,8 +1086,8 @@ class EpRouted:
                 # nested in them) may have stored a failure record after it (_abandon_call).
                 self._transport.drop_abandoned_failure()
                 raise RuntimeError(
-                    f"{fn}: no dispatch to combine: reset() ran since the last dispatch, which"
-                    " dropped it on every rank; dispatch the step again"
+                    f"{fn}: no dispatch to combine: reset() ran since the last dispatch (a"
+                    " reset drops a pending dispatch on every rank); dispatch the step again"
                 )
             raise RuntimeError(f"{fn}: no dispatch to combine")
         self._step = None

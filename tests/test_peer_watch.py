@@ -343,15 +343,14 @@ def test_drop_abandoned_failure_waits_for_the_queued_kernels_then_clears(code, m
     call 1's check raises this rank's EpPairBudgetError or EpUnwrittenRowsError."""
     error = torch.zeros(ERROR_WORDS, dtype=torch.int64)
     transport = transport_with(error, [])
-    transport.device = torch.device("cpu")
     monkeypatch.setattr(transport, "capturing", lambda: False)
     waits: list[int] = []
 
-    def the_queued_finalize_completes(device=None) -> None:
+    def the_queued_finalize_completes() -> None:
         waits.append(1)
         transport.failure_record[:] = torch.tensor([code, 96, 32, 11, 1])
 
-    monkeypatch.setattr(torch.cuda, "synchronize", the_queued_finalize_completes)
+    monkeypatch.setattr(transport, "_wait_stream", the_queued_finalize_completes)
     transport.drop_abandoned_failure()
     assert waits == [1] and not transport.failure_record.any()
     error[ERROR_STATUS], error[ERROR_KIND] = ERROR_COMPLETE, KIND_REJECTED
