@@ -410,11 +410,12 @@ class DeviceTransport(Transport):
 
     def drop_abandoned_failure(self) -> None:
         """The abandoned call's kernels queued after the reset on the current stream (its
-        experts' finalize, the unwritten-rows check) read calls done 0 and store a record naming
-        call 1, the next call's index: wait for them as `synchronize()` waits (polling, the
-        peers watched; they wait on no peer: the reset refused the call's combine), then zero
-        the record. Not during a CUDA graph capture, where nothing queued has run (a reset()
-        there has already failed the capture)."""
+        experts' finalize, the unwritten-rows check) read the new epoch's calls done and store a
+        record naming the next call's index: wait for them as `synchronize()` waits (polling,
+        the peers watched; bounded: the reset refused the call's combine, and a dispatch
+        launched in the gap docs/reliability.md names ends its waits within timeout_s), then
+        zero the record. Not during a CUDA graph capture, where nothing queued has run (a
+        reset() there has already failed the capture)."""
         if self.capturing():
             return
         self._wait_stream()

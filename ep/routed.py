@@ -463,6 +463,12 @@ class EpRouted:
         self._last_tokens: int | None = None  # T of the last dispatch (expert_counts)
         self._step_failure: str | None = None  # why the last step failed on this rank
         self._resets = 0  # reset()s so far: a call during which one ran is abandoned
+        # A reset() dropped a pending dispatch, and no dispatch came since: a combine() then
+        # says so and drops the failure record the caller's experts may have stored after it.
+        self._reset_dropped_step = False
+        # The reset count at which the transport last dropped an abandoned call's failure
+        # record (once a reset: `_routed_step` and `_abandoned_if_reset` both abandon the call).
+        self._dropped_at = -1
         self._broken: str | None = None  # why calls are refused until reset()
         self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
         # Inside a step run in pieces only (`_in_pieces`): the error this rank raised after
@@ -912,6 +918,7 @@ class EpRouted:
                 " and its combine, abort_step(error) ends that step on every rank"
             )
         self._step_failure = None
+        self._reset_dropped_step = False
         error, real = None, 0
         try:
             tokens, real = self._check_inputs(
@@ -1024,6 +1031,7 @@ class EpRouted:
         if self._step is not None:
             raise RuntimeError(f"{fn}: a dispatch is pending; call combine or abort_step")
         self._step_failure = f"{type(error).__name__} in {fn}"
+        self._reset_dropped_step = False
         try:  # an int of any kind, as routed takes it; anything else rejects one step
             total = None if tokens is None else check_int(fn, "tokens", tokens)
         except TypeError:
@@ -1081,10 +1089,11 @@ class EpRouted:
         self._check_usable(fn)
         step = self._step
         if step is None:
-            if self._step_failure == "reset() since":
+            if self._reset_dropped_step:
                 # The caller's own experts of the dispatch a reset() dropped (a signal handler's,
                 # nested in them) may have stored a failure record after it (_abandon_call).
-                self._transport.drop_abandoned_failure()
+                self._reset_dropped_step = False
+                self._drop_abandoned_failure()
                 raise RuntimeError(
                     f"{fn}: no dispatch to combine: reset() ran since the last dispatch (a"
                     " reset drops a pending dispatch on every rank); dispatch the step again"
@@ -1483,6 +1492,7 @@ class EpRouted:
             self._check_usable(fn)
         self._run(fn, self._transport.reset, None)
         self._resets += 1
+        self._reset_dropped_step = self._step is not None
         self._step = None
         self._step_failure = "reset() since"
         self._broken = None
@@ -1496,7 +1506,14 @@ class EpRouted:
         the reset, which would name the next call (Transport.drop_abandoned_failure)."""
         self._step = None
         self._broken = None
-        self._transport.drop_abandoned_failure()
+        self._reset_dropped_step = False
+        self._drop_abandoned_failure()
+
+    def _drop_abandoned_failure(self) -> None:
+        """Transport.drop_abandoned_failure, once for each reset() (it waits for the stream)."""
+        if self._dropped_at != self._resets:
+            self._transport.drop_abandoned_failure()
+            self._dropped_at = self._resets
 
     @_one_thread
     def close(self) -> None:
