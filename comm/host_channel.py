@@ -22,7 +22,7 @@ Why a stale or foreign message is never taken for the one awaited:
   every rank to an epoch no key was written in. So a key holds the message of its barrier or
   nothing.
 - A call's barriers compare the object's (epoch, reset round) with the call's start
-  (`call_began`, set around each call by its caller): after a reset() nested in the call (a
+  (`call.began`, set around each call by its caller): after a reset() nested in the call (a
   signal handler's), whether it came before the call's first barrier or during one, the call
   publishes nothing in the new epoch, so no peer's next call pairs with the abandoned one.
 - A rank deletes its message of barrier c - 1 once it has passed barrier c: passing c means that
@@ -247,6 +247,20 @@ def _given_up_by(counter: int) -> tuple[int, int]:
     return divmod((counter >> GAVE_UP_SHIFT) - 1, BARRIER_RANKS)
 
 
+class CallStart(threading.local):
+    """`began`: (epoch, reset round) when the calling thread's current call of an object began
+    (set by the caller around each call: EpRouted's `_one_thread`, or an EpMoeLayer call around
+    its routed calls), None outside a call. A reset() run on this rank since (nested in the
+    call: a signal handler's) makes the call's later barriers and launches refuse before this
+    rank publishes anything (`exchange(since=)`, `refuse_reset_in_call`). A plain attribute of
+    a thread-local, so that setting it and restoring it in a `finally` run no Python call,
+    where a signal handler could raise (a KeyboardInterrupt) and leave a stale start behind:
+    with a property setter that happened, and after the next reset() every call of this rank
+    refused itself as overtaken by it (found by a careless-user probe)."""
+
+    began: tuple[int, int] | None = None
+
+
 class ObjectBarriers:
     """The barriers of one object on a group: `exchange` (one barrier with a payload), `reset`
     (every rank to a new epoch), `close`. Driven from one thread, in the same order on every
@@ -276,9 +290,10 @@ class ObjectBarriers:
         # This rank's keys of barriers that raised before passing (an interrupt, a desync, a
         # timeout, a lost peer): a peer may be reading them still, so they go at the next reset.
         self._stale: list[str] = []
-        # `call_began` of each thread (a signal handler runs on the thread it interrupts, so a
-        # handler's call nests in that thread's call; another thread's call is its own).
-        self._threads = threading.local()
+        # The start of each thread's current call (a signal handler runs on the thread it
+        # interrupts, so a handler's call nests in that thread's call; another thread's call is
+        # its own).
+        self.call = CallStart()
         # The barrier (epoch, count) this rank's exchange is in, from before it publishes until
         # it leaves: a reset() nested in it (a signal handler's) gives it up, so that the peers
         # waiting there for this rank's arrival raise instead of waiting out their timeout, and
@@ -289,19 +304,6 @@ class ObjectBarriers:
     def built(self) -> None:
         """The object's constructor returned: its errors from now on say to reset it."""
         self.remedy, self.recovery = RESET_REMEDY, RECOVERY_RESET
-
-    @property
-    def call_began(self) -> tuple[int, int] | None:
-        """(epoch, reset round) when the calling thread's current call of the object began (set
-        by the caller around each call: EpRouted's `_one_thread`, or an EpMoeLayer call around
-        its routed calls), None outside a call. A reset() run on this rank since (nested in the
-        call: a signal handler's) makes the call's later barriers and launches refuse before
-        this rank publishes anything (`exchange(since=)`, `refuse_reset_in_call`)."""
-        return getattr(self._threads, "call_began", None)
-
-    @call_began.setter
-    def call_began(self, value: tuple[int, int] | None) -> None:
-        self._threads.call_began = value
 
     # ------------------------------------------------------------------------ positions
     def _set_where(self, store, phase: str, **position) -> None:
@@ -343,10 +345,15 @@ class ObjectBarriers:
         barrier: tuple[int, int],
         began: tuple[int, int],
     ) -> None:
-        """Raise when a rank whose message (under `keys`, by rank) is missing will not come
-        (module docstring). A position read says something only while the rank's message is
-        still missing after the read: a rank may publish here and move on in between, and
-        a rank that has moved on has published here first. Before EpDesyncError for a rank
+        """Raise when a rank whose arrival bit is missing from `barrier`'s counter will not
+        come (module docstring). A position read says something only while the rank's bit is
+        still missing after the read: a rank may arrive here and move on in between, and a
+        rank that has moved on has arrived here first. A rank whose message is there but not
+        its bit (interrupted in between, then gone to its reset(), say) is judged by its
+        position like one whose message is missing; one in between the two stores has its
+        position here, which blocks nothing. Once a rank gave the barrier up (the counter holds
+        the mark, not the bits) a rank whose message (under `keys`, by rank) is there counts as
+        arrived. Before EpDesyncError for a rank
         that waits where this rank will not go, this rank gives up `barrier` (the one it waits
         in) and the one that rank waits in (`_give_up_out_of_step`); when `barrier` completed
         meanwhile (that rank came after all), it returns and the barrier passes. A reset (a
@@ -359,9 +366,12 @@ class ObjectBarriers:
         wheres = [ch.key("where", r) for r in missing]
         if not store.check(wheres):
             return
+        arrived = self._counter_key(*barrier)
         for r, raw in zip(missing, store.multi_get(wheres)):
-            if store.check([keys[r]]):
-                continue  # it published after all
+            counter = store.add(arrived, 0)
+            came = counter >> r & 1 if counter < GAVE_UP else store.check([keys[r]])
+            if came:
+                continue  # it arrived after all
             where = json.loads(raw)
             if where.get("obj") == self.obj and where.get("phase") == "closed":
                 raise self._closed_by([r], phase)
@@ -521,10 +531,10 @@ class ObjectBarriers:
 
     def refuse_reset_in_call(self, phase: str) -> None:
         """EpResetDuringCallError when this rank reset the object since its current call began
-        (`call_began`; outside a call nothing is compared): the call was abandoned by that reset
+        (`call.began`; outside a call nothing is compared): the call was abandoned by that reset
         and must not publish or launch in the new epoch, where its peers' next calls would pair
         with it."""
-        since = self.call_began
+        since = self.call.began
         if since is not None and (self.epoch, self.reset_round) != since:
             raise self._reset_during_call(phase)
 
@@ -554,7 +564,7 @@ class ObjectBarriers:
         """Collective over the group: publish this rank's `payload` (JSON-serialisable) for this
         object's next barrier, wait (at most `timeout_s`) for every rank's, and return them in
         rank order, each with its "phase". `since`: the object's (epoch, reset round) when the
-        call this barrier belongs to began (`call_began`), None for now; a reset() on this rank
+        call this barrier belongs to began (`call.began`), None for now; a reset() on this rank
         after it (nested in the call) raises EpResetDuringCallError, before this rank publishes
         when it came before the barrier. Raises EpDesyncError when the ranks are in different
         phases or a missing rank waits elsewhere; EpPeerLostError; EpTimeoutError naming the
@@ -809,7 +819,7 @@ class ObjectBarriers:
                 me,
                 phase,
                 f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank's arrival",
-                f"no message within {timeout_s:g} s",
+                f"not arrived within {timeout_s:g} s",
                 self.remedy,
                 self.recovery,
             )
@@ -842,7 +852,9 @@ class ObjectBarriers:
             now = time.monotonic()
             self._refuse_interrupted(phase, began)
             if now >= next_look:
-                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                # A rank lacking its bit: its message may be there (a KeyboardInterrupt between
+                # its message and its bit, then its reset(): its position says where it went).
+                missing = [r for r in range(len(keys)) if not counter >> r & 1]
                 if missing:
                     self._check_waiting(store, keys, missing, phase, barrier, began)
                 if now >= deadline:

@@ -90,7 +90,7 @@ class HostTransport(Transport):
         normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
         # Return only once every rank has read this rank's rows: the caller may rewrite them.
         barriers = self.buffers.barriers
-        barriers.exchange("combine-end", {}, self.timeout_s, since=barriers.call_began)
+        barriers.exchange("combine-end", {}, self.timeout_s, since=barriers.call.began)
         return normed if out is None else out.copy_(normed)
 
     def _experts_failure(self) -> Exception:
@@ -131,7 +131,7 @@ class HostTransport(Transport):
         failed = None if error is None else f"{cause}: {error_text(error)}"
         payload = {"tokens": tokens if error is None else -1, "tag": tag, "failed": failed}
         barriers = self.buffers.barriers
-        messages = barriers.exchange(phase, payload, self.timeout_s, since=barriers.call_began)
+        messages = barriers.exchange(phase, payload, self.timeout_s, since=barriers.call.began)
         failures = {r: m["failed"] for r, m in enumerate(messages) if m["failed"]}
         # A failed rank's tag may be the argument it rejected: only the others' must agree.
         tags = [m["tag"] for m in messages]

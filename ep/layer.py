@@ -743,17 +743,18 @@ class EpMoeLayer:
         and the next call pairs with theirs. A reset() during the call (a signal
         handler's) restarted the count on every rank: it stays at 0, and the call's routed calls
         publish nothing in the new epoch (the EpRouted's barriers compare with the start of
-        this call, taken before its count and tag: `ObjectBarriers.call_began`), so it raises
+        this call, taken before its count and tag: `ObjectBarriers.call.began`), so it raises
         EpResetDuringCallError and the peers' retry pairs with this rank's next call."""
         barriers = self.routed._buffers.barriers
-        began = barriers.call_began
-        start = (barriers.epoch, barriers.reset_round)  # plain reads: no handler runs between
-        barriers.call_began = start
+        began = barriers.call.began
+        # Plain reads and stores (CallStart): no handler runs between them and the try.
+        start = (barriers.epoch, barriers.reset_round)
+        barriers.call.began = start
         try:
             with self._counted_call(fn, tag, barriers, start) as call:
                 yield call
         finally:
-            barriers.call_began = began
+            barriers.call.began = began
 
     @contextlib.contextmanager
     def _counted_call(self, fn: str, tag: object, barriers, start: tuple[int, int]):

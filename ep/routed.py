@@ -251,7 +251,7 @@ def _one_thread(method):
     A call (but reset and close) during which this rank's reset() ran, nested on its thread (a
     signal handler's), returns nothing: from that reset on its barriers publish nothing and, on
     GPU, launches it has not reached yet do not run (each compares the object's epoch with the
-    call's start, `ObjectBarriers.call_began`), so no peer's next call pairs with it; whatever it
+    call's start, `ObjectBarriers.call.began`), so no peer's next call pairs with it; whatever it
     did after the reset (a dispatch it recorded again) is dropped (`_abandon_call`), and it
     raises EpResetDuringCallError, recovery "none"."""
     name = f"EpRouted.{method.__name__}"
@@ -277,20 +277,21 @@ def _one_thread(method):
             if method.__name__ in ("reset", "close"):
                 return method(self, *args, **kwargs)
             # The call's start, which its barriers and launches compare with: after a reset()
-            # nested in it they publish and launch nothing (comm/host_channel.py, call_began).
+            # nested in it they publish and launch nothing (comm/host_channel.py, CallStart).
             # An outermost call inside an EpMoeLayer call keeps the layer call's start (a reset
             # in the layer's own work came after it); a call nested in another (a signal
             # handler's) has its own. Restored on the way out.
-            barriers = self._buffers.barriers
-            began = barriers.call_began
+            call = self._buffers.barriers.call
+            began = call.began
             if began is None or not outer:
-                barriers.call_began = (barriers.epoch, barriers.reset_round)
+                barriers = self._buffers.barriers
+                call.began = (barriers.epoch, barriers.reset_round)
             try:
                 if not outer:
                     return method(self, *args, **kwargs)
                 return _abandoned_if_reset(self, name, method, args, kwargs)
             finally:
-                barriers.call_began = began
+                call.began = began  # a plain store: no call where a handler could raise
         finally:
             if outer:
                 self._caller = None
@@ -1089,16 +1090,25 @@ class EpRouted:
         self._check_usable(fn)
         step = self._step
         if step is None:
+            refusal: Exception = RuntimeError(f"{fn}: no dispatch to combine")
             if self._reset_dropped_step:
                 # The caller's own experts of the dispatch a reset() dropped (a signal handler's,
                 # nested in them) may have stored a failure record after it (_abandon_call).
                 self._reset_dropped_step = False
                 self._drop_abandoned_failure()
-                raise RuntimeError(
-                    f"{fn}: no dispatch to combine: reset() ran since the last dispatch (a"
-                    " reset drops a pending dispatch on every rank); dispatch the step again"
+                # As `routed` says of a call a reset overtook: the peers' step failed and they
+                # reset too (EpDesyncError), so every rank goes on to its next step. "Dispatch
+                # it again" here had this rank retry a step its peers had left (a careless-user
+                # probe: with tag=step every later step desynced).
+                refusal = EpResetDuringCallError(
+                    f"{fn}: no dispatch to combine: reset() ran on this rank since the step's"
+                    " dispatch (from a signal handler inside its experts, say), which dropped"
+                    " the step on every rank; nothing of it was used. The ranks are in step"
+                    " after that reset: the next call needs no reset"
                 )
-            raise RuntimeError(f"{fn}: no dispatch to combine")
+            if error is not None:  # abort_step's error stays the cause
+                raise refusal from error
+            raise refusal
         self._step = None
         if error is None:
             # Any exception here (a KeyboardInterrupt, a tensor type the checks cannot read)

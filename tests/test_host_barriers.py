@@ -536,11 +536,11 @@ def test_a_reset_since_the_calls_start_refuses_the_barrier_before_publishing():
     thread's alone."""
     barriers = ranks_of(2)
     me = barriers[0]
-    me.call_began = (me.epoch, me.reset_round)
-    start = me.call_began
+    me.call.began = (me.epoch, me.reset_round)
+    start = me.call.began
     me.epoch, me.reset_round = me.epoch + 1, me.reset_round + 1  # what a nested reset() leaves
     with pytest.raises(EpResetDuringCallError, match="reset\\(\\) ran on this rank"):
-        me.exchange("phase", {"rank": 0}, 1.0, since=me.call_began)
+        me.exchange("phase", {"rank": 0}, 1.0, since=me.call.began)
     with pytest.raises(EpResetDuringCallError):
         me.refuse_reset_in_call("dispatch")
     store = me.channel.store
@@ -548,12 +548,12 @@ def test_a_reset_since_the_calls_start_refuses_the_barrier_before_publishing():
         assert not store.check([me.channel.key(OBJ, f"{epoch}.0", 0)]), "a message was published"
     seen = []
     other = threading.Thread(
-        target=lambda: (seen.append(me.call_began), setattr(me, "call_began", (9, 9)))
+        target=lambda: (seen.append(me.call.began), setattr(me.call, "began", (9, 9)))
     )
     other.start()
     other.join()
-    assert seen == [None] and me.call_began == start
-    me.call_began = None
+    assert seen == [None] and me.call.began == start
+    me.call.began = None
     me.refuse_reset_in_call("dispatch")  # outside a call: nothing compared
     barriers[1].epoch = barriers[1].reset_round = 1  # both in the new epoch now
     results = run_ranks(barriers, [(0.0, 5.0), (0.0, 5.0)])

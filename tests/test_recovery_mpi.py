@@ -13,6 +13,7 @@ import datetime
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -193,6 +194,111 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
             failures.append(f"the peer's reset() took {took:.2f} s")
         done = serve(routed, batches, 2, 6, failures, f"after the {phase} interrupt")
         failures += served_to_the_end(done, 7, f"after the {phase} interrupt")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+def interrupt_at_the_first_call_after(after: tuple[str, int], until: tuple[str, int]) -> list[str]:
+    """From the n-th return of the function `after` = (name, n) on this thread (a generator
+    returns at each yield too) until the n-th return of `until`: raise KeyboardInterrupt at the
+    first Python call, where CPython runs a signal handler (as a SIGINT landing there would).
+    Returns the names of the functions interrupted, filled as it happens; the tracer removes
+    itself."""
+    hit: list[str] = []
+    returns = {after[0]: 0, until[0]: 0}
+    armed = [False]
+
+    def tracer(frame, event, arg):
+        code = frame.f_code.co_name
+        if event == "return" and code in returns:
+            returns[code] += 1
+            if code == until[0] and returns[code] == until[1]:
+                sys.settrace(None)
+            elif code == after[0] and returns[code] == after[1]:
+                armed[0] = True
+        elif event == "call" and armed[0]:
+            sys.settrace(None)
+            hit.append(code)
+            raise KeyboardInterrupt(f"SIGINT at the call of {code}")
+        return tracer
+
+    sys.settrace(tracer)
+    return hit
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("caller", ["routed", "layer"])
+def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, caller):
+    """SIGINT reaches rank 0 as its call of `routed` (or of an EpMoeLayer) ends, after every
+    rank passed the step's last barrier, at any Python call left before the call returns. The
+    call's start (ObjectBarriers.call.began) is restored all the same: None once it returned or
+    raised. Then a reset() on every rank (after an interrupt), and the next steps pass.
+    Before: the start was restored by a property setter, a Python call, where the interrupt
+    left the call's start in place; after the next reset every call of rank 0 raised
+    EpResetDuringCallError and its peers waited out timeout_s (found by a careless-user
+    probe)."""
+    seed = agreed_seed(dep.cpu_group, 335)
+    batches = Batches(dep, layer, seed, T)
+    gen = torch.Generator().manual_seed(seed)
+    x = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)]
+    failures: list[str] = []
+    with build(dep) as routed:
+        moe = EpMoeLayer(dense_weights(seed + 1), routed, batches.experts, topk=TINY.topk)
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        call = (lambda: moe(x[dep.rank])) if caller == "layer" else lambda: batches.run(routed, 1)
+        hit: list[str] = []
+        if dep.rank == 0:  # right before the call's start is restored
+            if caller == "layer":  # the generators' second returns: their ends
+                hit = interrupt_at_the_first_call_after(("_counted_call", 2), ("_call", 2))
+            else:
+                hit = interrupt_at_the_first_call_after(("routed", 1), ("guarded", 1))
+        err, _ = timed(call)
+        sys.settrace(None)
+        began = routed._buffers.barriers.call.began
+        if began is not None:
+            failures.append(f"the call's start after {err!r} at {hit}: {began}, not None")
+        err, took = timed(routed.reset)
+        if err is not None:
+            failures.append(f"the reset after {took:.2f} s: {type(err).__name__}: {err}")
+        done = serve(routed, batches, 2, 3, failures, "after the interrupt")
+        if done != [2, 3, 4]:
+            failures.append(f"after the interrupt, batches returned {done}, not 2 to 4")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_an_interrupt_between_the_message_and_the_arrival_bit_then_reset(dep, layer):
+    """SIGINT reaches rank 0 in its dispatch barrier after it published its message and before
+    it added its arrival bit (where CPython runs a handler: the call that adds it). Rank 0
+    resets at once; the peers, waiting for its bit, raise EpDesyncError ("rank 0 is in
+    reset()") within 1 s and reset; one reset on every rank, and the next steps give the
+    reference rows. Before: a message without its bit counted as arrived, so the peers waited
+    out timeout_s (EpTimeoutError naming no rank) and rank 0's reset timed out too (found by
+    a careless-user probe)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 330), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        barriers = routed._buffers.barriers
+        if dep.rank == 0:
+
+            def interrupted(*args, **kwargs):
+                del barriers._arrive  # once: the method again
+                raise KeyboardInterrupt("SIGINT between the message and the arrival bit")
+
+            barriers._arrive = interrupted
+        err, took = timed(lambda: batches.run(routed, 1))
+        if dep.rank == 0 and not isinstance(err, KeyboardInterrupt):
+            failures.append(f"rank 0's step: {type(err).__name__}: {err}")
+        elif dep.rank != 0 and not (isinstance(err, EpDesyncError) and took < 1.0):
+            failures.append(f"a peer's step after {took:.2f} s: {type(err).__name__}: {err}")
+        err, took = timed(routed.reset)
+        if err is not None:
+            failures.append(f"the reset after {took:.2f} s: {type(err).__name__}: {err}")
+        done = serve(routed, batches, 2, 4, failures, "after the interrupt")
+        if done != [2, 3, 4, 5]:  # no other reset needed
+            failures.append(f"after the interrupt, batches returned {done}, not 2 to 5")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
@@ -1378,32 +1484,39 @@ def spy_drops(routed) -> list[int]:
 def test_a_reset_inside_the_callers_own_experts_drops_their_failure_record(dep, layer):
     """The split API: every rank dispatches, then its own experts run, and a signal handler's
     reset() runs nested in them (on every rank, so it completes). The combine then raises
-    RuntimeError on every rank saying that a reset dropped the dispatch, and asks the transport
+    EpResetDuringCallError (recovery "none") on every rank saying that the reset dropped the
+    step, and asks the transport
     once to drop the failure record those experts' kernels may store after the reset (on GPU it
     names the next call, whose peer rejection would raise it as this rank's failure; on CPU the
     drop does nothing, each dispatch clears the record, so this checks the request). A second
     combine, and a combine after a reset with no dispatch pending, give the plain "no dispatch
-    to combine" and no drop; the next steps give the reference rows. Before: "no dispatch to
-    combine", and no drop."""
+    to combine" and no drop (abort_step's keeps its error as the cause); the next steps give the
+    reference rows. Before: "no dispatch to combine", and no drop."""
+    from dep_ep.comm.errors import RECOVERY_NONE, EpResetDuringCallError
+
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 416), T)
     failures: list[str] = []
-    said = "reset() ran since the last dispatch"
+    said = "reset() ran on this rank since the step's dispatch"
     with build(dep) as routed:
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
         latent, ids, weights = batches.inputs(1)
         routed.dispatch(latent, ids, weights, experts=batches.experts)
         drops = spy_drops(routed)
         routed.reset()  # the signal handler's, inside the caller's experts
-        for label, dropped in (("the combine", True), ("a second combine", False)):
-            err, _ = timed(lambda: routed.combine(layer.norm_weight()))
-            if not isinstance(err, RuntimeError) or (said in str(err)) != dropped:
-                failures.append(f"{label}: {type(err).__name__}: {err}")
+        err, _ = timed(lambda: routed.combine(layer.norm_weight()))
+        if not (isinstance(err, EpResetDuringCallError) and said in str(err)):
+            failures.append(f"the combine: {type(err).__name__}: {err}")
+        elif err.recovery != RECOVERY_NONE:
+            failures.append(f"the combine's recovery: {err.recovery!r}")
+        err, _ = timed(lambda: routed.abort_step(ValueError("the caller's")))
+        if type(err) is not RuntimeError or not isinstance(err.__cause__, ValueError):
+            failures.append(f"abort_step then: {type(err).__name__}: {err} ({err.__cause__!r})")
         if drops != [1]:
             failures.append(f"drop_abandoned_failure after the reset: {drops}, expected [1]")
         failures += compare(batches.run(routed, 2), batches.reference(2), "batch 2")
         routed.reset()  # nothing pending
         err, _ = timed(lambda: routed.combine(layer.norm_weight()))
-        if not isinstance(err, RuntimeError) or said in str(err) or drops != [1]:
+        if type(err) is not RuntimeError or drops != [1]:
             failures.append(f"a combine after a reset with nothing pending: {err!r}, {drops}")
         failures += compare(batches.run(routed, 3), batches.reference(3), "batch 3")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
