@@ -45,7 +45,7 @@ Why a wait for a partner that will not come ends at once:
 - It checks the processes of those ranks (comm/liveness.py): EpPeerLostError for one that is
   gone, and for a store that stops answering.
 - At the deadline it gives the barrier up and raises EpTimeoutError naming the ranks whose
-  message is missing (unless every rank has arrived: below). It waits by polling (non-blocking
+  arrival bit is missing (unless every rank has arrived: below). It waits by polling (non-blocking
   store reads and short sleeps), never inside a blocking store call, so a signal (SIGINT,
   SIGTERM) takes effect within milliseconds and the store stays usable after any timeout.
 Why a barrier that a rank gives up at its deadline is passed by no rank, the late and the
@@ -339,7 +339,6 @@ class ObjectBarriers:
     def _check_waiting(
         self,
         store,
-        keys: list[str],
         missing: list[int],
         phase: str,
         barrier: tuple[int, int],
@@ -351,9 +350,8 @@ class ObjectBarriers:
         rank that has moved on has arrived here first. A rank whose message is there but not
         its bit (interrupted in between, then gone to its reset(), say) is judged by its
         position like one whose message is missing; one in between the two stores has its
-        position here, which blocks nothing. Once a rank gave the barrier up (the counter holds
-        the mark, not the bits) a rank whose message (under `keys`, by rank) is there counts as
-        arrived. Before EpDesyncError for a rank
+        position here, which blocks nothing (a give-up's mark is added above the bits, which
+        stay readable). Before EpDesyncError for a rank
         that waits where this rank will not go, this rank gives up `barrier` (the one it waits
         in) and the one that rank waits in (`_give_up_out_of_step`); when `barrier` completed
         meanwhile (that rank came after all), it returns and the barrier passes. A reset (a
@@ -368,9 +366,7 @@ class ObjectBarriers:
             return
         arrived = self._counter_key(*barrier)
         for r, raw in zip(missing, store.multi_get(wheres)):
-            counter = store.add(arrived, 0)
-            came = counter >> r & 1 if counter < GAVE_UP else store.check([keys[r]])
-            if came:
+            if store.add(arrived, 0) >> r & 1:
                 continue  # it arrived after all
             where = json.loads(raw)
             if where.get("obj") == self.obj and where.get("phase") == "closed":
@@ -856,7 +852,7 @@ class ObjectBarriers:
                 # its message and its bit, then its reset(): its position says where it went).
                 missing = [r for r in range(len(keys)) if not counter >> r & 1]
                 if missing:
-                    self._check_waiting(store, keys, missing, phase, barrier, began)
+                    self._check_waiting(store, missing, phase, barrier, began)
                 if now >= deadline:
                     outcome = self._give_up(store, phase, timeout_s, missing, barrier, began)
                     break

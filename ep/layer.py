@@ -677,10 +677,13 @@ class EpMoeLayer:
         On CUDA capturable once the layer has been called (its first call reads the
         fingerprint)."""
         fn = "EpMoeLayer.routed_path"
-        with self._call(fn, tag) as (wire, unready):
-            if unready is not None:
-                self._reject(fn, unready, wire, tokens, latent)
-            return self._routed_step(latent, ids, weights, tokens, wire, padding)
+        return self._call(fn, tag, self._routed_path_body, latent, ids, weights, tokens, padding)
+
+    def _routed_path_body(self, fn, wire, unready, latent, ids, weights, tokens, padding):
+        """routed_path inside its `_call`."""
+        if unready is not None:
+            self._reject(fn, unready, wire, tokens, latent)
+        return self._routed_step(latent, ids, weights, tokens, wire, padding)
 
     def _routed_step(self, latent, ids, weights, tokens, tag, padding) -> torch.Tensor:
         """EpRouted.routed with this layer's experts, norm weight and eps, under `tag` (the one
@@ -720,19 +723,21 @@ class EpMoeLayer:
         `check_values`, and at the first call, which reads the fingerprint) and capturable in a
         CUDA graph when the experts backend is."""
         fn = "EpMoeLayer.forward"
-        with self._call(fn, tag) as (wire, unready):
-            error = unready or self._check_call(fn, x, tokens, padding)
-            if error is not None:
-                self._reject(fn, error, wire, tokens, x)
-            if self._side is None:
-                return self._forward_serial(fn, x, tokens, wire, padding)
-            return self._forward_overlap(fn, x, tokens, wire, padding)
+        return self._call(fn, tag, self._forward_body, x, tokens, padding)
 
-    @contextlib.contextmanager
-    def _call(self, fn: str, tag: object):
-        """One call of the layer (forward, routed_path): yields (the tag it sends, or None for a
-        bad `tag`, which the rank then rejects; the error that makes this rank reject the step,
-        or None), and counts the call on the way out.
+    def _forward_body(self, fn, wire, unready, x, tokens, padding):
+        """forward inside its `_call`."""
+        error = unready or self._check_call(fn, x, tokens, padding)
+        if error is not None:
+            self._reject(fn, error, wire, tokens, x)
+        if self._side is None:
+            return self._forward_serial(fn, x, tokens, wire, padding)
+        return self._forward_overlap(fn, x, tokens, wire, padding)
+
+    def _call(self, fn: str, tag: object, body, *args):
+        """One call of the layer (forward, routed_path): `body(fn, wire, unready, *args)`, given
+        the tag it sends (None for a bad `tag`, which the rank then rejects) and the error that
+        makes this rank reject the step (or None); the call is counted on the way out.
 
         The first call (every rank makes it) copies again what the layer copied, so weights
         loaded between construction and serving reach it, and reads the fingerprint (every tag
@@ -744,15 +749,22 @@ class EpMoeLayer:
         handler's) restarted the count on every rank: it stays at 0, and the call's routed calls
         publish nothing in the new epoch (the EpRouted's barriers compare with the start of
         this call, taken before its count and tag: `ObjectBarriers.call.began`), so it raises
-        EpResetDuringCallError and the peers' retry pairs with this rank's next call."""
+        EpResetDuringCallError and the peers' retry pairs with this rank's next call.
+
+        A plain function, not a context manager: the start is restored in this frame's own
+        `finally` by a plain store (CallStart), so an interrupt anywhere in the call, a context
+        manager's `__exit__` included, leaves no stale start behind. As a generator-based
+        context manager its `finally` waited for contextlib's `__exit__` (Python code, where a
+        handler runs) to resume it, and an interrupt there kept the start while the exception
+        lived (found by a review)."""
         barriers = self.routed._buffers.barriers
         began = barriers.call.began
         # Plain reads and stores (CallStart): no handler runs between them and the try.
         start = (barriers.epoch, barriers.reset_round)
         barriers.call.began = start
         try:
-            with self._counted_call(fn, tag, barriers, start) as call:
-                yield call
+            with self._counted_call(fn, tag, barriers, start) as (wire, unready):
+                return body(fn, wire, unready, *args)
         finally:
             barriers.call.began = began
 

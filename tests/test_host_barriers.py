@@ -457,7 +457,7 @@ def test_a_reset_before_the_out_of_step_give_up_abandons_the_call():
     x0, _, keys = waiting_in_x_while_rank_1_is_in_y(store)
     store.hook = ("multi_get", reset_of(x0))
     with pytest.raises(EpResetDuringCallError):
-        x0._check_waiting(store, keys, [1], "dispatch", (0, 0), (0, 0))
+        x0._check_waiting(store, [1], "dispatch", (0, 0), (0, 0))
     assert store.add(x0._counter_key(1, 0), 0) == 0
     assert store.add(x0._counter_key(0, 0), 0) == 1  # the old barrier: rank 0's bit alone
 
@@ -478,7 +478,7 @@ def test_a_peer_that_comes_before_the_out_of_step_give_up_passes_with_this_rank(
         return why
 
     x0._blocking = then_rank_1_arrives
-    x0._check_waiting(store, keys, [1], "dispatch", (0, 0), (0, 0))
+    x0._check_waiting(store, [1], "dispatch", (0, 0), (0, 0))
     assert store.add(x0._counter_key(0, 0), 0) == 3
     assert store.add(x0._counter_key(0, 0).replace("/x/", "/y/"), 0) == 0
 
@@ -491,13 +491,14 @@ def test_a_construction_given_up_by_a_peer_first_counts_as_the_peer_did():
     one behind rank 1's."""
     builds = [build for build, _ in builders_with_y(3)]
     store = builds[0].channel.store
-    keys = [arrived_at_first_barrier(builds[r], "build") for r in (0, 1)][0]
+    for r in (0, 1):
+        arrived_at_first_barrier(builds[r], "build")
     with pytest.raises(EpTimeoutError):
         builds[1]._give_up(store, "build", 0.1, [2], (0, 0), (0, 0))
     where = {"obj": "y", "phase": "dispatch", "epoch": 0, "count": 0}
     store.set(builds[2].channel.key("where", 2), json.dumps(where))
     with pytest.raises(EpDesyncError, match="rank 2 waits in dispatch of object Y"):
-        builds[0]._check_waiting(store, keys, [2], "build", (0, 0), (0, 0))
+        builds[0]._check_waiting(store, [2], "build", (0, 0), (0, 0))
     assert [b.count for b in builds[:2]] == [1, 1]
     assert store.add(builds[0].channel.key("y", "0.0", "arrived"), 0) >= GAVE_UP
 
@@ -514,7 +515,7 @@ def test_a_peer_whose_position_is_a_barrier_it_gave_up_is_not_out_of_step():
     with pytest.raises(EpTimeoutError):
         build0._give_up(store, "construction", 0.1, [1], (0, 0), (0, 0))
     keys = arrived_at_first_barrier(y1, "dispatch")
-    y1._check_waiting(store, keys, [0], "dispatch", (0, 0), (0, 0))
+    y1._check_waiting(store, [0], "dispatch", (0, 0), (0, 0))
     assert store.add(y1._counter_key(0, 0), 0) == 0b10  # not given up
     both = in_threads(
         [
@@ -715,7 +716,8 @@ def test_a_call_given_up_at_a_deadline_then_out_of_step_with_a_builder_fails_onc
     ranks = builders_with_y(3)
     ys = [y for _, y in ranks]
     store = ys[0].channel.store
-    keys = [arrived_at_first_barrier(ys[r], "dispatch") for r in (0, 1)][0]
+    for r in (0, 1):
+        arrived_at_first_barrier(ys[r], "dispatch")
     with pytest.raises(EpTimeoutError):
         ys[1]._give_up(store, "dispatch", 0.2, [2], (0, 0), (0, 0))
     build2 = ranks[2][0]
@@ -726,7 +728,7 @@ def test_a_call_given_up_at_a_deadline_then_out_of_step_with_a_builder_fails_onc
     builder.start()
     time.sleep(0.1)
     with pytest.raises(EpDesyncError, match="rank 2 waits in build"):
-        ys[0]._check_waiting(store, keys, [2], "dispatch", (0, 0), (0, 0))
+        ys[0]._check_waiting(store, [2], "dispatch", (0, 0), (0, 0))
     builder.join(10)
     assert isinstance(built[0], EpDesyncError) and built[0].recovery == "reset", built
     assert all(err is None for err, _ in round_of_plans(ranks, [("reset", 0.0)] * 3))

@@ -225,18 +225,30 @@ def interrupt_at_the_first_call_after(after: tuple[str, int], until: tuple[str, 
     return hit
 
 
+# Where the interrupt lands in test_an_interrupt_as_a_call_ends_leaves_no_stale_start: the first
+# Python call after the return of `after` (name, n-th return) and before that of `until`.
+CALL_ENDS = {
+    "routed": (("routed", 1), ("guarded", 1)),
+    "layer, its count": (("_counted_call", 2), ("_call", 1)),  # a generator: 2 returns
+    "layer, its work": (("_forward_serial", 1), ("_call", 1)),  # the count's __exit__
+}
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("caller", ["routed", "layer"])
-def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, caller):
+@pytest.mark.parametrize("where", list(CALL_ENDS))
+def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, where):
     """SIGINT reaches rank 0 as its call of `routed` (or of an EpMoeLayer) ends, after every
-    rank passed the step's last barrier, at any Python call left before the call returns. The
-    call's start (ObjectBarriers.call.began) is restored all the same: None once it returned or
-    raised. Then a reset() on every rank (after an interrupt), and the next steps pass.
-    Before: the start was restored by a property setter, a Python call, where the interrupt
-    left the call's start in place; after the next reset every call of rank 0 raised
-    EpResetDuringCallError and its peers waited out timeout_s (found by a careless-user
-    probe)."""
+    rank passed the step's last barrier, at the first Python call left before the call returns
+    (none is left in the first two windows of CALL_ENDS; a KeyboardInterrupt where there is).
+    The call's start (ObjectBarriers.call.began) is restored all the same: None once it
+    returned or raised, while its exception is alive. Then a reset() on every rank (after an
+    interrupt), and the next steps pass. Before: the start was restored by a property setter,
+    a Python call, where the interrupt left the call's start in place; after the next reset
+    every call of rank 0 raised EpResetDuringCallError and its peers waited out timeout_s
+    (found by a careless-user probe); and an EpMoeLayer restored it in a generator's
+    `finally`, which an interrupt in contextlib's `__exit__` kept from running while the
+    exception lived (found by a review)."""
     seed = agreed_seed(dep.cpu_group, 335)
     batches = Batches(dep, layer, seed, T)
     gen = torch.Generator().manual_seed(seed)
@@ -245,18 +257,22 @@ def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, caller):
     with build(dep) as routed:
         moe = EpMoeLayer(dense_weights(seed + 1), routed, batches.experts, topk=TINY.topk)
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
-        call = (lambda: moe(x[dep.rank])) if caller == "layer" else lambda: batches.run(routed, 1)
+        if where == "routed":
+            call = lambda: batches.run(routed, 1)  # noqa: E731
+        else:
+            call = lambda: moe(x[dep.rank])  # noqa: E731
         hit: list[str] = []
         if dep.rank == 0:  # right before the call's start is restored
-            if caller == "layer":  # the generators' second returns: their ends
-                hit = interrupt_at_the_first_call_after(("_counted_call", 2), ("_call", 2))
-            else:
-                hit = interrupt_at_the_first_call_after(("routed", 1), ("guarded", 1))
+            hit = interrupt_at_the_first_call_after(*CALL_ENDS[where])
         err, _ = timed(call)
         sys.settrace(None)
-        began = routed._buffers.barriers.call.began
+        began = routed._buffers.barriers.call.began  # `err` alive: its frames with it
         if began is not None:
             failures.append(f"the call's start after {err!r} at {hit}: {began}, not None")
+        # Where the window holds no Python call now (routed, the layer's count), nothing lands:
+        # the old setter was the call there. After the layer's work it lands in __exit__.
+        if dep.rank == 0 and where == "layer, its work" and hit != ["__exit__"]:
+            failures.append(f"rank 0: the interrupt landed at {hit}, not __exit__ ({err!r})")
         err, took = timed(routed.reset)
         if err is not None:
             failures.append(f"the reset after {took:.2f} s: {type(err).__name__}: {err}")
