@@ -355,16 +355,23 @@ class ObjectBarriers:
         that waits where this rank will not go, this rank gives up `barrier` (the one it waits
         in) and the one that rank waits in (`_give_up_out_of_step`); when `barrier` completed
         meanwhile (that rank came after all), it returns and the barrier passes. A reset (a
-        signal handler's) since `began` abandons the call first."""
+        signal handler's) since `began` abandons the call first. A rank gone or closed counts
+        only while its bit is still missing after that was seen: a rank that arrived, then
+        closed the object or exited (the barrier completed on every rank), arrived first, so
+        the call completes here too."""
         ch = self.channel
+        arrived = self._counter_key(*barrier)
         dead = ch.gone(missing)
-        if dead:
+        if dead and self._still_missing(store, arrived, dead):
             raise ch.lost(phase)
-        self._check_closed(store, missing, phase)
+        me = ch.rank
+        closed = [r for r in missing if r != me and store.check([self._closed_key(r)])]
+        closed = self._still_missing(store, arrived, closed) if closed else []
+        if closed:
+            raise self._closed_by(closed, phase)
         wheres = [ch.key("where", r) for r in missing]
         if not store.check(wheres):
             return
-        arrived = self._counter_key(*barrier)
         for r, raw in zip(missing, store.multi_get(wheres)):
             if store.add(arrived, 0) >> r & 1:
                 continue  # it arrived after all
@@ -405,6 +412,12 @@ class ObjectBarriers:
                 raise self._abandon(
                     error, phase, began, self._counts_construction(earlier, barrier, True)
                 )
+
+    @staticmethod
+    def _still_missing(store, arrived: str, ranks: list[int]) -> list[int]:
+        """Those of `ranks` whose bit the counter at `arrived` still lacks (read now)."""
+        counter = store.add(arrived, 0)
+        return [r for r in ranks if not counter >> r & 1]
 
     def _given_up_there(self, store, peer_where: dict) -> bool:
         """Whether the barrier of a live object a peer's position names (`peer_where`) holds a

@@ -225,6 +225,32 @@ def _as_exception(fn: str, error: object) -> BaseException:
     return TypeError(f"{fn}: error is {type(error).__name__} ({error!r}); expected an exception")
 
 
+# The notes an exception that is not an EpError (a KeyboardInterrupt, the caller's own) gets on
+# its way out of a transport call, so that the rank can tell the two recoveries apart: raised
+# after this rank took part in the step (its experts, its input), which then failed on every
+# rank, or inside the exchange with the peers (a signal handler's), which needs a reset. Before,
+# a KeyboardInterrupt in the experts looked like one in a wait, and a rank that reset after it
+# cost its peers a step (a careless-user probe: with tag=step every later step desynced).
+REJECTED_NOTE = (
+    "this rank took part in the step and then raised this; the step failed on every rank (the"
+    " peers raise EpPeerError) and the ranks are in step: no reset() is needed (recovery"
+    " 'none')"
+)
+INTERRUPTED_NOTE = (
+    "this was raised inside the exchange with the peers; call reset() on every rank before the"
+    " next step (recovery 'reset')"
+)
+
+
+def _note_recovery(err: BaseException, note: str) -> None:
+    """Add `note` to `err` once (Python 3.11's add_note; nothing on 3.10), unless it is an
+    EpError, whose `recovery` says it."""
+    if isinstance(err, EpError) or not hasattr(err, "add_note"):
+        return
+    if note not in getattr(err, "__notes__", ()):
+        err.add_note(note)
+
+
 def _reset_during(name: str) -> EpResetDuringCallError:
     """The error of a call that a reset() on its own rank (a signal handler's) overtook."""
     return EpResetDuringCallError(
@@ -838,6 +864,7 @@ class EpRouted:
             if err is rejected:
                 if self._in_pieces:  # this rank took part in the call, then raised its error
                     self._own_failure = err
+                _note_recovery(err, f"{fn}: {REJECTED_NOTE}")
                 raise
             recovery = getattr(err, "recovery", None)
             if isinstance(err, EpError) and recovery == RECOVERY_REBUILD:
@@ -852,6 +879,7 @@ class EpRouted:
                     f"an earlier {fn} was interrupted ({type(err).__name__}) inside the exchange;"
                     " call reset() on every rank (collective) before the next step"
                 )
+                _note_recovery(err, f"{fn}: {INTERRUPTED_NOTE}")
             raise
 
     # ----------------------------------------------------------------------------- the path

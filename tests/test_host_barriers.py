@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dep_ep.comm.errors import (
     RESET_REMEDY,
     EpDesyncError,
+    EpPeerLostError,
     EpPeerTimeoutError,
     EpResetDuringCallError,
     EpTimeoutError,
@@ -779,3 +780,27 @@ def test_a_rank_missing_at_a_construction_builds_again_at_once_and_pairs(size):
     for r, messages in enumerate(in_threads([functools.partial(retry, r) for r in range(size)])):
         assert isinstance(messages, list), (r, messages)
         assert [m["rank"] for m in messages] == list(range(size)), (r, messages)
+
+
+def test_a_peer_that_arrived_then_closed_or_exited_is_not_lost_to_an_older_read():
+    """Rank 0 read the counter before rank 1's bit came (so its `missing` names rank 1), then
+    looks while rank 1 has arrived and closed the object (or exited): the barrier completed on
+    every rank, so the look raises nothing and the call completes. A rank that closed (or
+    exited) without arriving is still EpPeerLostError. Before: EpPeerLostError "closed ...;
+    close it here too" on rank 0 for a call its peers returned (found by a careless-user
+    probe, 3 and 4 ranks)."""
+    for how in ("closed", "exited"):
+        barriers = ranks_of(2)
+        store = barriers[0].channel.store
+        arrived_at_first_barrier(barriers[0], "dispatch")
+        look = functools.partial(barriers[0]._check_waiting, store, [1], "dispatch", (0, 0), (0, 0))
+        if how == "closed":
+            barriers[1].close()
+        else:
+            channel = barriers[0].channel
+            channel.gone = lambda ranks: list(ranks)
+            channel.lost = lambda phase, err=None: EpPeerLostError(0, phase, "rank 1", "exited")
+        with pytest.raises(EpPeerLostError):
+            look()  # not arrived: lost
+        arrived_at_first_barrier(barriers[1], "dispatch")
+        look()  # arrived before it left: the barrier completed

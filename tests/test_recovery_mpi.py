@@ -161,6 +161,8 @@ def test_interrupt_inside_a_wait_then_reset(dep, layer, phase):
                 failures.append(f"rank 0 in {phase}: {type(err).__name__}: {err}")
             elif took > 0.7:
                 failures.append(f"rank 0: the interrupt took effect after {took:.2f} s")
+            elif not any("call reset() on every rank" in n for n in err.__notes__):
+                failures.append(f"rank 0's interrupt in {phase}: notes {err.__notes__}")
         else:
             latent, ids, weights = batches.inputs(1)
             experts = batches.experts
@@ -315,6 +317,44 @@ def test_an_interrupt_between_the_message_and_the_arrival_bit_then_reset(dep, la
         done = serve(routed, batches, 2, 4, failures, "after the interrupt")
         if done != [2, 3, 4, 5]:  # no other reset needed
             failures.append(f"after the interrupt, batches returned {done}, not 2 to 5")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+class InterruptedExperts(SlowExperts):
+    """Experts interrupted by SIGINT (KeyboardInterrupt) while they compute."""
+
+    def forward(self, x, sf, ids, weights, out):
+        raise KeyboardInterrupt("SIGINT in the experts")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_an_interrupt_in_the_experts_says_no_reset_is_needed(dep, layer):
+    """SIGINT in rank 0's experts: rank 0 still takes part in the combine, so the step fails on
+    every rank (the peers raise EpPeerError, recovery "none"), and rank 0's KeyboardInterrupt
+    carries a note saying no reset() is needed, where one raised inside a wait says to reset
+    (test_interrupt_inside_a_wait_then_reset). Every rank goes on without a reset and the next
+    steps give the reference rows. Before: a bare KeyboardInterrupt, which looks like one in a
+    wait; a rank that reset after it cost its peers a step (a careless-user probe)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 337), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        latent, ids, weights = batches.inputs(1)
+        experts = batches.experts
+        if dep.rank == 0:
+            experts = InterruptedExperts(experts, 0.0)
+        err, _ = timed(lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts))
+        if dep.rank == 0:
+            notes = getattr(err, "__notes__", [])
+            if not isinstance(err, KeyboardInterrupt):
+                failures.append(f"rank 0: {type(err).__name__}: {err}")
+            elif not any("no reset() is needed" in note for note in notes):
+                failures.append(f"rank 0's interrupt: notes {notes}")
+        elif not (isinstance(err, EpPeerError) and err.recovery == "none"):
+            failures.append(f"a peer: {type(err).__name__}: {err}")
+        for i in (2, 3):
+            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
