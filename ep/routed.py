@@ -251,12 +251,12 @@ def _note_recovery(err: BaseException, note: str) -> None:
         err.add_note(note)
 
 
-def _reset_during(name: str) -> EpResetDuringCallError:
+def _reset_during(name: str, rank: int) -> EpResetDuringCallError:
     """The error of a call that a reset() on its own rank (a signal handler's) overtook."""
     return EpResetDuringCallError(
-        f"{name}: reset() ran on this rank during the call (from a signal handler, say); nothing"
-        " of the call was used. The ranks are in step after that reset: the next call needs no"
-        " reset"
+        f"{name} (rank {rank}): reset() ran on this rank during the call (from a signal handler,"
+        " say); nothing of the call was used. The ranks are in step after that reset: the next"
+        " call needs no reset"
     )
 
 
@@ -339,10 +339,10 @@ def _abandoned_if_reset(routed, name: str, method, args, kwargs):
         if routed._resets == resets:
             raise
         routed._abandon_call()
-        raise _reset_during(name) from err
+        raise _reset_during(name, routed.rank) from err
     if routed._resets != resets:
         routed._abandon_call()
-        raise _reset_during(name)
+        raise _reset_during(name, routed.rank)
     return result
 
 
@@ -1129,10 +1129,10 @@ class EpRouted:
                 # it again" here had this rank retry a step its peers had left (a careless-user
                 # probe: with tag=step every later step desynced).
                 refusal = EpResetDuringCallError(
-                    f"{fn}: no dispatch to combine: reset() ran on this rank since the step's"
-                    " dispatch (from a signal handler inside its experts, say), which dropped"
-                    " the step on every rank; nothing of it was used. The ranks are in step"
-                    " after that reset: the next call needs no reset"
+                    f"{fn} (rank {self.rank}): no dispatch to combine: reset() ran on this rank"
+                    " since the step's dispatch (from a signal handler inside its experts, say),"
+                    " which dropped the step on every rank; nothing of it was used. The ranks are"
+                    " in step after that reset: the next call needs no reset"
                 )
             if error is not None:  # abort_step's error stays the cause
                 raise refusal from error
@@ -1463,7 +1463,8 @@ class EpRouted:
             # not exchange in the new epoch. _one_thread's check comes only after it would have.
             self._abandon_call()
             raise EpResetDuringCallError(
-                f"{fn}: reset() ran on this rank between the call's dispatch and its combine"
+                f"{fn} (rank {self.rank}): reset() ran on this rank between the call's dispatch"
+                " and its combine"
                 " (from a signal handler, say); nothing of the call was used. The ranks are in"
                 " step after that reset: the next call needs no reset"
             ) from error

@@ -1552,7 +1552,7 @@ def test_a_reset_inside_the_callers_own_experts_drops_their_failure_record(dep, 
 
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 416), T)
     failures: list[str] = []
-    said = "reset() ran on this rank since the step's dispatch"
+    said = f"(rank {dep.rank}): no dispatch to combine: reset() ran on this rank since the step's"
     with build(dep) as routed:
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
         latent, ids, weights = batches.inputs(1)
