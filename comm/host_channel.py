@@ -364,8 +364,7 @@ class ObjectBarriers:
         dead = ch.gone(missing)
         if dead and self._still_missing(store, arrived, dead):
             raise ch.lost(phase)
-        me = ch.rank
-        closed = [r for r in missing if r != me and store.check([self._closed_key(r)])]
+        closed = self._closed_among(store, missing)
         closed = self._still_missing(store, arrived, closed) if closed else []
         if closed:
             raise self._closed_by(closed, phase)
@@ -373,7 +372,7 @@ class ObjectBarriers:
         if not store.check(wheres):
             return
         for r, raw in zip(missing, store.multi_get(wheres)):
-            if store.add(arrived, 0) >> r & 1:
+            if not self._still_missing(store, arrived, [r]):
                 continue  # it arrived after all
             where = json.loads(raw)
             if where.get("obj") == self.obj and where.get("phase") == "closed":
@@ -557,10 +556,14 @@ class ObjectBarriers:
     def _check_closed(self, store, ranks: list[int], phase: str) -> None:
         """EpPeerLostError naming those of `ranks` that closed this object: they take part in
         none of its barriers or resets again."""
-        me = self.channel.rank
-        closed = [r for r in ranks if r != me and store.check([self._closed_key(r)])]
+        closed = self._closed_among(store, ranks)
         if closed:
             raise self._closed_by(closed, phase)
+
+    def _closed_among(self, store, ranks: list[int]) -> list[int]:
+        """Those of `ranks` (this rank aside) whose closed mark of this object is in the store."""
+        me = self.channel.rank
+        return [r for r in ranks if r != me and store.check([self._closed_key(r)])]
 
     # ------------------------------------------------------------------------ barriers
     def exchange(

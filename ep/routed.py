@@ -251,12 +251,12 @@ def _note_recovery(err: BaseException, note: str) -> None:
         err.add_note(note)
 
 
-def _reset_during(name: str, rank: int) -> EpResetDuringCallError:
-    """The error of a call that a reset() on its own rank (a signal handler's) overtook."""
+def _reset_during(name: str, rank: int, when: str = "during the call") -> EpResetDuringCallError:
+    """The error of a call that a reset() on its own rank (a signal handler's) overtook `when`."""
     return EpResetDuringCallError(
-        f"{name} (rank {rank}): reset() ran on this rank during the call (from a signal handler,"
-        " say); nothing of the call was used. The ranks are in step after that reset: the next"
-        " call needs no reset"
+        f"{name} (rank {rank}): reset() ran on this rank {when} (from a signal handler, say);"
+        " nothing of the call was used. The ranks are in step after that reset: the next call"
+        " needs no reset"
     )
 
 
@@ -307,10 +307,10 @@ def _one_thread(method):
             # An outermost call inside an EpMoeLayer call keeps the layer call's start (a reset
             # in the layer's own work came after it); a call nested in another (a signal
             # handler's) has its own. Restored on the way out.
-            call = self._buffers.barriers.call
+            barriers = self._buffers.barriers
+            call = barriers.call
             began = call.began
             if began is None or not outer:
-                barriers = self._buffers.barriers
                 call.began = (barriers.epoch, barriers.reset_round)
             try:
                 if not outer:
@@ -1462,12 +1462,8 @@ class EpRouted:
             # every rank (the peers reset too, as their EpDesyncError said), so the combine must
             # not exchange in the new epoch. _one_thread's check comes only after it would have.
             self._abandon_call()
-            raise EpResetDuringCallError(
-                f"{fn} (rank {self.rank}): reset() ran on this rank between the call's dispatch"
-                " and its combine"
-                " (from a signal handler, say); nothing of the call was used. The ranks are in"
-                " step after that reset: the next call needs no reset"
-            ) from error
+            when = "between the call's dispatch and its combine"
+            raise _reset_during(fn, self.rank, when) from error
         return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)
 
     @_one_thread
