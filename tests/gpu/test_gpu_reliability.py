@@ -473,4 +473,4 @@ def test_a_reset_inside_the_experts_drops_the_record_their_kernels_store_after_i
         failures += good_step(gpu_dep, routed, layer, experts, 962, "after")
     finally:
         routed.close()
-    collective_assert(gpu_dep.cpu_group, failures)
+    collective_assert(gpu_dep.cpu_group, failures, seeds={"before": 960, "overtaken": 961, "after": 962})
