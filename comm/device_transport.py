@@ -246,6 +246,8 @@ class DeviceTransport(Transport):
         after which EpRouted refuses calls until reset() on every rank."""
         if self.watch.lost:
             self._raise_lost("poll")
+        if self.launched_after_reset is not None:
+            raise EpDesyncError(self.launched_after_reset, RECOVERY_RESET)
         if int(self.error[ERROR_STATUS]) != ERROR_COMPLETE:
             if int(self.error[ERROR_ABORT]) == ABORT_PEER_RESET:
                 self._raise_peer_reset("")  # no wait of this rank was ended (yet)
@@ -407,15 +409,17 @@ class DeviceTransport(Transport):
             self.watch.cleared()
         torch.cuda.synchronize(self.device)
         self.barriers.exchange("reset-done", {}, self.timeout_s)
+        self.launched_after_reset = None  # its launch ended with the kernels synchronized above
 
     def drop_abandoned_failure(self) -> None:
         """The abandoned call's kernels queued after the reset on the current stream (its
         experts' finalize, the unwritten-rows check) read the new epoch's calls done and store a
         record naming the next call's index: wait for them as `synchronize()` waits (polling,
-        the peers watched; bounded: the reset refused the call's combine, and a dispatch
-        launched in the gap docs/reliability.md names ends its waits within timeout_s), then
-        zero the record. Not during a CUDA graph capture, where nothing queued has run (a
-        reset() there has already failed the capture)."""
+        the peers watched; bounded: the reset refused the call's combine and any launch after
+        it, and `EpRouted` does not ask for the drop after a launch that went into the new
+        epoch, `_refuse_launch_after_reset`), then zero the record. Not during a CUDA graph
+        capture, where nothing queued has run (a reset() there has already failed the
+        capture)."""
         if self.capturing():
             return
         self._wait_stream()
@@ -444,12 +448,13 @@ class DeviceTransport(Transport):
             self.check()
         # A reset() nested in the call before this point (a signal handler's): launch nothing
         # in the new epoch, where the peers' next calls would pair with this abandoned one. A
-        # reset between here and the launch is not caught (docs/reliability.md).
+        # reset between here and the launch: `_refuse_launch_after_reset`.
         self.barriers.refuse_reset_in_call("dispatch")
         if rejected is not None:
-            self._reject("reject_dispatch", tag)
+            self._reject("reject_dispatch", tag, rejected)
             raise rejected
         self.dispatch_launch(latent, ids, weights, tokens, tag, self._stream_handle())
+        self._refuse_launch_after_reset("dispatch")
 
     def combine(
         self,
@@ -469,7 +474,9 @@ class DeviceTransport(Transport):
         STATUS_FAILED when the cause is the experts) and then raises `rejected`."""
         self.barriers.refuse_reset_in_call("combine")
         if rejected is not None:
-            self._reject("fail_combine" if cause in EXPERT_CAUSES else "reject_combine", tag)
+            self._reject(
+                "fail_combine" if cause in EXPERT_CAUSES else "reject_combine", tag, rejected
+            )
             raise rejected
         tokens = ids.shape[0]
         normed = out
@@ -478,7 +485,33 @@ class DeviceTransport(Transport):
                 tokens, self.buffers.layout.latent, dtype=torch.bfloat16, device=self.device
             )
         self.combine_launch(ids, norm_weight, normed, eps, tokens, tag, self._stream_handle())
+        self._refuse_launch_after_reset("combine")
         return normed
 
-    def _reject(self, name: str, tag: int) -> None:
+    def _reject(self, name: str, tag: int, rejected: BaseException) -> None:
         self.reject_launches[name](tag, self._stream_handle())
+        self._refuse_launch_after_reset(name, rejected)
+
+    def _refuse_launch_after_reset(self, phase: str, cause: BaseException | None = None) -> None:
+        """EpDesyncError (recovery "reset") when this rank reset the object after its call's
+        last check (`refuse_reset_in_call`) and before the launch just queued: a signal
+        handler's reset() can run between any two Python calls, the launcher's included. Such
+        a launch reads the new epoch's zeroed device state, so it takes part in the peers' next
+        call as this rank's, with the abandoned call's rows (a combine's "ready" flag pointing
+        them at expert outputs this rank's next call has not written). The peers cannot
+        complete the sums of a call a stale dispatch or combine joined without this rank's next
+        launch (a stale reject completes it with NaN rows and EpPeerError), so no wrong row is
+        returned as long as this rank launches nothing more: it raises this at every call
+        (`launched_after_reset`, `check`) until the next reset() on every rank, whose abort
+        ends the launch's waits. `cause`: the caller's rejection a reject kernel carried. A reset
+        that came after the launch returned is taken for one before it (one reset more than
+        needed; its synchronize ended that launch)."""
+        if self.barriers.reset_in_call():
+            self.launched_after_reset = (
+                f"rank {self.rank} in {phase} of {self.barriers.label}: reset() ran on this rank"
+                f" during the call, after its last check and before its {phase} kernel was"
+                " queued (from a signal handler, say): that kernel runs in the new epoch, where"
+                " the peers' next call pairs with it. Call reset() on every rank before the next"
+                " step; until then every call of this rank raises this"
+            )
+            raise EpDesyncError(self.launched_after_reset, RECOVERY_RESET) from cause

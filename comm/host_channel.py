@@ -537,13 +537,17 @@ class ObjectBarriers:
         if (self.epoch, self.reset_round) != began:
             raise self._reset_during_call(phase)
 
+    def reset_in_call(self) -> bool:
+        """Whether this rank reset the object since its current call began (`call.began`; outside
+        a call: False)."""
+        since = self.call.began
+        return since is not None and (self.epoch, self.reset_round) != since
+
     def refuse_reset_in_call(self, phase: str) -> None:
         """EpResetDuringCallError when this rank reset the object since its current call began
-        (`call.began`; outside a call nothing is compared): the call was abandoned by that reset
-        and must not publish or launch in the new epoch, where its peers' next calls would pair
-        with it."""
-        since = self.call.began
-        if since is not None and (self.epoch, self.reset_round) != since:
+        (`reset_in_call`): the call was abandoned by that reset and must not publish or launch in
+        the new epoch, where its peers' next calls would pair with it."""
+        if self.reset_in_call():
             raise self._reset_during_call(phase)
 
     def _reset_during_call(self, phase: str) -> EpResetDuringCallError:

@@ -119,6 +119,14 @@ class Transport(ABC):
         afresh (a new epoch of the host barriers; on GPU also zeroed step flags and state), so
         that nothing a failed call left can be taken for a later call's."""
 
+    # Set (to the error's text) when a launch of this rank went into an epoch its call did not
+    # begin in: a reset() ran between the call's last check and the launch
+    # (comm/device_transport.py, `_refuse_launch_after_reset`). The peers' next calls pair with
+    # that launch, so the ranks are out of step until the next reset() on every rank, which
+    # clears it. Never set on CPU, where a barrier's keys carry the epoch (a message published
+    # after a reset is in no epoch).
+    launched_after_reset: str | None = None
+
     def drop_abandoned_failure(self) -> None:
         """Local: after this rank's reset() overtook a call (a signal handler's, nested in it),
         wait for what that call queued after the reset and clear the failure record it may have

@@ -749,7 +749,9 @@ class EpMoeLayer:
         handler's) restarted the count on every rank: it stays at 0, and the call's routed calls
         publish nothing in the new epoch (the EpRouted's barriers compare with the start of
         this call, taken before its count and tag: `ObjectBarriers.call.began`), so it raises
-        EpResetDuringCallError and the peers' retry pairs with this rank's next call.
+        EpResetDuringCallError and the peers' retry pairs with this rank's next call (on GPU,
+        after a reset between a routed call's last check and its launch: EpDesyncError, and a
+        reset() on every rank first: `Transport.launched_after_reset`).
 
         A plain function, not a context manager: the start is restored in this frame's own
         `finally` by a plain store (CallStart), so an interrupt anywhere in the call, a context

@@ -279,7 +279,10 @@ def _one_thread(method):
     GPU, launches it has not reached yet do not run (each compares the object's epoch with the
     call's start, `ObjectBarriers.call.began`), so no peer's next call pairs with it; whatever it
     did after the reset (a dispatch it recorded again) is dropped (`_abandon_call`), and it
-    raises EpResetDuringCallError, recovery "none"."""
+    raises EpResetDuringCallError, recovery "none". On GPU a reset between the call's last
+    check and a launch lets that launch run in the new epoch: the transport's EpDesyncError
+    (recovery "reset") is raised instead, and calls are refused until the next reset()
+    (`Transport.launched_after_reset`)."""
     name = f"EpRouted.{method.__name__}"
 
     @functools.wraps(method)
@@ -328,7 +331,9 @@ def _one_thread(method):
 def _abandoned_if_reset(routed, name: str, method, args, kwargs):
     """`method(routed, ...)`, the outermost call of this thread; when this rank's reset() ran
     during it (nested: a signal handler's), what the call left is dropped (`_abandon_call`) and
-    EpResetDuringCallError raised instead of its result or its error."""
+    EpResetDuringCallError raised instead of its result or its error; but when one of its
+    launches went into the new epoch (`Transport.launched_after_reset`), the transport's
+    EpDesyncError, recovery "reset"."""
     resets = routed._resets
     try:
         result = method(routed, *args, **kwargs)
@@ -339,6 +344,8 @@ def _abandoned_if_reset(routed, name: str, method, args, kwargs):
         if routed._resets == resets:
             raise
         routed._abandon_call()
+        if routed._transport.launched_after_reset is not None:
+            raise  # a launch went into the new epoch: the ranks are out of step (EpDesyncError)
         raise _reset_during(name, routed.rank) from err
     if routed._resets != resets:
         routed._abandon_call()
@@ -1538,10 +1545,17 @@ class EpRouted:
         """What a call overtaken by this rank's reset() left behind goes, as reset() clears it:
         a pending dispatch, the refusal of further calls (the ranks are in step after the
         reset; a lost peer stays lost), and a failure record its experts' kernels stored after
-        the reset, which would name the next call (Transport.drop_abandoned_failure)."""
+        the reset, which would name the next call (Transport.drop_abandoned_failure). Unless
+        one of its launches went into the new epoch (`Transport.launched_after_reset`): then
+        the ranks are out of step, every call is refused until the next reset(), which also
+        clears the record (waiting for the stream here would wait for that launch's peers)."""
         self._step = None
-        self._broken = None
         self._reset_dropped_step = False
+        stale = self._transport.launched_after_reset
+        if stale is not None:
+            self._broken = stale
+            return
+        self._broken = None
         self._drop_abandoned_failure()
 
     def _drop_abandoned_failure(self) -> None:

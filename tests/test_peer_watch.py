@@ -2,12 +2,14 @@
 abort request; period None starts no thread, stops cleanly and still looks when asked; a peer's
 reset round (in a real in-process store) ends the waits with ABORT_PEER_RESET, but never a round
 this rank has reset past; DeviceTransport.check() (built without a GPU) raises it as an
-EpDesyncError that says to reset()."""
+EpDesyncError that says to reset(); a launch queued after a reset nested in its call refuses
+every call until the next reset()."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -362,6 +364,94 @@ def test_drop_abandoned_failure_waits_for_the_queued_kernels_then_clears(code, m
     transport.failure_record[:] = torch.tensor([code, 96, 32, 11, 1])
     transport.drop_abandoned_failure()  # inside a capture nothing queued has run: left alone
     assert waits == [1] and transport.failure_record.any()
+
+
+LAUNCHES = {
+    "dispatch": ("dispatch_launch", lambda t: t.dispatch(*STEP, tokens=1, rejected=None)),
+    "combine": ("combine_launch", lambda t: t.combine(STEP[1], None, 1e-6, rejected=None)),
+    "reject_dispatch": (
+        "reject_launches",
+        lambda t: t.dispatch(*STEP, tokens=1, rejected=ValueError("this rank's input")),
+    ),
+}
+STEP = (torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32), None)
+
+
+def launching_transport(monkeypatch) -> DeviceTransport:
+    """transport_with, plus what dispatch, combine and reset() touch: the barriers of a
+    one-rank group (its reset() completes alone), zeroable flags and state, no CUDA."""
+    transport = transport_with(torch.zeros(ERROR_WORDS, dtype=torch.int64), [])
+    transport.barriers = ObjectBarriers(StoreChannel(1), "obj", "the test's object")
+    transport.buffers = SimpleNamespace(
+        flags=torch.ones(4), layout=SimpleNamespace(latent=STEP[0].shape[1])
+    )
+    transport.state, transport.device, transport.timeout_s = torch.ones(4), "cpu", 1.0
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(transport, "_stream_handle", lambda: 0)
+    return transport
+
+
+@pytest.mark.parametrize("phase", list(LAUNCHES))
+def test_a_launch_queued_after_a_nested_reset_refuses_calls_until_the_next_reset(
+    phase, monkeypatch
+):
+    """A signal handler's reset() that runs after a call's last check (refuse_reset_in_call)
+    and before its kernel is queued: that kernel reads the new epoch's zeroed state, so the
+    peers' next call pairs with it (a dispatch with the abandoned call's rows; a combine whose
+    "ready" flag points them at expert outputs not yet written). The call raises EpDesyncError
+    (recovery "reset") naming the phase, and check() raises it at every later call until the
+    next reset(). A launch in a call with no reset, and one outside any call, raise nothing.
+    Before: the call went on as if launched in its own epoch (EpRouted then raised
+    EpResetDuringCallError, recovery "none"), and this rank's next dispatch, reading the same
+    zeroed call index, paired with the peers' call that had taken the stale launch for this
+    rank's (read from the kernels' protocol; not run on a GPU)."""
+    transport = launching_transport(monkeypatch)
+    barriers = transport.barriers
+    name, call = LAUNCHES[phase]
+    launched: list[str] = []
+
+    def launch(*args) -> None:
+        launched.append("old epoch" if not barriers.reset_in_call() else "new epoch")
+
+    def reset_then_launch(*args) -> None:
+        transport.reset()  # the handler's, nested in the call
+        launch()
+
+    def launcher(run):
+        return {"reject_dispatch": run} if name == "reject_launches" else run
+
+    setattr(transport, name, launcher(launch))
+    barriers.call.began = (barriers.epoch, barriers.reset_round)
+    if phase == "reject_dispatch":
+        with pytest.raises(ValueError, match="this rank's input"):
+            call(transport)
+    else:
+        call(transport)  # no reset in the call: launched, nothing raised
+    barriers.call.began = None
+    setattr(transport, name, launcher(reset_then_launch))
+    with pytest.raises(EpDesyncError, match=f"before its {phase} kernel was queued") as info:
+        barriers.call.began = (barriers.epoch, barriers.reset_round)
+        try:
+            call(transport)
+        finally:
+            barriers.call.began = None
+    assert info.value.recovery == RECOVERY_RESET
+    if phase == "reject_dispatch":  # the caller's rejection, which the kernel carried
+        assert isinstance(info.value.__cause__, ValueError)
+    assert launched == ["old epoch", "new epoch"]
+    for _ in range(2):
+        with pytest.raises(EpDesyncError, match=f"before its {phase} kernel was queued"):
+            transport.check()
+    transport.reset()
+    transport.check()
+    assert transport.launched_after_reset is None
+    setattr(transport, name, launcher(reset_then_launch))
+    if phase == "reject_dispatch":  # outside a call a reset abandons nothing
+        with pytest.raises(ValueError, match="this rank's input"):
+            call(transport)
+    else:
+        call(transport)
+    assert transport.launched_after_reset is None
 
 
 def test_step_failure_tag_halves_rebuild_the_tag():

@@ -1535,6 +1535,84 @@ def spy_drops(routed) -> list[int]:
     return drops
 
 
+def launch_after_reset(routed, rank: int) -> None:
+    """Make the transport's next dispatch on this rank do what DeviceTransport's does when a
+    signal handler's reset() lands between the call's last check and its kernel's launch (a
+    GPU window; comm/device_transport.py, `_refuse_launch_after_reset`): the nested reset, then
+    `launched_after_reset` set and EpDesyncError (recovery "reset") raised, kept until the
+    transport's next reset."""
+    from dep_ep.comm.errors import RECOVERY_RESET
+
+    transport = routed._transport
+    reset = transport.reset
+
+    def reset_and_clear() -> None:
+        reset()
+        transport.launched_after_reset = None
+
+    def stale_dispatch(*args, **kwargs):
+        del transport.dispatch  # once
+        routed.reset()
+        transport.launched_after_reset = (
+            f"rank {rank} in dispatch: reset() ran on this rank during the call, after its last"
+            " check and before its dispatch kernel was queued"
+        )
+        raise EpDesyncError(transport.launched_after_reset, RECOVERY_RESET)
+
+    transport.reset, transport.dispatch = reset_and_clear, stale_dispatch
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_launch_after_a_nested_reset_refuses_calls_until_a_reset_on_every_rank(dep, layer):
+    """Rank 0's transport queues its dispatch after a reset() nested in the call (stood in for
+    by `launch_after_reset`: the window is the device transport's). Its peers, waiting in the
+    dispatch, raise EpDesyncError and reset, meeting the nested reset. Rank 0's call raises the
+    transport's EpDesyncError (recovery "reset"), not EpResetDuringCallError (recovery "none"):
+    the peers' next call would pair with that launch. Its next call is refused until reset(),
+    and no failure record drop waits for the stream (it would wait for that launch's peers;
+    the reset clears the record). Rank 0 resets; its peers' next call finds it in reset() and
+    raises EpDesyncError; they reset, and the next steps give the reference rows. Before:
+    rank 0's call raised EpResetDuringCallError and its next call went on."""
+    from dep_ep.comm.errors import RECOVERY_RESET
+
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 417), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        drops = spy_drops(routed)
+        if dep.rank == 0:
+            launch_after_reset(routed, dep.rank)
+        err, _ = timed(lambda: batches.run(routed, 1))
+        if not isinstance(err, EpDesyncError) or err.recovery != RECOVERY_RESET:
+            failures.append(f"the call: {type(err).__name__}: {err}")
+        elif dep.rank == 0 and "before its dispatch kernel was queued" not in str(err):
+            failures.append(f"rank 0's call: {err}")
+        elif dep.rank != 0:
+            routed.reset()  # meets rank 0's nested reset
+        if dep.rank == 0:
+            refused, _ = timed(lambda: batches.run(routed, 2))
+            if type(refused) is not RuntimeError or "kernel was queued" not in str(refused):
+                failures.append(f"rank 0's next call: {type(refused).__name__}: {refused}")
+            if drops:
+                failures.append(f"rank 0 dropped the failure record: {drops}")
+            routed.reset()
+        else:
+            # rank 0 is in reset() (or, with 3 ranks or more, a peer that found it so gave
+            # the call up first)
+            err = expect_raises(
+                failures, "a peer's next call", EpDesyncError, None,
+                lambda: batches.run(routed, 2),
+            )  # fmt: skip
+            recovery = getattr(err, "recovery", None)  # a wrong type: reported collectively
+            if err is not None and recovery != RECOVERY_RESET:
+                failures.append(f"a peer's next call's recovery: {recovery!r}")
+            routed.reset()
+        for i in (3, 4):
+            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_a_reset_inside_the_callers_own_experts_drops_their_failure_record(dep, layer):

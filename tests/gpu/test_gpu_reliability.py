@@ -25,6 +25,7 @@ from dep_ep.testing.compare import compare
 
 from helpers.cases import agreed_seed, make_case
 from helpers.collective import collective_assert, expect_raises
+from helpers.recovery import timed
 
 MAX_TOKENS = 32
 TIMEOUT_S = 20.0  # a waited-out timeout would show as a failure of the 1 s bound below
@@ -473,4 +474,84 @@ def test_a_reset_inside_the_experts_drops_the_record_their_kernels_store_after_i
         failures += good_step(gpu_dep, routed, layer, experts, 962, "after")
     finally:
         routed.close()
-    collective_assert(gpu_dep.cpu_group, failures, seeds={"before": 960, "overtaken": 961, "after": 962})
+    collective_assert(
+        gpu_dep.cpu_group, failures, seeds={"before": 960, "overtaken": 961, "after": 962}
+    )
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("who", ["every rank", "rank 0"])
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_a_launch_queued_after_a_nested_reset_refuses_calls_until_the_next_reset(
+    gpu_dep, layer, experts, phase, who
+):
+    """A reset() runs between a call's last check and its dispatch's (or combine's) launch, as
+    a signal handler's could (nested in the launcher): the kernel then runs in the new epoch.
+    That rank's call raises EpDesyncError (recovery "reset") saying its kernel was queued
+    after the reset, and its next call is refused (RuntimeError) until its reset(). "every
+    rank": every rank's reset is nested so (their stale launches pair with each other), then
+    every rank resets. "rank 0": only rank 0's is; its peers' step raises EpDesyncError at the
+    call or its synchronize() (rank 0 called reset()), they reset, meeting rank 0's nested
+    reset; their next step, which pairs with rank 0's stale launch, raises EpDesyncError too
+    (rank 0's second reset), and they reset again. Then two steps match the reference on every
+    rank, bit-equal on a rerun. Before: the call went on as if launched in its own epoch
+    (EpRouted raised EpResetDuringCallError, recovery "none"), and this rank's next dispatch
+    read the same call index as the stale launch."""
+    from dep_ep.comm.errors import RECOVERY_RESET
+
+    failures: list[str] = []
+    routed = build_routed(gpu_dep, EpConfig(timeout_s=TIMEOUT_S))
+    transport = routed._transport
+    name = f"{phase}_launch"
+    launch = getattr(transport, name)
+    nested = who == "every rank" or gpu_dep.rank == 0
+
+    def reset_then_launch(*args):
+        setattr(transport, name, launch)  # once
+        routed.reset()
+        launch(*args)
+
+    def recovery_is_reset(err, label: str) -> None:
+        if err is not None and getattr(err, "recovery", None) != RECOVERY_RESET:
+            failures.append(f"{label}: recovery {getattr(err, 'recovery', None)!r}")
+
+    try:
+        failures += good_step(gpu_dep, routed, layer, experts, 970, "before")
+        _, _, latent, ids, weights = step_inputs(gpu_dep, 971)
+        norm = layer.norm_weight().cuda()
+
+        def step_and_wait():
+            routed(latent, ids, weights, norm, experts=experts)
+            routed.synchronize()
+
+        if nested:
+            setattr(transport, name, reset_then_launch)
+            err = expect_raises(
+                failures,
+                f"the call whose {phase} was queued after the reset",
+                EpDesyncError,
+                f"before its {phase} kernel was queued",
+                lambda: routed(latent, ids, weights, norm, experts=experts),
+            )
+            recovery_is_reset(err, "the stale launch's error")
+            refused, _ = timed(lambda: routed(latent, ids, weights, norm, experts=experts))
+            if type(refused) is not RuntimeError or "kernel was queued" not in str(refused):
+                failures.append(f"the next call: {type(refused).__name__}: {refused}")
+        else:
+            for when in ("rank 0's nested reset", "rank 0's second reset"):
+                err = expect_raises(
+                    failures, f"a step during {when}", EpDesyncError, None, step_and_wait
+                )
+                recovery_is_reset(err, f"a step during {when}")
+                if when == "rank 0's nested reset":
+                    routed.reset()
+        routed.reset()
+        failures += good_step(gpu_dep, routed, layer, experts, 972, "after")
+        failures += good_step(gpu_dep, routed, layer, experts, 974, "after, again")
+    finally:
+        routed.close()
+    collective_assert(
+        gpu_dep.cpu_group,
+        failures,
+        seeds={"before": 970, "the call": 971, "after": 972, "after, again": 974},
+    )
