@@ -299,6 +299,15 @@ class ObjectBarriers:
         # waiting there for this rank's arrival raise instead of waiting out their timeout, and
         # no peer passes it after this rank abandoned it.
         self._in_barrier: tuple[int, int] | None = None
+        # The phase of the last barrier this rank counted as passed in the current epoch (None
+        # after a reset or a barrier given up): set with the count, by a plain store, so that an
+        # exception raised on after it (a KeyboardInterrupt in the exchange's last calls) can be
+        # told to have come once every rank passed that barrier (EpRouted._run).
+        self.passed_phase: str | None = None
+        # While a reset() of this object runs on this rank: its deadline, which a reset() nested
+        # in it (a signal handler's) keeps, so that resets nested again and again stay bounded
+        # by the first one's timeout_s.
+        self._reset_deadline: float | None = None
         channel.objects[obj] = self
 
     def built(self) -> None:
@@ -603,6 +612,7 @@ class ObjectBarriers:
         message = dict(payload, phase=phase)
         if ch.size == 1:
             self.count += 1
+            self.passed_phase = phase
             return [message]
         store, me = ch.store, ch.rank
         barrier = (epoch, count)
@@ -642,6 +652,7 @@ class ObjectBarriers:
             raise self._reset_during_call(phase)
         previous, self._published = self._published, keys[me]
         self.count += 1
+        self.passed_phase = phase
         try:
             # Every rank has arrived at this barrier, so has left the one before: its keys go
             # (this rank's message; its counter by one rank a barrier, in turn).
@@ -690,6 +701,7 @@ class ObjectBarriers:
         if self.count >= 1:
             self._stale.append(self._counter_key(self.epoch, self.count - 1))
         self.count += 1
+        self.passed_phase = None
         return error
 
     def _found_given_up(
@@ -902,10 +914,27 @@ class ObjectBarriers:
         target = self.reset_round + 1
         if ch.size == 1:
             self.epoch, self.count, self.reset_round = target, 0, target
+            self.passed_phase = None
             return
         store, me = ch.store, ch.rank
         round_keys = [ch.key(self.obj, "reset", r) for r in range(ch.size)]
+        outer = self._reset_deadline  # a reset this one is nested in (a signal handler's)
         deadline = time.monotonic() + timeout_s
+        if outer is not None:
+            deadline = min(deadline, outer)
+        # Plain stores around the try, no call between them and it (CallStart's reason).
+        self._reset_deadline = deadline
+        try:
+            self._reset(store, me, round_keys, target, deadline, timeout_s)
+        finally:
+            self._reset_deadline = outer
+
+    def _reset(
+        self, store, me: int, round_keys: list[str], target: int, deadline: float, timeout_s: float
+    ) -> None:
+        """reset() past its start: give up the barrier it is nested in, publish this rank's
+        round, wait (until `deadline`) for every rank's, then start the new epoch."""
+        ch = self.channel
         try:
             if self._in_barrier is not None:  # nested in this rank's exchange: give it up
                 key = self._counter_key(*self._in_barrier)
@@ -953,6 +982,7 @@ class ObjectBarriers:
             raise ch.lost("reset", err) from None
         self._published, self._stale = None, []
         self.epoch, self.count, self.reset_round = epoch, 0, epoch
+        self.passed_phase = None
 
     def peer_rounds(self, store) -> list[int]:
         """Every rank's reset round of this object as the store holds it (a rank that never

@@ -39,11 +39,15 @@ from dep_ep.comm.transport import CAUSE_EXPERTS, CAUSE_INPUT, Transport
 from dep_ep.config import EpConfig
 from dep_ep.constants import NO_TAG
 
+# The step's last barrier: every rank has read every rank's expert rows (they may be rewritten).
+COMBINE_END = "combine-end"
+
 
 class HostTransport(Transport):
     """The CPU transport of one EpBuffers (see the module docstring for the protocol)."""
 
     completes_on_return = True
+    final_barrier = COMBINE_END
 
     def __init__(self, buffers: EpBuffers, experts_per_rank: int, config: EpConfig) -> None:
         self.buffers = buffers
@@ -90,7 +94,7 @@ class HostTransport(Transport):
         normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
         # Return only once every rank has read this rank's rows: the caller may rewrite them.
         barriers = self.buffers.barriers
-        barriers.exchange("combine-end", {}, self.timeout_s, since=barriers.call.began)
+        barriers.exchange(COMBINE_END, {}, self.timeout_s, since=barriers.call.began)
         return normed if out is None else out.copy_(normed)
 
     def _experts_failure(self) -> Exception:

@@ -48,6 +48,11 @@ class Transport(ABC):
     # True when dispatch/combine complete before they return (the host waits): value checks that
     # read the tensors cost nothing extra there, so EpConfig.check_values=None turns them on.
     completes_on_return: bool
+    # The phase of the host barrier that ends a step on every rank (the host transport's
+    # "combine-end": every rank has read every rank's rows), or None where no host barrier
+    # ends it (the device transport's steps end in kernels). An exception raised on a rank
+    # after it passed that barrier leaves the ranks in step (EpRouted._run).
+    final_barrier: str | None = None
 
     @abstractmethod
     def dispatch(

@@ -240,6 +240,15 @@ INTERRUPTED_NOTE = (
     "this was raised inside the exchange with the peers; call reset() on every rank before the"
     " next step (recovery 'reset')"
 )
+# Raised after this rank passed the step's last barrier: every peer returned its rows of the
+# step, and a reset here would cost them their next step (a careless-user probe: with tag=step
+# every later step desynced).
+COMPLETED_NOTE = (
+    "this was raised after the step's exchange completed on every rank: the peers returned"
+    " their rows of it, this rank's are lost, and the ranks are in step: no reset() is needed"
+    " (recovery 'none'); the next call pairs with the peers' next step, so do not call this"
+    " step again under its tag"
+)
 
 
 def _note_recovery(err: BaseException, note: str) -> None:
@@ -863,7 +872,13 @@ class EpRouted:
 
     def _run(self, fn: str, call, rejected: BaseException | None):
         """Run a transport call; mark the object unusable until reset() (or for good) when the
-        call was cut short in a way that leaves the ranks' states unknown."""
+        call was cut short in a way that leaves the ranks' states unknown. An exception that
+        is not an EpError gets a note saying which recovery it needs (`_note_recovery`): none
+        after this rank took part in a step that then failed, or after the step's last barrier
+        passed (`Transport.final_barrier`); a reset when it came inside the exchange; none when
+        the object was closed during the call (its RuntimeError says so: rebuild)."""
+        barriers = self._buffers.barriers
+        start = (barriers.epoch, barriers.count)  # plain reads: no call where a handler runs
         try:
             return call()
         except BaseException as err:
@@ -878,6 +893,10 @@ class EpRouted:
                 self._lost = err
             elif isinstance(err, EpError) and recovery != RECOVERY_NONE:
                 self._broken = f"an earlier call failed ({err}); call reset() on every rank"
+            elif self._buffers.closed:
+                pass  # closed during the call (a signal handler's close()): nothing to reset
+            elif not isinstance(err, EpError) and self._passed_final_barrier(start):
+                _note_recovery(err, f"{fn}: {COMPLETED_NOTE}")
             elif not isinstance(err, EpError):
                 # Not the protocol's own error (those are EpErrors raised by every rank in the
                 # same call): an exception raised inside a wait (a signal handler's, of any
@@ -888,6 +907,18 @@ class EpRouted:
                 )
                 _note_recovery(err, f"{fn}: {INTERRUPTED_NOTE}")
             raise
+
+    def _passed_final_barrier(self, start: tuple[int, int]) -> bool:
+        """Whether this rank counted the step's last barrier (`Transport.final_barrier`) as
+        passed since `start` (the barriers' (epoch, count) when the transport call began): then
+        every rank passed it, and an exception raised after it left the ranks in step."""
+        barriers, final = self._buffers.barriers, self._transport.final_barrier
+        return (
+            final is not None
+            and barriers.passed_phase == final
+            and barriers.epoch == start[0]
+            and barriers.count > start[1]
+        )
 
     # ----------------------------------------------------------------------------- the path
     @_one_thread

@@ -286,6 +286,79 @@ def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, where):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, monkeypatch):
+    """SIGINT reaches rank 0 in its combine after every rank passed the step's last barrier
+    (combine-end; in the exchange's last calls, once this rank counted it). Every rank serves
+    steps with tag=step and follows its own error: rank 0's KeyboardInterrupt carries a note
+    saying no reset() is needed and not to call the step again under its tag, so it goes on
+    to the next step; the peers' step returns the reference rows. Every later step gives the
+    reference rows on every rank. An interrupt at the same barrier before it passed (at the
+    rank's arrival bit) still says to reset on every rank. Before: the note said to reset on
+    every rank and the next call was refused until then; the reset cost the peers their next
+    step, and with tag=step every later step desynced (a careless-user probe, 3 of 3 runs)."""
+    from dep_ep.comm import host_channel
+
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 418), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        barriers = routed._buffers.barriers
+        loads = host_channel.json.loads
+
+        def interrupted_once(raw):  # the exchange's reads of the messages it returns
+            # Out of the barrier's wait (whose position reads come before it passed).
+            if barriers.passed_phase == "combine-end" and barriers._in_barrier is None:
+                monkeypatch.setattr(host_channel.json, "loads", loads)
+                raise KeyboardInterrupt("SIGINT after combine-end passed")
+            return loads(raw)
+
+        for step in range(5):
+            latent, ids, weights = batches.inputs(step)
+            if dep.rank == 0 and step == 1:
+                monkeypatch.setattr(host_channel.json, "loads", interrupted_once)
+            err = None
+            try:
+                out = routed(
+                    latent, ids, weights, layer.norm_weight(), experts=batches.experts, tag=step
+                )
+            except BaseException as caught:  # reported collectively
+                err = caught
+            if dep.rank == 0 and step == 1:
+                notes = " ".join(getattr(err, "__notes__", []))
+                if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
+                    failures.append(f"rank 0's step 1: {err!r}, notes {notes!r}")
+                    timed(routed.reset)  # as the old note said (the peers then fail too)
+                continue
+            if err is not None:
+                failures.append(f"step {step}: {type(err).__name__}: {err}")
+                if getattr(err, "recovery", None) == "reset":
+                    timed(routed.reset)  # as its error says
+                continue
+            failures += compare(out, batches.reference(step), f"step {step}")
+        # The same barrier before it passed: its arrival bit.
+        if dep.rank == 0:
+
+            def interrupted(*args, **kwargs):
+                if barriers._in_barrier is not None and barriers.passed_phase == "combine":
+                    del barriers._arrive  # once: the method again
+                    raise KeyboardInterrupt("SIGINT before combine-end passed")
+                return type(barriers)._arrive(barriers, *args, **kwargs)
+
+            barriers._arrive = interrupted
+        err, _ = timed(lambda: batches.run(routed, 5))
+        if dep.rank == 0:
+            notes = " ".join(getattr(err, "__notes__", []))
+            if not isinstance(err, KeyboardInterrupt) or "call reset() on every rank" not in notes:
+                failures.append(f"rank 0 before combine-end passed: {err!r}, notes {notes!r}")
+        err, _ = timed(routed.reset)
+        if err is not None:
+            failures.append(f"the reset: {type(err).__name__}: {err}")
+        else:
+            failures += compare(batches.run(routed, 6), batches.reference(6), "after the reset")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 def test_an_interrupt_between_the_message_and_the_arrival_bit_then_reset(dep, layer):
     """SIGINT reaches rank 0 in its dispatch barrier after it published its message and before
     it added its arrival bit (where CPython runs a handler: the call that adds it). Rank 0
@@ -1336,7 +1409,9 @@ def test_a_close_from_a_signal_handler_inside_a_call_fails_it(dep, layer):
     (it returns no rows), and the peers' calls raise EpPeerLostError naming rank 0. A new
     EpRouted then gives the reference rows on every rank.
     Before: rank 0's call went on after the handler and returned rows of zeros (the combine
-    summed the rows of no rank: close() had emptied the list of peers), no error on any rank."""
+    summed the rows of no rank: close() had emptied the list of peers), no error on any rank;
+    and then its RuntimeError carried a note saying to reset() on every rank, which a closed
+    object refuses (a careless-user probe)."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 380), T)
     failures: list[str] = []
     routed = build(dep)
@@ -1345,13 +1420,16 @@ def test_a_close_from_a_signal_handler_inside_a_call_fails_it(dep, layer):
         previous = signal.signal(signal.SIGALRM, lambda signum, frame: routed.close())
         signal.setitimer(signal.ITIMER_REAL, 0.3)
         try:
-            expect_raises(
+            err = expect_raises(
                 failures,
                 "rank 0's call closed by its signal handler",
                 RuntimeError,
                 r"closed on this rank during the call",
                 lambda: batches.run(routed, 1),
             )
+            notes = getattr(err, "__notes__", [])
+            if any("reset()" in note for note in notes):  # closed: reset() raises, rebuild
+                failures.append(f"rank 0's error says to reset: {notes}")
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
@@ -1518,6 +1596,44 @@ def test_a_reset_from_a_signal_handler_inside_a_call_abandons_it(dep, layer, whe
             failures.append(f"recovery {recovery!r} after {type(err).__name__}")
         for i in (2, 3, 4):
             failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_resets_nested_again_and_again_stay_bounded_by_the_first_ones_timeout(dep, layer):
+    """Rank 0 resets while a SIGALRM timer calls reset() every 0.3 timeout_s, nested in it
+    again and again; rank 1 does not reset for 2.5 timeout_s. Rank 0's reset raises
+    EpTimeoutError naming rank 1 within timeout_s + 1 s: a reset nested in a reset keeps the
+    outer one's deadline. Then every rank resets once and the next step gives the reference
+    rows. Before: each nested reset took a deadline of its own, so the newest never reached it
+    while the timer fired sooner: the reset returned after about 70 s with RecursionError (a
+    careless-user probe, timeout_s 2, a timer every 0.5 s, 2 of 2 runs)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 419), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        if dep.rank == 0:
+            every = 0.3 * TIMEOUT_S
+            previous = signal.signal(signal.SIGALRM, lambda signum, frame: routed.reset())
+            signal.setitimer(signal.ITIMER_REAL, every, every)
+            try:
+                err, took = timed(routed.reset)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            if not isinstance(err, EpTimeoutError) or "rank(s) 1" not in str(err):
+                failures.append(f"rank 0's reset: {type(err).__name__}: {err}")
+            elif took > TIMEOUT_S + 1.0:
+                failures.append(f"rank 0's reset raised after {took:.2f} s")
+        else:
+            time.sleep(2.5 * TIMEOUT_S)
+        dist.barrier(group=dep.cpu_group)
+        err, _ = timed(routed.reset)
+        if err is not None:
+            failures.append(f"the reset after: {type(err).__name__}: {err}")
+        else:
+            failures += compare(batches.run(routed, 1), batches.reference(1), "batch 1")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
