@@ -526,11 +526,15 @@ class ObjectBarriers:
             f"{they} closed {self.label}; close it here too",
         )
 
+    def closed_here(self) -> bool:
+        """Whether this rank closed the object (its close() took it out of the channel)."""
+        return self.obj in self.channel.closed
+
     def _refuse_closed(self, phase: str) -> None:
         """RuntimeError when this rank closed the object: at the start of a barrier, or while it
         waited in one (a signal handler's close() inside a call), whose result is then not used.
         Its peers learn of the close from its closed mark (EpPeerLostError)."""
-        if self.obj in self.channel.closed:
+        if self.closed_here():
             raise RuntimeError(
                 f"rank {self.channel.rank} in {phase} of {self.label}: it was closed on this rank"
                 " during the call (close() from a signal handler, say); nothing of the call was"
@@ -652,6 +656,9 @@ class ObjectBarriers:
             raise self._reset_during_call(phase)
         previous, self._published = self._published, keys[me]
         self.count += 1
+        # Every rank arrived: the barrier is passed (when the phases below differ, every rank
+        # raises EpDesyncError, and a rank interrupted before that check is told of it by its
+        # peers' reset at its next call).
         self.passed_phase = phase
         try:
             # Every rank has arrived at this barrier, so has left the one before: its keys go
@@ -662,6 +669,12 @@ class ObjectBarriers:
                 store.delete_key(self._counter_key(self.epoch, self.count - 2))
         except dist.DistError as err:
             raise ch.lost(phase, err) from None
+        except BaseException:  # an interrupt: the next reset, if any, deletes them
+            if previous is not None:
+                self._stale.append(previous)
+            if self.count >= 2:
+                self._stale.append(self._counter_key(self.epoch, self.count - 2))
+            raise
         messages = [json.loads(v) for v in values]
         phases = [m["phase"] for m in messages]
         if len(set(phases)) > 1:

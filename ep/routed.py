@@ -520,6 +520,9 @@ class EpRouted:
         # caller's frames (a layer registered by weak reference among them).
         self._in_pieces = False
         self._own_failure: BaseException | None = None
+        # Inside a step run in pieces: whether the piece running is the step's last (only its
+        # final barrier ends the step on every rank: `_passed_final_barrier`). True outside.
+        self._last_piece = True
         # check_expert_rows: the mark at dispatch and the check before the combine.
         checked = expert_rows_checked(config, self.device)
         self._unwritten = UnwrittenRows(self.device) if checked else None
@@ -893,7 +896,7 @@ class EpRouted:
                 self._lost = err
             elif isinstance(err, EpError) and recovery != RECOVERY_NONE:
                 self._broken = f"an earlier call failed ({err}); call reset() on every rank"
-            elif self._buffers.closed:
+            elif self._buffers.closed or self._buffers.barriers.closed_here():
                 pass  # closed during the call (a signal handler's close()): nothing to reset
             elif not isinstance(err, EpError) and self._passed_final_barrier(start):
                 _note_recovery(err, f"{fn}: {COMPLETED_NOTE}")
@@ -911,10 +914,12 @@ class EpRouted:
     def _passed_final_barrier(self, start: tuple[int, int]) -> bool:
         """Whether this rank counted the step's last barrier (`Transport.final_barrier`) as
         passed since `start` (the barriers' (epoch, count) when the transport call began): then
-        every rank passed it, and an exception raised after it left the ranks in step."""
+        every rank passed it, and an exception raised after it left the ranks in step. In a
+        step run in pieces, only its last piece's (the peers go on to the next piece)."""
         barriers, final = self._buffers.barriers, self._transport.final_barrier
         return (
             final is not None
+            and (not self._in_pieces or self._last_piece)
             and barriers.passed_phase == final
             and barriers.epoch == start[0]
             and barriers.count > start[1]
@@ -1401,6 +1406,7 @@ class EpRouted:
             for index in range(steps):
                 this_tag = piece_tag(_wire_tag(tag), total, index)
                 checked = index == 0  # later pieces run to the end on every rank
+                self._last_piece = index == steps - 1
                 if failure is not None:
                     self._step_failure = f"{type(failure).__name__} in {fn}"
                     try:
@@ -1448,7 +1454,7 @@ class EpRouted:
                 return out
             return result
         finally:
-            self._in_pieces, self._own_failure = False, None
+            self._in_pieces, self._own_failure, self._last_piece = False, None, True
 
     def _routed_step(
         self,

@@ -284,49 +284,86 @@ def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, where):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(120)
-def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, monkeypatch):
-    """SIGINT reaches rank 0 in its combine after every rank passed the step's last barrier
-    (combine-end; in the exchange's last calls, once this rank counted it). Every rank serves
-    steps with tag=step and follows its own error: rank 0's KeyboardInterrupt carries a note
-    saying no reset() is needed and not to call the step again under its tag, so it goes on
-    to the next step; the peers' step returns the reference rows. Every later step gives the
-    reference rows on every rank. An interrupt at the same barrier before it passed (at the
-    rank's arrival bit) still says to reset on every rank. Before: the note said to reset on
-    every rank and the next call was refused until then; the reset cost the peers their next
-    step, and with tag=step every later step desynced (a careless-user probe, 3 of 3 runs)."""
+def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
+    """Make this rank's next transport combine raise KeyboardInterrupt (as SIGINT would) once
+    this rank passed its combine-end barrier: at the exchange's first read of the messages
+    after it counted the barrier ("in the exchange"), or as the transport's combine returns
+    ("after the transport call")."""
     from dep_ep.comm import host_channel
 
-    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 418), T)
+    transport, barriers = routed._transport, routed._buffers.barriers
+    combine, loads = transport.combine, host_channel.json.loads
+
+    def interrupted_loads(raw):
+        # Out of a barrier's wait (whose reads of positions come before it passed).
+        if barriers.passed_phase == "combine-end" and barriers._in_barrier is None:
+            monkeypatch.setattr(host_channel.json, "loads", loads)
+            raise KeyboardInterrupt("SIGINT after combine-end passed, in the exchange")
+        return loads(raw)
+
+    def once(*args, **kwargs):
+        del transport.combine  # once: the method again
+        if where == "after the transport call":
+            combine(*args, **kwargs)
+            raise KeyboardInterrupt("SIGINT after combine-end passed, as the combine returns")
+        monkeypatch.setattr(host_channel.json, "loads", interrupted_loads)
+        try:
+            return combine(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(host_channel.json, "loads", loads)
+
+    transport.combine = once
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "where", ["in the exchange", "after the transport call", "a step in pieces"]
+)
+def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, monkeypatch, where):
+    """SIGINT reaches rank 0 in its combine after every rank passed the step's last barrier
+    (combine-end): in the exchange's last calls, once this rank counted it, or as the
+    transport's combine returns. Every rank serves steps with tag=step and follows its own
+    error: rank 0's KeyboardInterrupt carries a note saying no reset() is needed and not to
+    call the step again under its tag, so it goes on to the next step; the peers' step returns
+    the reference rows; every later step gives them on every rank. In a step run in pieces the
+    first piece's combine-end does not end the step (the peers go on to the next piece): the
+    note says to reset on every rank, the peers raise EpDesyncError, every rank resets, and the
+    later steps pass. An interrupt at the combine-end barrier before it passed (at the rank's
+    arrival bit) still says to reset on every rank. Before: the note said to reset on every
+    rank and the next call was refused until then; the reset cost the peers their next step,
+    and with tag=step every later step desynced (a careless-user probe, 3 of 3 runs)."""
+    pieces = where == "a step in pieces"
+    tokens = MAX_TOKENS + 4 if pieces else T
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 418), tokens)
     failures: list[str] = []
     with build(dep) as routed:
         barriers = routed._buffers.barriers
-        loads = host_channel.json.loads
-
-        def interrupted_once(raw):  # the exchange's reads of the messages it returns
-            # Out of the barrier's wait (whose position reads come before it passed).
-            if barriers.passed_phase == "combine-end" and barriers._in_barrier is None:
-                monkeypatch.setattr(host_channel.json, "loads", loads)
-                raise KeyboardInterrupt("SIGINT after combine-end passed")
-            return loads(raw)
-
         for step in range(5):
             latent, ids, weights = batches.inputs(step)
             if dep.rank == 0 and step == 1:
-                monkeypatch.setattr(host_channel.json, "loads", interrupted_once)
-            err = None
+                interrupt_after_combine_end(
+                    routed, monkeypatch, "in the exchange" if pieces else where
+                )
+            err = out = None
             try:
                 out = routed(
                     latent, ids, weights, layer.norm_weight(), experts=batches.experts, tag=step
                 )
             except BaseException as caught:  # reported collectively
                 err = caught
-            if dep.rank == 0 and step == 1:
+            if step == 1 and (dep.rank == 0 or pieces):
                 notes = " ".join(getattr(err, "__notes__", []))
-                if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
-                    failures.append(f"rank 0's step 1: {err!r}, notes {notes!r}")
-                    timed(routed.reset)  # as the old note said (the peers then fail too)
+                if dep.rank != 0:
+                    expected, said = EpDesyncError, ""  # rank 0 is in reset()
+                elif pieces:
+                    expected, said = KeyboardInterrupt, "call reset() on every rank"
+                else:
+                    expected, said = KeyboardInterrupt, "no reset() is needed"
+                if not isinstance(err, expected) or said not in notes:
+                    failures.append(f"step 1: {err!r}, notes {notes!r}")
+                if pieces or said not in notes:
+                    timed(routed.reset)  # as the note or the error says
                 continue
             if err is not None:
                 failures.append(f"step {step}: {type(err).__name__}: {err}")
@@ -353,7 +390,11 @@ def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, mo
         if err is not None:
             failures.append(f"the reset: {type(err).__name__}: {err}")
         else:
-            failures += compare(batches.run(routed, 6), batches.reference(6), "after the reset")
+            err, _ = timed(lambda: failures.extend(
+                compare(batches.run(routed, 6), batches.reference(6), "after the reset")
+            ))  # fmt: skip
+            if err is not None:
+                failures.append(f"after the reset: {type(err).__name__}: {err}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
@@ -1615,7 +1656,13 @@ def test_resets_nested_again_and_again_stay_bounded_by_the_first_ones_timeout(de
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
         if dep.rank == 0:
             every = 0.3 * TIMEOUT_S
-            previous = signal.signal(signal.SIGALRM, lambda signum, frame: routed.reset())
+            barriers = routed._buffers.barriers
+
+            def nested(signum, frame):  # only inside a reset: none starts after it raised
+                if barriers._reset_deadline is not None:
+                    routed.reset()
+
+            previous = signal.signal(signal.SIGALRM, nested)
             signal.setitimer(signal.ITIMER_REAL, every, every)
             try:
                 err, took = timed(routed.reset)
