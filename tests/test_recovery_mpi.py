@@ -1753,6 +1753,10 @@ def test_a_launch_after_a_nested_reset_refuses_calls_until_a_reset_on_every_rank
             failures.append(f"rank 0's call: {err}")
         elif dep.rank != 0:
             routed.reset()  # meets rank 0's nested reset
+        # Every rank done with that reset before rank 0's next one: a peer still polling in it
+        # would otherwise join that one too (its round taken up to the largest), and then have
+        # no reset left for its next call to find.
+        dist.barrier(group=dep.cpu_group)
         if dep.rank == 0:
             refused, _ = timed(lambda: batches.run(routed, 2))
             if type(refused) is not RuntimeError or "kernel was queued" not in str(refused):
