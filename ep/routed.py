@@ -1584,16 +1584,14 @@ class EpRouted:
         reset; a lost peer stays lost), and a failure record its experts' kernels stored after
         the reset, which would name the next call (Transport.drop_abandoned_failure). Unless
         one of its launches went into the new epoch (`Transport.launched_after_reset`): then
-        the ranks are out of step, every call is refused until the next reset(), which also
-        clears the record (waiting for the stream here would wait for that launch's peers)."""
+        the ranks are out of step, and the refusal `_run` set on that launch's EpDesyncError
+        stays until the next reset(), which also clears the record (waiting for the stream
+        here would wait for that launch's peers)."""
         self._step = None
         self._reset_dropped_step = False
-        stale = self._transport.launched_after_reset
-        if stale is not None:
-            self._broken = stale
-            return
-        self._broken = None
-        self._drop_abandoned_failure()
+        if self._transport.launched_after_reset is None:
+            self._broken = None
+            self._drop_abandoned_failure()
 
     def _drop_abandoned_failure(self) -> None:
         """Transport.drop_abandoned_failure, once for each reset() (it waits for the stream)."""
