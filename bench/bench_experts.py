@@ -13,9 +13,12 @@ token's first choice), keeping the tokens with at least one of rank 0's experts.
   HummingEngine(tune_for_capacity=True), its kernels chosen for the pair capacity;
   "humming-slots", every call on its receive slots, never in chunks; "humming-no-pdl", the
   default engine with its kernels launched without programmatic dependent launch; "triton",
-  TritonEngine): CUDA-graph replay of back-to-back calls on the same rows (a call has no host
-  synchronisation), median of `--samples` replays, per call; `--reps` calls a graph, fewer where
-  one eager call takes longer than REPLAY_BUDGET_US / reps (`graph_reps`); one eager call first
+  TritonEngine; "humming-decode-heuristic", the default engine with humming's own kernel
+  choices at decode, not the engine's changes to them (humming_gemm.FC1_UPDATES and
+  FC2_UPDATES; `with_humming_choices`)): CUDA-graph replay of back-to-back calls on the same
+  rows (a call has no host synchronisation), median of `--samples` replays, per call; `--reps`
+  calls a graph, fewer where one eager call takes longer than REPLAY_BUDGET_US / reps
+  (`graph_reps`); one eager call first
   (humming compiles its kernels for a new pair count there).
 - ReferenceExperts: eager (it reads sizes back to the host), median of CUDA-event-timed calls;
   skipped at 448 local experts (its BF16 cache would take 29.6 GB).
@@ -52,6 +55,7 @@ from dep_ep.experts import ReferenceExperts
 from dep_ep.experts.hopper import HopperExperts, HopperTiles, HummingEngine, TritonEngine
 from dep_ep.experts.hopper.grouping import Grouping, group_pairs, tile_routes
 from dep_ep.experts.hopper.grouping_kernel import group_and_route
+from dep_ep.experts.hopper.humming_gemm import TUNING_UPDATES
 from dep_ep.testing.synthetic import ROUTINGS, SyntheticLayer, synthetic_ids
 
 TOKENS = [1 << i for i in range(12)]  # 1 .. 2048
@@ -198,8 +202,22 @@ VARIANTS = [
     # Every kernel launched without programmatic dependent launch (experts/hopper/pdl.py).
     ("humming-no-pdl", HummingEngine(tiles=HopperTiles(pdl=False))),
     ("triton", TritonEngine()),
+    # The humming engine with humming's own kernels at decode (humming_gemm.TUNING_UPDATES only,
+    # not the engine's FC1_UPDATES / FC2_UPDATES): the baseline of those changes.
+    ("humming-decode-heuristic", HummingEngine()),
 ]
 VARIANT_NAMES = [name for name, _ in VARIANTS]
+
+
+def with_humming_choices(backend: HopperExperts) -> None:
+    """The humming engine's GEMMs choosing humming's own kernels at decode (TUNING_UPDATES)."""
+    for gemm in (backend.prepared.fc1, backend.prepared.fc2):
+        gemm.updates = TUNING_UPDATES
+        gemm.tunings.clear()
+
+
+# variant -> what is changed on its HopperExperts once built.
+AFTER_BUILD = {"humming-decode-heuristic": with_humming_choices}
 
 
 GROUPING_BLOCK_N = 16
@@ -219,6 +237,7 @@ def bench_local(local: int, args, bandwidth: float, tflops: float, gen: torch.Ge
             continue
         try:
             variants[name] = HopperExperts(weights, engine=engine)
+            AFTER_BUILD.get(name, lambda backend: None)(variants[name])
         except (RuntimeError, ValueError) as error:  # e.g. humming-kernels not installed
             print(f"{name}: not measured: {error}", flush=True)
     reference = None

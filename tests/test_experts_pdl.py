@@ -31,6 +31,7 @@ from dep_ep.experts.hopper import (
     HopperTiles,
     HummingEngine,
     TritonEngine,
+    humming_gemm,
 )
 from dep_ep.experts.hopper.humming_gemm import HummingGemm
 from dep_ep.experts.hopper.pdl import launches_pdl, pdl_options
@@ -350,6 +351,34 @@ def test_humming_gemms_never_launch_with_pdl(monkeypatch):
     for pairs in (16, 512, 4096):
         assert gemm.tuning(pairs)["use_pdl"] is False, pairs
     assert gemm.tuning(512)["use_stream_k"] is False  # TUNING_UPDATES still applied
+
+
+def test_humming_decode_changes_apply_only_to_the_kernel_they_were_measured_on(monkeypatch):
+    """FC1_UPDATES / FC2_UPDATES change humming's choice for 16, 32 and 64 pairs only where it
+    is DECODE_KERNEL (a list or a tuple block shape); another choice (the deterministic
+    engine's, without stream-K; another block) stays humming's. TUNING_UPDATES' changes at 512
+    and 1024 pairs hold for any choice."""
+    decode = {**humming_gemm.DECODE_KERNEL, "block_shape": [8, 128, 256], "use_pdl": True}
+    choices = {
+        "decode": decode,
+        "no stream-K": {**decode, "use_stream_k": False},
+        "wider": {**decode, "block_shape": (16, 128, 256)},
+    }
+    for label, choice in choices.items():
+        monkeypatch.setattr(HummingGemm, "heuristic", lambda self, pairs, c=choice: dict(c))
+        for name, updates, change in (
+            ("fc1", humming_gemm.FC1_UPDATES, {"num_stages": 3, "use_stream_k": False}),
+            ("fc2", humming_gemm.FC2_UPDATES, {"num_stages": 3}),
+        ):
+            gemm = HummingGemm(None, {}, torch.zeros(1), {}, False, updates)
+            for pairs in (16, 32, 64):
+                want = {**choice, **(change if label == "decode" else {}), "use_pdl": False}
+                assert gemm.tuning(pairs) == want, (label, name, pairs)
+            assert gemm.tuning(128) == {**choice, "use_pdl": False}, (label, name)
+            assert gemm.tuning(512)["use_stream_k"] is False, (label, name)
+    # A GEMM prepared without updates (the benchmarks' baseline) keeps humming's decode kernel.
+    monkeypatch.setattr(HummingGemm, "heuristic", lambda self, pairs: dict(decode))
+    assert HummingGemm(None, {}, torch.zeros(1), {}, False).tuning(16)["num_stages"] == 4
 
 
 def sm90_here() -> str | None:

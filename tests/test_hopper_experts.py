@@ -29,6 +29,8 @@ from dep_ep.experts.hopper import (
     TritonEngine,
     default_engine,
     humming_engine,
+    humming_gemm,
+    humming_layout,
     tuning_pairs,
 )
 from dep_ep.experts.hopper import chunks as chunks_module
@@ -36,6 +38,7 @@ from dep_ep.experts.hopper import engine as engine_module
 from dep_ep.experts.hopper.engine import PAIR_BUDGET_LEAST, pair_budget
 from dep_ep.experts.hopper.grouping import group_pairs, pair_capacity, tile_capacity, tile_routes
 from dep_ep.experts.hopper.triton_engine import fused_experts
+from dep_ep.experts.mxfp4 import E2M1_VALUES, mxfp4_dequantize
 from dep_ep.testing.allgather_reference import expert_sums
 from dep_ep.testing.synthetic import SyntheticLayer
 from dep_ep.testing.tolerance import EXPERTS_REL_L2, HUMMING_REL_L2
@@ -1139,6 +1142,101 @@ def test_gpu_humming_refuses_a_wide_scale_spread():
     weights.s13[2, 0, 0] = int(weights.s13[2].max()) - 12
     with pytest.raises(ValueError, match=r"s13 of local expert\(s\) \[2\] spread over \[1[2-9]\]"):
         HopperExperts(weights, engine=HummingEngine())
+
+
+@GPU
+def test_gpu_decode_changes_apply_to_the_kernel_humming_picks_at_k3():
+    """The engine's decode changes (humming_gemm.FC1_UPDATES, FC2_UPDATES) apply to humming's
+    real picks where they are the kernel the changes were measured on (DECODE_KERNEL: its pick
+    for 16, 32 and 64 pairs at 56, 112 and 448 local experts, docs/results/humming_decode_call);
+    any other pick (humming's depends on the expert count: over the 4 experts here it picked 1
+    CTA an SM for FC2's 16 pairs, and 16-pair blocks for 64 pairs, on one H100) and the
+    deterministic engine's picks (no stream-K) stay humming's."""
+    engine("humming")
+    weights = SyntheticLayer(K3_WIDTHS, 0).local_weights(0, 4).to("cuda")
+    for deterministic in (False, True):
+        prepared = HopperExperts(
+            weights, engine=HummingEngine(deterministic=deterministic)
+        ).prepared
+        for name, gemm, updates in (
+            ("fc1", prepared.fc1, humming_gemm.FC1_UPDATES),
+            ("fc2", prepared.fc2, humming_gemm.FC2_UPDATES),
+        ):
+            for pairs in humming_gemm.DECODE_PAIRS:
+                choice = gemm.heuristic(pairs)
+                held = {key: choice.get(key) for key in humming_gemm.DECODE_KERNEL}
+                held["block_shape"] = tuple(held["block_shape"])
+                decode = held == humming_gemm.DECODE_KERNEL
+                assert not (decode and deterministic), f"{name}, {pairs} pairs: {choice}"
+                change = updates[pairs][1] if decode else {}
+                assert gemm.tuning(pairs) == {**choice, **change, "use_pdl": False}, (name, pairs)
+
+
+def test_humming_layout_index_covers_every_nibble_once():
+    """humming_layout.prepared_index over one expert: every nibble of its K/32 x 4N words holds
+    one element's magnitude and one element's sign; each 64-row block of a k32 group is one
+    contiguous KiB (256 words); each group's scale columns are a permutation of the rows."""
+    for rows, k in ((64, 64), (128, 192), (256, 512)):
+        index = humming_layout.prepared_index(rows, k)
+        words = k // 32 * 4 * rows
+        for part in ("magnitude", "sign"):
+            nibble = index["word"] * 8 + index[part]
+            counts = torch.bincount(nibble.reshape(-1), minlength=8 * words)
+            assert counts.numel() == 8 * words and bool((counts == 1).all()), (rows, k, part)
+        block = index["word"][:64, :32]
+        assert block.min() == 0 and block.max() == 255, (rows, k)
+        assert sorted(index["scale"][:, 0].tolist()) == list(range(rows)), (rows, k)
+    with pytest.raises(ValueError, match="rows=96"):
+        humming_layout.prepared_index(96, 64)
+
+
+def test_humming_layout_values_read_each_element_from_its_nibbles():
+    """prepared_values on words packed element by element through prepared_index (random
+    magnitudes, signs and exponents): every value comes back, signed and scaled."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    experts, rows, k = 2, 128, 128
+    index = humming_layout.prepared_index(rows, k)
+    magnitude = torch.randint(0, 8, (experts, rows, k), generator=gen)
+    negative = torch.randint(0, 2, (experts, rows, k), generator=gen)
+    exponent = torch.randint(1, 13, (experts, k // 32, rows), generator=gen)
+    words = torch.zeros(experts, k // 32 * 4 * rows, dtype=torch.int64)
+    for e in range(experts):
+        for part, bits in (("magnitude", magnitude[e]), ("sign", negative[e] << 3)):
+            shifted = bits << (4 * index[part])
+            words[e].index_add_(0, index["word"].reshape(-1), shifted.reshape(-1))
+    weight = (words - (words >= 2**31) * 2**32).int().reshape(experts, k // 32, 4 * rows)
+    scale_bytes = torch.empty(experts, k // 32 * rows, dtype=torch.uint8)
+    for e in range(experts):
+        flat = exponent[e].transpose(0, 1).reshape(rows, k // 32)
+        scale_bytes[e, index["scale"].reshape(-1)] = flat.reshape(-1).to(torch.uint8)
+    scale_2 = torch.tensor([2.0**-3, 2.0**2])
+    got = humming_layout.prepared_values(weight, scale_bytes.view(experts, k // 32, rows), scale_2)
+    table = torch.tensor(E2M1_VALUES[:8])
+    per_row = exponent.transpose(1, 2).repeat_interleave(32, dim=2).float()
+    want = table[magnitude] * torch.exp2(per_row) * scale_2.view(-1, 1, 1)
+    want = torch.where(negative.bool(), -want, want)
+    assert torch.equal(got, want)
+
+
+@GPU
+def test_gpu_humming_layout_reads_humming_prepared_weights_exactly():
+    """prepared_values on the tensors humming prepares (HummingGemm.prepare, FC1 and FC2 of K3's
+    widths, fresh random weights within the scale spread) equals the checkpoint's MXFP4 values
+    element for element: humming_layout's index map is humming's."""
+    engine("humming")
+    seed = fresh_seed()
+    weights = SyntheticLayer(K3_WIDTHS, seed).local_weights(0, 2).to("cuda")
+    prepared = HopperExperts(weights, engine=HummingEngine()).prepared
+    for name, gemm, packed, scales in (
+        ("fc1", prepared.fc1, weights.w13, weights.s13),
+        ("fc2", prepared.fc2, weights.w2, weights.s2),
+    ):
+        t = gemm.tensors
+        got = humming_layout.prepared_values(t["weight"], t["weight_scale"], t["weight_scale_2"])
+        want = mxfp4_dequantize(packed, scales, torch.float32)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        wrong = int((got != want).sum())
+        assert wrong == 0, f"{name} seed {seed}: {wrong} of {want.numel()} values differ"
 
 
 def test_default_backend_on_cpu_is_the_reference():

@@ -4,6 +4,7 @@ grouping and the pair counts humming tunes for.
 
 Files: hopper_experts.py (the backend, default_engine), engine.py (HopperEngine, tuning_pairs),
 humming_engine.py and humming_gemm.py (HummingEngine and its humming-kernels wrapper),
+humming_layout.py (humming's prepared weights read back to values),
 triton_engine.py (TritonEngine, fused_experts), kernels.py (the Triton kernels), chunks.py and
 chunk_kernels.py (the humming engine's calls in chunks of pairs: the plan, its kernels), tiles.py
 (HopperTiles), grouping.py and grouping_kernel.py (the pairs grouped by expert, torch and Triton).

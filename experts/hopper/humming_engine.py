@@ -32,7 +32,12 @@ from dep_ep.experts.hopper.engine import (
     tuning_pairs,
 )
 from dep_ep.experts.hopper.grouping import Grouping, pair_capacity, routed_tilings, tile_capacity
-from dep_ep.experts.hopper.humming_gemm import HummingGemm, scale_spread_error
+from dep_ep.experts.hopper.humming_gemm import (
+    FC1_UPDATES,
+    FC2_UPDATES,
+    HummingGemm,
+    scale_spread_error,
+)
 from dep_ep.experts.hopper.tiles import HopperTiles
 from dep_ep.experts.weights import ExpertWeights
 
@@ -212,8 +217,8 @@ class HummingEngine(HopperEngine):
             if error is not None:
                 raise ValueError(error)
         w13, s13, w2, s2 = (t.contiguous() for t in weights.tensors)
-        fc1 = HummingGemm.prepare(w13, s13, self.deterministic)
-        fc2 = HummingGemm.prepare(w2, s2, self.deterministic)
+        fc1 = HummingGemm.prepare(w13, s13, self.deterministic, updates=FC1_UPDATES)
+        fc2 = HummingGemm.prepare(w2, s2, self.deterministic, updates=FC2_UPDATES)
         return HummingPrepared(
             fc1=fc1,
             fc2=fc2,

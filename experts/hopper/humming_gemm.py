@@ -16,7 +16,7 @@ so `check_scale_spread` refuses such weights instead.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,19 +27,61 @@ from dep_ep.constants import SCALE_BLOCK
 FUSED_SCALE_SPREAD = 11
 # Stream-K lock words humming's kernels may use (int32, zeroed once, reset by the kernels).
 LOCK_WORDS = 1 << 16
-# Changes to humming's heuristic choice per tuned pair count: stream-K off for the kernels of 512
-# and 1024 pairs ([16, 128, 256] and [24 or 32, 256, 128] blocks at K3's shapes). Speed is the
-# same within the run-to-run spread: on an H200 on a DEP16 shard FC1 took 182 / 209, 191 / 202 and
-# 198 / 209 us at T = 32 / 64 without stream-K in three runs, against 190 / 208, 194 / 210 and
-# 190 / 207 with it; FC2 within 3% (the last run: docs/results/bench_humming_tuning.md, "Variants").
-# Without stream-K each output element is written once: no BF16 partial outputs added.
-TUNING_UPDATES = {512: {"use_stream_k": False}, 1024: {"use_stream_k": False}}
+# Changes to humming's heuristic choice per tuned pair count, each applied only to the kernel it
+# was measured against: pairs -> (what humming's choice must hold, the change).
+# Stream-K off for the kernels of 512 and 1024 pairs ([16, 128, 256] and [24 or 32, 256, 128]
+# blocks at K3's shapes), FC1 and FC2. Speed is the same within the run-to-run spread: on an H200
+# on a DEP16 shard FC1 took 182 / 209, 191 / 202 and 198 / 209 us at T = 32 / 64 without
+# stream-K in three runs, against 190 / 208, 194 / 210 and 190 / 207 with it; FC2 within 3% (the
+# last run: docs/results/bench_humming_tuning.md, "Variants"). Without stream-K each output
+# element is written once: no BF16 partial outputs added.
+TUNING_UPDATES = {512: ({}, {"use_stream_k": False}), 1024: ({}, {"use_stream_k": False})}
+# The kernel humming 0.1.19 picks for 16, 32 and 64 pairs at K3's shapes on 56, 112 and 448
+# local experts (the counts `tuning_pairs` gives at T = 1, 2 and 4 there; its pick depends on the
+# expert count too) unless deterministic: 8 x 128 x 256 blocks, 4 stages, 2 CTAs an SM, stream-K.
+DECODE_KERNEL = {
+    "block_shape": (8, 128, 256),
+    "num_stages": 4,
+    "num_ctas_per_sm": 2,
+    "use_stream_k": True,
+}
+DECODE_PAIRS = (16, 32, 64)
+# Its changes at decode: FC1 with 3 stages and without stream-K, FC2 with 3 stages. The whole
+# call in graph replay on one H100, both choices on the same rows in the same run
+# (docs/results/humming_decode_call/56/bench_experts.md, and 112/, 448/): 87 / 112 / 114 us
+# against 92 / 118 / 120 at T = 1 (56 / 112 / 448 local experts), 4-6 us less at T = 2, from
+# 5 us less to 2 us more at T = 4; T = 8 and 16 (other kernels) within 4 us either way. The two
+# GEMMs alone: docs/results/humming_decode/bench_humming_tuning.md. Not timed on an H200.
+FC1_UPDATES = {
+    **TUNING_UPDATES,
+    **{pairs: (DECODE_KERNEL, {"num_stages": 3, "use_stream_k": False}) for pairs in DECODE_PAIRS},
+}
+FC2_UPDATES = {
+    **TUNING_UPDATES,
+    **{pairs: (DECODE_KERNEL, {"num_stages": 3}) for pairs in DECODE_PAIRS},
+}
 # humming's kernels never launch with programmatic dependent launch (0.1.19's SM90 heuristic sets
 # no `use_pdl`; off is its default): with it, a CTA that gets no tile exits without
 # griddepcontrol.wait, so a GEMM with no pair could complete before the kernel ahead of it, and
 # the kernels after it, which wait on the GEMM alone, could run beside that kernel
 # (experts/hopper/pdl.py).
 HUMMING_USE_PDL = False
+
+
+def updated_tuning(choice: dict, update: tuple[dict, dict] | None) -> dict:
+    """humming's kernel choice with `update` = (what the choice must hold, the change) applied
+    where the choice holds every item of the first (block shapes compared as tuples); the
+    choice unchanged otherwise, or without an update."""
+    if update is None:
+        return dict(choice)
+    when, change = update
+    for key, value in when.items():
+        held = choice.get(key)
+        if isinstance(value, tuple) and isinstance(held, list):
+            held = tuple(held)
+        if held != value:
+            return dict(choice)
+    return {**choice, **change}
 
 
 def scale_spread_error(owner: str, name: str, scales: torch.Tensor) -> str | None:
@@ -71,6 +113,9 @@ class HummingGemm:
     locks: torch.Tensor
     tunings: dict
     deterministic: bool
+    # pairs -> (what humming's choice must hold, the change): TUNING_UPDATES, or the engine's
+    # FC1_UPDATES / FC2_UPDATES.
+    updates: dict = field(default_factory=lambda: TUNING_UPDATES)
 
     @classmethod
     def prepare(
@@ -79,9 +124,12 @@ class HummingGemm:
         scales: torch.Tensor,
         deterministic: bool,
         bf16_inputs: bool = False,
+        updates: dict | None = None,
     ) -> HummingGemm:
         """bf16_inputs: humming's W4A16 kernels, for BF16 inputs without scales (the weights in
-        their layout for BF16; measured in bench/bench_humming_a16.py, used by no engine)."""
+        their layout for BF16; measured in bench/bench_humming_a16.py, used by no engine).
+        updates: the changes to humming's kernel choices (`updated_tuning`; default
+        TUNING_UPDATES)."""
         import humming.transform as transform
         from humming.schema import HummingInputSchema, HummingWeightSchema
 
@@ -111,22 +159,29 @@ class HummingGemm:
         config, tensors = transform.prepare_fp16_e8m0_scale(config, tensors)
         tensors = transform.transform_humming_tensors(config, tensors)
         locks = torch.zeros(LOCK_WORDS, dtype=torch.int32, device=weights.device)
-        return cls(config, tensors, locks, {}, deterministic)
+        return cls(
+            config,
+            tensors,
+            locks,
+            {},
+            deterministic,
+            TUNING_UPDATES if updates is None else updates,
+        )
 
     def tuning(self, pairs: int) -> dict:
         """humming's kernel choice for `pairs` pairs (engine.tuning_pairs: one compilation per
-        value, cached) with TUNING_UPDATES applied. deterministic: humming's batch-invariant
-        choice, without stream-K (which splits K over CTAs and adds the BF16 partial outputs,
-        atomically beyond 3 slices: extra roundings, and an order that can change between
-        reruns). `use_pdl` is HUMMING_USE_PDL whatever the heuristic says."""
+        value, cached) with `updates` applied (`updated_tuning`). deterministic: humming's
+        batch-invariant choice, without stream-K (which splits K over CTAs and adds the BF16
+        partial outputs, atomically beyond 3 slices: extra roundings, and an order that can
+        change between reruns). `use_pdl` is HUMMING_USE_PDL whatever the heuristic says."""
         if pairs not in self.tunings:
-            tuning = {**self.heuristic(pairs), **TUNING_UPDATES.get(pairs, {})}
+            tuning = updated_tuning(self.heuristic(pairs), self.updates.get(pairs))
             self.tunings[pairs] = {**tuning, "use_pdl": HUMMING_USE_PDL}
         return self.tunings[pairs]
 
     def heuristic(self, pairs: int) -> dict:
         """humming's own heuristic choice for `pairs` pairs (batch-invariant when deterministic),
-        before TUNING_UPDATES."""
+        before `updates`."""
         from humming.tune import get_heuristics_config
 
         return get_heuristics_config(
