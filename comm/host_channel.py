@@ -589,10 +589,13 @@ class ObjectBarriers:
         payload: dict,
         timeout_s: float,
         since: tuple[int, int] | None = None,
+        last: bool = False,
     ) -> list[dict]:
         """Collective over the group: publish this rank's `payload` (JSON-serialisable) for this
         object's next barrier, wait (at most `timeout_s`) for every rank's, and return them in
-        rank order, each with its "phase". `since`: the object's (epoch, reset round) when the
+        rank order, each with its "phase". `last`: the call's last barrier, which nothing of
+        the call follows on any rank (not a construction's, which a rank retries at once after
+        an interrupt, into the same barrier). `since`: the object's (epoch, reset round) when the
         call this barrier belongs to began (`call.began`), None for now; a reset() on this rank
         after it (nested in the call) raises EpResetDuringCallError, before this rank publishes
         when it came before the barrier. Raises EpDesyncError when the ranks are in different
@@ -602,7 +605,8 @@ class ObjectBarriers:
         closed the object, before the barrier or while it waited. The errors of a barrier given
         up or out of step end with the object's `remedy` and carry its `recovery`. The barrier
         counts as passed on every rank that returns or raises EpDesyncError for differing
-        phases, and as given up (counted too, so that the next barrier pairs) on every rank
+        phases, or, `last`, is interrupted (an exception not of this module) once every rank's
+        bit is in, and as given up (counted too, so that the next barrier pairs) on every rank
         that raises EpTimeoutError or EpPeerTimeoutError."""
         ch = self.channel
         self._refuse_closed(phase)
@@ -640,6 +644,18 @@ class ObjectBarriers:
                 # A read of a key a signal handler's reset() deleted waited out the store call.
                 raise self._reset_during_call(phase) from None
             raise ch.lost(phase, err) from None
+        except BaseException as err:
+            # An interrupt (a signal handler's exception) in the wait of a call's last barrier,
+            # once every rank's bit is in: no give-up can follow, so every rank passes it; it
+            # counts as passed here too, so that the ranks stay in step (a careless-user probe:
+            # the note said to reset, which cost the peers a step). The messages' phases are
+            # not compared (the peers raise EpDesyncError if they differ, and this rank meets
+            # their reset at its next call). Not a construction's barrier: its retry after an
+            # interrupt re-enters the same barrier.
+            if last and not isinstance(err, EpError) and self._read_complete(store, barrier, began):
+                passed = True
+                self._count_passed(phase, keys[me])
+            raise
         finally:
             self._in_barrier = outer_barrier
             if not passed and keys[me] not in self._stale:
@@ -685,6 +701,28 @@ class ObjectBarriers:
                 self.recovery,
             )
         return messages
+
+    def _read_complete(self, store, barrier: tuple[int, int], began: tuple[int, int]) -> bool:
+        """Whether one read of barrier `barrier`'s counter finds every rank's bit in (False
+        after a reset since `began`, or when the read fails or is interrupted)."""
+        if (self.epoch, self.reset_round) != began:
+            return False
+        try:
+            counter = store.add(self._counter_key(*barrier), 0)
+        except BaseException:  # the store lost, or a second interrupt: not known to be passed
+            return False
+        return self._outcome(counter) == COMPLETE
+
+    def _count_passed(self, phase: str, published: str) -> None:
+        """Count the barrier this rank published `published` for as passed, as a wait that
+        returns does, with no store call: the keys it would delete go to the next reset."""
+        previous, self._published = self._published, published
+        self.count += 1
+        self.passed_phase = phase
+        if previous is not None:
+            self._stale.append(previous)
+        if self.count >= 2:
+            self._stale.append(self._counter_key(self.epoch, self.count - 2))
 
     def _arrive(self, store, barrier: tuple[int, int]) -> tuple[int, bool]:
         """Add this rank's arrival bit to barrier `barrier`'s counter (once, also when an

@@ -94,7 +94,7 @@ class HostTransport(Transport):
         normed = combine_pull(self.buffers, ids, self.experts_per_rank, norm_weight, eps)
         # Return only once every rank has read this rank's rows: the caller may rewrite them.
         barriers = self.buffers.barriers
-        barriers.exchange(COMBINE_END, {}, self.timeout_s, since=barriers.call.began)
+        barriers.exchange(COMBINE_END, {}, self.timeout_s, since=barriers.call.began, last=True)
         return normed if out is None else out.copy_(normed)
 
     def _experts_failure(self) -> Exception:

@@ -242,12 +242,15 @@ INTERRUPTED_NOTE = (
 )
 # Raised after this rank passed the step's last barrier: every peer returned its rows of the
 # step, and a reset here would cost them their next step (a careless-user probe: with tag=step
-# every later step desynced).
+# every later step desynced). Their next call may be the next layer of the same server step (a
+# model's layers share one EpRouted, each called with the step's tag): this rank makes it too
+# (a second probe: a rank that went on to its next step desynced every later one).
 COMPLETED_NOTE = (
-    "this was raised after the step's exchange completed on every rank: the peers returned"
-    " their rows of it, this rank's are lost, and the ranks are in step: no reset() is needed"
-    " (recovery 'none'); the next call pairs with the peers' next step, so do not call this"
-    " step again under its tag"
+    "this was raised after the call's exchange completed on every rank: the peers returned"
+    " their rows of it and the ranks are in step, so no reset() is needed (recovery 'none');"
+    " this rank's rows of it are lost. The next call pairs with the peers' next call on this"
+    " object (the next layer of the same step, or their next step): make the calls they make"
+    " next, under the same tags, and do not repeat this one"
 )
 
 

@@ -286,13 +286,28 @@ def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, where):
 
 def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
     """Make this rank's next transport combine raise KeyboardInterrupt (as SIGINT would) once
-    this rank passed its combine-end barrier: at the exchange's first read of the messages
-    after it counted the barrier ("in the exchange"), or as the transport's combine returns
-    ("after the transport call")."""
+    every rank arrived at its combine-end barrier: at the exchange's first read of the messages
+    after this rank counted the barrier ("in the exchange"), as the transport's combine returns
+    ("after the transport call"), or in the barrier's wait, at its first call after it read the
+    counter complete, before it counted the barrier ("in the wait")."""
     from dep_ep.comm import host_channel
 
     transport, barriers = routed._transport, routed._buffers.barriers
     combine, loads = transport.combine, host_channel.json.loads
+    outcome, refuse = barriers._outcome, barriers._refuse_interrupted
+    read_complete = []
+
+    def outcome_read(counter):
+        result = outcome(counter)
+        if result == host_channel.COMPLETE and barriers.passed_phase == "combine":
+            read_complete.append(True)
+        return result
+
+    def refuse_after_complete(phase, began):
+        if read_complete:
+            del barriers._outcome, barriers._refuse_interrupted  # once: the methods again
+            raise KeyboardInterrupt("SIGINT in the combine-end wait, every bit in")
+        return refuse(phase, began)
 
     def interrupted_loads(raw):
         # Out of a barrier's wait (whose reads of positions come before it passed).
@@ -306,6 +321,9 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
         if where == "after the transport call":
             combine(*args, **kwargs)
             raise KeyboardInterrupt("SIGINT after combine-end passed, as the combine returns")
+        if where == "in the wait":
+            barriers._outcome, barriers._refuse_interrupted = outcome_read, refuse_after_complete
+            return combine(*args, **kwargs)
         monkeypatch.setattr(host_channel.json, "loads", interrupted_loads)
         try:
             return combine(*args, **kwargs)
@@ -318,15 +336,17 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "where", ["in the exchange", "after the transport call", "a step in pieces"]
+    "where", ["in the exchange", "after the transport call", "in the wait", "a step in pieces"]
 )
 def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, monkeypatch, where):
-    """SIGINT reaches rank 0 in its combine after every rank passed the step's last barrier
-    (combine-end): in the exchange's last calls, once this rank counted it, or as the
-    transport's combine returns. Every rank serves steps with tag=step and follows its own
-    error: rank 0's KeyboardInterrupt carries a note saying no reset() is needed and not to
-    call the step again under its tag, so it goes on to the next step; the peers' step returns
-    the reference rows; every later step gives them on every rank. In a step run in pieces the
+    """SIGINT reaches rank 0 in its combine after every rank arrived at the step's last barrier
+    (combine-end): in the exchange's last calls, once this rank counted it; as the transport's
+    combine returns; or in the barrier's wait once it read every rank's bit, before it counted
+    the barrier (found by a second probe: that point's note said to reset, 4 of 120 points of a
+    sweep). Every rank serves steps with tag=step and follows its own error: rank 0's
+    KeyboardInterrupt carries a note saying no reset() is needed and to make the peers' next
+    call, so it goes on to the next step; the peers' step returns the reference rows; every
+    later step gives them on every rank. In a step run in pieces the
     first piece's combine-end does not end the step (the peers go on to the next piece): the
     note says to reset on every rank, the peers raise EpDesyncError, every rank resets, and the
     later steps pass. An interrupt at the combine-end barrier before it passed (at the rank's
@@ -395,6 +415,45 @@ def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, mo
             ))  # fmt: skip
             if err is not None:
                 failures.append(f"after the reset: {type(err).__name__}: {err}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["after the transport call", "in the wait"])
+def test_an_interrupt_after_a_layers_last_barrier_goes_on_with_the_next_layer(
+    dep, layer, monkeypatch, where
+):
+    """A model's two layers share one EpRouted, each called with the server step as its tag.
+    SIGINT reaches rank 0 in layer A of step 1 after every rank arrived at its combine-end.
+    Rank 0 does what its note says (no reset, make the peers' next call): layer B of step 1,
+    then the next steps. Every rank's rows, rank 0's lost layer A of step 1 aside, are the
+    reference's, with no error. Before: the note said the next call pairs with the peers' next
+    step, so rank 0 skipped to step 2 while the peers called layer B of step 1: EpDesyncError,
+    and with tag=step every later step desynced (a second careless-user probe, 3 of 3 runs on 2
+    and 3 ranks)."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 421), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        for step in range(4):
+            for name, i in (("A", 2 * step), ("B", 2 * step + 1)):
+                label = f"step {step}, layer {name}"
+                if dep.rank == 0 and (step, name) == (1, "A"):
+                    interrupt_after_combine_end(routed, monkeypatch, where)
+                    err, _ = timed(lambda: batches.run(routed, i, tag=step))
+                    notes = " ".join(getattr(err, "__notes__", []))
+                    if not isinstance(err, KeyboardInterrupt) or "next layer" not in notes:
+                        failures.append(f"{label}: {err!r}, notes {notes!r}")
+                    continue
+                err, _ = timed(
+                    lambda: failures.extend(
+                        compare(batches.run(routed, i, tag=step), batches.reference(i), label)
+                    )
+                )
+                if err is not None:
+                    failures.append(f"{label}: {type(err).__name__}: {err}")
+                    if getattr(err, "recovery", None) == "reset":
+                        timed(routed.reset)
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
