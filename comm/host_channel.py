@@ -652,9 +652,16 @@ class ObjectBarriers:
             # not compared (the peers raise EpDesyncError if they differ, and this rank meets
             # their reset at its next call). Not a construction's barrier: its retry after an
             # interrupt re-enters the same barrier.
-            if last and not isinstance(err, EpError) and self._read_complete(store, barrier, began):
-                passed = True
-                self._count_passed(phase, keys[me])
+            if (
+                last
+                and not isinstance(err, EpError)
+                and not self.closed_here()
+                and self._read_complete(store, barrier, began)
+            ):
+                previous = self._count_passed(phase, keys[me], began)
+                if previous is not False:
+                    passed = True
+                    self._stale_passed(previous)
             raise
         finally:
             self._in_barrier = outer_barrier
@@ -662,20 +669,16 @@ class ObjectBarriers:
                 # Not deleted here: a peer that saw every message may be reading this one (a
                 # read of a missing key would wait for it). After the next reset no rank is.
                 self._stale += [keys[me], counter_key]
-        # A reset() run on this rank meanwhile (a signal handler's) moved the object to a new
-        # epoch: this barrier belongs to none, and its key waits for the next reset (a peer's
-        # own reset may have come after its last look, so it may still read it). No call stands
-        # between this test and the two stores after it, so no handler can run in between
-        # (CPython runs them at calls and backward jumps).
-        if (self.epoch, self.reset_round) != began:
-            self._stale += [keys[me], counter_key]
-            raise self._reset_during_call(phase)
-        previous, self._published = self._published, keys[me]
-        self.count += 1
         # Every rank arrived: the barrier is passed (when the phases below differ, every rank
         # raises EpDesyncError, and a rank interrupted before that check is told of it by its
-        # peers' reset at its next call).
-        self.passed_phase = phase
+        # peers' reset at its next call), unless a reset() run on this rank meanwhile (a signal
+        # handler's) moved the object to a new epoch: then this barrier belongs to none, and its
+        # key waits for the next reset (a peer's own reset may have come after its last look,
+        # so it may still read it).
+        previous = self._count_passed(phase, keys[me], began)
+        if previous is False:
+            self._stale += [keys[me], counter_key]
+            raise self._reset_during_call(phase)
         try:
             # Every rank has arrived at this barrier, so has left the one before: its keys go
             # (this rank's message; its counter by one rank a barrier, in turn).
@@ -686,10 +689,7 @@ class ObjectBarriers:
         except dist.DistError as err:
             raise ch.lost(phase, err) from None
         except BaseException:  # an interrupt: the next reset, if any, deletes them
-            if previous is not None:
-                self._stale.append(previous)
-            if self.count >= 2:
-                self._stale.append(self._counter_key(self.epoch, self.count - 2))
+            self._stale_passed(previous)
             raise
         messages = [json.loads(v) for v in values]
         phases = [m["phase"] for m in messages]
@@ -704,21 +704,33 @@ class ObjectBarriers:
 
     def _read_complete(self, store, barrier: tuple[int, int], began: tuple[int, int]) -> bool:
         """Whether one read of barrier `barrier`'s counter finds every rank's bit in (False
-        after a reset since `began`, or when the read fails or is interrupted)."""
+        after a reset since `began`, or when the store fails; a second interrupt raises)."""
         if (self.epoch, self.reset_round) != began:
             return False
         try:
             counter = store.add(self._counter_key(*barrier), 0)
-        except BaseException:  # the store lost, or a second interrupt: not known to be passed
+        except dist.DistError:
             return False
         return self._outcome(counter) == COMPLETE
 
-    def _count_passed(self, phase: str, published: str) -> None:
-        """Count the barrier this rank published `published` for as passed, as a wait that
-        returns does, with no store call: the keys it would delete go to the next reset."""
+    def _count_passed(
+        self, phase: str, published: str, began: tuple[int, int]
+    ) -> str | bool | None:
+        """Count the barrier this rank published `published` for as passed, unless a reset
+        (a signal handler's) ran since `began`: then False. Returns the key this rank published
+        for the barrier before (None for none), which the pass lets go. The test comes first
+        and no call stands between it and the stores, so no handler can run in between
+        (CPython runs them at calls and backward jumps)."""
+        if (self.epoch, self.reset_round) != began:
+            return False
         previous, self._published = self._published, published
         self.count += 1
         self.passed_phase = phase
+        return previous
+
+    def _stale_passed(self, previous: str | None) -> None:
+        """The keys a passed barrier lets go (this rank's message of the barrier before,
+        `previous`, and the counter two barriers back), left for the next reset to delete."""
         if previous is not None:
             self._stale.append(previous)
         if self.count >= 2:

@@ -250,7 +250,7 @@ COMPLETED_NOTE = (
     " their rows of it and the ranks are in step, so no reset() is needed (recovery 'none');"
     " this rank's rows of it are lost. The next call pairs with the peers' next call on this"
     " object (the next layer of the same step, or their next step): make the calls they make"
-    " next, under the same tags, and do not repeat this one"
+    " next, with the tags they use, and do not repeat this one"
 )
 
 

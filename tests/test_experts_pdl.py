@@ -361,6 +361,7 @@ def test_humming_decode_changes_apply_only_to_the_kernel_they_were_measured_on(m
     decode = {**humming_gemm.DECODE_KERNEL, "block_shape": [8, 128, 256], "use_pdl": True}
     choices = {
         "decode": decode,
+        "decode, a tuple block": {**decode, "block_shape": (8, 128, 256)},
         "no stream-K": {**decode, "use_stream_k": False},
         "wider": {**decode, "block_shape": (16, 128, 256)},
     }
@@ -372,13 +373,38 @@ def test_humming_decode_changes_apply_only_to_the_kernel_they_were_measured_on(m
         ):
             gemm = HummingGemm(None, {}, torch.zeros(1), {}, False, updates)
             for pairs in (16, 32, 64):
-                want = {**choice, **(change if label == "decode" else {}), "use_pdl": False}
+                applies = label.startswith("decode")
+                want = {**choice, **(change if applies else {}), "use_pdl": False}
                 assert gemm.tuning(pairs) == want, (label, name, pairs)
             assert gemm.tuning(128) == {**choice, "use_pdl": False}, (label, name)
             assert gemm.tuning(512)["use_stream_k"] is False, (label, name)
     # A GEMM prepared without updates (the benchmarks' baseline) keeps humming's decode kernel.
     monkeypatch.setattr(HummingGemm, "heuristic", lambda self, pairs: dict(decode))
     assert HummingGemm(None, {}, torch.zeros(1), {}, False).tuning(16)["num_stages"] == 4
+
+
+def test_humming_engine_takes_the_decode_changes_at_k3_widths_only(monkeypatch):
+    """HummingEngine.prepare hands FC1_UPDATES / FC2_UPDATES to its GEMMs for K3's widths (where
+    they were measured) and humming's own choices (the default, TUNING_UPDATES) for others."""
+    from dep_ep.experts.hopper import humming_engine
+
+    given = []
+
+    def prepare(weights, scales, deterministic, bf16_inputs=False, updates=None):
+        given.append(updates)
+        return HummingGemm(None, {}, torch.zeros(1), {}, deterministic)
+
+    monkeypatch.setattr(humming_engine, "humming_installed", lambda: True)
+    monkeypatch.setattr(HummingGemm, "prepare", staticmethod(prepare))
+    for geometry, want in (
+        (K3, [humming_gemm.FC1_UPDATES, humming_gemm.FC2_UPDATES]),
+        (TINY, [None, None]),
+    ):
+        given.clear()
+        small = replace(geometry, experts=max(4, geometry.topk))
+        weights = SyntheticLayer(small, 0).local_weights(0, 2)
+        HummingEngine().prepare("test", weights, 1)
+        assert given == want, geometry.name
 
 
 def sm90_here() -> str | None:

@@ -20,6 +20,7 @@ import torch
 
 from dep_ep.checks import check_flag, check_positive_int
 from dep_ep.comm.failure import StepFailure
+from dep_ep.config import K3
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.hopper import chunks as chunking
 from dep_ep.experts.hopper.engine import (
@@ -217,8 +218,11 @@ class HummingEngine(HopperEngine):
             if error is not None:
                 raise ValueError(error)
         w13, s13, w2, s2 = (t.contiguous() for t in weights.tensors)
-        fc1 = HummingGemm.prepare(w13, s13, self.deterministic, updates=FC1_UPDATES)
-        fc2 = HummingGemm.prepare(w2, s2, self.deterministic, updates=FC2_UPDATES)
+        # The decode changes were measured at K3's widths only.
+        k3 = (weights.latent, weights.intermediate) == (K3.latent, K3.intermediate)
+        fc1_updates, fc2_updates = (FC1_UPDATES, FC2_UPDATES) if k3 else (None, None)
+        fc1 = HummingGemm.prepare(w13, s13, self.deterministic, updates=fc1_updates)
+        fc2 = HummingGemm.prepare(w2, s2, self.deterministic, updates=fc2_updates)
         return HummingPrepared(
             fc1=fc1,
             fc2=fc2,

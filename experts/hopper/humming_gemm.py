@@ -46,7 +46,8 @@ DECODE_KERNEL = {
     "use_stream_k": True,
 }
 DECODE_PAIRS = (16, 32, 64)
-# Its changes at decode: FC1 with 3 stages and without stream-K, FC2 with 3 stages. The whole
+# Its changes at decode (HummingEngine applies them at K3's widths only): FC1 with 3 stages and
+# without stream-K, FC2 with 3 stages. The whole
 # call in graph replay on one H100, both choices on the same rows in the same run
 # (docs/results/humming_decode_call/56/bench_experts.md, and 112/, 448/): 87 / 112 / 114 us
 # against 92 / 118 / 120 at T = 1 (56 / 112 / 448 local experts), 4-6 us less at T = 2, from
@@ -115,7 +116,7 @@ class HummingGemm:
     deterministic: bool
     # pairs -> (what humming's choice must hold, the change): TUNING_UPDATES, or the engine's
     # FC1_UPDATES / FC2_UPDATES.
-    updates: dict = field(default_factory=lambda: TUNING_UPDATES)
+    updates: dict = field(default_factory=lambda: dict(TUNING_UPDATES))
 
     @classmethod
     def prepare(
@@ -165,7 +166,7 @@ class HummingGemm:
             locks,
             {},
             deterministic,
-            TUNING_UPDATES if updates is None else updates,
+            dict(TUNING_UPDATES if updates is None else updates),
         )
 
     def tuning(self, pairs: int) -> dict:
