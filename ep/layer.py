@@ -22,6 +22,7 @@ from dep_ep.checks import (
     vector_rows,
     vector_start,
 )
+from dep_ep.comm.errors import EpError
 from dep_ep.comm.tags import mix64
 from dep_ep.config import DEFAULT_NORM_EPS, DEFAULT_ROUTED_SCALING_FACTOR
 from dep_ep.constants import (
@@ -34,7 +35,14 @@ from dep_ep.constants import (
 )
 from dep_ep.ep.digest import byte_digest
 from dep_ep.ep.expert_sources import ExpertSources
-from dep_ep.ep.routed import EpRouted, check_experts_match, step_total
+from dep_ep.ep.routed import (
+    COMPLETED_NOTE,
+    NOT_SENT_NOTE,
+    EpRouted,
+    check_experts_match,
+    note_recovery,
+    step_total,
+)
 from dep_ep.ep.router import route_into
 from dep_ep.experts.base import ExpertsBackend
 from dep_ep.experts.checkpoint import (  # the dense tensors' checkpoint names
@@ -763,20 +771,27 @@ class EpMoeLayer:
         began = barriers.call.began
         # Plain reads and stores (CallStart): no handler runs between them and the try.
         start = (barriers.epoch, barriers.reset_round)
+        counted = (barriers.epoch, barriers.count)
         barriers.call.began = start
+        entered = None
         try:
-            with self._counted_call(fn, tag, barriers, start) as (wire, unready):
+            entered = self.routed._entered_here()
+            with self._counted_call(fn, tag, barriers, start, entered) as (wire, unready):
                 return body(fn, wire, unready, *args)
+        except BaseException as err:
+            self._note_own_work(fn, err, entered, counted)
+            raise
         finally:
             barriers.call.began = began
 
     @contextlib.contextmanager
-    def _counted_call(self, fn: str, tag: object, barriers, start: tuple[int, int]):
+    def _counted_call(self, fn: str, tag: object, barriers, start: tuple[int, int], entered: int):
         """`_call` after it took the call's `start` (the EpRouted's barriers' epoch and reset
-        round): the first call's reads, the tag, and the count, which moves only when the call
-        reached the transport and no reset() ran since `start` (one before it restarted the
-        count this call read; one after it abandoned the call, whose barriers refused)."""
-        calls, entered = self._calls, self.routed._entered_here()
+        round) and the thread's transport entries (`entered`): the first call's reads, the
+        tag, and the count, which moves only when the call reached the transport and no reset()
+        ran since `start` (one before it restarted the count this call read; one after it
+        abandoned the call, whose barriers refused)."""
+        calls = self._calls
         unready = None
         first = not self._read_once and bool(self._copied)
         read_fingerprint = self.fingerprint is None
@@ -815,6 +830,23 @@ class EpMoeLayer:
             # run after the read and restart the count this store would then undo.
             if moved and (barriers.epoch, barriers.reset_round) == start:
                 self._calls = calls + 1
+
+    def _note_own_work(self, fn: str, err: BaseException, entered: int | None, counted) -> None:
+        """A note on `err`, raised in this rank's own work of the call (an interrupt: the
+        EpRouted's calls note theirs, and the protocol's errors say their recovery), saying what
+        the next call pairs with: before the call reached the exchange (`entered`: the thread's
+        transport entries at its start, None before it read them), this call again; after its
+        exchange completed on every
+        rank (the host transport's last barrier passed since `counted`, the barriers' epoch and
+        count at its start; not seen on a GPU), the peers' next call (a careless-user probe: a
+        bare KeyboardInterrupt from `up` after the exchange read as one before it, and a retry
+        desynced the peers' next layer)."""
+        if isinstance(err, EpError) or getattr(err, "__notes__", None) or self.routed.closed:
+            return
+        if entered is None or self.routed._entered_here() == entered:
+            note_recovery(err, f"{fn}: {NOT_SENT_NOTE}")
+        elif self.routed._passed_final_barrier(counted):
+            note_recovery(err, f"{fn}: {COMPLETED_NOTE}")
 
     # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a
     # call measured on CPU out of compile): its host-side checks and streams are not traceable.

@@ -254,7 +254,16 @@ COMPLETED_NOTE = (
 )
 
 
-def _note_recovery(err: BaseException, note: str) -> None:
+# Raised in an EpMoeLayer's own work before its call reached the EpRouted's exchange (an
+# interrupt: the layer's checks turn any other exception there into the step's rejection).
+NOT_SENT_NOTE = (
+    "this was raised in this rank's own work before the call reached the exchange: nothing of"
+    " it was sent, the peers wait in this call and no reset() is needed (recovery 'none'); call"
+    " it again (it pairs with theirs)"
+)
+
+
+def note_recovery(err: BaseException, note: str) -> None:
     """Add `note` to `err` once (Python 3.11's add_note; nothing on 3.10), unless it is an
     EpError, whose `recovery` says it."""
     if isinstance(err, EpError) or not hasattr(err, "add_note"):
@@ -879,7 +888,7 @@ class EpRouted:
     def _run(self, fn: str, call, rejected: BaseException | None):
         """Run a transport call; mark the object unusable until reset() (or for good) when the
         call was cut short in a way that leaves the ranks' states unknown. An exception that
-        is not an EpError gets a note saying which recovery it needs (`_note_recovery`): none
+        is not an EpError gets a note saying which recovery it needs (`note_recovery`): none
         after this rank took part in a step that then failed, or after the step's last barrier
         passed (`Transport.final_barrier`); a reset when it came inside the exchange; none when
         the object was closed during the call (its RuntimeError says so: rebuild)."""
@@ -892,7 +901,7 @@ class EpRouted:
             if err is rejected:
                 if self._in_pieces:  # this rank took part in the call, then raised its error
                     self._own_failure = err
-                _note_recovery(err, f"{fn}: {REJECTED_NOTE}")
+                note_recovery(err, f"{fn}: {REJECTED_NOTE}")
                 raise
             recovery = getattr(err, "recovery", None)
             if isinstance(err, EpError) and recovery == RECOVERY_REBUILD:
@@ -902,7 +911,7 @@ class EpRouted:
             elif self._buffers.closed or self._buffers.barriers.closed_here():
                 pass  # closed during the call (a signal handler's close()): nothing to reset
             elif not isinstance(err, EpError) and self._passed_final_barrier(start):
-                _note_recovery(err, f"{fn}: {COMPLETED_NOTE}")
+                note_recovery(err, f"{fn}: {COMPLETED_NOTE}")
             elif not isinstance(err, EpError):
                 # Not the protocol's own error (those are EpErrors raised by every rank in the
                 # same call): an exception raised inside a wait (a signal handler's, of any
@@ -911,7 +920,7 @@ class EpRouted:
                     f"an earlier {fn} was interrupted ({type(err).__name__}) inside the exchange;"
                     " call reset() on every rank (collective) before the next step"
                 )
-                _note_recovery(err, f"{fn}: {INTERRUPTED_NOTE}")
+                note_recovery(err, f"{fn}: {INTERRUPTED_NOTE}")
             raise
 
     def _passed_final_barrier(self, start: tuple[int, int]) -> bool:

@@ -289,7 +289,8 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
     every rank arrived at its combine-end barrier: at the exchange's first read of the messages
     after this rank counted the barrier ("in the exchange"), as the transport's combine returns
     ("after the transport call"), or in the barrier's wait, at its first call after it read the
-    counter complete, before it counted the barrier ("in the wait")."""
+    counter complete, before it counted the barrier ("in the wait"), or at its first call
+    there, its own bit in ("in the wait, before the peers": `delay_combine_end` holds them)."""
     from dep_ep.comm import host_channel
 
     transport, barriers = routed._transport, routed._buffers.barriers
@@ -309,6 +310,12 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
             raise KeyboardInterrupt("SIGINT in the combine-end wait, every bit in")
         return refuse(phase, began)
 
+    def refuse_at_once(phase, began):
+        if barriers.passed_phase == "combine":  # in combine-end's wait, this rank's bit in
+            del barriers._refuse_interrupted  # once: the method again
+            raise KeyboardInterrupt("SIGINT in the combine-end wait, the peers not there yet")
+        return refuse(phase, began)
+
     def interrupted_loads(raw):
         # Out of a barrier's wait (whose reads of positions come before it passed).
         if barriers.passed_phase == "combine-end" and barriers._in_barrier is None:
@@ -324,6 +331,9 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
         if where == "in the wait":
             barriers._outcome, barriers._refuse_interrupted = outcome_read, refuse_after_complete
             return combine(*args, **kwargs)
+        if where == "in the wait, before the peers":
+            barriers._refuse_interrupted = refuse_at_once
+            return combine(*args, **kwargs)
         monkeypatch.setattr(host_channel.json, "loads", interrupted_loads)
         try:
             return combine(*args, **kwargs)
@@ -333,17 +343,40 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
     transport.combine = once
 
 
+def delay_combine_end(routed, seconds: float) -> None:
+    """Make this rank's next combine-end barrier start `seconds` late (its rows already read)."""
+    barriers = routed._buffers.barriers
+    exchange = barriers.exchange
+
+    def late(phase, *args, **kwargs):
+        if phase == "combine-end":
+            del barriers.exchange  # once: the method again
+            time.sleep(seconds)
+        return exchange(phase, *args, **kwargs)
+
+    barriers.exchange = late
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "where", ["in the exchange", "after the transport call", "in the wait", "a step in pieces"]
+    "where",
+    [
+        "in the exchange",
+        "after the transport call",
+        "in the wait",
+        "in the wait, before the peers",
+        "a step in pieces",
+    ],
 )
 def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, monkeypatch, where):
     """SIGINT reaches rank 0 in its combine after every rank arrived at the step's last barrier
     (combine-end): in the exchange's last calls, once this rank counted it; as the transport's
     combine returns; or in the barrier's wait once it read every rank's bit, before it counted
     the barrier (found by a second probe: that point's note said to reset, 4 of 120 points of a
-    sweep). Every rank serves steps with tag=step and follows its own error: rank 0's
+    sweep); or there before the peers arrived, its own bit in (a third probe: the peers then
+    completed the barrier with that bit and returned their rows, 6 of 6 runs). Every rank
+    serves steps with tag=step and follows its own error: rank 0's
     KeyboardInterrupt carries a note saying no reset() is needed and to make the peers' next
     call, so it goes on to the next step; the peers' step returns the reference rows; every
     later step gives them on every rank. In a step run in pieces the
@@ -365,6 +398,8 @@ def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, mo
                 interrupt_after_combine_end(
                     routed, monkeypatch, "in the exchange" if pieces else where
                 )
+            elif step == 1 and where == "in the wait, before the peers":
+                delay_combine_end(routed, 0.5)
             err = out = None
             try:
                 out = routed(
@@ -634,6 +669,90 @@ def two_layers_out_of_order(dep, layer, seed, label, call, match, indices=(None,
             routed.reset()  # what the error says: the calls no longer pair
         got = [call(a, mine, 1), call(b, mine, 1)]
     return failures + fresh_bits_failures(dep, dense, experts, mine, got, f"{label}, in order")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["before the exchange", "after the exchange"])
+def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer, where):
+    """Two EpMoeLayers share one EpRouted, each called with tag=step. SIGINT reaches rank 0 in
+    layer A's own work of step 1: before its call reached the exchange (as it sends its tag) or
+    after the exchange completed on every rank (in `up`). Its KeyboardInterrupt carries a note:
+    call A again, or make the peers' next call (layer B); rank 0 does what it says. Every
+    output returned on every rank then has the bits a fresh EpRouted's layers give, with no
+    error. Before: a bare KeyboardInterrupt in both places, so a server could not tell a retry
+    from going on, and a retry after the exchange desynced the peers' layer B (a careless-user
+    probe)."""
+    seed = agreed_seed(dep.cpu_group, 431)
+    gen = torch.Generator().manual_seed(seed)
+    xs = {
+        (step, name): [
+            torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)
+        ][dep.rank]
+        for step in range(3)
+        for name in "AB"
+    }
+    experts = Batches(dep, layer, seed, T).experts
+    dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
+    failures: list[str] = []
+    got = {}
+    with build(dep) as routed:
+        layers = dict(zip("AB", (EpMoeLayer(d, routed, experts, topk=TINY.topk) for d in dense)))
+        for step in range(3):
+            name = "A"
+            while name is not None:
+                moe, label = layers[name], f"step {step}, layer {name}"
+                if dep.rank == 0 and (step, name) == (1, "A") and not got.get("fired"):
+                    got["fired"] = True
+                    interrupt_own_work(moe, where)
+                    err, _ = timed(lambda: moe(xs[step, name], tag=step))
+                    notes = " ".join(getattr(err, "__notes__", []))
+                    said = "call it again" if where == "before the exchange" else "next layer"
+                    if not isinstance(err, KeyboardInterrupt) or said not in notes:
+                        failures.append(f"{label}: {err!r}, notes {notes!r}")
+                    if "call it again" in notes:
+                        continue  # the same layer again
+                    name = "B" if name == "A" else None
+                    continue
+                out, err = None, None
+                try:
+                    out = moe(xs[step, name], tag=step)
+                except BaseException as caught:  # reported collectively
+                    err = caught
+                    failures.append(f"{label}: {type(err).__name__}: {err}")
+                got[step, name] = out
+                name = "B" if name == "A" else None
+    with build(dep) as fresh:
+        again = dict(zip("AB", (EpMoeLayer(d, fresh, experts, topk=TINY.topk) for d in dense)))
+        for (step, name), x in xs.items():
+            want = again[name](x, tag=step)
+            out = got.get((step, name))
+            if out is not None and not torch.equal(out.view(torch.int16), want.view(torch.int16)):
+                failures.append(f"step {step}, layer {name}: not the fresh object's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+def interrupt_own_work(moe, where: str) -> None:
+    """Make this rank's next call of `moe` raise KeyboardInterrupt (as SIGINT would) in its own
+    work: as it computes the tag it sends ("before the exchange") or in `up`, after its routed
+    step returned ("after the exchange")."""
+    import dep_ep.ep.layer as layer_module
+
+    if where == "after the exchange":
+
+        def up(*args):
+            del moe.up  # once: the method again
+            raise KeyboardInterrupt("SIGINT in the layer's up()")
+
+        moe.up = up
+        return
+    tag = layer_module.given_layer_tag
+
+    def given(*args):
+        layer_module.given_layer_tag = tag  # once
+        raise KeyboardInterrupt("SIGINT as the layer computes its tag")
+
+    layer_module.given_layer_tag = given
 
 
 @pytest.mark.mpi(min_size=2)
