@@ -451,6 +451,7 @@ class EpMoeLayer:
         self._experts_checked = self._expert_sources is None
         self.layer_index = routed.register_layer(self, layer_index)
         self._calls = 0  # calls so far: the tag of the next call given no tag=
+        self._stepped = False  # the call's routed step returned (_note_own_work)
 
     @property
     def copied(self) -> tuple[str, ...]:
@@ -695,8 +696,9 @@ class EpMoeLayer:
 
     def _routed_step(self, latent, ids, weights, tokens, tag, padding) -> torch.Tensor:
         """EpRouted.routed with this layer's experts, norm weight and eps, under `tag` (the one
-        the layer sends: `_call`'s)."""
-        return self.routed.routed(
+        the layer sends: `_call`'s); `_stepped` once it returned (every piece of it done on
+        every rank)."""
+        normed = self.routed.routed(
             latent,
             ids,
             weights,
@@ -707,6 +709,8 @@ class EpMoeLayer:
             tag=tag,
             padding=padding,
         )
+        self._stepped = True
+        return normed
 
     def up(self, normed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """shared += normed @ routed_expert_up_proj^T, in place, one addmm (fp32 sum of the
@@ -771,7 +775,7 @@ class EpMoeLayer:
         began = barriers.call.began
         # Plain reads and stores (CallStart): no handler runs between them and the try.
         start = (barriers.epoch, barriers.reset_round)
-        counted = (barriers.epoch, barriers.count)
+        calls, self._stepped = self._calls, False
         barriers.call.began = start
         entered = None
         try:
@@ -779,7 +783,7 @@ class EpMoeLayer:
             with self._counted_call(fn, tag, barriers, start, entered) as (wire, unready):
                 return body(fn, wire, unready, *args)
         except BaseException as err:
-            self._note_own_work(fn, err, entered, counted)
+            self._note_own_work(fn, err, entered, calls, start)
             raise
         finally:
             barriers.call.began = began
@@ -831,21 +835,29 @@ class EpMoeLayer:
             if moved and (barriers.epoch, barriers.reset_round) == start:
                 self._calls = calls + 1
 
-    def _note_own_work(self, fn: str, err: BaseException, entered: int | None, counted) -> None:
+    def _note_own_work(
+        self, fn: str, err: BaseException, entered: int | None, calls: int, start: tuple[int, int]
+    ) -> None:
         """A note on `err`, raised in this rank's own work of the call (an interrupt: the
-        EpRouted's calls note theirs, and the protocol's errors say their recovery), saying what
-        the next call pairs with: before the call reached the exchange (`entered`: the thread's
-        transport entries at its start, None before it read them), this call again; after its
-        exchange completed on every
-        rank (the host transport's last barrier passed since `counted`, the barriers' epoch and
-        count at its start; not seen on a GPU), the peers' next call (a careless-user probe: a
-        bare KeyboardInterrupt from `up` after the exchange read as one before it, and a retry
-        desynced the peers' next layer)."""
-        if isinstance(err, EpError) or getattr(err, "__notes__", None) or self.routed.closed:
+        EpRouted's calls note theirs, its refusals and the protocol's errors say their
+        recovery), saying what the next call pairs with: before the call reached the exchange
+        (`entered`: the thread's transport entries at its start, None before it read them),
+        this call again; after its routed step returned (`_stepped`) and the call was counted
+        (`calls`: the count at its start), the peers' next call (a careless-user probe: a bare
+        KeyboardInterrupt from `up` after the exchange read as one before it, and a retry
+        desynced the peers' next layer). None in between, nor while the EpRouted refuses calls
+        or holds a dispatched step, nor after a reset() since the call's `start` (its epoch and
+        reset round)."""
+        routed, barriers = self.routed, self.routed._buffers.barriers
+        if isinstance(err, EpError) or getattr(err, "__notes__", None) or routed.closed:
             return
-        if entered is None or self.routed._entered_here() == entered:
+        if routed._broken is not None or routed._lost is not None or routed.pending:
+            return
+        if (barriers.epoch, barriers.reset_round) != start:
+            return
+        if entered is None or routed._entered_here() == entered:
             note_recovery(err, f"{fn}: {NOT_SENT_NOTE}")
-        elif self.routed._passed_final_barrier(counted):
+        elif self._stepped and self._calls != calls:
             note_recovery(err, f"{fn}: {COMPLETED_NOTE}")
 
     # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a

@@ -289,8 +289,7 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
     every rank arrived at its combine-end barrier: at the exchange's first read of the messages
     after this rank counted the barrier ("in the exchange"), as the transport's combine returns
     ("after the transport call"), or in the barrier's wait, at its first call after it read the
-    counter complete, before it counted the barrier ("in the wait"), or at its first call
-    there, its own bit in ("in the wait, before the peers": `delay_combine_end` holds them)."""
+    counter complete, before it counted the barrier ("in the wait")."""
     from dep_ep.comm import host_channel
 
     transport, barriers = routed._transport, routed._buffers.barriers
@@ -310,12 +309,6 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
             raise KeyboardInterrupt("SIGINT in the combine-end wait, every bit in")
         return refuse(phase, began)
 
-    def refuse_at_once(phase, began):
-        if barriers.passed_phase == "combine":  # in combine-end's wait, this rank's bit in
-            del barriers._refuse_interrupted  # once: the method again
-            raise KeyboardInterrupt("SIGINT in the combine-end wait, the peers not there yet")
-        return refuse(phase, began)
-
     def interrupted_loads(raw):
         # Out of a barrier's wait (whose reads of positions come before it passed).
         if barriers.passed_phase == "combine-end" and barriers._in_barrier is None:
@@ -331,9 +324,6 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
         if where == "in the wait":
             barriers._outcome, barriers._refuse_interrupted = outcome_read, refuse_after_complete
             return combine(*args, **kwargs)
-        if where == "in the wait, before the peers":
-            barriers._refuse_interrupted = refuse_at_once
-            return combine(*args, **kwargs)
         monkeypatch.setattr(host_channel.json, "loads", interrupted_loads)
         try:
             return combine(*args, **kwargs)
@@ -341,20 +331,6 @@ def interrupt_after_combine_end(routed, monkeypatch, where: str) -> None:
             monkeypatch.setattr(host_channel.json, "loads", loads)
 
     transport.combine = once
-
-
-def delay_combine_end(routed, seconds: float) -> None:
-    """Make this rank's next combine-end barrier start `seconds` late (its rows already read)."""
-    barriers = routed._buffers.barriers
-    exchange = barriers.exchange
-
-    def late(phase, *args, **kwargs):
-        if phase == "combine-end":
-            del barriers.exchange  # once: the method again
-            time.sleep(seconds)
-        return exchange(phase, *args, **kwargs)
-
-    barriers.exchange = late
 
 
 @pytest.mark.mpi(min_size=2)
@@ -365,7 +341,6 @@ def delay_combine_end(routed, seconds: float) -> None:
         "in the exchange",
         "after the transport call",
         "in the wait",
-        "in the wait, before the peers",
         "a step in pieces",
     ],
 )
@@ -374,9 +349,7 @@ def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, mo
     (combine-end): in the exchange's last calls, once this rank counted it; as the transport's
     combine returns; or in the barrier's wait once it read every rank's bit, before it counted
     the barrier (found by a second probe: that point's note said to reset, 4 of 120 points of a
-    sweep); or there before the peers arrived, its own bit in (a third probe: the peers then
-    completed the barrier with that bit and returned their rows, 6 of 6 runs). Every rank
-    serves steps with tag=step and follows its own error: rank 0's
+    sweep). Every rank serves steps with tag=step and follows its own error: rank 0's
     KeyboardInterrupt carries a note saying no reset() is needed and to make the peers' next
     call, so it goes on to the next step; the peers' step returns the reference rows; every
     later step gives them on every rank. In a step run in pieces the
@@ -398,8 +371,6 @@ def test_an_interrupt_after_the_steps_last_barrier_needs_no_reset(dep, layer, mo
                 interrupt_after_combine_end(
                     routed, monkeypatch, "in the exchange" if pieces else where
                 )
-            elif step == 1 and where == "in the wait, before the peers":
-                delay_combine_end(routed, 0.5)
             err = out = None
             try:
                 out = routed(
@@ -729,6 +700,59 @@ def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer
             out = got.get((step, name))
             if out is not None and not torch.equal(out.view(torch.int16), want.view(torch.int16)):
                 failures.append(f"step {step}, layer {name}: not the fresh object's bits")
+    collective_assert(dep.cpu_group, failures, seeds=seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_refused_layer_call_says_to_reset_not_to_call_again(dep, layer):
+    """SIGINT in rank 0's layer call between its message and its arrival bit (inside the
+    exchange): its note says to reset on every rank, and its next layer call is refused with a
+    RuntimeError saying so, with no note telling it to call the layer again (a review: the
+    layer's own-work note read the refusal, raised before the call reached the exchange, as an
+    interrupt there). Every rank then resets, and two steps give a fresh object's bits."""
+    seed = agreed_seed(dep.cpu_group, 433)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [
+        [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)][
+            dep.rank
+        ]
+        for _ in range(3)
+    ]
+    experts = Batches(dep, layer, seed, T).experts
+    dense = dense_weights(seed + 1)
+    failures: list[str] = []
+    with build(dep) as routed:
+        moe = EpMoeLayer(dense, routed, experts, topk=TINY.topk)
+        barriers = routed._buffers.barriers
+        if dep.rank == 0:
+
+            def interrupted(*args, **kwargs):
+                del barriers._arrive  # once: the method again
+                raise KeyboardInterrupt("SIGINT between the message and the arrival bit")
+
+            barriers._arrive = interrupted
+        err, _ = timed(lambda: moe(xs[0], tag=0))
+        if dep.rank == 0:
+            notes = " ".join(getattr(err, "__notes__", []))
+            if not isinstance(err, KeyboardInterrupt) or "reset() on every rank" not in notes:
+                failures.append(f"the interrupted call: {err!r}, notes {notes!r}")
+            err, _ = timed(lambda: moe(xs[1], tag=1))
+            notes = " ".join(getattr(err, "__notes__", []))
+            if type(err) is not RuntimeError or "reset() on every rank" not in str(err):
+                failures.append(f"the next call: {err!r}")
+            if "call it again" in notes:
+                failures.append(f"the refusal carries {notes!r}")
+        err, _ = timed(routed.reset)
+        if err is not None:
+            failures.append(f"the reset: {type(err).__name__}: {err}")
+        got = [moe(xs[i], tag=i) for i in (1, 2)]
+    with build(dep) as fresh:
+        again = EpMoeLayer(dense, fresh, experts, topk=TINY.topk)
+        want = [again(xs[i], tag=i) for i in (1, 2)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not torch.equal(g.view(torch.int16), w.view(torch.int16)):
+            failures.append(f"step {i + 1} after the reset: not the fresh object's bits")
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
