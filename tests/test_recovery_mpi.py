@@ -463,6 +463,17 @@ def test_an_interrupt_after_a_layers_last_barrier_goes_on_with_the_next_layer(
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
+def interrupt_before_the_arrival_bit(barriers) -> None:
+    """Make this rank's next barrier raise KeyboardInterrupt (as SIGINT would) after it
+    published its message, before it adds its arrival bit (the call that adds it)."""
+
+    def interrupted(*args, **kwargs):
+        del barriers._arrive  # once: the method again
+        raise KeyboardInterrupt("SIGINT between the message and the arrival bit")
+
+    barriers._arrive = interrupted
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_an_interrupt_between_the_message_and_the_arrival_bit_then_reset(dep, layer):
@@ -479,12 +490,7 @@ def test_an_interrupt_between_the_message_and_the_arrival_bit_then_reset(dep, la
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
         barriers = routed._buffers.barriers
         if dep.rank == 0:
-
-            def interrupted(*args, **kwargs):
-                del barriers._arrive  # once: the method again
-                raise KeyboardInterrupt("SIGINT between the message and the arrival bit")
-
-            barriers._arrive = interrupted
+            interrupt_before_the_arrival_bit(barriers)
         err, took = timed(lambda: batches.run(routed, 1))
         if dep.rank == 0 and not isinstance(err, KeyboardInterrupt):
             failures.append(f"rank 0's step: {type(err).__name__}: {err}")
@@ -726,12 +732,7 @@ def test_a_refused_layer_call_says_to_reset_not_to_call_again(dep, layer):
         moe = EpMoeLayer(dense, routed, experts, topk=TINY.topk)
         barriers = routed._buffers.barriers
         if dep.rank == 0:
-
-            def interrupted(*args, **kwargs):
-                del barriers._arrive  # once: the method again
-                raise KeyboardInterrupt("SIGINT between the message and the arrival bit")
-
-            barriers._arrive = interrupted
+            interrupt_before_the_arrival_bit(barriers)
         err, _ = timed(lambda: moe(xs[0], tag=0))
         if dep.rank == 0:
             notes = " ".join(getattr(err, "__notes__", []))
