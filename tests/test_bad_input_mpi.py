@@ -223,8 +223,8 @@ def test_slow_reader_is_not_confused_by_the_next_phase(dep, monkeypatch):
 
     exchange = ObjectBarriers.exchange
 
-    def slow_after_dispatch(self, phase, payload, timeout_s, since=None):
-        messages = exchange(self, phase, payload, timeout_s, since)
+    def slow_after_dispatch(self, phase, payload, timeout_s, since=None, last=False):
+        messages = exchange(self, phase, payload, timeout_s, since, last)
         if self.channel.rank == 0 and phase == "dispatch":
             time.sleep(0.5)
         return messages

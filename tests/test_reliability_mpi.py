@@ -590,8 +590,8 @@ def test_interrupted_exchange_needs_reset(dep, layer, monkeypatch):
     exchange = ObjectBarriers.exchange
     experts = make_experts(layer, dep.rank, dep.size)
 
-    def interrupted(self, phase, payload, timeout_s, since=None):
-        messages = exchange(self, phase, payload, timeout_s, since)  # every rank passes it
+    def interrupted(self, phase, payload, timeout_s, since=None, last=False):
+        messages = exchange(self, phase, payload, timeout_s, since, last)  # every rank passes it
         if self.channel.rank == 0 and phase == "dispatch":
             raise KeyboardInterrupt  # only this rank is cut short
         return messages
