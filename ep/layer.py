@@ -842,8 +842,8 @@ class EpMoeLayer:
         EpRouted's calls note theirs, its refusals and the protocol's errors say their
         recovery), saying what the next call pairs with: before the call reached the exchange
         (`entered`: the thread's transport entries at its start, None before it read them),
-        this call again; after its routed step returned (`_stepped`) and the call was counted
-        (`calls`: the count at its start), the peers' next call (a careless-user probe: a bare
+        this call again; after its routed step returned (`_stepped`), the peers' next call,
+        the call counted (`calls`: the count at its start) (a careless-user probe: a bare
         KeyboardInterrupt from `up` after the exchange read as one before it, and a retry
         desynced the peers' next layer). None in between, nor while the EpRouted refuses calls
         or holds a dispatched step, nor after a reset() since the call's `start` (its epoch and
@@ -857,7 +857,11 @@ class EpMoeLayer:
             return
         if entered is None or routed._entered_here() == entered:
             note_recovery(err, f"{fn}: {NOT_SENT_NOTE}")
-        elif self._stepped and self._calls != calls:
+        elif self._stepped:
+            # The routed step returned, so the call counts; `_counted_call`'s exit counts it
+            # unless the interrupt came there first (a careless-user probe: with no tag, this
+            # rank's next call then carried its peers' previous count).
+            self._calls = calls + 1
             note_recovery(err, f"{fn}: {COMPLETED_NOTE}")
 
     # Under torch.compile a model's call of the layer runs it eagerly (a graph break, 0.4 us a

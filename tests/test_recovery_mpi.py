@@ -650,12 +650,22 @@ def two_layers_out_of_order(dep, layer, seed, label, call, match, indices=(None,
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["before the exchange", "after the exchange"])
-def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer, where):
+@pytest.mark.parametrize(
+    "where,tagged",
+    [
+        ("before the exchange", True),
+        ("after the exchange", True),
+        ("as the call is counted", True),
+        ("as the call is counted", False),
+    ],
+)
+def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer, where, tagged):
     """Two EpMoeLayers share one EpRouted, each called with tag=step. SIGINT reaches rank 0 in
     layer A's own work of step 1: before its call reached the exchange (as it sends its tag) or
-    after the exchange completed on every rank (in `up`). Its KeyboardInterrupt carries a note:
-    call A again, or make the peers' next call (layer B); rank 0 does what it says. Every
+    after the exchange completed on every rank (in `up`), or as the call is counted, after its
+    routed step returned (with no tag too: the count must move, as the peers' did). Its
+    KeyboardInterrupt carries a note: call A again, or make the peers' next call (layer B);
+    rank 0 does what it says. Every
     output returned on every rank then has the bits a fresh EpRouted's layers give, with no
     error. Before: a bare KeyboardInterrupt in both places, so a server could not tell a retry
     from going on, and a retry after the exchange desynced the peers' layer B (a careless-user
@@ -671,6 +681,7 @@ def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer
     }
     experts = Batches(dep, layer, seed, T).experts
     dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
+    tags = list(range(3)) if tagged else [None] * 3
     failures: list[str] = []
     got = {}
     with build(dep) as routed:
@@ -682,7 +693,7 @@ def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer
                 if dep.rank == 0 and (step, name) == (1, "A") and not got.get("fired"):
                     got["fired"] = True
                     interrupt_own_work(moe, where)
-                    err, _ = timed(lambda: moe(xs[step, name], tag=step))
+                    err, _ = timed(lambda: moe(xs[step, name], tag=tags[step]))
                     notes = " ".join(getattr(err, "__notes__", []))
                     said = "call it again" if where == "before the exchange" else "next layer"
                     if not isinstance(err, KeyboardInterrupt) or said not in notes:
@@ -693,7 +704,7 @@ def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer
                     continue
                 out, err = None, None
                 try:
-                    out = moe(xs[step, name], tag=step)
+                    out = moe(xs[step, name], tag=tags[step])
                 except BaseException as caught:  # reported collectively
                     err = caught
                     failures.append(f"{label}: {type(err).__name__}: {err}")
@@ -702,7 +713,7 @@ def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer
     with build(dep) as fresh:
         again = dict(zip("AB", (EpMoeLayer(d, fresh, experts, topk=TINY.topk) for d in dense)))
         for (step, name), x in xs.items():
-            want = again[name](x, tag=step)
+            want = again[name](x, tag=tags[step])
             out = got.get((step, name))
             if out is not None and not torch.equal(out.view(torch.int16), want.view(torch.int16)):
                 failures.append(f"step {step}, layer {name}: not the fresh object's bits")
@@ -759,8 +770,9 @@ def test_a_refused_layer_call_says_to_reset_not_to_call_again(dep, layer):
 
 def interrupt_own_work(moe, where: str) -> None:
     """Make this rank's next call of `moe` raise KeyboardInterrupt (as SIGINT would) in its own
-    work: as it computes the tag it sends ("before the exchange") or in `up`, after its routed
-    step returned ("after the exchange")."""
+    work: as it computes the tag it sends ("before the exchange"), in `up`, after its routed
+    step returned ("after the exchange"), or at the look `_counted_call`'s exit takes at the
+    thread's transport entries, before it counts the call ("as the call is counted")."""
     import dep_ep.ep.layer as layer_module
 
     if where == "after the exchange":
@@ -770,6 +782,19 @@ def interrupt_own_work(moe, where: str) -> None:
             raise KeyboardInterrupt("SIGINT in the layer's up()")
 
         moe.up = up
+        return
+    if where == "as the call is counted":
+        routed, looks = moe.routed, []
+
+        def entered_here():
+            looks.append(True)
+            if len(looks) == 2:  # the exit's look, after the routed step returned
+                raise KeyboardInterrupt("SIGINT as the layer counts its call")
+            if len(looks) > 2:
+                del routed._entered_here  # the method again
+            return type(routed)._entered_here(routed)
+
+        routed._entered_here = entered_here
         return
     tag = layer_module.given_layer_tag
 
