@@ -4,7 +4,6 @@ order"); schedule and memory: docs/layer.md."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 from typing import Mapping
@@ -765,12 +764,13 @@ class EpMoeLayer:
         after a reset between a routed call's last check and its launch: EpDesyncError, and a
         reset() on every rank first: `Transport.launched_after_reset`).
 
-        A plain function, not a context manager: the start is restored in this frame's own
-        `finally` by a plain store (CallStart), so an interrupt anywhere in the call, a context
-        manager's `__exit__` included, leaves no stale start behind. As a generator-based
-        context manager its `finally` waited for contextlib's `__exit__` (Python code, where a
-        handler runs) to resume it, and an interrupt there kept the start while the exception
-        lived (found by a review)."""
+        No context manager: the call is counted (`_count_call`) and the start restored (a
+        plain store, CallStart) in this frame's own `finally` blocks, so an interrupt anywhere
+        in the call leaves neither a stale start nor a late count behind. In a generator-based
+        context manager's `finally`, which waits for contextlib's `__exit__` (Python code, where
+        a handler runs) to resume it, an interrupt there kept the start while the exception
+        lived (found by a review) and left the count to be stored when the exception was
+        dropped, over the counts of the calls made meanwhile."""
         barriers = self.routed._buffers.barriers
         began = barriers.call.began
         # Plain reads and stores (CallStart): no handler runs between them and the try.
@@ -780,22 +780,23 @@ class EpMoeLayer:
         entered = None
         try:
             entered = self.routed._entered_here()
-            with self._counted_call(fn, tag, barriers, start, entered) as (wire, unready):
+            wire, unready = self._call_wire(fn, tag, calls)
+            try:
                 return body(fn, wire, unready, *args)
+            finally:
+                self._count_call(calls, entered, start)
         except BaseException as err:
             self._note_own_work(fn, err, entered, calls, start)
             raise
         finally:
             barriers.call.began = began
 
-    @contextlib.contextmanager
-    def _counted_call(self, fn: str, tag: object, barriers, start: tuple[int, int], entered: int):
-        """`_call` after it took the call's `start` (the EpRouted's barriers' epoch and reset
-        round) and the thread's transport entries (`entered`): the first call's reads, the
-        tag, and the count, which moves only when the call reached the transport and no reset()
-        ran since `start` (one before it restarted the count this call read; one after it
-        abandoned the call, whose barriers refused)."""
-        calls = self._calls
+    def _call_wire(
+        self, fn: str, tag: object, calls: int
+    ) -> tuple[int | None, BaseException | None]:
+        """`_call`'s first call reads (the copied weights, the fingerprint, the experts' digest)
+        and the tag it sends for call number `calls`: (the tag, None for a bad `tag`; the error
+        that makes this rank reject the step, or None)."""
         unready = None
         first = not self._read_once and bool(self._copied)
         read_fingerprint = self.fingerprint is None
@@ -826,14 +827,23 @@ class EpMoeLayer:
                 wire = given_layer_tag(self.layer_index, self.fingerprint or 0, check_tag(fn, tag))
         except ValueError as err:  # a bad tag: the rank sends none (its peers need not see it)
             unready = unready or err
-        try:
-            yield wire, unready
-        finally:
-            moved = self.routed._entered_here() != entered
-            # No call between this read and the store below, where a handler's reset() could
-            # run after the read and restart the count this store would then undo.
-            if moved and (barriers.epoch, barriers.reset_round) == start:
-                self._calls = calls + 1
+        return wire, unready
+
+    def _count_call(self, calls: int, entered: int, start: tuple[int, int]) -> None:
+        """The call's count, in `_call`'s own `finally`: `calls` + 1 when the call reached the
+        transport (the thread's transport entries moved from `entered`) and no reset() ran
+        since `start` (one before it restarted the count this call read; one after it abandoned
+        the call, whose barriers refused). A plain call, not a generator's `finally`: an
+        interrupt as a generator-based context manager's `__exit__` began left that `finally`
+        to run when the exception was dropped, calls later, where it stored this count over
+        theirs and the layer's next untagged call desynced (tests/test_recovery_mpi.py, "as
+        the call ends")."""
+        barriers = self.routed._buffers.barriers
+        moved = self.routed._entered_here() != entered
+        # No call between this read and the store below, where a handler's reset() could run
+        # after the read and restart the count this store would then undo.
+        if moved and (barriers.epoch, barriers.reset_round) == start:
+            self._calls = calls + 1
 
     def _note_own_work(
         self, fn: str, err: BaseException, entered: int | None, calls: int, start: tuple[int, int]
@@ -858,8 +868,8 @@ class EpMoeLayer:
         if entered is None or routed._entered_here() == entered:
             note_recovery(err, f"{fn}: {NOT_SENT_NOTE}")
         elif self._stepped:
-            # The routed step returned, so the call counts; `_counted_call`'s exit counts it
-            # unless the interrupt came there first (a careless-user probe: with no tag, this
+            # The routed step returned, so the call counts; `_count_call` counts it unless
+            # the interrupt came there first (a careless-user probe: with no tag, this
             # rank's next call then carried its peers' previous count).
             self._calls = calls + 1
             note_recovery(err, f"{fn}: {COMPLETED_NOTE}")

@@ -10,6 +10,7 @@ at 6f889cd, run once with this file as it is)."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import signal
@@ -231,8 +232,8 @@ def interrupt_at_the_first_call_after(after: tuple[str, int], until: tuple[str, 
 # Python call after the return of `after` (name, n-th return) and before that of `until`.
 CALL_ENDS = {
     "routed": (("routed", 1), ("guarded", 1)),
-    "layer, its count": (("_counted_call", 2), ("_call", 1)),  # a generator: 2 returns
-    "layer, its work": (("_forward_serial", 1), ("_call", 1)),  # the count's __exit__
+    "layer, its count": (("_count_call", 1), ("_call", 1)),
+    "layer, its work": (("_forward_serial", 1), ("_call", 1)),  # the count's call
 }
 
 
@@ -272,9 +273,9 @@ def test_an_interrupt_as_a_call_ends_leaves_no_stale_start(dep, layer, where):
         if began is not None:
             failures.append(f"the call's start after {err!r} at {hit}: {began}, not None")
         # Where the window holds no Python call now (routed, the layer's count), nothing lands:
-        # the old setter was the call there. After the layer's work it lands in __exit__.
-        if dep.rank == 0 and where == "layer, its work" and hit != ["__exit__"]:
-            failures.append(f"rank 0: the interrupt landed at {hit}, not __exit__ ({err!r})")
+        # the old setter was the call there. After the layer's work it lands in the count.
+        if dep.rank == 0 and where == "layer, its work" and hit != ["_count_call"]:
+            failures.append(f"rank 0: the interrupt landed at {hit}, not _count_call ({err!r})")
         err, took = timed(routed.reset)
         if err is not None:
             failures.append(f"the reset after {took:.2f} s: {type(err).__name__}: {err}")
@@ -648,6 +649,11 @@ def two_layers_out_of_order(dep, layer, seed, label, call, match, indices=(None,
     return failures + fresh_bits_failures(dep, dense, experts, mine, got, f"{label}, in order")
 
 
+# The steps of test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next: rank 0 holds
+# step 1's exception through step 2 and drops it before step 3.
+OWN_WORK_STEPS = 4
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
@@ -657,36 +663,43 @@ def two_layers_out_of_order(dep, layer, seed, label, call, match, indices=(None,
         ("after the exchange", True),
         ("as the call is counted", True),
         ("as the call is counted", False),
+        ("as the call ends", False),
     ],
 )
 def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer, where, tagged):
     """Two EpMoeLayers share one EpRouted, each called with tag=step. SIGINT reaches rank 0 in
     layer A's own work of step 1: before its call reached the exchange (as it sends its tag) or
     after the exchange completed on every rank (in `up`), or as the call is counted, after its
-    routed step returned (with no tag too: the count must move, as the peers' did). Its
+    routed step returned (with no tag too: the count must move, as the peers' did), or as the
+    call ends, at its first Python call after the layer's work (no tag). Its
     KeyboardInterrupt carries a note: call A again, or make the peers' next call (layer B);
-    rank 0 does what it says. Every
+    rank 0 does what it says, and holds the exception through step 2 before it drops it. Every
     output returned on every rank then has the bits a fresh EpRouted's layers give, with no
     error. Before: a bare KeyboardInterrupt in both places, so a server could not tell a retry
     from going on, and a retry after the exchange desynced the peers' layer B (a careless-user
-    probe)."""
+    probe); and the call was counted in a generator's `finally`, which an interrupt as the
+    call ended (in contextlib's `__exit__`) left to run when the exception was dropped, where it
+    stored step 1's count over step 2's and layer A's untagged step 3 desynced."""
     seed = agreed_seed(dep.cpu_group, 431)
     gen = torch.Generator().manual_seed(seed)
     xs = {
         (step, name): [
             torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(dep.size)
         ][dep.rank]
-        for step in range(3)
+        for step in range(OWN_WORK_STEPS)
         for name in "AB"
     }
     experts = Batches(dep, layer, seed, T).experts
     dense = [dense_weights(seed + 1), dense_weights(seed + 2)]
-    tags = list(range(3)) if tagged else [None] * 3
+    tags = list(range(OWN_WORK_STEPS)) if tagged else [None] * OWN_WORK_STEPS
     failures: list[str] = []
-    got = {}
+    got, held = {}, []
     with build(dep) as routed:
         layers = dict(zip("AB", (EpMoeLayer(d, routed, experts, topk=TINY.topk) for d in dense)))
-        for step in range(3):
+        for step in range(OWN_WORK_STEPS):
+            if step == 3:  # rank 0 drops step 1's exception (and the frames it holds)
+                held.clear()
+                gc.collect()
             name = "A"
             while name is not None:
                 moe, label = layers[name], f"step {step}, layer {name}"
@@ -694,6 +707,8 @@ def test_an_interrupt_in_a_layers_own_work_says_which_call_pairs_next(dep, layer
                     got["fired"] = True
                     interrupt_own_work(moe, where)
                     err, _ = timed(lambda: moe(xs[step, name], tag=tags[step]))
+                    sys.settrace(None)
+                    held.append(err)
                     notes = " ".join(getattr(err, "__notes__", []))
                     said = "call it again" if where == "before the exchange" else "next layer"
                     if not isinstance(err, KeyboardInterrupt) or said not in notes:
@@ -771,9 +786,14 @@ def test_a_refused_layer_call_says_to_reset_not_to_call_again(dep, layer):
 def interrupt_own_work(moe, where: str) -> None:
     """Make this rank's next call of `moe` raise KeyboardInterrupt (as SIGINT would) in its own
     work: as it computes the tag it sends ("before the exchange"), in `up`, after its routed
-    step returned ("after the exchange"), or at the look `_counted_call`'s exit takes at the
-    thread's transport entries, before it counts the call ("as the call is counted")."""
+    step returned ("after the exchange"), at the look the count takes at the thread's transport
+    entries, before it counts the call ("as the call is counted"), or at the first Python call
+    after the layer's work ("as the call ends")."""
     import dep_ep.ep.layer as layer_module
+
+    if where == "as the call ends":
+        interrupt_at_the_first_call_after(("_forward_serial", 1), ("_call", 1))
+        return
 
     if where == "after the exchange":
 
