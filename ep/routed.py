@@ -525,6 +525,7 @@ class EpRouted:
         # record (once a reset: `_routed_step` and `_abandoned_if_reset` both abandon the call).
         self._dropped_at = -1
         self._broken: str | None = None  # why calls are refused until reset()
+        self._run_began = False  # `_run`'s try began (`_combine` reads it)
         self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
         # Inside a step run in pieces only (`_in_pieces`): the error this rank raised after
         # taking part in its last transport call (its input or its experts failed), after which
@@ -895,6 +896,9 @@ class EpRouted:
         barriers = self._buffers.barriers
         start = (barriers.epoch, barriers.count)  # plain reads: no call where a handler runs
         try:
+            # A plain store first: from here an exception is this handler's to note, and
+            # `_combine` tells it from one raised before the transport call (`_run_began`).
+            self._run_began = True
             return call()
         except BaseException as err:
             self._step_failure = f"{type(err).__name__} in {fn}"
@@ -1015,10 +1019,14 @@ class EpRouted:
             error, tokens = err, 0
         wire_tag = _wire_tag(tag)
         staged_ids = self._ids[:tokens]
-        self._enter()
-        self._run(
-            fn,
-            lambda: self._transport.dispatch(
+
+        def exchange():
+            # Counted inside `_run`'s try: an interrupt before it (at the call of `_run`) sent
+            # nothing, and an EpMoeLayer's call then does not count (its retry pairs); one
+            # after it is `_run`'s to note (a careless-user probe: counted before `_run`, the
+            # call counted with nothing sent and the layer's retry desynced).
+            self._enter()
+            return self._transport.dispatch(
                 latent,
                 staged_ids,
                 weights,
@@ -1027,9 +1035,9 @@ class EpRouted:
                 cause=CAUSE_INPUT,
                 tag=wire_tag,
                 checked=checked,
-            ),
-            error,
-        )
+            )
+
+        self._run(fn, exchange, error)
         captured, stream = False, None
         if owner is not None and self.device.type == "cuda":  # only an engine hook's dispatch
             captured = self._transport.capturing()
@@ -1139,22 +1147,22 @@ class EpRouted:
     def _reject_piece(self, fn, error, cause, tag, checked) -> None:
         """Take part in one step (or piece) without payload, rejecting it with `error` and
         `cause`; returns (the caller raises `error`). Other errors propagate."""
-        self._enter()
-        try:
-            self._run(
-                fn,
-                lambda: self._transport.dispatch(
-                    None,
-                    self._ids[:0],
-                    self._weights[:0],
-                    tokens=0,
-                    rejected=error,
-                    cause=cause,
-                    tag=_wire_tag(tag),
-                    checked=checked,
-                ),
-                error,
+
+        def exchange():
+            self._enter()  # inside `_run`'s try, as dispatch's
+            return self._transport.dispatch(
+                None,
+                self._ids[:0],
+                self._weights[:0],
+                tokens=0,
+                rejected=error,
+                cause=cause,
+                tag=_wire_tag(tag),
+                checked=checked,
             )
+
+        try:
+            self._run(fn, exchange, error)
         except BaseException as err:
             if err is not error:
                 raise
@@ -1193,6 +1201,31 @@ class EpRouted:
                 raise refusal from error
             raise refusal
         self._step = None
+        self._run_began = False
+        try:
+            return self._combine_step(fn, step, norm_weight, eps, error, cause, out)
+        except BaseException as err:
+            if self._run_began:
+                raise  # the transport's combine began: `_run` noted this, or it completed
+            # Raised before the transport's combine began (an interrupt at a call there, at
+            # `_run`'s own call included): the step was dropped here and the peers wait in its
+            # combine, so this rank takes part in it now, rejecting the step with `err`. Before
+            # (a careless-user probe): a bare exception, the peers waiting out the combine, and
+            # every rank's next call raised EpDesyncError.
+            failure = err
+            self._step_failure = f"{type(failure).__name__} in {fn}"
+            self._run(
+                fn,
+                lambda: self._transport.combine(
+                    step.ids, None, DEFAULT_NORM_EPS, rejected=failure, cause=cause, tag=step.tag
+                ),
+                failure,
+            )
+            raise
+
+    def _combine_step(self, fn, step, norm_weight, eps, error, cause, out) -> torch.Tensor:
+        """`_combine` of the dispatched `step` once it was taken off the object: the checks,
+        then the transport's combine, rejecting the step with `error` (or the checks' error)."""
         if error is None:
             # Any exception here (a KeyboardInterrupt, a tensor type the checks cannot read)
             # rejects the step: the step was dispatched, so this rank must take part in its

@@ -544,6 +544,52 @@ def test_an_interrupt_in_the_experts_says_no_reset_is_needed(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
 
 
+class ThenInterruptedAtTheCallOf(SlowExperts):
+    """Experts that compute, then arm a KeyboardInterrupt at the next call of `name` on this
+    thread (interrupt_at_the_call_of)."""
+
+    def __init__(self, inner: ExpertsBackend, name: str):
+        super().__init__(inner, 0.0)
+        self.name = name
+
+    def forward(self, x, sf, ids, weights, out):
+        self.inner.forward(x, sf, ids, weights, out)
+        interrupt_at_the_call_of(self.name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_an_interrupt_before_the_combines_exchange_fails_the_step_without_a_reset(dep, layer):
+    """SIGINT in rank 0's `routed` after its experts returned, at the call of the combine's
+    `_run`, before the transport's combine began (the dispatched step already taken off the
+    object): rank 0 still takes part in the combine, so the step fails on every rank (the peers
+    raise EpPeerError, recovery "none") and rank 0's KeyboardInterrupt says no reset() is
+    needed. Every rank goes on without a reset and the next steps give the reference rows.
+    Before (a careless-user probe): a bare KeyboardInterrupt, the peers waiting in the combine,
+    and every rank's next call raised EpDesyncError."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 338), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        latent, ids, weights = batches.inputs(1)
+        experts = batches.experts
+        if dep.rank == 0:
+            experts = ThenInterruptedAtTheCallOf(experts, "_run")
+        err, took = timed(
+            lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
+        )
+        sys.settrace(None)
+        if dep.rank == 0:
+            notes = " ".join(getattr(err, "__notes__", []))
+            if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
+                failures.append(f"rank 0: {err!r}, notes {notes!r}")
+        elif not (isinstance(err, EpPeerError) and err.recovery == "none") or took > 2.0:
+            failures.append(f"a peer after {took:.2f} s: {type(err).__name__}: {err}")
+        for i in (2, 3):
+            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", [ValueError, TypeError])
@@ -927,17 +973,35 @@ def test_forward_and_parts_are_one_call_sequence(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
+def interrupt_at_the_call_of(name: str) -> None:
+    """Raise KeyboardInterrupt at the first Python call of a function named `name` on this
+    thread, before its first line runs (where CPython runs a signal handler as the call
+    begins); the tracer removes itself."""
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == name:
+            sys.settrace(None)
+            raise KeyboardInterrupt(f"SIGINT at the call of {name}")
+        return tracer
+
+    sys.settrace(tracer)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep, layer):
-    """A KeyboardInterrupt in rank 0's EpMoeLayer call before the call reaches the EpRouted
-    (where the layer checks its input) while the others wait in that call: rank 0 calls again,
-    and that call pairs with the others' (the interrupted call did not count: the same layer
-    call count, so the same tag). Every output of that call and of two more equals a fresh
-    EpRouted's for the same calls, on every rank.
+@pytest.mark.parametrize("where", ["its checks", "the dispatch's _run"])
+def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep, layer, where):
+    """A KeyboardInterrupt in rank 0's EpMoeLayer call before the call reaches the exchange
+    (where the layer checks its input, or at the call of the EpRouted dispatch's `_run`, before
+    its `try`) while the others wait in that call: it says to call again, rank 0 does, and that
+    call pairs with the others' (the interrupted call did not count: the same layer call count,
+    so the same tag). Every output of that call and of two more equals a fresh EpRouted's for
+    the same calls, on every rank.
     Before: the interrupted call had advanced rank 0's call count, so its retry carried call 1
     against the others' call 0, and that call and every later one raised EpDesyncError on
-    every rank (with recovery "none": "the next call is good", which it never was)."""
+    every rank (with recovery "none": "the next call is good", which it never was); at the
+    dispatch's `_run` the dispatch had counted itself as handed to the transport before `_run`,
+    so the layer counted the call, with no note (a careless-user probe)."""
     seed = agreed_seed(dep.cpu_group, 340)
     gen = torch.Generator().manual_seed(seed + dep.rank)
     xs = [torch.randn(T, TINY.hidden, generator=gen).to(torch.bfloat16) for _ in range(3)]
@@ -955,10 +1019,15 @@ def test_an_interrupt_in_a_layer_before_its_exchange_keeps_the_calls_paired(dep,
                 moe._check_call = checks  # once
                 raise KeyboardInterrupt("Ctrl-C in the layer's own work")
 
-            moe._check_call = interrupted
+            if where == "its checks":
+                moe._check_call = interrupted
+            else:
+                interrupt_at_the_call_of("_run")
             err, _ = timed(lambda: moe(xs[0]))
-            if not isinstance(err, KeyboardInterrupt):
-                failures.append(f"the interrupted call: {type(err).__name__}: {err}")
+            sys.settrace(None)
+            notes = " ".join(getattr(err, "__notes__", []))
+            if not isinstance(err, KeyboardInterrupt) or "call it again" not in notes:
+                failures.append(f"the interrupted call: {err!r}, notes {notes!r}")
         got = []
         for i, x in enumerate(xs):
             try:
