@@ -525,7 +525,6 @@ class EpRouted:
         # record (once a reset: `_routed_step` and `_abandoned_if_reset` both abandon the call).
         self._dropped_at = -1
         self._broken: str | None = None  # why calls are refused until reset()
-        self._run_began = False  # `_run`'s try began (`_combine` reads it)
         self._lost: EpPeerLostError | None = None  # a peer is gone: only close() is left
         # Inside a step run in pieces only (`_in_pieces`): the error this rank raised after
         # taking part in its last transport call (its input or its experts failed), after which
@@ -886,19 +885,22 @@ class EpRouted:
         if self._broken is not None:
             raise RuntimeError(f"{fn}: {self._broken}")
 
-    def _run(self, fn: str, call, rejected: BaseException | None):
+    def _run(self, fn: str, call, rejected: BaseException | None, began: list | None = None):
         """Run a transport call; mark the object unusable until reset() (or for good) when the
         call was cut short in a way that leaves the ranks' states unknown. An exception that
         is not an EpError gets a note saying which recovery it needs (`note_recovery`): none
         after this rank took part in a step that then failed, or after the step's last barrier
         passed (`Transport.final_barrier`); a reset when it came inside the exchange; none when
-        the object was closed during the call (its RuntimeError says so: rebuild)."""
+        the object was closed during the call (its RuntimeError says so: rebuild). `began`: a
+        one-element list whose element it sets True as its `try` begins (before that, an
+        exception is the caller's to handle)."""
         barriers = self._buffers.barriers
         start = (barriers.epoch, barriers.count)  # plain reads: no call where a handler runs
         try:
-            # A plain store first: from here an exception is this handler's to note, and
-            # `_combine` tells it from one raised before the transport call (`_run_began`).
-            self._run_began = True
+            if began is not None:
+                # A plain store first: from here an exception is this handler's to note, and
+                # `_combine` tells it from one raised before the transport call began.
+                began[0] = True
             return call()
         except BaseException as err:
             self._step_failure = f"{type(err).__name__} in {fn}"
@@ -1201,31 +1203,66 @@ class EpRouted:
                 raise refusal from error
             raise refusal
         self._step = None
-        self._run_began = False
+        began = [False]  # set by `_run` as its try begins: this call's transport combine
         try:
-            return self._combine_step(fn, step, norm_weight, eps, error, cause, out)
+            return self._combine_step(fn, step, norm_weight, eps, error, cause, out, began)
         except BaseException as err:
-            if self._run_began:
+            if began[0]:
                 raise  # the transport's combine began: `_run` noted this, or it completed
             # Raised before the transport's combine began (an interrupt at a call there, at
-            # `_run`'s own call included): the step was dropped here and the peers wait in its
-            # combine, so this rank takes part in it now, rejecting the step with `err`. Before
-            # (a careless-user probe): a bare exception, the peers waiting out the combine, and
-            # every rank's next call raised EpDesyncError.
-            failure = err
-            self._step_failure = f"{type(failure).__name__} in {fn}"
+            # `_run`'s own call included): the step was taken off the object here and the peers
+            # wait in its combine. Before (a careless-user probe): a bare exception, the peers
+            # waiting out the combine, and every rank's next call raised EpDesyncError.
+            self._reject_in_combine(fn, step, err, cause)
+            raise
+
+    def _reject_in_combine(
+        self, fn: str, step: _Step, failure: BaseException, cause: str, pending: bool = False
+    ) -> None:
+        """Take part in dispatched `step`'s combine without payload, rejecting it with
+        `failure` (an exception raised on this rank before it took part: the peers wait there),
+        so that the step fails on every rank and the ranks stay in step; raises `failure` with
+        `_run`'s note (no reset needed). Returns without an exchange where there is none to take
+        part in: the object closed, lost or refusing calls, or reset since the call began (a
+        signal handler's); the caller raises `failure`, whose own way says the recovery.
+        `pending`: the step is still the object's pending one (taken off it here). Until
+        the rejection's exchange began, calls are refused until reset() (an interrupt before it,
+        a second one: the peers still wait), and such an exception says so."""
+        barriers = self._buffers.barriers
+        if self._buffers.closed or barriers.closed_here() or barriers.reset_in_call():
+            return
+        if self._lost is not None or self._broken is not None:
+            return
+        if pending:
+            self._step = None
+        refused = (
+            f"an earlier {fn} was interrupted before it took part in the step's combine;"
+            " call reset() on every rank (collective) before the next step"
+        )
+        self._broken = refused
+        self._step_failure = f"{type(failure).__name__} in {fn}"
+        began = [False]
+        try:
             self._run(
                 fn,
                 lambda: self._transport.combine(
                     step.ids, None, DEFAULT_NORM_EPS, rejected=failure, cause=cause, tag=step.tag
                 ),
                 failure,
+                began,
             )
+        except BaseException as err:
+            if not began[0]:
+                note_recovery(err, f"{fn}: {INTERRUPTED_NOTE}")
             raise
+        finally:
+            if began[0] and self._broken is refused:  # `_run` judged its exchange itself
+                self._broken = None
 
-    def _combine_step(self, fn, step, norm_weight, eps, error, cause, out) -> torch.Tensor:
+    def _combine_step(self, fn, step, norm_weight, eps, error, cause, out, began) -> torch.Tensor:
         """`_combine` of the dispatched `step` once it was taken off the object: the checks,
-        then the transport's combine, rejecting the step with `error` (or the checks' error)."""
+        then the transport's combine, rejecting the step with `error` (or the checks' error);
+        `began` as `_run` takes it."""
         if error is None:
             # Any exception here (a KeyboardInterrupt, a tensor type the checks cannot read)
             # rejects the step: the step was dispatched, so this rank must take part in its
@@ -1277,6 +1314,7 @@ class EpRouted:
                 out=direct,
             ),
             error,
+            began,
         )
         if out is None:
             return normed[: step.real]
@@ -1553,7 +1591,16 @@ class EpRouted:
             self._abandon_call()
             when = "between the call's dispatch and its combine"
             raise _reset_during(fn, self.rank, when) from error
-        return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)
+        step = self._step
+        try:
+            return self._combine(fn, norm_weight, eps, error, CAUSE_EXPERTS, out)
+        except BaseException as err:
+            if self._step is step and step is not None:
+                # Raised before the combine took the step (an interrupt at its call, or at its
+                # usability check; a careless-user probe: a bare exception, where a layer's
+                # caller has no handle on the pending step): the peers wait in its combine.
+                self._reject_in_combine(fn, step, err, CAUSE_EXPERTS, pending=True)
+            raise
 
     @_one_thread
     def warmup(self, tokens: int, experts: ExpertsBackend) -> None:

@@ -546,27 +546,42 @@ def test_an_interrupt_in_the_experts_says_no_reset_is_needed(dep, layer):
 
 class ThenInterruptedAtTheCallOf(SlowExperts):
     """Experts that compute, then arm a KeyboardInterrupt at the next call of `name` on this
-    thread (interrupt_at_the_call_of)."""
+    thread (interrupt_at_the_call_of; `poll_from`: after another thread's poll() of that
+    EpRouted there)."""
 
-    def __init__(self, inner: ExpertsBackend, name: str):
+    def __init__(self, inner: ExpertsBackend, name: str, poll_from=None):
         super().__init__(inner, 0.0)
-        self.name = name
+        self.name, self.poll_from = name, poll_from
 
     def forward(self, x, sf, ids, weights, out):
         self.inner.forward(x, sf, ids, weights, out)
-        interrupt_at_the_call_of(self.name)
+        before = None
+        if self.poll_from is not None:
+
+            def before():
+                other = threading.Thread(target=self.poll_from.poll)
+                other.start()
+                other.join()
+
+        interrupt_at_the_call_of(self.name, before)
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_an_interrupt_before_the_combines_exchange_fails_the_step_without_a_reset(dep, layer):
-    """SIGINT in rank 0's `routed` after its experts returned, at the call of the combine's
-    `_run`, before the transport's combine began (the dispatched step already taken off the
-    object): rank 0 still takes part in the combine, so the step fails on every rank (the peers
-    raise EpPeerError, recovery "none") and rank 0's KeyboardInterrupt says no reset() is
-    needed. Every rank goes on without a reset and the next steps give the reference rows.
-    Before (a careless-user probe): a bare KeyboardInterrupt, the peers waiting in the combine,
-    and every rank's next call raised EpDesyncError."""
+@pytest.mark.parametrize("where", ["_run", "_combine", "_run after a poll()"])
+def test_an_interrupt_before_the_combines_exchange_fails_the_step_without_a_reset(
+    dep, layer, where
+):
+    """SIGINT in rank 0's `routed` after its experts returned, before the transport's combine
+    began: at the call of the combine's `_run` (the dispatched step already taken off the
+    object; also after another thread's poll(), whose own transport call came in between), or
+    at the call of `_combine` (the step still pending). Rank 0 still takes part in the combine,
+    so the step fails on every rank (the peers raise EpPeerError, recovery "none") and rank 0's
+    KeyboardInterrupt says no reset() is needed. Every rank goes on without a reset and the
+    next steps give the reference rows. Before (careless-user probes and a review): a bare
+    KeyboardInterrupt, the peers waiting in the combine, and every rank's next call raised
+    EpDesyncError; with the poll(), the first form of this fix read the poll's transport call
+    as the combine's."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 338), T)
     failures: list[str] = []
     with build(dep) as routed:
@@ -574,7 +589,8 @@ def test_an_interrupt_before_the_combines_exchange_fails_the_step_without_a_rese
         latent, ids, weights = batches.inputs(1)
         experts = batches.experts
         if dep.rank == 0:
-            experts = ThenInterruptedAtTheCallOf(experts, "_run")
+            poll_from = routed if where == "_run after a poll()" else None
+            experts = ThenInterruptedAtTheCallOf(experts, where.split()[0], poll_from)
         err, took = timed(
             lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
         )
@@ -973,14 +989,16 @@ def test_forward_and_parts_are_one_call_sequence(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
-def interrupt_at_the_call_of(name: str) -> None:
+def interrupt_at_the_call_of(name: str, before=None) -> None:
     """Raise KeyboardInterrupt at the first Python call of a function named `name` on this
     thread, before its first line runs (where CPython runs a signal handler as the call
-    begins); the tracer removes itself."""
+    begins), after calling `before()` there when given; the tracer removes itself."""
 
     def tracer(frame, event, arg):
         if event == "call" and frame.f_code.co_name == name:
             sys.settrace(None)
+            if before is not None:
+                before()
             raise KeyboardInterrupt(f"SIGINT at the call of {name}")
         return tracer
 
