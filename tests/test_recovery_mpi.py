@@ -513,37 +513,6 @@ class InterruptedExperts(SlowExperts):
         raise KeyboardInterrupt("SIGINT in the experts")
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(120)
-def test_an_interrupt_in_the_experts_says_no_reset_is_needed(dep, layer):
-    """SIGINT in rank 0's experts: rank 0 still takes part in the combine, so the step fails on
-    every rank (the peers raise EpPeerError, recovery "none"), and rank 0's KeyboardInterrupt
-    carries a note saying no reset() is needed, where one raised inside a wait says to reset
-    (test_interrupt_inside_a_wait_then_reset). Every rank goes on without a reset and the next
-    steps give the reference rows. Before: a bare KeyboardInterrupt, which looks like one in a
-    wait; a rank that reset after it cost its peers a step (a careless-user probe)."""
-    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 337), T)
-    failures: list[str] = []
-    with build(dep) as routed:
-        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
-        latent, ids, weights = batches.inputs(1)
-        experts = batches.experts
-        if dep.rank == 0:
-            experts = InterruptedExperts(experts, 0.0)
-        err, _ = timed(lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts))
-        if dep.rank == 0:
-            notes = getattr(err, "__notes__", [])
-            if not isinstance(err, KeyboardInterrupt):
-                failures.append(f"rank 0: {type(err).__name__}: {err}")
-            elif not any("no reset() is needed" in note for note in notes):
-                failures.append(f"rank 0's interrupt: notes {notes}")
-        elif not (isinstance(err, EpPeerError) and err.recovery == "none"):
-            failures.append(f"a peer: {type(err).__name__}: {err}")
-        for i in (2, 3):
-            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
-    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
-
-
 class ThenInterruptedAtTheCallOf(SlowExperts):
     """Experts that compute, then arm a KeyboardInterrupt at the next call of `name` on this
     thread (interrupt_at_the_call_of; `poll_from`: after another thread's poll() of that
@@ -566,29 +535,37 @@ class ThenInterruptedAtTheCallOf(SlowExperts):
         interrupt_at_the_call_of(self.name, before)
 
 
+# Where test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed interrupts rank
+# 0: in its experts, or at the call of a function after they returned.
+BEFORE_THE_COMBINE = ["in the experts", "_run", "_combine", "_run after a poll()"]
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["_run", "_combine", "_run after a poll()"])
-def test_an_interrupt_before_the_combines_exchange_fails_the_step_without_a_reset(
-    dep, layer, where
-):
-    """SIGINT in rank 0's `routed` after its experts returned, before the transport's combine
-    began: at the call of the combine's `_run` (the dispatched step already taken off the
-    object; also after another thread's poll(), whose own transport call came in between), or
-    at the call of `_combine` (the step still pending). Rank 0 still takes part in the combine,
-    so the step fails on every rank (the peers raise EpPeerError, recovery "none") and rank 0's
-    KeyboardInterrupt says no reset() is needed. Every rank goes on without a reset and the
-    next steps give the reference rows. Before (careless-user probes and a review): a bare
-    KeyboardInterrupt, the peers waiting in the combine, and every rank's next call raised
-    EpDesyncError; with the poll(), the first form of this fix read the poll's transport call
-    as the combine's."""
-    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 338), T)
+@pytest.mark.parametrize("where", BEFORE_THE_COMBINE)
+def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, layer, where):
+    """SIGINT in rank 0's `routed` before the transport's combine began: in its experts, or after
+    they returned at the call of the combine's `_run` (the dispatched step already taken off
+    the object; also after another thread's poll(), whose own transport call came in between),
+    or at the call of `_combine` (the step still pending). Rank 0 still takes part in the
+    combine, so the step fails on every rank (the peers raise EpPeerError, recovery "none"),
+    and rank 0's KeyboardInterrupt carries a note saying no reset() is needed, where one raised
+    inside a wait says to reset (test_interrupt_inside_a_wait_then_reset). Every rank goes on
+    without a reset and the next steps give the reference rows.
+    Before (careless-user probes and a review): in the experts, a bare KeyboardInterrupt, which
+    looks like one in a wait (a rank that reset after it cost its peers a step); after them, a
+    bare KeyboardInterrupt, the peers waiting in the combine, and every rank's next call raised
+    EpDesyncError; with the poll(), the first form of the fix read the poll's transport call as
+    the combine's."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 337), T)
     failures: list[str] = []
     with build(dep) as routed:
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
         latent, ids, weights = batches.inputs(1)
         experts = batches.experts
-        if dep.rank == 0:
+        if dep.rank == 0 and where == "in the experts":
+            experts = InterruptedExperts(experts, 0.0)
+        elif dep.rank == 0:
             poll_from = routed if where == "_run after a poll()" else None
             experts = ThenInterruptedAtTheCallOf(experts, where.split()[0], poll_from)
         err, took = timed(
