@@ -1505,6 +1505,7 @@ class EpRouted:
                 step_tokens = min(self.max_tokens, total - start)
                 lo, hi = min(start, n), min(start + step_tokens, n)
                 self._own_failure = None
+                entered = self._entered_here()
                 try:
                     self._routed_step(
                         fn,
@@ -1521,6 +1522,22 @@ class EpRouted:
                         checked=checked,
                     )
                 except BaseException as err:
+                    if index > 0 and self._unsent_piece(entered):
+                        # Raised before this piece's dispatch began (an interrupt at the call of
+                        # its `_run`), after earlier pieces ran: the peers wait in this piece, so
+                        # this rank rejects it and the pieces after it (a review: a bare
+                        # exception there, and every rank's next call raised EpDesyncError).
+                        failure, cause = err, CAUSE_INPUT
+                        self._step_failure = f"{type(failure).__name__} in {fn}"
+                        try:
+                            self._reject_piece(fn, failure, cause, this_tag, checked)
+                        except BaseException as again:
+                            _in_piece(again, index, steps, total, self.max_tokens)
+                            raise
+                        if self._transport.completes_on_return:
+                            break  # CPU: every peer raised in this piece
+                        cause = CAUSE_EARLIER_PIECE
+                        continue
                     if err is not self._own_failure or self._transport.completes_on_return:
                         _in_piece(err, index, steps, total, self.max_tokens)
                         raise
@@ -1538,6 +1555,21 @@ class EpRouted:
             return result
         finally:
             self._in_pieces, self._own_failure, self._last_piece = False, None, True
+
+    def _unsent_piece(self, entered: int) -> bool:
+        """Whether the piece whose routed step just raised sent nothing and left the object
+        usable: no dispatch handed to the transport since `entered` (this thread's entries
+        then), none pending, and the object neither closed, lost, refusing calls nor reset in
+        the call (an exception inside `_run`'s try before the transport call is `_run`'s: it
+        refuses calls until reset())."""
+        barriers = self._buffers.barriers
+        return (
+            self._entered_here() == entered
+            and self._step is None
+            and self._broken is None
+            and self._lost is None
+            and not (self._buffers.closed or barriers.closed_here() or barriers.reset_in_call())
+        )
 
     def _routed_step(
         self,

@@ -535,6 +535,36 @@ class ThenInterruptedAtTheCallOf(SlowExperts):
         interrupt_at_the_call_of(self.name, before)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_an_interrupt_before_a_later_pieces_dispatch_says_no_reset_is_needed(dep, layer):
+    """A step of 40 tokens runs as three pieces of at most 16. SIGINT in rank 0's `routed` at
+    the call of the second piece's dispatch `_run` (the first piece done on every rank, nothing
+    of the second sent): rank 0 rejects that piece, so the step fails on every rank in it (the
+    peers raise EpPeerError, recovery "none") and rank 0's KeyboardInterrupt says no reset() is
+    needed. Every rank goes on without a reset: the next steps, in pieces and not, give the
+    reference rows. Before (a review): a bare KeyboardInterrupt, the peers waiting in the
+    second piece, and every rank's next call raised EpDesyncError."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 339), 40)
+    small = Batches(dep, layer, batches.seed, T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        if dep.rank == 0:  # the dispatch and combine of the first piece, then the second's
+            interrupt_at_the_call_of("_run", nth=3)
+        err, took = timed(lambda: batches.run(routed, 1))
+        sys.settrace(None)
+        if dep.rank == 0:
+            notes = " ".join(getattr(err, "__notes__", []))
+            if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
+                failures.append(f"rank 0: {err!r}, notes {notes!r}")
+        elif not (isinstance(err, EpPeerError) and err.recovery == "none") or took > 2.0:
+            failures.append(f"a peer after {took:.2f} s: {type(err).__name__}: {err}")
+        failures += compare(batches.run(routed, 2), batches.reference(2), "batch 2")
+        failures += compare(small.run(routed, 3), small.reference(3), "batch 3 (one piece)")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
 # Where test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed interrupts rank
 # 0: in its experts, or at the call of a function after they returned.
 BEFORE_THE_COMBINE = ["in the experts", "_run", "_combine", "_run after a poll()"]
@@ -966,13 +996,17 @@ def test_forward_and_parts_are_one_call_sequence(dep, layer):
     collective_assert(dep.cpu_group, failures, seeds=seed)
 
 
-def interrupt_at_the_call_of(name: str, before=None) -> None:
-    """Raise KeyboardInterrupt at the first Python call of a function named `name` on this
+def interrupt_at_the_call_of(name: str, before=None, nth: int = 1) -> None:
+    """Raise KeyboardInterrupt at the `nth` Python call of a function named `name` on this
     thread, before its first line runs (where CPython runs a signal handler as the call
     begins), after calling `before()` there when given; the tracer removes itself."""
+    calls = [0]
 
     def tracer(frame, event, arg):
         if event == "call" and frame.f_code.co_name == name:
+            calls[0] += 1
+            if calls[0] < nth:
+                return tracer
             sys.settrace(None)
             if before is not None:
                 before()
