@@ -1218,6 +1218,59 @@ def test_humming_layout_values_read_each_element_from_its_nibbles():
     assert torch.equal(got, want)
 
 
+def test_humming_layout_e4m3_expansion_gives_every_value():
+    """expanded_e4m3_words, the word-level expansion a kernel of ours would run on humming's
+    prepared words (two byte permutes over a table of s', the signs moved in), on words packed
+    through prepared_index with every (magnitude, sign, s' in 1..12) drawn at random: each
+    element's e4m3 byte times 2^6 * weight_scale_2 equals prepared_values' value, every byte
+    finite. Its byte permute against a byte-by-byte selection, and the table against the e4m3
+    bytes of E2M1 * 2^(s' - 6) for every s'."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    rows, k = 128, 128
+    index = humming_layout.prepared_index(rows, k)
+    magnitude = torch.randint(0, 8, (rows, k), generator=gen)
+    negative = torch.randint(0, 2, (rows, k), generator=gen)
+    exponent = torch.randint(1, 13, (k // 32, rows), generator=gen)
+    words = torch.zeros(k // 32 * 4 * rows, dtype=torch.int64)
+    for part, bits in (("magnitude", magnitude), ("sign", negative << 3)):
+        words.index_add_(0, index["word"].reshape(-1), (bits << (4 * index[part])).reshape(-1))
+    weight = (words - (words >= 2**31) * 2**32).int().reshape(1, k // 32, 4 * rows)
+    scale_bytes = torch.empty(k // 32 * rows, dtype=torch.uint8)
+    flat = exponent.transpose(0, 1).reshape(rows, k // 32)
+    scale_bytes[index["scale"].reshape(-1)] = flat.reshape(-1).to(torch.uint8)
+    scale_2 = torch.tensor([2.0**-5])
+    want = humming_layout.prepared_values(weight, scale_bytes.view(1, k // 32, rows), scale_2)[0]
+    # Each word's s': the scale of its row and group (every element of a word shares them).
+    word_exponent = torch.zeros_like(words)
+    word_exponent[index["word"].reshape(-1)] = (
+        scale_bytes.long()[index["scale"]].repeat_interleave(32, dim=1).reshape(-1)
+    )
+    expanded = humming_layout.expanded_e4m3_words(weight.reshape(-1), word_exponent)
+    half = (torch.arange(k) % 32 // 16).expand(rows, k)
+    byte = (expanded[index["word"], half] >> (8 * (torch.arange(k) % 4))) & 0xFF
+    value = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert bool(value.isfinite().all())
+    assert torch.equal(value * 2.0**6 * scale_2[0], want)
+
+    low = torch.randint(0, 2**32, (64,), generator=gen)
+    high = torch.randint(0, 2**32, (64,), generator=gen)
+    selectors = torch.randint(0, 2**16, (64,), generator=gen) & 0x7777
+    got = humming_layout.permute_bytes(low, high, selectors)
+    for i in range(4):
+        pick = (selectors >> (4 * i)) & 7
+        source = torch.stack(
+            [(low >> (8 * b)) & 0xFF for b in range(4)]
+            + [(high >> (8 * b)) & 0xFF for b in range(4)],
+            1,
+        )
+        assert torch.equal((got >> (8 * i)) & 0xFF, source.gather(1, pick.unsqueeze(1)).squeeze(1))
+    for small in humming_layout.SMALL_EXPONENTS:
+        low_word, high_word = humming_layout.e4m3_table(torch.tensor(small))
+        table = [(int(w) >> (8 * b)) & 0xFF for w in (low_word, high_word) for b in range(4)]
+        e4m3 = torch.tensor(table, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        assert torch.equal(e4m3, torch.tensor(E2M1_VALUES[:8]) * 2.0 ** (small - 6)), small
+
+
 @GPU
 def test_gpu_humming_layout_reads_humming_prepared_weights_exactly():
     """prepared_values on the tensors humming prepares (HummingGemm.prepare, FC1 and FC2 of K3's

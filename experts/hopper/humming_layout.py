@@ -20,6 +20,10 @@ expert e, output row n < N and k < K (N and K multiples of 64):
   the only experts the humming engine takes: humming_gemm.scale_spread_error). humming's GEMM
   expands (magnitude, s') to the e4m3 byte of E2M1 * 2^(s' - 6) and scales its output by
   2^6 * weight_scale_2.
+- `expanded_e4m3_words`: that expansion word by word, as a kernel of ours would run it on these
+  words for wgmma's A operand from registers (two byte permutes over a table of s' per word
+  of 8 elements, the signs moved in from their nibbles), in torch: the specification such a
+  kernel is tested against. No kernel runs it yet.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ from dep_ep.experts.mxfp4 import E2M1_VALUES
 
 # Rows of one contiguous block of a k32 group (1 KiB: 64 rows x 32 elements x 4 bits).
 HUMMING_BLOCK_ROWS = 64
+# The e4m3 bytes of E2M1 magnitudes 0..7 times 2^(s' - 6), as two little-endian words for a
+# byte permute (magnitude m selects byte m): byte m is 0 for m = 0, else (e + s') << 3 | frac
+# << 2 with (e, frac) = (0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1) for m = 1..7
+# (E2M1's 0.5 is e4m3's 2^(s' - 7), a normal number for s' >= 1). Each word is its s' = 0
+# bytes plus s' times its exponent step (8 in every byte but the zero's).
+E4M3_TABLE_LOW = 0x0C080000
+E4M3_TABLE_HIGH = 0x1C181410
+E4M3_TABLE_LOW_STEP = 0x08080800
+E4M3_TABLE_HIGH_STEP = 0x08080808
+SIGN_NIBBLE_BITS = 0x88888888
+MAGNITUDE_NIBBLE_BITS = 0x77777777
+# The small exponents s' humming's fused scales take (the e4m3 bytes stay finite and normal).
+SMALL_EXPONENTS = range(1, 13)
 
 
 def prepared_index(rows: int, k: int, device=None) -> dict[str, torch.Tensor]:
@@ -93,3 +110,43 @@ def prepared_values(
         value = table[magnitude] * scale * weight_scale_2[e].float()
         out[e] = torch.where(negative, -value, value)
     return out
+
+
+def e4m3_table(exponent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two table words (int64, each holding 4 bytes) of small exponents s' (int tensor,
+    1..12): the e4m3 bytes of E2M1 magnitudes 0..3 and 4..7 times 2^(s' - 6)."""
+    exponent = exponent.long()
+    return (
+        E4M3_TABLE_LOW + exponent * E4M3_TABLE_LOW_STEP,
+        E4M3_TABLE_HIGH + exponent * E4M3_TABLE_HIGH_STEP,
+    )
+
+
+def permute_bytes(low: torch.Tensor, high: torch.Tensor, selectors: torch.Tensor) -> torch.Tensor:
+    """PTX `prmt.b32` in its default mode, selector nibbles 0..7 only (bit 3 clear): byte i of
+    the result (int64 holding 4 bytes) is byte selectors[4i:4i+4] of the 8 bytes (high, low)."""
+    out = torch.zeros_like(low)
+    for i in range(4):
+        pick = (selectors >> (4 * i)) & 7
+        byte = torch.where(pick < 4, low >> (8 * pick), high >> (8 * (pick - 4))) & 0xFF
+        out |= byte << (8 * i)
+    return out
+
+
+def expanded_e4m3_words(word: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """A prepared word's 8 elements as two words of e4m3 bytes (int64 [..., 2], each holding 4
+    bytes), as a kernel expands them for wgmma from registers: word 0 holds elements k % 16 =
+    0..3 of the word's k16 half 0 (nibbles 0..3: j = 0..3, h = 0), word 1 those of half 1
+    (nibbles 4..7), each the e4m3 byte of E2M1 * 2^(s' - 6). Per word: two byte permutes over
+    the table of s' (`e4m3_table`: two integer multiply-adds a row and k32 group) of the
+    magnitude nibbles, and each byte's sign moved in from its sign nibble (element (j, h)'s sign
+    is the top bit of nibble 2 j + h: bit 8 j + 3 for h = 0, 8 j + 7 for h = 1). `word`: int
+    tensor of the 32-bit words (any sign), `exponent`: s' of each word's row and group, same
+    shape."""
+    bits = word.long() & 0xFFFFFFFF
+    low, high = e4m3_table(exponent)
+    magnitudes = bits & MAGNITUDE_NIBBLE_BITS
+    signs = bits & SIGN_NIBBLE_BITS
+    half0 = permute_bytes(low, high, magnitudes) | ((signs << 4) & 0x80808080)
+    half1 = permute_bytes(low, high, magnitudes >> 16) | (signs & 0x80808080)
+    return torch.stack((half0, half1), dim=-1)
