@@ -263,6 +263,14 @@ NOT_SENT_NOTE = (
 )
 
 
+def _keep_context(err: BaseException, error: BaseException | None) -> None:
+    """Chain `error` (the step's own error: abort_step's, the experts') to `err`, raised before
+    the step's combine began and rejecting the step in its place, unless `err` already carries
+    a context: the traceback then shows both."""
+    if error is not None and err is not error and err.__context__ is None:
+        err.__context__ = error
+
+
 def note_recovery(err: BaseException, note: str) -> None:
     """Add `note` to `err` once (Python 3.11's add_note; nothing on 3.10), unless it is an
     EpError, whose `recovery` says it."""
@@ -1213,6 +1221,7 @@ class EpRouted:
             # `_run`'s own call included): the step was taken off the object here and the peers
             # wait in its combine. Before (a careless-user probe): a bare exception, the peers
             # waiting out the combine, and every rank's next call raised EpDesyncError.
+            _keep_context(err, error)
             self._reject_in_combine(fn, step, err, cause)
             raise
 
@@ -1631,6 +1640,7 @@ class EpRouted:
                 # Raised before the combine took the step (an interrupt at its call, or at its
                 # usability check; a careless-user probe: a bare exception, where a layer's
                 # caller has no handle on the pending step): the peers wait in its combine.
+                _keep_context(err, error)
                 self._reject_in_combine(fn, step, err, CAUSE_EXPERTS, pending=True)
             raise
 

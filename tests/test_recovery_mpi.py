@@ -516,11 +516,11 @@ class InterruptedExperts(SlowExperts):
 class ThenInterruptedAtTheCallOf(SlowExperts):
     """Experts that compute, then arm a KeyboardInterrupt at the next call of `name` on this
     thread (interrupt_at_the_call_of; `poll_from`: after another thread's poll() of that
-    EpRouted there)."""
+    EpRouted there); `fail`: then raise ValueError."""
 
-    def __init__(self, inner: ExpertsBackend, name: str, poll_from=None):
+    def __init__(self, inner: ExpertsBackend, name: str, poll_from=None, fail: bool = False):
         super().__init__(inner, 0.0)
-        self.name, self.poll_from = name, poll_from
+        self.name, self.poll_from, self.fail = name, poll_from, fail
 
     def forward(self, x, sf, ids, weights, out):
         self.inner.forward(x, sf, ids, weights, out)
@@ -533,6 +533,8 @@ class ThenInterruptedAtTheCallOf(SlowExperts):
                 other.join()
 
         interrupt_at_the_call_of(self.name, before)
+        if self.fail:
+            raise ValueError("the experts failed")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -567,7 +569,13 @@ def test_an_interrupt_before_a_later_pieces_dispatch_says_no_reset_is_needed(dep
 
 # Where test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed interrupts rank
 # 0: in its experts, or at the call of a function after they returned.
-BEFORE_THE_COMBINE = ["in the experts", "_run", "_combine", "_run after a poll()"]
+BEFORE_THE_COMBINE = [
+    "in the experts",
+    "_run",
+    "_combine",
+    "_run after a poll()",
+    "_run after the experts failed",
+]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -576,8 +584,9 @@ BEFORE_THE_COMBINE = ["in the experts", "_run", "_combine", "_run after a poll()
 def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, layer, where):
     """SIGINT in rank 0's `routed` before the transport's combine began: in its experts, or after
     they returned at the call of the combine's `_run` (the dispatched step already taken off
-    the object; also after another thread's poll(), whose own transport call came in between),
-    or at the call of `_combine` (the step still pending). Rank 0 still takes part in the
+    the object; also after another thread's poll(), whose own transport call came in between,
+    and after the experts raised, whose error the interrupt then carries as its context), or at
+    the call of `_combine` (the step still pending). Rank 0 still takes part in the
     combine, so the step fails on every rank (the peers raise EpPeerError, recovery "none"),
     and rank 0's KeyboardInterrupt carries a note saying no reset() is needed, where one raised
     inside a wait says to reset (test_interrupt_inside_a_wait_then_reset). Every rank goes on
@@ -597,7 +606,8 @@ def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, 
             experts = InterruptedExperts(experts, 0.0)
         elif dep.rank == 0:
             poll_from = routed if where == "_run after a poll()" else None
-            experts = ThenInterruptedAtTheCallOf(experts, where.split()[0], poll_from)
+            fail = where == "_run after the experts failed"
+            experts = ThenInterruptedAtTheCallOf(experts, where.split()[0], poll_from, fail)
         err, took = timed(
             lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
         )
@@ -606,6 +616,8 @@ def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, 
             notes = " ".join(getattr(err, "__notes__", []))
             if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
                 failures.append(f"rank 0: {err!r}, notes {notes!r}")
+            elif "failed" in where and not isinstance(err.__context__, ValueError):
+                failures.append(f"rank 0: the experts' error lost ({err.__context__!r})")
         elif not (isinstance(err, EpPeerError) and err.recovery == "none") or took > 2.0:
             failures.append(f"a peer after {took:.2f} s: {type(err).__name__}: {err}")
         for i in (2, 3):
