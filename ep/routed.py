@@ -1234,9 +1234,11 @@ class EpRouted:
         `_run`'s note (no reset needed). Returns without an exchange where there is none to take
         part in: the object closed, lost or refusing calls, or reset since the call began (a
         signal handler's); the caller raises `failure`, whose own way says the recovery.
-        `pending`: the step is still the object's pending one (taken off it here). Until
-        the rejection's exchange began, calls are refused until reset() (an interrupt before it,
-        a second one: the peers still wait), and such an exception says so."""
+        `pending`: the step is still the object's pending one (taken off it here). From its
+        checks on until the rejection's exchange begins, calls are refused until reset() (an
+        interrupt there, a second one, leaves the peers waiting), and an exception raised from
+        `_run`'s call on says so; one raised in the checks before carries no note (a reset on
+        every rank recovers)."""
         barriers = self._buffers.barriers
         if self._buffers.closed or barriers.closed_here() or barriers.reset_in_call():
             return
@@ -1251,15 +1253,19 @@ class EpRouted:
         self._broken = refused
         self._step_failure = f"{type(failure).__name__} in {fn}"
         began = [False]
-        try:
-            self._run(
-                fn,
-                lambda: self._transport.combine(
-                    step.ids, None, DEFAULT_NORM_EPS, rejected=failure, cause=cause, tag=step.tag
-                ),
-                failure,
-                began,
+
+        def exchange():
+            # The rejection's exchange begins: from here `_run` judges what it leaves, and other
+            # threads' calls (poll()) are no longer told to reset (a careless-user probe: they
+            # were, through the whole exchange, for a step that needed none).
+            if self._broken is refused:
+                self._broken = None
+            return self._transport.combine(
+                step.ids, None, DEFAULT_NORM_EPS, rejected=failure, cause=cause, tag=step.tag
             )
+
+        try:
+            self._run(fn, exchange, failure, began)
         except BaseException as err:
             if not began[0]:
                 note_recovery(err, f"{fn}: {INTERRUPTED_NOTE}")
