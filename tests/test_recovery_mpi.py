@@ -539,6 +539,50 @@ class ThenInterruptedAtTheCallOf(SlowExperts):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+def test_a_rejection_before_the_combine_tells_no_other_thread_to_reset(dep, layer):
+    """SIGINT in rank 0's `routed` at the call of the combine's `_run` while its peers' experts
+    take 0.5 s more: rank 0 rejects the step in its combine and says no reset() is needed. A
+    second thread of rank 0 polls the object throughout: no poll() says to reset (none fails).
+    Before (a careless-user probe): through the whole rejection exchange poll() raised
+    RuntimeError "call reset() on every rank", a reset the step did not need."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 341), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        latent, ids, weights = batches.inputs(1)
+        if dep.rank == 0:
+            experts = ThenInterruptedAtTheCallOf(batches.experts, "_run")
+        else:
+            experts = SlowExperts(batches.experts, 0.5)
+        polled, stop = [], threading.Event()
+
+        def poll_throughout():
+            while not stop.is_set():
+                try:
+                    routed.poll()
+                except Exception as err:  # reported below
+                    polled.append(f"{type(err).__name__}: {err}")
+                time.sleep(0.005)
+
+        poller = threading.Thread(target=poll_throughout)
+        if dep.rank == 0:
+            poller.start()
+        err, _ = timed(lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts))
+        sys.settrace(None)
+        stop.set()
+        if dep.rank == 0:
+            poller.join()
+            notes = " ".join(getattr(err, "__notes__", []))
+            if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
+                failures.append(f"rank 0: {err!r}, notes {notes!r}")
+            failures += [f"rank 0's other thread, poll(): {text}" for text in polled[:2]]
+        for i in (2, 3):
+            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 def test_an_interrupt_before_a_later_pieces_dispatch_says_no_reset_is_needed(dep, layer):
     """A step of 40 tokens runs as three pieces of at most 16. SIGINT in rank 0's `routed` at
     the call of the second piece's dispatch `_run` (the first piece done on every rank, nothing
