@@ -1505,14 +1505,9 @@ class EpRouted:
                 this_tag = piece_tag(_wire_tag(tag), total, index)
                 checked = index == 0  # later pieces run to the end on every rank
                 self._last_piece = index == steps - 1
+                piece = (index, steps, total, this_tag, checked)
                 if failure is not None:
-                    self._step_failure = f"{type(failure).__name__} in {fn}"
-                    try:
-                        self._reject_piece(fn, failure, cause, this_tag, checked)
-                    except BaseException as err:
-                        _in_piece(err, index, steps, total, self.max_tokens)
-                        raise
-                    if self._transport.completes_on_return:
+                    if self._reject_in_piece(fn, failure, cause, piece):
                         break  # CPU: every peer raised in this piece
                     cause = CAUSE_EARLIER_PIECE
                     continue
@@ -1542,14 +1537,8 @@ class EpRouted:
                         # its `_run`), after earlier pieces ran: the peers wait in this piece, so
                         # this rank rejects it and the pieces after it (a review: a bare
                         # exception there, and every rank's next call raised EpDesyncError).
-                        failure, cause = err, CAUSE_INPUT
-                        self._step_failure = f"{type(failure).__name__} in {fn}"
-                        try:
-                            self._reject_piece(fn, failure, cause, this_tag, checked)
-                        except BaseException as again:
-                            _in_piece(again, index, steps, total, self.max_tokens)
-                            raise
-                        if self._transport.completes_on_return:
+                        failure = err
+                        if self._reject_in_piece(fn, failure, CAUSE_INPUT, piece):
                             break  # CPU: every peer raised in this piece
                         cause = CAUSE_EARLIER_PIECE
                         continue
@@ -1570,6 +1559,19 @@ class EpRouted:
             return result
         finally:
             self._in_pieces, self._own_failure, self._last_piece = False, None, True
+
+    def _reject_in_piece(self, fn: str, failure: BaseException, cause: str, piece) -> bool:
+        """Take part in piece (index, steps, total, tag, checked) of a step run in pieces without
+        payload, rejecting it with `failure` and `cause`; True when every peer raised in it
+        (CPU: no later piece runs). Other errors propagate, saying which piece they came in."""
+        index, steps, total, tag, checked = piece
+        self._step_failure = f"{type(failure).__name__} in {fn}"
+        try:
+            self._reject_piece(fn, failure, cause, tag, checked)
+        except BaseException as err:
+            _in_piece(err, index, steps, total, self.max_tokens)
+            raise
+        return self._transport.completes_on_return
 
     def _unsent_piece(self, entered: int) -> bool:
         """Whether the piece whose routed step just raised sent nothing and left the object
