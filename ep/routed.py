@@ -1234,11 +1234,10 @@ class EpRouted:
         `_run`'s note (no reset needed). Returns without an exchange where there is none to take
         part in: the object closed, lost or refusing calls, or reset since the call began (a
         signal handler's); the caller raises `failure`, whose own way says the recovery.
-        `pending`: the step is still the object's pending one (taken off it here). From its
-        checks on until the rejection's exchange begins, calls are refused until reset() (an
-        interrupt there, a second one, leaves the peers waiting), and an exception raised from
-        `_run`'s call on says so; one raised in the checks before carries no note (a reset on
-        every rank recovers)."""
+        `pending`: the step is still the object's pending one (taken off it here). From `_run`'s
+        call until the rejection's exchange begins, calls are refused until reset() (an
+        interrupt there, a second one, leaves the peers waiting) and such an exception says so;
+        one raised in the checks before carries no note (a reset on every rank recovers)."""
         barriers = self._buffers.barriers
         if self._buffers.closed or barriers.closed_here() or barriers.reset_in_call():
             return
@@ -1250,7 +1249,6 @@ class EpRouted:
             f"an earlier {fn} was interrupted before it took part in the step's combine;"
             " call reset() on every rank (collective) before the next step"
         )
-        self._broken = refused
         self._step_failure = f"{type(failure).__name__} in {fn}"
         began = [False]
 
@@ -1264,6 +1262,7 @@ class EpRouted:
                 step.ids, None, DEFAULT_NORM_EPS, rejected=failure, cause=cause, tag=step.tag
             )
 
+        self._broken = refused  # a plain store, right before the try
         try:
             self._run(fn, exchange, failure, began)
         except BaseException as err:
