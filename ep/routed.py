@@ -1232,16 +1232,13 @@ class EpRouted:
         `failure` (an exception raised on this rank before it took part: the peers wait there),
         so that the step fails on every rank and the ranks stay in step; raises `failure` with
         `_run`'s note (no reset needed). Returns without an exchange where there is none to take
-        part in: the object closed, lost or refusing calls, or reset since the call began (a
-        signal handler's); the caller raises `failure`, whose own way says the recovery.
+        part in (not `_in_step_usable`); the caller raises `failure`, whose own way says the
+        recovery.
         `pending`: the step is still the object's pending one (taken off it here). From `_run`'s
         call until the rejection's exchange begins, calls are refused until reset() (an
         interrupt there, a second one, leaves the peers waiting) and such an exception says so;
         one raised in the checks before carries no note (a reset on every rank recovers)."""
-        barriers = self._buffers.barriers
-        if self._buffers.closed or barriers.closed_here() or barriers.reset_in_call():
-            return
-        if self._lost is not None or self._broken is not None:
+        if not self._in_step_usable():
             return
         if pending:
             self._step = None
@@ -1574,18 +1571,19 @@ class EpRouted:
 
     def _unsent_piece(self, entered: int) -> bool:
         """Whether the piece whose routed step just raised sent nothing and left the object
-        usable: no dispatch handed to the transport since `entered` (this thread's entries
-        then), none pending, and the object neither closed, lost, refusing calls nor reset in
-        the call (an exception inside `_run`'s try before the transport call is `_run`'s: it
-        refuses calls until reset())."""
+        usable (`_in_step_usable`): no dispatch handed to the transport since `entered` (this
+        thread's entries then) and none pending (an exception inside `_run`'s try before the
+        transport call is `_run`'s: it refuses calls until reset())."""
+        return self._entered_here() == entered and self._step is None and self._in_step_usable()
+
+    def _in_step_usable(self) -> bool:
+        """Whether this rank can still take part in the step its call is in, after an exception
+        raised on it before it did: the object neither closed, lost, refusing calls, nor reset
+        since the call began (a signal handler's close() or reset(): no exchange follows)."""
         barriers = self._buffers.barriers
-        return (
-            self._entered_here() == entered
-            and self._step is None
-            and self._broken is None
-            and self._lost is None
-            and not (self._buffers.closed or barriers.closed_here() or barriers.reset_in_call())
-        )
+        if self._buffers.closed or barriers.closed_here() or barriers.reset_in_call():
+            return False
+        return self._lost is None and self._broken is None
 
     def _routed_step(
         self,
