@@ -537,6 +537,19 @@ class ThenInterruptedAtTheCallOf(SlowExperts):
             raise ValueError("the experts failed")
 
 
+def rejected_step_failures(rank: int, err: BaseException | None, took: float) -> list[str]:
+    """A step rank 0 rejected after an interrupt of its own, as this rank saw it: on rank 0 its
+    KeyboardInterrupt with the note that no reset() is needed; on the peers EpPeerError with
+    recovery "none" within 2 s."""
+    if rank == 0:
+        notes = " ".join(getattr(err, "__notes__", []))
+        if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
+            return [f"rank 0: {err!r}, notes {notes!r}"]
+    elif not (isinstance(err, EpPeerError) and err.recovery == "none") or took > 2.0:
+        return [f"a peer after {took:.2f} s: {type(err).__name__}: {err}"]
+    return []
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_a_rejection_before_the_combine_tells_no_other_thread_to_reset(dep, layer):
@@ -567,14 +580,14 @@ def test_a_rejection_before_the_combine_tells_no_other_thread_to_reset(dep, laye
         poller = threading.Thread(target=poll_throughout)
         if dep.rank == 0:
             poller.start()
-        err, _ = timed(lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts))
+        err, took = timed(
+            lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
+        )
         sys.settrace(None)
         stop.set()
+        failures += rejected_step_failures(dep.rank, err, took)
         if dep.rank == 0:
             poller.join()
-            notes = " ".join(getattr(err, "__notes__", []))
-            if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
-                failures.append(f"rank 0: {err!r}, notes {notes!r}")
             failures += [f"rank 0's other thread, poll(): {text}" for text in polled[:2]]
         for i in (2, 3):
             failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
@@ -600,14 +613,11 @@ def test_an_interrupt_before_a_later_pieces_dispatch_says_no_reset_is_needed(dep
             interrupt_at_the_call_of("_run", nth=3)
         err, took = timed(lambda: batches.run(routed, 1))
         sys.settrace(None)
-        if dep.rank == 0:
-            notes = " ".join(getattr(err, "__notes__", []))
-            if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
-                failures.append(f"rank 0: {err!r}, notes {notes!r}")
-        elif not (isinstance(err, EpPeerError) and err.recovery == "none") or took > 2.0:
-            failures.append(f"a peer after {took:.2f} s: {type(err).__name__}: {err}")
-        elif "piece 2 of 3" not in str(err) or "rejected its input" not in str(err):
-            # the second piece's dispatch, rejected there (not its combine: failed experts)
+        seen = rejected_step_failures(dep.rank, err, took)
+        failures += seen
+        # the second piece's dispatch, rejected there (not its combine: failed experts)
+        there = "piece 2 of 3" in str(err) and "rejected its input" in str(err)
+        if dep.rank > 0 and not seen and not there:
             failures.append(f"a peer: not the second piece's dispatch: {err}")
         failures += compare(batches.run(routed, 2), batches.reference(2), "batch 2")
         failures += compare(small.run(routed, 3), small.reference(3), "batch 3 (one piece)")
@@ -659,14 +669,11 @@ def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, 
             lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
         )
         sys.settrace(None)
-        if dep.rank == 0:
-            notes = " ".join(getattr(err, "__notes__", []))
-            if not isinstance(err, KeyboardInterrupt) or "no reset() is needed" not in notes:
-                failures.append(f"rank 0: {err!r}, notes {notes!r}")
-            elif "failed" in where and not isinstance(err.__context__, ValueError):
-                failures.append(f"rank 0: the experts' error lost ({err.__context__!r})")
-        elif not (isinstance(err, EpPeerError) and err.recovery == "none") or took > 2.0:
-            failures.append(f"a peer after {took:.2f} s: {type(err).__name__}: {err}")
+        seen = rejected_step_failures(dep.rank, err, took)
+        failures += seen
+        lost = dep.rank == 0 and not seen and not isinstance(err.__context__, ValueError)
+        if "failed" in where and lost:
+            failures.append(f"rank 0: the experts' error lost ({err.__context__!r})")
         for i in (2, 3):
             failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
