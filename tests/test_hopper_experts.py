@@ -1218,6 +1218,37 @@ def test_humming_layout_values_read_each_element_from_its_nibbles():
     assert torch.equal(got, want)
 
 
+def test_humming_layout_prepared_weights_hold_the_checkpoint_values():
+    """prepared_weights packs checkpoint MXFP4 weights (fresh random codes, scale bytes over the
+    largest spread the layout holds) into the prepared tensors' layout: prepared_values reads
+    back every value exactly, every s' in 1..12 and the largest 12; a wider spread, a shape the
+    layout cannot hold and another dtype are refused."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    experts, rows, k = 3, 128, 192
+    spread = humming_layout.PREPARED_SCALE_SPREAD
+    w = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
+    low = torch.randint(100, 130, (experts, 1, 1), generator=gen)
+    s = (low + torch.randint(0, spread + 1, (experts, rows, k // 32), generator=gen)).to(
+        torch.uint8
+    )
+    s[:, 0, 0] = (low.flatten() + spread).to(torch.uint8)  # each expert's full spread
+    s[:, 1, 0] = low.flatten().to(torch.uint8)
+    weight, scale, scale_2 = humming_layout.prepared_weights(w, s)
+    assert weight.dtype == torch.int32 and tuple(weight.shape) == (experts, k // 32, 4 * rows)
+    assert tuple(scale.shape) == (experts, k // 32, rows) and scale_2.dtype == torch.float32
+    assert int(scale.min()) == 1 and int(scale.max()) == 12
+    want = torch.stack([mxfp4_dequantize(w[e], s[e], torch.float32) for e in range(experts)])
+    assert torch.equal(humming_layout.prepared_values(weight, scale, scale_2), want)
+    wide = s.clone()
+    wide[1, 2, 3] = int(low[1]) + spread + 1
+    with pytest.raises(ValueError, match=r"experts \[1\] spread over more than 11"):
+        humming_layout.prepared_weights(w, wide)
+    with pytest.raises(ValueError, match="prepared_index: rows=96"):
+        humming_layout.prepared_weights(w[:, :96], s[:, :96])
+    with pytest.raises(ValueError, match="expected uint8"):
+        humming_layout.prepared_weights(w.int(), s)
+
+
 def test_humming_layout_e4m3_expansion_gives_every_value():
     """expanded_e4m3_words, the word-level expansion a kernel of ours would run on humming's
     prepared words (two byte permutes over a table of s', the signs moved in), on words packed

@@ -20,10 +20,13 @@ expert e, output row n < N and k < K (N and K multiples of 64):
   the only experts the humming engine takes: humming_gemm.scale_spread_error). humming's GEMM
   expands (magnitude, s') to the e4m3 byte of E2M1 * 2^(s' - 6) and scales its output by
   2^6 * weight_scale_2.
-- `expanded_e4m3_words`: that expansion word by word, as a kernel of ours would run it on these
-  words for wgmma's A operand from registers (two byte permutes over a table of s' per word
-  of 8 elements, the signs moved in from their nibbles), in torch: the specification such a
-  kernel is tested against. No kernel runs it yet.
+- `expanded_e4m3_words`: that expansion word by word, as the narrow GEMM's humming form
+  (experts/hopper/narrow_gemm.py, `NarrowTuning(weights="humming")`) runs it on these words for
+  wgmma's A operand from registers (two byte permutes over a table of s' per word of 8
+  elements, the signs moved in from their nibbles), in torch: the specification that kernel is
+  tested against.
+- `prepared_weights`: checkpoint MXFP4 weights packed into these three tensors in torch (the
+  same values as humming's preparation, for tests and benchmarks without humming-kernels).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ import torch
 
 from dep_ep.constants import SCALE_BLOCK
 from dep_ep.experts.mxfp4 import E2M1_VALUES
+
+# The largest spread of an expert's scale bytes the fused scales hold exactly (humming-kernels
+# 0.1.19's, restated by experts/hopper/humming_gemm.py's FUSED_SCALE_SPREAD).
+PREPARED_SCALE_SPREAD = 11
 
 # Rows of one contiguous block of a k32 group (1 KiB: 64 rows x 32 elements x 4 bits).
 HUMMING_BLOCK_ROWS = 64
@@ -150,3 +157,50 @@ def expanded_e4m3_words(word: torch.Tensor, exponent: torch.Tensor) -> torch.Ten
     half0 = permute_bytes(low, high, magnitudes) | ((signs << 4) & 0x80808080)
     half1 = permute_bytes(low, high, magnitudes >> 16) | (signs & 0x80808080)
     return torch.stack((half0, half1), dim=-1)
+
+
+def prepared_weights(
+    w: torch.Tensor, s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checkpoint MXFP4 weights in the prepared tensors' layout (module docstring), in torch on
+    w's device: (weight int32 [E, K/32, 4N], weight_scale uint8 [E, K/32, N], weight_scale_2
+    fp32 [E]) from w uint8 [E, N, K/2] (codes, low nibble first) and s uint8 [E, N, K/32] (E8M0
+    bytes). Each expert's mn is its largest scale byte less PREPARED_SCALE_SPREAD, so s' = s - mn
+    + 1 is in 1..12 and `prepared_values` gives the checkpoint's values exactly. ValueError when N
+    or K is not a multiple of 64, or an expert's scale bytes spread over more than
+    PREPARED_SCALE_SPREAD binades (naming the experts)."""
+    experts, rows, half_k = w.shape
+    k = 2 * half_k
+    if w.dtype != torch.uint8 or tuple(s.shape) != (experts, rows, k // SCALE_BLOCK):
+        raise ValueError(
+            f"prepared_weights: w {w.dtype} {tuple(w.shape)}, s {tuple(s.shape)}; expected uint8"
+            f" [E, N, K/2] codes and [E, N, K/{SCALE_BLOCK}] scale bytes"
+        )
+    flat = s.reshape(experts, -1).int()
+    top = flat.amax(dim=1)
+    wide = (top - flat.amin(dim=1) > PREPARED_SCALE_SPREAD).nonzero().flatten().tolist()
+    if wide:
+        raise ValueError(
+            f"prepared_weights: the scale bytes of experts {wide[:8]} spread over more than"
+            f" {PREPARED_SCALE_SPREAD} binades"
+        )
+    index = prepared_index(rows, k, w.device)
+    low = torch.arange(k, device=w.device) % 2 == 0
+    weight = torch.zeros(experts, k // SCALE_BLOCK * 4 * rows, dtype=torch.int64, device=w.device)
+    for e in range(experts):
+        code = w[e].long().repeat_interleave(2, dim=1)
+        code = torch.where(low, code & 0xF, code >> 4)  # [rows, k]: each element's 4 bits
+        for part, bits in (("magnitude", code & 7), ("sign", code & 8)):
+            shifted = bits << (4 * index[part])
+            weight[e].index_add_(0, index["word"].reshape(-1), shifted.reshape(-1))
+    weight = (weight - (weight >= 2**31).long() * 2**32).int()
+    mn = top - PREPARED_SCALE_SPREAD
+    small = (s.int() - mn.view(-1, 1, 1) + 1).to(torch.uint8)  # s' [E, N, K/32]
+    scale_bytes = torch.empty(experts, k // SCALE_BLOCK * rows, dtype=torch.uint8, device=w.device)
+    scale_bytes[:, index["scale"].reshape(-1)] = small.reshape(experts, -1)
+    scale_2 = torch.exp2((mn - 128).float())
+    return (
+        weight.view(experts, k // SCALE_BLOCK, 4 * rows),
+        scale_bytes.view(experts, k // SCALE_BLOCK, rows),
+        scale_2,
+    )
