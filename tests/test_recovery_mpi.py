@@ -681,6 +681,36 @@ def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+def test_an_interrupt_in_abort_step_before_its_exchange_keeps_its_error(dep, layer):
+    """Rank 0 runs the step by the split API: it dispatches, its own experts failed, so it
+    calls abort_step(ValueError) where its peers combine, and SIGINT lands at the call of abort_step's
+    `_run` (before the combine's exchange began). Rank 0 still takes part in the combine,
+    rejecting the step: the peers raise EpPeerError (recovery "none"), rank 0's
+    KeyboardInterrupt says no reset() is needed and carries abort_step's ValueError as its
+    context. Every rank goes on without a reset and the next steps give the reference rows."""
+    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 343), T)
+    failures: list[str] = []
+    with build(dep) as routed:
+        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
+        if dep.rank == 0:
+            latent, ids, weights = batches.inputs(1)
+            routed.dispatch(latent, ids, weights)
+            interrupt_at_the_call_of("_run")
+            err, took = timed(lambda: routed.abort_step(ValueError("the experts' own")))
+        else:
+            err, took = timed(lambda: batches.run(routed, 1))
+        sys.settrace(None)
+        seen = rejected_step_failures(dep.rank, err, took)
+        failures += seen
+        if dep.rank == 0 and not seen and not isinstance(err.__context__, ValueError):
+            failures.append(f"rank 0: abort_step's error lost ({err.__context__!r})")
+        for i in (2, 3):
+            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
+    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", [ValueError, TypeError])
 def test_any_exception_inside_a_wait_needs_a_reset(dep, layer, kind):
     """A signal handler of the caller's raises a ValueError or TypeError while rank 0 waits in a
