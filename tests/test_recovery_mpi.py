@@ -683,9 +683,9 @@ def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, 
 @pytest.mark.timeout(120)
 def test_an_interrupt_in_abort_step_before_its_exchange_keeps_its_error(dep, layer):
     """Rank 0 runs the step by the split API: it dispatches, its own experts failed, so it
-    calls abort_step(ValueError) where its peers combine, and SIGINT lands at the call of abort_step's
-    `_run` (before the combine's exchange began). Rank 0 still takes part in the combine,
-    rejecting the step: the peers raise EpPeerError (recovery "none"), rank 0's
+    calls abort_step(ValueError) where its peers combine, and SIGINT lands at the call of
+    abort_step's `_run` (before the combine's exchange began). Rank 0 still takes part in the
+    combine, rejecting the step: the peers raise EpPeerError (recovery "none"), rank 0's
     KeyboardInterrupt says no reset() is needed and carries abort_step's ValueError as its
     context. Every rank goes on without a reset and the next steps give the reference rows."""
     batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 343), T)
