@@ -9,16 +9,18 @@ Receive rows as bench_experts draws them (rank 0 of `ranks`, T tokens each, K3's
 experts of 896 by synthetic_ids). Weights: random MXFP4 codes for the local experts, scale bytes
 118..126 (humming's fused scales take a spread of 11 binades). FC1: the receive rows (e4m3, fp32
 scales) to BF16 [2I] per pair; FC2: random e4m3 activation rows [I] per pair to BF16 [L]. Each
-kernel alone, the grouping done before it, the narrow GEMM in three forms (FORMS: one mma.sync a
+kernel alone, the grouping done before it, the narrow GEMM in five forms (FORMS: one mma.sync a
 warp, or a chunk's four wgmma a warpgroup with the rows in shared memory, each chunk loaded
 straight into registers; and the default, the wgmma form with each warp's weights streamed
-through a ring in shared memory by bulk copies; with --shapes, SHAPES' other rings too; with
---wide, WIDE's tiles of 16, 24 and 32 pairs, for T past decode, e.g. `--wide --tokens 16 32 64
-128 256`): graph replay of `--reps` calls, median of `--samples` replays, per call. The bytes:
-the touched experts' codes and scales of that GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an
-expert; FC2: half that), once; GB/s = bytes / time; % of copy = GB/s over the device-to-device
-copy bandwidth measured in the run. diff: relative L2 of the narrow GEMM's output against
-humming's on the same pairs.
+through a ring in shared memory by bulk copies; "humming words", the wgmma form on humming's
+prepared weights (the tensors humming's own GEMM reads, no copy of ours; their scales folded into
+the expansion), through a warpgroup's ring and loaded directly; with --shapes, SHAPES' other rings
+too; with --wide, WIDE's tiles of 16, 24 and 32 pairs, for T past decode, e.g. `--wide --tokens
+16 32 64 128 256`; `--forms` names the forms to time instead): graph replay of `--reps` calls,
+median of `--samples` replays, per call. The bytes: the touched experts' codes and scales of that
+GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an expert; FC2: half that), once; GB/s = bytes / time; %
+of copy = GB/s over the device-to-device copy bandwidth measured in the run. diff: relative L2 of
+the narrow GEMM's output against humming's on the same pairs.
 """
 
 from __future__ import annotations
@@ -71,6 +73,14 @@ class Layer:
         self.humming13 = HummingGemm.prepare(self.w13, self.s13, False)
         self.humming2 = HummingGemm.prepare(self.w2, self.s2, False)
 
+    @staticmethod
+    def humming_words(gemm: HummingGemm) -> tuple[tuple, dict]:
+        """The narrow GEMM's arguments for humming's prepared tensors of `gemm`: (words,
+        scales) and {"expert_scale": weight_scale_2}."""
+        tensors = gemm.tensors
+        scale_2 = tensors["weight_scale_2"].float().reshape(-1).contiguous()
+        return (tensors["weight"], tensors["weight_scale"]), {"expert_scale": scale_2}
+
 
 # The narrow GEMM's forms timed (column name -> NarrowTuning): its MMA either way, each chunk
 # loaded straight into registers, and the default, a ring of chunks in shared memory.
@@ -78,6 +88,8 @@ FORMS = {
     "mma.sync": NarrowTuning(wgmma=False, stages=0),
     "wgmma": NarrowTuning(stages=0),
     "wgmma ring": NarrowTuning(),
+    "humming words": NarrowTuning(weights="humming"),
+    "humming words direct": NarrowTuning(weights="humming", stages=0),
 }
 # Other ring shapes (warps, slots x chunks a slot), timed beside FORMS with --shapes.
 SHAPES = {
@@ -91,6 +103,11 @@ SHAPES = {
 # The default form on wider tiles (`--wide`): each tile reads its expert's weights once for up to
 # 16, 24 or 32 of its pairs (about 19 pairs an expert at T = 64 on a DEP16 shard, 37 at 128).
 WIDE = {f"ring, tiles of {p}": NarrowTuning(pairs=p) for p in NARROW_TILE_PAIRS[1:]}
+WIDE |= {
+    f"humming words, tiles of {p}": NarrowTuning(weights="humming", pairs=p)
+    for p in NARROW_TILE_PAIRS[1:]
+}
+EVERY_FORM = FORMS | SHAPES | WIDE
 
 
 def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) -> dict:
@@ -119,14 +136,20 @@ def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) 
         outputs[form] = (gate_up, expert_out)
         groups = groups_of[fc1.tuning.pairs]
 
-        # The stream is read at each call: a graph capture runs on a stream of its own.
-        def narrow_fc1(fc1=fc1, gate_up=gate_up, groups=groups):
-            stream = torch.cuda.current_stream().cuda_stream
-            fc1(*layer.narrow13, x, scales, groups.pair_row, groups, gate_up, stream)
+        weights13, weights2 = layer.narrow13, layer.narrow2
+        extra13, extra2 = {}, {}
+        if fc1.tuning.weights == "humming":
+            weights13, extra13 = layer.humming_words(layer.humming13)
+            weights2, extra2 = layer.humming_words(layer.humming2)
 
-        def narrow_fc2(fc2=fc2, expert_out=expert_out, groups=groups):
+        # The stream is read at each call: a graph capture runs on a stream of its own.
+        def narrow_fc1(fc1=fc1, gate_up=gate_up, groups=groups, w=weights13, extra=extra13):
             stream = torch.cuda.current_stream().cuda_stream
-            fc2(*layer.narrow2, act, act_scale, groups.pair_row, groups, expert_out, stream)
+            fc1(*w, x, scales, groups.pair_row, groups, gate_up, stream, **extra)
+
+        def narrow_fc2(fc2=fc2, expert_out=expert_out, groups=groups, w=weights2, extra=extra2):
+            stream = torch.cuda.current_stream().cuda_stream
+            fc2(*w, act, act_scale, groups.pair_row, groups, expert_out, stream, **extra)
 
         calls[f"{form}_fc1"], calls[f"{form}_fc2"] = narrow_fc1, narrow_fc2
 
@@ -201,7 +224,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
         run or report.Run.this_process(),
     )
     page.text(f"One process. Copy bandwidth measured in the run: {bandwidth:.0f} GB/s.")
-    forms = [f for f in FORMS | SHAPES | WIDE if f"{f}_fc1" in results[0]]
+    forms = [f for f in EVERY_FORM if f"{f}_fc1" in results[0]]
     kernels = [*forms, "humming"]
     for fc in ("fc1", "fc2"):
         page.section(fc.upper())
@@ -224,7 +247,8 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
         page.table(columns, rows)
     panels = []
     styles = {"mma.sync": ":^", "wgmma": ":o", "wgmma ring": "o-", "humming": "s--"}
-    styles |= dict(zip(WIDE, ("d-", "v-", "P-")))
+    styles |= {"humming words": "x-", "humming words direct": ":x"}
+    styles |= dict(zip(WIDE, ("d-", "v-", "P-", "d--", "v--", "P--")))
     for fc in ("fc1", "fc2"):
         series = []
         for local in dict.fromkeys(r["local"] for r in results):
@@ -242,6 +266,13 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
     print(page.write())
 
 
+def timed_forms(args) -> dict:
+    """The forms a run times: `--forms`, else FORMS with SHAPES (--shapes) and WIDE (--wide)."""
+    if args.forms:
+        return {form: EVERY_FORM[form] for form in args.forms}
+    return FORMS | (SHAPES if args.shapes else {}) | (WIDE if args.wide else {})
+
+
 def main() -> int:
     parser = cli.parser(__doc__, page="bench_narrow_gemm.md", tokens=TOKENS, timing=(REPS, SAMPLES))
     parser.add_argument(
@@ -249,6 +280,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--wide", action="store_true", help="time the tiles of 16, 24 and 32 pairs (WIDE) as well"
+    )
+    parser.add_argument(
+        "--forms",
+        nargs="+",
+        choices=list(EVERY_FORM),
+        metavar="FORM",
+        help=f"time only these forms (any of {list(EVERY_FORM)})",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -261,9 +299,7 @@ def main() -> int:
             NarrowGemmLaunch(2 * K3.intermediate, K3.latent, True, tuning),
             NarrowGemmLaunch(K3.latent, K3.intermediate, False, tuning),
         )
-        for form, tuning in (
-            FORMS | (SHAPES if args.shapes else {}) | (WIDE if args.wide else {})
-        ).items()
+        for form, tuning in timed_forms(args).items()
     }
     results = []
     for local in LOCAL_EXPERTS:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dep_ep.experts.hopper.grouping import group_pairs
+from dep_ep.experts.hopper.humming_layout import PREPARED_SCALE_SPREAD, prepared_weights
 from dep_ep.experts.hopper.narrow_layout import (
     E2M1_TO_E4M3_EXPONENT,
     NARROW_MAX_SCALE_BYTE,
@@ -33,9 +34,11 @@ def fresh_generator() -> torch.Generator:
     return torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
 
 
-def random_weights(num: int, n: int, k: int, gen: torch.Generator, device="cpu"):
+def random_weights(num: int, n: int, k: int, gen: torch.Generator, device="cpu", spread: int = 24):
+    """Codes and scale bytes 110 .. 110 + spread (humming's prepared weights hold a spread of at
+    most PREPARED_SCALE_SPREAD)."""
     w = torch.randint(0, 256, (num, n, k // 2), dtype=torch.uint8, generator=gen)
-    s = torch.randint(110, 135, (num, n, k // 32), dtype=torch.uint8, generator=gen)
+    s = torch.randint(110, 111 + spread, (num, n, k // 32), dtype=torch.uint8, generator=gen)
     return w.to(device), s.to(device)
 
 
@@ -107,7 +110,7 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
 
     def ptx_of(tuning: NarrowTuning) -> str:
         compile_kernel(
-            lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 10 + (Int32(1),) * 4),
+            lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 11 + (Int32(1),) * 4),
             "sm_90a",
             str(tmp_path),
         )
@@ -145,6 +148,34 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
         assert mma not in text
         outputs = text[text.index(wide) :].split("{")[1].split("}")[0]
         assert outputs.count(",") + 1 == pairs // 2, outputs
+    # humming's prepared words: per k32 block two words a lane (one 8-byte load, from global
+    # memory or the warpgroup's ring) expanded by four byte permutes, beside one MMA; the ring
+    # filled by bulk copies and refilled after the warpgroup's named barrier of 128 threads.
+    for stages in (0, 2):
+        text = ptx_of(NarrowTuning(weights="humming", stages=stages))
+        mmas = text.count(mma)
+        assert text.count("prmt.b32") == 4 * mmas > 0
+        assert text.count(mma) == 4 * text.count("wgmma.commit_group.sync.aligned")
+        assert text.count("ld.shared.v2.b32" if stages else "ld.global.v2.b32") == mmas
+        # The tile's rows staged by 16-byte cp.async with a register source size (0 past the
+        # tile's rows), waited for before the async proxy's fence, before the CTA barrier.
+        assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", text)
+        fence = text.index("fence.proxy.async.shared::cta")
+        barrier = re.search(r"bar\.sync\s+0;", text)
+        assert barrier and text.index("cp.async.wait_all") < fence < barrier.start()
+        if stages:
+            assert text.count(copy) >= 16 and "ld.global.v2" not in text
+            # The ring's block addresses at N = 6144, K = 3584: an expert's words 11,010,048
+            # bytes on (K/32 x 4N words) and its scales 688,128 (K/32 x N), a k32 group's
+            # words 16 N = 98,304 bytes on.
+            for stride in (11010048, 688128, 98304):
+                assert re.search(rf"\b{stride}\b", text), stride
+            assert re.search(r"bar\.sync\s+%r\d+, 128;", text)
+        else:
+            assert copy not in text
+    # Tiles of 24 (48 copies a row's blocks do not divide the 256 threads): the row looked up
+    # in the staging loop.
+    assert "cp.async.cg.shared.global" in ptx_of(NarrowTuning(weights="humming", pairs=24))
     for pairs in NARROW_TILE_PAIRS:
         # The four blocks' descriptors of the staged rows, in 16-byte units: SBO (8-row groups,
         # 128 bytes) at bit 32, LBO (core columns along K, 16 P bytes) at bit 16, each block 2 P
@@ -165,6 +196,7 @@ def test_staged_rows_are_where_the_descriptor_points(pairs):
     Both must name the same byte for every row and core column."""
     from dep_ep.experts.hopper.narrow_gemm import (
         CORE_ROW_BYTES,
+        staged_row_offset,
         staged_rows_shape,
         staged_rows_strides,
     )
@@ -178,6 +210,39 @@ def test_staged_rows_are_where_the_descriptor_points(pairs):
             b, half = divmod(c, 2)
             read = b * block + (n % 8) * CORE_ROW_BYTES + (n // 8) * stride + half * leading
             assert written == read, (pairs, n, c)
+            # The humming form's cp.async destination.
+            assert staged_row_offset(c, n, pairs) == read, (pairs, n, c)
+
+
+@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+def test_humming_lane_pairs_hold_the_lanes_a_registers():
+    """humming_lane_pairs against humming_layout.prepared_index: for every warp of a
+    warpgroup, lane 4g + t and k32 group, word 2 wp + r of the group's 64-row block holds row
+    16 warp + g + 8 r at k 4t + j (magnitude nibble j) and 16 + 4t + j (nibble 4 + j), wgmma's
+    A registers from registers; scale byte 2 sp + r of the block holds that row's s'."""
+    from dep_ep.experts.hopper.humming_layout import prepared_index
+    from dep_ep.experts.hopper.narrow_gemm import HUMMING_BLOCK_WORDS, humming_lane_pairs
+
+    rows, k = 128, 64
+    index = prepared_index(rows, k)
+    for block in range(rows // 64):
+        for group in range(k // 32):
+            words_at = group * 4 * rows + block * HUMMING_BLOCK_WORDS
+            scales_at = group * rows + block * 64
+            for warp in range(4):
+                for g in range(8):
+                    for t in range(4):
+                        word_pair, scale_pair = humming_lane_pairs(warp, g, t)
+                        for r in range(2):
+                            row = 64 * block + 16 * warp + g + 8 * r
+                            for half in range(2):
+                                for j in range(4):
+                                    kk = 32 * group + 16 * half + 4 * t + j
+                                    word = int(index["word"][row, kk])
+                                    assert word == words_at + 2 * word_pair + r, (row, kk)
+                                    assert int(index["magnitude"][row, kk]) == 4 * half + j
+                            scale = int(index["scale"][row, group])
+                            assert scale == scales_at + 2 * scale_pair + r, (row, group)
 
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
@@ -241,6 +306,28 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         groups, tile_expert=torch.zeros(MAX_TILE_SLOTS + 1, dtype=torch.int32)
     )
     call(5, many, "65536 tile slots; at most 65535")
+    # humming's prepared weights: only with wgmma, with their weight_scale_2 and only theirs.
+    for tuning in (NarrowTuning(weights="humming", wgmma=False), NarrowTuning(weights="fp4")):
+        with pytest.raises(ValueError, match="weights one of"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    with pytest.raises(ValueError, match="expert_scale given; the narrow weights take no"):
+        launch(*good, expert_scale=torch.ones(2))
+    prepared = prepared_weights(*random_weights(2, n, k, gen, spread=PREPARED_SCALE_SPREAD))
+    hum = NarrowGemmLaunch(n, k, True, NarrowTuning(weights="humming"), arch="sm_90a")
+    rest = (x, xs, groups.pair_row, groups, out, 0)
+    with pytest.raises(ValueError, match="expert_scale missing; the humming weights take"):
+        hum(*prepared[:2], *rest)
+    with pytest.raises(ValueError, match="must be int32"):
+        hum(prepared[0].view(torch.float32), prepared[1], *rest, expert_scale=prepared[2])
+    with pytest.raises(ValueError, match=r"words \(2, 8, 128\); expected a contiguous \[\*, 8, 5"):
+        hum(prepared[0][:, :, :128], prepared[1], *rest, expert_scale=prepared[2])
+    with pytest.raises(ValueError, match="1-byte s' and fp32 weight_scale_2"):
+        hum(*prepared[:2], *rest, expert_scale=prepared[2].double())
+    with pytest.raises(ValueError, match="the rows and the experts must match"):
+        hum(*prepared[:2], *rest, expert_scale=prepared[2][:1])
+    hum_args = (*prepared[:2], x, xs, groups.pair_row, groups, out, 0)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        hum(*hum_args, expert_scale=prepared[2])
 
 
 # ---- SM90 GPU ----------------------------------------------------------------------------------
@@ -257,11 +344,11 @@ def sm90_here() -> str | None:
 GPU = pytest.mark.skipif(sm90_here() is not None, reason=f"narrow GEMM: {sm90_here()}")
 
 
-def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen, pairs=NARROW_PAIRS):
+def gpu_case(num_local, n, k, rows, topk, indexed, hot, gen, pairs=NARROW_PAIRS, spread=24):
     """Weights, rows, ids of `rows` receive rows (topk ids of 4 * num_local experts, this rank's
     the first num_local; hot: local expert 0 in every row), the groups of tiles of `pairs`."""
     dev = torch.device("cuda")
-    w, s = random_weights(num_local, n, k, gen)
+    w, s = random_weights(num_local, n, k, gen, spread=spread)
     w, s = w.to(dev), s.to(dev)
     num_experts = 4 * num_local
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(rows)])
@@ -293,6 +380,20 @@ TESTED_FORMS = {
 }
 TESTED_FORMS |= {f"wgmma-ring2x2-pairs{p}": dict(pairs=p) for p in NARROW_TILE_PAIRS[1:]}
 TESTED_FORMS["wgmma-direct-pairs32"] = dict(stages=0, pairs=32)
+# humming's prepared weights (packed in torch by prepared_weights), loaded directly and through
+# the warpgroup's ring, on tiles of 8 to 32.
+TESTED_FORMS |= {
+    f"humming-{ring}": dict(weights="humming", **ring_args)
+    for ring, ring_args in (
+        ("direct", {"stages": 0}),
+        ("ring2x2", {"stages": 2, "stage_chunks": 2}),
+        ("ring3x4", {"stages": 3, "stage_chunks": 4}),
+    )
+}
+TESTED_FORMS |= {
+    f"humming-ring2x2-pairs{p}": dict(weights="humming", pairs=p) for p in NARROW_TILE_PAIRS[1:]
+}
+TESTED_FORMS["humming-direct-pairs32"] = dict(weights="humming", stages=0, pairs=32)
 
 
 @GPU
@@ -313,13 +414,30 @@ def test_kernel_against_float64_reference(num_local, n, k, rows, topk, indexed, 
 
     gen = fresh_generator()
     tuning = NarrowTuning(**TESTED_FORMS[form])
-    w, s, x, xs, groups = gpu_case(num_local, n, k, rows, topk, indexed, hot, gen, tuning.pairs)
-    words, scales = narrow_weights(w, s)
+    humming = tuning.weights == "humming"
+    spread = PREPARED_SCALE_SPREAD if humming else 24
+    w, s, x, xs, groups = gpu_case(
+        num_local, n, k, rows, topk, indexed, hot, gen, tuning.pairs, spread
+    )
+    extra = {}
+    if humming:
+        words, scales, scale_2 = prepared_weights(w, s)
+        extra = {"expert_scale": scale_2}
+    else:
+        words, scales = narrow_weights(w, s)
     launch = NarrowGemmLaunch(n, k, indexed, tuning)
     out = torch.full((rows * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     pair_row = groups.pair_row
-    launch(words, scales, x, xs, pair_row, groups, out, torch.cuda.current_stream().cuda_stream)
+    stream = torch.cuda.current_stream().cuda_stream
+    launch(words, scales, x, xs, pair_row, groups, out, stream, **extra)
     torch.cuda.synchronize()
+    assert_matches_reference(out, w, s, x, xs, groups, indexed, num_local, k)
+
+
+def assert_matches_reference(out, w, s, x, xs, groups, indexed, num_local, k):
+    """out (bf16 [capacity, N], NaN before the call) holds every pair's row within the bound of
+    the float64 reference and nothing past the pairs."""
+    pair_row = groups.pair_row
     pairs = int(groups.num_pairs)
     assert pairs >= 1
     j = torch.arange(pairs, device="cuda")
@@ -341,3 +459,35 @@ def test_kernel_against_float64_reference(num_local, n, k, rows, topk, indexed, 
     bound = 2.0**-8 * exact.abs() + 2.0**-12 * magnitude
     excess = ((got - exact).abs() - bound).max()
     assert excess <= 0, f"error above the bound by {excess:.3g}"
+
+
+@GPU
+@pytest.mark.parametrize("stages", [0, 2])
+def test_humming_form_reads_hummings_own_preparation(stages):
+    """The humming form on the tensors humming-kernels' own preparation keeps
+    (HummingGemm.prepare, as HummingEngine holds them) at K3's FC1 shape: within the float64
+    reference's bound, and bit for bit the output on prepared_weights' tensors (the same values;
+    an expert's s' and weight_scale_2 may split its scale otherwise, by powers of two)."""
+    pytest.importorskip("humming", reason="needs humming-kernels (the gpu extra)")
+    from dep_ep.experts.hopper.humming_gemm import HummingGemm
+    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
+
+    gen = fresh_generator()
+    num_local, n, k, rows, topk = 4, 6144, 3584, 3, 16
+    tuning = NarrowTuning(weights="humming", stages=stages)
+    w, s, x, xs, groups = gpu_case(
+        num_local, n, k, rows, topk, True, True, gen, tuning.pairs, PREPARED_SCALE_SPREAD
+    )
+    tensors = HummingGemm.prepare(w, s, False).tensors
+    theirs = (tensors["weight"], tensors["weight_scale"])
+    their_scale = tensors["weight_scale_2"].float().reshape(-1).contiguous()
+    launch = NarrowGemmLaunch(n, k, True, tuning)
+    stream = torch.cuda.current_stream().cuda_stream
+    outs = []
+    for words, scales, scale_2 in ((*theirs, their_scale), prepared_weights(w, s)):
+        out = torch.full((rows * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch(words, scales, x, xs, groups.pair_row, groups, out, stream, expert_scale=scale_2)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert_matches_reference(outs[0], w, s, x, xs, groups, True, num_local, k)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))

@@ -4,14 +4,19 @@ launches it.
 
 out[j, n] = BF16( sum over k32 blocks b of 2^(sw[e, n, b] + sx[j, b]) * sum_{k in b} w[e, n, k]
 x[row(j), k] ), for the pairs j of each tile (PairGroups' tiles of block_n = NarrowTuning.pairs),
-e the tile's local expert, n < N. The weights come in experts/hopper/narrow_layout.py's layout; a
-warp owns 16 output columns of one tile over the whole K: per k32 block one MMA from zero (e4m3,
-fp32; NarrowTuning.wgmma: mma.sync.m16n8k32 a warp on tiles of 8, or a chunk's four
-wgmma.m64nPk32 a warpgroup on tiles of P = 8, 16, 24 or 32 with the tile's rows in shared
-memory), its partials scaled by the weight row's and the pair's block scales and added into fp32
-accumulators (exact MX scaling: a Hopper MMA takes no block scales). Each weight byte is read
-once per tile, 1 KiB a warp per 128 of K, into registers or (the default) through the warp's
-ring in shared memory by bulk copies.
+e the tile's local expert, n < N. The weights come in experts/hopper/narrow_layout.py's layout
+(NarrowTuning.weights "narrow") or as humming-kernels' prepared tensors ("humming",
+experts/hopper/humming_layout.py: no copy of our own beside the humming engine's); a warp owns 16
+output columns of one tile over the whole K: per k32 block one MMA from zero (e4m3, fp32;
+NarrowTuning.wgmma: mma.sync.m16n8k32 a warp on tiles of 8, or a chunk's four wgmma.m64nPk32 a
+warpgroup on tiles of P = 8, 16, 24 or 32 with the tile's rows in shared memory), its partials
+scaled by the block scales and added into fp32 accumulators (exact MX scaling: a Hopper MMA
+takes no block scales): "narrow", the weight row's and the pair's (an FMUL and an FFMA an
+element); "humming", the pair's only (one FFMA), the weights' scales folded into their e4m3
+bytes by the expansion and the output scaled by 2^6 * weight_scale_2[e]. Each weight byte is
+read once per tile, 1 KiB a warp ("narrow") or 4 KiB a warpgroup ("humming") per 128 of K, into
+registers or (the default) through a ring in shared memory, the warp's or the warpgroup's,
+filled by bulk copies.
 
 Why narrow: at decode sizes an expert holds a few pairs (1-8 at T <= 16 tokens a rank on a DEP16
 shard of K3), so the GEMM is a stream of weight bytes with a little arithmetic on each; the
@@ -22,9 +27,10 @@ them once for up to 32 pairs. Measured on one H200 (docs/results/bench_narrow_ge
 of 8 on the code before the ring's first stages moved ahead of the rows' staging and the rows
 were staged rows fastest: the default form at 0.87-1.22x the time of humming's GEMMs on the
 same pairs (T = 1..16); at that speed no engine uses it (docs/experts.md, "The narrow GEMM").
-The kernel as it is passed its GPU tests at every width on one H200 (2026-12-05); tiles of 16, 24
+The narrow form passed its GPU tests at every width on one H200 (2026-12-05); tiles of 16, 24
 and 32 took 1.2-4.5x the time of humming's GEMMs at T = 16..256 on the same pairs
-(docs/results/bench_narrow_gemm_wide.md).
+(docs/results/bench_narrow_gemm_wide.md). The humming form: docs/experts.md, "The narrow GEMM
+on humming's prepared weights".
 """
 
 from __future__ import annotations
@@ -44,6 +50,15 @@ from dep_ep.comm.kernels.launcher import compile_kernel
 from dep_ep.comm.kernels.ptx import bf16_round, bits_f32
 from dep_ep.comm.kernels.tensors import gmem_tensor, row_major_layout
 from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.hopper.humming_layout import (
+    E4M3_TABLE_HIGH,
+    E4M3_TABLE_HIGH_STEP,
+    E4M3_TABLE_LOW,
+    E4M3_TABLE_LOW_STEP,
+    HUMMING_BLOCK_ROWS,
+    MAGNITUDE_NIBBLE_BITS,
+    SIGN_NIBBLE_BITS,
+)
 from dep_ep.experts.hopper.narrow_layout import (
     MAGNITUDE_BITS,
     NARROW_CHUNK_K,
@@ -88,6 +103,21 @@ E8M0_MANTISSA_BITS = 23  # an E8M0 byte shifted here is the fp32 bits of 2^(byte
 CHUNK_WORD_BYTES = WARP_LANES * WORDS_PER_LANE * 4
 CHUNK_SCALE_BYTES = 8 * 2 * 4
 BYTE_MASK = 0xFF
+# humming's prepared weights (humming_layout.py): a 64-row block of a k32 group is 1 KiB of words;
+# lane 4g + t of warp w of a warpgroup takes words 128 (w // 2) + 16 g + 4 t + 2 (w % 2) + r (r = 0:
+# row 16 w + g, r = 1: row 16 w + g + 8), 8 contiguous bytes: the block as 128 word pairs, and its
+# 64 scale bytes (s' of row 16 w + g + 8 r at byte 8 g + 2 w + r) as 32 byte pairs.
+HUMMING_BLOCK_WORDS = 256
+HUMMING_BLOCK_BYTES = 4 * HUMMING_BLOCK_WORDS
+HUMMING_WORD_PAIRS = HUMMING_BLOCK_WORDS // 2
+HUMMING_SCALE_PAIRS = HUMMING_BLOCK_ROWS // 2
+# A chunk (128 of K) of a warpgroup's 64 rows in humming's layout: four blocks and their scales.
+HUMMING_CHUNK_BYTES = NARROW_STEPS * (HUMMING_BLOCK_BYTES + HUMMING_BLOCK_ROWS)
+# humming's bytes hold E2M1 * 2^(s' - 6): the output is scaled by 2^6 * weight_scale_2 (fp32).
+HUMMING_OUTPUT_SCALE = 64.0
+WEIGHT_FORMS = ("narrow", "humming")
+# The warpgroups' named barriers (bar.sync 0 is the CTA's): warpgroup i takes barrier 1 + i.
+FIRST_WARPGROUP_BARRIER = 1
 # What one CTA may take on SM90 (227 KiB), less the allocator's alignment padding.
 SMEM_LIMIT = 227 * 1024 - 256
 # The grid's second axis (tile slots) is at most this (CUDA's limit on gridDim.y).
@@ -194,6 +224,41 @@ def bulk_copy_to_shared(dst, src, size, barrier, *, loc=None, ip=None) -> None:
     )
 
 
+@dsl_user_op
+def copy_16_async(dst, src, src_bytes, *, loc=None, ip=None) -> None:
+    """cp.async of 16 bytes from global address `src` (Int64) to shared address `dst` (both
+    16-byte aligned), reading `src_bytes` of them (16, or 0: the 16 shared bytes are zeroed),
+    through L2 only (.cg); complete after cp_async_wait_all."""
+    args = [
+        Int32(dst).ir_value(loc=loc, ip=ip),
+        Int64(src).ir_value(loc=loc, ip=ip),
+        Int32(src_bytes).ir_value(loc=loc, ip=ip),
+    ]
+    llvm.inline_asm(
+        None,
+        args,
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """Wait for every cp.async this thread issued (their shared-memory writes done)."""
+    llvm.inline_asm(
+        None,
+        [],
+        "cp.async.wait_all;",
+        "",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @cute.jit
 def smem_desc(address: Int32, leading_bytes: int, stride_bytes: int) -> Int64:
     """A wgmma shared-memory descriptor, K-major without swizzle, of the operand at shared
@@ -223,6 +288,55 @@ def e8m0_byte(word: Uint32, index: int) -> Float32:
     return bits_f32(((word >> (8 * index)) & Uint32(BYTE_MASK)) << E8M0_MANTISSA_BITS)
 
 
+def humming_lane_pairs(warp: int, g: int, t: int) -> tuple:
+    """(word pair, scale pair) of lane 4g + t of warp `warp` (0..3) of a warpgroup in each of
+    its 64-row block's k32 groups of humming's prepared weights: words 2 wp and 2 wp + 1 of the
+    block's 256 hold rows 16 warp + g and 16 warp + g + 8 at k 4t..4t+3 and 16 + 4t.. (A
+    registers of wgmma from registers), and scale bytes 2 sp and 2 sp + 1 of its 64 their s'.
+    Plain arithmetic: the kernel calls it on its indices, the tests on ints (against
+    humming_layout.prepared_index)."""
+    word_pair = (HUMMING_WORD_PAIRS // 2) * (warp // 2) + 8 * g + 2 * t + warp % 2
+    return word_pair, 4 * g + warp
+
+
+def staged_row_offset(column, n, pairs: int):
+    """The byte offset in a tile's staged rows (stage_rows' layout, `staged_rows_strides`) of
+    core column `column` (16 bytes of K) of row n: 16 P column + 16 n. Plain arithmetic, as
+    humming_lane_pairs."""
+    return CORE_ROW_BYTES * pairs * column + CORE_ROW_BYTES * n
+
+
+@dsl_user_op
+def permute_bytes(low, high, selectors, *, loc=None, ip=None) -> Uint32:
+    """prmt.b32 (default mode): byte i of the result is byte selectors[4i:4i+4] of (high, low);
+    humming_layout.permute_bytes in torch. No side effects, so the compiler may schedule it."""
+    args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (low, high, selectors)]
+    result = llvm.inline_asm(
+        T.i32(),
+        args,
+        "prmt.b32 $0, $1, $2, $3;",
+        "=r,r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Uint32(result)
+
+
+@cute.jit
+def humming_e4m3(word: Uint32, exponent: Uint32) -> tuple:
+    """One prepared word's 8 elements (one row, k 4t + j and 16 + 4t + j) as two words of e4m3
+    bytes, E2M1 * 2^(s' - 6) with s' = `exponent` the row's and group's small exponent:
+    humming_layout.expanded_e4m3_words, whose CPU test is this expansion's specification."""
+    low = Uint32(E4M3_TABLE_LOW) + exponent * Uint32(E4M3_TABLE_LOW_STEP)
+    high = Uint32(E4M3_TABLE_HIGH) + exponent * Uint32(E4M3_TABLE_HIGH_STEP)
+    magnitudes = word & Uint32(MAGNITUDE_NIBBLE_BITS)
+    signs = word & Uint32(SIGN_NIBBLE_BITS)
+    half0 = permute_bytes(low, high, magnitudes) | ((signs << 4) & Uint32(SIGN_BITS))
+    half1 = permute_bytes(low, high, magnitudes >> 16) | (signs & Uint32(SIGN_BITS))
+    return half0, half1
+
+
 @dataclass(frozen=True, kw_only=True)
 class NarrowTuning:
     """The kernel's launch shape and form.
@@ -240,6 +354,14 @@ class NarrowTuning:
       (`weights_skip_l1`); > 0, each warp streams its weights through a ring in shared memory of
       `stages` slots of `stage_chunks` chunks, filled by bulk copies on the slots' mbarriers
       (`ring_bytes`: 34 KiB at the default 8 warps, 2 slots of 2 chunks).
+    weights: "narrow", the weights in narrow_layout.py's layout (the kernel's own copy), each
+      row's block scale applied to its partials (an FMUL and an FFMA an output element and k32
+      block); "humming", humming's prepared tensors as HummingGemm.prepare keeps them
+      (humming_layout.py: no copy of its own), their scales folded into the e4m3 bytes by the
+      expansion (one FFMA an output element and k32 block) and the output scaled by 2^6 *
+      weight_scale_2. The humming form needs wgmma; its ring (stages > 0) is a warpgroup's, not a
+      warp's (humming's 64-row blocks interleave a warpgroup's warps), refilled after the
+      warpgroup's named barrier.
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -250,15 +372,25 @@ class NarrowTuning:
     stage_chunks: int = 2
     weights_skip_l1: bool = False
     pairs: int = NARROW_PAIRS
+    weights: str = "narrow"
 
     def columns(self) -> int:
         """Output columns a CTA: 16 * warps."""
         return NARROW_ROWS * self.warps
 
     def ring_bytes(self) -> int:
-        """Shared memory of the warps' rings of weight chunks (stages > 0): a chunk's 1 KiB of
-        codes and 64 bytes of scales, stage_chunks a stage, `stages` a warp."""
-        return self.warps * self.stages * self.stage_chunks * (CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES)
+        """Shared memory of the rings of weight chunks (stages > 0): a warp's chunk of 1 KiB of
+        codes and 64 bytes of scales ("narrow"), or a warpgroup's of four times that
+        ("humming"), stage_chunks a stage, `stages` a ring."""
+        if self.weights == "humming":
+            rings, chunk = self.warps // WARPGROUP_WARPS, HUMMING_CHUNK_BYTES
+        else:
+            rings, chunk = self.warps, CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES
+        return rings * self.stages * self.stage_chunks * chunk
+
+    def rings(self) -> int:
+        """The rings a CTA: one a warp ("narrow") or a warpgroup ("humming")."""
+        return self.warps // WARPGROUP_WARPS if self.weights == "humming" else self.warps
 
 
 class NarrowGemmKernel:
@@ -275,7 +407,9 @@ class NarrowGemmKernel:
         assert narrow_fits(n, k) and n % tuning.columns() == 0
         assert not tuning.wgmma or tuning.warps % WARPGROUP_WARPS == 0
         assert tuning.pairs in NARROW_TILE_PAIRS and (tuning.wgmma or tuning.pairs == NARROW_PAIRS)
+        assert tuning.weights in WEIGHT_FORMS and (tuning.weights == "narrow" or tuning.wgmma)
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
+        self.humming = tuning.weights == "humming"
         self.blocks = n // NARROW_ROWS
         self.chunks = k // NARROW_CHUNK_K
         # A lane's pairs in the MMA's C: 8c + 2t and 8c + 2t + 1 of each 8 pairs c of the tile.
@@ -286,6 +420,7 @@ class NarrowGemmKernel:
         self,
         words: Int64,
         scales: Int64,
+        expert_scale: Int64,
         x: Int64,
         x_scales: Int64,
         pair_row: Int64,
@@ -301,17 +436,27 @@ class NarrowGemmKernel:
         stream: cuda.CUstream,
     ):
         """words int32 [E, N/16, K/128, 32, 8], scales int32 [E, N/16, K/128, 8, 2]
-        (narrow_weights); x e4m3 [rows_in, K] and x_scales fp32 [rows_in, K/32]; pair_row int32
-        (read when indexed); tile_expert, tile_start, tile_rows int32 [tiles], num_tiles int32
-        [1] (PairGroups); out bf16 [rows_out, N]. All 16-byte aligned."""
+        (narrow_weights; expert_scale unread), or with tuning.weights "humming" humming's
+        prepared weight int32 [E, K/32, 4N], weight_scale bytes [E, K/32, N] and weight_scale_2
+        fp32 [E] (expert_scale); x e4m3 [rows_in, K] and x_scales fp32 [rows_in, K/32];
+        pair_row int32 (read when indexed); tile_expert, tile_start, tile_rows int32 [tiles],
+        num_tiles int32 [1] (PairGroups); out bf16 [rows_out, N]. All 16-byte aligned."""
         cb, q = self.blocks, self.chunks
         steps = self.k // SCALE_BLOCK
-        mW = gmem_tensor(Uint32, words, row_major_layout((num_local, cb, q, WARP_LANES, 8)))
-        mS = gmem_tensor(Uint32, scales, row_major_layout((num_local, cb, q, 8, 2)))
+        if cutlass.const_expr(self.humming):
+            # A block's words as 128 pairs and its scale bytes as 32 pairs (a lane's, r = 0, 1).
+            blocks = (num_local, steps, self.n // HUMMING_BLOCK_ROWS)
+            mW = gmem_tensor(Uint32, words, row_major_layout((*blocks, HUMMING_WORD_PAIRS, 2)))
+            mS = gmem_tensor(
+                Uint16, scales, row_major_layout((*blocks, HUMMING_SCALE_PAIRS)), align=2
+            )
+        else:
+            mW = gmem_tensor(Uint32, words, row_major_layout((num_local, cb, q, WARP_LANES, 8)))
+            mS = gmem_tensor(Uint32, scales, row_major_layout((num_local, cb, q, 8, 2)))
+        mExpertScale = gmem_tensor(Float32, expert_scale, cute.make_layout(num_local), align=4)
         # x as words: row, chunk, step s, lane t: two words (k 8t .. 8t + 7 of block s)
         mX = gmem_tensor(Uint32, x, row_major_layout((rows_in, q, NARROW_STEPS, 4, 2)))
         mXs = gmem_tensor(Float32, x_scales, row_major_layout((rows_in, q, NARROW_STEPS)))
-        assert steps == q * NARROW_STEPS
         vector = cute.make_layout(tiles)
         mPairRow = gmem_tensor(Int32, pair_row, cute.make_layout(rows_out), align=4)
         mTileExpert = gmem_tensor(Int32, tile_expert, vector, align=4)
@@ -320,7 +465,17 @@ class NarrowGemmKernel:
         mNumTiles = gmem_tensor(Int32, num_tiles, cute.make_layout(1), align=4)
         mOut = gmem_tensor(Uint16, out, row_major_layout((rows_out, self.n)))
         self.kernel(
-            mW, mS, mX, mXs, mPairRow, mTileExpert, mTileStart, mTileRows, mNumTiles, mOut
+            mW,
+            mS,
+            mExpertScale,
+            mX,
+            mXs,
+            mPairRow,
+            mTileExpert,
+            mTileStart,
+            mTileRows,
+            mNumTiles,
+            mOut,
         ).launch(
             grid=[cb // self.tuning.warps, tiles, 1],
             block=[WARP_LANES * self.tuning.warps, 1, 1],
@@ -332,6 +487,7 @@ class NarrowGemmKernel:
         self,
         mW: cute.Tensor,
         mS: cute.Tensor,
+        mExpertScale: cute.Tensor,
         mX: cute.Tensor,
         mXs: cute.Tensor,
         mPairRow: cute.Tensor,
@@ -363,10 +519,13 @@ class NarrowGemmKernel:
                 if cutlass.const_expr(self.indexed):
                     j = mPairRow[j]
                 pair_rows.append(j)
-            # One chunk's registers: the lane's weight words and scale words, its B words
+            # One chunk's registers: the lane's weight words and scale words (humming: per k32
+            # block s, the words of rows g and g + 8 and their two s' bytes), its B words
             # (mma.sync) and its lane pairs' block scales.
             rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
             rS = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+            if cutlass.const_expr(self.humming):
+                rS = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Uint16)
             rX = cute.make_rmem_tensor(cute.make_layout((2, NARROW_STEPS)), Uint32)
             rXs = []
             for i in cutlass.range_constexpr(self.lane_pairs):
@@ -376,7 +535,13 @@ class NarrowGemmKernel:
             rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
             rAcc.fill(0.0)
             regs = (rW, rS, rX, rXs)
-            source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows)
+            # humming: the warpgroup's 64-row block, and this lane's word pair and scale pair in
+            # each of its k32 blocks (HUMMING_BLOCK_WORDS above).
+            w = warp % WARPGROUP_WARPS
+            block64 = block // WARPGROUP_WARPS
+            word_pair, scale_pair = humming_lane_pairs(w, g, t)
+            humming_at = (block64, word_pair, scale_pair)
+            source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at)
             smem = SmemAllocator()
             rows_desc = Int64(0)
             # The ring's first stages are in flight while the CTA stages the tile's rows.
@@ -392,24 +557,42 @@ class NarrowGemmKernel:
                     self.load_chunk(source, regs, q)
                     self.mma_chunk(regs, q, rows_desc, rAcc)
             n0 = block * NARROW_ROWS + g
+            output_scale = Float32(1.0)
+            if cutlass.const_expr(self.humming):
+                output_scale = mExpertScale[expert] * Float32(HUMMING_OUTPUT_SCALE)
             for i in cutlass.range_constexpr(self.lane_pairs):
                 c, h = i // 2, i % 2
                 pair = 8 * c + 2 * t + h
                 if pair < rows:
-                    mOut[start + pair, n0] = Uint16(bf16_round(rAcc[4 * c + h]))
-                    mOut[start + pair, n0 + 8] = Uint16(bf16_round(rAcc[4 * c + 2 + h]))
+                    row_g = rAcc[4 * c + h] * output_scale
+                    row_g8 = rAcc[4 * c + 2 + h] * output_scale
+                    mOut[start + pair, n0] = Uint16(bf16_round(row_g))
+                    mOut[start + pair, n0 + 8] = Uint16(bf16_round(row_g8))
 
     @cute.jit
     def load_chunk(self, source, regs, q, weights: bool = True):
-        """Chunk q's loads into `regs`: the lane's 32 weight bytes and its rows' two scale words
-        (unless `weights` is False: the ring brought them), and (mma.sync) its B words and its
-        lane pairs' block scales (from L1 or L2: every warp of the CTA reads them)."""
-        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows = source
+        """Chunk q's loads into `regs`: the lane's weights, unless `weights` is False (the ring
+        brought them): "narrow", its 32 weight bytes and its rows' two scale words; "humming",
+        per k32 block its word pair (8 bytes) and its rows' two s' bytes; and (mma.sync) its B
+        words and its lane pairs' block scales (from L1 or L2: every warp of the CTA reads
+        them)."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
         rW, rS, rX, rXs = regs
         weights_cache = cute.nvgpu.CacheEvictionPriority.EVICT_NORMAL
         if cutlass.const_expr(self.tuning.weights_skip_l1):
             weights_cache = cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE
-        if cutlass.const_expr(weights):
+        if cutlass.const_expr(weights and self.humming):
+            block64, word_pair, scale_pair = humming_at
+            view = cute.make_tensor(rW.iterator, cute.make_layout((2, NARROW_STEPS)))
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                at = q * NARROW_STEPS + s
+                cute.autovec_copy(
+                    mW[expert, at, block64, word_pair, None],
+                    view[None, s],
+                    l1c_evict_priority=weights_cache,
+                )
+                rS[s] = mS[expert, at, block64, scale_pair]
+        elif cutlass.const_expr(weights):
             cute.autovec_copy(
                 mW[expert, block, q, lane, None], rW, l1c_evict_priority=weights_cache
             )
@@ -424,7 +607,8 @@ class NarrowGemmKernel:
     def mma_chunk(self, regs, q, rows_desc, rAcc):
         """Chunk q from `regs`: per k32 block s, the weights expanded to e4m3 and one MMA from
         zero (the wgmma form: the chunk's four issued together), then each block's partials
-        scaled by the row's and the pair's block scales and added into rAcc in block order (for
+        scaled by the row's and the pair's block scales ("humming": the pair's only, the row's
+        being in the bytes) and added into rAcc in block order (for
         each 8 pairs c: rows g, g, g + 8, g + 8; lane pairs 2c, 2c + 1, 2c, 2c + 1)."""
         rW, rS, rX, rXs = regs
         pairs = self.tuning.pairs
@@ -438,22 +622,36 @@ class NarrowGemmKernel:
             ]
             a = []
             for s in cutlass.range_constexpr(NARROW_STEPS):
-                a += self.expand(rW[2 * s], rW[2 * s + 1])
+                if cutlass.const_expr(self.humming):
+                    a += self.expand_humming(rW[2 * s], rW[2 * s + 1], rS[s])
+                else:
+                    a += self.expand(rW[2 * s], rW[2 * s + 1])
             d = wgmma_e4m3_chunk(a, descs, pairs)
             parts = [d[per * s : per * (s + 1)] for s in range(NARROW_STEPS)]
         else:
             for s in cutlass.range_constexpr(NARROW_STEPS):
                 a = self.expand(rW[2 * s], rW[2 * s + 1])
                 parts.append(mma_e4m3(*a, rX[0, s], rX[1, s]))
-        for s in cutlass.range_constexpr(NARROW_STEPS):
-            sg, sg8 = e8m0_byte(rS[0], s), e8m0_byte(rS[1], s)
-            for c in cutlass.range_constexpr(pairs // NARROW_PAIRS):
-                d0, d1, d2, d3 = parts[s][4 * c : 4 * c + 4]
-                xs0, xs1 = rXs[2 * c][s], rXs[2 * c + 1][s]
-                rAcc[4 * c] = rAcc[4 * c] + d0 * (sg * xs0)
-                rAcc[4 * c + 1] = rAcc[4 * c + 1] + d1 * (sg * xs1)
-                rAcc[4 * c + 2] = rAcc[4 * c + 2] + d2 * (sg8 * xs0)
-                rAcc[4 * c + 3] = rAcc[4 * c + 3] + d3 * (sg8 * xs1)
+        if cutlass.const_expr(self.humming):
+            # The weights' scales are in their bytes: one FFMA an element (exact MX scaling).
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                for c in cutlass.range_constexpr(pairs // NARROW_PAIRS):
+                    d0, d1, d2, d3 = parts[s][4 * c : 4 * c + 4]
+                    xs0, xs1 = rXs[2 * c][s], rXs[2 * c + 1][s]
+                    rAcc[4 * c] = rAcc[4 * c] + d0 * xs0
+                    rAcc[4 * c + 1] = rAcc[4 * c + 1] + d1 * xs1
+                    rAcc[4 * c + 2] = rAcc[4 * c + 2] + d2 * xs0
+                    rAcc[4 * c + 3] = rAcc[4 * c + 3] + d3 * xs1
+        else:
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                sg, sg8 = e8m0_byte(rS[0], s), e8m0_byte(rS[1], s)
+                for c in cutlass.range_constexpr(pairs // NARROW_PAIRS):
+                    d0, d1, d2, d3 = parts[s][4 * c : 4 * c + 4]
+                    xs0, xs1 = rXs[2 * c][s], rXs[2 * c + 1][s]
+                    rAcc[4 * c] = rAcc[4 * c] + d0 * (sg * xs0)
+                    rAcc[4 * c + 1] = rAcc[4 * c + 1] + d1 * (sg * xs1)
+                    rAcc[4 * c + 2] = rAcc[4 * c + 2] + d2 * (sg8 * xs0)
+                    rAcc[4 * c + 3] = rAcc[4 * c + 3] + d3 * (sg8 * xs1)
 
     @staticmethod
     def expand(row_g, row_g8) -> list:
@@ -465,91 +663,161 @@ class NarrowGemmKernel:
             e4m3_from_high(row_g8),
         ]
 
+    @staticmethod
+    def expand_humming(word_g, word_g8, exponents: Uint16) -> list:
+        """A k32 block's four A words (rows g and g + 8: k 4t..4t+3, then 16 + 4t..) from the
+        rows' prepared words and their s' bytes (row g's the low byte)."""
+        bytes_ = Uint32(exponents)
+        g0, g1 = humming_e4m3(word_g, bytes_ & Uint32(BYTE_MASK))
+        g80, g81 = humming_e4m3(word_g8, bytes_ >> 8)
+        return [g0, g80, g1, g81]
+
     @cute.jit
     def ring_start(self, smem, source, warp):
-        """The warp's ring in shared memory (`stages` slots of stage_chunks chunks, codes and
-        scales, contiguous in global memory): its slots and mbarriers allocated and initialised,
-        and its first `stages` stages issued by lane 0 as bulk copies on the slots' mbarriers.
-        Returns what ring_loop takes."""
-        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows = source
+        """The ring of this warp ("narrow") or of its warpgroup ("humming") in shared memory
+        (`stages` slots of stage_chunks chunks, codes and scales): its slots and mbarriers
+        allocated and initialised, and its first `stages` stages issued as bulk copies on the
+        slots' mbarriers by the ring's issuing thread (lane 0 of the warp, or of the
+        warpgroup's first warp). Returns what ring_loop takes. The initialisation is seen by
+        the other warps of a warpgroup through stage_rows' CTA barrier, before any waits."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
         slots, per = self.tuning.stages, self.tuning.stage_chunks
-        warps = self.tuning.warps
+        rings = self.tuning.rings()
         groups = (self.chunks + per - 1) // per
-        sW = smem.allocate_tensor(
-            Uint32,
-            row_major_layout((warps, slots, per, WARP_LANES, WORDS_PER_LANE)),
-            byte_alignment=128,
-        )
-        sS = smem.allocate_tensor(
-            Uint32, row_major_layout((warps, slots, per, 8, 2)), byte_alignment=16
-        )
-        bars = smem.allocate_array(Int64, warps * slots, byte_alignment=8)
-        mine = warp * slots
-        if lane == 0:
+        if cutlass.const_expr(self.humming):
+            sW = smem.allocate_tensor(
+                Uint32,
+                row_major_layout((rings, slots, per, NARROW_STEPS, HUMMING_WORD_PAIRS, 2)),
+                byte_alignment=128,
+            )
+            sS = smem.allocate_tensor(
+                Uint16,
+                row_major_layout((rings, slots, per, NARROW_STEPS, HUMMING_SCALE_PAIRS)),
+                byte_alignment=16,
+            )
+            ring = warp // WARPGROUP_WARPS
+            issuer = (lane == 0) & (warp % WARPGROUP_WARPS == 0)
+            # The warpgroup's block 0 of group 0 in global memory; group i is i * 4N words
+            # (16 N bytes) and i * N scale bytes on.
+            first = Int64(expert) * (self.k // SCALE_BLOCK)
+            block64 = humming_at[0]
+            words_at = mW.iterator.toint() + (
+                first * (4 * self.n) + Int64(block64) * HUMMING_BLOCK_WORDS
+            ) * Int64(4)
+            scales_at = mS.iterator.toint() + first * self.n + Int64(block64) * HUMMING_BLOCK_ROWS
+        else:
+            sW = smem.allocate_tensor(
+                Uint32,
+                row_major_layout((rings, slots, per, WARP_LANES, WORDS_PER_LANE)),
+                byte_alignment=128,
+            )
+            sS = smem.allocate_tensor(
+                Uint32, row_major_layout((rings, slots, per, 8, 2)), byte_alignment=16
+            )
+            ring = warp
+            issuer = lane == 0
+            # This warp's codes and scales in global memory: chunk q at words_at + q * 1 KiB.
+            first = (Int64(expert) * self.blocks + Int64(block)) * self.chunks
+            words_at = mW.iterator.toint() + first * CHUNK_WORD_BYTES
+            scales_at = mS.iterator.toint() + first * CHUNK_SCALE_BYTES
+        bars = smem.allocate_array(Int64, rings * slots, byte_alignment=8)
+        mine = ring * slots
+        if issuer:
             for s in cutlass.range_constexpr(slots):
                 cute.arch.mbarrier_init(bars + (mine + s), 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_warp()
-        # This warp's codes and scales in global memory: chunk q at words_at + q * 1 KiB.
-        first = (Int64(expert) * self.blocks + Int64(block)) * self.chunks
-        words_at = mW.iterator.toint() + first * CHUNK_WORD_BYTES
-        scales_at = mS.iterator.toint() + first * CHUNK_SCALE_BYTES
-        if lane == 0:
+        if issuer:
             for s in cutlass.range_constexpr(min(slots, groups)):
-                self.issue_stage(sW, sS, bars, mine, warp, s, s, words_at, scales_at)
-        return sW, sS, bars, words_at, scales_at
+                self.issue_stage(sW, sS, bars, mine, ring, s, s, words_at, scales_at)
+        return sW, sS, bars, words_at, scales_at, ring, issuer
 
     @cute.jit
-    def ring_loop(self, ring, source, regs, rows_desc, rAcc, warp):
-        """The warp's chunks through its ring (ring_start): the warp waits for a slot, reads its
-        chunks into registers and computes them, then refills the slot with the stage `stages`
-        on. Each warp owns its ring, so no CTA barrier is needed. The waits are on this warp's
-        own copies from global memory, which the hardware completes (a faulting copy fails the
-        launch), so they carry no timeout."""
-        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows = source
+    def ring_loop(self, ring_state, source, regs, rows_desc, rAcc, warp):
+        """The chunks through the ring (ring_start): the ring's threads wait for a slot, read
+        their chunks into registers and compute them, then the issuing thread refills the slot
+        with the stage `stages` on, once every thread of the ring has read it (a warp's
+        sync_warp, or the warpgroup's named barrier). No CTA barrier is needed. The waits are on
+        the ring's own copies from global memory, which the hardware completes (a faulting copy
+        fails the launch), so they carry no timeout."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
         rW, rS, rX, rXs = regs
-        sW, sS, bars, words_at, scales_at = ring
+        sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         groups = (self.chunks + per - 1) // per
-        mine = warp * slots
+        mine = ring * slots
         for i in cutlass.range(groups):
             slot = i % slots
             cute.arch.mbarrier_wait(bars + (mine + slot), (i // slots) & 1)
             for c in cutlass.range_constexpr(per):
                 q = i * per + c
                 if q < self.chunks:
-                    cute.autovec_copy(sW[warp, slot, c, lane, None], rW)
-                    cute.autovec_copy(sS[warp, slot, c, g, None], rS)
+                    if cutlass.const_expr(self.humming):
+                        word_pair, scale_pair = humming_at[1], humming_at[2]
+                        view = cute.make_tensor(rW.iterator, cute.make_layout((2, NARROW_STEPS)))
+                        for s in cutlass.range_constexpr(NARROW_STEPS):
+                            cute.autovec_copy(sW[ring, slot, c, s, word_pair, None], view[None, s])
+                            rS[s] = sS[ring, slot, c, s, scale_pair]
+                    else:
+                        cute.autovec_copy(sW[ring, slot, c, lane, None], rW)
+                        cute.autovec_copy(sS[ring, slot, c, g, None], rS)
                     self.load_chunk(source, regs, q, weights=False)
                     self.mma_chunk(regs, q, rows_desc, rAcc)
-            # Every lane's reads of the slot are done (their values used) before it refills.
-            cute.arch.sync_warp()
-            if lane == 0 and i + slots < groups:
-                self.issue_stage(sW, sS, bars, mine, warp, i + slots, slot, words_at, scales_at)
+            # Every thread's reads of the slot are done (their values used) before it refills.
+            if cutlass.const_expr(self.humming):
+                cute.arch.barrier(
+                    barrier_id=FIRST_WARPGROUP_BARRIER + ring,
+                    number_of_threads=WARPGROUP_WARPS * WARP_LANES,
+                )
+            else:
+                cute.arch.sync_warp()
+            if issuer and i + slots < groups:
+                self.issue_stage(sW, sS, bars, mine, ring, i + slots, slot, words_at, scales_at)
 
     @cute.jit
-    def issue_stage(self, sW, sS, bars, mine, warp, stage, slot, words_at, scales_at):
-        """Lane 0: expect stage `stage`'s bytes on slot `slot`'s mbarrier and copy its chunks'
-        codes and scales there (the last stage may hold fewer chunks)."""
+    def issue_stage(self, sW, sS, bars, mine, ring, stage, slot, words_at, scales_at):
+        """The issuing thread: expect stage `stage`'s bytes on slot `slot`'s mbarrier and copy
+        its chunks' codes and scales there (the last stage may hold fewer chunks): a warp's
+        contiguous chunks in two copies ("narrow"), or per chunk and k32 block one 1 KiB block
+        of words and its 64 scale bytes ("humming": blocks 16 N bytes apart in global memory)."""
         per = self.tuning.stage_chunks
         count = cutlass.min(per, self.chunks - stage * per)
         barrier = bars + (mine + slot)
-        cute.arch.mbarrier_arrive_and_expect_tx(
-            barrier, count * (CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES)
-        )
-        at = Int64(stage * per)
-        bulk_copy_to_shared(
-            sW[warp, slot, 0, 0, None].iterator.toint(),
-            words_at + at * CHUNK_WORD_BYTES,
-            count * CHUNK_WORD_BYTES,
-            barrier.toint(),
-        )
-        bulk_copy_to_shared(
-            sS[warp, slot, 0, 0, None].iterator.toint(),
-            scales_at + at * CHUNK_SCALE_BYTES,
-            count * CHUNK_SCALE_BYTES,
-            barrier.toint(),
-        )
+        if cutlass.const_expr(self.humming):
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, count * HUMMING_CHUNK_BYTES)
+            for c in cutlass.range_constexpr(per):
+                if c < count:
+                    for s in cutlass.range_constexpr(NARROW_STEPS):
+                        group = Int64((stage * per + c) * NARROW_STEPS + s)
+                        bulk_copy_to_shared(
+                            sW[ring, slot, c, s, 0, None].iterator.toint(),
+                            words_at + group * (16 * self.n),
+                            HUMMING_BLOCK_BYTES,
+                            barrier.toint(),
+                        )
+                        bulk_copy_to_shared(
+                            sS[ring, slot, c, s, None].iterator.toint(),
+                            scales_at + group * self.n,
+                            HUMMING_BLOCK_ROWS,
+                            barrier.toint(),
+                        )
+        else:
+            cute.arch.mbarrier_arrive_and_expect_tx(
+                barrier, count * (CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES)
+            )
+            at = Int64(stage * per)
+            bulk_copy_to_shared(
+                sW[ring, slot, 0, 0, None].iterator.toint(),
+                words_at + at * CHUNK_WORD_BYTES,
+                count * CHUNK_WORD_BYTES,
+                barrier.toint(),
+            )
+            bulk_copy_to_shared(
+                sS[ring, slot, 0, 0, None].iterator.toint(),
+                scales_at + at * CHUNK_SCALE_BYTES,
+                count * CHUNK_SCALE_BYTES,
+                barrier.toint(),
+            )
 
     @cute.jit
     def stage_rows(self, smem, mX, mPairRow, start, rows, tidx) -> Int64:
@@ -558,29 +826,69 @@ class NarrowGemmKernel:
         Layout (`staged_rows_strides`): core column c (16 bytes of K) of row n at byte 16 P c +
         16 n, so 8-row groups 128 bytes apart (SBO) and core columns 16 P (LBO); within each
         32-byte block of K the words are permuted as the weights' k order (narrow_layout.py): the
-        MMA's words 0-3 are the row's words 0, 2, 4, 6 and its words 4-7 the row's 1, 3, 5, 7."""
+        MMA's words 0-3 are the row's words 0, 2, 4, 6 and its words 4-7 the row's 1, 3, 5, 7
+        ("narrow": each thread loads a block and stores its words, one block at a time), or in
+        the row's order ("humming": each core column one 16-byte cp.async, a thread's issued
+        before one wait; rows past the tile's zero-filled, though no output of theirs is
+        stored)."""
         pairs = self.tuning.pairs
         blocks = self.k // SCALE_BLOCK
+        threads = self.tuning.warps * WARP_LANES
         sRows = smem.allocate_tensor(
             Uint32, row_major_layout(staged_rows_shape(self.k, pairs)), byte_alignment=128
         )
-        mBlocks = cute.make_tensor(
-            mX.iterator, row_major_layout((mX.shape[0], blocks, WORDS_PER_LANE))
-        )
-        rBlock = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
-        # Consecutive threads take consecutive rows of one block: their 16-byte stores are 16
-        # bytes apart (with the blocks fastest they were 32 P apart, all in the same four banks).
-        for task in cutlass.range(tidx, pairs * blocks, self.tuning.warps * WARP_LANES):
-            n, b = task % pairs, task // pairs
-            rBlock.fill(0)
-            if n < rows:
-                row = start + n
+        if cutlass.const_expr(self.humming):
+            # Thread pairs take the two core columns of one row's k32 block (one 32-byte sector
+            # of x), consecutive pairs consecutive rows (a warp's writes are runs of contiguous
+            # bytes). The narrow form's loop (one block a thread at a time, each load waited
+            # for) is what the wider tiles ran at 2.2-4.5x humming's time (docs/experts.md,
+            # "Wider tiles"); here every copy of a thread is issued before one wait.
+            x_at = mX.iterator.toint()
+            rows_at = sRows.iterator.toint()
+            tasks = 2 * pairs * blocks
+            if cutlass.const_expr(threads % (2 * pairs) == 0):
+                # Each thread keeps its row and half (P = 8, 16, 32 with 8 warps): one row
+                # lookup, then only addresses in the loop.
+                half, n = tidx % 2, (tidx // 2) % pairs
+                row = start + cutlass.min(n, rows - 1)
                 if cutlass.const_expr(self.indexed):
                     row = mPairRow[row]
-                cute.autovec_copy(mBlocks[row, b, None], rBlock)
-            for i in cutlass.range_constexpr(4):
-                sRows[2 * b, n, i] = rBlock[2 * i]
-                sRows[2 * b + 1, n, i] = rBlock[2 * i + 1]
+                row_at = x_at + Int64(row) * self.k
+                size = cutlass.select_(n < rows, CORE_ROW_BYTES, 0)
+                for task in cutlass.range(tidx, tasks, threads):
+                    column = 2 * (task // (2 * pairs)) + half
+                    src = row_at + Int64(CORE_ROW_BYTES * column)
+                    copy_16_async(rows_at + staged_row_offset(column, n, pairs), src, size)
+            else:
+                for task in cutlass.range(tidx, tasks, threads):
+                    half, n, b = task % 2, (task // 2) % pairs, task // (2 * pairs)
+                    row = start + cutlass.min(n, rows - 1)
+                    if cutlass.const_expr(self.indexed):
+                        row = mPairRow[row]
+                    column = 2 * b + half
+                    src = x_at + Int64(row) * self.k + Int64(CORE_ROW_BYTES * column)
+                    size = cutlass.select_(n < rows, CORE_ROW_BYTES, 0)
+                    copy_16_async(rows_at + staged_row_offset(column, n, pairs), src, size)
+            cp_async_wait_all()
+        else:
+            mBlocks = cute.make_tensor(
+                mX.iterator, row_major_layout((mX.shape[0], blocks, WORDS_PER_LANE))
+            )
+            rBlock = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
+            # Consecutive threads take consecutive rows of one block: their 16-byte stores are
+            # 16 bytes apart (with the blocks fastest they were 32 P apart, all in the same four
+            # banks).
+            for task in cutlass.range(tidx, pairs * blocks, threads):
+                n, b = task % pairs, task // pairs
+                rBlock.fill(0)
+                if n < rows:
+                    row = start + n
+                    if cutlass.const_expr(self.indexed):
+                        row = mPairRow[row]
+                    cute.autovec_copy(mBlocks[row, b, None], rBlock)
+                for i in cutlass.range_constexpr(4):
+                    sRows[2 * b, n, i] = rBlock[2 * i]
+                    sRows[2 * b + 1, n, i] = rBlock[2 * i + 1]
         fence_proxy_async_shared()
         cute.arch.sync_threads()
         leading, stride, _ = staged_rows_strides(pairs)
@@ -589,10 +897,10 @@ class NarrowGemmKernel:
 
 def smem_bytes(k: int, tuning: NarrowTuning) -> int:
     """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: P * K bytes), the
-    warps' rings (NarrowTuning.ring_bytes) and their mbarriers (8 bytes a slot), before the
+    rings (NarrowTuning.ring_bytes) and their mbarriers (8 bytes a slot), before the
     allocator's alignment (at most 128 + 16 + 8 bytes more)."""
     rows = tuning.pairs * k if tuning.wgmma else 0
-    return rows + tuning.ring_bytes() + 8 * tuning.warps * tuning.stages
+    return rows + tuning.ring_bytes() + 8 * tuning.rings() * tuning.stages
 
 
 class NarrowGemmLaunch:
@@ -603,7 +911,9 @@ class NarrowGemmLaunch:
     with tuning.wgmma, warps a multiple of 4; tuning.pairs 8, or with wgmma 16, 24 or 32;
     shared memory a CTA (`smem_bytes`: the staged rows, P * K bytes with wgmma, and the ring) at
     most SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
-    block_n tuning.pairs; words and scales from narrow_weights of [E, N, K/2] weights; x
+    block_n tuning.pairs; words and scales from narrow_weights of [E, N, K/2] weights, or
+    with tuning.weights "humming" (wgmma only) humming's prepared weight, weight_scale and
+    weight_scale_2 (HummingGemm.prepare's tensors, or humming_layout.prepared_weights'); x
     e4m3 (or uint8) [rows_in, K] and x_scales fp32 [rows_in, K/32] contiguous; out bf16
     [rows_out, N] contiguous, rows_out >= every pair number of a tile; all 16-byte aligned;
     indexed: pair j reads row pair_row[j] (int32 [rows_out]) of x, else row j. The grid is one
@@ -639,6 +949,11 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: {tuning}; tiles of {NARROW_PAIRS} pairs, or with wgmma one of"
                 f" {NARROW_TILE_PAIRS}"
             )
+        if tuning.weights not in WEIGHT_FORMS or (tuning.weights == "humming" and not tuning.wgmma):
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; weights one of {WEIGHT_FORMS}, and humming's only"
+                " with wgmma (its A operand from registers)"
+            )
         if tuning.stages < 0 or tuning.stage_chunks < 1:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning}; need stages >= 0 (0: no ring) and stage_chunks >= 1"
@@ -652,7 +967,7 @@ class NarrowGemmLaunch:
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         z = Int64(0)
         self.compiled = compile_kernel(
-            lambda: (NarrowGemmKernel(n, k, indexed, tuning), (z,) * 10 + (Int32(1),) * 4), arch
+            lambda: (NarrowGemmKernel(n, k, indexed, tuning), (z,) * 11 + (Int32(1),) * 4), arch
         )
 
     def grid(self, tiles: int) -> tuple[int, int]:
@@ -660,15 +975,25 @@ class NarrowGemmLaunch:
         return self.n // self.tuning.columns(), tiles
 
     def __call__(
-        self, words, scales, x, x_scales, pair_row, groups, out, stream: int
+        self, words, scales, x, x_scales, pair_row, groups, out, stream: int, expert_scale=None
     ) -> torch.Tensor:
         """Launch on `stream` (a CUstream handle) for the tiles of `groups` (a PairGroups of
-        block_n tuning.pairs): out[j] for every pair j of its tiles; other rows untouched."""
+        block_n tuning.pairs): out[j] for every pair j of its tiles; other rows untouched.
+        With tuning.weights "humming": words, scales, expert_scale are humming's weight int32
+        [E, K/32, 4N], weight_scale (1-byte) [E, K/32, N] and weight_scale_2 fp32 [E]."""
+        humming = self.tuning.weights == "humming"
+        if humming != (expert_scale is not None):
+            raise ValueError(
+                f"NarrowGemmLaunch: expert_scale {'missing' if humming else 'given'}; the"
+                f" {self.tuning.weights} weights {'take' if humming else 'take no'} expert_scale"
+                " (humming's weight_scale_2)"
+            )
         if groups.block_n != self.tuning.pairs:
             raise ValueError(
                 f"NarrowGemmLaunch: tiles of {groups.block_n} pairs; expected"
                 f" {self.tuning.pairs} (tuning.pairs)"
             )
+        groups_k = self.k // SCALE_BLOCK
         expected = {
             "words": (words, (self.n // NARROW_ROWS, self.k // NARROW_CHUNK_K, WARP_LANES, 8)),
             "scales": (scales, (self.n // NARROW_ROWS, self.k // NARROW_CHUNK_K, 8, 2)),
@@ -676,6 +1001,10 @@ class NarrowGemmLaunch:
             "x_scales": (x_scales, (self.k // SCALE_BLOCK,)),
             "out": (out, (self.n,)),
         }
+        if humming:
+            expected["words"] = (words, (groups_k, 4 * self.n))
+            expected["scales"] = (scales, (groups_k, self.n))
+            expected["expert_scale"] = (expert_scale.unsqueeze(1), (1,))
         for name, (tensor, tail) in expected.items():
             if tuple(tensor.shape[1:]) != tail or not tensor.is_contiguous():
                 raise ValueError(
@@ -687,13 +1016,27 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: x {x.dtype}, x_scales {x_scales.dtype}, out {out.dtype};"
                 " expected e4m3 bytes, fp32 scales and bf16"
             )
-        int32s = (words, scales, pair_row, groups.tile_expert, groups.tile_start, groups.tile_rows)
+        int32s = (words, pair_row, groups.tile_expert, groups.tile_start, groups.tile_rows)
+        if humming:
+            bad_scales = scales.element_size() != 1 or expert_scale.dtype != torch.float32
+        else:
+            bad_scales = scales.dtype != torch.int32
         if any(t.dtype != torch.int32 for t in int32s) or pair_row.numel() < out.shape[0]:
             raise ValueError(
-                "NarrowGemmLaunch: words, scales, pair_row and the tiles must be int32, pair_row"
+                "NarrowGemmLaunch: words, pair_row and the tiles must be int32, pair_row"
                 f" at least out's {out.shape[0]} rows (pair_row {tuple(pair_row.shape)})"
             )
-        if x_scales.shape[0] != x.shape[0] or scales.shape[0] != words.shape[0]:
+        if bad_scales:
+            raise ValueError(
+                f"NarrowGemmLaunch: scales {scales.dtype}"
+                + (f", expert_scale {expert_scale.dtype}" if humming else "")
+                + "; expected "
+                + ("1-byte s' and fp32 weight_scale_2" if humming else "int32 (narrow_weights)")
+            )
+        experts_match = scales.shape[0] == words.shape[0] and (
+            not humming or expert_scale.shape[0] == words.shape[0]
+        )
+        if x_scales.shape[0] != x.shape[0] or not experts_match:
             raise ValueError(
                 f"NarrowGemmLaunch: x {tuple(x.shape)} with x_scales {tuple(x_scales.shape)},"
                 f" words {tuple(words.shape)} with scales {tuple(scales.shape)}: the rows and the"
@@ -706,11 +1049,14 @@ class NarrowGemmLaunch:
             )
         tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
         tensors = (words, scales, x, x_scales, pair_row, out, *tiles)
+        if humming:
+            tensors += (expert_scale,)
         if len({t.device for t in tensors}) != 1 or words.device.type != "cuda":
             raise ValueError("NarrowGemmLaunch: every tensor must be on one CUDA device")
         self.compiled(
             words.data_ptr(),
             scales.data_ptr(),
+            expert_scale.data_ptr() if humming else words.data_ptr(),
             x.data_ptr(),
             x_scales.data_ptr(),
             pair_row.data_ptr(),
