@@ -1222,7 +1222,8 @@ def test_humming_layout_prepared_weights_hold_the_checkpoint_values():
     """prepared_weights packs checkpoint MXFP4 weights (fresh random codes, scale bytes over the
     largest spread the layout holds) into the prepared tensors' layout: prepared_values reads
     back every value exactly, every s' in 1..12 and the largest 12; a wider spread, a shape the
-    layout cannot hold and another dtype are refused."""
+    layout cannot hold, another dtype of either, a scale byte of 255 and two devices are
+    refused."""
     gen = torch.Generator().manual_seed(fresh_seed())
     experts, rows, k = 3, 128, 192
     spread = humming_layout.PREPARED_SCALE_SPREAD
@@ -1243,10 +1244,26 @@ def test_humming_layout_prepared_weights_hold_the_checkpoint_values():
     wide[1, 2, 3] = int(low[1]) + spread + 1
     with pytest.raises(ValueError, match=r"experts \[1\] spread over more than 11"):
         humming_layout.prepared_weights(w, wide)
-    with pytest.raises(ValueError, match="prepared_index: rows=96"):
+    shape = "N, K positive multiples of 64"
+    with pytest.raises(ValueError, match=shape):
         humming_layout.prepared_weights(w[:, :96], s[:, :96])
+    with pytest.raises(ValueError, match=shape):
+        humming_layout.prepared_weights(w[:0], s[:0])
     with pytest.raises(ValueError, match="expected uint8"):
         humming_layout.prepared_weights(w.int(), s)
+    # Found by a careless-user probe: signed or float scale bytes gave zero or truncated
+    # scales, and a 2-D w an unpacking error.
+    for bad_s in (s.view(torch.int8), s.float() + 0.7):
+        with pytest.raises(ValueError, match="expected uint8"):
+            humming_layout.prepared_weights(w, bad_s)
+    with pytest.raises(ValueError, match="expected uint8"):
+        humming_layout.prepared_weights(w[0], s[0])
+    nan = s.clone()
+    nan[0] = 255
+    with pytest.raises(ValueError, match="255, E8M0's NaN"):
+        humming_layout.prepared_weights(w, nan)
+    with pytest.raises(ValueError, match="expected one device"):
+        humming_layout.prepared_weights(w.to("meta"), s)
 
 
 def test_humming_layout_e4m3_expansion_gives_every_value():

@@ -279,8 +279,23 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     call(3, xs.double(), "fp32 scales")
     call(6, out.float(), "bf16")
     call(0, words[:, :, :1], "words")
-    call(4, groups.pair_row[:5], "pair_row at least out's 12 rows")
-    call(0, words.view(torch.float32), "must be int32")
+    call(4, groups.pair_row[:5], "pair_row at least out's rows")
+    call(0, words.view(torch.float32), "words torch.float32; words, pair_row and the tiles must")
+    # Found by a careless-user probe, each passing every check before: out without a row for
+    # every pair slot, a pair_row read at other strides, x of another 1-byte type or off its
+    # 16-byte alignment, groups of more local experts than the weights hold.
+    call(6, out[:-1], "out needs a row for every pair slot")
+    call(4, torch.zeros(24, dtype=torch.int32)[::2], r"pair_row torch.int32 \(not contiguous\)")
+    call(2, x.view(torch.float8_e5m2), "expected e4m3")
+    shifted = torch.zeros(rows * k + 16, dtype=torch.uint8)[1 : 1 + rows * k].view(rows, k)
+    call(2, shifted, "x at address 0x[0-9a-f]+; the kernel reads it 16-byte aligned")
+    eight = group_pairs(ids, 0, 8, NARROW_PAIRS)
+    more = torch.zeros(eight.pair_capacity, n, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the groups are of 8 local experts, the weights hold 2"):
+        launch(words, scales, x, xs, eight.pair_row, eight, more, 0)
+    plain = NarrowGemmLaunch(n, k, False, arch="sm_90a")
+    with pytest.raises(ValueError, match="pair j reads row j of x: it needs the groups' 12 rows"):
+        plain(*good)
     call(3, xs[:2], "the rows and the experts must match")
     call(1, scales[:1], "the rows and the experts must match")
     call(7, 0, "one CUDA device")  # the same stream: every check passes but the device's
@@ -317,13 +332,16 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     rest = (x, xs, groups.pair_row, groups, out, 0)
     with pytest.raises(ValueError, match="expert_scale missing; the humming weights take"):
         hum(*prepared[:2], *rest)
-    with pytest.raises(ValueError, match="must be int32"):
+    with pytest.raises(ValueError, match="words torch.float32; words, pair_row and the tiles"):
         hum(prepared[0].view(torch.float32), prepared[1], *rest, expert_scale=prepared[2])
+    for scale_2 in (prepared[2][0], 0.5):
+        with pytest.raises(ValueError, match=r"expected humming's weight_scale_2, fp32 \[E\]"):
+            hum(*prepared[:2], *rest, expert_scale=scale_2)
     with pytest.raises(ValueError, match=r"words \(2, 8, 128\); expected a contiguous \[\*, 8, 5"):
         hum(prepared[0][:, :, :128], prepared[1], *rest, expert_scale=prepared[2])
     with pytest.raises(ValueError, match="1-byte s' and fp32 weight_scale_2"):
         hum(*prepared[:2], *rest, expert_scale=prepared[2].double())
-    with pytest.raises(ValueError, match="the rows and the experts must match"):
+    with pytest.raises(ValueError, match=r"expert_scale \(1,\): the rows and the experts must"):
         hum(*prepared[:2], *rest, expert_scale=prepared[2][:1])
     hum_args = (*prepared[:2], x, xs, groups.pair_row, groups, out, 0)
     with pytest.raises(ValueError, match="one CUDA device"):

@@ -166,16 +166,28 @@ def prepared_weights(
     w's device: (weight int32 [E, K/32, 4N], weight_scale uint8 [E, K/32, N], weight_scale_2
     fp32 [E]) from w uint8 [E, N, K/2] (codes, low nibble first) and s uint8 [E, N, K/32] (E8M0
     bytes). Each expert's mn is its largest scale byte less PREPARED_SCALE_SPREAD, so s' = s - mn
-    + 1 is in 1..12 and `prepared_values` gives the checkpoint's values exactly. ValueError when N
-    or K is not a multiple of 64, or an expert's scale bytes spread over more than
+    + 1 is in 1..12 and `prepared_values` gives the checkpoint's values exactly. ValueError unless
+    both are uint8 on one device, E >= 1 and N and K positive multiples of 64, when a scale byte
+    is 255 (E8M0's NaN), or when an expert's scale bytes spread over more than
     PREPARED_SCALE_SPREAD binades (naming the experts)."""
+    if w.dim() != 3 or s.dim() != 3 or w.dtype != torch.uint8 or s.dtype != torch.uint8:
+        raise ValueError(
+            f"prepared_weights: w {w.dtype} {tuple(w.shape)}, s {s.dtype} {tuple(s.shape)};"
+            f" expected uint8 [E, N, K/2] codes and uint8 [E, N, K/{SCALE_BLOCK}] scale bytes"
+        )
     experts, rows, half_k = w.shape
     k = 2 * half_k
-    if w.dtype != torch.uint8 or tuple(s.shape) != (experts, rows, k // SCALE_BLOCK):
+    fits = experts >= 1 and rows % HUMMING_BLOCK_ROWS == 0 and k % HUMMING_BLOCK_ROWS == 0
+    if not fits or rows == 0 or k == 0 or tuple(s.shape) != (experts, rows, k // SCALE_BLOCK):
         raise ValueError(
-            f"prepared_weights: w {w.dtype} {tuple(w.shape)}, s {tuple(s.shape)}; expected uint8"
-            f" [E, N, K/2] codes and [E, N, K/{SCALE_BLOCK}] scale bytes"
+            f"prepared_weights: w {tuple(w.shape)}, s {tuple(s.shape)}; expected [E, N, K/2]"
+            f" and [E, N, K/{SCALE_BLOCK}] with E >= 1 and N, K positive multiples of"
+            f" {HUMMING_BLOCK_ROWS}"
         )
+    if w.device != s.device:
+        raise ValueError(f"prepared_weights: w on {w.device}, s on {s.device}; expected one device")
+    if bool((s == 255).any()):
+        raise ValueError("prepared_weights: a scale byte is 255, E8M0's NaN")
     flat = s.reshape(experts, -1).int()
     top = flat.amax(dim=1)
     wide = (top - flat.amin(dim=1) > PREPARED_SCALE_SPREAD).nonzero().flatten().tolist()

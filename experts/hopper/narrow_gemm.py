@@ -49,7 +49,7 @@ from cutlass.memory import SmemAllocator
 from dep_ep.comm.kernels.launcher import compile_kernel
 from dep_ep.comm.kernels.ptx import bf16_round, bits_f32
 from dep_ep.comm.kernels.tensors import gmem_tensor, row_major_layout
-from dep_ep.constants import SCALE_BLOCK
+from dep_ep.constants import SCALE_BLOCK, VECTOR_BYTES
 from dep_ep.experts.hopper.humming_layout import (
     E4M3_TABLE_HIGH,
     E4M3_TABLE_HIGH_STEP,
@@ -118,6 +118,8 @@ HUMMING_OUTPUT_SCALE = 64.0
 WEIGHT_FORMS = ("narrow", "humming")
 # The warpgroups' named barriers (bar.sync 0 is the CTA's): warpgroup i takes barrier 1 + i.
 FIRST_WARPGROUP_BARRIER = 1
+# The activations' dtypes the kernel reads as e4m3 bytes.
+E4M3_BYTE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 # What one CTA may take on SM90 (227 KiB), less the allocator's alignment padding.
 SMEM_LIMIT = 227 * 1024 - 256
 # The grid's second axis (tile slots) is at most this (CUDA's limit on gridDim.y).
@@ -982,6 +984,16 @@ class NarrowGemmLaunch:
         With tuning.weights "humming": words, scales, expert_scale are humming's weight int32
         [E, K/32, 4N], weight_scale (1-byte) [E, K/32, N] and weight_scale_2 fp32 [E]."""
         humming = self.tuning.weights == "humming"
+        if humming and not isinstance(expert_scale, (torch.Tensor, type(None))):
+            raise ValueError(
+                f"NarrowGemmLaunch: expert_scale {type(expert_scale).__name__}; expected"
+                " humming's weight_scale_2, fp32 [E]"
+            )
+        if humming and expert_scale is not None and expert_scale.dim() != 1:
+            raise ValueError(
+                f"NarrowGemmLaunch: expert_scale {tuple(expert_scale.shape)}; expected"
+                " humming's weight_scale_2, fp32 [E]"
+            )
         if humming != (expert_scale is not None):
             raise ValueError(
                 f"NarrowGemmLaunch: expert_scale {'missing' if humming else 'given'}; the"
@@ -1011,20 +1023,46 @@ class NarrowGemmLaunch:
                     f"NarrowGemmLaunch: {name} {tuple(tensor.shape)}; expected a contiguous"
                     f" [*, {', '.join(map(str, tail))}] (compiled for N={self.n}, K={self.k})"
                 )
-        if x.element_size() != 1 or x_scales.dtype != torch.float32 or out.dtype != torch.bfloat16:
+        if (
+            x.dtype not in E4M3_BYTE_DTYPES
+            or x_scales.dtype != torch.float32
+            or out.dtype != torch.bfloat16
+        ):
             raise ValueError(
                 f"NarrowGemmLaunch: x {x.dtype}, x_scales {x_scales.dtype}, out {out.dtype};"
-                " expected e4m3 bytes, fp32 scales and bf16"
+                " expected e4m3 (float8_e4m3fn or its uint8 bytes), fp32 scales and bf16"
             )
-        int32s = (words, pair_row, groups.tile_expert, groups.tile_start, groups.tile_rows)
+        routes = {
+            "pair_row": pair_row,
+            "tile_expert": groups.tile_expert,
+            "tile_start": groups.tile_start,
+            "tile_rows": groups.tile_rows,
+            "num_tiles": groups.num_tiles,
+        }
         if humming:
             bad_scales = scales.element_size() != 1 or expert_scale.dtype != torch.float32
         else:
             bad_scales = scales.dtype != torch.int32
-        if any(t.dtype != torch.int32 for t in int32s) or pair_row.numel() < out.shape[0]:
+        wrong = [
+            f"{name} {t.dtype}{'' if t.is_contiguous() else ' (not contiguous)'}"
+            for name, t in {"words": words, **routes}.items()
+            if t.dtype != torch.int32 or not t.is_contiguous()
+        ]
+        if wrong:
             raise ValueError(
-                "NarrowGemmLaunch: words, pair_row and the tiles must be int32, pair_row"
-                f" at least out's {out.shape[0]} rows (pair_row {tuple(pair_row.shape)})"
+                f"NarrowGemmLaunch: {', '.join(wrong)}; words, pair_row and the tiles must be"
+                " contiguous int32"
+            )
+        if pair_row.numel() < out.shape[0] or out.shape[0] < groups.pair_capacity:
+            raise ValueError(
+                f"NarrowGemmLaunch: out {tuple(out.shape)}, pair_row {tuple(pair_row.shape)},"
+                f" the groups' {groups.pair_capacity} pair slots; out needs a row for every pair"
+                " slot and pair_row at least out's rows"
+            )
+        if not self.indexed and x.shape[0] < groups.pair_capacity:
+            raise ValueError(
+                f"NarrowGemmLaunch: x {tuple(x.shape)}; compiled not indexed, pair j reads row j"
+                f" of x: it needs the groups' {groups.pair_capacity} rows"
             )
         if bad_scales:
             raise ValueError(
@@ -1037,11 +1075,28 @@ class NarrowGemmLaunch:
             not humming or expert_scale.shape[0] == words.shape[0]
         )
         if x_scales.shape[0] != x.shape[0] or not experts_match:
+            extra = f", expert_scale {tuple(expert_scale.shape)}" if humming else ""
             raise ValueError(
                 f"NarrowGemmLaunch: x {tuple(x.shape)} with x_scales {tuple(x_scales.shape)},"
-                f" words {tuple(words.shape)} with scales {tuple(scales.shape)}: the rows and the"
-                " experts must match"
+                f" words {tuple(words.shape)} with scales {tuple(scales.shape)}{extra}: the rows"
+                " and the experts must match"
             )
+        if groups.expert_pairs.shape[0] > words.shape[0]:
+            raise ValueError(
+                f"NarrowGemmLaunch: the groups are of {groups.expert_pairs.shape[0]} local"
+                f" experts, the weights hold {words.shape[0]}"
+            )
+        alignment = {"words": words, "scales": scales, "x": x, "x_scales": x_scales, "out": out}
+        alignment = {name: (t, VECTOR_BYTES) for name, t in alignment.items()}
+        alignment |= {name: (t, 4) for name, t in routes.items()}
+        if humming:
+            alignment["expert_scale"] = (expert_scale, 4)
+        for name, (tensor, align) in alignment.items():
+            if tensor.data_ptr() % align:
+                raise ValueError(
+                    f"NarrowGemmLaunch: {name} at address {tensor.data_ptr():#x}; the kernel"
+                    f" reads it {align}-byte aligned"
+                )
         if groups.tile_capacity > MAX_TILE_SLOTS:
             raise ValueError(
                 f"NarrowGemmLaunch: {groups.tile_capacity} tile slots; at most {MAX_TILE_SLOTS}"
