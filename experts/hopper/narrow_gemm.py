@@ -190,18 +190,23 @@ def wgmma_e4m3_chunk(a, descs, pairs: int, *, loc=None, ip=None):
     return f32_asm(args, text, constraints, True, loc, ip, count=count)
 
 
-@dsl_user_op
-def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
-    """Order this thread's shared-memory stores before the async proxy's reads (wgmma)."""
+def statement_asm(args: list, text: str, constraints: str) -> None:
+    """Inline PTX `text` with side effects and no result on the ir values `args` ($0..)."""
     llvm.inline_asm(
         None,
-        [],
-        "fence.proxy.async.shared::cta;",
-        "",
+        args,
+        text,
+        constraints,
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Order this thread's shared-memory stores before the async proxy's reads (wgmma)."""
+    statement_asm([], "fence.proxy.async.shared::cta;", "")
 
 
 @dsl_user_op
@@ -215,15 +220,8 @@ def bulk_copy_to_shared(dst, src, size, barrier, *, loc=None, ip=None) -> None:
         Int32(size).ir_value(loc=loc, ip=ip),
         Int32(barrier).ir_value(loc=loc, ip=ip),
     ]
-    llvm.inline_asm(
-        None,
-        args,
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    text = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];"
+    statement_asm(args, text, "r,l,r,r")
 
 
 @dsl_user_op
@@ -236,29 +234,13 @@ def copy_16_async(dst, src, src_bytes, *, loc=None, ip=None) -> None:
         Int64(src).ir_value(loc=loc, ip=ip),
         Int32(src_bytes).ir_value(loc=loc, ip=ip),
     ]
-    llvm.inline_asm(
-        None,
-        args,
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    statement_asm(args, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
 
 
 @dsl_user_op
 def cp_async_wait_all(*, loc=None, ip=None) -> None:
     """Wait for every cp.async this thread issued (their shared-memory writes done)."""
-    llvm.inline_asm(
-        None,
-        [],
-        "cp.async.wait_all;",
-        "",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    statement_asm([], "cp.async.wait_all;", "")
 
 
 @cute.jit
