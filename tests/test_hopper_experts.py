@@ -1226,7 +1226,7 @@ def test_humming_layout_prepared_weights_hold_the_checkpoint_values():
     refused."""
     gen = torch.Generator().manual_seed(fresh_seed())
     experts, rows, k = 3, 128, 192
-    spread = humming_layout.PREPARED_SCALE_SPREAD
+    spread = humming_gemm.FUSED_SCALE_SPREAD
     w = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
     low = torch.randint(100, 130, (experts, 1, 1), generator=gen)
     s = (low + torch.randint(0, spread + 1, (experts, rows, k // 32), generator=gen)).to(

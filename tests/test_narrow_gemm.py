@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dep_ep.experts.hopper.grouping import group_pairs
-from dep_ep.experts.hopper.humming_layout import PREPARED_SCALE_SPREAD, prepared_weights
+from dep_ep.experts.hopper.humming_gemm import FUSED_SCALE_SPREAD
+from dep_ep.experts.hopper.humming_layout import prepared_weights
 from dep_ep.experts.hopper.narrow_layout import (
     E2M1_TO_E4M3_EXPONENT,
     NARROW_MAX_SCALE_BYTE,
@@ -36,7 +37,7 @@ def fresh_generator() -> torch.Generator:
 
 def random_weights(num: int, n: int, k: int, gen: torch.Generator, device="cpu", spread: int = 24):
     """Codes and scale bytes 110 .. 110 + spread (humming's prepared weights hold a spread of at
-    most PREPARED_SCALE_SPREAD)."""
+    most FUSED_SCALE_SPREAD)."""
     w = torch.randint(0, 256, (num, n, k // 2), dtype=torch.uint8, generator=gen)
     s = torch.randint(110, 111 + spread, (num, n, k // 32), dtype=torch.uint8, generator=gen)
     return w.to(device), s.to(device)
@@ -327,7 +328,7 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     with pytest.raises(ValueError, match="expert_scale given; the narrow weights take no"):
         launch(*good, expert_scale=torch.ones(2))
-    prepared = prepared_weights(*random_weights(2, n, k, gen, spread=PREPARED_SCALE_SPREAD))
+    prepared = prepared_weights(*random_weights(2, n, k, gen, spread=FUSED_SCALE_SPREAD))
     hum = NarrowGemmLaunch(n, k, True, NarrowTuning(weights="humming"), arch="sm_90a")
     rest = (x, xs, groups.pair_row, groups, out, 0)
     with pytest.raises(ValueError, match="expert_scale missing; the humming weights take"):
@@ -433,7 +434,7 @@ def test_kernel_against_float64_reference(num_local, n, k, rows, topk, indexed, 
     gen = fresh_generator()
     tuning = NarrowTuning(**TESTED_FORMS[form])
     humming = tuning.weights == "humming"
-    spread = PREPARED_SCALE_SPREAD if humming else 24
+    spread = FUSED_SCALE_SPREAD if humming else 24
     w, s, x, xs, groups = gpu_case(
         num_local, n, k, rows, topk, indexed, hot, gen, tuning.pairs, spread
     )
@@ -494,7 +495,7 @@ def test_humming_form_reads_hummings_own_preparation(stages):
     num_local, n, k, rows, topk = 4, 6144, 3584, 3, 16
     tuning = NarrowTuning(weights="humming", stages=stages)
     w, s, x, xs, groups = gpu_case(
-        num_local, n, k, rows, topk, True, True, gen, tuning.pairs, PREPARED_SCALE_SPREAD
+        num_local, n, k, rows, topk, True, True, gen, tuning.pairs, FUSED_SCALE_SPREAD
     )
     tensors = HummingGemm.prepare(w, s, False).tensors
     theirs = (tensors["weight"], tensors["weight_scale"])

@@ -34,11 +34,8 @@ from __future__ import annotations
 import torch
 
 from dep_ep.constants import SCALE_BLOCK
+from dep_ep.experts.hopper.humming_gemm import FUSED_SCALE_SPREAD
 from dep_ep.experts.mxfp4 import E2M1_VALUES
-
-# The largest spread of an expert's scale bytes the fused scales hold exactly (humming-kernels
-# 0.1.19's, restated by experts/hopper/humming_gemm.py's FUSED_SCALE_SPREAD).
-PREPARED_SCALE_SPREAD = 11
 
 # Rows of one contiguous block of a k32 group (1 KiB: 64 rows x 32 elements x 4 bits).
 HUMMING_BLOCK_ROWS = 64
@@ -165,11 +162,11 @@ def prepared_weights(
     """Checkpoint MXFP4 weights in the prepared tensors' layout (module docstring), in torch on
     w's device: (weight int32 [E, K/32, 4N], weight_scale uint8 [E, K/32, N], weight_scale_2
     fp32 [E]) from w uint8 [E, N, K/2] (codes, low nibble first) and s uint8 [E, N, K/32] (E8M0
-    bytes). Each expert's mn is its largest scale byte less PREPARED_SCALE_SPREAD, so s' = s - mn
+    bytes). Each expert's mn is its largest scale byte less FUSED_SCALE_SPREAD, so s' = s - mn
     + 1 is in 1..12 and `prepared_values` gives the checkpoint's values exactly. ValueError unless
     both are uint8 on one device, E >= 1 and N and K positive multiples of 64, when a scale byte
     is 255 (E8M0's NaN), or when an expert's scale bytes spread over more than
-    PREPARED_SCALE_SPREAD binades (naming the experts)."""
+    FUSED_SCALE_SPREAD binades (naming the experts)."""
     if w.dim() != 3 or s.dim() != 3 or w.dtype != torch.uint8 or s.dtype != torch.uint8:
         raise ValueError(
             f"prepared_weights: w {w.dtype} {tuple(w.shape)}, s {s.dtype} {tuple(s.shape)};"
@@ -190,11 +187,11 @@ def prepared_weights(
         raise ValueError("prepared_weights: a scale byte is 255, E8M0's NaN")
     flat = s.reshape(experts, -1).int()
     top = flat.amax(dim=1)
-    wide = (top - flat.amin(dim=1) > PREPARED_SCALE_SPREAD).nonzero().flatten().tolist()
+    wide = (top - flat.amin(dim=1) > FUSED_SCALE_SPREAD).nonzero().flatten().tolist()
     if wide:
         raise ValueError(
             f"prepared_weights: the scale bytes of experts {wide[:8]} spread over more than"
-            f" {PREPARED_SCALE_SPREAD} binades"
+            f" {FUSED_SCALE_SPREAD} binades"
         )
     index = prepared_index(rows, k, w.device)
     low = torch.arange(k, device=w.device) % 2 == 0
@@ -206,7 +203,7 @@ def prepared_weights(
             shifted = bits << (4 * index[part])
             weight[e].index_add_(0, index["word"].reshape(-1), shifted.reshape(-1))
     weight = (weight - (weight >= 2**31).long() * 2**32).int()
-    mn = top - PREPARED_SCALE_SPREAD
+    mn = top - FUSED_SCALE_SPREAD
     small = (s.int() - mn.view(-1, 1, 1) + 1).to(torch.uint8)  # s' [E, N, K/32]
     scale_bytes = torch.empty(experts, k // SCALE_BLOCK * rows, dtype=torch.uint8, device=w.device)
     scale_bytes[:, index["scale"].reshape(-1)] = small.reshape(experts, -1)
