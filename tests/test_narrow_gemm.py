@@ -300,8 +300,14 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     call(3, xs[:2], "the rows and the experts must match")
     call(1, scales[:1], "the rows and the experts must match")
     call(7, 0, "one CUDA device")  # the same stream: every check passes but the device's
-    with pytest.raises(ValueError, match="N=136, K=256; need N % 128 == 0"):
+    with pytest.raises(ValueError, match="N=136, K=256; need positive ints with N % 128 == 0"):
         NarrowGemmLaunch(136, k, True, arch="sm_90a")
+    # Found by a careless-user probe: CuTe's own errors, or an AttributeError, before.
+    for size in (0, -128, 128.0):
+        with pytest.raises(ValueError, match=f"N={size!r}, K=256; need positive ints"):
+            NarrowGemmLaunch(size, k, True, arch="sm_90a")
+    with pytest.raises(ValueError, match="tuning 'humming'; expected a NarrowTuning"):
+        NarrowGemmLaunch(n, k, True, "humming", arch="sm_90a")
     with pytest.raises(ValueError, match="warps in whole warpgroups"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(warps=2, wgmma=True), arch="sm_90a")
     for tuning in (

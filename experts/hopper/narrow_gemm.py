@@ -916,10 +916,13 @@ class NarrowGemmLaunch:
     ):
         """Compile for `arch` (None: this process's GPU). ValueError when (N, K) or the tuning
         do not fit."""
-        if not narrow_fits(n, k) or n % tuning.columns():
+        if not isinstance(tuning, NarrowTuning):
+            raise ValueError(f"NarrowGemmLaunch: tuning {tuning!r}; expected a NarrowTuning")
+        sizes = all(type(size) is int and size > 0 for size in (n, k))
+        if not sizes or not narrow_fits(n, k) or n % tuning.columns():
             raise ValueError(
-                f"NarrowGemmLaunch: N={n}, K={k}; need N % {tuning.columns()} == 0"
-                f" and K % {NARROW_CHUNK_K} == 0"
+                f"NarrowGemmLaunch: N={n!r}, K={k!r}; need positive ints with N %"
+                f" {tuning.columns()} == 0 and K % {NARROW_CHUNK_K} == 0"
             )
         if tuning.wgmma and tuning.warps % WARPGROUP_WARPS:
             raise ValueError(
