@@ -1267,9 +1267,9 @@ def test_humming_layout_prepared_weights_hold_the_checkpoint_values():
 
 
 def test_humming_layout_e4m3_expansion_gives_every_value():
-    """expanded_e4m3_words, the word-level expansion a kernel of ours would run on humming's
-    prepared words (two byte permutes over a table of s', the signs moved in), on words packed
-    through prepared_index with every (magnitude, sign, s' in 1..12) drawn at random: each
+    """expanded_e4m3_words, the word-level expansion the narrow GEMM's humming form runs on
+    humming's prepared words (two byte permutes over a table of s', the signs moved in), on words
+    packed through prepared_index with every (magnitude, sign, s' in 1..12) drawn at random: each
     element's e4m3 byte times 2^6 * weight_scale_2 equals prepared_values' value, every byte
     finite. Its byte permute against a byte-by-byte selection, and the table against the e4m3
     bytes of E2M1 * 2^(s' - 6) for every s'."""
