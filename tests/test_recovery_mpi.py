@@ -625,13 +625,15 @@ def test_an_interrupt_before_a_later_pieces_dispatch_says_no_reset_is_needed(dep
 
 
 # Where test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed interrupts rank
-# 0: in its experts, or at the call of a function after they returned.
+# 0: in its experts, or at the call of a function after they returned, or (the split API) at
+# abort_step's `_run`.
 BEFORE_THE_COMBINE = [
     "in the experts",
     "_run",
     "_combine",
     "_run after a poll()",
     "_run after the experts failed",
+    "_run in abort_step",
 ]
 
 
@@ -643,7 +645,9 @@ def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, 
     they returned at the call of the combine's `_run` (the dispatched step already taken off
     the object; also after another thread's poll(), whose own transport call came in between,
     and after the experts raised, whose error the interrupt then carries as its context), or at
-    the call of `_combine` (the step still pending). Rank 0 still takes part in the
+    the call of `_combine` (the step still pending); or, running the step by the split API, at
+    the call of `_run` in abort_step(ValueError) after its dispatch, the ValueError then the
+    interrupt's context. Rank 0 still takes part in the
     combine, so the step fails on every rank (the peers raise EpPeerError, recovery "none"),
     and rank 0's KeyboardInterrupt carries a note saying no reset() is needed, where one raised
     inside a wait says to reset (test_interrupt_inside_a_wait_then_reset). Every rank goes on
@@ -659,51 +663,30 @@ def test_an_interrupt_before_the_combines_exchange_says_no_reset_is_needed(dep, 
         failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
         latent, ids, weights = batches.inputs(1)
         experts = batches.experts
+
+        def call():
+            return routed(latent, ids, weights, layer.norm_weight(), experts=experts)
+
         if dep.rank == 0 and where == "in the experts":
             experts = InterruptedExperts(experts, 0.0)
+        elif dep.rank == 0 and where == "_run in abort_step":
+
+            def call():
+                routed.dispatch(latent, ids, weights)
+                interrupt_at_the_call_of("_run")
+                routed.abort_step(ValueError("the experts' own"))
+
         elif dep.rank == 0:
             poll_from = routed if where == "_run after a poll()" else None
             fail = where == "_run after the experts failed"
             experts = ThenInterruptedAtTheCallOf(experts, where.split()[0], poll_from, fail)
-        err, took = timed(
-            lambda: routed(latent, ids, weights, layer.norm_weight(), experts=experts)
-        )
+        err, took = timed(call)
         sys.settrace(None)
         seen = rejected_step_failures(dep.rank, err, took)
         failures += seen
         lost = dep.rank == 0 and not seen and not isinstance(err.__context__, ValueError)
-        if "failed" in where and lost:
-            failures.append(f"rank 0: the experts' error lost ({err.__context__!r})")
-        for i in (2, 3):
-            failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
-    collective_assert(dep.cpu_group, failures, seeds=batches.seed)
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(120)
-def test_an_interrupt_in_abort_step_before_its_exchange_keeps_its_error(dep, layer):
-    """Rank 0 runs the step by the split API: it dispatches, its own experts failed, so it
-    calls abort_step(ValueError) where its peers combine, and SIGINT lands at the call of
-    abort_step's `_run` (before the combine's exchange began). Rank 0 still takes part in the
-    combine, rejecting the step: the peers raise EpPeerError (recovery "none"), rank 0's
-    KeyboardInterrupt says no reset() is needed and carries abort_step's ValueError as its
-    context. Every rank goes on without a reset and the next steps give the reference rows."""
-    batches = Batches(dep, layer, agreed_seed(dep.cpu_group, 343), T)
-    failures: list[str] = []
-    with build(dep) as routed:
-        failures += compare(batches.run(routed, 0), batches.reference(0), "batch 0")
-        if dep.rank == 0:
-            latent, ids, weights = batches.inputs(1)
-            routed.dispatch(latent, ids, weights)
-            interrupt_at_the_call_of("_run")
-            err, took = timed(lambda: routed.abort_step(ValueError("the experts' own")))
-        else:
-            err, took = timed(lambda: batches.run(routed, 1))
-        sys.settrace(None)
-        seen = rejected_step_failures(dep.rank, err, took)
-        failures += seen
-        if dep.rank == 0 and not seen and not isinstance(err.__context__, ValueError):
-            failures.append(f"rank 0: abort_step's error lost ({err.__context__!r})")
+        if ("failed" in where or "abort_step" in where) and lost:
+            failures.append(f"rank 0: the step's own error lost ({err.__context__!r})")
         for i in (2, 3):
             failures += compare(batches.run(routed, i), batches.reference(i), f"batch {i}")
     collective_assert(dep.cpu_group, failures, seeds=batches.seed)
