@@ -174,6 +174,20 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
             assert re.search(r"bar\.sync\s+%r\d+, 128;", text)
         else:
             assert copy not in text
+    # `ahead` with stages of 4 chunks at K3's FC1 (7 whole stages): in the loop's body each
+    # chunk's MMAs issued without a wait; the first three chunks' waited for (group 1) after
+    # the next one's issue, the last (group 0) before the stage's barrier; no wgmma.fence
+    # between an issue and its wait but the next chunk's own.
+    text = ptx_of(NarrowTuning(weights="humming", stage_chunks=4, ahead=True))
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", text)
+    assert waits == ["1", "1", "1", "0"], waits
+    assert text.count("wgmma.commit_group.sync.aligned") == 4
+    body = text[text.index("wgmma.fence.sync.aligned") :]
+    assert body.index("wait_group.sync.aligned 1") > body.index("wgmma.fence.sync.aligned", 1)
+    assert (
+        body.index("wait_group.sync.aligned 0")
+        < re.search(r"bar\.sync\s+%r\d+, 128;", body).start()
+    )
     # Tiles of 24 (48 copies a row's blocks do not divide the 256 threads): the row looked up
     # in the staging loop.
     assert "cp.async.cg.shared.global" in ptx_of(NarrowTuning(weights="humming", pairs=24))
@@ -319,6 +333,14 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     with pytest.raises(ValueError, match="need stages >= 0"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stage_chunks=0), arch="sm_90a")
+    # `ahead` runs a stage's MMAs ahead in the humming weights' ring: not elsewhere.
+    for tuning in (
+        NarrowTuning(ahead=True),
+        NarrowTuning(weights="humming", stages=0, ahead=True),
+        NarrowTuning(weights="humming", stage_chunks=1, ahead=True),
+    ):
+        with pytest.raises(ValueError, match="`ahead` is a form of the humming weights' ring"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     with pytest.raises(ValueError, match="bytes of shared memory a CTA; at most"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stages=16, stage_chunks=4), arch="sm_90a")
     # Tiles of 32 stage 32 * K bytes of rows: 224 KiB at K = 7168, over with the ring.
@@ -419,6 +441,19 @@ TESTED_FORMS |= {
     f"humming-ring2x2-pairs{p}": dict(weights="humming", pairs=p) for p in NARROW_TILE_PAIRS[1:]
 }
 TESTED_FORMS["humming-direct-pairs32"] = dict(weights="humming", stages=0, pairs=32)
+# The wider tiles through bench_narrow_gemm's deeper rings (DEEP): 3 x 2 at 16, 6 x 2 at 32,
+# whose 6 slots K3's FC1 (14 stages) and FC2 (12) reuse two or more times.
+TESTED_FORMS["humming-ring3x2-pairs16"] = dict(weights="humming", pairs=16, stages=3)
+TESTED_FORMS["humming-ring6x2-pairs32"] = dict(weights="humming", pairs=32, stages=6)
+# `ahead` (a stage's MMAs a chunk ahead of their promotions): K = 384 ends in a part stage of
+# one chunk, K = 128 is that part stage alone; K3's FC1 and FC2 are whole stages.
+TESTED_FORMS["humming-ahead"] = dict(weights="humming", ahead=True)
+TESTED_FORMS["humming-ahead-ring3x4-pairs16"] = dict(
+    weights="humming", pairs=16, stages=3, stage_chunks=4, ahead=True
+)
+TESTED_FORMS["humming-ahead-ring6x2-pairs32"] = dict(
+    weights="humming", pairs=32, stages=6, ahead=True
+)
 
 
 @GPU

@@ -157,9 +157,11 @@ def mma_e4m3(a0, a1, a2, a3, b0, b1, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def wgmma_e4m3_chunk(a, descs, pairs: int, *, loc=None, ip=None):
+def wgmma_e4m3_chunk(a, descs, pairs: int, wait: bool = True, *, loc=None, ip=None):
     """One chunk's four wgmma.m64nPk32 (P = `pairs`, a multiple of 8) of the warpgroup, each from
-    zero (scale-d 0), issued together and waited for once: `a` the 16 words of A, four a k32
+    zero (scale-d 0), issued together as one group and, with `wait`, waited for (without, the
+    partials may be read only once wgmma_wait_keeping has returned them): `a` the 16 words of A,
+    four a k32
     block (e4m3, each warp its 16 rows in the layout of mma_e4m3's A), `descs` the four blocks'
     shared-memory descriptors (Int64) of B, the tile's P rows x 32 bytes; fenced before (A was
     just written). Returns the 4 * P / 2 fp32 partials block by block, P / 2 a block: for each
@@ -179,14 +181,25 @@ def wgmma_e4m3_chunk(a, descs, pairs: int, *, loc=None, ip=None):
         f" ${d0 + b}, 0, 1, 1;"
         for b in range(NARROW_STEPS)
     )
-    text = (
-        f"wgmma.fence.sync.aligned; {mmas}"
-        " wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0;"
-    )
+    text = f"wgmma.fence.sync.aligned; {mmas} wgmma.commit_group.sync.aligned;"
+    if wait:
+        text += " wgmma.wait_group.sync.aligned 0;"
     args = [Uint32(v).ir_value(loc=loc, ip=ip) for v in a]
     args += [Int64(d).ir_value(loc=loc, ip=ip) for d in descs]
     count = NARROW_STEPS * per
     constraints = ",".join(["=f"] * count + ["r"] * 16 + ["l"] * NARROW_STEPS)
+    return f32_asm(args, text, constraints, True, loc, ip, count=count)
+
+
+@dsl_user_op
+def wgmma_wait_keeping(values, pending: int, *, loc=None, ip=None):
+    """wgmma.wait_group `pending`: every MMA group of the warpgroup but the last `pending`
+    complete. `values` (fp32, the partials of an earlier group) pass through the wait as tied
+    operands and are returned, so that no read of them is placed above it."""
+    count = len(values)
+    constraints = ",".join(["=f"] * count + [str(i) for i in range(count)])
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    text = f"wgmma.wait_group.sync.aligned {pending};"
     return f32_asm(args, text, constraints, True, loc, ip, count=count)
 
 
@@ -346,6 +359,11 @@ class NarrowTuning:
       weight_scale_2. The humming form needs wgmma; its ring (stages > 0) is a warpgroup's, not a
       warp's (humming's 64-row blocks interleave a warpgroup's warps), refilled after the
       warpgroup's named barrier.
+    ahead: False, each chunk's MMAs waited for before its partials are promoted; True (the
+      humming form through its ring, stage_chunks >= 2), within a stage chunk c + 1's MMAs
+      issued before chunk c's partials are waited for and promoted, so that a warp's MMAs run
+      under its promotion (a thread holds two chunks' partials, 4 P, and two chunks' activation
+      scales); a stage's last chunk is waited for before the stage ends.
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -357,6 +375,7 @@ class NarrowTuning:
     weights_skip_l1: bool = False
     pairs: int = NARROW_PAIRS
     weights: str = "narrow"
+    ahead: bool = False
 
     def columns(self) -> int:
         """Output columns a CTA: 16 * warps."""
@@ -392,6 +411,9 @@ class NarrowGemmKernel:
         assert not tuning.wgmma or tuning.warps % WARPGROUP_WARPS == 0
         assert tuning.pairs in NARROW_TILE_PAIRS and (tuning.wgmma or tuning.pairs == NARROW_PAIRS)
         assert tuning.weights in WEIGHT_FORMS and (tuning.weights == "narrow" or tuning.wgmma)
+        assert not tuning.ahead or (
+            tuning.weights == "humming" and tuning.stages > 0 and tuning.stage_chunks > 1
+        )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.humming = tuning.weights == "humming"
         self.blocks = n // NARROW_ROWS
@@ -534,7 +556,9 @@ class NarrowGemmKernel:
                 ring = self.ring_start(smem, source, warp)
             if cutlass.const_expr(self.tuning.wgmma):
                 rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
-            if cutlass.const_expr(self.tuning.stages > 0):
+            if cutlass.const_expr(self.tuning.ahead):
+                self.ring_loop_ahead(ring, source, regs, rows_desc, rAcc, warp)
+            elif cutlass.const_expr(self.tuning.stages > 0):
                 self.ring_loop(ring, source, regs, rows_desc, rAcc, warp)
             else:
                 for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
@@ -589,14 +613,19 @@ class NarrowGemmKernel:
 
     @cute.jit
     def mma_chunk(self, regs, q, rows_desc, rAcc):
-        """Chunk q from `regs`: per k32 block s, the weights expanded to e4m3 and one MMA from
-        zero (the wgmma form: the chunk's four issued together), then each block's partials
-        scaled by the row's and the pair's block scales ("humming": the pair's only, the row's
-        being in the bytes) and added into rAcc in block order (for
-        each 8 pairs c: rows g, g, g + 8, g + 8; lane pairs 2c, 2c + 1, 2c, 2c + 1)."""
+        """Chunk q from `regs`: its MMAs (issue_chunk), waited for, then promoted into rAcc
+        (promote_chunk)."""
+        rW, rS, rX, rXs = regs
+        self.promote_chunk(self.issue_chunk(regs, q, rows_desc, True), rS, rXs, rAcc)
+
+    @cute.jit
+    def issue_chunk(self, regs, q, rows_desc, wait: bool) -> list:
+        """Chunk q's MMAs from `regs`: per k32 block s, the weights expanded to e4m3 and one MMA
+        from zero (the wgmma form: the chunk's four issued together as one group, waited for
+        when `wait`; mma.sync always completes). Returns the 4 * P / 2 partials, block by
+        block."""
         rW, rS, rX, rXs = regs
         pairs = self.tuning.pairs
-        per = pairs // 2  # a thread's partials a block
         parts = []
         if cutlass.const_expr(self.tuning.wgmma):
             # Block q * 4 + s of the staged rows: two core columns (2 * 16 * P bytes) a block.
@@ -610,12 +639,22 @@ class NarrowGemmKernel:
                     a += self.expand_humming(rW[2 * s], rW[2 * s + 1], rS[s])
                 else:
                     a += self.expand(rW[2 * s], rW[2 * s + 1])
-            d = wgmma_e4m3_chunk(a, descs, pairs)
-            parts = [d[per * s : per * (s + 1)] for s in range(NARROW_STEPS)]
+            parts = list(wgmma_e4m3_chunk(a, descs, pairs, wait))
         else:
             for s in cutlass.range_constexpr(NARROW_STEPS):
                 a = self.expand(rW[2 * s], rW[2 * s + 1])
-                parts.append(mma_e4m3(*a, rX[0, s], rX[1, s]))
+                parts += list(mma_e4m3(*a, rX[0, s], rX[1, s]))
+        return parts
+
+    @cute.jit
+    def promote_chunk(self, partials: list, rS, rXs, rAcc):
+        """A chunk's partials (issue_chunk's, complete) scaled by the row's block scales (`rS`,
+        "narrow" only: humming's are in the bytes) and the pair's (`rXs`), and added into rAcc
+        in block order (for each 8 pairs c: rows g, g, g + 8, g + 8; lane pairs 2c, 2c + 1, 2c,
+        2c + 1)."""
+        pairs = self.tuning.pairs
+        per = pairs // 2  # a thread's partials a block
+        parts = [partials[per * s : per * (s + 1)] for s in range(NARROW_STEPS)]
         if cutlass.const_expr(self.humming):
             # The weights' scales are in their bytes: one FFMA an element (exact MX scaling).
             for s in cutlass.range_constexpr(NARROW_STEPS):
@@ -736,27 +775,93 @@ class NarrowGemmKernel:
             for c in cutlass.range_constexpr(per):
                 q = i * per + c
                 if q < self.chunks:
-                    if cutlass.const_expr(self.humming):
-                        word_pair, scale_pair = humming_at[1], humming_at[2]
-                        view = cute.make_tensor(rW.iterator, cute.make_layout((2, NARROW_STEPS)))
-                        for s in cutlass.range_constexpr(NARROW_STEPS):
-                            cute.autovec_copy(sW[ring, slot, c, s, word_pair, None], view[None, s])
-                            rS[s] = sS[ring, slot, c, s, scale_pair]
-                    else:
-                        cute.autovec_copy(sW[ring, slot, c, lane, None], rW)
-                        cute.autovec_copy(sS[ring, slot, c, g, None], rS)
+                    self.read_slot(ring_state, source, regs, slot, c)
                     self.load_chunk(source, regs, q, weights=False)
                     self.mma_chunk(regs, q, rows_desc, rAcc)
-            # Every thread's reads of the slot are done (their values used) before it refills.
-            if cutlass.const_expr(self.humming):
-                cute.arch.barrier(
-                    barrier_id=FIRST_WARPGROUP_BARRIER + ring,
-                    number_of_threads=WARPGROUP_WARPS * WARP_LANES,
-                )
-            else:
-                cute.arch.sync_warp()
-            if issuer and i + slots < groups:
-                self.issue_stage(sW, sS, bars, mine, ring, i + slots, slot, words_at, scales_at)
+            self.release_slot(ring_state, i, slot, groups)
+
+    @cute.jit
+    def ring_loop_ahead(self, ring_state, source, regs, rows_desc, rAcc, warp):
+        """ring_loop with each stage's MMAs one chunk ahead of its promotions (`ahead`): chunk
+        c + 1's MMAs are issued before chunk c's are waited for (wgmma.wait_group 1) and
+        promoted, so they run under its promotion. A stage's last chunk is waited for (group 0)
+        before the stage ends: no MMA is in flight across the loop's back edge, where ptxas
+        serializes every wgmma of the loop (C7514: its outputs read in the pipeline stage). The
+        activations' scales of two chunks alternate between two register sets. The stages are
+        the full ones in the loop and a part one (K / 128 % stage_chunks chunks) after it."""
+        rW, rS, rX, rXs = regs
+        per = self.tuning.stage_chunks
+        full, tail = self.chunks // per, self.chunks % per
+        groups = full + (1 if tail else 0)
+        rXsOther = []
+        for i in cutlass.range_constexpr(self.lane_pairs):
+            rXsOther.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
+        scale_sets = (rXs, rXsOther)
+        for i in cutlass.range(full):
+            self.ahead_stage(ring_state, source, regs, scale_sets, rows_desc, rAcc, i, per, groups)
+        if cutlass.const_expr(tail > 0):
+            self.ahead_stage(
+                ring_state, source, regs, scale_sets, rows_desc, rAcc, full, tail, groups
+            )
+
+    @cute.jit
+    def ahead_stage(self, ring_state, source, regs, scale_sets, rows_desc, rAcc, i, count, groups):
+        """Stage i of ring_loop_ahead: its `count` chunks (a Python int), each issued before
+        the previous one's wait and promotion, the last waited for at the end."""
+        rW, rS, rX, rXs = regs
+        sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
+        slots, per = self.tuning.stages, self.tuning.stage_chunks
+        slot = i % slots
+        cute.arch.mbarrier_wait(bars + (ring * slots + slot), (i // slots) & 1)
+        previous = None
+        for c in cutlass.range_constexpr(count):
+            q = i * per + c
+            chunk_regs = (rW, rS, rX, scale_sets[c % 2])
+            self.read_slot(ring_state, source, chunk_regs, slot, c)
+            self.load_chunk(source, chunk_regs, q, weights=False)
+            issued = self.issue_chunk(chunk_regs, q, rows_desc, False)
+            if cutlass.const_expr(c > 0):
+                done = wgmma_wait_keeping(previous[0], 1)
+                self.promote_chunk(done, rS, previous[1], rAcc)
+            previous = (issued, scale_sets[c % 2])
+        done = wgmma_wait_keeping(previous[0], 0)
+        self.promote_chunk(done, rS, previous[1], rAcc)
+        self.release_slot(ring_state, i, slot, groups)
+
+    @cute.jit
+    def read_slot(self, ring_state, source, regs, slot, c):
+        """Chunk c of the ring's slot `slot` into this thread's weight registers: "humming", per
+        k32 block its word pair and its rows' s' pair; "narrow", its lane's 32 bytes and its
+        rows' scale words."""
+        mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
+        rW, rS, rX, rXs = regs
+        sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
+        if cutlass.const_expr(self.humming):
+            word_pair, scale_pair = humming_at[1], humming_at[2]
+            view = cute.make_tensor(rW.iterator, cute.make_layout((2, NARROW_STEPS)))
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                cute.autovec_copy(sW[ring, slot, c, s, word_pair, None], view[None, s])
+                rS[s] = sS[ring, slot, c, s, scale_pair]
+        else:
+            cute.autovec_copy(sW[ring, slot, c, lane, None], rW)
+            cute.autovec_copy(sS[ring, slot, c, g, None], rS)
+
+    @cute.jit
+    def release_slot(self, ring_state, i, slot, groups):
+        """After stage i: every thread's reads of the slot done (their values used), the
+        issuing thread refills it with stage i + stages, if there is one."""
+        sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
+        slots = self.tuning.stages
+        if cutlass.const_expr(self.humming):
+            cute.arch.barrier(
+                barrier_id=FIRST_WARPGROUP_BARRIER + ring,
+                number_of_threads=WARPGROUP_WARPS * WARP_LANES,
+            )
+        else:
+            cute.arch.sync_warp()
+        if issuer and i + slots < groups:
+            mine = ring * slots
+            self.issue_stage(sW, sS, bars, mine, ring, i + slots, slot, words_at, scales_at)
 
     @cute.jit
     def issue_stage(self, sW, sS, bars, mine, ring, stage, slot, words_at, scales_at):
@@ -944,6 +1049,14 @@ class NarrowGemmLaunch:
         if tuning.stages < 0 or tuning.stage_chunks < 1:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning}; need stages >= 0 (0: no ring) and stage_chunks >= 1"
+            )
+        if tuning.ahead and (
+            tuning.weights != "humming" or tuning.stages == 0 or tuning.stage_chunks < 2
+        ):
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; `ahead` is a form of the humming weights' ring"
+                " (weights='humming', stages > 0) whose stages hold 2 chunks or more (its MMAs"
+                " run ahead within a stage)"
             )
         smem = smem_bytes(k, tuning)
         if smem > SMEM_LIMIT:
