@@ -16,7 +16,8 @@ through a ring in shared memory by bulk copies; "humming words", the wgmma form 
 prepared weights (the tensors humming's own GEMM reads, no copy of ours; their scales folded into
 the expansion), through a warpgroup's ring and loaded directly; with --shapes, SHAPES' other rings
 too; with --wide, WIDE's tiles of 16, 24 and 32 pairs, for T past decode, e.g. `--wide --tokens
-16 32 64 128 256`; `--forms` names the forms to time instead): graph replay of `--reps` calls,
+16 32 64 128 256`; `--forms` names the forms to time instead, DEEP's wider tiles through deeper
+rings among them; `--local` picks shards): graph replay of `--reps` calls,
 median of `--samples` replays, per call. The bytes: the touched experts' codes and scales of that
 GEMM (FC1: 2I * L / 2 + 2I * L / 32 bytes an expert; FC2: half that), once; GB/s = bytes / time; %
 of copy = GB/s over the device-to-device copy bandwidth measured in the run. diff: relative L2 of
@@ -107,14 +108,36 @@ WIDE |= {
     f"humming words, tiles of {p}": NarrowTuning(weights="humming", pairs=p)
     for p in NARROW_TILE_PAIRS[1:]
 }
-EVERY_FORM = FORMS | SHAPES | WIDE
+# The wider tiles through deeper rings, and `ahead` (a chunk's MMAs issued before the previous
+# chunk's promotion), by name with --forms. At P = 8 three CTAs fit an SM, each with two
+# warpgroups' rings of 2 x 2 chunks; at P = 32 one does, so its rings of 2 x 2 hold a third of
+# the weight bytes a narrow SM has in flight. These hold about as many (P = 16, 3 x 2: two CTAs
+# an SM) or more (P = 24 and 32, 6 x 2: 104 KiB a CTA).
+DEEP = {
+    "humming words, tiles of 16, ring 3x2": NarrowTuning(weights="humming", pairs=16, stages=3),
+    "humming words, tiles of 16, ring 4x2": NarrowTuning(weights="humming", pairs=16, stages=4),
+    "humming words, tiles of 24, ring 6x2": NarrowTuning(weights="humming", pairs=24, stages=6),
+    "humming words, tiles of 32, ring 6x2": NarrowTuning(weights="humming", pairs=32, stages=6),
+    "humming words, ahead": NarrowTuning(weights="humming", ahead=True),
+    "humming words, tiles of 16, ahead": NarrowTuning(weights="humming", pairs=16, ahead=True),
+    "humming words, tiles of 16, ring 3x4, ahead": NarrowTuning(
+        weights="humming", pairs=16, stages=3, stage_chunks=4, ahead=True
+    ),
+    "humming words, tiles of 32, ring 6x2, ahead": NarrowTuning(
+        weights="humming", pairs=32, stages=6, ahead=True
+    ),
+}
+EVERY_FORM = FORMS | SHAPES | WIDE | DEEP
 
 
-def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) -> dict:
-    """One (local, T) row: every narrow form's FC1 and FC2 (`launches`: form -> (FC1, FC2)
-    NarrowGemmLaunch) and humming's, timed on the same pairs, and their outputs' differences.
-    Each form runs on the tiles of its tuning's width; the pairs' numbering is the same for
-    every width (grouping.py), so the forms' outputs line up row for row."""
+def row_calls(layer: Layer, launches: dict, ranks: int, tokens: int, gen) -> tuple:
+    """One (local, T) row's GEMMs: (calls, facts, diffs). calls: name -> a function that
+    launches one GEMM on the current stream ("<form>_fc1", "<form>_fc2" for every narrow form
+    of `launches`, form -> (FC1, FC2) NarrowGemmLaunch, then "humming_fc1", "humming_fc2"), all
+    on the same pairs; facts: the row's shard, T, rows, pairs, touched experts and weight bytes;
+    diffs(): once every call has run, each form's relative L2 against humming's outputs. Each
+    form runs on the tiles of its tuning's width; the pairs' numbering is the same for every
+    width (grouping.py), so the forms' outputs line up row for row."""
     latent, inter, topk = K3.latent, K3.intermediate, K3.topk
     x, sf, ids, _ = receive_rows(ranks, tokens, layer.local, gen)
     rows = ids.shape[0]
@@ -187,16 +210,13 @@ def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) 
         )
 
     calls["humming_fc1"], calls["humming_fc2"] = humming_fc1, humming_fc2
-    for fn in calls.values():
-        fn()
-    torch.cuda.synchronize()
     flat = narrow_groups.pair_flat[:pairs].long()
 
     def diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
         a, b = ours.float(), theirs.float()
         return float((a - b).norm() / b.norm())
 
-    result = {
+    facts = {
         "local": layer.local,
         "ranks": ranks,
         "tokens": tokens,
@@ -206,9 +226,25 @@ def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) 
         "fc1_bytes": touched * gemm_bytes(2 * inter, latent),
         "fc2_bytes": touched * gemm_bytes(latent, inter),
     }
-    for form, (gate_up, expert_out) in outputs.items():
-        result[f"{form}_fc1_diff"] = diff(gate_up[:pairs], h_gate_up[flat])
-        result[f"{form}_fc2_diff"] = diff(expert_out[:pairs], h_expert_out[:pairs])
+
+    def diffs() -> dict:
+        found = {}
+        for form, (gate_up, expert_out) in outputs.items():
+            found[f"{form}_fc1_diff"] = diff(gate_up[:pairs], h_gate_up[flat])
+            found[f"{form}_fc2_diff"] = diff(expert_out[:pairs], h_expert_out[:pairs])
+        return found
+
+    return calls, facts, diffs
+
+
+def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) -> dict:
+    """One (local, T) row (row_calls): its facts, every GEMM's time in graph replay (us, under
+    its call's name) and each form's difference from humming's outputs."""
+    calls, result, diffs = row_calls(layer, launches, ranks, tokens, gen)
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    result |= diffs()
     for name, fn in calls.items():
         result[name] = graph_us(fn, args.reps, args.samples)
     return result
@@ -249,6 +285,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
     styles = {"mma.sync": ":^", "wgmma": ":o", "wgmma ring": "o-", "humming": "s--"}
     styles |= {"humming words": "x-", "humming words direct": ":x"}
     styles |= dict(zip(WIDE, ("d-", "v-", "P-", "d--", "v--", "P--")))
+    styles |= dict(zip(DEEP, ("v:", "v-.", "P:", "d:", "x:", "v-", "v--", "d-.")))
     for fc in ("fc1", "fc2"):
         series = []
         for local in dict.fromkeys(r["local"] for r in results):
@@ -288,6 +325,14 @@ def main() -> int:
         metavar="FORM",
         help=f"time only these forms (any of {list(EVERY_FORM)})",
     )
+    parser.add_argument(
+        "--local",
+        type=int,
+        nargs="+",
+        choices=LOCAL_EXPERTS,
+        default=LOCAL_EXPERTS,
+        help="the shards' local experts, each at every T",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_narrow_gemm: needs a CUDA GPU", file=sys.stderr)
@@ -302,7 +347,7 @@ def main() -> int:
         for form, tuning in timed_forms(args).items()
     }
     results = []
-    for local in LOCAL_EXPERTS:
+    for local in args.local:
         layer = Layer(local, gen)
         for tokens in args.tokens:
             result = bench_row(layer, launches, K3.experts // local, tokens, args, gen)

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_dep, profile_combine, profile_hopper_gemms, report, timing
+from bench import (
+    bench_dep,
+    profile_combine,
+    profile_hopper_gemms,
+    profile_narrow_gemm,
+    report,
+    timing,
+)
 from bench import bench_experts as experts
 from bench import bench_humming_tuning as tuning
 from bench import bench_integration as integration
@@ -602,3 +609,81 @@ def test_profile_hopper_gemms_without_ncu_says_so(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no `ncu` on PATH"):
         profile_hopper_gemms.main()
     assert not list(tmp_path.iterdir())  # nothing written before the check
+
+
+def narrow_raw_csv(launches: list[dict[str, str]]) -> str:
+    """ncu's raw CSV (as raw_csv) of launches given as {metric: cell}, with a units row."""
+    head = ["ID", "Kernel Name", *launches[0]]
+    units = {profile_hopper_gemms.TIME_METRIC: "us"}
+    lines = [",".join(f'"{h}"' for h in head)]
+    lines.append(",".join(f'"{units.get(h, "")}"' for h in head))
+    for i, launch in enumerate(launches):
+        lines.append(",".join(f'"{c}"' for c in (str(i), f"kernel_{i}", *launch.values())))
+    return "\n".join(lines) + "\n"
+
+
+def test_profile_narrow_gemm_maps_launches_onto_calls_and_ranks_stalls(tmp_path):
+    narrow = profile_narrow_gemm
+    stall = narrow.STALL_PREFIX + "{}" + narrow.STALL_SUFFIX
+    limit = narrow.OCCUPANCY_PREFIX + "{}"
+
+    def launch(us, long_scoreboard, barrier, smem_limit):
+        return {
+            profile_hopper_gemms.TIME_METRIC: us,
+            stall.format("long_scoreboard"): long_scoreboard,
+            stall.format("barrier"): barrier,
+            stall.format("wait"): "0.5",
+            stall.format("not_issued"): "9",  # not a stall reason: never listed
+            limit.format("shared_mem"): smem_limit,
+            limit.format("registers"): "2",
+        }
+
+    launches = [launch("100", "3.0", "1.0", "1"), launch("50", "0.2", "2.5", "3")]
+    facts = [
+        {
+            "local": 56,
+            "ranks": 16,
+            "tokens": 64,
+            "rows": 60,
+            "pairs": 1000,
+            "touched": 56,
+            "fc1_bytes": 200_000_000,
+            "fc2_bytes": 100_000_000,
+            "calls": ["humming words, tiles of 32_fc1", "humming_fc2"],
+        }
+    ]
+    columns, units, rows = profile_hopper_gemms.raw_rows(narrow_raw_csv(launches))
+    run = report.Run("python -m bench.profile_narrow_gemm", "1 x GPU", "Python 3", "2026-12-06")
+    page = narrow.write_report(tmp_path, facts, columns, units, rows, run).read_text()
+    # 200 MB of FC1 in 100 us: 2,000 GB/s; 100 MB of FC2 in 50 us: 2,000.
+    first = "| `humming words, tiles of 32_fc1` | 100.0 | 2000 |"
+    assert first in page, page
+    line = next(x for x in page.splitlines() if x.startswith(first))
+    assert line.endswith("| 1 (shared_mem) | long_scoreboard 3.00, barrier 1.00, wait 0.50 |")
+    line = next(x for x in page.splitlines() if x.startswith("| `humming_fc2` | 50.0 | 2000 |"))
+    assert line.endswith("| 2 (registers) | barrier 2.50, wait 0.50, long_scoreboard 0.20 |")
+    assert "not_issued" not in line
+    # A launch more or fewer than the calls: refused, the launches named.
+    with pytest.raises(SystemExit, match="profiled 1 launches for 2 calls"):
+        narrow.write_report(tmp_path, facts, columns, units, rows[:1], run)
+
+
+def test_profile_narrow_gemm_refuses_bad_rows_and_a_missing_ncu(tmp_path, monkeypatch, capsys):
+    narrow = profile_narrow_gemm
+    for row, message in (
+        ("56", "'56': expected LOCAL:T"),
+        ("55:64", "row 55:64: local experts must divide 896"),
+        ("56:0", "row 56:0: local experts must divide 896, T >= 1"),
+    ):
+        argv = ["profile_narrow_gemm", "--out", str(tmp_path), "--rows", row]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit):
+            narrow.main()
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(narrow.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "argv", ["profile_narrow_gemm", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no `ncu` on PATH"):
+        narrow.main()
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(SystemExit, match="run.json is missing"):
+        narrow.from_raw(tmp_path, tmp_path)
