@@ -127,6 +127,14 @@ DEEP = {
         weights="humming", pairs=32, stages=6, ahead=True
     ),
 }
+# The activation scales staged with the tile's rows (`stage_scales`), by name with --forms: with
+# 150-220 KB of shared memory a CTA (tiles of 32) little L1 is left for the scales' loads.
+DEEP |= {
+    f"humming words{'' if p == 8 else f', tiles of {p}'}, staged scales": NarrowTuning(
+        weights="humming", pairs=p, stage_scales=True
+    )
+    for p in NARROW_TILE_PAIRS
+}
 EVERY_FORM = FORMS | SHAPES | WIDE | DEEP
 
 
@@ -285,7 +293,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
     styles = {"mma.sync": ":^", "wgmma": ":o", "wgmma ring": "o-", "humming": "s--"}
     styles |= {"humming words": "x-", "humming words direct": ":x"}
     styles |= dict(zip(WIDE, ("d-", "v-", "P-", "d--", "v--", "P--")))
-    styles |= dict(zip(DEEP, ("v:", "v-.", "P:", "d:", "x:", "v-", "v--", "d-.")))
+    styles |= dict(zip(DEEP, ("v:", "v-.", "P:", "d:", "x:", "v-", "v--", "d-.", "x-.", "v-.")))
     for fc in ("fc1", "fc2"):
         series = []
         for local in dict.fromkeys(r["local"] for r in results):

@@ -74,6 +74,10 @@ SUMMARY = (
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 TOP_STALLS = 4
+# Warp states ncu reports beside the stalls that are not reasons for a stall: "selected" is the
+# issuing cycle itself (1 a issued instruction); "not_selected" (eligible, another warp issued)
+# is kept, a sign of issue contention.
+NOT_STALLS = ("selected", "not_issued")
 OCCUPANCY_PREFIX = "launch__occupancy_limit_"
 
 
@@ -110,13 +114,14 @@ def child(rows: list[tuple[int, int]], forms: list[str], facts_path: Path) -> No
 
 
 def top_stalls(launch: dict[str, str]) -> str:
-    """The launch's TOP_STALLS largest stall reasons, each in warp cycles an issued instruction."""
+    """The launch's TOP_STALLS largest stall reasons (not NOT_STALLS), each in warp cycles an
+    issued instruction."""
     stalls = []
     for name, cell in launch.items():
         if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX):
             reason = name[len(STALL_PREFIX) : -len(STALL_SUFFIX)]
             value = number(cell)
-            if not math.isnan(value) and "not_issued" not in reason:
+            if not math.isnan(value) and reason not in NOT_STALLS:
                 stalls.append((value, reason))
     stalls.sort(reverse=True)
     return ", ".join(f"{reason} {value:.2f}" for value, reason in stalls[:TOP_STALLS]) or "-"

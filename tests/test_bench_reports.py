@@ -633,7 +633,8 @@ def test_profile_narrow_gemm_maps_launches_onto_calls_and_ranks_stalls(tmp_path)
             stall.format("long_scoreboard"): long_scoreboard,
             stall.format("barrier"): barrier,
             stall.format("wait"): "0.5",
-            stall.format("not_issued"): "9",  # not a stall reason: never listed
+            stall.format("not_issued"): "9",  # not stall reasons: never listed
+            stall.format("selected"): "1",
             limit.format("shared_mem"): smem_limit,
             limit.format("registers"): "2",
         }

@@ -188,6 +188,11 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
         body.index("wait_group.sync.aligned 0")
         < re.search(r"bar\.sync\s+%r\d+, 128;", body).start()
     )
+    # stage_scales: the lane pairs' activation scales read from shared memory (one 16-byte
+    # load each a chunk, four lane pairs at P = 16), none from global memory.
+    text = ptx_of(NarrowTuning(weights="humming", pairs=16, stage_scales=True))
+    assert "ld.global.v4" not in text and text.count("ld.shared.v4.b32") >= 4
+    assert "ld.global.v4" in ptx_of(NarrowTuning(weights="humming", pairs=16))
     # Tiles of 24 (48 copies a row's blocks do not divide the 256 threads): the row looked up
     # in the staging loop.
     assert "cp.async.cg.shared.global" in ptx_of(NarrowTuning(weights="humming", pairs=24))
@@ -341,6 +346,8 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     ):
         with pytest.raises(ValueError, match="`ahead` is a form of the humming weights' ring"):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    with pytest.raises(ValueError, match="stage_scales is a form of the humming weights'"):
+        NarrowGemmLaunch(n, k, True, NarrowTuning(stage_scales=True), arch="sm_90a")
     with pytest.raises(ValueError, match="bytes of shared memory a CTA; at most"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stages=16, stage_chunks=4), arch="sm_90a")
     # Tiles of 32 stage 32 * K bytes of rows: 224 KiB at K = 7168, over with the ring.
@@ -454,6 +461,11 @@ TESTED_FORMS["humming-ahead-ring3x4-pairs16"] = dict(
 TESTED_FORMS["humming-ahead-ring6x2-pairs32"] = dict(
     weights="humming", pairs=32, stages=6, ahead=True
 )
+# The activation scales staged with the rows (the staging's loop looks each row up).
+TESTED_FORMS |= {
+    f"humming-scales-pairs{p}": dict(weights="humming", pairs=p, stage_scales=True)
+    for p in (8, 24, 32)
+}
 
 
 @GPU

@@ -364,6 +364,9 @@ class NarrowTuning:
       issued before chunk c's partials are waited for and promoted, so that a warp's MMAs run
       under its promotion (a thread holds two chunks' partials, 4 P, and two chunks' activation
       scales); a stage's last chunk is waited for before the stage ends.
+    stage_scales: False, each chunk's activation scales (16 bytes a pair) read from global
+      memory beside its MMAs; True (the humming form), the tile's scales staged in shared memory
+      with its rows (P * K / 8 bytes more a CTA), each chunk's read from there.
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -376,6 +379,7 @@ class NarrowTuning:
     pairs: int = NARROW_PAIRS
     weights: str = "narrow"
     ahead: bool = False
+    stage_scales: bool = False
 
     def columns(self) -> int:
         """Output columns a CTA: 16 * warps."""
@@ -414,6 +418,7 @@ class NarrowGemmKernel:
         assert not tuning.ahead or (
             tuning.weights == "humming" and tuning.stages > 0 and tuning.stage_chunks > 1
         )
+        assert not tuning.stage_scales or tuning.weights == "humming"
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.humming = tuning.weights == "humming"
         self.blocks = n // NARROW_ROWS
@@ -554,6 +559,14 @@ class NarrowGemmKernel:
             ring = None
             if cutlass.const_expr(self.tuning.stages > 0):
                 ring = self.ring_start(smem, source, warp)
+            if cutlass.const_expr(self.tuning.stage_scales):
+                # The lane pairs' scales from the tile's staged copy: row n of it for pair n
+                # (pairs past the tile read its last pair's, as pair_rows do).
+                sXs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx)
+                tile_pairs = [
+                    cutlass.min(8 * (i // 2) + 2 * t + i % 2, last) for i in range(self.lane_pairs)
+                ]
+                source = (mW, mS, mX, sXs, expert, block, lane, g, t, rb, tile_pairs, humming_at)
             if cutlass.const_expr(self.tuning.wgmma):
                 rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
             if cutlass.const_expr(self.tuning.ahead):
@@ -909,6 +922,31 @@ class NarrowGemmKernel:
             )
 
     @cute.jit
+    def stage_scales(self, smem, mXs, mPairRow, start, rows, tidx):
+        """Copy the tile's P rows of activation scales (fp32 [K / 128, 4] each; zeros past its
+        `rows` pairs) into shared memory by 16-byte cp.async, one a (pair, chunk), and return
+        them as a tensor [P, K / 128, 4] that load_chunk reads as it reads x_scales (by the
+        pair's index in the tile). Complete after stage_rows' wait and CTA barrier, which follow
+        before any chunk."""
+        pairs = self.tuning.pairs
+        threads = self.tuning.warps * WARP_LANES
+        sXs = smem.allocate_tensor(
+            Float32, row_major_layout((pairs, self.chunks, NARROW_STEPS)), byte_alignment=16
+        )
+        scales_at = mXs.iterator.toint()
+        staged_at = sXs.iterator.toint()
+        row_bytes = self.chunks * CORE_ROW_BYTES  # K / 32 fp32 scales a row
+        for task in cutlass.range(tidx, pairs * self.chunks, threads):
+            n, q = task % pairs, task // pairs
+            row = start + cutlass.min(n, rows - 1)
+            if cutlass.const_expr(self.indexed):
+                row = mPairRow[row]
+            src = scales_at + Int64(row) * row_bytes + Int64(q * CORE_ROW_BYTES)
+            size = cutlass.select_(n < rows, CORE_ROW_BYTES, 0)
+            copy_16_async(staged_at + n * row_bytes + q * CORE_ROW_BYTES, src, size)
+        return sXs
+
+    @cute.jit
     def stage_rows(self, smem, mX, mPairRow, start, rows, tidx) -> Int64:
         """Copy the tile's P rows of x (zeros past its `rows` pairs) into shared memory in the
         wgmma's K-major layout without swizzle, and return the descriptor of its first k32 block.
@@ -985,11 +1023,13 @@ class NarrowGemmKernel:
 
 
 def smem_bytes(k: int, tuning: NarrowTuning) -> int:
-    """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: P * K bytes), the
-    rings (NarrowTuning.ring_bytes) and their mbarriers (8 bytes a slot), before the
-    allocator's alignment (at most 128 + 16 + 8 bytes more)."""
+    """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: P * K bytes) and
+    scales (stage_scales: P * K / 8 bytes), the rings (NarrowTuning.ring_bytes) and their
+    mbarriers (8 bytes a slot), before the allocator's alignment (at most 128 + 16 + 16 + 8
+    bytes more)."""
     rows = tuning.pairs * k if tuning.wgmma else 0
-    return rows + tuning.ring_bytes() + 8 * tuning.rings() * tuning.stages
+    scales = tuning.pairs * (k // SCALE_BLOCK) * 4 if tuning.stage_scales else 0
+    return rows + scales + tuning.ring_bytes() + 8 * tuning.rings() * tuning.stages
 
 
 class NarrowGemmLaunch:
@@ -1057,6 +1097,11 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: {tuning}; `ahead` is a form of the humming weights' ring"
                 " (weights='humming', stages > 0) whose stages hold 2 chunks or more (its MMAs"
                 " run ahead within a stage)"
+            )
+        if tuning.stage_scales and tuning.weights != "humming":
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; stage_scales is a form of the humming weights'"
+                " (weights='humming'), whose rows it is staged with"
             )
         smem = smem_bytes(k, tuning)
         if smem > SMEM_LIMIT:
