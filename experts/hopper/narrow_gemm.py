@@ -161,13 +161,12 @@ def wgmma_e4m3_chunk(a, descs, pairs: int, wait: bool = True, *, loc=None, ip=No
     """One chunk's four wgmma.m64nPk32 (P = `pairs`, a multiple of 8) of the warpgroup, each from
     zero (scale-d 0), issued together as one group and, with `wait`, waited for (without, the
     partials may be read only once wgmma_wait_keeping has returned them): `a` the 16 words of A,
-    four a k32
-    block (e4m3, each warp its 16 rows in the layout of mma_e4m3's A), `descs` the four blocks'
-    shared-memory descriptors (Int64) of B, the tile's P rows x 32 bytes; fenced before (A was
-    just written). Returns the 4 * P / 2 fp32 partials block by block, P / 2 a block: for each
-    8 pairs c, (d0, d1, d2, d3) as mma_e4m3's with pairs 8c + 2t and 8c + 2t + 1, rows 16 w + ...
-    for warp w of the warpgroup. Side effects: the wgmma reads shared memory and waits on its
-    group; it must stay in place."""
+    four a k32 block (e4m3, each warp its 16 rows in the layout of mma_e4m3's A), `descs` the
+    four blocks' shared-memory descriptors (Int64) of B, the tile's P rows x 32 bytes; fenced
+    before (A was just written). Returns the 4 * P / 2 fp32 partials block by block, P / 2 a
+    block: for each 8 pairs c, (d0, d1, d2, d3) as mma_e4m3's with pairs 8c + 2t and 8c + 2t +
+    1, rows 16 w + ... for warp w of the warpgroup. Side effects: the wgmma reads shared memory
+    (and, with `wait`, waits on its group); it must stay in place."""
     per = pairs // 2  # fp32 partials a thread a block
     a0 = NARROW_STEPS * per  # the first A operand
     d0 = a0 + 16  # the first descriptor operand
@@ -935,15 +934,16 @@ class NarrowGemmKernel:
         )
         scales_at = mXs.iterator.toint()
         staged_at = sXs.iterator.toint()
-        row_bytes = self.chunks * CORE_ROW_BYTES  # K / 32 fp32 scales a row
+        # A chunk's four scales of a pair are one 16-byte copy; a row's K / 32 scales follow on.
+        row_bytes = self.chunks * VECTOR_BYTES
         for task in cutlass.range(tidx, pairs * self.chunks, threads):
             n, q = task % pairs, task // pairs
             row = start + cutlass.min(n, rows - 1)
             if cutlass.const_expr(self.indexed):
                 row = mPairRow[row]
-            src = scales_at + Int64(row) * row_bytes + Int64(q * CORE_ROW_BYTES)
-            size = cutlass.select_(n < rows, CORE_ROW_BYTES, 0)
-            copy_16_async(staged_at + n * row_bytes + q * CORE_ROW_BYTES, src, size)
+            src = scales_at + Int64(row) * row_bytes + Int64(q * VECTOR_BYTES)
+            size = cutlass.select_(n < rows, VECTOR_BYTES, 0)
+            copy_16_async(staged_at + n * row_bytes + q * VECTOR_BYTES, src, size)
         return sXs
 
     @cute.jit
