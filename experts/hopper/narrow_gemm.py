@@ -832,12 +832,13 @@ class NarrowGemmKernel:
             self.read_slot(ring_state, source, chunk_regs, slot, c)
             self.load_chunk(source, chunk_regs, q, weights=False)
             issued = self.issue_chunk(chunk_regs, q, rows_desc, False)
+            # No row scales (None): humming's are in the bytes (`ahead` is its form only).
             if cutlass.const_expr(c > 0):
                 done = wgmma_wait_keeping(previous[0], 1)
-                self.promote_chunk(done, rS, previous[1], rAcc)
+                self.promote_chunk(done, None, previous[1], rAcc)
             previous = (issued, scale_sets[c % 2])
         done = wgmma_wait_keeping(previous[0], 0)
-        self.promote_chunk(done, rS, previous[1], rAcc)
+        self.promote_chunk(done, None, previous[1], rAcc)
         self.release_slot(ring_state, i, slot, groups)
 
     @cute.jit
@@ -935,9 +936,11 @@ class NarrowGemmKernel:
         scales_at = mXs.iterator.toint()
         staged_at = sXs.iterator.toint()
         # A chunk's four scales of a pair are one 16-byte copy; a row's K / 32 scales follow on.
+        # Consecutive threads copy consecutive chunks of one row: contiguous reads and stores
+        # (pairs fastest put the stores K / 8 bytes apart, all in the same four banks at FC2).
         row_bytes = self.chunks * VECTOR_BYTES
         for task in cutlass.range(tidx, pairs * self.chunks, threads):
-            n, q = task % pairs, task // pairs
+            q, n = task % self.chunks, task // self.chunks
             row = start + cutlass.min(n, rows - 1)
             if cutlass.const_expr(self.indexed):
                 row = mPairRow[row]
