@@ -1,7 +1,7 @@
 """The narrow GEMM (experts/hopper/narrow_gemm.py) against humming's GEMMs, FC1 and FC2 alone, on
-one GPU at K3 geometry: 56, 112 and 448 local experts (rank 0 of 16, 8 and 2 ranks), T = 1..16
-tokens per rank (decode sizes; `--tokens` for others), uniform routing, all measured in the same
-run.
+one GPU at K3 geometry: local experts 56, 112 and 448 (rank 0 of 16, 8 and 2 ranks) unless
+`--local` picks others, T = 1..16 tokens per rank unless `--tokens` does, uniform routing, all
+measured in the same run.
 
     python -m bench.bench_narrow_gemm     # writes docs/results/bench_narrow_gemm.md
 
@@ -112,7 +112,7 @@ WIDE |= {
 # chunk's promotion), by name with --forms. At P = 8 three CTAs fit an SM, each with two
 # warpgroups' rings of 2 x 2 chunks; at P = 32 one does, so its rings of 2 x 2 hold a third of
 # the weight bytes a narrow SM has in flight. These hold about as many (P = 16, 3 x 2: two CTAs
-# an SM) or more (P = 24 and 32, 6 x 2: 104 KiB a CTA).
+# an SM) or more (P = 24 and 32, 6 x 2: 102 KiB a CTA).
 DEEP = {
     "humming words, tiles of 16, ring 3x2": NarrowTuning(weights="humming", pairs=16, stages=3),
     "humming words, tiles of 16, ring 4x2": NarrowTuning(weights="humming", pairs=16, stages=4),
@@ -299,7 +299,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
         for local in dict.fromkeys(r["local"] for r in results):
             mine = [r for r in results if r["local"] == local]
             t = [r["tokens"] for r in mine]
-            for i, kernel in enumerate(k for k in kernels if k in styles):
+            for i, kernel in enumerate(kernels):
                 gbs = [r[f"{fc}_bytes"] / (r[f"{kernel}_{fc}"] * 1e-6) / 1e9 for r in mine]
                 percent = [100 * g / bandwidth for g in gbs]
                 label = f"{kernel}, {local} local"

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -145,7 +146,7 @@ def write_report(out: Path, facts: list[dict], columns, units, launches, run=Non
     SystemExit when ncu profiled another number of launches than the rows' calls."""
     calls = [(row, name) for row in facts for name in row["calls"]]
     if len(calls) != len(launches):
-        names = [r["Kernel Name"][:KERNEL_NAME_CHARS] for r in launches]
+        names = [r.get("Kernel Name", "?")[:KERNEL_NAME_CHARS] for r in launches]
         raise SystemExit(
             f"bench.profile_narrow_gemm: ncu profiled {len(launches)} launches for"
             f" {len(calls)} calls; the launches: {names}"
@@ -156,7 +157,9 @@ def write_report(out: Path, facts: list[dict], columns, units, launches, run=Non
     page.text(
         f"K3 geometry (L {K3.latent}, I {K3.intermediate}, K {K3.topk}, E {K3.experts}); uniform"
         " routing; ncu sections: " + ", ".join(SECTIONS) + ". GB/s: the GEMM's touched weight"
-        " bytes (bench_narrow_gemm's) over its duration under ncu. Stalls: the"
+        " bytes (bench_narrow_gemm's) over its duration under ncu. diff: the narrow form's"
+        " output against humming's on the same pairs (relative L2, from the child's warm run)."
+        " Stalls: the"
         f" {TOP_STALLS} largest `{STALL_PREFIX}*{STALL_SUFFIX}`, warp cycles an issued"
         " instruction. CTAs/SM: the least of ncu's occupancy limits, and which limit it is."
     )
@@ -175,11 +178,12 @@ def write_report(out: Path, facts: list[dict], columns, units, launches, run=Non
         for name, launch in zip(row["calls"], mine):
             us = time_us(launch, units)
             gbs = row[f"{name.rsplit('_', 1)[1]}_bytes"] / (us * 1e-6) / 1e9
-            cells = [f"`{name}`", f"{us:.1f}", f"{gbs:.0f}"]
+            diff = row.get(f"{name}_diff")
+            cells = [f"`{name}`", f"{us:.1f}", f"{gbs:.0f}", "-" if diff is None else f"{diff:.1e}"]
             cells += [launch.get(metric, "-") for _, metric in SUMMARY]
             cells += [occupancy(launch), top_stalls(launch)]
             lines.append(cells)
-        heads = ["GEMM", "us (ncu)", "GB/s", *(h for h, _ in SUMMARY), "CTAs/SM", "stalls"]
+        heads = ["GEMM", "us (ncu)", "GB/s", "diff", *(h for h, _ in SUMMARY), "CTAs/SM", "stalls"]
         page.table(heads, lines)
         if missing:
             page.text("No metric matched: " + ", ".join(f"`{m}`" for m in missing) + ".")
@@ -194,11 +198,19 @@ def from_raw(raw: Path, out: Path) -> Path:
     for path in (header, table, facts):
         if not path.is_file():
             raise SystemExit(f"bench.profile_narrow_gemm: {path} is missing; not a profiling run")
-    run = report.Run(**json.loads(header.read_text()))
-    again = f"python -m bench.profile_narrow_gemm --from-raw {raw}"
-    run = dataclasses.replace(run, command=f"{run.command}; then {again}")
-    columns, units, launches = raw_rows(table.read_text())
-    return write_report(out, json.loads(facts.read_text()), columns, units, launches, run)
+    try:
+        run = report.Run(**json.loads(header.read_text()))
+        rows = json.loads(facts.read_text())
+        again = f"python -m bench.profile_narrow_gemm --from-raw {raw}"
+        run = dataclasses.replace(run, command=f"{run.command}; then {again}")
+        columns, units, launches = raw_rows(table.read_text())
+        return write_report(out, rows, columns, units, launches, run)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        # json's errors are ValueErrors; a field missing or of another shape the others.
+        raise SystemExit(
+            f"bench.profile_narrow_gemm: {raw} does not hold a profiling run's"
+            f" {RUN_FILE}, facts.json and ncu.csv as this module writes them: {exc!r}"
+        ) from None
 
 
 def parse_row(text: str) -> tuple[int, int]:
@@ -215,7 +227,14 @@ def main() -> int:
     text = "(local experts, T) rows as LOCAL:T"
     p.add_argument("--rows", type=parse_row, nargs="+", default=list(ROWS), help=text)
     text = "the narrow GEMM's forms profiled beside humming's GEMMs (bench_narrow_gemm's names)"
-    p.add_argument("--forms", nargs="+", choices=list(EVERY_FORM), default=list(FORMS), help=text)
+    p.add_argument(
+        "--forms",
+        nargs="+",
+        choices=list(EVERY_FORM),
+        default=list(FORMS),
+        metavar="FORM",
+        help=text,
+    )
     text = "ncu's CSV output and log, the child's facts and the run's header go here"
     p.add_argument("--raw", type=Path, default=Path("profile_narrow_gemm_raw"), help=text)
     text = "write the page from the folder of an earlier run (--raw), running nothing"
@@ -224,7 +243,7 @@ def main() -> int:
     p.add_argument("--facts", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     for local, tokens in args.rows:
-        if K3.experts % local or tokens < 1:
+        if local < 1 or K3.experts % local or tokens < 1:
             p.error(f"row {local}:{tokens}: local experts must divide {K3.experts}, T >= 1")
     if args.child:
         child(args.rows, args.forms, args.facts)
@@ -234,8 +253,17 @@ def main() -> int:
         return 0
     if shutil.which("ncu") is None:
         raise SystemExit("bench.profile_narrow_gemm: no `ncu` on PATH (Nsight Compute)")
+    for folder in (args.out, args.raw):
+        # Both written after ncu's run, which takes minutes: refused before it.
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(
+                f"bench.profile_narrow_gemm: cannot write to {folder}: {exc}"
+            ) from None
+        if not os.access(folder, os.W_OK):
+            raise SystemExit(f"bench.profile_narrow_gemm: cannot write to {folder}")
     raw = args.raw
-    raw.mkdir(parents=True, exist_ok=True)
     run = report.Run.this_process()
     (raw / RUN_FILE).write_text(json.dumps(dataclasses.asdict(run)))
     facts = raw / "facts.json"

@@ -651,17 +651,18 @@ def test_profile_narrow_gemm_maps_launches_onto_calls_and_ranks_stalls(tmp_path)
             "fc1_bytes": 200_000_000,
             "fc2_bytes": 100_000_000,
             "calls": ["humming words, tiles of 32_fc1", "humming_fc2"],
+            "humming words, tiles of 32_fc1_diff": 0.0012,
         }
     ]
     columns, units, rows = profile_hopper_gemms.raw_rows(narrow_raw_csv(launches))
     run = report.Run("python -m bench.profile_narrow_gemm", "1 x GPU", "Python 3", "2026-12-06")
     page = narrow.write_report(tmp_path, facts, columns, units, rows, run).read_text()
     # 200 MB of FC1 in 100 us: 2,000 GB/s; 100 MB of FC2 in 50 us: 2,000.
-    first = "| `humming words, tiles of 32_fc1` | 100.0 | 2000 |"
+    first = "| `humming words, tiles of 32_fc1` | 100.0 | 2000 | 1.2e-03 |"
     assert first in page, page
     line = next(x for x in page.splitlines() if x.startswith(first))
     assert line.endswith("| 1 (shared_mem) | long_scoreboard 3.00, barrier 1.00, wait 0.50 |")
-    line = next(x for x in page.splitlines() if x.startswith("| `humming_fc2` | 50.0 | 2000 |"))
+    line = next(x for x in page.splitlines() if x.startswith("| `humming_fc2` | 50.0 | 2000 | - |"))
     assert line.endswith("| 2 (registers) | barrier 2.50, wait 0.50, long_scoreboard 0.20 |")
     assert "not_issued" not in line
     # A launch more or fewer than the calls: refused, the launches named.
@@ -675,6 +676,7 @@ def test_profile_narrow_gemm_refuses_bad_rows_and_a_missing_ncu(tmp_path, monkey
         ("56", "'56': expected LOCAL:T"),
         ("55:64", "row 55:64: local experts must divide 896"),
         ("56:0", "row 56:0: local experts must divide 896, T >= 1"),
+        ("0:1", "row 0:1: local experts must divide 896"),
     ):
         argv = ["profile_narrow_gemm", "--out", str(tmp_path), "--rows", row]
         monkeypatch.setattr(sys, "argv", argv)
@@ -688,3 +690,11 @@ def test_profile_narrow_gemm_refuses_bad_rows_and_a_missing_ncu(tmp_path, monkey
     assert not list(tmp_path.iterdir())
     with pytest.raises(SystemExit, match="run.json is missing"):
         narrow.from_raw(tmp_path, tmp_path)
+    # A run's folder with a malformed file: one SystemExit naming the folder.
+    run = {"command": "c", "hardware": "h", "software": "s", "date": "d"}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "ncu.csv").write_text(narrow_raw_csv([{profile_hopper_gemms.TIME_METRIC: "1"}]))
+    for facts in ("{not json", json.dumps([{"calls": ["x_fc1"]}]), json.dumps({"a": 1})):
+        (tmp_path / "facts.json").write_text(facts)
+        with pytest.raises(SystemExit, match=f"{tmp_path} does not hold a profiling run's"):
+            narrow.from_raw(tmp_path, tmp_path / "out")

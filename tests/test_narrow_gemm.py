@@ -271,7 +271,13 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     shape or dtype the kernel would read at other strides, a pair_row shorter than out, more
     tile slots than the grid's second axis takes, and (last) tensors off a CUDA device; and at
     construction N, K, a warpgroup split, a ring without chunks and one over the shared memory."""
-    from dep_ep.experts.hopper.narrow_gemm import MAX_TILE_SLOTS, NarrowGemmLaunch, NarrowTuning
+    from dep_ep.experts.hopper.narrow_gemm import (
+        MAX_TILE_SLOTS,
+        SMEM_LIMIT,
+        NarrowGemmLaunch,
+        NarrowTuning,
+        smem_bytes,
+    )
 
     gen = fresh_generator()
     n, k, rows, topk = 128, 256, 3, 4
@@ -348,6 +354,19 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     with pytest.raises(ValueError, match="stage_scales is a form of the humming weights'"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stage_scales=True), arch="sm_90a")
+    # A field of another type: named, before it reaches a check that reads only its truth.
+    for field, value in (("ahead", "no"), ("stage_scales", 1), ("stages", 2.0), ("pairs", True)):
+        tuning = dataclasses.replace(NarrowTuning(weights="humming"), **{field: value})
+        with pytest.raises(ValueError, match=rf"NarrowTuning\.{field}={value!r}; expected"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    # The staged scales count in the shared memory: tiles of 32 through rings of 6 x 2 fit at
+    # K3's FC1 (219,232 bytes) and not with their scales (233,568).
+    deep = NarrowTuning(weights="humming", pairs=32, stages=6)
+    assert smem_bytes(3584, deep) <= SMEM_LIMIT
+    with pytest.raises(ValueError, match="takes 233568 bytes .* or stage_scales off"):
+        NarrowGemmLaunch(
+            6144, 3584, True, dataclasses.replace(deep, stage_scales=True), arch="sm_90a"
+        )
     with pytest.raises(ValueError, match="bytes of shared memory a CTA; at most"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stages=16, stage_chunks=4), arch="sm_90a")
     # Tiles of 32 stage 32 * K bytes of rows: 224 KiB at K = 7168, over with the ring.
@@ -452,8 +471,9 @@ TESTED_FORMS["humming-direct-pairs32"] = dict(weights="humming", stages=0, pairs
 # whose 6 slots K3's FC1 (14 stages) and FC2 (12) reuse two or more times.
 TESTED_FORMS["humming-ring3x2-pairs16"] = dict(weights="humming", pairs=16, stages=3)
 TESTED_FORMS["humming-ring6x2-pairs32"] = dict(weights="humming", pairs=32, stages=6)
-# `ahead` (a stage's MMAs a chunk ahead of their promotions): K = 384 ends in a part stage of
-# one chunk, K = 128 is that part stage alone; K3's FC1 and FC2 are whole stages.
+# `ahead` (a stage's MMAs a chunk ahead of their promotions): K = 384 (3 chunks) ends in a part
+# stage (one chunk with stages of 2; with stages of 4 it is one part stage of three), K = 128 is a
+# part stage alone; K3's FC1 (28 chunks) and FC2 (24) are whole stages.
 TESTED_FORMS["humming-ahead"] = dict(weights="humming", ahead=True)
 TESTED_FORMS["humming-ahead-ring3x4-pairs16"] = dict(
     weights="humming", pairs=16, stages=3, stage_chunks=4, ahead=True

@@ -35,6 +35,7 @@ on humming's prepared weights".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -1039,10 +1040,13 @@ class NarrowGemmLaunch:
     """NarrowGemmKernel's launch for one (N, K, indexed): its compile (once, at construction) and
     its launch on torch tensors.
 
-    Constraints (stated here once): N a multiple of tuning.columns() (128 by default), K of 128;
-    with tuning.wgmma, warps a multiple of 4; tuning.pairs 8, or with wgmma 16, 24 or 32;
-    shared memory a CTA (`smem_bytes`: the staged rows, P * K bytes with wgmma, and the ring) at
-    most SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
+    Constraints (stated here once): every NarrowTuning field of its annotated type (a flag a
+    bool, a count an int); N a multiple of tuning.columns() (128 by default), K of 128; with
+    tuning.wgmma, warps a multiple of 4; tuning.pairs 8, or with wgmma 16, 24 or 32; `ahead`
+    only on humming's weights through a ring of 2 chunks a stage or more, `stage_scales` only
+    on humming's weights; shared memory a CTA (`smem_bytes`: the staged rows, P * K bytes with
+    wgmma, the staged scales, P * K / 8 bytes with stage_scales, and the ring) at most
+    SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
     block_n tuning.pairs; words and scales from narrow_weights of [E, N, K/2] weights, or
     with tuning.weights "humming" (wgmma only) humming's prepared weight, weight_scale and
     weight_scale_2 (HummingGemm.prepare's tensors, or humming_layout.prepared_weights'); x
@@ -1066,6 +1070,16 @@ class NarrowGemmLaunch:
         do not fit."""
         if not isinstance(tuning, NarrowTuning):
             raise ValueError(f"NarrowGemmLaunch: tuning {tuning!r}; expected a NarrowTuning")
+        for field in dataclasses.fields(NarrowTuning):
+            # Each field of its annotated type: a flag a bool, a count an int (not a bool).
+            value, kind = getattr(tuning, field.name), field.type
+            wrong = type(value) is not bool if kind == "bool" else False
+            wrong |= kind == "int" and (type(value) is not int)
+            wrong |= kind == "str" and not isinstance(value, str)
+            if wrong:
+                raise ValueError(
+                    f"NarrowGemmLaunch: NarrowTuning.{field.name}={value!r}; expected {kind}"
+                )
         sizes = all(type(size) is int and size > 0 for size in (n, k))
         if not sizes or not narrow_fits(n, k) or n % tuning.columns():
             raise ValueError(
@@ -1110,7 +1124,8 @@ class NarrowGemmLaunch:
         if smem > SMEM_LIMIT:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning} at K={k} takes {smem} bytes of shared memory a CTA;"
-                f" at most {SMEM_LIMIT} (fewer warps, stages or stage_chunks)"
+                f" at most {SMEM_LIMIT} (fewer warps, stages, stage_chunks or pairs, or"
+                " stage_scales off)"
             )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         z = Int64(0)
