@@ -320,9 +320,9 @@ def parse_args(argv=None):
     page = "bench_integration.md and bench_integration.png"
     p = cli.parser(__doc__, page=page, tokens=TOKENS)
     text = "model steps (a call per layer each) per timed batch (eager) and per graph"
-    p.add_argument("--reps", type=int, default=REPS, help=text)
+    p.add_argument("--reps", type=cli.positive_int, default=REPS, help=text)
     text = "timed batches per path and T (eager), timed replays (graph)"
-    p.add_argument("--samples", type=int, default=SAMPLES, help=text)
+    p.add_argument("--samples", type=cli.positive_int, default=SAMPLES, help=text)
     p.add_argument("--preset", choices=list(PRESETS), default="k3", help="MoE geometry")
     p.add_argument("--layers", type=int, default=LAYERS, help="MoE layers, one call each a step")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -40,6 +40,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int of at least 1 (a token count, a repetition or a sample count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected an int >= 1")
+    return value
+
+
 def parser(
     doc: str,
     *,
@@ -67,16 +78,16 @@ def parser(
         p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for {page}")
     if tokens is not None:
         text = "tokens per rank T, one step each"
-        p.add_argument("--tokens", type=int, nargs="+", default=list(tokens), help=text)
+        p.add_argument("--tokens", type=positive_int, nargs="+", default=list(tokens), help=text)
     if routing is not None:
         text = "synthetic_ids routings, each at every T"
         p.add_argument("--routing", nargs="+", choices=ROUTINGS, default=list(routing), help=text)
     if timing is not None:
         reps, samples = timing
         text = "calls captured in one CUDA graph, timed as one sample"
-        p.add_argument("--reps", type=int, default=reps, help=text)
+        p.add_argument("--reps", type=positive_int, default=reps, help=text)
         text = "timed samples, the median reported"
-        p.add_argument("--samples", type=int, default=samples, help=text)
+        p.add_argument("--samples", type=positive_int, default=samples, help=text)
     return p
 
 

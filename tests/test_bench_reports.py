@@ -698,3 +698,15 @@ def test_profile_narrow_gemm_refuses_bad_rows_and_a_missing_ncu(tmp_path, monkey
         (tmp_path / "facts.json").write_text(facts)
         with pytest.raises(SystemExit, match=f"{tmp_path} does not hold a profiling run's"):
             narrow.from_raw(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("option", ["--tokens", "--reps", "--samples"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_bench_counts_are_positive_ints(option, value, capsys):
+    from bench import cli
+
+    parser = cli.parser("doc", tokens=[1], timing=(2, 3))
+    with pytest.raises(SystemExit):
+        parser.parse_args([option, value])
+    assert "expected an int >= 1" in capsys.readouterr().err
+    assert getattr(parser.parse_args([option, "4"]), option[2:]) in (4, [4])
