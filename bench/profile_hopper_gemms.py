@@ -161,6 +161,23 @@ def child(case: Case, facts: Path) -> None:
     facts.write_text(json.dumps(fact))
 
 
+def run_ncu(command: list[str], csv_path: Path, log_path: Path, timeout_s: int, who: str):
+    """Run `command` (ncu on a child) with a timeout, keeping its stdout (ncu's CSV) in csv_path
+    and its stderr in log_path, also when it runs past `timeout_s`: then SystemExit, `who` (the
+    module and the profiled case) naming what ran. Returns the finished CompletedProcess."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        for path, text in ((csv_path, exc.stdout), (log_path, exc.stderr)):
+            path.write_text(text.decode() if isinstance(text, bytes) else (text or ""))
+        raise SystemExit(
+            f"{who}: ncu ran past {timeout_s} s; its output so far is in {csv_path.parent}"
+        ) from None
+    csv_path.write_text(done.stdout)
+    log_path.write_text(done.stderr)
+    return done
+
+
 def raw_rows(text: str) -> tuple[list[str], dict[str, str], list[dict[str, str]]]:
     """ncu's `--csv --page raw` output -> (the column names in order, each column's unit, one
     dict per profiled launch in launch order). The table starts at the first line that starts
@@ -372,18 +389,9 @@ def main() -> int:
         command += [sys.executable, "-m", "bench.profile_hopper_gemms", "--facts", str(facts)]
         command += ["--child", str(case.local), str(case.tokens)]
         print(f"profiling {case.name}", flush=True)
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            for suffix, text in (("csv", exc.stdout), ("log", exc.stderr)):
-                data = text.decode() if isinstance(text, bytes) else (text or "")
-                (raw / f"{case.slug}.{suffix}").write_text(data)
-            raise SystemExit(
-                f"bench.profile_hopper_gemms: ncu ran past {NCU_TIMEOUT_S} s on {case.name};"
-                f" its output so far is in {raw}"
-            ) from None
-        (raw / f"{case.slug}.csv").write_text(done.stdout)
-        (raw / f"{case.slug}.log").write_text(done.stderr)
+        csv_path, log_path = raw / f"{case.slug}.csv", raw / f"{case.slug}.log"
+        who = f"bench.profile_hopper_gemms: {case.name}"
+        done = run_ncu(command, csv_path, log_path, NCU_TIMEOUT_S, who)
         if done.returncode != 0 or not facts.is_file():
             raise SystemExit(
                 f"bench.profile_hopper_gemms: ncu failed on {case.name} (exit"

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,8 +31,10 @@ from bench.bench_narrow_gemm import EVERY_FORM, Layer, row_calls
 from bench.profile_hopper_gemms import (
     KERNEL_NAME_CHARS,
     RUN_FILE,
+    SECTIONS,
     number,
     raw_rows,
+    run_ncu,
     shown_columns,
     time_us,
 )
@@ -49,15 +50,6 @@ FORMS = (
     "humming words, tiles of 16",
     "humming words, tiles of 32",
     "humming words, tiles of 32, ring 6x2",
-)
-SECTIONS = (
-    "SpeedOfLight",
-    "ComputeWorkloadAnalysis",
-    "MemoryWorkloadAnalysis",
-    "Occupancy",
-    "LaunchStats",
-    "SchedulerStats",
-    "WarpStateStats",
 )
 NCU_TIMEOUT_S = 1500
 # The summary's columns: (heading, ncu metric).
@@ -274,18 +266,9 @@ def main() -> int:
     command += ["--facts", str(facts), "--rows", *(f"{local}:{t}" for local, t in args.rows)]
     command += ["--forms", *args.forms]
     print(f"profiling {len(args.rows)} rows x {len(args.forms)} forms under ncu", flush=True)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        for name, text in (("ncu.csv", exc.stdout), ("ncu.log", exc.stderr)):
-            data = text.decode() if isinstance(text, bytes) else (text or "")
-            (raw / name).write_text(data)
-        raise SystemExit(
-            f"bench.profile_narrow_gemm: ncu ran past {NCU_TIMEOUT_S} s; its output so far is"
-            f" in {raw}"
-        ) from None
-    (raw / "ncu.csv").write_text(done.stdout)
-    (raw / "ncu.log").write_text(done.stderr)
+    done = run_ncu(
+        command, raw / "ncu.csv", raw / "ncu.log", NCU_TIMEOUT_S, "bench.profile_narrow_gemm"
+    )
     if done.returncode != 0 or not facts.is_file():
         raise SystemExit(
             f"bench.profile_narrow_gemm: ncu failed (exit {done.returncode}):\n"

@@ -710,3 +710,16 @@ def test_bench_counts_are_positive_ints(option, value, capsys):
         parser.parse_args([option, value])
     assert "expected an int >= 1" in capsys.readouterr().err
     assert getattr(parser.parse_args([option, "4"]), option[2:]) in (4, [4])
+
+
+def test_run_ncu_keeps_its_output_and_names_what_ran_past_its_time(tmp_path):
+    run_ncu = profile_hopper_gemms.run_ncu
+    csv_path, log_path = tmp_path / "a.csv", tmp_path / "a.log"
+    script = "import sys; print('table'); print('note', file=sys.stderr)"
+    done = run_ncu([sys.executable, "-c", script], csv_path, log_path, 60, "who")
+    assert done.returncode == 0
+    assert csv_path.read_text() == "table\n" and log_path.read_text() == "note\n"
+    script = "import sys, time; print('part', flush=True); time.sleep(30)"
+    with pytest.raises(SystemExit, match="bench.x: case: ncu ran past 1 s; its output so far"):
+        run_ncu([sys.executable, "-c", script], csv_path, log_path, 1, "bench.x: case")
+    assert csv_path.read_text() == "part\n"
