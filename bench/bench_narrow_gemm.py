@@ -127,8 +127,9 @@ DEEP = {
         weights="humming", pairs=32, stages=6, ahead=True
     ),
 }
-# The activation scales staged with the tile's rows (`stage_scales`), by name with --forms: with
-# 150-220 KB of shared memory a CTA (tiles of 32) little L1 is left for the scales' loads.
+# The activation scales staged with the tile's rows (`stage_scales`), by name with --forms: the
+# tiles of 32's largest stall (long scoreboard) waited on their per-chunk loads from global
+# memory (docs/experts.md, "What bounds the narrow GEMM past decode").
 DEEP |= {
     f"humming words{'' if p == 8 else f', tiles of {p}'}, staged scales": NarrowTuning(
         weights="humming", pairs=p, stage_scales=True
