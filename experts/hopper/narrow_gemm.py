@@ -560,19 +560,15 @@ class NarrowGemmKernel:
             if cutlass.const_expr(self.tuning.stages > 0):
                 ring = self.ring_start(smem, source, warp)
             if cutlass.const_expr(self.tuning.stage_scales):
-                # The lane pairs' scales from the tile's staged copy: row n of it for pair n
-                # (pairs past the tile read its last pair's, as pair_rows do).
-                sXs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx)
-                tile_pairs = [
-                    cutlass.min(8 * (i // 2) + 2 * t + i % 2, last) for i in range(self.lane_pairs)
-                ]
+                # load_chunk reads the lane pairs' scales from the tile's staged copy instead.
+                sXs, tile_pairs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx, t, last)
                 source = (mW, mS, mX, sXs, expert, block, lane, g, t, rb, tile_pairs, humming_at)
             if cutlass.const_expr(self.tuning.wgmma):
                 rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
             if cutlass.const_expr(self.tuning.ahead):
-                self.ring_loop_ahead(ring, source, regs, rows_desc, rAcc, warp)
+                self.ring_loop_ahead(ring, source, regs, rows_desc, rAcc)
             elif cutlass.const_expr(self.tuning.stages > 0):
-                self.ring_loop(ring, source, regs, rows_desc, rAcc, warp)
+                self.ring_loop(ring, source, regs, rows_desc, rAcc)
             else:
                 for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
                     self.load_chunk(source, regs, q)
@@ -769,7 +765,7 @@ class NarrowGemmKernel:
         return sW, sS, bars, words_at, scales_at, ring, issuer
 
     @cute.jit
-    def ring_loop(self, ring_state, source, regs, rows_desc, rAcc, warp):
+    def ring_loop(self, ring_state, source, regs, rows_desc, rAcc):
         """The chunks through the ring (ring_start): the ring's threads wait for a slot, read
         their chunks into registers and compute them, then the issuing thread refills the slot
         with the stage `stages` on, once every thread of the ring has read it (a warp's
@@ -794,7 +790,7 @@ class NarrowGemmKernel:
             self.release_slot(ring_state, i, slot, groups)
 
     @cute.jit
-    def ring_loop_ahead(self, ring_state, source, regs, rows_desc, rAcc, warp):
+    def ring_loop_ahead(self, ring_state, source, regs, rows_desc, rAcc):
         """ring_loop with each stage's MMAs one chunk ahead of its promotions (`ahead`): chunk
         c + 1's MMAs are issued before chunk c's are waited for (wgmma.wait_group 1) and
         promoted, so they run under its promotion. A stage's last chunk is waited for (group 0)
@@ -923,12 +919,13 @@ class NarrowGemmKernel:
             )
 
     @cute.jit
-    def stage_scales(self, smem, mXs, mPairRow, start, rows, tidx):
+    def stage_scales(self, smem, mXs, mPairRow, start, rows, tidx, t, last):
         """Copy the tile's P rows of activation scales (fp32 [K / 128, 4] each; zeros past its
-        `rows` pairs) into shared memory by 16-byte cp.async, one a (pair, chunk), and return
-        them as a tensor [P, K / 128, 4] that load_chunk reads as it reads x_scales (by the
-        pair's index in the tile). Complete after stage_rows' wait and CTA barrier, which follow
-        before any chunk."""
+        `rows` pairs) into shared memory by 16-byte cp.async, one a (pair, chunk). Returns them
+        as a tensor [P, K / 128, 4] that load_chunk reads as it reads x_scales, and the rows of
+        it this lane's pairs read (pair 8c + 2t + h of the tile for lane pair 2c + h; pairs past
+        the tile its last pair's, as pair_rows). Complete after stage_rows' wait and CTA
+        barrier, which follow before any chunk."""
         pairs = self.tuning.pairs
         threads = self.tuning.warps * WARP_LANES
         sXs = smem.allocate_tensor(
@@ -948,7 +945,10 @@ class NarrowGemmKernel:
             src = scales_at + Int64(row) * row_bytes + Int64(q * VECTOR_BYTES)
             size = cutlass.select_(n < rows, VECTOR_BYTES, 0)
             copy_16_async(staged_at + n * row_bytes + q * VECTOR_BYTES, src, size)
-        return sXs
+        lane_rows = [
+            cutlass.min(8 * (i // 2) + 2 * t + i % 2, last) for i in range(self.lane_pairs)
+        ]
+        return sXs, lane_rows
 
     @cute.jit
     def stage_rows(self, smem, mX, mPairRow, start, rows, tidx) -> Int64:
