@@ -924,8 +924,8 @@ class NarrowGemmKernel:
         `rows` pairs) into shared memory by 16-byte cp.async, one a (pair, chunk). Returns them
         as a tensor [P, K / 128, 4] that load_chunk reads as it reads x_scales, and the rows of
         it this lane's pairs read (pair 8c + 2t + h of the tile for lane pair 2c + h; pairs past
-        the tile its last pair's, as pair_rows). Complete after stage_rows' wait and CTA
-        barrier, which follow before any chunk."""
+        the tile its last pair's, `last` = rows - 1, as pair_rows). Complete after stage_rows'
+        wait and CTA barrier, which follow before any chunk."""
         pairs = self.tuning.pairs
         threads = self.tuning.warps * WARP_LANES
         sXs = smem.allocate_tensor(
