@@ -143,6 +143,17 @@ def test_compile_cache_per_geometry():
     assert all(other[n] is not first[n] for n in names)
 
 
+@pytest.mark.parametrize("arch", ["sm90a", "sm_90", "90a", "SM_90A"])
+def test_compile_refuses_an_arch_it_has_no_kernels_for(arch):
+    """A misspelt arch is named before CuTe sees it (its own error is a bare KeyError)."""
+    from dep_ep.comm.kernels.launcher import compile_kernel
+
+    with pytest.raises(
+        ValueError, match=rf"arch '{arch}'; expected one of \('sm_90a', 'sm_100a'\)"
+    ):
+        compile_kernel(lambda: pytest.fail("built before the arch was checked"), arch)
+
+
 def test_tuning_is_part_of_the_cache_key():
     """Another KernelTuning compiles its own kernels; the same one again compiles nothing."""
     small = dict(num_ranks=2, latent=64, topk=4, experts_per_rank=3, arch="sm_90a")

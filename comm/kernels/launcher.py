@@ -57,6 +57,10 @@ class KernelGeometry:
     experts_per_rank: int
 
 
+# The targets the library's kernels are written for: Hopper and Blackwell datacenter parts.
+KERNEL_ARCHS = ("sm_90a", "sm_100a")
+
+
 def compile_cached(
     geometry: KernelGeometry,
     name: str,
@@ -91,8 +95,11 @@ def compile_kernel(
     build: Callable[[], tuple[object, tuple]], arch: str | None, keep_ptx_dir: str | None = None
 ):
     """cute.compile of `build()`'s kernel and placeholder arguments, then a placeholder stream,
-    for `arch` (None: this process's GPU), keeping the PTX in `keep_ptx_dir` when given. No
-    cache."""
+    for `arch` (one of KERNEL_ARCHS; None: this process's GPU), keeping the PTX in
+    `keep_ptx_dir` when given. No cache. ValueError for another arch (CuTe's own error is a
+    bare KeyError)."""
+    if arch is not None and arch not in KERNEL_ARCHS:
+        raise ValueError(f"compile_kernel: arch {arch!r}; expected one of {KERNEL_ARCHS} or None")
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
 
