@@ -184,6 +184,26 @@ def write_report(out: Path, facts: list[dict], columns, units, launches, run=Non
     return page.write()
 
 
+# What write_report reads of each row of facts.json, beside a "<fc>_bytes" for each call's GEMM.
+FACT_KEYS = ("calls", "local", "tokens", "rows", "pairs", "touched")
+
+
+def checked_facts(rows) -> list[dict]:
+    """facts.json's rows (the child's) as write_report reads them; ValueError naming what a row
+    lacks."""
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise ValueError("facts.json: expected a list of rows (objects)")
+    for row in rows:
+        calls = row.get("calls")
+        if not isinstance(calls, list) or not all(isinstance(c, str) for c in calls):
+            raise ValueError(f"facts.json: a row's calls {calls!r}; expected a list of names")
+        needed = [*FACT_KEYS, *(f"{name.rsplit('_', 1)[-1]}_bytes" for name in calls)]
+        missing = [key for key in dict.fromkeys(needed) if key not in row]
+        if missing:
+            raise ValueError(f"facts.json: a row without {missing}")
+    return rows
+
+
 def from_raw(raw: Path, out: Path) -> Path:
     """The page again from a profiling run's folder (ncu's CSV, the facts, run.json), no GPU."""
     header, table, facts = raw / RUN_FILE, raw / "ncu.csv", raw / "facts.json"
@@ -192,17 +212,17 @@ def from_raw(raw: Path, out: Path) -> Path:
             raise SystemExit(f"bench.profile_narrow_gemm: {path} is missing; not a profiling run")
     try:
         run = report.Run(**json.loads(header.read_text()))
-        rows = json.loads(facts.read_text())
-        again = f"python -m bench.profile_narrow_gemm --from-raw {raw}"
-        run = dataclasses.replace(run, command=f"{run.command}; then {again}")
-        columns, units, launches = raw_rows(table.read_text())
-        return write_report(out, rows, columns, units, launches, run)
+        rows = checked_facts(json.loads(facts.read_text()))
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         # json's errors are ValueErrors; a field missing or of another shape the others.
         raise SystemExit(
             f"bench.profile_narrow_gemm: {raw} does not hold a profiling run's"
-            f" {RUN_FILE}, facts.json and ncu.csv as this module writes them: {exc!r}"
+            f" {RUN_FILE} and facts.json as this module writes them: {exc!r}"
         ) from None
+    again = f"python -m bench.profile_narrow_gemm --from-raw {raw}"
+    run = dataclasses.replace(run, command=f"{run.command}; then {again}")
+    columns, units, launches = raw_rows(table.read_text())
+    return write_report(out, rows, columns, units, launches, run)
 
 
 def parse_row(text: str) -> tuple[int, int]:

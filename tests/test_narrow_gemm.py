@@ -274,6 +274,7 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     from dep_ep.experts.hopper.narrow_gemm import (
         MAX_TILE_SLOTS,
         SMEM_LIMIT,
+        TUNING_FIELD_TYPES,
         NarrowGemmLaunch,
         NarrowTuning,
         smem_bytes,
@@ -354,6 +355,8 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     with pytest.raises(ValueError, match="stage_scales is a form of the humming weights'"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stage_scales=True), arch="sm_90a")
+    # Every field's annotation has a check (a new kind of field needs one).
+    assert {f.type for f in dataclasses.fields(NarrowTuning)} <= set(TUNING_FIELD_TYPES)
     # A field of another type: named, before it reaches a check that reads only its truth.
     for field, value in (("ahead", "no"), ("stage_scales", 1), ("stages", 2.0), ("pairs", True)):
         tuning = dataclasses.replace(NarrowTuning(weights="humming"), **{field: value})

@@ -1026,6 +1026,15 @@ class NarrowGemmKernel:
         return smem_desc(sRows.iterator.toint(), leading, stride)
 
 
+# NarrowTuning's annotations (strings: the module's annotations are postponed) and the check of a
+# value of each: a flag is a bool, a count an int and not a bool, a form's name a str.
+TUNING_FIELD_TYPES = {
+    "bool": lambda value: type(value) is bool,
+    "int": lambda value: type(value) is int,
+    "str": lambda value: isinstance(value, str),
+}
+
+
 def smem_bytes(k: int, tuning: NarrowTuning) -> int:
     """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: P * K bytes) and
     scales (stage_scales: P * K / 8 bytes), the rings (NarrowTuning.ring_bytes) and their
@@ -1071,14 +1080,12 @@ class NarrowGemmLaunch:
         if not isinstance(tuning, NarrowTuning):
             raise ValueError(f"NarrowGemmLaunch: tuning {tuning!r}; expected a NarrowTuning")
         for field in dataclasses.fields(NarrowTuning):
-            # Each field of its annotated type: a flag a bool, a count an int (not a bool).
-            value, kind = getattr(tuning, field.name), field.type
-            wrong = type(value) is not bool if kind == "bool" else False
-            wrong |= kind == "int" and (type(value) is not int)
-            wrong |= kind == "str" and not isinstance(value, str)
-            if wrong:
+            # Each field of its annotated type (TUNING_FIELD_TYPES: every annotation a field
+            # may have); a numpy int or bool is refused as N and K are.
+            value = getattr(tuning, field.name)
+            if not TUNING_FIELD_TYPES[field.type](value):
                 raise ValueError(
-                    f"NarrowGemmLaunch: NarrowTuning.{field.name}={value!r}; expected {kind}"
+                    f"NarrowGemmLaunch: NarrowTuning.{field.name}={value!r}; expected {field.type}"
                 )
         sizes = all(type(size) is int and size > 0 for size in (n, k))
         if not sizes or not narrow_fits(n, k) or n % tuning.columns():
