@@ -111,8 +111,8 @@ WIDE |= {
 # The wider tiles through deeper rings, and `ahead` (a chunk's MMAs issued before the previous
 # chunk's promotion), by name with --forms. At P = 8 three CTAs fit an SM, each with two
 # warpgroups' rings of 2 x 2 chunks; at P = 32 one does, so its rings of 2 x 2 hold a third of
-# the weight bytes a narrow SM has in flight. These hold about as many (P = 16, 3 x 2: two CTAs
-# an SM) or more (P = 24 and 32, 6 x 2: 102 KiB a CTA).
+# the weight bytes an SM running tiles of 8 has in flight. These hold about as many (P = 16,
+# 3 x 2: two CTAs an SM) or more (P = 24 and 32, 6 x 2: 102 KiB a CTA).
 DEEP = {
     "humming words, tiles of 16, ring 3x2": NarrowTuning(weights="humming", pairs=16, stages=3),
     "humming words, tiles of 16, ring 4x2": NarrowTuning(weights="humming", pairs=16, stages=4),
@@ -294,7 +294,9 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
     styles = {"mma.sync": ":^", "wgmma": ":o", "wgmma ring": "o-", "humming": "s--"}
     styles |= {"humming words": "x-", "humming words direct": ":x"}
     styles |= dict(zip(WIDE, ("d-", "v-", "P-", "d--", "v--", "P--")))
-    styles |= dict(zip(DEEP, ("v:", "v-.", "P:", "d:", "x:", "v-", "v--", "d-.", "x-.", "v-.")))
+    styles |= dict(
+        zip(DEEP, ("v:", "v-.", "P:", "d:", "x:", "v-", "v--", "d-.", "x-.", "^-.", "P-.", "d-."))
+    )
     for fc in ("fc1", "fc2"):
         series = []
         for local in dict.fromkeys(r["local"] for r in results):

@@ -41,7 +41,7 @@ from bench.profile_hopper_gemms import (
 from dep_ep.ep import K3
 from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch
 
-# (local experts, T per rank): 56 local at T = 64 and 128 (about 19 and 37 pairs an expert, the
+# (local experts, T per rank): 56 local at T = 64 and 128 (about 18 and 37 pairs an expert, the
 # rows humming leaves below target that the wider tiles are for) and 448 at T = 16 (about one
 # pair an expert: every width reads each touched expert once, so the width's own cost shows).
 ROWS = ((56, 64), (56, 128), (448, 16))
@@ -68,7 +68,7 @@ STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 TOP_STALLS = 4
 # Warp states ncu reports beside the stalls that are not reasons for a stall: "selected" is the
-# issuing cycle itself (1 a issued instruction); "not_selected" (eligible, another warp issued)
+# issuing cycle itself (1 an issued instruction); "not_selected" (eligible, another warp issued)
 # is kept, a sign of issue contention.
 NOT_STALLS = ("selected", "not_issued")
 OCCUPANCY_PREFIX = "launch__occupancy_limit_"
