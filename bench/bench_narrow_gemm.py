@@ -295,7 +295,7 @@ def write_report(results: list[dict], bandwidth: float, out, run: report.Run | N
     styles |= {"humming words": "x-", "humming words direct": ":x"}
     styles |= dict(zip(WIDE, ("d-", "v-", "P-", "d--", "v--", "P--")))
     styles |= dict(
-        zip(DEEP, ("v:", "v-.", "P:", "d:", "x:", "v-", "v--", "d-.", "x-.", "^-.", "P-.", "d-."))
+        zip(DEEP, ("v:", "v-.", "P:", "d:", "x:", "v-", "v--", "d-.", "x-.", "^-.", "P-.", "s-."))
     )
     for fc in ("fc1", "fc2"):
         series = []
