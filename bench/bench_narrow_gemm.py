@@ -345,6 +345,8 @@ def main() -> int:
         help="the shards' local experts, each at every T",
     )
     args = parser.parse_args()
+    if args.forms and (args.wide or args.shapes):
+        parser.error("--forms names every form timed; --wide and --shapes add to the default forms")
     if not torch.cuda.is_available():
         print("bench_narrow_gemm: needs a CUDA GPU", file=sys.stderr)
         return 2

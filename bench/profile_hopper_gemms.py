@@ -178,16 +178,19 @@ def run_ncu(command: list[str], csv_path: Path, log_path: Path, timeout_s: int, 
     return done
 
 
-def raw_rows(text: str) -> tuple[list[str], dict[str, str], list[dict[str, str]]]:
+def raw_rows(
+    text: str, who: str = "bench.profile_hopper_gemms"
+) -> tuple[list[str], dict[str, str], list[dict[str, str]]]:
     """ncu's `--csv --page raw` output -> (the column names in order, each column's unit, one
     dict per profiled launch in launch order). The table starts at the first line that starts
     with HEADER_START; the units row is the line after it (its "ID" is empty); lines before the
     table (the program's own output, ncu's notes) and after it (rows of another width, or with
-    no ID) are skipped."""
+    no ID) are skipped. SystemExit, its message starting with `who` (the module reading it), for
+    text without a table or a table without a launch."""
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.startswith(HEADER_START)), None)
     if start is None:
-        raise SystemExit(f"bench.profile_hopper_gemms: no ncu table in:\n{text[-2000:]}")
+        raise SystemExit(f"{who}: no ncu table in:\n{text[-2000:]}")
     reader = csv.reader(io.StringIO("".join(lines[start:])))
     columns = next(reader)
     units: dict[str, str] = {}
@@ -201,7 +204,7 @@ def raw_rows(text: str) -> tuple[list[str], dict[str, str], list[dict[str, str]]
         elif row["ID"]:
             launches.append(row)
     if not launches:
-        raise SystemExit("bench.profile_hopper_gemms: ncu's table has no profiled launch")
+        raise SystemExit(f"{who}: ncu's table has no profiled launch")
     return columns, units, launches
 
 

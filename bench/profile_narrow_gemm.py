@@ -52,6 +52,7 @@ FORMS = (
     "humming words, tiles of 32, ring 6x2",
 )
 NCU_TIMEOUT_S = 1500
+WHO = "bench.profile_narrow_gemm"  # the start of its messages
 # The summary's columns: (heading, ncu metric).
 SUMMARY = (
     ("DRAM %", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
@@ -221,7 +222,7 @@ def from_raw(raw: Path, out: Path) -> Path:
         ) from None
     again = f"python -m bench.profile_narrow_gemm --from-raw {raw}"
     run = dataclasses.replace(run, command=f"{run.command}; then {again}")
-    columns, units, launches = raw_rows(table.read_text())
+    columns, units, launches = raw_rows(table.read_text(), WHO)
     return write_report(out, rows, columns, units, launches, run)
 
 
@@ -294,7 +295,7 @@ def main() -> int:
             f"bench.profile_narrow_gemm: ncu failed (exit {done.returncode}):\n"
             f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
         )
-    columns, units, launches = raw_rows(done.stdout)
+    columns, units, launches = raw_rows(done.stdout, WHO)
     print(write_report(args.out, json.loads(facts.read_text()), columns, units, launches, run))
     return 0
 

@@ -723,3 +723,21 @@ def test_run_ncu_keeps_its_output_and_names_what_ran_past_its_time(tmp_path):
     with pytest.raises(SystemExit, match="bench.x: case: ncu ran past 1 s; its output so far"):
         run_ncu([sys.executable, "-c", script], csv_path, log_path, 1, "bench.x: case")
     assert csv_path.read_text() == "part\n"
+
+
+def test_ncu_table_errors_name_the_module_reading_it():
+    with pytest.raises(SystemExit, match="^bench.profile_narrow_gemm: no ncu table in"):
+        profile_hopper_gemms.raw_rows("==ERROR== nothing", "bench.profile_narrow_gemm")
+    with pytest.raises(SystemExit, match="^bench.profile_hopper_gemms: ncu's table has no"):
+        profile_hopper_gemms.raw_rows('"ID","Kernel Name"\n"",""\n')
+
+
+def test_bench_narrow_gemm_refuses_forms_with_wide_or_shapes(monkeypatch, capsys):
+    from bench import bench_narrow_gemm
+
+    for extra in ("--wide", "--shapes"):
+        argv = ["bench_narrow_gemm", "--forms", "humming words", extra]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit):
+            bench_narrow_gemm.main()
+        assert "--forms names every form timed" in capsys.readouterr().err
