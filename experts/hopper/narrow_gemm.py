@@ -389,11 +389,10 @@ class NarrowTuning:
         """Shared memory of the rings of weight chunks (stages > 0): a warp's chunk of 1 KiB of
         codes and 64 bytes of scales ("narrow"), or a warpgroup's of four times that
         ("humming"), stage_chunks a stage, `stages` a ring."""
-        if self.weights == "humming":
-            rings, chunk = self.warps // WARPGROUP_WARPS, HUMMING_CHUNK_BYTES
-        else:
-            rings, chunk = self.warps, CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES
-        return rings * self.stages * self.stage_chunks * chunk
+        chunk = HUMMING_CHUNK_BYTES
+        if self.weights != "humming":
+            chunk = CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES
+        return self.rings() * self.stages * self.stage_chunks * chunk
 
     def rings(self) -> int:
         """The rings a CTA: one a warp ("narrow") or a warpgroup ("humming")."""
@@ -521,15 +520,11 @@ class NarrowGemmKernel:
             # B (mma.sync): this lane reads pair g's row. C: its partials are its lane pairs,
             # 8c + 2t + h (h = 0, 1) of each 8 pairs c, lane pair 2c + h. Pairs past the tile's
             # read its last pair (their partials are never stored).
-            rb = start + cutlass.min(g, last)
-            if cutlass.const_expr(self.indexed):
-                rb = mPairRow[rb]
-            pair_rows = []
-            for i in cutlass.range_constexpr(self.lane_pairs):
-                j = start + cutlass.min(8 * (i // 2) + 2 * t + i % 2, last)
-                if cutlass.const_expr(self.indexed):
-                    j = mPairRow[j]
-                pair_rows.append(j)
+            rb = self.x_row(mPairRow, start, last, g)
+            pair_rows = [
+                self.x_row(mPairRow, start, last, 8 * (i // 2) + 2 * t + i % 2)
+                for i in range(self.lane_pairs)
+            ]
             # One chunk's registers: the lane's weight words and scale words (humming: per k32
             # block s, the words of rows g and g + 8 and their two s' bytes), its B words
             # (mma.sync) and its lane pairs' block scales.
@@ -585,6 +580,16 @@ class NarrowGemmKernel:
                     row_g8 = rAcc[4 * c + 2 + h] * output_scale
                     mOut[start + pair, n0] = Uint16(bf16_round(row_g))
                     mOut[start + pair, n0 + 8] = Uint16(bf16_round(row_g8))
+
+    @cute.jit
+    def x_row(self, mPairRow, start, last, n):
+        """The row of x that pair n of the tile reads (the tile's pairs start.., its last pair
+        `last` on: pairs past the tile read the last's): the pair's own number, or with
+        `indexed` its pair_row."""
+        row = start + cutlass.min(n, last)
+        if cutlass.const_expr(self.indexed):
+            row = mPairRow[row]
+        return row
 
     @cute.jit
     def load_chunk(self, source, regs, q, weights: bool = True):
@@ -939,9 +944,7 @@ class NarrowGemmKernel:
         row_bytes = self.chunks * VECTOR_BYTES
         for task in cutlass.range(tidx, pairs * self.chunks, threads):
             q, n = task % self.chunks, task // self.chunks
-            row = start + cutlass.min(n, rows - 1)
-            if cutlass.const_expr(self.indexed):
-                row = mPairRow[row]
+            row = self.x_row(mPairRow, start, rows - 1, n)
             src = scales_at + Int64(row) * row_bytes + Int64(q * VECTOR_BYTES)
             size = cutlass.select_(n < rows, VECTOR_BYTES, 0)
             copy_16_async(staged_at + n * row_bytes + q * VECTOR_BYTES, src, size)
@@ -981,9 +984,7 @@ class NarrowGemmKernel:
                 # Each thread keeps its row and half (P = 8, 16, 32 with 8 warps): one row
                 # lookup, then only addresses in the loop.
                 half, n = tidx % 2, (tidx // 2) % pairs
-                row = start + cutlass.min(n, rows - 1)
-                if cutlass.const_expr(self.indexed):
-                    row = mPairRow[row]
+                row = self.x_row(mPairRow, start, rows - 1, n)
                 row_at = x_at + Int64(row) * self.k
                 size = cutlass.select_(n < rows, CORE_ROW_BYTES, 0)
                 for task in cutlass.range(tidx, tasks, threads):
@@ -993,9 +994,7 @@ class NarrowGemmKernel:
             else:
                 for task in cutlass.range(tidx, tasks, threads):
                     half, n, b = task % 2, (task // 2) % pairs, task // (2 * pairs)
-                    row = start + cutlass.min(n, rows - 1)
-                    if cutlass.const_expr(self.indexed):
-                        row = mPairRow[row]
+                    row = self.x_row(mPairRow, start, rows - 1, n)
                     column = 2 * b + half
                     src = x_at + Int64(row) * self.k + Int64(CORE_ROW_BYTES * column)
                     size = cutlass.select_(n < rows, CORE_ROW_BYTES, 0)
@@ -1254,12 +1253,13 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: the groups are of {groups.expert_pairs.shape[0]} local"
                 f" experts, the weights hold {words.shape[0]}"
             )
-        alignment = {"words": words, "scales": scales, "x": x, "x_scales": x_scales, "out": out}
-        alignment = {name: (t, VECTOR_BYTES) for name, t in alignment.items()}
-        alignment |= {name: (t, 4) for name, t in routes.items()}
+        # Every tensor the kernel reads or writes, with the alignment it reads it at.
+        accessed = {"words": words, "scales": scales, "x": x, "x_scales": x_scales, "out": out}
+        accessed = {name: (t, VECTOR_BYTES) for name, t in accessed.items()}
+        accessed |= {name: (t, 4) for name, t in routes.items()}
         if humming:
-            alignment["expert_scale"] = (expert_scale, 4)
-        for name, (tensor, align) in alignment.items():
+            accessed["expert_scale"] = (expert_scale, 4)
+        for name, (tensor, align) in accessed.items():
             if tensor.data_ptr() % align:
                 raise ValueError(
                     f"NarrowGemmLaunch: {name} at address {tensor.data_ptr():#x}; the kernel"
@@ -1270,11 +1270,7 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: {groups.tile_capacity} tile slots; at most {MAX_TILE_SLOTS}"
                 " (the grid's second axis): the narrow GEMM is for decode sizes"
             )
-        tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
-        tensors = (words, scales, x, x_scales, pair_row, out, *tiles)
-        if humming:
-            tensors += (expert_scale,)
-        if len({t.device for t in tensors}) != 1 or words.device.type != "cuda":
+        if len({t.device for t, _ in accessed.values()}) != 1 or words.device.type != "cuda":
             raise ValueError("NarrowGemmLaunch: every tensor must be on one CUDA device")
         self.compiled(
             words.data_ptr(),
