@@ -38,6 +38,7 @@ from dep_ep.ep import K3
 from dep_ep.experts.hopper.engine import tuning_pairs
 from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
 from dep_ep.experts.hopper.humming_gemm import HummingGemm
+from dep_ep.experts.hopper.humming_layout import prepared_tensors
 from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
 from dep_ep.experts.hopper.narrow_layout import NARROW_PAIRS, NARROW_TILE_PAIRS, narrow_weights
 
@@ -73,14 +74,9 @@ class Layer:
         self.narrow2 = narrow_weights(self.w2, self.s2)
         self.humming13 = HummingGemm.prepare(self.w13, self.s13, False)
         self.humming2 = HummingGemm.prepare(self.w2, self.s2, False)
-
-    @staticmethod
-    def humming_words(gemm: HummingGemm) -> tuple[tuple, dict]:
-        """The narrow GEMM's arguments for humming's prepared tensors of `gemm`: (words,
-        scales) and {"expert_scale": weight_scale_2}."""
-        tensors = gemm.tensors
-        scale_2 = tensors["weight_scale_2"].float().reshape(-1).contiguous()
-        return (tensors["weight"], tensors["weight_scale"]), {"expert_scale": scale_2}
+        # The narrow GEMM's humming form on the tensors humming's GEMMs read (no copy).
+        self.prepared13 = prepared_tensors(self.humming13.tensors)
+        self.prepared2 = prepared_tensors(self.humming2.tensors)
 
 
 # The narrow GEMM's forms timed (column name -> NarrowTuning): its MMA either way, each chunk
@@ -171,8 +167,9 @@ def row_calls(layer: Layer, launches: dict, ranks: int, tokens: int, gen) -> tup
         weights13, weights2 = layer.narrow13, layer.narrow2
         extra13, extra2 = {}, {}
         if fc1.tuning.weights == "humming":
-            weights13, extra13 = layer.humming_words(layer.humming13)
-            weights2, extra2 = layer.humming_words(layer.humming2)
+            *weights13, scale13 = layer.prepared13
+            *weights2, scale2 = layer.prepared2
+            extra13, extra2 = {"expert_scale": scale13}, {"expert_scale": scale2}
 
         # The stream is read at each call: a graph capture runs on a stream of its own.
         def narrow_fc1(fc1=fc1, gate_up=gate_up, groups=groups, w=weights13, extra=extra13):

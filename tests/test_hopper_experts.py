@@ -1266,6 +1266,20 @@ def test_humming_layout_prepared_weights_hold_the_checkpoint_values():
         humming_layout.prepared_weights(w.to("meta"), s)
 
 
+def test_humming_layout_prepared_tensors_take_humming_s_dict_as_prepared_weights_give_them():
+    """prepared_tensors hands on humming's weight and weight_scale as they are and its
+    weight_scale_2, whatever its dtype and shape, as a contiguous fp32 [E] of the same values."""
+    weight = torch.zeros(3, 2, 256, dtype=torch.int32)
+    scale = torch.zeros(3, 2, 64, dtype=torch.uint8)
+    scale_2 = torch.tensor([[0.5, 2.0, 8.0]], dtype=torch.bfloat16).t()  # [3, 1], not contiguous
+    got = humming_layout.prepared_tensors(
+        {"weight": weight, "weight_scale": scale, "weight_scale_2": scale_2}
+    )
+    assert got[0] is weight and got[1] is scale
+    assert got[2].dtype == torch.float32 and got[2].is_contiguous()
+    assert torch.equal(got[2], torch.tensor([0.5, 2.0, 8.0]))
+
+
 def test_humming_layout_e4m3_expansion_gives_every_value():
     """expanded_e4m3_words, the word-level expansion the narrow GEMM's humming form runs on
     humming's prepared words (two byte permutes over a table of s', the signs moved in), on words

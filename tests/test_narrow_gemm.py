@@ -13,7 +13,7 @@ import torch
 
 from dep_ep.experts.hopper.grouping import group_pairs
 from dep_ep.experts.hopper.humming_gemm import FUSED_SCALE_SPREAD
-from dep_ep.experts.hopper.humming_layout import prepared_weights
+from dep_ep.experts.hopper.humming_layout import prepared_tensors, prepared_weights
 from dep_ep.experts.hopper.narrow_layout import (
     E2M1_TO_E4M3_EXPONENT,
     NARROW_MAX_SCALE_BYTE,
@@ -573,13 +573,11 @@ def test_humming_form_reads_hummings_own_preparation(stages):
     w, s, x, xs, groups = gpu_case(
         num_local, n, k, rows, topk, True, True, gen, tuning.pairs, FUSED_SCALE_SPREAD
     )
-    tensors = HummingGemm.prepare(w, s, False).tensors
-    theirs = (tensors["weight"], tensors["weight_scale"])
-    their_scale = tensors["weight_scale_2"].float().reshape(-1).contiguous()
+    theirs = prepared_tensors(HummingGemm.prepare(w, s, False).tensors)
     launch = NarrowGemmLaunch(n, k, True, tuning)
     stream = torch.cuda.current_stream().cuda_stream
     outs = []
-    for words, scales, scale_2 in ((*theirs, their_scale), prepared_weights(w, s)):
+    for words, scales, scale_2 in (theirs, prepared_weights(w, s)):
         out = torch.full((rows * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch(words, scales, x, xs, groups.pair_row, groups, out, stream, expert_scale=scale_2)
         outs.append(out)

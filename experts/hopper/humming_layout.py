@@ -85,6 +85,14 @@ def prepared_index(rows: int, k: int, device=None) -> dict[str, torch.Tensor]:
     }
 
 
+def prepared_tensors(tensors: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HummingGemm.prepare's `tensors` as prepared_weights returns them (and the narrow GEMM's
+    humming form takes them): (weight int32 [E, K/32, 4N], weight_scale [E, K/32, N],
+    weight_scale_2 as a contiguous fp32 [E], whatever dtype and shape humming keeps it in)."""
+    scale_2 = tensors["weight_scale_2"].float().reshape(-1).contiguous()
+    return tensors["weight"], tensors["weight_scale"], scale_2
+
+
 def prepared_values(
     weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
 ) -> torch.Tensor:
