@@ -135,14 +135,28 @@ DEEP |= {
 EVERY_FORM = FORMS | SHAPES | WIDE | DEEP
 
 
+def form_launches(forms: dict) -> dict:
+    """form -> (FC1, FC2) NarrowGemmLaunch at K3's widths for `forms` (name -> NarrowTuning):
+    FC1 reads the receive rows through pair_row, FC2 its rows by pair number."""
+    latent, inter = K3.latent, K3.intermediate
+    return {
+        form: (
+            NarrowGemmLaunch(2 * inter, latent, True, tuning),
+            NarrowGemmLaunch(latent, inter, False, tuning),
+        )
+        for form, tuning in forms.items()
+    }
+
+
 def row_calls(layer: Layer, launches: dict, ranks: int, tokens: int, gen) -> tuple:
-    """One (local, T) row's GEMMs: (calls, facts, diffs). calls: name -> a function that
-    launches one GEMM on the current stream ("<form>_fc1", "<form>_fc2" for every narrow form
-    of `launches`, form -> (FC1, FC2) NarrowGemmLaunch, then "humming_fc1", "humming_fc2"), all
-    on the same pairs; facts: the row's shard, T, rows, pairs, touched experts and weight bytes;
-    diffs(): once every call has run, each form's relative L2 against humming's outputs. Each
-    form runs on the tiles of its tuning's width; the pairs' numbering is the same for every
-    width (grouping.py), so the forms' outputs line up row for row."""
+    """One (local, T) row's GEMMs, each run once (its compile, then its output): (calls,
+    facts). calls: name -> a function that launches one GEMM on the current stream
+    ("<form>_fc1", "<form>_fc2" for every narrow form of `launches`, form_launches', then
+    "humming_fc1", "humming_fc2"), all on the same pairs; facts: the row's shard, T, rows,
+    pairs, touched experts and weight bytes, and each form's relative L2 against humming's
+    outputs ("<form>_fc1_diff", "<form>_fc2_diff"). Each form runs on the tiles of its
+    tuning's width; the pairs' numbering is the same for every width (grouping.py), so the
+    forms' outputs line up row for row."""
     latent, inter, topk = K3.latent, K3.intermediate, K3.topk
     x, sf, ids, _ = receive_rows(ranks, tokens, layer.local, gen)
     rows = ids.shape[0]
@@ -232,25 +246,19 @@ def row_calls(layer: Layer, launches: dict, ranks: int, tokens: int, gen) -> tup
         "fc1_bytes": touched * gemm_bytes(2 * inter, latent),
         "fc2_bytes": touched * gemm_bytes(latent, inter),
     }
-
-    def diffs() -> dict:
-        found = {}
-        for form, (gate_up, expert_out) in outputs.items():
-            found[f"{form}_fc1_diff"] = diff(gate_up[:pairs], h_gate_up[flat])
-            found[f"{form}_fc2_diff"] = diff(expert_out[:pairs], h_expert_out[:pairs])
-        return found
-
-    return calls, facts, diffs
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    for form, (gate_up, expert_out) in outputs.items():
+        facts[f"{form}_fc1_diff"] = diff(gate_up[:pairs], h_gate_up[flat])
+        facts[f"{form}_fc2_diff"] = diff(expert_out[:pairs], h_expert_out[:pairs])
+    return calls, facts
 
 
 def bench_row(layer: Layer, launches: dict, ranks: int, tokens: int, args, gen) -> dict:
     """One (local, T) row (row_calls): its facts, every GEMM's time in graph replay (us, under
     its call's name) and each form's difference from humming's outputs."""
-    calls, result, diffs = row_calls(layer, launches, ranks, tokens, gen)
-    for fn in calls.values():
-        fn()
-    torch.cuda.synchronize()
-    result |= diffs()
+    calls, result = row_calls(layer, launches, ranks, tokens, gen)
     for name, fn in calls.items():
         result[name] = graph_us(fn, args.reps, args.samples)
     return result
@@ -349,13 +357,7 @@ def main() -> int:
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_gbs()
-    launches = {
-        form: (
-            NarrowGemmLaunch(2 * K3.intermediate, K3.latent, True, tuning),
-            NarrowGemmLaunch(K3.latent, K3.intermediate, False, tuning),
-        )
-        for form, tuning in timed_forms(args).items()
-    }
+    launches = form_launches(timed_forms(args))
     results = []
     for local in args.local:
         layer = Layer(local, gen)

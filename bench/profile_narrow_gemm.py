@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench import cli, report
-from bench.bench_narrow_gemm import EVERY_FORM, Layer, row_calls
+from bench.bench_narrow_gemm import EVERY_FORM, Layer, form_launches, row_calls
 from bench.profile_hopper_gemms import (
     KERNEL_NAME_CHARS,
     RUN_FILE,
@@ -39,7 +39,6 @@ from bench.profile_hopper_gemms import (
     time_us,
 )
 from dep_ep.ep import K3
-from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch
 
 # (local experts, T per rank): 56 local at T = 64 and 128 (about 18 and 37 pairs an expert, the
 # rows humming leaves below target that the wider tiles are for) and 448 at T = 16 (about one
@@ -80,22 +79,12 @@ def child(rows: list[tuple[int, int]], forms: list[str], facts_path: Path) -> No
     profiler's range; their names and the rows' facts to `facts_path`."""
     cudart = torch.cuda.cudart()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    launches = {
-        form: (
-            NarrowGemmLaunch(2 * K3.intermediate, K3.latent, True, EVERY_FORM[form]),
-            NarrowGemmLaunch(K3.latent, K3.intermediate, False, EVERY_FORM[form]),
-        )
-        for form in forms
-    }
+    launches = form_launches({form: EVERY_FORM[form] for form in forms})
     facts = []
     for local in dict.fromkeys(local for local, _ in rows):
         layer = Layer(local, gen)
         for tokens in (t for row_local, t in rows if row_local == local):
-            calls, row_facts, diffs = row_calls(layer, launches, K3.experts // local, tokens, gen)
-            for fn in calls.values():
-                fn()
-            torch.cuda.synchronize()
-            row_facts |= diffs()
+            calls, row_facts = row_calls(layer, launches, K3.experts // local, tokens, gen)
             cudart.cudaProfilerStart()
             for fn in calls.values():
                 fn()
