@@ -161,10 +161,13 @@ def child(case: Case, facts: Path) -> None:
     facts.write_text(json.dumps(fact))
 
 
-def run_ncu(command: list[str], csv_path: Path, log_path: Path, timeout_s: int, who: str):
+def run_ncu(
+    command: list[str], csv_path: Path, log_path: Path, timeout_s: int, who: str, made: Path
+):
     """Run `command` (ncu on a child) with a timeout, keeping its stdout (ncu's CSV) in csv_path
-    and its stderr in log_path, also when it runs past `timeout_s`: then SystemExit, `who` (the
-    module and the profiled case) naming what ran. Returns the finished CompletedProcess."""
+    and its stderr in log_path, also when it runs past `timeout_s`. SystemExit, `who` (the
+    module and the profiled case) naming what ran, when it runs past that time, exits with an
+    error or leaves no `made` (the file the child writes). Returns the CompletedProcess."""
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
@@ -175,6 +178,11 @@ def run_ncu(command: list[str], csv_path: Path, log_path: Path, timeout_s: int, 
         ) from None
     csv_path.write_text(done.stdout)
     log_path.write_text(done.stderr)
+    if done.returncode != 0 or not made.is_file():
+        raise SystemExit(
+            f"{who}: ncu failed (exit {done.returncode}):\n"
+            f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
     return done
 
 
@@ -394,12 +402,7 @@ def main() -> int:
         print(f"profiling {case.name}", flush=True)
         csv_path, log_path = raw / f"{case.slug}.csv", raw / f"{case.slug}.log"
         who = f"bench.profile_hopper_gemms: {case.name}"
-        done = run_ncu(command, csv_path, log_path, NCU_TIMEOUT_S, who)
-        if done.returncode != 0 or not facts.is_file():
-            raise SystemExit(
-                f"bench.profile_hopper_gemms: ncu failed on {case.name} (exit"
-                f" {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-            )
+        done = run_ncu(command, csv_path, log_path, NCU_TIMEOUT_S, who, facts)
         columns, units, launches = raw_rows(done.stdout)
         results.append((case, json.loads(facts.read_text()), columns, units, launches))
         write_report(args.out, results, run)  # the cases so far, should a later one fail

@@ -715,13 +715,20 @@ def test_bench_counts_are_positive_ints(option, value, capsys):
 def test_run_ncu_keeps_its_output_and_names_what_ran_past_its_time(tmp_path):
     run_ncu = profile_hopper_gemms.run_ncu
     csv_path, log_path = tmp_path / "a.csv", tmp_path / "a.log"
-    script = "import sys; print('table'); print('note', file=sys.stderr)"
-    done = run_ncu([sys.executable, "-c", script], csv_path, log_path, 60, "who")
+    made = tmp_path / "facts.json"
+    script = f"import sys; print('table'); print('note', file=sys.stderr); open({str(made)!r}, 'w')"
+    done = run_ncu([sys.executable, "-c", script], csv_path, log_path, 60, "who", made)
     assert done.returncode == 0
     assert csv_path.read_text() == "table\n" and log_path.read_text() == "note\n"
+    made.unlink()
+    # Exit 0 without the child's file, or an error exit: failed, the output named and kept.
+    for script in ("print('table')", "import sys; print('table'); sys.exit(3)"):
+        with pytest.raises(SystemExit, match=r"bench.x: case: ncu failed \(exit \d\):\ntable"):
+            run_ncu([sys.executable, "-c", script], csv_path, log_path, 60, "bench.x: case", made)
+        assert csv_path.read_text() == "table\n"
     script = "import sys, time; print('part', flush=True); time.sleep(30)"
     with pytest.raises(SystemExit, match="bench.x: case: ncu ran past 1 s; its output so far"):
-        run_ncu([sys.executable, "-c", script], csv_path, log_path, 1, "bench.x: case")
+        run_ncu([sys.executable, "-c", script], csv_path, log_path, 1, "bench.x: case", made)
     assert csv_path.read_text() == "part\n"
 
 
