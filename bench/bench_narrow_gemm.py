@@ -132,7 +132,27 @@ DEEP |= {
     )
     for p in NARROW_TILE_PAIRS
 }
-EVERY_FORM = FORMS | SHAPES | WIDE | DEEP
+# The specialized form (NarrowTuning.expanded_slots), by name with --forms: warpgroup 0 expands
+# each chunk into shared memory, the other warpgroups run its MMAs from there and promote them,
+# taking the chunks in turn (two consumers unless named).
+SPECIALIZED = {
+    f"specialized, tiles of {p}": NarrowTuning(
+        weights="humming", warps=12, pairs=p, expanded_slots=4, stage_scales=p == 32
+    )
+    for p in NARROW_TILE_PAIRS
+}
+SPECIALIZED |= {
+    "specialized, tiles of 16, ring 4x2": NarrowTuning(
+        weights="humming", warps=12, pairs=16, expanded_slots=4, stages=4
+    ),
+    "specialized, tiles of 32, ring 4x2": NarrowTuning(
+        weights="humming", warps=12, pairs=32, expanded_slots=4, stages=4, stage_scales=True
+    ),
+    "specialized, tiles of 16, 3 consumers": NarrowTuning(
+        weights="humming", warps=16, pairs=16, expanded_slots=6
+    ),
+}
+EVERY_FORM = FORMS | SHAPES | WIDE | DEEP | SPECIALIZED
 
 
 def form_launches(forms: dict) -> dict:

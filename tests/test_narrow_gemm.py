@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import re
 
 import pytest
@@ -208,6 +209,86 @@ def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
 @pytest.mark.parametrize("pairs", NARROW_TILE_PAIRS)
+def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path, pairs):
+    """The specialized form's PTX at K3's FC1: each chunk's four wgmma.m64nPk32 take both
+    operands from shared-memory descriptors (no A registers), committed and waited for once;
+    the expanding warpgroup's stores fenced for the async proxy before it arrives on the slot's
+    mbarrier; the ring refilled after its warpgroup's barrier (128 threads), the consumers'
+    sums added after theirs (256 threads with two consumers); no byte permute among the
+    consumers' MMAs (the expansion is the expander's)."""
+    from cutlass import Int32, Int64
+
+    from dep_ep.comm.kernels.launcher import compile_kernel
+    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmKernel, NarrowTuning
+
+    tuning = NarrowTuning(weights="humming", warps=12, pairs=pairs, expanded_slots=4)
+    z = Int64(0)
+    compile_kernel(
+        lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 11 + (Int32(1),) * 4),
+        "sm_90a",
+        str(tmp_path),
+    )
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    mma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{pairs}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}"
+    shared = re.findall(rf"{mma}, %rd\d+, %rd\d+, 0, 1, 1;", text)
+    assert len(shared) == 4 == len(re.findall(mma, text)), len(shared)
+    assert text.count("wgmma.commit_group.sync.aligned") == 1
+    assert text.count("wgmma.wait_group.sync.aligned 0;") == 1
+    # The rows' staging's fence before the CTA barrier; then, for each of a ring stage's two
+    # chunks (unrolled), the expander's fence and its arrive on the slot's `full` mbarrier; the
+    # consumer's arrive on `empty` after its MMAs' wait.
+    fences = [m.start() for m in re.finditer(r"fence\.proxy\.async\.shared::cta", text)]
+    arrives = [m.start() for m in re.finditer(r"mbarrier\.arrive\.shared\.b64", text)]
+    assert len(fences) == 3 == len(arrives), (fences, arrives)
+    assert fences[0] < re.search(r"bar\.sync\s+0;", text).start()
+    assert fences[1] < arrives[0] < fences[2] < arrives[1]
+    assert arrives[2] > text.index("wgmma.wait_group.sync.aligned 0;")
+    assert re.search(r"bar\.sync\s+1, 128;", text) and re.search(r"bar\.sync\s+2, 256;", text)
+    consumer = text[text.index("wgmma.fence.sync.aligned") :]
+    assert "prmt.b32" not in consumer[: consumer.index("wgmma.wait_group")]
+
+
+@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+def test_expanded_weights_are_where_the_a_descriptor_points():
+    """wgmma reads A through its descriptor as the K-major layout without swizzle: element (m,
+    k) of k32 block s at byte 2048 s + (k // 16) * LBO + (m // 8) * SBO + (m % 8) * 16 + k % 16
+    (EXPANDED_LBO, EXPANDED_SBO). The expanding thread (warp w, lane 4g + t) stores its A words
+    a[4 s + 2 h + r] (row 16 w + g + 8 r, k 16 h + 4 t + j: the register form's A) at [e, s, h, 2
+    w + r, g, t] of the expanded chunks' row-major tensor of EXPANDED_SHAPE. Every byte of a
+    chunk is written once and lands where the descriptor reads its (m, k)."""
+    from dep_ep.experts.hopper.narrow_gemm import (
+        EXPANDED_BLOCK_BYTES,
+        EXPANDED_CHUNK_BYTES,
+        EXPANDED_LBO,
+        EXPANDED_SBO,
+        EXPANDED_SHAPE,
+    )
+
+    strides = [4]
+    for size in reversed(EXPANDED_SHAPE[1:]):
+        strides.insert(0, strides[0] * size)
+    assert strides[0] * EXPANDED_SHAPE[0] == EXPANDED_CHUNK_BYTES
+    seen = set()
+    for w, g, t, s, h, r, j in itertools.product(
+        range(4), range(8), range(4), range(4), range(2), range(2), range(4)
+    ):
+        stored = sum(i * stride for i, stride in zip((s, h, 2 * w + r, g, t), strides)) + j
+        m, k = 16 * w + g + 8 * r, 16 * h + 4 * t + j
+        read = (
+            EXPANDED_BLOCK_BYTES * s
+            + (k // 16) * EXPANDED_LBO
+            + (m // 8) * EXPANDED_SBO
+            + (m % 8) * 16
+            + k % 16
+        )
+        assert stored == read, (w, g, t, s, h, r, j)
+        seen.add(stored)
+    assert seen == set(range(EXPANDED_CHUNK_BYTES))
+
+
+@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+@pytest.mark.parametrize("pairs", NARROW_TILE_PAIRS)
 def test_staged_rows_are_where_the_descriptor_points(pairs):
     """The wgmma reads B through the descriptor as CuTe's K-major INTERLEAVE layout ((8, P/8),
     (16 bytes, 2)) : ((16 bytes, SBO), (1, LBO)) from each k32 block's start: byte (n % 8) * 16 +
@@ -355,6 +436,29 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     with pytest.raises(ValueError, match="stage_scales is a form of the humming weights'"):
         NarrowGemmLaunch(n, k, True, NarrowTuning(stage_scales=True), arch="sm_90a")
+    # The specialized form: humming's weights through a ring, not `ahead`, a consumer beside the
+    # expanding warpgroup; expanded_slots never negative.
+    specialized = NarrowTuning(weights="humming", warps=12, expanded_slots=2)
+    for change in (
+        {"weights": "narrow"},
+        {"stages": 0},
+        {"ahead": True},
+        {"warps": 4},
+        {"expanded_slots": -1},
+    ):
+        tuning = dataclasses.replace(specialized, **change)
+        with pytest.raises(ValueError, match="the specialized form .* runs humming's weights"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    # Its N in blocks of 64 columns (one CTA's), and its shared memory counted: tiles of 32
+    # with their scales staged and rings of 4 x 2 fit at K3's FC1 (204,896 bytes), not with 6
+    # expanded slots and rings of 6 x 2 (238,736).
+    assert specialized.columns() == 64
+    NarrowGemmLaunch(192, k, True, specialized, arch="sm_90a")
+    wide = dataclasses.replace(specialized, pairs=32, stages=4, stage_scales=True, expanded_slots=4)
+    assert smem_bytes(3584, wide) == 204896 <= SMEM_LIMIT
+    over = dataclasses.replace(wide, stages=6, expanded_slots=6)
+    with pytest.raises(ValueError, match="takes 238736 bytes .* expanded_slots"):
+        NarrowGemmLaunch(6144, 3584, True, over, arch="sm_90a")
     # Every field's annotation has a check (a new kind of field needs one).
     assert {f.type for f in dataclasses.fields(NarrowTuning)} <= set(TUNING_FIELD_TYPES)
     # A field of another type: named, before it reaches a check that reads only its truth.
@@ -489,6 +593,20 @@ TESTED_FORMS |= {
     f"humming-scales-pairs{p}": dict(weights="humming", pairs=p, stage_scales=True)
     for p in (8, 24, 32)
 }
+# The specialized form (an expanding warpgroup, consumers taking the chunks in turn): two
+# consumers on tiles of 8, 16 and 32 (32 with its scales staged); one consumer through two
+# expanded slots; three consumers through three slots (each consumer always the same slot) and a
+# ring of 3 x 4, whose K = 128 case leaves two consumers without a chunk.
+TESTED_FORMS |= {
+    f"specialized-pairs{p}": dict(
+        weights="humming", warps=12, pairs=p, expanded_slots=4, stage_scales=p == 32
+    )
+    for p in (8, 16, 32)
+}
+TESTED_FORMS["specialized-1consumer"] = dict(weights="humming", warps=8, pairs=16, expanded_slots=2)
+TESTED_FORMS["specialized-3consumers-ring3x4"] = dict(
+    weights="humming", warps=16, pairs=24, expanded_slots=3, stages=3, stage_chunks=4
+)
 
 
 @GPU

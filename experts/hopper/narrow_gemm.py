@@ -119,6 +119,18 @@ HUMMING_OUTPUT_SCALE = 64.0
 WEIGHT_FORMS = ("narrow", "humming")
 # The warpgroups' named barriers (bar.sync 0 is the CTA's): warpgroup i takes barrier 1 + i.
 FIRST_WARPGROUP_BARRIER = 1
+# The specialized form (NarrowTuning.expanded_slots): its consumer warpgroups' barrier before they
+# add their sums (warpgroup 0, the expanding one, takes FIRST_WARPGROUP_BARRIER for its ring).
+CONSUMERS_BARRIER = FIRST_WARPGROUP_BARRIER + 1
+# A chunk of a warpgroup's 64 weight rows expanded to e4m3 in shared memory, as wgmma's A operand
+# (K-major, no swizzle): per k32 block s, core column h (16 bytes of K), row r at byte
+# 2048 s + 1024 h + 16 r, so 8-row groups 128 bytes apart (SBO) and core columns 1024 (LBO). As
+# words: (block, core column, 8-row group, row, word).
+EXPANDED_SHAPE = (NARROW_STEPS, 2, HUMMING_BLOCK_ROWS // 8, 8, CORE_ROW_BYTES // 4)
+EXPANDED_CHUNK_BYTES = NARROW_STEPS * HUMMING_BLOCK_ROWS * SCALE_BLOCK
+EXPANDED_LBO = HUMMING_BLOCK_ROWS * CORE_ROW_BYTES
+EXPANDED_SBO = CORE_GROUP_BYTES
+EXPANDED_BLOCK_BYTES = 2 * EXPANDED_LBO
 # The activations' dtypes the kernel reads as e4m3 bytes.
 E4M3_BYTE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 # What one CTA may take on SM90 (227 KiB), less the allocator's alignment padding.
@@ -200,6 +212,35 @@ def wgmma_wait_keeping(values, pending: int, *, loc=None, ip=None):
     constraints = ",".join(["=f"] * count + [str(i) for i in range(count)])
     args = [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
     text = f"wgmma.wait_group.sync.aligned {pending};"
+    return f32_asm(args, text, constraints, True, loc, ip, count=count)
+
+
+@dsl_user_op
+def wgmma_e4m3_chunk_ss(a_descs, b_descs, pairs: int, *, loc=None, ip=None):
+    """One chunk's four wgmma.m64nPk32 (P = `pairs`) of the warpgroup with both operands in
+    shared memory, each from zero (scale-d 0), issued as one group and waited for: `a_descs` the
+    four k32 blocks' descriptors (Int64) of A, the expanded weights' 64 rows x 32 bytes
+    (EXPANDED_SHAPE), `b_descs` those of B, the tile's P rows x 32 bytes. Returns the 4 * P / 2
+    fp32 partials in wgmma_e4m3_chunk's order. Side effects: the wgmma read shared memory and
+    the thread waits on its group; it must stay in place (after the wait for the expanded
+    chunk, before the slot's release)."""
+    per = pairs // 2  # fp32 partials a thread a block
+    count = NARROW_STEPS * per
+
+    def outputs(b: int) -> str:
+        return ", ".join(f"${per * b + i}" for i in range(per))
+
+    mmas = " ".join(
+        f"wgmma.mma_async.sync.aligned.m64n{pairs}k32.f32.e4m3.e4m3 {{{outputs(b)}}},"
+        f" ${count + b}, ${count + NARROW_STEPS + b}, 0, 1, 1;"
+        for b in range(NARROW_STEPS)
+    )
+    text = (
+        f"wgmma.fence.sync.aligned; {mmas} wgmma.commit_group.sync.aligned;"
+        " wgmma.wait_group.sync.aligned 0;"
+    )
+    args = [Int64(d).ir_value(loc=loc, ip=ip) for d in (*a_descs, *b_descs)]
+    constraints = ",".join(["=f"] * count + ["l"] * (2 * NARROW_STEPS))
     return f32_asm(args, text, constraints, True, loc, ip, count=count)
 
 
@@ -367,6 +408,17 @@ class NarrowTuning:
     stage_scales: False, each chunk's activation scales (16 bytes a pair) read from global
       memory beside its MMAs; True (the humming form), the tile's scales staged in shared memory
       with its rows (P * K / 8 bytes more a CTA), each chunk's read from there.
+    expanded_slots: 0, every warpgroup expands its own weights into registers (wgmma's A from
+      registers); > 0, the warp-specialized form (humming's weights through a ring): a CTA of
+      `warps` warps computes 64 output columns; warpgroup 0 streams them through its ring and
+      expands each chunk to e4m3 into a ring of `expanded_slots` chunks in shared memory (8 KiB
+      each, EXPANDED_SHAPE), and the other warps / 4 - 1 warpgroups (the consumers) take the
+      chunks in turn, consumer c the chunks q = c mod consumers: four wgmma with both operands
+      in shared memory, waited for, the slot released, the partials promoted into its own
+      accumulators; at the end the consumers' sums are added in consumer order. So a chunk's
+      expansion, its MMAs and another chunk's promotion run in different warps at once, where
+      the other forms chain them in each warp (docs/experts.md, "What bounds the narrow GEMM
+      past decode").
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -380,10 +432,26 @@ class NarrowTuning:
     weights: str = "narrow"
     ahead: bool = False
     stage_scales: bool = False
+    expanded_slots: int = 0
 
     def columns(self) -> int:
-        """Output columns a CTA: 16 * warps."""
+        """Output columns a CTA: 16 * warps, or 64 in the specialized form (expanded_slots)."""
+        if self.expanded_slots > 0:
+            return HUMMING_BLOCK_ROWS
         return NARROW_ROWS * self.warps
+
+    def consumers(self) -> int:
+        """The specialized form's consumer warpgroups: all but the expanding one."""
+        return self.warps // WARPGROUP_WARPS - 1
+
+    def expanded_bytes(self) -> int:
+        """Shared memory of the specialized form beside the ring and the staged rows: the
+        expanded chunks (8 KiB each), their full and empty mbarriers (16 bytes a slot), and the
+        consumers' sums but the first's (P / 2 fp32 a thread); 0 in the other forms."""
+        if self.expanded_slots == 0:
+            return 0
+        sums = max(self.consumers() - 1, 1) * WARPGROUP_WARPS * WARP_LANES * self.pairs * 2
+        return self.expanded_slots * (EXPANDED_CHUNK_BYTES + 16) + sums
 
     def ring_bytes(self) -> int:
         """Shared memory of the rings of weight chunks (stages > 0): a warp's chunk of 1 KiB of
@@ -395,7 +463,10 @@ class NarrowTuning:
         return self.rings() * self.stages * self.stage_chunks * chunk
 
     def rings(self) -> int:
-        """The rings a CTA: one a warp ("narrow") or a warpgroup ("humming")."""
+        """The rings a CTA: one a warp ("narrow"), a warpgroup ("humming") or the expanding
+        warpgroup's (the specialized form)."""
+        if self.expanded_slots > 0:
+            return 1
         return self.warps // WARPGROUP_WARPS if self.weights == "humming" else self.warps
 
 
@@ -418,6 +489,7 @@ class NarrowGemmKernel:
             tuning.weights == "humming" and tuning.stages > 0 and tuning.stage_chunks > 1
         )
         assert not tuning.stage_scales or tuning.weights == "humming"
+        assert tuning.expanded_slots == 0 or specialized_fits(tuning)
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.humming = tuning.weights == "humming"
         self.blocks = n // NARROW_ROWS
@@ -487,7 +559,7 @@ class NarrowGemmKernel:
             mNumTiles,
             mOut,
         ).launch(
-            grid=[cb // self.tuning.warps, tiles, 1],
+            grid=[self.n // self.tuning.columns(), tiles, 1],
             block=[WARP_LANES * self.tuning.warps, 1, 1],
             stream=stream,
         )
@@ -515,71 +587,244 @@ class NarrowGemmKernel:
             expert = mTileExpert[tile]
             start = mTileStart[tile]
             rows = mTileRows[tile]
-            block = bx * self.tuning.warps + warp
-            last = rows - 1
-            # B (mma.sync): this lane reads pair g's row. C: its partials are its lane pairs,
-            # 8c + 2t + h (h = 0, 1) of each 8 pairs c, lane pair 2c + h. Pairs past the tile's
-            # read its last pair (their partials are never stored).
-            rb = self.x_row(mPairRow, start, last, g)
-            pair_rows = [
-                self.x_row(mPairRow, start, last, 8 * (i // 2) + 2 * t + i % 2)
-                for i in range(self.lane_pairs)
-            ]
-            # One chunk's registers: the lane's weight words and scale words (humming: per k32
-            # block s, the words of rows g and g + 8 and their two s' bytes), its B words
-            # (mma.sync) and its lane pairs' block scales.
-            rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
-            rS = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
-            if cutlass.const_expr(self.humming):
-                rS = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Uint16)
-            rX = cute.make_rmem_tensor(cute.make_layout((2, NARROW_STEPS)), Uint32)
-            rXs = []
-            for i in cutlass.range_constexpr(self.lane_pairs):
-                rXs.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
-            # Accumulators 4c + (0, 1, 2, 3): rows g, g, g + 8, g + 8 of lane pairs 2c, 2c + 1,
-            # 2c, 2c + 1.
+            tensors = (mW, mS, mExpertScale, mX, mXs, mPairRow, mOut)
+            thread = (tidx, warp, lane, g, t)
+            if cutlass.const_expr(self.tuning.expanded_slots > 0):
+                self.specialized_tile(tensors, expert, start, rows, bx, thread)
+            else:
+                self.chained_tile(tensors, expert, start, rows, bx, thread)
+
+    @cute.jit
+    def chained_tile(self, tensors, expert, start, rows, bx, thread):
+        """The tile's columns of CTA bx in the forms that chain each chunk in one warp (all but
+        the specialized one): each warp streams its weights (directly or through its ring),
+        expands them, runs the MMAs and promotes their partials, chunk after chunk. `thread`:
+        (thread index, warp, lane, lane // 4, lane % 4)."""
+        mW, mS, mExpertScale, mX, mXs, mPairRow, mOut = tensors
+        tidx, warp, lane, g, t = thread
+        block = bx * self.tuning.warps + warp
+        last = rows - 1
+        # B (mma.sync): this lane reads pair g's row. C: its partials are its lane pairs,
+        # 8c + 2t + h (h = 0, 1) of each 8 pairs c, lane pair 2c + h. Pairs past the tile's
+        # read its last pair (their partials are never stored).
+        rb = self.x_row(mPairRow, start, last, g)
+        pair_rows = [
+            self.x_row(mPairRow, start, last, 8 * (i // 2) + 2 * t + i % 2)
+            for i in range(self.lane_pairs)
+        ]
+        # One chunk's registers: the lane's weight words and scale words (humming: per k32
+        # block s, the words of rows g and g + 8 and their two s' bytes), its B words
+        # (mma.sync) and its lane pairs' block scales.
+        rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
+        rS = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+        if cutlass.const_expr(self.humming):
+            rS = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Uint16)
+        rX = cute.make_rmem_tensor(cute.make_layout((2, NARROW_STEPS)), Uint32)
+        rXs = []
+        for i in cutlass.range_constexpr(self.lane_pairs):
+            rXs.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
+        # Accumulators 4c + (0, 1, 2, 3): rows g, g, g + 8, g + 8 of lane pairs 2c, 2c + 1,
+        # 2c, 2c + 1.
+        rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
+        rAcc.fill(0.0)
+        regs = (rW, rS, rX, rXs)
+        # humming: the warpgroup's 64-row block, and this lane's word pair and scale pair in
+        # each of its k32 blocks (HUMMING_BLOCK_WORDS above).
+        w = warp % WARPGROUP_WARPS
+        block64 = block // WARPGROUP_WARPS
+        word_pair, scale_pair = humming_lane_pairs(w, g, t)
+        humming_at = (block64, word_pair, scale_pair)
+        source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at)
+        smem = SmemAllocator()
+        rows_desc = Int64(0)
+        # The ring's first stages are in flight while the CTA stages the tile's rows.
+        ring = None
+        if cutlass.const_expr(self.tuning.stages > 0):
+            ring = self.ring_start(smem, source, *self.ring_role(warp, lane))
+        if cutlass.const_expr(self.tuning.stage_scales):
+            # load_chunk reads the lane pairs' scales from the tile's staged copy instead.
+            sXs, tile_pairs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx, t, last)
+            source = (mW, mS, mX, sXs, expert, block, lane, g, t, rb, tile_pairs, humming_at)
+        if cutlass.const_expr(self.tuning.wgmma):
+            rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
+        if cutlass.const_expr(self.tuning.ahead):
+            self.ring_loop_ahead(ring, source, regs, rows_desc, rAcc)
+        elif cutlass.const_expr(self.tuning.stages > 0):
+            self.ring_loop(ring, source, regs, rows_desc, rAcc)
+        else:
+            for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
+                self.load_chunk(source, regs, q)
+                self.mma_chunk(regs, q, rows_desc, rAcc)
+        self.store_tile(mExpertScale, mOut, rAcc, expert, start, rows, block * NARROW_ROWS + g, t)
+
+    @cute.jit
+    def store_tile(self, mExpertScale, mOut, rAcc, expert, start, rows, n0, t):
+        """rAcc (lane pairs 2c, 2c + 1 of rows n0 and n0 + 8, mma_e4m3's C order) as BF16 into
+        the tile's pair rows of out, pairs past its `rows` not stored; humming's weights scaled by
+        2^6 * weight_scale_2[expert] first."""
+        output_scale = Float32(1.0)
+        if cutlass.const_expr(self.humming):
+            output_scale = mExpertScale[expert] * Float32(HUMMING_OUTPUT_SCALE)
+        for i in cutlass.range_constexpr(self.lane_pairs):
+            c, h = i // 2, i % 2
+            pair = 8 * c + 2 * t + h
+            if pair < rows:
+                row_g = rAcc[4 * c + h] * output_scale
+                row_g8 = rAcc[4 * c + 2 + h] * output_scale
+                mOut[start + pair, n0] = Uint16(bf16_round(row_g))
+                mOut[start + pair, n0 + 8] = Uint16(bf16_round(row_g8))
+
+    @cute.jit
+    def specialized_tile(self, tensors, expert, start, rows, bx, thread):
+        """The tile's 64 columns of CTA bx in the specialized form (NarrowTuning.expanded_slots):
+        warpgroup 0 expands (expand_chunks), the others consume (consume_chunks), then the
+        consumers add their sums and the first stores them. Every thread takes part in the
+        staging of the rows (and scales) and its CTA barrier, which also publishes the
+        mbarriers' initialisation; after it the warpgroups synchronise only through the
+        mbarriers and, among the consumers, CONSUMERS_BARRIER."""
+        mW, mS, mExpertScale, mX, mXs, mPairRow, mOut = tensors
+        tidx, warp, lane, g, t = thread
+        last = rows - 1
+        w = warp % WARPGROUP_WARPS
+        word_pair, scale_pair = humming_lane_pairs(w, g, t)
+        # The lane's pairs in the MMA's C (a consumer's): 8c + 2t + h of each 8 pairs c.
+        pair_rows = [
+            self.x_row(mPairRow, start, last, 8 * (i // 2) + 2 * t + i % 2)
+            for i in range(self.lane_pairs)
+        ]
+        humming_at = (bx, word_pair, scale_pair)
+        source = (mW, mS, mX, mXs, expert, bx, lane, g, t, 0, pair_rows, humming_at)
+        smem = SmemAllocator()
+        # The ring's first stages are in flight while the CTA stages the tile's rows.
+        ring = self.ring_start(smem, source, 0, (warp == 0) & (lane == 0))
+        expanded = self.expanded_start(smem, tidx)
+        if cutlass.const_expr(self.tuning.stage_scales):
+            sXs, tile_pairs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx, t, last)
+            source = (mW, mS, mX, sXs, expert, bx, lane, g, t, 0, tile_pairs, humming_at)
+        rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
+        if warp < WARPGROUP_WARPS:
+            self.expand_chunks(ring, source, expanded, w)
+        else:
+            consumer = warp // WARPGROUP_WARPS - 1
             rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
             rAcc.fill(0.0)
-            regs = (rW, rS, rX, rXs)
-            # humming: the warpgroup's 64-row block, and this lane's word pair and scale pair in
-            # each of its k32 blocks (HUMMING_BLOCK_WORDS above).
-            w = warp % WARPGROUP_WARPS
-            block64 = block // WARPGROUP_WARPS
-            word_pair, scale_pair = humming_lane_pairs(w, g, t)
-            humming_at = (block64, word_pair, scale_pair)
-            source = (mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at)
-            smem = SmemAllocator()
-            rows_desc = Int64(0)
-            # The ring's first stages are in flight while the CTA stages the tile's rows.
-            ring = None
-            if cutlass.const_expr(self.tuning.stages > 0):
-                ring = self.ring_start(smem, source, warp)
-            if cutlass.const_expr(self.tuning.stage_scales):
-                # load_chunk reads the lane pairs' scales from the tile's staged copy instead.
-                sXs, tile_pairs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx, t, last)
-                source = (mW, mS, mX, sXs, expert, block, lane, g, t, rb, tile_pairs, humming_at)
-            if cutlass.const_expr(self.tuning.wgmma):
-                rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
-            if cutlass.const_expr(self.tuning.ahead):
-                self.ring_loop_ahead(ring, source, regs, rows_desc, rAcc)
-            elif cutlass.const_expr(self.tuning.stages > 0):
-                self.ring_loop(ring, source, regs, rows_desc, rAcc)
-            else:
-                for q in cutlass.range(self.chunks, unroll=self.tuning.unroll):
-                    self.load_chunk(source, regs, q)
-                    self.mma_chunk(regs, q, rows_desc, rAcc)
-            n0 = block * NARROW_ROWS + g
-            output_scale = Float32(1.0)
-            if cutlass.const_expr(self.humming):
-                output_scale = mExpertScale[expert] * Float32(HUMMING_OUTPUT_SCALE)
-            for i in cutlass.range_constexpr(self.lane_pairs):
-                c, h = i // 2, i % 2
-                pair = 8 * c + 2 * t + h
-                if pair < rows:
-                    row_g = rAcc[4 * c + h] * output_scale
-                    row_g8 = rAcc[4 * c + 2 + h] * output_scale
-                    mOut[start + pair, n0] = Uint16(bf16_round(row_g))
-                    mOut[start + pair, n0 + 8] = Uint16(bf16_round(row_g8))
+            self.consume_chunks(consumer, source, expanded, rows_desc, rAcc)
+            # The consumers' sums in consumer order: consumer c > 0 leaves its own in shared
+            # memory, consumer 0 adds them to its own and stores the tile.
+            sSums = expanded[3]
+            member = tidx % (WARPGROUP_WARPS * WARP_LANES)
+            if consumer > 0:
+                for i in cutlass.range_constexpr(self.tuning.pairs // 2):
+                    sSums[consumer - 1, member, i] = rAcc[i]
+            cute.arch.barrier(
+                barrier_id=CONSUMERS_BARRIER,
+                number_of_threads=self.tuning.consumers() * WARPGROUP_WARPS * WARP_LANES,
+            )
+            if consumer == 0:
+                for c in cutlass.range_constexpr(1, self.tuning.consumers()):
+                    for i in cutlass.range_constexpr(self.tuning.pairs // 2):
+                        rAcc[i] = rAcc[i] + sSums[c - 1, member, i]
+                n0 = bx * HUMMING_BLOCK_ROWS + w * NARROW_ROWS + g
+                self.store_tile(mExpertScale, mOut, rAcc, expert, start, rows, n0, t)
+
+    @cute.jit
+    def expanded_start(self, smem, tidx):
+        """The specialized form's shared memory beside the ring and the rows: the expanded
+        chunks (uint32 [expanded_slots, *EXPANDED_SHAPE]), each slot's `full` mbarrier (the
+        expanding warpgroup's 128 threads arrive when their stores are done) and `empty` one (a
+        consumer's 128 threads arrive when its MMAs have read the slot), thread 0 initialising
+        both, and the consumers' sums (fp32 [consumers - 1 (at least 1), 128, P / 2]). Returns
+        (chunks, full, empty, sums)."""
+        slots = self.tuning.expanded_slots
+        threads = WARPGROUP_WARPS * WARP_LANES
+        sA = smem.allocate_tensor(
+            Uint32, row_major_layout((slots, *EXPANDED_SHAPE)), byte_alignment=128
+        )
+        full = smem.allocate_array(Int64, slots, byte_alignment=8)
+        empty = smem.allocate_array(Int64, slots, byte_alignment=8)
+        sSums = smem.allocate_tensor(
+            Float32,
+            row_major_layout(
+                (max(self.tuning.consumers() - 1, 1), threads, self.tuning.pairs // 2)
+            ),
+            byte_alignment=16,
+        )
+        if tidx == 0:
+            for s in cutlass.range_constexpr(slots):
+                cute.arch.mbarrier_init(full + s, threads)
+                cute.arch.mbarrier_init(empty + s, threads)
+            cute.arch.mbarrier_init_fence()
+        return sA, full, empty, sSums
+
+    @cute.jit
+    def expand_chunks(self, ring_state, source, expanded, w):
+        """The expanding warpgroup (warp w of it): every chunk through the ring (ring_loop's
+        slots and refills), each thread's word pairs and s' expanded to e4m3 (expand_humming,
+        the A words of the register form) and stored where wgmma's A reads them, into expanded
+        slot q % expanded_slots once its consumer has released it (the `empty` mbarrier's
+        previous phase; the first round passes at once), then fenced for the async proxy and
+        arrived on the slot's `full` mbarrier. The waits are on the consumers of this CTA,
+        which take every chunk the expander fills (the same static trip counts), and on the
+        ring's own copies (ring_loop)."""
+        rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
+        rS = cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Uint16)
+        regs = (rW, rS, None, None)
+        sA, full, empty, sSums = expanded
+        sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
+        g, t = source[7], source[8]
+        slots, per = self.tuning.stages, self.tuning.stage_chunks
+        expanded_slots = self.tuning.expanded_slots
+        groups = (self.chunks + per - 1) // per
+        for i in cutlass.range(groups):
+            slot = i % slots
+            cute.arch.mbarrier_wait(bars + slot, (i // slots) & 1)
+            for c in cutlass.range_constexpr(per):
+                q = i * per + c
+                if q < self.chunks:
+                    self.read_slot(ring_state, source, regs, slot, c)
+                    a = []
+                    for s in cutlass.range_constexpr(NARROW_STEPS):
+                        a += self.expand_humming(rW[2 * s], rW[2 * s + 1], rS[s])
+                    e = q % expanded_slots
+                    cute.arch.mbarrier_wait(empty + e, ((q // expanded_slots) + 1) & 1)
+                    for s in cutlass.range_constexpr(NARROW_STEPS):
+                        # A words (rows g, g + 8) x (k 4t.., 16 + 4t..): core columns 0, 1.
+                        for h in cutlass.range_constexpr(2):
+                            for r in cutlass.range_constexpr(2):
+                                sA[e, s, h, 2 * w + r, g, t] = a[4 * s + 2 * h + r]
+                    fence_proxy_async_shared()
+                    cute.arch.mbarrier_arrive(full + e)
+            self.release_slot(ring_state, i, slot, groups)
+
+    @cute.jit
+    def consume_chunks(self, consumer, source, expanded, rows_desc, rAcc):
+        """Consumer warpgroup `consumer`: chunks q = consumer, consumer + consumers, ..., each
+        its lane pairs' activation scales loaded (load_chunk), its expanded slot waited for
+        (`full`), its four MMAs from shared memory run and waited for, the slot released
+        (`empty`) and the partials promoted into rAcc."""
+        sA, full, empty, sSums = expanded
+        rXs = []
+        for i in cutlass.range_constexpr(self.lane_pairs):
+            rXs.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
+        regs = (None, None, None, rXs)
+        slots = self.tuning.expanded_slots
+        block_units = staged_rows_strides(self.tuning.pairs)[2] >> DESC_UNIT_SHIFT
+        a_first = smem_desc(sA.iterator.toint(), EXPANDED_LBO, EXPANDED_SBO)
+        for q in cutlass.range(consumer, self.chunks, self.tuning.consumers()):
+            e = q % slots
+            self.load_chunk(source, regs, q, weights=False)
+            cute.arch.mbarrier_wait(full + e, (q // slots) & 1)
+            slot_units = e * (EXPANDED_CHUNK_BYTES >> DESC_UNIT_SHIFT)
+            a_descs = [
+                a_first + Int64(slot_units + s * (EXPANDED_BLOCK_BYTES >> DESC_UNIT_SHIFT))
+                for s in range(NARROW_STEPS)
+            ]
+            b_descs = [
+                rows_desc + Int64((q * NARROW_STEPS + s) * block_units) for s in range(NARROW_STEPS)
+            ]
+            partials = wgmma_e4m3_chunk_ss(a_descs, b_descs, self.tuning.pairs)
+            cute.arch.mbarrier_arrive(empty + e)
+            self.promote_chunk(list(partials), None, rXs, rAcc)
 
     @cute.jit
     def x_row(self, mPairRow, start, last, n):
@@ -709,14 +954,23 @@ class NarrowGemmKernel:
         g80, g81 = humming_e4m3(word_g8, bytes_ >> 8)
         return [g0, g80, g1, g81]
 
+    def ring_role(self, warp, lane) -> tuple:
+        """(ring, issuer) of a thread in the chained forms: its warp's ring ("narrow") or its
+        warpgroup's ("humming"), and whether it issues the ring's copies (lane 0 of the warp,
+        or of the warpgroup's first warp)."""
+        if self.humming:
+            return warp // WARPGROUP_WARPS, (lane == 0) & (warp % WARPGROUP_WARPS == 0)
+        return warp, lane == 0
+
     @cute.jit
-    def ring_start(self, smem, source, warp):
-        """The ring of this warp ("narrow") or of its warpgroup ("humming") in shared memory
-        (`stages` slots of stage_chunks chunks, codes and scales): its slots and mbarriers
-        allocated and initialised, and its first `stages` stages issued as bulk copies on the
-        slots' mbarriers by the ring's issuing thread (lane 0 of the warp, or of the
-        warpgroup's first warp). Returns what ring_loop takes. The initialisation is seen by
-        the other warps of a warpgroup through stage_rows' CTA barrier, before any waits."""
+    def ring_start(self, smem, source, ring, issuer):
+        """The rings in shared memory, one a warp ("narrow") or a warpgroup ("humming"; the
+        specialized form has one, its expanding warpgroup's), each `stages` slots of
+        stage_chunks chunks, codes and scales: the slots and mbarriers allocated, and ring
+        `ring`'s initialised and its first `stages` stages issued as bulk copies on the slots'
+        mbarriers by its issuing thread (`issuer` true in that thread only; ring_role).
+        Returns what ring_loop takes. The initialisation is seen by the other warps of a
+        warpgroup through stage_rows' CTA barrier, before any waits."""
         mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         rings = self.tuning.rings()
@@ -732,8 +986,6 @@ class NarrowGemmKernel:
                 row_major_layout((rings, slots, per, NARROW_STEPS, HUMMING_SCALE_PAIRS)),
                 byte_alignment=16,
             )
-            ring = warp // WARPGROUP_WARPS
-            issuer = (lane == 0) & (warp % WARPGROUP_WARPS == 0)
             # The warpgroup's block 0 of group 0 in global memory; group i is i * 4N words
             # (16 N bytes) and i * N scale bytes on.
             first = Int64(expert) * (self.k // SCALE_BLOCK)
@@ -751,8 +1003,6 @@ class NarrowGemmKernel:
             sS = smem.allocate_tensor(
                 Uint32, row_major_layout((rings, slots, per, 8, 2)), byte_alignment=16
             )
-            ring = warp
-            issuer = lane == 0
             # This warp's codes and scales in global memory: chunk q at words_at + q * 1 KiB.
             first = (Int64(expert) * self.blocks + Int64(block)) * self.chunks
             words_at = mW.iterator.toint() + first * CHUNK_WORD_BYTES
@@ -1025,6 +1275,20 @@ class NarrowGemmKernel:
         return smem_desc(sRows.iterator.toint(), leading, stride)
 
 
+def specialized_fits(tuning: NarrowTuning) -> bool:
+    """Whether the specialized form (expanded_slots > 0) can run `tuning`: humming's weights,
+    wgmma, a ring (stages > 0), not `ahead`, and at least one consumer warpgroup beside the
+    expanding one."""
+    return (
+        tuning.weights == "humming"
+        and tuning.wgmma
+        and tuning.stages > 0
+        and not tuning.ahead
+        and tuning.warps % WARPGROUP_WARPS == 0
+        and tuning.consumers() >= 1
+    )
+
+
 # NarrowTuning's annotations (strings: the module's annotations are postponed) and the check of a
 # value of each: a flag is a bool, a count an int and not a bool, a form's name a str.
 TUNING_FIELD_TYPES = {
@@ -1037,11 +1301,13 @@ TUNING_FIELD_TYPES = {
 def smem_bytes(k: int, tuning: NarrowTuning) -> int:
     """Shared memory a CTA takes at K = k: the tile's staged rows (wgmma: P * K bytes) and
     scales (stage_scales: P * K / 8 bytes), the rings (NarrowTuning.ring_bytes) and their
-    mbarriers (8 bytes a slot), before the allocator's alignment (at most 128 + 16 + 16 + 8
-    bytes more)."""
+    mbarriers (8 bytes a slot), and the specialized form's expanded chunks and sums
+    (NarrowTuning.expanded_bytes), before the allocator's alignment (at most 128 + 16 + 16 + 8
+    bytes more, and 128 + 8 + 8 + 16 in the specialized form)."""
     rows = tuning.pairs * k if tuning.wgmma else 0
     scales = tuning.pairs * (k // SCALE_BLOCK) * 4 if tuning.stage_scales else 0
-    return rows + scales + tuning.ring_bytes() + 8 * tuning.rings() * tuning.stages
+    ring = tuning.ring_bytes() + 8 * tuning.rings() * tuning.stages
+    return rows + scales + ring + tuning.expanded_bytes()
 
 
 class NarrowGemmLaunch:
@@ -1086,6 +1352,13 @@ class NarrowGemmLaunch:
                 raise ValueError(
                     f"NarrowGemmLaunch: NarrowTuning.{field.name}={value!r}; expected {field.type}"
                 )
+        if tuning.expanded_slots < 0 or (tuning.expanded_slots and not specialized_fits(tuning)):
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; expanded_slots >= 0, and the specialized form"
+                " (expanded_slots > 0) runs humming's weights through a ring (weights='humming',"
+                f" wgmma, stages > 0, not ahead) with {2 * WARPGROUP_WARPS} warps or more in"
+                " whole warpgroups (one expanding, the others consuming)"
+            )
         sizes = all(type(size) is int and size > 0 for size in (n, k))
         if not sizes or not narrow_fits(n, k) or n % tuning.columns():
             raise ValueError(
@@ -1130,8 +1403,8 @@ class NarrowGemmLaunch:
         if smem > SMEM_LIMIT:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning} at K={k} takes {smem} bytes of shared memory a CTA;"
-                f" at most {SMEM_LIMIT} (fewer warps, stages, stage_chunks or pairs, or"
-                " stage_scales off)"
+                f" at most {SMEM_LIMIT} (fewer warps, stages, stage_chunks, expanded_slots or"
+                " pairs, or stage_scales off)"
             )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         z = Int64(0)
