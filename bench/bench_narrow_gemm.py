@@ -152,6 +152,41 @@ SPECIALIZED |= {
         weights="humming", warps=16, pairs=16, expanded_slots=6
     ),
 }
+# More weight bytes in flight a CTA (deeper rings, two expanded slots), the scales staged.
+SPECIALIZED |= {
+    f"specialized, tiles of {p}, ring {stages}x{chunks}{name}": NarrowTuning(
+        weights="humming",
+        warps=warps,
+        pairs=p,
+        expanded_slots=2,
+        stages=stages,
+        stage_chunks=chunks,
+        stage_scales=True,
+    )
+    for p, stages, chunks, warps, name in (
+        (8, 4, 2, 12, ", 2 slots"),
+        (8, 6, 4, 12, ", 2 slots"),
+        (16, 3, 2, 12, ", 2 slots"),
+        (16, 6, 4, 12, ", 2 slots"),
+        (16, 6, 4, 16, ", 2 slots, 3 consumers"),
+        (32, 4, 4, 12, ", 2 slots"),
+    )
+}
+# Two 64-column blocks a CTA (`blocks`): the tile's rows staged once for 128 columns, each
+# consumer on its own block; a stage's chunks hold both blocks (8.5 KiB a chunk).
+SPECIALIZED |= {
+    f"specialized, tiles of {p}, 2 blocks, ring {stages}x{chunks}": NarrowTuning(
+        weights="humming",
+        warps=12,
+        pairs=p,
+        blocks=2,
+        expanded_slots=2,
+        stages=stages,
+        stage_chunks=chunks,
+        stage_scales=True,
+    )
+    for p, stages, chunks in ((8, 4, 4), (16, 4, 2), (32, 3, 2))
+}
 EVERY_FORM = FORMS | SHAPES | WIDE | DEEP | SPECIALIZED
 
 

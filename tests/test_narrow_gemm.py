@@ -449,6 +449,17 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         tuning = dataclasses.replace(specialized, **change)
         with pytest.raises(ValueError, match="the specialized form .* runs humming's weights"):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    # blocks: a multiple of them consume, and only in the specialized form.
+    for tuning in (
+        dataclasses.replace(specialized, blocks=2, warps=16),
+        dataclasses.replace(specialized, blocks=3),
+        dataclasses.replace(specialized, blocks=0),
+    ):
+        with pytest.raises(ValueError, match="the consumers a multiple of `blocks`"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    with pytest.raises(ValueError, match="blocks other than 1 are a form of the specialized"):
+        NarrowGemmLaunch(n, k, True, NarrowTuning(weights="humming", blocks=2), arch="sm_90a")
+    assert dataclasses.replace(specialized, blocks=2).columns() == 128
     # Its N in blocks of 64 columns (one CTA's), and its shared memory counted: tiles of 32
     # with their scales staged and rings of 4 x 2 fit at K3's FC1 (204,896 bytes), not with 6
     # expanded slots and rings of 6 x 2 (238,736).
@@ -606,6 +617,14 @@ TESTED_FORMS |= {
 TESTED_FORMS["specialized-1consumer"] = dict(weights="humming", warps=8, pairs=16, expanded_slots=2)
 TESTED_FORMS["specialized-3consumers-ring3x4"] = dict(
     weights="humming", warps=16, pairs=24, expanded_slots=3, stages=3, stage_chunks=4
+)
+# Two 64-column blocks a CTA: a consumer each (scales staged), and two consumers each taking
+# the chunks in turn through a ring of 3 x 2 (K3's FC1: 14 stages, 28 chunks over 2 slots).
+TESTED_FORMS["specialized-2blocks"] = dict(
+    weights="humming", warps=12, pairs=16, blocks=2, expanded_slots=2, stage_scales=True
+)
+TESTED_FORMS["specialized-2blocks-2turns"] = dict(
+    weights="humming", warps=20, pairs=8, blocks=2, expanded_slots=2, stages=3
 )
 
 

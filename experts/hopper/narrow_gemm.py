@@ -419,6 +419,11 @@ class NarrowTuning:
       expansion, its MMAs and another chunk's promotion run in different warps at once, where
       the other forms chain them in each warp (docs/experts.md, "What bounds the narrow GEMM
       past decode").
+    blocks: the specialized form's 64-column blocks a CTA (1 in the other forms): the CTA stages
+      its tile's rows once for 64 * blocks columns, its ring and expanded slots hold `blocks`
+      blocks a chunk (humming's adjacent blocks: one bulk copy of words and one of scales a k32
+      group), and consumer c takes block c % blocks and the chunks q = c // blocks mod
+      (consumers / blocks), so consumers must be a multiple of blocks.
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -433,12 +438,18 @@ class NarrowTuning:
     ahead: bool = False
     stage_scales: bool = False
     expanded_slots: int = 0
+    blocks: int = 1
 
     def columns(self) -> int:
-        """Output columns a CTA: 16 * warps, or 64 in the specialized form (expanded_slots)."""
+        """Output columns a CTA: 16 * warps, or 64 * blocks in the specialized form
+        (expanded_slots)."""
         if self.expanded_slots > 0:
-            return HUMMING_BLOCK_ROWS
+            return HUMMING_BLOCK_ROWS * self.blocks
         return NARROW_ROWS * self.warps
+
+    def turns(self) -> int:
+        """The specialized form's consumers a block, which take its chunks in turn."""
+        return self.consumers() // self.blocks
 
     def consumers(self) -> int:
         """The specialized form's consumer warpgroups: all but the expanding one."""
@@ -446,18 +457,20 @@ class NarrowTuning:
 
     def expanded_bytes(self) -> int:
         """Shared memory of the specialized form beside the ring and the staged rows: the
-        expanded chunks (8 KiB each), their full and empty mbarriers (16 bytes a slot), and the
-        consumers' sums but the first's (P / 2 fp32 a thread); 0 in the other forms."""
+        expanded chunks (8 KiB a block), their full and empty mbarriers (16 bytes a slot), and
+        the sums of every consumer but each block's first (P / 2 fp32 a thread); 0 in the other
+        forms."""
         if self.expanded_slots == 0:
             return 0
-        sums = max(self.consumers() - 1, 1) * WARPGROUP_WARPS * WARP_LANES * self.pairs * 2
-        return self.expanded_slots * (EXPANDED_CHUNK_BYTES + 16) + sums
+        others = max(self.consumers() - self.blocks, 1)
+        sums = others * WARPGROUP_WARPS * WARP_LANES * self.pairs * 2
+        return self.expanded_slots * (EXPANDED_CHUNK_BYTES * self.blocks + 16) + sums
 
     def ring_bytes(self) -> int:
         """Shared memory of the rings of weight chunks (stages > 0): a warp's chunk of 1 KiB of
         codes and 64 bytes of scales ("narrow"), or a warpgroup's of four times that
         ("humming"), stage_chunks a stage, `stages` a ring."""
-        chunk = HUMMING_CHUNK_BYTES
+        chunk = HUMMING_CHUNK_BYTES * self.blocks
         if self.weights != "humming":
             chunk = CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES
         return self.rings() * self.stages * self.stage_chunks * chunk
@@ -489,7 +502,7 @@ class NarrowGemmKernel:
             tuning.weights == "humming" and tuning.stages > 0 and tuning.stage_chunks > 1
         )
         assert not tuning.stage_scales or tuning.weights == "humming"
-        assert tuning.expanded_slots == 0 or specialized_fits(tuning)
+        assert specialized_fits(tuning) if tuning.expanded_slots else tuning.blocks == 1
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.humming = tuning.weights == "humming"
         self.blocks = n // NARROW_ROWS
@@ -692,7 +705,7 @@ class NarrowGemmKernel:
             self.x_row(mPairRow, start, last, 8 * (i // 2) + 2 * t + i % 2)
             for i in range(self.lane_pairs)
         ]
-        humming_at = (bx, word_pair, scale_pair)
+        humming_at = (bx * self.tuning.blocks, word_pair, scale_pair)
         source = (mW, mS, mX, mXs, expert, bx, lane, g, t, 0, pair_rows, humming_at)
         smem = SmemAllocator()
         # The ring's first stages are in flight while the CTA stages the tile's rows.
@@ -706,53 +719,54 @@ class NarrowGemmKernel:
             self.expand_chunks(ring, source, expanded, w)
         else:
             consumer = warp // WARPGROUP_WARPS - 1
+            block, turn = consumer % self.tuning.blocks, consumer // self.tuning.blocks
             rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
             rAcc.fill(0.0)
-            self.consume_chunks(consumer, source, expanded, rows_desc, rAcc)
-            # The consumers' sums in consumer order: consumer c > 0 leaves its own in shared
-            # memory, consumer 0 adds them to its own and stores the tile.
+            self.consume_chunks(block, turn, source, expanded, rows_desc, rAcc)
+            # A block's sums in turn order: the consumer of turn u > 0 leaves its own in shared
+            # memory (row consumer - blocks), the block's first adds them and stores the tile.
             sSums = expanded[3]
             member = tidx % (WARPGROUP_WARPS * WARP_LANES)
-            if consumer > 0:
+            if turn > 0:
                 for i in cutlass.range_constexpr(self.tuning.pairs // 2):
-                    sSums[consumer - 1, member, i] = rAcc[i]
+                    sSums[consumer - self.tuning.blocks, member, i] = rAcc[i]
             cute.arch.barrier(
                 barrier_id=CONSUMERS_BARRIER,
                 number_of_threads=self.tuning.consumers() * WARPGROUP_WARPS * WARP_LANES,
             )
-            if consumer == 0:
-                for c in cutlass.range_constexpr(1, self.tuning.consumers()):
+            if turn == 0:
+                for u in cutlass.range_constexpr(1, self.tuning.turns()):
+                    other = (u - 1) * self.tuning.blocks + block
                     for i in cutlass.range_constexpr(self.tuning.pairs // 2):
-                        rAcc[i] = rAcc[i] + sSums[c - 1, member, i]
-                n0 = bx * HUMMING_BLOCK_ROWS + w * NARROW_ROWS + g
+                        rAcc[i] = rAcc[i] + sSums[other, member, i]
+                column = (bx * self.tuning.blocks + block) * HUMMING_BLOCK_ROWS
+                n0 = column + w * NARROW_ROWS + g
                 self.store_tile(mExpertScale, mOut, rAcc, expert, start, rows, n0, t)
 
     @cute.jit
     def expanded_start(self, smem, tidx):
         """The specialized form's shared memory beside the ring and the rows: the expanded
-        chunks (uint32 [expanded_slots, *EXPANDED_SHAPE]), each slot's `full` mbarrier (the
-        expanding warpgroup's 128 threads arrive when their stores are done) and `empty` one (a
-        consumer's 128 threads arrive when its MMAs have read the slot), thread 0 initialising
-        both, and the consumers' sums (fp32 [consumers - 1 (at least 1), 128, P / 2]). Returns
-        (chunks, full, empty, sums)."""
+        chunks (uint32 [expanded_slots, blocks, *EXPANDED_SHAPE]), each slot's `full` mbarrier
+        (the expanding warpgroup's 128 threads arrive when their stores are done) and `empty`
+        one (the 128 threads of each of the chunk's `blocks` consumers arrive when its MMAs have
+        read the slot), thread 0 initialising both, and the consumers' sums (fp32 [consumers -
+        blocks (at least 1), 128, P / 2]). Returns (chunks, full, empty, sums)."""
         slots = self.tuning.expanded_slots
         threads = WARPGROUP_WARPS * WARP_LANES
+        blocks = self.tuning.blocks
         sA = smem.allocate_tensor(
-            Uint32, row_major_layout((slots, *EXPANDED_SHAPE)), byte_alignment=128
+            Uint32, row_major_layout((slots, blocks, *EXPANDED_SHAPE)), byte_alignment=128
         )
         full = smem.allocate_array(Int64, slots, byte_alignment=8)
         empty = smem.allocate_array(Int64, slots, byte_alignment=8)
+        others = max(self.tuning.consumers() - blocks, 1)
         sSums = smem.allocate_tensor(
-            Float32,
-            row_major_layout(
-                (max(self.tuning.consumers() - 1, 1), threads, self.tuning.pairs // 2)
-            ),
-            byte_alignment=16,
+            Float32, row_major_layout((others, threads, self.tuning.pairs // 2)), byte_alignment=16
         )
         if tidx == 0:
             for s in cutlass.range_constexpr(slots):
                 cute.arch.mbarrier_init(full + s, threads)
-                cute.arch.mbarrier_init(empty + s, threads)
+                cute.arch.mbarrier_init(empty + s, threads * blocks)
             cute.arch.mbarrier_init_fence()
         return sA, full, empty, sSums
 
@@ -772,6 +786,15 @@ class NarrowGemmKernel:
         sA, full, empty, sSums = expanded
         sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
         g, t = source[7], source[8]
+        # Block b of a slot: its word pairs and scale pairs 128 b and 32 b on.
+        first, word_pair, scale_pair = source[11]
+        block_sources = [
+            (
+                *source[:11],
+                (first, word_pair + b * HUMMING_WORD_PAIRS, scale_pair + b * HUMMING_SCALE_PAIRS),
+            )
+            for b in range(self.tuning.blocks)
+        ]
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         expanded_slots = self.tuning.expanded_slots
         groups = (self.chunks + per - 1) // per
@@ -781,27 +804,30 @@ class NarrowGemmKernel:
             for c in cutlass.range_constexpr(per):
                 q = i * per + c
                 if q < self.chunks:
-                    self.read_slot(ring_state, source, regs, slot, c)
                     a = []
-                    for s in cutlass.range_constexpr(NARROW_STEPS):
-                        a += self.expand_humming(rW[2 * s], rW[2 * s + 1], rS[s])
+                    for b in cutlass.range_constexpr(self.tuning.blocks):
+                        self.read_slot(ring_state, block_sources[b], regs, slot, c)
+                        for s in cutlass.range_constexpr(NARROW_STEPS):
+                            a += self.expand_humming(rW[2 * s], rW[2 * s + 1], rS[s])
                     e = q % expanded_slots
                     cute.arch.mbarrier_wait(empty + e, ((q // expanded_slots) + 1) & 1)
-                    for s in cutlass.range_constexpr(NARROW_STEPS):
-                        # A words (rows g, g + 8) x (k 4t.., 16 + 4t..): core columns 0, 1.
-                        for h in cutlass.range_constexpr(2):
-                            for r in cutlass.range_constexpr(2):
-                                sA[e, s, h, 2 * w + r, g, t] = a[4 * s + 2 * h + r]
+                    for b in cutlass.range_constexpr(self.tuning.blocks):
+                        for s in cutlass.range_constexpr(NARROW_STEPS):
+                            # A words (rows g, g + 8) x (k 4t.., 16 + 4t..): core columns 0, 1.
+                            for h in cutlass.range_constexpr(2):
+                                for r in cutlass.range_constexpr(2):
+                                    word = a[16 * b + 4 * s + 2 * h + r]
+                                    sA[e, b, s, h, 2 * w + r, g, t] = word
                     fence_proxy_async_shared()
                     cute.arch.mbarrier_arrive(full + e)
             self.release_slot(ring_state, i, slot, groups)
 
     @cute.jit
-    def consume_chunks(self, consumer, source, expanded, rows_desc, rAcc):
-        """Consumer warpgroup `consumer`: chunks q = consumer, consumer + consumers, ..., each
-        its lane pairs' activation scales loaded (load_chunk), its expanded slot waited for
-        (`full`), its four MMAs from shared memory run and waited for, the slot released
-        (`empty`) and the partials promoted into rAcc."""
+    def consume_chunks(self, block, turn, source, expanded, rows_desc, rAcc):
+        """A consumer warpgroup, of 64-row block `block` and turn `turn`: chunks q = turn, turn +
+        turns, ..., each its lane pairs' activation scales loaded (load_chunk), its expanded
+        slot waited for (`full`), its block's four MMAs from shared memory run and waited for,
+        the slot released (`empty`) and the partials promoted into rAcc."""
         sA, full, empty, sSums = expanded
         rXs = []
         for i in cutlass.range_constexpr(self.lane_pairs):
@@ -810,11 +836,12 @@ class NarrowGemmKernel:
         slots = self.tuning.expanded_slots
         block_units = staged_rows_strides(self.tuning.pairs)[2] >> DESC_UNIT_SHIFT
         a_first = smem_desc(sA.iterator.toint(), EXPANDED_LBO, EXPANDED_SBO)
-        for q in cutlass.range(consumer, self.chunks, self.tuning.consumers()):
+        for q in cutlass.range(turn, self.chunks, self.tuning.turns()):
             e = q % slots
             self.load_chunk(source, regs, q, weights=False)
             cute.arch.mbarrier_wait(full + e, (q // slots) & 1)
-            slot_units = e * (EXPANDED_CHUNK_BYTES >> DESC_UNIT_SHIFT)
+            slot_block = e * self.tuning.blocks + block
+            slot_units = slot_block * (EXPANDED_CHUNK_BYTES >> DESC_UNIT_SHIFT)
             a_descs = [
                 a_first + Int64(slot_units + s * (EXPANDED_BLOCK_BYTES >> DESC_UNIT_SHIFT))
                 for s in range(NARROW_STEPS)
@@ -978,12 +1005,16 @@ class NarrowGemmKernel:
         if cutlass.const_expr(self.humming):
             sW = smem.allocate_tensor(
                 Uint32,
-                row_major_layout((rings, slots, per, NARROW_STEPS, HUMMING_WORD_PAIRS, 2)),
+                row_major_layout(
+                    (rings, slots, per, NARROW_STEPS, self.tuning.blocks * HUMMING_WORD_PAIRS, 2)
+                ),
                 byte_alignment=128,
             )
             sS = smem.allocate_tensor(
                 Uint16,
-                row_major_layout((rings, slots, per, NARROW_STEPS, HUMMING_SCALE_PAIRS)),
+                row_major_layout(
+                    (rings, slots, per, NARROW_STEPS, self.tuning.blocks * HUMMING_SCALE_PAIRS)
+                ),
                 byte_alignment=16,
             )
             # The warpgroup's block 0 of group 0 in global memory; group i is i * 4N words
@@ -1096,8 +1127,9 @@ class NarrowGemmKernel:
     @cute.jit
     def read_slot(self, ring_state, source, regs, slot, c):
         """Chunk c of the ring's slot `slot` into this thread's weight registers: "humming", per
-        k32 block its word pair and its rows' s' pair; "narrow", its lane's 32 bytes and its
-        rows' scale words."""
+        k32 block its word pair and its rows' s' pair (source's humming_at: the specialized
+        form's slots hold `blocks` 64-row blocks, its word and scale pairs 128 and 32 on a
+        block); "narrow", its lane's 32 bytes and its rows' scale words."""
         mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
         rW, rS, rX, rXs = regs
         sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
@@ -1133,12 +1165,14 @@ class NarrowGemmKernel:
         """The issuing thread: expect stage `stage`'s bytes on slot `slot`'s mbarrier and copy
         its chunks' codes and scales there (the last stage may hold fewer chunks): a warp's
         contiguous chunks in two copies ("narrow"), or per chunk and k32 block one 1 KiB block
-        of words and its 64 scale bytes ("humming": blocks 16 N bytes apart in global memory)."""
+        of words and its 64 scale bytes ("humming": blocks 16 N bytes apart in global memory;
+        the specialized form's `blocks` adjacent blocks in each copy)."""
         per = self.tuning.stage_chunks
         count = cutlass.min(per, self.chunks - stage * per)
         barrier = bars + (mine + slot)
         if cutlass.const_expr(self.humming):
-            cute.arch.mbarrier_arrive_and_expect_tx(barrier, count * HUMMING_CHUNK_BYTES)
+            blocks = self.tuning.blocks
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, count * HUMMING_CHUNK_BYTES * blocks)
             for c in cutlass.range_constexpr(per):
                 if c < count:
                     for s in cutlass.range_constexpr(NARROW_STEPS):
@@ -1146,13 +1180,13 @@ class NarrowGemmKernel:
                         bulk_copy_to_shared(
                             sW[ring, slot, c, s, 0, None].iterator.toint(),
                             words_at + group * (16 * self.n),
-                            HUMMING_BLOCK_BYTES,
+                            HUMMING_BLOCK_BYTES * blocks,
                             barrier.toint(),
                         )
                         bulk_copy_to_shared(
                             sS[ring, slot, c, s, None].iterator.toint(),
                             scales_at + group * self.n,
-                            HUMMING_BLOCK_ROWS,
+                            HUMMING_BLOCK_ROWS * blocks,
                             barrier.toint(),
                         )
         else:
@@ -1285,7 +1319,9 @@ def specialized_fits(tuning: NarrowTuning) -> bool:
         and tuning.stages > 0
         and not tuning.ahead
         and tuning.warps % WARPGROUP_WARPS == 0
-        and tuning.consumers() >= 1
+        and tuning.blocks >= 1
+        and tuning.consumers() >= tuning.blocks
+        and tuning.consumers() % tuning.blocks == 0
     )
 
 
@@ -1357,7 +1393,13 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: {tuning}; expanded_slots >= 0, and the specialized form"
                 " (expanded_slots > 0) runs humming's weights through a ring (weights='humming',"
                 f" wgmma, stages > 0, not ahead) with {2 * WARPGROUP_WARPS} warps or more in"
-                " whole warpgroups (one expanding, the others consuming)"
+                " whole warpgroups (one expanding, the others consuming), the consumers a"
+                " multiple of `blocks` (at least 1)"
+            )
+        if tuning.blocks != 1 and not tuning.expanded_slots:
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; blocks other than 1 are a form of the specialized"
+                " form (expanded_slots > 0)"
             )
         sizes = all(type(size) is int and size > 0 for size in (n, k))
         if not sizes or not narrow_fits(n, k) or n % tuning.columns():
