@@ -168,7 +168,6 @@ SPECIALIZED |= {
         (8, 6, 4, 12, ", 2 slots"),
         (16, 3, 2, 12, ", 2 slots"),
         (16, 6, 4, 12, ", 2 slots"),
-        (16, 6, 4, 16, ", 2 slots, 3 consumers"),
         (32, 4, 4, 12, ", 2 slots"),
     )
 }
@@ -187,6 +186,30 @@ SPECIALIZED |= {
     )
     for p, stages, chunks in ((8, 4, 4), (16, 4, 2), (32, 3, 2))
 }
+# The ring's copies issued by a warp of their own (copy_warp), so that no expanding thread's
+# fence for the async proxy waits on them.
+SPECIALIZED |= {
+    f"specialized, tiles of {p}, copy warp, ring 4x2": NarrowTuning(
+        weights="humming",
+        warps=12,
+        pairs=p,
+        expanded_slots=2,
+        stages=4,
+        stage_scales=True,
+        copy_warp=True,
+    )
+    for p in (8, 16)
+}
+SPECIALIZED["specialized, tiles of 16, 2 blocks, copy warp, ring 4x2"] = NarrowTuning(
+    weights="humming",
+    warps=12,
+    pairs=16,
+    blocks=2,
+    expanded_slots=2,
+    stages=4,
+    stage_scales=True,
+    copy_warp=True,
+)
 EVERY_FORM = FORMS | SHAPES | WIDE | DEEP | SPECIALIZED
 
 

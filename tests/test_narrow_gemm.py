@@ -223,13 +223,19 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
 
     tuning = NarrowTuning(weights="humming", warps=12, pairs=pairs, expanded_slots=4)
     z = Int64(0)
-    compile_kernel(
-        lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 11 + (Int32(1),) * 4),
-        "sm_90a",
-        str(tmp_path),
-    )
-    (ptx,) = tmp_path.glob("*.ptx")
-    text = ptx.read_text()
+
+    def ptx_of(tuning: NarrowTuning) -> str:
+        compile_kernel(
+            lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 11 + (Int32(1),) * 4),
+            "sm_90a",
+            str(tmp_path),
+        )
+        (ptx,) = tmp_path.glob("*.ptx")
+        text = ptx.read_text()
+        ptx.unlink()
+        return text
+
+    text = ptx_of(tuning)
     mma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{pairs}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}"
     shared = re.findall(rf"{mma}, %rd\d+, %rd\d+, 0, 1, 1;", text)
     assert len(shared) == 4 == len(re.findall(mma, text)), len(shared)
@@ -247,6 +253,9 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
     assert re.search(r"bar\.sync\s+1, 128;", text) and re.search(r"bar\.sync\s+2, 256;", text)
     consumer = text[text.index("wgmma.fence.sync.aligned") :]
     assert "prmt.b32" not in consumer[: consumer.index("wgmma.wait_group")]
+    # copy_warp: the ring's barrier counts the copy warp's 32 threads beside the expanders' 128.
+    text = ptx_of(dataclasses.replace(tuning, copy_warp=True))
+    assert re.search(r"bar\.sync\s+1, 160;", text) and not re.search(r"bar\.sync\s+1, 128;", text)
 
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
@@ -457,8 +466,28 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     ):
         with pytest.raises(ValueError, match="the consumers a multiple of `blocks`"):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
-    with pytest.raises(ValueError, match="blocks other than 1 are a form of the specialized"):
-        NarrowGemmLaunch(n, k, True, NarrowTuning(weights="humming", blocks=2), arch="sm_90a")
+    for tuning in (
+        NarrowTuning(weights="humming", blocks=2),
+        NarrowTuning(weights="humming", copy_warp=True),
+    ):
+        with pytest.raises(ValueError, match="blocks other than 1 and copy_warp are forms of"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    # Found by a review: fewer expanded slots than a block's consumers let a consumer pass its
+    # wait on a slot before the slot was filled; and a CTA of more than 1024 threads (below).
+    for tuning in (
+        dataclasses.replace(specialized, expanded_slots=1),
+        dataclasses.replace(specialized, warps=16, blocks=1, expanded_slots=2),
+    ):
+        with pytest.raises(ValueError, match="expanded_slots at least the consumers a block"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    assert dataclasses.replace(specialized, copy_warp=True).threads() == 13 * 32
+    for tuning in (
+        NarrowTuning(warps=0),
+        NarrowTuning(warps=36),
+        dataclasses.replace(specialized, warps=32, expanded_slots=8, copy_warp=True),
+    ):
+        with pytest.raises(ValueError, match="a CTA of warps .* from 1 to 32 warps"):
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     assert dataclasses.replace(specialized, blocks=2).columns() == 128
     # Its N in blocks of 64 columns (one CTA's), and its shared memory counted: tiles of 32
     # with their scales staged and rings of 4 x 2 fit at K3's FC1 (204,896 bytes), not with 6
@@ -625,6 +654,10 @@ TESTED_FORMS["specialized-2blocks"] = dict(
 )
 TESTED_FORMS["specialized-2blocks-2turns"] = dict(
     weights="humming", warps=20, pairs=8, blocks=2, expanded_slots=2, stages=3
+)
+# The ring's copies issued by a warp of their own (the CTA's 13th).
+TESTED_FORMS["specialized-copy-warp"] = dict(
+    weights="humming", warps=12, pairs=16, expanded_slots=2, stages=4, copy_warp=True
 )
 
 

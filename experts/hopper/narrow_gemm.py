@@ -135,6 +135,8 @@ EXPANDED_BLOCK_BYTES = 2 * EXPANDED_LBO
 E4M3_BYTE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 # What one CTA may take on SM90 (227 KiB), less the allocator's alignment padding.
 SMEM_LIMIT = 227 * 1024 - 256
+# A CTA's threads at most (CUDA's limit).
+MAX_CTA_THREADS = 1024
 # The grid's second axis (tile slots) is at most this (CUDA's limit on gridDim.y).
 MAX_TILE_SLOTS = 65535
 
@@ -424,6 +426,11 @@ class NarrowTuning:
       blocks a chunk (humming's adjacent blocks: one bulk copy of words and one of scales a k32
       group), and consumer c takes block c % blocks and the chunks q = c // blocks mod
       (consumers / blocks), so consumers must be a multiple of blocks.
+    copy_warp: the specialized form's ring copies issued by a warp of their own, the CTA's last
+      (warps + 1 warps a CTA), instead of the expanding warpgroup's first thread. The expanding
+      threads' fence for the async proxy compiles to MEMBAR.ALL.CTA (ptxas 13.0); if that fence
+      waits for the issuing thread's bulk copies in flight, the expanding warpgroup stalls on
+      its ring's refills every stage (docs/experts.md, "The specialized narrow GEMM").
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -439,6 +446,11 @@ class NarrowTuning:
     stage_scales: bool = False
     expanded_slots: int = 0
     blocks: int = 1
+    copy_warp: bool = False
+
+    def threads(self) -> int:
+        """A CTA's threads: 32 * warps, and the copy warp's 32 (copy_warp)."""
+        return WARP_LANES * (self.warps + int(self.copy_warp))
 
     def columns(self) -> int:
         """Output columns a CTA: 16 * warps, or 64 * blocks in the specialized form
@@ -502,7 +514,11 @@ class NarrowGemmKernel:
             tuning.weights == "humming" and tuning.stages > 0 and tuning.stage_chunks > 1
         )
         assert not tuning.stage_scales or tuning.weights == "humming"
-        assert specialized_fits(tuning) if tuning.expanded_slots else tuning.blocks == 1
+        assert (
+            specialized_fits(tuning)
+            if tuning.expanded_slots
+            else tuning.blocks == 1 and not tuning.copy_warp
+        )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.humming = tuning.weights == "humming"
         self.blocks = n // NARROW_ROWS
@@ -573,7 +589,7 @@ class NarrowGemmKernel:
             mOut,
         ).launch(
             grid=[self.n // self.tuning.columns(), tiles, 1],
-            block=[WARP_LANES * self.tuning.warps, 1, 1],
+            block=[self.tuning.threads(), 1, 1],
             stream=stream,
         )
 
@@ -709,7 +725,8 @@ class NarrowGemmKernel:
         source = (mW, mS, mX, mXs, expert, bx, lane, g, t, 0, pair_rows, humming_at)
         smem = SmemAllocator()
         # The ring's first stages are in flight while the CTA stages the tile's rows.
-        ring = self.ring_start(smem, source, 0, (warp == 0) & (lane == 0))
+        copier = self.tuning.warps if self.tuning.copy_warp else 0
+        ring = self.ring_start(smem, source, 0, (warp == copier) & (lane == 0))
         expanded = self.expanded_start(smem, tidx)
         if cutlass.const_expr(self.tuning.stage_scales):
             sXs, tile_pairs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx, t, last)
@@ -718,30 +735,50 @@ class NarrowGemmKernel:
         if warp < WARPGROUP_WARPS:
             self.expand_chunks(ring, source, expanded, w)
         else:
-            consumer = warp // WARPGROUP_WARPS - 1
-            block, turn = consumer % self.tuning.blocks, consumer // self.tuning.blocks
-            rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
-            rAcc.fill(0.0)
-            self.consume_chunks(block, turn, source, expanded, rows_desc, rAcc)
-            # A block's sums in turn order: the consumer of turn u > 0 leaves its own in shared
-            # memory (row consumer - blocks), the block's first adds them and stores the tile.
-            sSums = expanded[3]
-            member = tidx % (WARPGROUP_WARPS * WARP_LANES)
-            if turn > 0:
+            consuming = (tensors, expert, start, rows, bx, thread, source, expanded, rows_desc)
+            if cutlass.const_expr(self.tuning.copy_warp):
+                if warp == self.tuning.warps:
+                    # The copy warp: each stage's refill once the expanders have read its slot.
+                    per = self.tuning.stage_chunks
+                    groups = (self.chunks + per - 1) // per
+                    for i in cutlass.range(groups):
+                        self.release_slot(ring, i, i % self.tuning.stages, groups)
+                else:
+                    self.consume_tile(*consuming)
+            else:
+                self.consume_tile(*consuming)
+
+    @cute.jit
+    def consume_tile(self, tensors, expert, start, rows, bx, thread, source, expanded, rows_desc):
+        """A consumer warpgroup's part of specialized_tile: its chunks (consume_chunks), then its
+        block's sums added in turn order and stored by the block's first consumer."""
+        mW, mS, mExpertScale, mX, mXs, mPairRow, mOut = tensors
+        tidx, warp, lane, g, t = thread
+        w = warp % WARPGROUP_WARPS
+        consumer = warp // WARPGROUP_WARPS - 1
+        block, turn = consumer % self.tuning.blocks, consumer // self.tuning.blocks
+        rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
+        rAcc.fill(0.0)
+        self.consume_chunks(block, turn, source, expanded, rows_desc, rAcc)
+        # A block's sums in turn order: the consumer of turn u > 0 leaves its own in shared
+        # memory (row consumer - blocks), the block's first adds them and stores the tile.
+        sSums = expanded[3]
+        member = tidx % (WARPGROUP_WARPS * WARP_LANES)
+        if turn > 0:
+            for i in cutlass.range_constexpr(self.tuning.pairs // 2):
+                sSums[consumer - self.tuning.blocks, member, i] = rAcc[i]
+        cute.arch.barrier(
+            barrier_id=CONSUMERS_BARRIER,
+            number_of_threads=self.tuning.consumers() * WARPGROUP_WARPS * WARP_LANES,
+        )
+        if turn == 0:
+            for u in cutlass.range_constexpr(1, self.tuning.turns()):
+                other = (u - 1) * self.tuning.blocks + block
                 for i in cutlass.range_constexpr(self.tuning.pairs // 2):
-                    sSums[consumer - self.tuning.blocks, member, i] = rAcc[i]
-            cute.arch.barrier(
-                barrier_id=CONSUMERS_BARRIER,
-                number_of_threads=self.tuning.consumers() * WARPGROUP_WARPS * WARP_LANES,
-            )
-            if turn == 0:
-                for u in cutlass.range_constexpr(1, self.tuning.turns()):
-                    other = (u - 1) * self.tuning.blocks + block
-                    for i in cutlass.range_constexpr(self.tuning.pairs // 2):
-                        rAcc[i] = rAcc[i] + sSums[other, member, i]
-                column = (bx * self.tuning.blocks + block) * HUMMING_BLOCK_ROWS
-                n0 = column + w * NARROW_ROWS + g
-                self.store_tile(mExpertScale, mOut, rAcc, expert, start, rows, n0, t)
+                    rAcc[i] = rAcc[i] + sSums[other, member, i]
+            column = (bx * self.tuning.blocks + block) * HUMMING_BLOCK_ROWS
+            n0 = column + w * NARROW_ROWS + g
+            self.store_tile(mExpertScale, mOut, rAcc, expert, start, rows, n0, t)
 
     @cute.jit
     def expanded_start(self, smem, tidx):
@@ -1150,9 +1187,10 @@ class NarrowGemmKernel:
         sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
         slots = self.tuning.stages
         if cutlass.const_expr(self.humming):
+            # The copy warp (copy_warp) waits here too, then issues.
             cute.arch.barrier(
                 barrier_id=FIRST_WARPGROUP_BARRIER + ring,
-                number_of_threads=WARPGROUP_WARPS * WARP_LANES,
+                number_of_threads=(WARPGROUP_WARPS + int(self.tuning.copy_warp)) * WARP_LANES,
             )
         else:
             cute.arch.sync_warp()
@@ -1216,7 +1254,7 @@ class NarrowGemmKernel:
         the tile its last pair's, `last` = rows - 1, as pair_rows). Complete after stage_rows'
         wait and CTA barrier, which follow before any chunk."""
         pairs = self.tuning.pairs
-        threads = self.tuning.warps * WARP_LANES
+        threads = self.tuning.threads()
         sXs = smem.allocate_tensor(
             Float32, row_major_layout((pairs, self.chunks, NARROW_STEPS)), byte_alignment=16
         )
@@ -1251,7 +1289,7 @@ class NarrowGemmKernel:
         stored)."""
         pairs = self.tuning.pairs
         blocks = self.k // SCALE_BLOCK
-        threads = self.tuning.warps * WARP_LANES
+        threads = self.tuning.threads()
         sRows = smem.allocate_tensor(
             Uint32, row_major_layout(staged_rows_shape(self.k, pairs)), byte_alignment=128
         )
@@ -1311,8 +1349,11 @@ class NarrowGemmKernel:
 
 def specialized_fits(tuning: NarrowTuning) -> bool:
     """Whether the specialized form (expanded_slots > 0) can run `tuning`: humming's weights,
-    wgmma, a ring (stages > 0), not `ahead`, and at least one consumer warpgroup beside the
-    expanding one."""
+    wgmma, a ring (stages > 0), not `ahead`, at most MAX_CTA_THREADS threads, consumers (the
+    warpgroups beside the expanding one) a positive multiple of `blocks`, and at least as many
+    expanded slots as a block's consumers (turns): a consumer waits on chunk q's slot for the
+    phase after the one chunk q - turns completed, which passes at once unless chunk q -
+    expanded_slots was filled before."""
     return (
         tuning.weights == "humming"
         and tuning.wgmma
@@ -1322,6 +1363,8 @@ def specialized_fits(tuning: NarrowTuning) -> bool:
         and tuning.blocks >= 1
         and tuning.consumers() >= tuning.blocks
         and tuning.consumers() % tuning.blocks == 0
+        and tuning.expanded_slots >= tuning.turns()
+        and tuning.threads() <= MAX_CTA_THREADS
     )
 
 
@@ -1388,18 +1431,26 @@ class NarrowGemmLaunch:
                 raise ValueError(
                     f"NarrowGemmLaunch: NarrowTuning.{field.name}={value!r}; expected {field.type}"
                 )
+        if tuning.warps < 1 or tuning.threads() > MAX_CTA_THREADS:
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; a CTA of warps (plus the copy warp) from 1 to"
+                f" {MAX_CTA_THREADS // WARP_LANES} warps"
+            )
         if tuning.expanded_slots < 0 or (tuning.expanded_slots and not specialized_fits(tuning)):
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning}; expanded_slots >= 0, and the specialized form"
                 " (expanded_slots > 0) runs humming's weights through a ring (weights='humming',"
                 f" wgmma, stages > 0, not ahead) with {2 * WARPGROUP_WARPS} warps or more in"
-                " whole warpgroups (one expanding, the others consuming), the consumers a"
-                " multiple of `blocks` (at least 1)"
+                " whole warpgroups (one expanding, the others consuming; at most"
+                f" {MAX_CTA_THREADS // WARP_LANES}), the consumers a multiple of `blocks` (at"
+                " least 1), and expanded_slots at least the consumers a block (a consumer's"
+                " wait on a slot's `full` mbarrier is for the phase after the one its turn's"
+                " previous chunk completed)"
             )
-        if tuning.blocks != 1 and not tuning.expanded_slots:
+        if (tuning.blocks != 1 or tuning.copy_warp) and not tuning.expanded_slots:
             raise ValueError(
-                f"NarrowGemmLaunch: {tuning}; blocks other than 1 are a form of the specialized"
-                " form (expanded_slots > 0)"
+                f"NarrowGemmLaunch: {tuning}; blocks other than 1 and copy_warp are forms of the"
+                " specialized form (expanded_slots > 0)"
             )
         sizes = all(type(size) is int and size > 0 for size in (n, k))
         if not sizes or not narrow_fits(n, k) or n % tuning.columns():
