@@ -30,7 +30,10 @@ same pairs (T = 1..16); at that speed no engine uses it (docs/experts.md, "The n
 The narrow form passed its GPU tests at every width on one H200 (2026-12-05); tiles of 16, 24
 and 32 took 1.2-4.5x the time of humming's GEMMs at T = 16..256 on the same pairs
 (docs/results/bench_narrow_gemm_wide.md). The humming form: docs/experts.md, "The narrow GEMM
-on humming's prepared weights".
+on humming's prepared weights". The specialized form (NarrowTuning.expanded_slots: one warpgroup
+expands the weights into shared memory, the others run the MMAs from there and promote) passed
+its GPU tests on one H100 and took 1.5-12x humming's time (docs/experts.md, "The specialized
+narrow GEMM").
 """
 
 from __future__ import annotations
