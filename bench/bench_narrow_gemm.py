@@ -152,64 +152,46 @@ SPECIALIZED |= {
         weights="humming", warps=16, pairs=16, expanded_slots=6
     ),
 }
-# More weight bytes in flight a CTA (deeper rings, two expanded slots), the scales staged.
-SPECIALIZED |= {
-    f"specialized, tiles of {p}, ring {stages}x{chunks}{name}": NarrowTuning(
-        weights="humming",
-        warps=warps,
-        pairs=p,
-        expanded_slots=2,
-        stages=stages,
-        stage_chunks=chunks,
-        stage_scales=True,
-    )
-    for p, stages, chunks, warps, name in (
-        (8, 4, 2, 12, ", 2 slots"),
-        (8, 6, 4, 12, ", 2 slots"),
-        (16, 3, 2, 12, ", 2 slots"),
-        (16, 6, 4, 12, ", 2 slots"),
-        (32, 4, 4, 12, ", 2 slots"),
-    )
-}
-# Two 64-column blocks a CTA (`blocks`): the tile's rows staged once for 128 columns, each
-# consumer on its own block; a stage's chunks hold both blocks (8.5 KiB a chunk).
-SPECIALIZED |= {
-    f"specialized, tiles of {p}, 2 blocks, ring {stages}x{chunks}": NarrowTuning(
-        weights="humming",
-        warps=12,
-        pairs=p,
-        blocks=2,
-        expanded_slots=2,
-        stages=stages,
-        stage_chunks=chunks,
-        stage_scales=True,
-    )
-    for p, stages, chunks in ((8, 4, 4), (16, 4, 2), (32, 3, 2))
-}
-# The ring's copies issued by a warp of their own (copy_warp), so that no expanding thread's
-# fence for the async proxy waits on them.
-SPECIALIZED |= {
-    f"specialized, tiles of {p}, copy warp, ring 4x2": NarrowTuning(
-        weights="humming",
-        warps=12,
-        pairs=p,
-        expanded_slots=2,
-        stages=4,
-        stage_scales=True,
-        copy_warp=True,
-    )
-    for p in (8, 16)
-}
-SPECIALIZED["specialized, tiles of 16, 2 blocks, copy warp, ring 4x2"] = NarrowTuning(
-    weights="humming",
-    warps=12,
-    pairs=16,
-    blocks=2,
-    expanded_slots=2,
-    stages=4,
-    stage_scales=True,
-    copy_warp=True,
+# With two expanded slots and the scales staged: more weight bytes in flight a CTA (deeper
+# rings); two 64-column blocks a CTA (`blocks`: the tile's rows staged once for 128 columns, each
+# consumer on its own block, 8.5 KiB a chunk); the ring's copies issued by a warp of their own
+# (`copy_warp`, so that no expanding thread's fence for the async proxy waits on them).
+# (P, stages, chunks a stage, blocks, copy warp)
+STAGED_SPECIALIZED = (
+    (8, 4, 2, 1, False),
+    (8, 6, 4, 1, False),
+    (16, 3, 2, 1, False),
+    (16, 6, 4, 1, False),
+    (32, 4, 4, 1, False),
+    (8, 4, 4, 2, False),
+    (16, 4, 2, 2, False),
+    (32, 3, 2, 2, False),
+    (8, 4, 2, 1, True),
+    (16, 4, 2, 1, True),
+    (16, 4, 2, 2, True),
 )
+
+
+def staged_specialized(pairs: int, stages: int, chunks: int, blocks: int, copy_warp: bool):
+    """(bench name, NarrowTuning) of a STAGED_SPECIALIZED row."""
+    name = f"specialized, tiles of {pairs}{', 2 blocks' if blocks == 2 else ''}"
+    name += f"{', copy warp' if copy_warp else ''}, ring {stages}x{chunks}"
+    name += ", 2 slots" if blocks == 1 and not copy_warp else ""
+    return name, NarrowTuning(
+        weights="humming",
+        warps=12,
+        pairs=pairs,
+        blocks=blocks,
+        expanded_slots=2,
+        stages=stages,
+        stage_chunks=chunks,
+        stage_scales=True,
+        copy_warp=copy_warp,
+    )
+
+
+SPECIALIZED |= dict(staged_specialized(*row) for row in STAGED_SPECIALIZED)
+
 EVERY_FORM = FORMS | SHAPES | WIDE | DEEP | SPECIALIZED
 
 

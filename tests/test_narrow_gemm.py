@@ -101,25 +101,32 @@ def test_reference_is_the_dequantized_product():
         assert torch.equal(got[j], weights @ xd[rows[j]])
 
 
-@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
-def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
+def fc1_ptx(tuning, folder) -> str:
+    """The sm_90a PTX of the kernel at K3's FC1 (N = 6144, K = 3584, indexed) under `tuning`,
+    compiled on CPU into `folder` (emptied of it again)."""
     from cutlass import Int32, Int64
 
     from dep_ep.comm.kernels.launcher import compile_kernel
-    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmKernel, NarrowTuning
+    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmKernel
 
     z = Int64(0)
+    compile_kernel(
+        lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 11 + (Int32(1),) * 4),
+        "sm_90a",
+        str(folder),
+    )
+    (ptx,) = folder.glob("*.ptx")
+    text = ptx.read_text()
+    ptx.unlink()
+    return text
+
+
+@pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
+def test_kernel_compiles_for_sm90a_to_its_mmas_and_vector_loads(tmp_path):
+    from dep_ep.experts.hopper.narrow_gemm import NarrowTuning
 
     def ptx_of(tuning: NarrowTuning) -> str:
-        compile_kernel(
-            lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 11 + (Int32(1),) * 4),
-            "sm_90a",
-            str(tmp_path),
-        )
-        (ptx,) = tmp_path.glob("*.ptx")
-        text = ptx.read_text()
-        ptx.unlink()
-        return text
+        return fc1_ptx(tuning, tmp_path)
 
     text = ptx_of(NarrowTuning(wgmma=False, stages=0))
     assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in text
@@ -216,24 +223,12 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
     mbarrier; the ring refilled after its warpgroup's barrier (128 threads), the consumers'
     sums added after theirs (256 threads with two consumers); no byte permute among the
     consumers' MMAs (the expansion is the expander's)."""
-    from cutlass import Int32, Int64
-
-    from dep_ep.comm.kernels.launcher import compile_kernel
-    from dep_ep.experts.hopper.narrow_gemm import NarrowGemmKernel, NarrowTuning
+    from dep_ep.experts.hopper.narrow_gemm import NarrowTuning
 
     tuning = NarrowTuning(weights="humming", warps=12, pairs=pairs, expanded_slots=4)
-    z = Int64(0)
 
     def ptx_of(tuning: NarrowTuning) -> str:
-        compile_kernel(
-            lambda: (NarrowGemmKernel(6144, 3584, True, tuning), (z,) * 11 + (Int32(1),) * 4),
-            "sm_90a",
-            str(tmp_path),
-        )
-        (ptx,) = tmp_path.glob("*.ptx")
-        text = ptx.read_text()
-        ptx.unlink()
-        return text
+        return fc1_ptx(tuning, tmp_path)
 
     text = ptx_of(tuning)
     mma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{pairs}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}"
