@@ -443,37 +443,32 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     # The specialized form: humming's weights through a ring, not `ahead`, a consumer beside the
     # expanding warpgroup; expanded_slots never negative.
     specialized = NarrowTuning(weights="humming", warps=12, expanded_slots=2)
-    for change in (
-        {"weights": "narrow"},
-        {"stages": 0},
-        {"ahead": True},
-        {"warps": 4},
-        {"expanded_slots": -1},
+    # Each refusal names what the tuning lacks (a careless-user probe found one message
+    # listing every condition).
+    for change, match in (
+        ({"weights": "narrow"}, "needs weights='humming' with wgmma"),
+        ({"stages": 0}, r"needs a ring \(stages > 0\) without `ahead`"),
+        ({"ahead": True}, r"needs a ring \(stages > 0\) without `ahead`"),
+        ({"warps": 4}, "needs warps a multiple of 4, at least 8"),
+        ({"warps": 10}, "needs warps a multiple of 4, at least 8"),
+        ({"expanded_slots": -1}, r"expanded_slots >= 0 \(0: not specialized\)"),
+        ({"blocks": 2, "warps": 16}, "needs blocks=2 dividing the 3 consumer warpgroups"),
+        ({"blocks": 3}, "needs blocks=3 dividing the 2 consumer warpgroups"),
+        ({"blocks": 0}, "needs blocks=0 dividing the 2 consumer warpgroups"),
+        # Found by a review: fewer expanded slots than a block's consumers let a consumer
+        # pass its wait on a slot before the slot was filled.
+        ({"expanded_slots": 1}, r"needs expanded_slots at least the consumers a block \(2:"),
+        ({"warps": 16}, r"needs expanded_slots at least the consumers a block \(3:"),
     ):
         tuning = dataclasses.replace(specialized, **change)
-        with pytest.raises(ValueError, match="the specialized form .* runs humming's weights"):
-            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
-    # blocks: a multiple of them consume, and only in the specialized form.
-    for tuning in (
-        dataclasses.replace(specialized, blocks=2, warps=16),
-        dataclasses.replace(specialized, blocks=3),
-        dataclasses.replace(specialized, blocks=0),
-    ):
-        with pytest.raises(ValueError, match="the consumers a multiple of `blocks`"):
+        with pytest.raises(ValueError, match=match):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     for tuning in (
         NarrowTuning(weights="humming", blocks=2),
         NarrowTuning(weights="humming", copy_warp=True),
+        NarrowTuning(warps=32, copy_warp=True),
     ):
         with pytest.raises(ValueError, match="blocks other than 1 and copy_warp are forms of"):
-            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
-    # Found by a review: fewer expanded slots than a block's consumers let a consumer pass its
-    # wait on a slot before the slot was filled; and a CTA of more than 1024 threads (below).
-    for tuning in (
-        dataclasses.replace(specialized, expanded_slots=1),
-        dataclasses.replace(specialized, warps=16, blocks=1, expanded_slots=2),
-    ):
-        with pytest.raises(ValueError, match="expanded_slots at least the consumers a block"):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     assert dataclasses.replace(specialized, copy_warp=True).threads() == 13 * 32
     for tuning in (
@@ -481,8 +476,16 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         NarrowTuning(warps=36),
         dataclasses.replace(specialized, warps=32, expanded_slots=8, copy_warp=True),
     ):
-        with pytest.raises(ValueError, match="a CTA of warps .* from 1 to 32 warps"):
+        with pytest.raises(ValueError, match="a CTA of 1 to 32 warps, the copy warp counted"):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    # From the same probe: `indexed` a bool, `unroll` at least 1, the wgmma forms for sm_90a.
+    for indexed in ("False", None, 0):
+        with pytest.raises(ValueError, match="indexed=.*; expected a bool"):
+            NarrowGemmLaunch(n, k, indexed, arch="sm_90a")
+    with pytest.raises(ValueError, match="unroll >= 1"):
+        NarrowGemmLaunch(n, k, True, NarrowTuning(stages=0, unroll=0), arch="sm_90a")
+    with pytest.raises(ValueError, match="arch 'sm_100a' with .* the wgmma forms are SM90's"):
+        NarrowGemmLaunch(n, k, True, NarrowTuning(), arch="sm_100a")
     assert dataclasses.replace(specialized, blocks=2).columns() == 128
     # Its N in blocks of 64 columns (one CTA's), and its shared memory counted: tiles of 32
     # with their scales staged and rings of 4 x 2 fit at K3's FC1 (204,896 bytes), not with 6

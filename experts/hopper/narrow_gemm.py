@@ -463,8 +463,9 @@ class NarrowTuning:
         return NARROW_ROWS * self.warps
 
     def turns(self) -> int:
-        """The specialized form's consumers a block, which take its chunks in turn."""
-        return self.consumers() // self.blocks
+        """The specialized form's consumers a block, which take its chunks in turn (0 for a
+        tuning the form refuses: no blocks)."""
+        return self.consumers() // self.blocks if self.blocks > 0 else 0
 
     def consumers(self) -> int:
         """The specialized form's consumer warpgroups: all but the expanding one."""
@@ -475,8 +476,9 @@ class NarrowTuning:
         expanded chunks (8 KiB a block), their full and empty mbarriers (16 bytes a slot), and
         the sums of every consumer but each block's first (P / 2 fp32 a thread); 0 in the other
         forms."""
-        if self.expanded_slots == 0:
+        if self.expanded_slots <= 0:
             return 0
+        # At least one row of sums is reserved, used or not.
         others = max(self.consumers() - self.blocks, 1)
         sums = others * WARPGROUP_WARPS * WARP_LANES * self.pairs * 2
         return self.expanded_slots * (EXPANDED_CHUNK_BYTES * self.blocks + 16) + sums
@@ -484,7 +486,8 @@ class NarrowTuning:
     def ring_bytes(self) -> int:
         """Shared memory of the rings of weight chunks (stages > 0): a warp's chunk of 1 KiB of
         codes and 64 bytes of scales ("narrow"), or a warpgroup's of four times that
-        ("humming"), stage_chunks a stage, `stages` a ring."""
+        ("humming"; `blocks` times that in the specialized form), stage_chunks a stage,
+        `stages` a ring."""
         chunk = HUMMING_CHUNK_BYTES * self.blocks
         if self.weights != "humming":
             chunk = CHUNK_WORD_BYTES + CHUNK_SCALE_BYTES
@@ -1350,25 +1353,35 @@ class NarrowGemmKernel:
         return smem_desc(sRows.iterator.toint(), leading, stride)
 
 
+def specialized_problems(tuning: NarrowTuning) -> list[str]:
+    """What keeps the specialized form (expanded_slots > 0) from running `tuning`, one phrase
+    each (empty when it can run): it needs humming's weights, wgmma, a ring (stages > 0) and
+    not `ahead`; consumers (the warpgroups beside the expanding one) a positive multiple of
+    `blocks`; and at least as many expanded slots as a block's consumers (turns): a consumer
+    waits on chunk q's slot for the phase after the one chunk q - turns completed, which
+    passes at once unless chunk q - expanded_slots was filled before."""
+    problems = []
+    if tuning.weights != "humming" or not tuning.wgmma:
+        problems.append("weights='humming' with wgmma")
+    if tuning.stages < 1 or tuning.ahead:
+        problems.append("a ring (stages > 0) without `ahead`")
+    if tuning.warps % WARPGROUP_WARPS or tuning.consumers() < 1:
+        problems.append(f"warps a multiple of {WARPGROUP_WARPS}, at least {2 * WARPGROUP_WARPS}")
+    elif tuning.blocks < 1 or tuning.consumers() % tuning.blocks:
+        problems.append(
+            f"blocks={tuning.blocks} dividing the {tuning.consumers()} consumer warpgroups"
+        )
+    elif tuning.expanded_slots < tuning.turns():
+        problems.append(
+            f"expanded_slots at least the consumers a block ({tuning.turns()}: a consumer's wait"
+            " on a slot would pass before the slot is filled)"
+        )
+    return problems
+
+
 def specialized_fits(tuning: NarrowTuning) -> bool:
-    """Whether the specialized form (expanded_slots > 0) can run `tuning`: humming's weights,
-    wgmma, a ring (stages > 0), not `ahead`, at most MAX_CTA_THREADS threads, consumers (the
-    warpgroups beside the expanding one) a positive multiple of `blocks`, and at least as many
-    expanded slots as a block's consumers (turns): a consumer waits on chunk q's slot for the
-    phase after the one chunk q - turns completed, which passes at once unless chunk q -
-    expanded_slots was filled before."""
-    return (
-        tuning.weights == "humming"
-        and tuning.wgmma
-        and tuning.stages > 0
-        and not tuning.ahead
-        and tuning.warps % WARPGROUP_WARPS == 0
-        and tuning.blocks >= 1
-        and tuning.consumers() >= tuning.blocks
-        and tuning.consumers() % tuning.blocks == 0
-        and tuning.expanded_slots >= tuning.turns()
-        and tuning.threads() <= MAX_CTA_THREADS
-    )
+    """Whether the specialized form can run `tuning` (specialized_problems has none)."""
+    return not specialized_problems(tuning)
 
 
 # NarrowTuning's annotations (strings: the module's annotations are postponed) and the check of a
@@ -1397,11 +1410,14 @@ class NarrowGemmLaunch:
     its launch on torch tensors.
 
     Constraints (stated here once): every NarrowTuning field of its annotated type (a flag a
-    bool, a count an int); N a multiple of tuning.columns() (128 by default), K of 128; with
+    bool, a count an int; indexed a bool); N a multiple of tuning.columns() (128 by default), K
+    of 128; unroll >= 1; the wgmma forms for sm_90a only; with
     tuning.wgmma, warps a multiple of 4; tuning.pairs 8, or with wgmma 16, 24 or 32; `ahead`
     only on humming's weights through a ring of 2 chunks a stage or more, `stage_scales` only
-    on humming's weights; shared memory a CTA (`smem_bytes`: the staged rows, P * K bytes with
-    wgmma, the staged scales, P * K / 8 bytes with stage_scales, and the ring) at most
+    on humming's weights; the specialized form (expanded_slots > 0, with `blocks` and
+    `copy_warp` its only) as specialized_problems says; at most 1024 threads a CTA; shared
+    memory a CTA (`smem_bytes`: the staged rows, P * K bytes with wgmma, the staged scales,
+    P * K / 8 bytes with stage_scales, the ring, and the expanded chunks and sums) at most
     SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
     block_n tuning.pairs; words and scales from narrow_weights of [E, N, K/2] weights, or
     with tuning.weights "humming" (wgmma only) humming's prepared weight, weight_scale and
@@ -1434,26 +1450,33 @@ class NarrowGemmLaunch:
                 raise ValueError(
                     f"NarrowGemmLaunch: NarrowTuning.{field.name}={value!r}; expected {field.type}"
                 )
-        if tuning.warps < 1 or tuning.threads() > MAX_CTA_THREADS:
+        if type(indexed) is not bool:
+            raise ValueError(f"NarrowGemmLaunch: indexed={indexed!r}; expected a bool")
+        if tuning.wgmma and arch not in (None, "sm_90a"):
             raise ValueError(
-                f"NarrowGemmLaunch: {tuning}; a CTA of warps (plus the copy warp) from 1 to"
-                f" {MAX_CTA_THREADS // WARP_LANES} warps"
+                f"NarrowGemmLaunch: arch {arch!r} with {tuning}; the wgmma forms are SM90's"
+                " (sm_90a); the mma.sync form (wgmma=False) compiles for others"
             )
-        if tuning.expanded_slots < 0 or (tuning.expanded_slots and not specialized_fits(tuning)):
+        if tuning.unroll < 1:
+            raise ValueError(f"NarrowGemmLaunch: {tuning}; unroll >= 1")
+        if tuning.expanded_slots < 0:
             raise ValueError(
-                f"NarrowGemmLaunch: {tuning}; expanded_slots >= 0, and the specialized form"
-                " (expanded_slots > 0) runs humming's weights through a ring (weights='humming',"
-                f" wgmma, stages > 0, not ahead) with {2 * WARPGROUP_WARPS} warps or more in"
-                " whole warpgroups (one expanding, the others consuming; at most"
-                f" {MAX_CTA_THREADS // WARP_LANES}), the consumers a multiple of `blocks` (at"
-                " least 1), and expanded_slots at least the consumers a block (a consumer's"
-                " wait on a slot's `full` mbarrier is for the phase after the one its turn's"
-                " previous chunk completed)"
+                f"NarrowGemmLaunch: {tuning}; expanded_slots >= 0 (0: not specialized)"
             )
         if (tuning.blocks != 1 or tuning.copy_warp) and not tuning.expanded_slots:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning}; blocks other than 1 and copy_warp are forms of the"
                 " specialized form (expanded_slots > 0)"
+            )
+        if tuning.warps < 1 or tuning.threads() > MAX_CTA_THREADS:
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; a CTA of 1 to {MAX_CTA_THREADS // WARP_LANES}"
+                " warps, the copy warp counted"
+            )
+        if tuning.expanded_slots and not specialized_fits(tuning):
+            raise ValueError(
+                f"NarrowGemmLaunch: {tuning}; the specialized form (expanded_slots > 0) needs "
+                + "; ".join(specialized_problems(tuning))
             )
         sizes = all(type(size) is int and size > 0 for size in (n, k))
         if not sizes or not narrow_fits(n, k) or n % tuning.columns():
@@ -1499,8 +1522,8 @@ class NarrowGemmLaunch:
         if smem > SMEM_LIMIT:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning} at K={k} takes {smem} bytes of shared memory a CTA;"
-                f" at most {SMEM_LIMIT} (fewer warps, stages, stage_chunks, expanded_slots or"
-                " pairs, or stage_scales off)"
+                f" at most {SMEM_LIMIT} (fewer warps, stages, stage_chunks, expanded_slots,"
+                " blocks or pairs, or stage_scales off)"
             )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         z = Int64(0)
