@@ -415,12 +415,14 @@ class NarrowTuning:
       with its rows (P * K / 8 bytes more a CTA), each chunk's read from there.
     expanded_slots: 0, every warpgroup expands its own weights into registers (wgmma's A from
       registers); > 0, the warp-specialized form (humming's weights through a ring): a CTA of
-      `warps` warps computes 64 output columns; warpgroup 0 streams them through its ring and
-      expands each chunk to e4m3 into a ring of `expanded_slots` chunks in shared memory (8 KiB
-      each, EXPANDED_SHAPE), and the other warps / 4 - 1 warpgroups (the consumers) take the
-      chunks in turn, consumer c the chunks q = c mod consumers: four wgmma with both operands
-      in shared memory, waited for, the slot released, the partials promoted into its own
-      accumulators; at the end the consumers' sums are added in consumer order. So a chunk's
+      `warps` warps computes 64 * blocks output columns; warpgroup 0 streams them through its
+      ring and expands each chunk to e4m3 into a ring of `expanded_slots` chunks in shared
+      memory (8 KiB a block, EXPANDED_SHAPE), and the other warps / 4 - 1 warpgroups (the
+      consumers) take the chunks in turn (with one block, consumer c the chunks q = c mod
+      consumers): four wgmma with both operands in shared memory, waited for, the slot
+      released, the partials promoted into its own accumulators; at the end a block's
+      consumers' sums are added in turn order. At least as many slots as a block's consumers
+      (specialized_problems). So a chunk's
       expansion, its MMAs and another chunk's promotion run in different warps at once, where
       the other forms chain them in each warp (docs/experts.md, "What bounds the narrow GEMM
       past decode").
@@ -1398,7 +1400,8 @@ def smem_bytes(k: int, tuning: NarrowTuning) -> int:
     scales (stage_scales: P * K / 8 bytes), the rings (NarrowTuning.ring_bytes) and their
     mbarriers (8 bytes a slot), and the specialized form's expanded chunks and sums
     (NarrowTuning.expanded_bytes), before the allocator's alignment (at most 128 + 16 + 16 + 8
-    bytes more, and 128 + 8 + 8 + 16 in the specialized form)."""
+    bytes more; in the specialized form at most 120 before its expanded chunks and 112 before
+    the rows, 232: within SMEM_LIMIT's margin of 256)."""
     rows = tuning.pairs * k if tuning.wgmma else 0
     scales = tuning.pairs * (k // SCALE_BLOCK) * 4 if tuning.stage_scales else 0
     ring = tuning.ring_bytes() + 8 * tuning.rings() * tuning.stages
