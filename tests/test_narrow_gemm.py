@@ -226,11 +226,7 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
     from dep_ep.experts.hopper.narrow_gemm import NarrowTuning
 
     tuning = NarrowTuning(weights="humming", warps=12, pairs=pairs, expanded_slots=4)
-
-    def ptx_of(tuning: NarrowTuning) -> str:
-        return fc1_ptx(tuning, tmp_path)
-
-    text = ptx_of(tuning)
+    text = fc1_ptx(tuning, tmp_path)
     mma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{pairs}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}"
     shared = re.findall(rf"{mma}, %rd\d+, %rd\d+, 0, 1, 1;", text)
     assert len(shared) == 4 == len(re.findall(mma, text)), len(shared)
@@ -249,7 +245,7 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
     consumer = text[text.index("wgmma.fence.sync.aligned") :]
     assert "prmt.b32" not in consumer[: consumer.index("wgmma.wait_group")]
     # copy_warp: the ring's barrier counts the copy warp's 32 threads beside the expanders' 128.
-    text = ptx_of(dataclasses.replace(tuning, copy_warp=True))
+    text = fc1_ptx(dataclasses.replace(tuning, copy_warp=True), tmp_path)
     assert re.search(r"bar\.sync\s+1, 160;", text) and not re.search(r"bar\.sync\s+1, 128;", text)
 
 
