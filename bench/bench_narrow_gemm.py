@@ -155,28 +155,35 @@ SPECIALIZED |= {
 # With two expanded slots and the scales staged: more weight bytes in flight a CTA (deeper
 # rings); two 64-column blocks a CTA (`blocks`: the tile's rows staged once for 128 columns, each
 # consumer on its own block, 8.5 KiB a chunk); the ring's copies issued by a warp of their own
-# (`copy_warp`, so that no expanding thread's fence for the async proxy waits on them).
-# (P, stages, chunks a stage, blocks, copy warp)
+# (`copy_warp`, so that no expanding thread's fence for the async proxy waits on them); the
+# consumers' A words loaded into registers (`register_a`: no async-proxy fence at all).
+# (P, stages, chunks a stage, blocks, copy warp, A from registers)
 STAGED_SPECIALIZED = (
-    (8, 4, 2, 1, False),
-    (8, 6, 4, 1, False),
-    (16, 3, 2, 1, False),
-    (16, 6, 4, 1, False),
-    (32, 4, 4, 1, False),
-    (8, 4, 4, 2, False),
-    (16, 4, 2, 2, False),
-    (32, 3, 2, 2, False),
-    (8, 4, 2, 1, True),
-    (16, 4, 2, 1, True),
-    (16, 4, 2, 2, True),
+    (8, 4, 2, 1, False, False),
+    (8, 6, 4, 1, False, False),
+    (16, 3, 2, 1, False, False),
+    (16, 6, 4, 1, False, False),
+    (32, 4, 4, 1, False, False),
+    (8, 4, 4, 2, False, False),
+    (16, 4, 2, 2, False, False),
+    (32, 3, 2, 2, False, False),
+    (8, 4, 2, 1, True, False),
+    (16, 4, 2, 1, True, False),
+    (16, 4, 2, 2, True, False),
+    (8, 4, 2, 1, False, True),
+    (16, 4, 2, 2, False, True),
+    (16, 4, 2, 2, True, True),
 )
 
 
-def staged_specialized(pairs: int, stages: int, chunks: int, blocks: int, copy_warp: bool):
+def staged_specialized(
+    pairs: int, stages: int, chunks: int, blocks: int, copy_warp: bool, register_a: bool
+):
     """(bench name, NarrowTuning) of a STAGED_SPECIALIZED row."""
     name = f"specialized, tiles of {pairs}{', 2 blocks' if blocks == 2 else ''}"
-    name += f"{', copy warp' if copy_warp else ''}, ring {stages}x{chunks}"
-    name += ", 2 slots" if blocks == 1 and not copy_warp else ""
+    name += f"{', copy warp' if copy_warp else ''}{', A from registers' if register_a else ''}"
+    name += f", ring {stages}x{chunks}"
+    name += ", 2 slots" if blocks == 1 and not copy_warp and not register_a else ""
     return name, NarrowTuning(
         weights="humming",
         warps=12,
@@ -187,6 +194,7 @@ def staged_specialized(pairs: int, stages: int, chunks: int, blocks: int, copy_w
         stage_chunks=chunks,
         stage_scales=True,
         copy_warp=copy_warp,
+        register_a=register_a,
     )
 
 

@@ -247,6 +247,16 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
     # copy_warp: the ring's barrier counts the copy warp's 32 threads beside the expanders' 128.
     text = fc1_ptx(dataclasses.replace(tuning, copy_warp=True), tmp_path)
     assert re.search(r"bar\.sync\s+1, 160;", text) and not re.search(r"bar\.sync\s+1, 128;", text)
+    # register_a: the four MMAs take A from registers, loaded by 16-byte shared loads; the
+    # expanders store 16 bytes a k32 block with no async-proxy fence (the staging's alone); the
+    # consumer releases the slot before its MMAs.
+    text = fc1_ptx(dataclasses.replace(tuning, register_a=True), tmp_path)
+    registers = re.findall(rf"{mma}, \{{%r\d+, %r\d+, %r\d+, %r\d+\}}, %rd\d+, 0, 1, 1;", text)
+    assert len(registers) == 4 == len(re.findall(mma, text)), len(registers)
+    assert text.count("fence.proxy.async.shared::cta") == 1
+    assert text.count("st.shared.v4.b32") >= 2 * 4 and text.count("ld.shared.v4.b32") >= 4
+    consumer = text[text.rindex("mbarrier.try_wait") :]
+    assert consumer.index("mbarrier.arrive.shared.b64") < consumer.index("wgmma.fence")
 
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")
@@ -462,9 +472,10 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     for tuning in (
         NarrowTuning(weights="humming", blocks=2),
         NarrowTuning(weights="humming", copy_warp=True),
+        NarrowTuning(weights="humming", register_a=True),
         NarrowTuning(warps=32, copy_warp=True),
     ):
-        with pytest.raises(ValueError, match="blocks other than 1 and copy_warp are forms of"):
+        with pytest.raises(ValueError, match="copy_warp and register_a are forms of the spec"):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
     assert dataclasses.replace(specialized, copy_warp=True).threads() == 13 * 32
     for tuning in (
@@ -652,6 +663,21 @@ TESTED_FORMS["specialized-2blocks-2turns"] = dict(
 # The ring's copies issued by a warp of their own (the CTA's 13th).
 TESTED_FORMS["specialized-copy-warp"] = dict(
     weights="humming", warps=12, pairs=16, expanded_slots=2, stages=4, copy_warp=True
+)
+# The consumers' A words loaded into registers (register_a): alone on tiles of 8, and with two
+# blocks of two consumers each and the copy warp.
+TESTED_FORMS["specialized-register-a"] = dict(
+    weights="humming", warps=12, pairs=8, expanded_slots=2, stages=4, register_a=True
+)
+TESTED_FORMS["specialized-register-a-2blocks-copy-warp"] = dict(
+    weights="humming",
+    warps=20,
+    pairs=16,
+    blocks=2,
+    expanded_slots=2,
+    stage_scales=True,
+    register_a=True,
+    copy_warp=True,
 )
 
 

@@ -134,6 +134,9 @@ EXPANDED_CHUNK_BYTES = NARROW_STEPS * HUMMING_BLOCK_ROWS * SCALE_BLOCK
 EXPANDED_LBO = HUMMING_BLOCK_ROWS * CORE_ROW_BYTES
 EXPANDED_SBO = CORE_GROUP_BYTES
 EXPANDED_BLOCK_BYTES = 2 * EXPANDED_LBO
+# The same chunk as the A words of wgmma from registers (NarrowTuning.register_a): per k32 block
+# s, thread i of the warpgroup's 4 words (expand_humming's) at word 4 (128 s + i).
+REGISTER_A_SHAPE = (NARROW_STEPS, WARPGROUP_WARPS * WARP_LANES, 4)
 # The activations' dtypes the kernel reads as e4m3 bytes.
 E4M3_BYTE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 # What one CTA may take on SM90 (227 KiB), less the allocator's alignment padding.
@@ -436,6 +439,12 @@ class NarrowTuning:
       threads' fence for the async proxy compiles to MEMBAR.ALL.CTA (ptxas 13.0); if that fence
       waits for the issuing thread's bulk copies in flight, the expanding warpgroup stalls on
       its ring's refills every stage (docs/experts.md, "The specialized narrow GEMM").
+    register_a: the specialized form's consumers load each chunk's expanded A words from the
+      slot into registers (wgmma's A from registers, as the chained forms) instead of reading
+      them through a descriptor: the slot holds each thread's 16 words (REGISTER_A_SHAPE, 16
+      bytes a thread and k32 block, consecutive threads 16 bytes apart), only the generic proxy
+      touches it, so the expanders store without the async-proxy fence, and a consumer
+      releases the slot once its words are loaded, before its MMAs.
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -452,6 +461,7 @@ class NarrowTuning:
     expanded_slots: int = 0
     blocks: int = 1
     copy_warp: bool = False
+    register_a: bool = False
 
     def threads(self) -> int:
         """A CTA's threads: 32 * warps, and the copy warp's 32 (copy_warp)."""
@@ -525,7 +535,7 @@ class NarrowGemmKernel:
         assert (
             specialized_fits(tuning)
             if tuning.expanded_slots
-            else tuning.blocks == 1 and not tuning.copy_warp
+            else tuning.blocks == 1 and not tuning.copy_warp and not tuning.register_a
         )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.humming = tuning.weights == "humming"
@@ -767,7 +777,7 @@ class NarrowGemmKernel:
         block, turn = consumer % self.tuning.blocks, consumer // self.tuning.blocks
         rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
         rAcc.fill(0.0)
-        self.consume_chunks(block, turn, source, expanded, rows_desc, rAcc)
+        self.consume_chunks(block, turn, source, expanded, rows_desc, rAcc, tidx)
         # A block's sums in turn order: the consumer of turn u > 0 leaves its own in shared
         # memory (row consumer - blocks), the block's first adds them and stores the tile.
         sSums = expanded[3]
@@ -831,6 +841,10 @@ class NarrowGemmKernel:
         sA, full, empty, sSums = expanded
         sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
         g, t = source[7], source[8]
+        member, rQuad = None, None
+        if cutlass.const_expr(self.tuning.register_a):
+            member = WARP_LANES * w + source[6]  # the thread's index in its warpgroup
+            rQuad = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
         # Block b of a slot: its word pairs and scale pairs 128 b and 32 b on.
         first, word_pair, scale_pair = source[11]
         block_sources = [
@@ -856,24 +870,61 @@ class NarrowGemmKernel:
                             a += self.expand_humming(rW[2 * s], rW[2 * s + 1], rS[s])
                     e = q % expanded_slots
                     cute.arch.mbarrier_wait(empty + e, ((q // expanded_slots) + 1) & 1)
-                    for b in cutlass.range_constexpr(self.tuning.blocks):
-                        for s in cutlass.range_constexpr(NARROW_STEPS):
-                            # A words (rows g, g + 8) x (k 4t.., 16 + 4t..): core columns 0, 1.
-                            for h in cutlass.range_constexpr(2):
-                                for r in cutlass.range_constexpr(2):
-                                    word = a[16 * b + 4 * s + 2 * h + r]
-                                    sA[e, b, s, h, 2 * w + r, g, t] = word
-                    fence_proxy_async_shared()
+                    if cutlass.const_expr(self.tuning.register_a):
+                        self.store_register_a(sA, e, a, rQuad, member)
+                    else:
+                        for b in cutlass.range_constexpr(self.tuning.blocks):
+                            for s in cutlass.range_constexpr(NARROW_STEPS):
+                                # A words (rows g, g + 8) x (k 4t.., 16 + 4t..): core columns
+                                # 0, 1.
+                                for h in cutlass.range_constexpr(2):
+                                    for r in cutlass.range_constexpr(2):
+                                        word = a[16 * b + 4 * s + 2 * h + r]
+                                        sA[e, b, s, h, 2 * w + r, g, t] = word
+                        fence_proxy_async_shared()
                     cute.arch.mbarrier_arrive(full + e)
             self.release_slot(ring_state, i, slot, groups)
 
     @cute.jit
-    def consume_chunks(self, block, turn, source, expanded, rows_desc, rAcc):
+    def store_register_a(self, sA, e, a, rQuad, member):
+        """register_a: the expanding thread `member`'s A words `a` (expand_humming's, 16 a
+        block) into slot e, block b's k32 block s at [e, b, s, member] of the slots' tensor of
+        REGISTER_A_SHAPE (one 16-byte store each, consecutive threads 16 bytes apart)."""
+        view = cute.make_tensor(
+            sA.iterator,
+            row_major_layout((self.tuning.expanded_slots, self.tuning.blocks, *REGISTER_A_SHAPE)),
+        )
+        for b in cutlass.range_constexpr(self.tuning.blocks):
+            for s in cutlass.range_constexpr(NARROW_STEPS):
+                for i in cutlass.range_constexpr(4):
+                    rQuad[i] = a[16 * b + 4 * s + i]
+                cute.autovec_copy(rQuad, view[e, b, s, member, None])
+
+    @cute.jit
+    def load_register_a(self, sA, e, block, member) -> list:
+        """register_a: the consumer thread `member`'s 16 A words of block `block` from slot e
+        (store_register_a's layout), four 16-byte loads."""
+        view = cute.make_tensor(
+            sA.iterator,
+            row_major_layout((self.tuning.expanded_slots, self.tuning.blocks, *REGISTER_A_SHAPE)),
+        )
+        rA = cute.make_rmem_tensor(cute.make_layout((4, NARROW_STEPS)), Uint32)
+        for s in cutlass.range_constexpr(NARROW_STEPS):
+            cute.autovec_copy(view[e, block, s, member, None], rA[None, s])
+        return [rA[i, s] for s in range(NARROW_STEPS) for i in range(4)]
+
+    @cute.jit
+    def consume_chunks(self, block, turn, source, expanded, rows_desc, rAcc, tidx):
         """A consumer warpgroup, of 64-row block `block` and turn `turn`: chunks q = turn, turn +
         turns, ..., each its lane pairs' activation scales loaded (load_chunk), its expanded
         slot waited for (`full`), its block's four MMAs from shared memory run and waited for,
-        the slot released (`empty`) and the partials promoted into rAcc."""
+        the slot released (`empty`) and the partials promoted into rAcc. register_a: the
+        thread (CTA thread `tidx`) loads its A words, releases the slot, then runs the MMAs
+        with A from registers."""
         sA, full, empty, sSums = expanded
+        member = None
+        if cutlass.const_expr(self.tuning.register_a):
+            member = tidx % (WARPGROUP_WARPS * WARP_LANES)
         rXs = []
         for i in cutlass.range_constexpr(self.lane_pairs):
             rXs.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
@@ -894,8 +945,14 @@ class NarrowGemmKernel:
             b_descs = [
                 rows_desc + Int64((q * NARROW_STEPS + s) * block_units) for s in range(NARROW_STEPS)
             ]
-            partials = wgmma_e4m3_chunk_ss(a_descs, b_descs, self.tuning.pairs)
-            cute.arch.mbarrier_arrive(empty + e)
+            if cutlass.const_expr(self.tuning.register_a):
+                # The words in registers, the slot is free before the MMAs.
+                a = self.load_register_a(sA, e, block, member)
+                cute.arch.mbarrier_arrive(empty + e)
+                partials = wgmma_e4m3_chunk(a, b_descs, self.tuning.pairs)
+            else:
+                partials = wgmma_e4m3_chunk_ss(a_descs, b_descs, self.tuning.pairs)
+                cute.arch.mbarrier_arrive(empty + e)
             self.promote_chunk(list(partials), None, rXs, rAcc)
 
     @cute.jit
@@ -1417,8 +1474,8 @@ class NarrowGemmLaunch:
     of 128; unroll >= 1; the wgmma forms for sm_90a only; with
     tuning.wgmma, warps a multiple of 4; tuning.pairs 8, or with wgmma 16, 24 or 32; `ahead`
     only on humming's weights through a ring of 2 chunks a stage or more, `stage_scales` only
-    on humming's weights; the specialized form (expanded_slots > 0, with `blocks` and
-    `copy_warp` its only) as specialized_problems says; at most 1024 threads a CTA; shared
+    on humming's weights; the specialized form (expanded_slots > 0, with `blocks`, `copy_warp`
+    and `register_a` its only) as specialized_problems says; at most 1024 threads a CTA; shared
     memory a CTA (`smem_bytes`: the staged rows, P * K bytes with wgmma, the staged scales,
     P * K / 8 bytes with stage_scales, the ring, and the expanded chunks and sums) at most
     SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
@@ -1466,10 +1523,12 @@ class NarrowGemmLaunch:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning}; expanded_slots >= 0 (0: not specialized)"
             )
-        if (tuning.blocks != 1 or tuning.copy_warp) and not tuning.expanded_slots:
+        if (tuning.blocks != 1 or tuning.copy_warp or tuning.register_a) and not (
+            tuning.expanded_slots
+        ):
             raise ValueError(
-                f"NarrowGemmLaunch: {tuning}; blocks other than 1 and copy_warp are forms of the"
-                " specialized form (expanded_slots > 0)"
+                f"NarrowGemmLaunch: {tuning}; blocks other than 1, copy_warp and register_a are"
+                " forms of the specialized form (expanded_slots > 0)"
             )
         if tuning.warps < 1 or tuning.threads() > MAX_CTA_THREADS:
             raise ValueError(
