@@ -247,16 +247,21 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
     # copy_warp: the ring's barrier counts the copy warp's 32 threads beside the expanders' 128.
     text = fc1_ptx(dataclasses.replace(tuning, copy_warp=True), tmp_path)
     assert re.search(r"bar\.sync\s+1, 160;", text) and not re.search(r"bar\.sync\s+1, 128;", text)
-    # register_a: the four MMAs take A from registers, loaded by 16-byte shared loads; the
-    # expanders store 16 bytes a k32 block with no async-proxy fence (the staging's alone); the
-    # consumer releases the slot before its MMAs.
-    text = fc1_ptx(dataclasses.replace(tuning, register_a=True), tmp_path)
+    # register_a: the four MMAs take A from registers, loaded by four 16-byte shared loads
+    # before the consumer releases the slot, and that before its MMAs; the expanders store 16
+    # bytes a k32 block (four a chunk, two chunks a ring stage) with no async-proxy fence (the
+    # staging's alone).
+    base = fc1_ptx(dataclasses.replace(tuning, expanded_slots=2), tmp_path)
+    text = fc1_ptx(dataclasses.replace(tuning, expanded_slots=2, register_a=True), tmp_path)
     registers = re.findall(rf"{mma}, \{{%r\d+, %r\d+, %r\d+, %r\d+\}}, %rd\d+, 0, 1, 1;", text)
     assert len(registers) == 4 == len(re.findall(mma, text)), len(registers)
     assert text.count("fence.proxy.async.shared::cta") == 1
-    assert text.count("st.shared.v4.b32") >= 2 * 4 and text.count("ld.shared.v4.b32") >= 4
+    assert text.count("st.shared.v4.b32") == base.count("st.shared.v4.b32") + 2 * 4
+    assert text.count("ld.shared.v4.b32") == base.count("ld.shared.v4.b32") + 4
     consumer = text[text.rindex("mbarrier.try_wait") :]
-    assert consumer.index("mbarrier.arrive.shared.b64") < consumer.index("wgmma.fence")
+    release = consumer.index("mbarrier.arrive.shared.b64")
+    assert consumer[:release].count("ld.shared.v4.b32") == 4
+    assert release < consumer.index("wgmma.fence")
 
 
 @pytest.mark.skipif(not HAVE_CUTLASS, reason="needs nvidia-cutlass-dsl (pip install -e '.[test]')")

@@ -422,8 +422,9 @@ class NarrowTuning:
       ring and expands each chunk to e4m3 into a ring of `expanded_slots` chunks in shared
       memory (8 KiB a block, EXPANDED_SHAPE), and the other warps / 4 - 1 warpgroups (the
       consumers) take the chunks in turn (with one block, consumer c the chunks q = c mod
-      consumers): four wgmma with both operands in shared memory, waited for, the slot
-      released, the partials promoted into its own accumulators; at the end a block's
+      consumers): four wgmma with both operands in shared memory (register_a: A loaded into
+      registers first), waited for, the slot released, the partials promoted into its own
+      accumulators; at the end a block's
       consumers' sums are added in turn order. At least as many slots as a block's consumers
       (specialized_problems). So a chunk's
       expansion, its MMAs and another chunk's promotion run in different warps at once, where
@@ -801,11 +802,13 @@ class NarrowGemmKernel:
     @cute.jit
     def expanded_start(self, smem, tidx):
         """The specialized form's shared memory beside the ring and the rows: the expanded
-        chunks (uint32 [expanded_slots, blocks, *EXPANDED_SHAPE]), each slot's `full` mbarrier
-        (the expanding warpgroup's 128 threads arrive when their stores are done) and `empty`
-        one (the 128 threads of each of the chunk's `blocks` consumers arrive when its MMAs have
-        read the slot), thread 0 initialising both, and the consumers' sums (fp32 [consumers -
-        blocks (at least 1), 128, P / 2]). Returns (chunks, full, empty, sums)."""
+        chunks (uint32 [expanded_slots, blocks, *EXPANDED_SHAPE], or with register_a the same
+        bytes as [..., *REGISTER_A_SHAPE]), each slot's `full` mbarrier (the expanding
+        warpgroup's 128 threads arrive when their stores are done) and `empty` one (the 128
+        threads of each of the chunk's `blocks` consumers arrive when they have read the slot:
+        after their MMAs, or with register_a after their loads), thread 0 initialising both,
+        and the consumers' sums (fp32 [consumers - blocks (at least 1), 128, P / 2]). Returns
+        (chunks, full, empty, sums)."""
         slots = self.tuning.expanded_slots
         threads = WARPGROUP_WARPS * WARP_LANES
         blocks = self.tuning.blocks
@@ -829,10 +832,12 @@ class NarrowGemmKernel:
     def expand_chunks(self, ring_state, source, expanded, w):
         """The expanding warpgroup (warp w of it): every chunk through the ring (ring_loop's
         slots and refills), each thread's word pairs and s' expanded to e4m3 (expand_humming,
-        the A words of the register form) and stored where wgmma's A reads them, into expanded
-        slot q % expanded_slots once its consumer has released it (the `empty` mbarrier's
-        previous phase; the first round passes at once), then fenced for the async proxy and
-        arrived on the slot's `full` mbarrier. The waits are on the consumers of this CTA,
+        the A words of the register form) and stored where wgmma's A reads them (register_a:
+        where the consumer thread of its position loads them), into expanded slot q %
+        expanded_slots once its consumers have released it (the `empty` mbarrier's previous
+        phase; the first round passes at once), then fenced for the async proxy (not with
+        register_a: only the generic proxy reads the slot) and arrived on the slot's `full`
+        mbarrier. The waits are on the consumers of this CTA,
         which take every chunk the expander fills (the same static trip counts), and on the
         ring's own copies (ring_loop)."""
         rW = cute.make_rmem_tensor(cute.make_layout(WORDS_PER_LANE), Uint32)
