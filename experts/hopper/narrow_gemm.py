@@ -544,6 +544,8 @@ class NarrowGemmKernel:
         self.chunks = k // NARROW_CHUNK_K
         # A lane's pairs in the MMA's C: 8c + 2t and 8c + 2t + 1 of each 8 pairs c of the tile.
         self.lane_pairs = tuning.pairs // 4
+        # The ring's stages over K (stage_chunks chunks each, the last may hold fewer).
+        self.ring_stages = -(-self.chunks // tuning.stage_chunks)
 
     @cute.jit
     def __call__(
@@ -758,10 +760,8 @@ class NarrowGemmKernel:
             if cutlass.const_expr(self.tuning.copy_warp):
                 if warp == self.tuning.warps:
                     # The copy warp: each stage's refill once the expanders have read its slot.
-                    per = self.tuning.stage_chunks
-                    groups = (self.chunks + per - 1) // per
-                    for i in cutlass.range(groups):
-                        self.release_slot(ring, i, i % self.tuning.stages, groups)
+                    for i in cutlass.range(self.ring_stages):
+                        self.release_slot(ring, i, i % self.tuning.stages, self.ring_stages)
                 else:
                     self.consume_tile(*consuming)
             else:
@@ -861,7 +861,7 @@ class NarrowGemmKernel:
         ]
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         expanded_slots = self.tuning.expanded_slots
-        groups = (self.chunks + per - 1) // per
+        groups = self.ring_stages
         for i in cutlass.range(groups):
             slot = i % slots
             cute.arch.mbarrier_wait(bars + slot, (i // slots) & 1)
@@ -891,14 +891,20 @@ class NarrowGemmKernel:
             self.release_slot(ring_state, i, slot, groups)
 
     @cute.jit
+    def register_a_view(self, sA):
+        """The expanded slots (expanded_start's) as register_a lays them out: uint32
+        [expanded_slots, blocks, *REGISTER_A_SHAPE], the same bytes."""
+        return cute.make_tensor(
+            sA.iterator,
+            row_major_layout((self.tuning.expanded_slots, self.tuning.blocks, *REGISTER_A_SHAPE)),
+        )
+
+    @cute.jit
     def store_register_a(self, sA, e, a, rQuad, member):
         """register_a: the expanding thread `member`'s A words `a` (expand_humming's, 16 a
         block) into slot e, block b's k32 block s at [e, b, s, member] of the slots' tensor of
         REGISTER_A_SHAPE (one 16-byte store each, consecutive threads 16 bytes apart)."""
-        view = cute.make_tensor(
-            sA.iterator,
-            row_major_layout((self.tuning.expanded_slots, self.tuning.blocks, *REGISTER_A_SHAPE)),
-        )
+        view = self.register_a_view(sA)
         for b in cutlass.range_constexpr(self.tuning.blocks):
             for s in cutlass.range_constexpr(NARROW_STEPS):
                 for i in cutlass.range_constexpr(4):
@@ -909,10 +915,7 @@ class NarrowGemmKernel:
     def load_register_a(self, sA, e, block, member) -> list:
         """register_a: the consumer thread `member`'s 16 A words of block `block` from slot e
         (store_register_a's layout), four 16-byte loads."""
-        view = cute.make_tensor(
-            sA.iterator,
-            row_major_layout((self.tuning.expanded_slots, self.tuning.blocks, *REGISTER_A_SHAPE)),
-        )
+        view = self.register_a_view(sA)
         rA = cute.make_rmem_tensor(cute.make_layout((4, NARROW_STEPS)), Uint32)
         for s in cutlass.range_constexpr(NARROW_STEPS):
             cute.autovec_copy(view[e, block, s, member, None], rA[None, s])
@@ -935,27 +938,25 @@ class NarrowGemmKernel:
             rXs.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
         regs = (None, None, None, rXs)
         slots = self.tuning.expanded_slots
-        block_units = staged_rows_strides(self.tuning.pairs)[2] >> DESC_UNIT_SHIFT
         a_first = smem_desc(sA.iterator.toint(), EXPANDED_LBO, EXPANDED_SBO)
         for q in cutlass.range(turn, self.chunks, self.tuning.turns()):
             e = q % slots
             self.load_chunk(source, regs, q, weights=False)
             cute.arch.mbarrier_wait(full + e, (q // slots) & 1)
-            slot_block = e * self.tuning.blocks + block
-            slot_units = slot_block * (EXPANDED_CHUNK_BYTES >> DESC_UNIT_SHIFT)
-            a_descs = [
-                a_first + Int64(slot_units + s * (EXPANDED_BLOCK_BYTES >> DESC_UNIT_SHIFT))
-                for s in range(NARROW_STEPS)
-            ]
-            b_descs = [
-                rows_desc + Int64((q * NARROW_STEPS + s) * block_units) for s in range(NARROW_STEPS)
-            ]
             if cutlass.const_expr(self.tuning.register_a):
+                b_descs = self.rows_descs(rows_desc, q)
                 # The words in registers, the slot is free before the MMAs.
                 a = self.load_register_a(sA, e, block, member)
                 cute.arch.mbarrier_arrive(empty + e)
                 partials = wgmma_e4m3_chunk(a, b_descs, self.tuning.pairs)
             else:
+                slot_block = e * self.tuning.blocks + block
+                slot_units = slot_block * (EXPANDED_CHUNK_BYTES >> DESC_UNIT_SHIFT)
+                a_descs = [
+                    a_first + Int64(slot_units + s * (EXPANDED_BLOCK_BYTES >> DESC_UNIT_SHIFT))
+                    for s in range(NARROW_STEPS)
+                ]
+                b_descs = self.rows_descs(rows_desc, q)
                 partials = wgmma_e4m3_chunk_ss(a_descs, b_descs, self.tuning.pairs)
                 cute.arch.mbarrier_arrive(empty + e)
             self.promote_chunk(list(partials), None, rXs, rAcc)
@@ -1021,11 +1022,7 @@ class NarrowGemmKernel:
         pairs = self.tuning.pairs
         parts = []
         if cutlass.const_expr(self.tuning.wgmma):
-            # Block q * 4 + s of the staged rows: two core columns (2 * 16 * P bytes) a block.
-            block_units = staged_rows_strides(pairs)[2] >> DESC_UNIT_SHIFT
-            descs = [
-                rows_desc + Int64((q * NARROW_STEPS + s) * block_units) for s in range(NARROW_STEPS)
-            ]
+            descs = self.rows_descs(rows_desc, q)
             a = []
             for s in cutlass.range_constexpr(NARROW_STEPS):
                 if cutlass.const_expr(self.humming):
@@ -1038,6 +1035,14 @@ class NarrowGemmKernel:
                 a = self.expand(rW[2 * s], rW[2 * s + 1])
                 parts += list(mma_e4m3(*a, rX[0, s], rX[1, s]))
         return parts
+
+    def rows_descs(self, rows_desc, q) -> list:
+        """The descriptors (Int64) of chunk q's four k32 blocks of the staged rows (block q * 4
+        + s: two core columns, 2 * 16 * P bytes, a block), from `rows_desc` (stage_rows')."""
+        block_units = staged_rows_strides(self.tuning.pairs)[2] >> DESC_UNIT_SHIFT
+        return [
+            rows_desc + Int64((q * NARROW_STEPS + s) * block_units) for s in range(NARROW_STEPS)
+        ]
 
     @cute.jit
     def promote_chunk(self, partials: list, rS, rXs, rAcc):
@@ -1108,7 +1113,7 @@ class NarrowGemmKernel:
         mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         rings = self.tuning.rings()
-        groups = (self.chunks + per - 1) // per
+        groups = self.ring_stages
         if cutlass.const_expr(self.humming):
             sW = smem.allocate_tensor(
                 Uint32,
@@ -1169,7 +1174,7 @@ class NarrowGemmKernel:
         rW, rS, rX, rXs = regs
         sW, sS, bars, words_at, scales_at, ring, issuer = ring_state
         slots, per = self.tuning.stages, self.tuning.stage_chunks
-        groups = (self.chunks + per - 1) // per
+        groups = self.ring_stages
         mine = ring * slots
         for i in cutlass.range(groups):
             slot = i % slots
