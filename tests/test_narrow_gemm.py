@@ -424,6 +424,8 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     call(7, 0, "one CUDA device")  # the same stream: every check passes but the device's
     with pytest.raises(ValueError, match="N=136, K=256; need positive ints with N % 128 == 0"):
         NarrowGemmLaunch(136, k, True, arch="sm_90a")
+    with pytest.raises(ValueError, match="the grid's first axis holds at most 2147483647"):
+        NarrowGemmLaunch(2**40, k, True, arch="sm_90a")
     # Found by a careless-user probe: CuTe's own errors, or an AttributeError, before.
     for size in (0, -128, 128.0):
         with pytest.raises(ValueError, match=f"N={size!r}, K=256; need positive ints"):

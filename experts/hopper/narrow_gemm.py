@@ -145,6 +145,8 @@ SMEM_LIMIT = 227 * 1024 - 256
 MAX_CTA_THREADS = 1024
 # The grid's second axis (tile slots) is at most this (CUDA's limit on gridDim.y).
 MAX_TILE_SLOTS = 65535
+# The grid's first axis (column blocks, N / tuning.columns()) is at most this (gridDim.x).
+MAX_COLUMN_BLOCKS = 2**31 - 1
 
 
 def f32_asm(args, text: str, constraints: str, side_effects: bool, loc, ip, count: int = 4):
@@ -1555,6 +1557,11 @@ class NarrowGemmLaunch:
             raise ValueError(
                 f"NarrowGemmLaunch: N={n!r}, K={k!r}; need positive ints with N %"
                 f" {tuning.columns()} == 0 and K % {NARROW_CHUNK_K} == 0"
+            )
+        if n // tuning.columns() > MAX_COLUMN_BLOCKS:
+            raise ValueError(
+                f"NarrowGemmLaunch: N={n} gives {n // tuning.columns()} column blocks of"
+                f" {tuning.columns()}; the grid's first axis holds at most {MAX_COLUMN_BLOCKS}"
             )
         if tuning.wgmma and tuning.warps % WARPGROUP_WARPS:
             raise ValueError(
