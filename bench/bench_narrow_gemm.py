@@ -199,6 +199,27 @@ def staged_specialized(
 
 
 SPECIALIZED |= dict(staged_specialized(*row) for row in STAGED_SPECIALIZED)
+# Two expanding warpgroups (NarrowTuning.expanders), each expanding a ring stage's chunk of its
+# own into slots of its own: one expanding warpgroup left the consumers waiting on `full` 75% of
+# their time under Nsight Compute (docs/experts.md, "The specialized narrow GEMM").
+# (P, blocks, A from registers)
+TWO_EXPANDERS = ((8, 1, False), (8, 1, True), (16, 1, False), (16, 2, True), (32, 1, False))
+SPECIALIZED |= {
+    f"specialized, tiles of {p}{', 2 blocks' if blocks == 2 else ''}, 2 expanders"
+    f"{', A from registers' if register_a else ''}, ring 4x2": NarrowTuning(
+        weights="humming",
+        warps=16,
+        pairs=p,
+        blocks=blocks,
+        expanded_slots=2,
+        stages=4,
+        stage_chunks=2,
+        stage_scales=True,
+        register_a=register_a,
+        expanders=2,
+    )
+    for p, blocks, register_a in TWO_EXPANDERS
+}
 
 EVERY_FORM = FORMS | SHAPES | WIDE | DEEP | SPECIALIZED
 

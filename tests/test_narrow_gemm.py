@@ -232,21 +232,35 @@ def test_specialized_form_compiles_to_shared_operand_mmas_on_mbarriers(tmp_path,
     assert len(shared) == 4 == len(re.findall(mma, text)), len(shared)
     assert text.count("wgmma.commit_group.sync.aligned") == 1
     assert text.count("wgmma.wait_group.sync.aligned 0;") == 1
-    # The rows' staging's fence before the CTA barrier; then, for each of a ring stage's two
-    # chunks (unrolled), the expander's fence and its arrive on the slot's `full` mbarrier; the
-    # consumer's arrive on `empty` after its MMAs' wait.
+    # One CTA barrier (the mbarriers' initialisation), before any wait; then, for each of a
+    # ring stage's two chunks (unrolled), the expander's fence and its arrive on the slot's
+    # `full` mbarrier; the consumers' staging of the rows, its fence and their own barrier
+    # (256 threads, not the expanders': they do not wait for the staging), before their first
+    # wait on `full`; the consumer's arrive on `empty` after its MMAs' wait.
     fences = [m.start() for m in re.finditer(r"fence\.proxy\.async\.shared::cta", text)]
     arrives = [m.start() for m in re.finditer(r"mbarrier\.arrive\.shared\.b64", text)]
     assert len(fences) == 3 == len(arrives), (fences, arrives)
-    assert fences[0] < re.search(r"bar\.sync\s+0;", text).start()
-    assert fences[1] < arrives[0] < fences[2] < arrives[1]
+    (cta,) = [m.start() for m in re.finditer(r"bar\.sync\s+0;", text)]
+    assert cta < text.index("mbarrier.try_wait") < fences[0] < arrives[0] < fences[1] < arrives[1]
+    staged = [m.start() for m in re.finditer(r"bar\.sync\s+2, 256;", text)]
+    assert len(staged) == 2, staged  # the staging's, and the sums' at the end
+    assert text.index("cp.async.wait_all") < fences[2] < staged[0]
+    assert staged[0] < text.index("mbarrier.try_wait", staged[0]) < arrives[2]
     assert arrives[2] > text.index("wgmma.wait_group.sync.aligned 0;")
-    assert re.search(r"bar\.sync\s+1, 128;", text) and re.search(r"bar\.sync\s+2, 256;", text)
+    assert re.search(r"bar\.sync\s+1, 128;", text)
     consumer = text[text.index("wgmma.fence.sync.aligned") :]
     assert "prmt.b32" not in consumer[: consumer.index("wgmma.wait_group")]
     # copy_warp: the ring's barrier counts the copy warp's 32 threads beside the expanders' 128.
     text = fc1_ptx(dataclasses.replace(tuning, copy_warp=True), tmp_path)
     assert re.search(r"bar\.sync\s+1, 160;", text) and not re.search(r"bar\.sync\s+1, 128;", text)
+    # Two expanders: the ring's barrier counts both warpgroups (256 threads), the consumers'
+    # theirs (warps 8-15); each expander takes chunk c of a stage where c % 2 is its group, so
+    # the unrolled stage still holds two expansions, each behind its own group test.
+    two = dataclasses.replace(tuning, warps=16, expanded_slots=2, expanders=2)
+    text = fc1_ptx(two, tmp_path)
+    assert re.search(r"bar\.sync\s+1, 256;", text) and re.search(r"bar\.sync\s+2, 256;", text)
+    assert not re.search(r"bar\.sync\s+1, 128;", text)
+    assert text.count("fence.proxy.async.shared::cta") == 3
     # register_a: the four MMAs take A from registers, loaded by four 16-byte shared loads
     # before the consumer releases the slot, and that before its MMAs; the expanders store 16
     # bytes a k32 block (four a chunk, two chunks a ring stage) with no async-proxy fence (the
@@ -462,8 +476,12 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         ({"weights": "narrow"}, "needs weights='humming' with wgmma"),
         ({"stages": 0}, r"needs a ring \(stages > 0\) without `ahead`"),
         ({"ahead": True}, r"needs a ring \(stages > 0\) without `ahead`"),
-        ({"warps": 4}, "needs warps a multiple of 4, at least 8"),
-        ({"warps": 10}, "needs warps a multiple of 4, at least 8"),
+        ({"warps": 4}, "needs warps a multiple of 4, at least 4 more than the expanders' 4"),
+        ({"warps": 10}, "needs warps a multiple of 4, at least 4 more than the expanders' 4"),
+        ({"expanders": 0}, "needs expanders >= 1"),
+        ({"expanders": 2, "warps": 8}, "at least 4 more than the expanders' 8"),
+        ({"expanders": 2, "warps": 16, "stage_chunks": 3}, "multiples of expanders=2"),
+        ({"expanders": 2, "warps": 16, "expanded_slots": 3}, "multiples of expanders=2"),
         ({"expanded_slots": -1}, r"expanded_slots >= 0 \(0: not specialized\)"),
         ({"blocks": 2, "warps": 16}, "needs blocks=2 dividing the 3 consumer warpgroups"),
         ({"blocks": 3}, "needs blocks=3 dividing the 2 consumer warpgroups"),
@@ -480,6 +498,7 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         NarrowTuning(weights="humming", blocks=2),
         NarrowTuning(weights="humming", copy_warp=True),
         NarrowTuning(weights="humming", register_a=True),
+        NarrowTuning(weights="humming", expanders=2),
         NarrowTuning(warps=32, copy_warp=True),
     ):
         with pytest.raises(ValueError, match="copy_warp and register_a are forms of the spec"):
@@ -675,6 +694,25 @@ TESTED_FORMS["specialized-copy-warp"] = dict(
 # blocks of two consumers each and the copy warp.
 TESTED_FORMS["specialized-register-a"] = dict(
     weights="humming", warps=12, pairs=8, expanded_slots=2, stages=4, register_a=True
+)
+# Two expanding warpgroups (each its own chunk of a ring stage and its own slots): on tiles of 8
+# with two consumers; with two blocks of a consumer each; three expanders through stages of three
+# chunks (K3's FC1: 28 chunks, the last stage holding one), A from registers and the copy warp.
+TESTED_FORMS["specialized-2expanders"] = dict(
+    weights="humming", warps=16, pairs=8, expanded_slots=2, stages=4, stage_scales=True, expanders=2
+)
+TESTED_FORMS["specialized-2expanders-2blocks"] = dict(
+    weights="humming", warps=16, pairs=16, blocks=2, expanded_slots=2, expanders=2
+)
+TESTED_FORMS["specialized-3expanders-register-a-copy-warp"] = dict(
+    weights="humming",
+    warps=20,
+    pairs=16,
+    expanded_slots=3,
+    stage_chunks=3,
+    register_a=True,
+    copy_warp=True,
+    expanders=3,
 )
 TESTED_FORMS["specialized-register-a-2blocks-copy-warp"] = dict(
     weights="humming",

@@ -448,6 +448,13 @@ class NarrowTuning:
       bytes a thread and k32 block, consecutive threads 16 bytes apart), only the generic proxy
       touches it, so the expanders store without the async-proxy fence, and a consumer
       releases the slot once its words are loaded, before its MMAs.
+    expanders: the specialized form's expanding warpgroups (warps 0 .. 4 * expanders - 1), all
+      reading the one ring: chunk c of each stage is expanded by warpgroup c % expanders into
+      slots of its own (stage_chunks and expanded_slots multiples of it), so each expands
+      1 / expanders of the chunks. Under Nsight Compute one expanding warpgroup (a warp a
+      scheduler) left the consumers waiting on `full` for 75% of their time, its warps
+      latency-bound on their own chain of expansion, stores and the ring's barrier
+      (docs/experts.md, "The specialized narrow GEMM").
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
@@ -465,6 +472,7 @@ class NarrowTuning:
     blocks: int = 1
     copy_warp: bool = False
     register_a: bool = False
+    expanders: int = 1
 
     def threads(self) -> int:
         """A CTA's threads: 32 * warps, and the copy warp's 32 (copy_warp)."""
@@ -483,8 +491,13 @@ class NarrowTuning:
         return self.consumers() // self.blocks if self.blocks > 0 else 0
 
     def consumers(self) -> int:
-        """The specialized form's consumer warpgroups: all but the expanding one."""
-        return self.warps // WARPGROUP_WARPS - 1
+        """The specialized form's consumer warpgroups: all but the `expanders` expanding ones."""
+        return self.warps // WARPGROUP_WARPS - self.expanders
+
+    def ring_threads(self) -> int:
+        """The threads that read a "humming" ring and meet at its barrier before each refill: a
+        warpgroup's (the specialized form's `expanders` warpgroups'), and the copy warp's."""
+        return (WARPGROUP_WARPS * self.expanders + int(self.copy_warp)) * WARP_LANES
 
     def expanded_bytes(self) -> int:
         """Shared memory of the specialized form beside the ring and the staged rows: the
@@ -538,7 +551,10 @@ class NarrowGemmKernel:
         assert (
             specialized_fits(tuning)
             if tuning.expanded_slots
-            else tuning.blocks == 1 and not tuning.copy_warp and not tuning.register_a
+            else tuning.blocks == 1
+            and tuning.expanders == 1
+            and not tuning.copy_warp
+            and not tuning.register_a
         )
         self.n, self.k, self.indexed, self.tuning = n, k, indexed, tuning
         self.humming = tuning.weights == "humming"
@@ -728,12 +744,15 @@ class NarrowGemmKernel:
 
     @cute.jit
     def specialized_tile(self, tensors, expert, start, rows, bx, thread):
-        """The tile's 64 columns of CTA bx in the specialized form (NarrowTuning.expanded_slots):
-        warpgroup 0 expands (expand_chunks), the others consume (consume_chunks), then the
-        consumers add their sums and the first stores them. Every thread takes part in the
-        staging of the rows (and scales) and its CTA barrier, which also publishes the
-        mbarriers' initialisation; after it the warpgroups synchronise only through the
-        mbarriers and, among the consumers, CONSUMERS_BARRIER."""
+        """The tile's 64 * blocks columns of CTA bx in the specialized form
+        (NarrowTuning.expanded_slots): warpgroups 0 .. expanders - 1 expand (expand_chunks), the
+        others consume (consume_tile: the consumers stage the tile's rows and scales among
+        themselves, behind CONSUMERS_BARRIER, run their chunks, add their sums and the first of
+        a block stores them). One CTA barrier after the mbarriers' initialisation publishes it;
+        after it the warpgroups synchronise only through the mbarriers, the expanders' ring
+        barrier and CONSUMERS_BARRIER, so the expanders start on the ring's first stages while
+        the consumers stage (under Nsight Compute, every warp waiting for the staging at a CTA
+        barrier took about a quarter of a CTA's time at 56 local experts and T = 16)."""
         mW, mS, mExpertScale, mX, mXs, mPairRow, mOut = tensors
         tidx, warp, lane, g, t = thread
         last = rows - 1
@@ -751,14 +770,14 @@ class NarrowGemmKernel:
         copier = self.tuning.warps if self.tuning.copy_warp else 0
         ring = self.ring_start(smem, source, 0, (warp == copier) & (lane == 0))
         expanded = self.expanded_start(smem, tidx)
-        if cutlass.const_expr(self.tuning.stage_scales):
-            sXs, tile_pairs = self.stage_scales(smem, mXs, mPairRow, start, rows, tidx, t, last)
-            source = (mW, mS, mX, sXs, expert, bx, lane, g, t, 0, tile_pairs, humming_at)
-        rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, tidx)
-        if warp < WARPGROUP_WARPS:
-            self.expand_chunks(ring, source, expanded, w)
+        cute.arch.sync_threads()
+        expanding = WARPGROUP_WARPS * self.tuning.expanders
+        if warp < expanding:
+            self.expand_chunks(ring, source, expanded, w, warp // WARPGROUP_WARPS)
         else:
-            consuming = (tensors, expert, start, rows, bx, thread, source, expanded, rows_desc)
+            # The consumers' threads stage the tile's rows (and scales) among themselves.
+            stagers = (tidx - expanding * WARP_LANES, self.consumer_threads())
+            consuming = (tensors, expert, start, rows, bx, thread, source, expanded, smem, stagers)
             if cutlass.const_expr(self.tuning.copy_warp):
                 if warp == self.tuning.warps:
                     # The copy warp: each stage's refill once the expanders have read its slot.
@@ -769,14 +788,28 @@ class NarrowGemmKernel:
             else:
                 self.consume_tile(*consuming)
 
+    def consumer_threads(self) -> int:
+        """The specialized form's consumers' threads (CONSUMERS_BARRIER's count)."""
+        return self.tuning.consumers() * WARPGROUP_WARPS * WARP_LANES
+
     @cute.jit
-    def consume_tile(self, tensors, expert, start, rows, bx, thread, source, expanded, rows_desc):
-        """A consumer warpgroup's part of specialized_tile: its chunks (consume_chunks), then its
-        block's sums added in turn order and stored by the block's first consumer."""
+    def consume_tile(
+        self, tensors, expert, start, rows, bx, thread, source, expanded, smem, stagers
+    ):
+        """A consumer warpgroup's part of specialized_tile: the tile's rows (and scales) staged
+        with the other consumers (`stagers`: this thread's index among them and their count),
+        its chunks (consume_chunks), then its block's sums added in turn order and stored by the
+        block's first consumer."""
         mW, mS, mExpertScale, mX, mXs, mPairRow, mOut = tensors
         tidx, warp, lane, g, t = thread
+        if cutlass.const_expr(self.tuning.stage_scales):
+            sXs, tile_pairs = self.stage_scales(
+                smem, mXs, mPairRow, start, rows, stagers[0], t, rows - 1, stagers[1]
+            )
+            source = (*source[:3], sXs, *source[4:10], tile_pairs, source[11])
+        rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, stagers[0], stagers[1])
         w = warp % WARPGROUP_WARPS
-        consumer = warp // WARPGROUP_WARPS - 1
+        consumer = warp // WARPGROUP_WARPS - self.tuning.expanders
         block, turn = consumer % self.tuning.blocks, consumer // self.tuning.blocks
         rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
         rAcc.fill(0.0)
@@ -790,7 +823,7 @@ class NarrowGemmKernel:
                 sSums[consumer - self.tuning.blocks, member, i] = rAcc[i]
         cute.arch.barrier(
             barrier_id=CONSUMERS_BARRIER,
-            number_of_threads=self.tuning.consumers() * WARPGROUP_WARPS * WARP_LANES,
+            number_of_threads=self.consumer_threads(),
         )
         if turn == 0:
             for u in cutlass.range_constexpr(1, self.tuning.turns()):
@@ -831,9 +864,10 @@ class NarrowGemmKernel:
         return sA, full, empty, sSums
 
     @cute.jit
-    def expand_chunks(self, ring_state, source, expanded, w):
-        """The expanding warpgroup (warp w of it): every chunk through the ring (ring_loop's
-        slots and refills), each thread's word pairs and s' expanded to e4m3 (expand_humming,
+    def expand_chunks(self, ring_state, source, expanded, w, group):
+        """Expanding warpgroup `group` (warp w of it): every stage through the ring (ring_loop's
+        slots and refills), chunk c of each stage its own when c % expanders == group, each
+        thread's word pairs and s' expanded to e4m3 (expand_humming,
         the A words of the register form) and stored where wgmma's A reads them (register_a:
         where the consumer thread of its position loads them), into expanded slot q %
         expanded_slots once its consumers have released it (the `empty` mbarrier's previous
@@ -869,7 +903,10 @@ class NarrowGemmKernel:
             cute.arch.mbarrier_wait(bars + slot, (i // slots) & 1)
             for c in cutlass.range_constexpr(per):
                 q = i * per + c
-                if q < self.chunks:
+                mine = q < self.chunks
+                if cutlass.const_expr(self.tuning.expanders > 1):
+                    mine = mine & (group == c % self.tuning.expanders)
+                if mine:
                     a = []
                     for b in cutlass.range_constexpr(self.tuning.blocks):
                         self.read_slot(ring_state, block_sources[b], regs, slot, c)
@@ -1111,7 +1148,8 @@ class NarrowGemmKernel:
         `ring`'s initialised and its first `stages` stages issued as bulk copies on the slots'
         mbarriers by its issuing thread (`issuer` true in that thread only; ring_role).
         Returns what ring_loop takes. The initialisation is seen by the other warps of a
-        warpgroup through stage_rows' CTA barrier, before any waits."""
+        warpgroup through a CTA barrier before any waits (stage_rows', or the specialized
+        form's own)."""
         mW, mS, mX, mXs, expert, block, lane, g, t, rb, pair_rows, humming_at = source
         slots, per = self.tuning.stages, self.tuning.stage_chunks
         rings = self.tuning.rings()
@@ -1267,7 +1305,7 @@ class NarrowGemmKernel:
             # The copy warp (copy_warp) waits here too, then issues.
             cute.arch.barrier(
                 barrier_id=FIRST_WARPGROUP_BARRIER + ring,
-                number_of_threads=(WARPGROUP_WARPS + int(self.tuning.copy_warp)) * WARP_LANES,
+                number_of_threads=self.tuning.ring_threads(),
             )
         else:
             cute.arch.sync_warp()
@@ -1323,15 +1361,16 @@ class NarrowGemmKernel:
             )
 
     @cute.jit
-    def stage_scales(self, smem, mXs, mPairRow, start, rows, tidx, t, last):
+    def stage_scales(self, smem, mXs, mPairRow, start, rows, tidx, t, last, threads=None):
         """Copy the tile's P rows of activation scales (fp32 [K / 128, 4] each; zeros past its
         `rows` pairs) into shared memory by 16-byte cp.async, one a (pair, chunk). Returns them
         as a tensor [P, K / 128, 4] that load_chunk reads as it reads x_scales, and the rows of
         it this lane's pairs read (pair 8c + 2t + h of the tile for lane pair 2c + h; pairs past
         the tile its last pair's, `last` = rows - 1, as pair_rows). Complete after stage_rows'
-        wait and CTA barrier, which follow before any chunk."""
+        wait and barrier, which follow before any chunk. `tidx` of `threads` staging threads
+        (None: the CTA's)."""
         pairs = self.tuning.pairs
-        threads = self.tuning.threads()
+        threads = self.tuning.threads() if threads is None else threads
         sXs = smem.allocate_tensor(
             Float32, row_major_layout((pairs, self.chunks, NARROW_STEPS)), byte_alignment=16
         )
@@ -1353,7 +1392,7 @@ class NarrowGemmKernel:
         return sXs, lane_rows
 
     @cute.jit
-    def stage_rows(self, smem, mX, mPairRow, start, rows, tidx) -> Int64:
+    def stage_rows(self, smem, mX, mPairRow, start, rows, tidx, threads=None) -> Int64:
         """Copy the tile's P rows of x (zeros past its `rows` pairs) into shared memory in the
         wgmma's K-major layout without swizzle, and return the descriptor of its first k32 block.
         Layout (`staged_rows_strides`): core column c (16 bytes of K) of row n at byte 16 P c +
@@ -1363,10 +1402,12 @@ class NarrowGemmKernel:
         ("narrow": each thread loads a block and stores its words, one block at a time), or in
         the row's order ("humming": each core column one 16-byte cp.async, a thread's issued
         before one wait; rows past the tile's zero-filled, though no output of theirs is
-        stored)."""
+        stored). `tidx` of `threads` staging threads: None, the CTA's, which meet at a CTA
+        barrier after; else the specialized form's consumers, at CONSUMERS_BARRIER."""
         pairs = self.tuning.pairs
         blocks = self.k // SCALE_BLOCK
-        threads = self.tuning.threads()
+        staged_by_cta = threads is None
+        threads = self.tuning.threads() if staged_by_cta else threads
         sRows = smem.allocate_tensor(
             Uint32, row_major_layout(staged_rows_shape(self.k, pairs)), byte_alignment=128
         )
@@ -1419,7 +1460,10 @@ class NarrowGemmKernel:
                     sRows[2 * b, n, i] = rBlock[2 * i]
                     sRows[2 * b + 1, n, i] = rBlock[2 * i + 1]
         fence_proxy_async_shared()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(staged_by_cta):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=threads)
         leading, stride, _ = staged_rows_strides(pairs)
         return smem_desc(sRows.iterator.toint(), leading, stride)
 
@@ -1427,7 +1471,8 @@ class NarrowGemmKernel:
 def specialized_problems(tuning: NarrowTuning) -> list[str]:
     """What keeps the specialized form (expanded_slots > 0) from running `tuning`, one phrase
     each (empty when it can run): it needs humming's weights, wgmma, a ring (stages > 0) and
-    not `ahead`; consumers (the warpgroups beside the expanding one) a positive multiple of
+    not `ahead`; at least one expanding warpgroup, stage_chunks and expanded_slots multiples of
+    their count; consumers (the warpgroups beside the expanding ones) a positive multiple of
     `blocks`; and at least as many expanded slots as a block's consumers (turns): a consumer
     waits on chunk q's slot for the phase after the one chunk q - turns completed, which
     passes at once unless chunk q - expanded_slots was filled before."""
@@ -1436,8 +1481,18 @@ def specialized_problems(tuning: NarrowTuning) -> list[str]:
         problems.append("weights='humming' with wgmma")
     if tuning.stages < 1 or tuning.ahead:
         problems.append("a ring (stages > 0) without `ahead`")
+    if tuning.expanders < 1:
+        problems.append("expanders >= 1")
+    elif tuning.stage_chunks % tuning.expanders or tuning.expanded_slots % tuning.expanders:
+        problems.append(
+            f"stage_chunks and expanded_slots multiples of expanders={tuning.expanders} (each"
+            " expanding warpgroup its own chunks of a stage and its own slots)"
+        )
     if tuning.warps % WARPGROUP_WARPS or tuning.consumers() < 1:
-        problems.append(f"warps a multiple of {WARPGROUP_WARPS}, at least {2 * WARPGROUP_WARPS}")
+        problems.append(
+            f"warps a multiple of {WARPGROUP_WARPS}, at least {WARPGROUP_WARPS} more than the"
+            f" expanders' {WARPGROUP_WARPS * max(tuning.expanders, 0)}"
+        )
     elif tuning.blocks < 1 or tuning.consumers() % tuning.blocks:
         problems.append(
             f"blocks={tuning.blocks} dividing the {tuning.consumers()} consumer warpgroups"
@@ -1535,12 +1590,12 @@ class NarrowGemmLaunch:
             raise ValueError(
                 f"NarrowGemmLaunch: {tuning}; expanded_slots >= 0 (0: not specialized)"
             )
-        if (tuning.blocks != 1 or tuning.copy_warp or tuning.register_a) and not (
-            tuning.expanded_slots
-        ):
+        if (
+            tuning.blocks != 1 or tuning.expanders != 1 or tuning.copy_warp or tuning.register_a
+        ) and not tuning.expanded_slots:
             raise ValueError(
-                f"NarrowGemmLaunch: {tuning}; blocks other than 1, copy_warp and register_a are"
-                " forms of the specialized form (expanded_slots > 0)"
+                f"NarrowGemmLaunch: {tuning}; blocks and expanders other than 1, copy_warp and"
+                " register_a are forms of the specialized form (expanded_slots > 0)"
             )
         if tuning.warps < 1 or tuning.threads() > MAX_CTA_THREADS:
             raise ValueError(
