@@ -24,6 +24,7 @@ from bench import (
     profile_combine,
     profile_hopper_gemms,
     profile_narrow_gemm,
+    profile_narrow_source,
     report,
     timing,
 )
@@ -710,6 +711,99 @@ def test_bench_counts_are_positive_ints(option, value, capsys):
         parser.parse_args([option, value])
     assert "expected an int >= 1" in capsys.readouterr().err
     assert getattr(parser.parse_args([option, "4"]), option[2:]) in (4, [4])
+
+
+def narrow_source_csv(instructions) -> str:
+    """ncu's source page (--page source --csv --print-source sass) for `instructions`: (SASS,
+    executed, samples, {state: samples}) each, with a Not Issued repeat column that must not
+    count."""
+    source = profile_narrow_source
+    states = ["barrier", "long_sb", "selected"]
+    heads = [source.ADDRESS, source.SOURCE, source.SAMPLES, source.EXECUTED]
+    heads += [f"stall_{s}" for s in states] + ["stall_long_sb (Not Issued)"]
+    lines = ['"Kernel Name","kernel_narrow",', ",".join(f'"{h}"' for h in heads)]
+    for i, (sass, executed, samples, by_state) in enumerate(instructions):
+        cells = [f"0x{16 * i:x}", f"      {sass}", str(samples), f"{executed:,}"]
+        cells += [str(by_state.get(s, 0)) for s in states] + ["999"]
+        lines.append(",".join(f'"{c}"' for c in cells))
+    return "\n".join(lines) + "\n"
+
+
+def test_profile_narrow_source_ranks_instructions_and_totals_the_warp_states(tmp_path):
+    source = profile_narrow_source
+    text = narrow_source_csv(
+        [
+            ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR11+0xc880], R18", 600, 10, {"selected": 10}),
+            ("@!P0 BRA 0x100", 600, 70, {"long_sb": 68, "selected": 2}),
+            ("BAR.SYNC.DEFER_BLOCKING 0x0", 60, 0, {}),
+            ("@P0 BRA 0x200", 60, 20, {"barrier": 20}),
+        ]
+    )
+    kernel, columns, rows = source.source_rows(text)
+    assert kernel == "kernel_narrow" and len(rows) == 4
+    # The Not Issued repeat is not a state of its own and adds nothing.
+    totals = dict(source.states_total(columns, rows))
+    assert totals == {"long_sb": 68, "barrier": 20, "selected": 12}
+    top = source.top_instructions(columns, rows, 2)
+    # The wait's branch first (70 of 100 samples), named with the wait before it.
+    assert top[0] == [
+        "1",
+        "`@!P0 BRA 0x100`",
+        "`SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR11+0xc880], R18`",
+        "600",
+        "70.0%",
+        "long_sb 68, selected 2",
+    ]
+    assert top[1][:2] == ["3", "`@P0 BRA 0x200`"] and top[1][-2:] == ["20.0%", "barrier 20"]
+    facts = {"local": 56, "tokens": 16, "rows": 177, "pairs": 280, "touched": 56}
+    facts["fc1_bytes"] = 655_100_000
+    run = report.Run("python -m bench.profile_narrow_source", "1 x GPU", "Python 3", "2026-12-06")
+    page = source.write_report(tmp_path, facts, "a form", text, run, top=3).read_text()
+    assert "| long_sb | 68 | 68.0% |" in page and "| barrier | 20 | 20.0% |" in page
+    assert "## The 3 instructions with the most samples" in page
+    assert "Form: `a form`, FC1 (655.1 MB of weights)" in page
+    # Text that is not a source page, or one without an instruction or a needed column.
+    for bad, match in (
+        ("==ERROR== no kernel profiled\n", "no ncu source table"),
+        ('"Address","Source"\n', r"the source table has no \['Warp Stall Sampling"),
+        (narrow_source_csv([]), "the source table holds no instruction"),
+    ):
+        with pytest.raises(SystemExit, match=f"^bench.profile_narrow_source: {match}"):
+            source.source_rows(bad)
+
+
+def test_profile_narrow_source_refuses_bad_arguments_a_missing_ncu_and_bad_raw(
+    tmp_path, monkeypatch, capsys
+):
+    source = profile_narrow_source
+    for args, message in (
+        (["--row", "55:16"], "row 55:16: local experts must divide 896"),
+        (["--top", "0"], "--top 0: at least 1"),
+        (["--form", "no such form"], "invalid choice"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["profile_narrow_source", "--out", str(tmp_path), *args])
+        with pytest.raises(SystemExit):
+            source.main()
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(source.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "argv", ["profile_narrow_source", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no `ncu` on PATH"):
+        source.main()
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(SystemExit, match="run.json is missing"):
+        source.from_raw(tmp_path, tmp_path)
+    run = {"command": "c", "hardware": "h", "software": "s", "date": "d"}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "form.txt").write_text("a form\n")
+    (tmp_path / "source.csv").write_text(narrow_source_csv([("NOP", 1, 1, {"selected": 1})]))
+    for facts in ("{not json", json.dumps([{"local": 56}]), json.dumps([{}, {}])):
+        (tmp_path / "facts.json").write_text(facts)
+        with pytest.raises(SystemExit, match=f"{tmp_path} does not hold a profiling run's"):
+            source.from_raw(tmp_path, tmp_path / "out")
+    row = {"local": 56, "tokens": 16, "rows": 1, "pairs": 1, "touched": 1, "fc1_bytes": 1e6}
+    (tmp_path / "facts.json").write_text(json.dumps([row]))
+    page = source.from_raw(tmp_path, tmp_path / "out").read_text()
+    assert "c; then python -m bench.profile_narrow_source --from-raw" in page
 
 
 def test_run_ncu_keeps_its_output_and_names_what_ran_past_its_time(tmp_path):
