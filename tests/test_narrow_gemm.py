@@ -438,8 +438,11 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
     call(7, 0, "one CUDA device")  # the same stream: every check passes but the device's
     with pytest.raises(ValueError, match="N=136, K=256; need positive ints with N % 128 == 0"):
         NarrowGemmLaunch(136, k, True, arch="sm_90a")
-    with pytest.raises(ValueError, match="the grid's first axis holds at most 2147483647"):
-        NarrowGemmLaunch(2**40, k, True, arch="sm_90a")
+    # N within 32-bit column arithmetic (2^40 was accepted, a review found the kernel's columns
+    # Int32).
+    for size in (2**31, 2**40):
+        with pytest.raises(ValueError, match=f"N={size}; at most 2147483647"):
+            NarrowGemmLaunch(size, k, True, arch="sm_90a")
     # Found by a careless-user probe: CuTe's own errors, or an AttributeError, before.
     for size in (0, -128, 128.0):
         with pytest.raises(ValueError, match=f"N={size!r}, K=256; need positive ints"):
@@ -482,6 +485,17 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         ({"expanders": 2, "warps": 8}, "at least 4 more than the expanders' 8"),
         ({"expanders": 2, "warps": 16, "stage_chunks": 3}, "multiples of expanders=2"),
         ({"expanders": 2, "warps": 16, "expanded_slots": 3}, "multiples of expanders=2"),
+        # Found by a review's model of the barriers: slots not a multiple of the turns, nor the
+        # turns of the expanders, let a consumer's wait pass a phase early.
+        (
+            {"expanders": 3, "warps": 20, "stage_chunks": 3, "expanded_slots": 3},
+            r"needs expanded_slots a multiple of the consumers a block \(2\), or those a multiple"
+            " of expanders=3",
+        ),
+        (
+            {"expanders": 2, "warps": 20, "expanded_slots": 4},
+            r"a multiple of the consumers a block \(3\), or those a multiple of expanders=2",
+        ),
         ({"expanded_slots": -1}, r"expanded_slots >= 0 \(0: not specialized\)"),
         ({"blocks": 2, "warps": 16}, "needs blocks=2 dividing the 3 consumer warpgroups"),
         ({"blocks": 3}, "needs blocks=3 dividing the 2 consumer warpgroups"),
@@ -697,7 +711,9 @@ TESTED_FORMS["specialized-register-a"] = dict(
 )
 # Two expanding warpgroups (each its own chunk of a ring stage and its own slots): on tiles of 8
 # with two consumers; with two blocks of a consumer each; three expanders through stages of three
-# chunks (K3's FC1: 28 chunks, the last stage holding one), A from registers and the copy warp.
+# chunks (K3's FC1: 28 chunks, the last stage holding one) and six slots (a multiple of its two
+# consumers: with three, a review's model found a consumer's wait passing a phase early), A from
+# registers and the copy warp.
 TESTED_FORMS["specialized-2expanders"] = dict(
     weights="humming", warps=16, pairs=8, expanded_slots=2, stages=4, stage_scales=True, expanders=2
 )
@@ -708,7 +724,7 @@ TESTED_FORMS["specialized-3expanders-register-a-copy-warp"] = dict(
     weights="humming",
     warps=20,
     pairs=16,
-    expanded_slots=3,
+    expanded_slots=6,
     stage_chunks=3,
     register_a=True,
     copy_warp=True,

@@ -122,8 +122,9 @@ HUMMING_OUTPUT_SCALE = 64.0
 WEIGHT_FORMS = ("narrow", "humming")
 # The warpgroups' named barriers (bar.sync 0 is the CTA's): warpgroup i takes barrier 1 + i.
 FIRST_WARPGROUP_BARRIER = 1
-# The specialized form (NarrowTuning.expanded_slots): its consumer warpgroups' barrier before they
-# add their sums (warpgroup 0, the expanding one, takes FIRST_WARPGROUP_BARRIER for its ring).
+# The specialized form (NarrowTuning.expanded_slots): its consumer warpgroups' barrier after they
+# stage the tile's rows and before they add their sums (the expanding warpgroups take
+# FIRST_WARPGROUP_BARRIER for their ring).
 CONSUMERS_BARRIER = FIRST_WARPGROUP_BARRIER + 1
 # A chunk of a warpgroup's 64 weight rows expanded to e4m3 in shared memory, as wgmma's A operand
 # (K-major, no swizzle): per k32 block s, core column h (16 bytes of K), row r at byte
@@ -145,8 +146,9 @@ SMEM_LIMIT = 227 * 1024 - 256
 MAX_CTA_THREADS = 1024
 # The grid's second axis (tile slots) is at most this (CUDA's limit on gridDim.y).
 MAX_TILE_SLOTS = 65535
-# The grid's first axis (column blocks, N / tuning.columns()) is at most this (gridDim.x).
-MAX_COLUMN_BLOCKS = 2**31 - 1
+# N at most this: the kernel computes its columns in 32-bit integers (and the grid's first axis,
+# N / tuning.columns(), then fits gridDim.x).
+MAX_N = 2**31 - 1
 
 
 def f32_asm(args, text: str, constraints: str, side_effects: bool, loc, ip, count: int = 4):
@@ -420,18 +422,16 @@ class NarrowTuning:
       with its rows (P * K / 8 bytes more a CTA), each chunk's read from there.
     expanded_slots: 0, every warpgroup expands its own weights into registers (wgmma's A from
       registers); > 0, the warp-specialized form (humming's weights through a ring): a CTA of
-      `warps` warps computes 64 * blocks output columns; warpgroup 0 streams them through its
-      ring and expands each chunk to e4m3 into a ring of `expanded_slots` chunks in shared
-      memory (8 KiB a block, EXPANDED_SHAPE), and the other warps / 4 - 1 warpgroups (the
-      consumers) take the chunks in turn (with one block, consumer c the chunks q = c mod
+      `warps` warps computes 64 * blocks output columns; warpgroups 0 .. expanders - 1 stream them
+      through their ring and expand each chunk to e4m3 into a ring of `expanded_slots` chunks in
+      shared memory (8 KiB a block, EXPANDED_SHAPE), and the other warps / 4 - expanders warpgroups
+      (the consumers) take the chunks in turn (with one block, consumer c the chunks q = c mod
       consumers): four wgmma with both operands in shared memory (register_a: A loaded into
       registers first), waited for, the slot released, the partials promoted into its own
-      accumulators; at the end a block's
-      consumers' sums are added in turn order. At least as many slots as a block's consumers
-      (specialized_problems). So a chunk's
-      expansion, its MMAs and another chunk's promotion run in different warps at once, where
-      the other forms chain them in each warp (docs/experts.md, "What bounds the narrow GEMM
-      past decode").
+      accumulators; at the end a block's consumers' sums are added in turn order. At least as many
+      slots as a block's consumers (specialized_problems). So a chunk's expansion, its MMAs and
+      another chunk's promotion run in different warps at once, where the other forms chain them
+      in each warp (docs/experts.md, "What bounds the narrow GEMM past decode").
     blocks: the specialized form's 64-column blocks a CTA (1 in the other forms): the CTA stages
       its tile's rows once for 64 * blocks columns, its ring and expanded slots hold `blocks`
       blocks a chunk (humming's adjacent blocks: one bulk copy of words and one of scales a k32
@@ -523,7 +523,7 @@ class NarrowTuning:
 
     def rings(self) -> int:
         """The rings a CTA: one a warp ("narrow"), a warpgroup ("humming") or the expanding
-        warpgroup's (the specialized form)."""
+        warpgroups' (the specialized form)."""
         if self.expanded_slots > 0:
             return 1
         return self.warps // WARPGROUP_WARPS if self.weights == "humming" else self.warps
@@ -766,7 +766,7 @@ class NarrowGemmKernel:
         humming_at = (bx * self.tuning.blocks, word_pair, scale_pair)
         source = (mW, mS, mX, mXs, expert, bx, lane, g, t, 0, pair_rows, humming_at)
         smem = SmemAllocator()
-        # The ring's first stages are in flight while the CTA stages the tile's rows.
+        # The ring's first stages are in flight while the consumers stage the tile's rows.
         copier = self.tuning.warps if self.tuning.copy_warp else 0
         ring = self.ring_start(smem, source, 0, (warp == copier) & (lane == 0))
         expanded = self.expanded_start(smem, tidx)
@@ -836,14 +836,14 @@ class NarrowGemmKernel:
 
     @cute.jit
     def expanded_start(self, smem, tidx):
-        """The specialized form's shared memory beside the ring and the rows: the expanded
-        chunks (uint32 [expanded_slots, blocks, *EXPANDED_SHAPE], or with register_a the same
-        bytes as [..., *REGISTER_A_SHAPE]), each slot's `full` mbarrier (the expanding
-        warpgroup's 128 threads arrive when their stores are done) and `empty` one (the 128
-        threads of each of the chunk's `blocks` consumers arrive when they have read the slot:
-        after their MMAs, or with register_a after their loads), thread 0 initialising both,
-        and the consumers' sums (fp32 [consumers - blocks (at least 1), 128, P / 2]). Returns
-        (chunks, full, empty, sums)."""
+        """The specialized form's shared memory beside the ring and the rows: the expanded chunks
+        (uint32 [expanded_slots, blocks, *EXPANDED_SHAPE], or with register_a the same bytes as
+        [..., *REGISTER_A_SHAPE]), each slot's `full` mbarrier (the 128 threads of the slot's
+        expanding warpgroup, e % expanders, arrive when their stores are done) and `empty` one (the
+        128 threads of each of the chunk's `blocks` consumers arrive when they have read the slot:
+        after their MMAs, or with register_a after their loads), thread 0 initialising both, and the
+        consumers' sums (fp32 [consumers - blocks (at least 1), 128, P / 2]). Returns (chunks, full,
+        empty, sums)."""
         slots = self.tuning.expanded_slots
         threads = WARPGROUP_WARPS * WARP_LANES
         blocks = self.tuning.blocks
@@ -1473,9 +1473,14 @@ def specialized_problems(tuning: NarrowTuning) -> list[str]:
     each (empty when it can run): it needs humming's weights, wgmma, a ring (stages > 0) and
     not `ahead`; at least one expanding warpgroup, stage_chunks and expanded_slots multiples of
     their count; consumers (the warpgroups beside the expanding ones) a positive multiple of
-    `blocks`; and at least as many expanded slots as a block's consumers (turns): a consumer
+    `blocks`; at least as many expanded slots as a block's consumers (turns): a consumer
     waits on chunk q's slot for the phase after the one chunk q - turns completed, which
-    passes at once unless chunk q - expanded_slots was filled before."""
+    passes at once unless chunk q - expanded_slots was filled before; and with several
+    expanders, expanded_slots a multiple of turns or turns a multiple of expanders: otherwise
+    chunk q - turns and chunk q - expanded_slots belong to different expanders, which nothing
+    orders within a ring stage, and the wait can pass a phase early (a review's model of the
+    barriers under random interleavings found it with 3 expanders, 3 slots and 2 turns, and
+    with 2 expanders, 4 slots and 3 turns)."""
     problems = []
     if tuning.weights != "humming" or not tuning.wgmma:
         problems.append("weights='humming' with wgmma")
@@ -1501,6 +1506,12 @@ def specialized_problems(tuning: NarrowTuning) -> list[str]:
         problems.append(
             f"expanded_slots at least the consumers a block ({tuning.turns()}: a consumer's wait"
             " on a slot would pass before the slot is filled)"
+        )
+    elif tuning.expanded_slots % tuning.turns() and tuning.turns() % tuning.expanders:
+        problems.append(
+            f"expanded_slots a multiple of the consumers a block ({tuning.turns()}), or those a"
+            f" multiple of expanders={tuning.expanders} (else a consumer's wait on a slot whose"
+            " chunk another expander has not yet filled passes a phase early)"
         )
     return problems
 
@@ -1536,16 +1547,16 @@ class NarrowGemmLaunch:
     """NarrowGemmKernel's launch for one (N, K, indexed): its compile (once, at construction) and
     its launch on torch tensors.
 
-    Constraints (stated here once): every NarrowTuning field of its annotated type (a flag a
-    bool, a count an int; indexed a bool); N a multiple of tuning.columns() (128 by default), K
-    of 128; unroll >= 1; the wgmma forms for sm_90a only; with
-    tuning.wgmma, warps a multiple of 4; tuning.pairs 8, or with wgmma 16, 24 or 32; `ahead`
-    only on humming's weights through a ring of 2 chunks a stage or more, `stage_scales` only
-    on humming's weights; the specialized form (expanded_slots > 0, with `blocks`, `copy_warp`
-    and `register_a` its only) as specialized_problems says; at most 1024 threads a CTA; shared
-    memory a CTA (`smem_bytes`: the staged rows, P * K bytes with wgmma, the staged scales,
-    P * K / 8 bytes with stage_scales, the ring, and the expanded chunks and sums) at most
-    SMEM_LIMIT; at most MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
+    Constraints (stated here once): every NarrowTuning field of its annotated type (a flag a bool, a
+    count an int; indexed a bool); N a multiple of tuning.columns() (128 by default), K of 128;
+    unroll >= 1; the wgmma forms for sm_90a only; with tuning.wgmma, warps a multiple of 4;
+    tuning.pairs 8, or with wgmma 16, 24 or 32; `ahead` only on humming's weights through a ring of
+    2 chunks a stage or more, `stage_scales` only on humming's weights; the specialized form
+    (expanded_slots > 0, with `blocks`, `expanders`, `copy_warp` and `register_a` its only) as
+    specialized_problems says; N at most MAX_N; at most 1024 threads a CTA; shared memory a CTA
+    (`smem_bytes`: the staged rows, P * K bytes with wgmma, the staged scales, P * K / 8 bytes with
+    stage_scales, the ring, and the expanded chunks and sums) at most SMEM_LIMIT; at most
+    MAX_TILE_SLOTS tile slots (the grid's second axis); the tiles of
     block_n tuning.pairs; words and scales from narrow_weights of [E, N, K/2] weights, or
     with tuning.weights "humming" (wgmma only) humming's prepared weight, weight_scale and
     weight_scale_2 (HummingGemm.prepare's tensors, or humming_layout.prepared_weights'); x
@@ -1613,10 +1624,10 @@ class NarrowGemmLaunch:
                 f"NarrowGemmLaunch: N={n!r}, K={k!r}; need positive ints with N %"
                 f" {tuning.columns()} == 0 and K % {NARROW_CHUNK_K} == 0"
             )
-        if n // tuning.columns() > MAX_COLUMN_BLOCKS:
+        if n > MAX_N:
             raise ValueError(
-                f"NarrowGemmLaunch: N={n} gives {n // tuning.columns()} column blocks of"
-                f" {tuning.columns()}; the grid's first axis holds at most {MAX_COLUMN_BLOCKS}"
+                f"NarrowGemmLaunch: N={n}; at most {MAX_N} (the kernel's column arithmetic is"
+                " 32-bit)"
             )
         if tuning.wgmma and tuning.warps % WARPGROUP_WARPS:
             raise ValueError(
