@@ -53,8 +53,9 @@ def source_rows(text: str) -> tuple[str, list[str], list[dict[str, str]]]:
     """ncu's `--page source --csv --print-source sass` output -> (the kernel's name, the
     columns, one dict a SASS instruction in address order). The table starts at the line whose
     first cell is ADDRESS; the kernel's name is the cell after "Kernel Name" on the line before
-    it. SystemExit (starting with WHO) for text without such a table, without an instruction or
-    without SAMPLES, SOURCE and EXECUTED."""
+    it. SystemExit (starting with WHO) for text without such a table, without an instruction,
+    without SAMPLES, SOURCE and EXECUTED or with one of them twice, or with a row of another
+    width than the header (a row dropped would shift every instruction after it)."""
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.startswith(f'"{ADDRESS}"')), None)
     if start is None:
@@ -69,16 +70,33 @@ def source_rows(text: str) -> tuple[str, list[str], list[dict[str, str]]]:
     missing = [c for c in (SOURCE, SAMPLES, EXECUTED) if c not in columns]
     if missing:
         raise SystemExit(f"{WHO}: the source table has no {missing} column")
-    rows = [dict(zip(columns, cells)) for cells in reader if len(cells) == len(columns)]
+    doubled = [c for c in (SOURCE, SAMPLES, EXECUTED) if columns.count(c) > 1]
+    if doubled:
+        raise SystemExit(f"{WHO}: the source table has the {doubled} column more than once")
+    rows = []
+    for number, cells in enumerate(reader, start=start + 2):
+        if len(cells) != len(columns):
+            raise SystemExit(
+                f"{WHO}: line {number} of the source table has {len(cells)} cells, the header"
+                f" {len(columns)}"
+            )
+        rows.append(dict(zip(columns, cells)))
+        for column in (SAMPLES, EXECUTED, *state_columns(columns)):
+            count(rows[-1][column])  # each a count, or SystemExit naming the cell
     if not rows:
         raise SystemExit(f"{WHO}: the source table holds no instruction")
     return kernel, columns, rows
 
 
 def count(cell: str) -> int:
-    """A sample or execution count ("1,234", "", "-": 0)."""
-    cell = cell.replace(",", "").strip()
-    return int(float(cell)) if cell not in ("", "-") else 0
+    """A sample or execution count ("1,234"; "" and "-": 0). SystemExit for anything else than
+    a count of 0 or more."""
+    text = cell.replace(",", "").strip()
+    if text in ("", "-"):
+        return 0
+    if not text.isdigit():
+        raise SystemExit(f"{WHO}: {cell!r} in the source table is not a count")
+    return int(text)
 
 
 def state_columns(columns: list[str]) -> list[str]:
@@ -128,6 +146,8 @@ def write_report(
     """OUTDIR/profile_narrow_source.md from the source page's CSV `text` and the child's facts
     (its one row)."""
     kernel, columns, rows = source_rows(text)
+    if not sum(count(r[SAMPLES]) for r in rows):
+        raise SystemExit(f"{WHO}: the source table holds no sample (no warp was sampled)")
     title = "Where the narrow GEMM's warps wait, under Nsight Compute's source counters"
     page = report.Page(out / "profile_narrow_source.md", title, report.summary(__doc__), run)
     page.text(
@@ -147,7 +167,7 @@ def write_report(
         ["state", "samples", "share"],
         [[name, f"{n:,}", f"{100 * n / (samples or 1):.1f}%"] for name, n in totals if n],
     )
-    page.section(f"The {top} instructions with the most samples")
+    page.section(f"The {min(top, len(rows))} instructions with the most samples")
     page.text(
         "index: the instruction's position in the kernel's SASS (address order); after: the"
         " instruction before it; executed: times a warp executed it; states: its largest sampled"
@@ -172,14 +192,22 @@ def load_raw(raw: Path) -> tuple[report.Run, dict, str, str]:
     try:
         run = report.Run(**json.loads(header.read_text()))
         (row,) = json.loads(facts.read_text())
-        for key in ("local", "tokens", "rows", "pairs", "touched", "fc1_bytes"):
-            row[key]
+        for key in ("local", "tokens", "rows", "pairs", "touched"):
+            if type(row[key]) is not int or row[key] < 0:
+                raise ValueError(f"{key} {row[key]!r}; expected a count")
+        if type(row["fc1_bytes"]) not in (int, float) or not 0 < row["fc1_bytes"] < float("inf"):
+            raise ValueError(f"fc1_bytes {row['fc1_bytes']!r}; expected a positive number")
+        name = form.read_text().strip()
+        if name not in EVERY_FORM:
+            raise ValueError(f"form {name[:80]!r}; not one of bench_narrow_gemm's forms")
+        text = table.read_text()
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        # json's and the decoder's errors are ValueErrors.
         raise SystemExit(
-            f"{WHO}: {raw} does not hold a profiling run's {RUN_FILE} and facts.json as this"
-            f" module writes them: {exc!r}"
+            f"{WHO}: {raw} does not hold a profiling run's files as this module writes them:"
+            f" {exc!r}"
         ) from None
-    return run, row, form.read_text().strip(), table.read_text()
+    return run, row, name, text
 
 
 def from_raw(raw: Path, out: Path, top: int = TOP) -> Path:
@@ -188,6 +216,17 @@ def from_raw(raw: Path, out: Path, top: int = TOP) -> Path:
     again = f"python -m {WHO} --from-raw {raw}"
     run = dataclasses.replace(run, command=f"{run.command}; then {again}")
     return write_report(out, row, form, text, run, top)
+
+
+def writable(folder: Path) -> None:
+    """Make `folder` (and its parents); SystemExit when it cannot be, cannot be written to, or
+    holds a folder where the page goes."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"{WHO}: cannot write to {folder}: {exc}") from None
+    if not os.access(folder, os.W_OK) or (folder / "profile_narrow_source.md").is_dir():
+        raise SystemExit(f"{WHO}: cannot write to {folder}")
 
 
 def main() -> int:
@@ -208,24 +247,21 @@ def main() -> int:
     if args.top < 1:
         p.error(f"--top {args.top}: at least 1")
     if args.from_raw is not None:
+        writable(args.out)
         print(from_raw(args.from_raw, args.out, args.top))
         return 0
     if shutil.which("ncu") is None:
         raise SystemExit(f"{WHO}: no `ncu` on PATH (Nsight Compute)")
     for folder in (args.out, args.raw):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SystemExit(f"{WHO}: cannot write to {folder}: {exc}") from None
-        if not os.access(folder, os.W_OK):
-            raise SystemExit(f"{WHO}: cannot write to {folder}")
+        writable(folder)
     raw = args.raw
     run = report.Run.this_process()
     (raw / RUN_FILE).write_text(json.dumps(dataclasses.asdict(run)))
     (raw / "form.txt").write_text(args.form + "\n")
     facts = raw / "facts.json"
-    facts.unlink(missing_ok=True)  # a folder reused from an earlier run
     rep = raw / "source.ncu-rep"
+    for stale in (facts, rep, raw / "source.csv"):
+        stale.unlink(missing_ok=True)  # a folder reused from an earlier run
     command = ["ncu", "--profile-from-start", "off", "--clock-control", "none"]
     command += [a for s in SECTIONS for a in ("--section", s)]
     command += ["--import-source", "no", "-k", KERNEL_FILTER, "--launch-count", "1"]
@@ -235,7 +271,12 @@ def main() -> int:
     print(f"profiling {args.form!r} at {local}:{tokens} under ncu", flush=True)
     run_ncu(command, raw / "ncu.out", raw / "ncu.log", NCU_TIMEOUT_S, WHO, facts)
     page = ["ncu", "--import", str(rep), "--page", "source", "--csv", "--print-source", "sass"]
-    done = subprocess.run(page, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
+    if not rep.is_file():
+        raise SystemExit(f"{WHO}: ncu wrote no report (no NarrowGemmKernel launch profiled?)")
+    try:
+        done = subprocess.run(page, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{WHO}: ncu --import ran past {NCU_TIMEOUT_S} s") from None
     (raw / "source.csv").write_text(done.stdout)
     if done.returncode != 0:
         raise SystemExit(f"{WHO}: ncu --import failed (exit {done.returncode}): {done.stderr}")

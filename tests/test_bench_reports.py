@@ -759,6 +759,8 @@ def test_profile_narrow_source_ranks_instructions_and_totals_the_warp_states(tmp
     facts["fc1_bytes"] = 655_100_000
     run = report.Run("python -m bench.profile_narrow_source", "1 x GPU", "Python 3", "2026-12-06")
     page = source.write_report(tmp_path, facts, "a form", text, run, top=3).read_text()
+    with pytest.raises(SystemExit, match="holds no sample"):
+        source.write_report(tmp_path, facts, "a form", narrow_source_csv([("NOP", 1, 0, {})]), run)
     assert "| long_sb | 68 | 68.0% |" in page and "| barrier | 20 | 20.0% |" in page
     assert "## The 3 instructions with the most samples" in page
     assert "Form: `a form`, FC1 (655.1 MB of weights)" in page
@@ -767,6 +769,15 @@ def test_profile_narrow_source_ranks_instructions_and_totals_the_warp_states(tmp
         ("==ERROR== no kernel profiled\n", "no ncu source table"),
         ('"Address","Source"\n', r"the source table has no \['Warp Stall Sampling"),
         (narrow_source_csv([]), "the source table holds no instruction"),
+        # From a careless-user probe: a short row was dropped (every later instruction shifted),
+        # a count that is not one raised ValueError, a doubled column was read silently.
+        (text.replace(',"999"\n', "\n", 1), "line 3 of the source table has 7 cells, the header 8"),
+        (text.replace('"600"', '"n/a"', 1), "'n/a' in the source table is not a count"),
+        (text.replace('"70"', '"-70"', 1), "'-70' in the source table is not a count"),
+        (
+            text.replace('"stall_barrier"', '"Source"'),
+            r"the source table has the \['Source'\] column",
+        ),
     ):
         with pytest.raises(SystemExit, match=f"^bench.profile_narrow_source: {match}"):
             source.source_rows(bad)
@@ -794,14 +805,38 @@ def test_profile_narrow_source_refuses_bad_arguments_a_missing_ncu_and_bad_raw(
         source.from_raw(tmp_path, tmp_path)
     run = {"command": "c", "hardware": "h", "software": "s", "date": "d"}
     (tmp_path / "run.json").write_text(json.dumps(run))
-    (tmp_path / "form.txt").write_text("a form\n")
+    (tmp_path / "form.txt").write_text(source.FORM + "\n")
     (tmp_path / "source.csv").write_text(narrow_source_csv([("NOP", 1, 1, {"selected": 1})]))
-    for facts in ("{not json", json.dumps([{"local": 56}]), json.dumps([{}, {}])):
+    row = {"local": 56, "tokens": 16, "rows": 1, "pairs": 1, "touched": 1, "fc1_bytes": 1e6}
+    # From the probe too: facts of other types, a form that is none of the bench's, a binary
+    # source page were rendered or raised.
+    for facts in (
+        "{not json",
+        json.dumps([{"local": 56}]),
+        json.dumps([{}, {}]),
+        json.dumps([row | {"fc1_bytes": "1e6"}]),
+        json.dumps([row | {"local": False}]),
+        json.dumps([row | {"tokens": -3}]),
+        json.dumps([row | {"fc1_bytes": float("nan")}]),
+    ):
         (tmp_path / "facts.json").write_text(facts)
         with pytest.raises(SystemExit, match=f"{tmp_path} does not hold a profiling run's"):
             source.from_raw(tmp_path, tmp_path / "out")
-    row = {"local": 56, "tokens": 16, "rows": 1, "pairs": 1, "touched": 1, "fc1_bytes": 1e6}
     (tmp_path / "facts.json").write_text(json.dumps([row]))
+    (tmp_path / "form.txt").write_text("no such form\n")
+    with pytest.raises(SystemExit, match="form 'no such form'; not one of"):
+        source.from_raw(tmp_path, tmp_path / "out")
+    (tmp_path / "form.txt").write_text(source.FORM + "\n")
+    (tmp_path / "source.csv").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(SystemExit, match="does not hold a profiling run's files"):
+        source.from_raw(tmp_path, tmp_path / "out")
+    (tmp_path / "source.csv").write_text(narrow_source_csv([("NOP", 1, 1, {"selected": 1})]))
+    # --out a file: one line, not FileExistsError.
+    (tmp_path / "afile").write_text("")
+    argv = ["profile_narrow_source", "--from-raw", str(tmp_path), "--out", str(tmp_path / "afile")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit, match="cannot write to"):
+        source.main()
     page = source.from_raw(tmp_path, tmp_path / "out").read_text()
     assert "c; then python -m bench.profile_narrow_source --from-raw" in page
 
