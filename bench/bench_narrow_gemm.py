@@ -39,7 +39,7 @@ from dep_ep.experts.hopper.engine import tuning_pairs
 from dep_ep.experts.hopper.grouping import group_pairs, tile_routes
 from dep_ep.experts.hopper.humming_gemm import HummingGemm
 from dep_ep.experts.hopper.humming_layout import prepared_tensors
-from dep_ep.experts.hopper.narrow_gemm import NarrowGemmLaunch, NarrowTuning
+from dep_ep.experts.hopper.narrow_gemm import WARPGROUP_WARPS, NarrowGemmLaunch, NarrowTuning
 from dep_ep.experts.hopper.narrow_layout import NARROW_PAIRS, NARROW_TILE_PAIRS, narrow_weights
 
 TOKENS = [1, 2, 4, 8, 16]
@@ -177,16 +177,25 @@ STAGED_SPECIALIZED = (
 
 
 def staged_specialized(
-    pairs: int, stages: int, chunks: int, blocks: int, copy_warp: bool, register_a: bool
+    pairs: int,
+    stages: int,
+    chunks: int,
+    blocks: int,
+    copy_warp: bool,
+    register_a: bool,
+    expanders: int = 1,
 ):
-    """(bench name, NarrowTuning) of a STAGED_SPECIALIZED row."""
+    """(bench name, NarrowTuning) of a STAGED_SPECIALIZED row (two consumer warpgroups beside
+    `expanders` expanding ones)."""
     name = f"specialized, tiles of {pairs}{', 2 blocks' if blocks == 2 else ''}"
+    name += f", {expanders} expanders" if expanders > 1 else ""
     name += f"{', copy warp' if copy_warp else ''}{', A from registers' if register_a else ''}"
     name += f", ring {stages}x{chunks}"
-    name += ", 2 slots" if blocks == 1 and not copy_warp and not register_a else ""
+    plain = blocks == 1 and expanders == 1 and not copy_warp and not register_a
+    name += ", 2 slots" if plain else ""
     return name, NarrowTuning(
         weights="humming",
-        warps=12,
+        warps=WARPGROUP_WARPS * (expanders + 2),
         pairs=pairs,
         blocks=blocks,
         expanded_slots=2,
@@ -195,6 +204,7 @@ def staged_specialized(
         stage_scales=True,
         copy_warp=copy_warp,
         register_a=register_a,
+        expanders=expanders,
     )
 
 
@@ -202,24 +212,12 @@ SPECIALIZED |= dict(staged_specialized(*row) for row in STAGED_SPECIALIZED)
 # Two expanding warpgroups (NarrowTuning.expanders), each expanding a ring stage's chunk of its
 # own into slots of its own: one expanding warpgroup left the consumers waiting on `full` 75% of
 # their time under Nsight Compute (docs/experts.md, "The specialized narrow GEMM").
-# (P, blocks, A from registers)
+# (P, blocks, A from registers), each through a ring of 4 x 2
 TWO_EXPANDERS = ((8, 1, False), (8, 1, True), (16, 1, False), (16, 2, True), (32, 1, False))
-SPECIALIZED |= {
-    f"specialized, tiles of {p}{', 2 blocks' if blocks == 2 else ''}, 2 expanders"
-    f"{', A from registers' if register_a else ''}, ring 4x2": NarrowTuning(
-        weights="humming",
-        warps=16,
-        pairs=p,
-        blocks=blocks,
-        expanded_slots=2,
-        stages=4,
-        stage_chunks=2,
-        stage_scales=True,
-        register_a=register_a,
-        expanders=2,
-    )
+SPECIALIZED |= dict(
+    staged_specialized(p, 4, 2, blocks, False, register_a, expanders=2)
     for p, blocks, register_a in TWO_EXPANDERS
-}
+)
 
 EVERY_FORM = FORMS | SHAPES | WIDE | DEEP | SPECIALIZED
 
