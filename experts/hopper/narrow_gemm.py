@@ -806,18 +806,19 @@ class NarrowGemmKernel:
             sXs, tile_pairs = self.stage_scales(
                 smem, mXs, mPairRow, start, rows, stagers[0], t, rows - 1, stagers[1]
             )
-            source = (*source[:3], sXs, *source[4:10], tile_pairs, source[11])
+            mW, mS, mX, _, expert, bx, lane, g, t, rb, _, humming_at = source
+            source = (mW, mS, mX, sXs, expert, bx, lane, g, t, rb, tile_pairs, humming_at)
         rows_desc = self.stage_rows(smem, mX, mPairRow, start, rows, stagers[0], stagers[1])
         w = warp % WARPGROUP_WARPS
         consumer = warp // WARPGROUP_WARPS - self.tuning.expanders
         block, turn = consumer % self.tuning.blocks, consumer // self.tuning.blocks
         rAcc = cute.make_rmem_tensor(cute.make_layout(self.tuning.pairs // 2), Float32)
         rAcc.fill(0.0)
-        self.consume_chunks(block, turn, source, expanded, rows_desc, rAcc, tidx)
+        member = tidx % (WARPGROUP_WARPS * WARP_LANES)  # the thread's index in its warpgroup
+        self.consume_chunks(block, turn, source, expanded, rows_desc, rAcc, member)
         # A block's sums in turn order: the consumer of turn u > 0 leaves its own in shared
         # memory (row consumer - blocks), the block's first adds them and stores the tile.
         sSums = expanded[3]
-        member = tidx % (WARPGROUP_WARPS * WARP_LANES)
         if turn > 0:
             for i in cutlass.range_constexpr(self.tuning.pairs // 2):
                 sSums[consumer - self.tuning.blocks, member, i] = rAcc[i]
@@ -961,17 +962,14 @@ class NarrowGemmKernel:
         return [rA[i, s] for s in range(NARROW_STEPS) for i in range(4)]
 
     @cute.jit
-    def consume_chunks(self, block, turn, source, expanded, rows_desc, rAcc, tidx):
+    def consume_chunks(self, block, turn, source, expanded, rows_desc, rAcc, member):
         """A consumer warpgroup, of 64-row block `block` and turn `turn`: chunks q = turn, turn +
         turns, ..., each its lane pairs' activation scales loaded (load_chunk), its expanded
         slot waited for (`full`), its block's four MMAs from shared memory run and waited for,
         the slot released (`empty`) and the partials promoted into rAcc. register_a: the
-        thread (CTA thread `tidx`) loads its A words, releases the slot, then runs the MMAs
-        with A from registers."""
+        thread (`member` of its warpgroup) loads its A words, releases the slot, then runs the
+        MMAs with A from registers."""
         sA, full, empty, sSums = expanded
-        member = None
-        if cutlass.const_expr(self.tuning.register_a):
-            member = tidx % (WARPGROUP_WARPS * WARP_LANES)
         rXs = []
         for i in cutlass.range_constexpr(self.lane_pairs):
             rXs.append(cute.make_rmem_tensor(cute.make_layout(NARROW_STEPS), Float32))
