@@ -49,9 +49,10 @@ NOT_ISSUED = "(Not Issued)"
 TOP_REASONS = 3
 
 
-def source_rows(text: str) -> tuple[str, list[str], list[dict[str, str]]]:
+def source_rows(text: str) -> tuple[str, list[str], list[dict[str, str | int]]]:
     """ncu's `--page source --csv --print-source sass` output -> (the kernel's name, the
-    columns, one dict a SASS instruction in address order). The table starts at the line whose
+    columns, one dict a SASS instruction in address order, its SAMPLES, EXECUTED and warp
+    states' cells read as counts once here). The table starts at the line whose
     first cell is ADDRESS; the kernel's name is the cell after "Kernel Name" on the line before
     it. SystemExit (starting with WHO) for text without such a table, without an instruction,
     without SAMPLES, SOURCE and EXECUTED or with one of them twice, or with a row of another
@@ -73,6 +74,7 @@ def source_rows(text: str) -> tuple[str, list[str], list[dict[str, str]]]:
     doubled = [c for c in (SOURCE, SAMPLES, EXECUTED) if columns.count(c) > 1]
     if doubled:
         raise SystemExit(f"{WHO}: the source table has the {doubled} column more than once")
+    counted = (SAMPLES, EXECUTED, *state_columns(columns))
     rows = []
     for number, cells in enumerate(reader, start=start + 2):
         if len(cells) != len(columns):
@@ -80,9 +82,10 @@ def source_rows(text: str) -> tuple[str, list[str], list[dict[str, str]]]:
                 f"{WHO}: line {number} of the source table has {len(cells)} cells, the header"
                 f" {len(columns)}"
             )
-        rows.append(dict(zip(columns, cells)))
-        for column in (SAMPLES, EXECUTED, *state_columns(columns)):
-            count(rows[-1][column])  # each a count, or SystemExit naming the cell
+        row: dict[str, str | int] = dict(zip(columns, cells))
+        for column in counted:
+            row[column] = count(row[column])  # SystemExit naming a cell that is not a count
+        rows.append(row)
     if not rows:
         raise SystemExit(f"{WHO}: the source table holds no instruction")
     return kernel, columns, rows
@@ -104,35 +107,36 @@ def state_columns(columns: list[str]) -> list[str]:
     return [c for c in columns if c.startswith(STATE_PREFIX) and NOT_ISSUED not in c]
 
 
-def states_total(columns: list[str], rows: list[dict[str, str]]) -> list[tuple[str, int]]:
-    """Every warp state's samples over the kernel, largest first: (state, samples)."""
-    totals = [
-        (c[len(STATE_PREFIX) :], sum(count(r[c]) for r in rows)) for c in state_columns(columns)
-    ]
+def states_total(columns: list[str], rows: list[dict[str, str | int]]) -> list[tuple[str, int]]:
+    """Every warp state's samples over the kernel, largest first: (state, samples); `rows` as
+    source_rows returns them."""
+    totals = [(c[len(STATE_PREFIX) :], sum(r[c] for r in rows)) for c in state_columns(columns)]
     return sorted(totals, key=lambda item: -item[1])
 
 
-def top_instructions(columns: list[str], rows: list[dict[str, str]], top: int) -> list[list[str]]:
+def top_instructions(
+    columns: list[str], rows: list[dict[str, str | int]], top: int
+) -> list[list[str]]:
     """The `top` instructions with the most samples: [index in address order, SASS, the SASS
     before it, times a warp executed it, share of all samples, its TOP_REASONS largest
     states]."""
     states = state_columns(columns)
-    total = sum(count(r[SAMPLES]) for r in rows) or 1
-    ranked = sorted(range(len(rows)), key=lambda i: -count(rows[i][SAMPLES]))[:top]
+    total = sum(r[SAMPLES] for r in rows) or 1
+    ranked = sorted(range(len(rows)), key=lambda i: -rows[i][SAMPLES])[:top]
     lines = []
     for i in ranked:
         row = rows[i]
-        reasons = sorted(((count(row[c]), c[len(STATE_PREFIX) :]) for c in states), reverse=True)
+        reasons = sorted(((row[c], c[len(STATE_PREFIX) :]) for c in states), reverse=True)
         shown = ", ".join(f"{name} {n}" for n, name in reasons[:TOP_REASONS] if n)
         sass = " ".join(row[SOURCE].split()).replace("|", "\\|")
-        share = 100 * count(row[SAMPLES]) / total
+        share = 100 * row[SAMPLES] / total
         before = " ".join(rows[i - 1][SOURCE].split()).replace("|", "\\|") if i else ""
         lines.append(
             [
                 str(i),
                 f"`{sass}`",
                 f"`{before}`" if before else "-",
-                f"{count(row[EXECUTED]):,}",
+                f"{row[EXECUTED]:,}",
                 f"{share:.1f}%",
                 shown,
             ]
@@ -146,7 +150,8 @@ def write_report(
     """OUTDIR/profile_narrow_source.md from the source page's CSV `text` and the child's facts
     (its one row)."""
     kernel, columns, rows = source_rows(text)
-    if not sum(count(r[SAMPLES]) for r in rows):
+    samples = sum(r[SAMPLES] for r in rows)
+    if not samples:
         raise SystemExit(f"{WHO}: the source table holds no sample (no warp was sampled)")
     title = "Where the narrow GEMM's warps wait, under Nsight Compute's source counters"
     page = report.Page(out / "profile_narrow_source.md", title, report.summary(__doc__), run)
@@ -156,7 +161,6 @@ def write_report(
         f" {facts['pairs']} pairs, {facts['touched']} experts touched. Form: `{form}`, FC1"
         f" ({facts['fc1_bytes'] / 1e6:.1f} MB of weights). Kernel: `{kernel[:120]}`."
     )
-    samples = sum(count(r[SAMPLES]) for r in rows)
     page.section("Warp states over the kernel")
     page.text(
         f"{samples:,} samples over {len(rows)} SASS instructions; each state's share of them"
