@@ -51,6 +51,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def local_tokens(text: str) -> tuple[int, int]:
+    """ "LOCAL:T" -> (local experts, T per rank), both positive integers."""
+    local, colon, tokens = text.partition(":")
+    try:
+        row = int(local), int(tokens)
+    except ValueError:
+        row = None
+    if not colon or row is None or min(row) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected LOCAL:T, two positive integers, e.g. 56:64"
+        )
+    return row
+
+
 def parser(
     doc: str,
     *,

@@ -84,6 +84,7 @@ UTILIZATION = {
     "DRAM %": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
 }
 RUN_FILE = "run.json"  # the profiling run's header (command, hardware, software, date)
+CASES_FILE = "cases.json"  # the profiling run's cases, [[local, T], ...], dense GEMM not counted
 # ncu's time units (short, as ncu 2025 writes them, and long) in microseconds.
 TIME_UNITS_US = {
     "ns": 1e-3,
@@ -347,9 +348,24 @@ def write_report(out: Path, results, run: report.Run | None = None) -> Path:
     return page.write()
 
 
-def all_cases() -> list[Case]:
-    """The dense GEMM, then CASES in order."""
-    return [Case(0, 0), *(Case(*c) for c in CASES)]
+def all_cases(cases=CASES) -> list[Case]:
+    """The dense GEMM, then `cases` ((local experts, T) pairs) in order."""
+    return [Case(0, 0), *(Case(*c) for c in cases)]
+
+
+def run_cases(raw: Path) -> list[tuple[int, int]]:
+    """The (local experts, T) cases of the profiling run in `raw`: its CASES_FILE, or CASES for
+    a run that wrote none (runs before --cases)."""
+    listed = raw / CASES_FILE
+    if not listed.is_file():
+        return list(CASES)
+    try:
+        cases = [(int(local), int(tokens)) for local, tokens in json.loads(listed.read_text())]
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(
+            f"bench.profile_hopper_gemms: {listed}: expected [[local, T], ...]: {exc}"
+        ) from None
+    return cases
 
 
 def from_raw(raw: Path, out: Path) -> Path:
@@ -362,7 +378,7 @@ def from_raw(raw: Path, out: Path) -> Path:
     again = f"python -m bench.profile_hopper_gemms --from-raw {raw}"
     run = dataclasses.replace(run, command=f"{run.command}; then {again}")
     results = []
-    for case in all_cases():
+    for case in all_cases(run_cases(raw)):
         table, facts = raw / f"{case.slug}.csv", raw / f"{case.slug}.json"
         if not (table.is_file() and facts.is_file()):
             raise SystemExit(f"bench.profile_hopper_gemms: {case.name}: no {table} or {facts}")
@@ -378,7 +394,12 @@ def main() -> int:
     p.add_argument("--raw", type=Path, default=Path("profile_hopper_gemms_raw"), help=text)
     text = "write the page from the folder of an earlier run (--raw), running nothing"
     p.add_argument("--from-raw", type=Path, default=None, help=text)
+    text = "the (local experts, T) calls profiled, as LOCAL:T (the dense GEMM always comes first)"
+    p.add_argument("--cases", type=cli.local_tokens, nargs="+", default=list(CASES), help=text)
     args = p.parse_args()
+    for local, tokens in args.cases:
+        if K3.experts % local:
+            p.error(f"case {local}:{tokens}: local experts must divide {K3.experts}")
     if args.child:
         child(Case(*args.child), args.facts)
         return 0
@@ -392,8 +413,9 @@ def main() -> int:
     raw.mkdir(parents=True, exist_ok=True)
     run = report.Run.this_process()
     (raw / RUN_FILE).write_text(json.dumps(dataclasses.asdict(run)))
+    (raw / CASES_FILE).write_text(json.dumps(args.cases))
     results = []
-    for case in all_cases():
+    for case in all_cases(args.cases):
         facts = raw / f"{case.slug}.json"
         facts.unlink(missing_ok=True)  # a folder reused from an earlier run
         command = ["ncu", "--csv", "--page", "raw", "--profile-from-start", "off", *sections]

@@ -604,6 +604,45 @@ def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
         gemms.from_raw(raw, tmp_path / "out")
 
 
+def test_profile_hopper_gemms_page_again_keeps_the_runs_own_cases(tmp_path):
+    gemms = profile_hopper_gemms
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    run = {"command": "c", "hardware": "h", "software": "s", "date": "d"}
+    (raw / gemms.RUN_FILE).write_text(json.dumps(run))
+    cases = [(112, 128), (448, 512)]
+    (raw / gemms.CASES_FILE).write_text(json.dumps(cases))
+    assert gemms.run_cases(raw) == cases
+    for case in gemms.all_cases(cases):
+        group = "dense" if case.local == 0 else "fc1"
+        name = "nvjet_sm90" if case.local == 0 else FC1
+        (raw / f"{case.slug}.csv").write_text(raw_csv([(name, "100,000", "50", "50")]))
+        facts = {"rows": 1, "pairs": 1, "touched": 1, "flops": {group: 10**11}}
+        (raw / f"{case.slug}.json").write_text(json.dumps(facts))
+    page = gemms.from_raw(raw, tmp_path / "out").read_text()
+    assert "112 local experts, T = 128" in page and "448 local experts, T = 512" in page
+    assert "56 local experts" not in page  # CASES, which this run did not profile
+    assert page.count("| fc1 | 1 | 100.0 | 1000 | 100% |") == len(cases), page
+    (raw / gemms.CASES_FILE).write_text(json.dumps({"112": 128}))
+    with pytest.raises(SystemExit, match="expected \\[\\[local, T\\]"):
+        gemms.from_raw(raw, tmp_path / "out")
+
+
+@pytest.mark.parametrize("case", ["56", "56:", ":64", "56:0", "-56:64", "a:b", "56:64:1"])
+def test_profile_hopper_gemms_cases_are_refused_unless_local_colon_t(case, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["profile_hopper_gemms", f"--cases={case}"])
+    with pytest.raises(SystemExit):
+        profile_hopper_gemms.main()
+    assert "expected LOCAL:T, two positive integers" in capsys.readouterr().err
+
+
+def test_profile_hopper_gemms_refuses_a_shard_that_does_not_divide_the_experts(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["profile_hopper_gemms", "--cases", "56:64", "57:64"])
+    with pytest.raises(SystemExit):
+        profile_hopper_gemms.main()
+    assert "case 57:64: local experts must divide 896" in capsys.readouterr().err
+
+
 def test_profile_hopper_gemms_without_ncu_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(profile_hopper_gemms.shutil, "which", lambda name: None)
     monkeypatch.setattr(sys, "argv", ["profile_hopper_gemms", "--out", str(tmp_path)])
@@ -676,8 +715,8 @@ def test_profile_narrow_gemm_refuses_bad_rows_and_a_missing_ncu(tmp_path, monkey
     for row, message in (
         ("56", "'56': expected LOCAL:T"),
         ("55:64", "row 55:64: local experts must divide 896"),
-        ("56:0", "row 56:0: local experts must divide 896, T >= 1"),
-        ("0:1", "row 0:1: local experts must divide 896"),
+        ("56:0", "'56:0': expected LOCAL:T, two positive integers"),
+        ("0:1", "'0:1': expected LOCAL:T, two positive integers"),
     ):
         argv = ["profile_narrow_gemm", "--out", str(tmp_path), "--rows", row]
         monkeypatch.setattr(sys, "argv", argv)
