@@ -170,10 +170,21 @@ def run_ncu(
     module and the profiled case) naming what ran, when it runs past that time, exits with an
     error or leaves no `made` (the file the child writes). Returns the CompletedProcess."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        # ncu's output is read as UTF-8 with undecodable bytes replaced: a kernel name or a log
+        # line in another encoding must not cost the run.
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            encoding="utf-8",
+            errors="replace",
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired as exc:
+        # The partial output of a timed-out run comes as bytes whatever the decoding asked.
         for path, text in ((csv_path, exc.stdout), (log_path, exc.stderr)):
-            path.write_text(text.decode() if isinstance(text, bytes) else (text or ""))
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", errors="replace")
+            path.write_text(text or "")
         raise SystemExit(
             f"{who}: ncu ran past {timeout_s} s; its output so far is in {csv_path.parent}"
         ) from None

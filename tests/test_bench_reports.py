@@ -898,6 +898,15 @@ def test_run_ncu_keeps_its_output_and_names_what_ran_past_its_time(tmp_path):
     with pytest.raises(SystemExit, match="bench.x: case: ncu ran past 1 s; its output so far"):
         run_ncu([sys.executable, "-c", script], csv_path, log_path, 1, "bench.x: case", made)
     assert csv_path.read_text() == "part\n"
+    # Bytes that are not UTF-8, finished or cut off by the timeout: kept, replaced, no error.
+    write = "import sys; sys.stdout.buffer.write(b'k\\xff\\n'); sys.stdout.flush()"
+    script = f"{write}; open({str(made)!r}, 'w')"
+    run_ncu([sys.executable, "-c", script], csv_path, log_path, 60, "who", made)
+    assert csv_path.read_text() == "k\ufffd\n"
+    script = f"{write}; import time; time.sleep(30)"
+    with pytest.raises(SystemExit, match="ran past 1 s"):
+        run_ncu([sys.executable, "-c", script], csv_path, log_path, 1, "bench.x: case", made)
+    assert csv_path.read_text() == "k\ufffd\n"
 
 
 def test_ncu_table_errors_name_the_module_reading_it():
