@@ -508,6 +508,14 @@ def test_launch_refuses_arguments_it_was_not_compiled_for():
         tuning = dataclasses.replace(specialized, **change)
         with pytest.raises(ValueError, match=match):
             NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+    # No expander: that alone is named, not consumers or slots counted beside no expander (a
+    # careless-user probe found a slots problem named from a negative consumer count).
+    for expanders in (0, -1):
+        tuning = dataclasses.replace(specialized, expanders=expanders, warps=8, expanded_slots=1)
+        with pytest.raises(ValueError) as refused:
+            NarrowGemmLaunch(n, k, True, tuning, arch="sm_90a")
+        needs = str(refused.value).split(" needs ", 1)[1]
+        assert needs == "expanders >= 1", needs
     for tuning in (
         NarrowTuning(weights="humming", blocks=2),
         NarrowTuning(weights="humming", copy_warp=True),

@@ -1485,8 +1485,10 @@ def specialized_problems(tuning: NarrowTuning) -> list[str]:
     if tuning.stages < 1 or tuning.ahead:
         problems.append("a ring (stages > 0) without `ahead`")
     if tuning.expanders < 1:
-        problems.append("expanders >= 1")
-    elif tuning.stage_chunks % tuning.expanders or tuning.expanded_slots % tuning.expanders:
+        # The consumers are the warpgroups beside the expanders: without a count of expanders
+        # there is nothing right to say about them or the slots.
+        return [*problems, "expanders >= 1"]
+    if tuning.stage_chunks % tuning.expanders or tuning.expanded_slots % tuning.expanders:
         problems.append(
             f"stage_chunks and expanded_slots multiples of expanders={tuning.expanders} (each"
             " expanding warpgroup its own chunks of a stage and its own slots)"
@@ -1494,7 +1496,7 @@ def specialized_problems(tuning: NarrowTuning) -> list[str]:
     if tuning.warps % WARPGROUP_WARPS or tuning.consumers() < 1:
         problems.append(
             f"warps a multiple of {WARPGROUP_WARPS}, at least {WARPGROUP_WARPS} more than the"
-            f" expanders' {WARPGROUP_WARPS * max(tuning.expanders, 0)}"
+            f" expanders' {WARPGROUP_WARPS * tuning.expanders}"
         )
     elif tuning.blocks < 1 or tuning.consumers() % tuning.blocks:
         problems.append(
