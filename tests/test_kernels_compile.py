@@ -154,6 +154,17 @@ def test_compile_refuses_an_arch_it_has_no_kernels_for(arch):
         compile_kernel(lambda: pytest.fail("built before the arch was checked"), arch)
 
 
+def test_compile_for_this_process_gpu_without_one_is_refused(monkeypatch):
+    """arch None means this process's GPU; without one CuTe would pick a default arch."""
+    import torch
+
+    from dep_ep.comm.kernels.launcher import compile_kernel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="arch None .* in a process without a GPU; name one of"):
+        compile_kernel(lambda: pytest.fail("built before the arch was checked"), None)
+
+
 def test_tuning_is_part_of_the_cache_key():
     """Another KernelTuning compiles its own kernels; the same one again compiles nothing."""
     small = dict(num_ranks=2, latent=64, topk=4, experts_per_rank=3, arch="sm_90a")

@@ -97,9 +97,18 @@ def compile_kernel(
     """cute.compile of `build()`'s kernel and placeholder arguments, then a placeholder stream,
     for `arch` (one of KERNEL_ARCHS; None: this process's GPU), keeping the PTX in
     `keep_ptx_dir` when given. No cache. ValueError for another arch (CuTe's own error is a
-    bare KeyError)."""
+    bare KeyError), and for None in a process without a GPU (CuTe then compiles for a default
+    arch, not one the caller chose)."""
     if arch is not None and arch not in KERNEL_ARCHS:
         raise ValueError(f"compile_kernel: arch {arch!r}; expected one of {KERNEL_ARCHS} or None")
+    if arch is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"compile_kernel: arch None (this process's GPU) in a process without a GPU;"
+                f" name one of {KERNEL_ARCHS}"
+            )
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
 
