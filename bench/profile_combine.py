@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bench import cli, report
+from bench.profile_hopper_gemms import NCU_TEXT
 from dep_ep.config import DEFAULT_NORM_EPS
 from dep_ep.ep import K3, EpRouted
 from dep_ep.launch import init_rank_context, new_dep_group, teardown
@@ -110,11 +111,11 @@ def main() -> int:
     command = ["ncu", "--csv", "--page", "details", "--profile-from-start", "off", *sections]
     command += ["--kernel-name", KERNEL, sys.executable, "-m", "bench.profile_combine", "--child"]
     command += ["--tokens", *map(str, args.tokens)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(command, capture_output=True, timeout=1200, **NCU_TEXT)
     if done.returncode != 0:
         raise SystemExit(f"bench.profile_combine: ncu failed:\n{done.stdout[-2000:]}{done.stderr}")
     if args.raw is not None:
-        args.raw.write_text(done.stdout)
+        args.raw.write_text(done.stdout, encoding=NCU_TEXT["encoding"])
     keys, values = metrics(done.stdout)
     write_report(args.out, args.tokens, keys, values)
     return 0

@@ -96,6 +96,10 @@ TIME_UNITS_US = {
     "s": 1e6,
     "second": 1e6,
 }
+# How ncu's output is read and its files kept (subprocess.run's and bytes.decode's keywords):
+# UTF-8 whatever the locale, undecodable bytes replaced, so that a kernel name or a log line in
+# another encoding cannot cost a run.
+NCU_TEXT = {"encoding": "utf-8", "errors": "replace"}
 # The first line of ncu's raw table.
 HEADER_START = '"ID","'
 
@@ -170,26 +174,18 @@ def run_ncu(
     module and the profiled case) naming what ran, when it runs past that time, exits with an
     error or leaves no `made` (the file the child writes). Returns the CompletedProcess."""
     try:
-        # ncu's output is read as UTF-8 with undecodable bytes replaced: a kernel name or a log
-        # line in another encoding must not cost the run.
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            encoding="utf-8",
-            errors="replace",
-            timeout=timeout_s,
-        )
+        done = subprocess.run(command, capture_output=True, timeout=timeout_s, **NCU_TEXT)
     except subprocess.TimeoutExpired as exc:
         # The partial output of a timed-out run comes as bytes whatever the decoding asked.
         for path, text in ((csv_path, exc.stdout), (log_path, exc.stderr)):
             if isinstance(text, bytes):
-                text = text.decode("utf-8", errors="replace")
-            path.write_text(text or "")
+                text = text.decode(**NCU_TEXT)
+            path.write_text(text or "", encoding=NCU_TEXT["encoding"])
         raise SystemExit(
             f"{who}: ncu ran past {timeout_s} s; its output so far is in {csv_path.parent}"
         ) from None
-    csv_path.write_text(done.stdout)
-    log_path.write_text(done.stderr)
+    csv_path.write_text(done.stdout, encoding=NCU_TEXT["encoding"])
+    log_path.write_text(done.stderr, encoding=NCU_TEXT["encoding"])
     if done.returncode != 0 or not made.is_file():
         raise SystemExit(
             f"{who}: ncu failed (exit {done.returncode}):\n"
@@ -364,18 +360,45 @@ def all_cases(cases=CASES) -> list[Case]:
     return [Case(0, 0), *(Case(*c) for c in cases)]
 
 
+def cases_problem(cases: list[tuple[int, int]]) -> str | None:
+    """What is wrong with `cases` ((local experts, T) pairs of positive ints) as a run's list, or
+    None: none at all, one twice (its second profile would overwrite the first's files, and the
+    page again from them would show it twice), or local experts not dividing K3's experts."""
+    if not cases:
+        return "no case"
+    for i, (local, tokens) in enumerate(cases):
+        if (local, tokens) in cases[:i]:
+            return f"case {local}:{tokens} twice"
+        if K3.experts % local:
+            return f"case {local}:{tokens}: local experts must divide {K3.experts}"
+    return None
+
+
 def run_cases(raw: Path) -> list[tuple[int, int]]:
     """The (local experts, T) cases of the profiling run in `raw`: its CASES_FILE, or CASES for
-    a run that wrote none (runs before --cases)."""
+    a run that wrote none (runs before --cases). SystemExit for a file that is not a list of
+    [local, T] pairs of positive ints that cases_problem accepts."""
     listed = raw / CASES_FILE
-    if not listed.is_file():
+    if not listed.exists():
         return list(CASES)
+    who = f"bench.profile_hopper_gemms: {listed}"
     try:
-        cases = [(int(local), int(tokens)) for local, tokens in json.loads(listed.read_text())]
-    except (ValueError, TypeError) as exc:
-        raise SystemExit(
-            f"bench.profile_hopper_gemms: {listed}: expected [[local, T], ...]: {exc}"
-        ) from None
+        cases = json.loads(listed.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{who}: not readable as JSON: {exc}") from None
+
+    def positive(value) -> bool:
+        return type(value) is int and value >= 1
+
+    def pair(item) -> bool:
+        return isinstance(item, list) and len(item) == 2 and all(map(positive, item))
+
+    if not isinstance(cases, list) or not all(map(pair, cases)):
+        raise SystemExit(f"{who}: expected [[local, T], ...], positive ints; got {cases!r:.200}")
+    cases = [(local, tokens) for local, tokens in cases]
+    problem = cases_problem(cases)
+    if problem:
+        raise SystemExit(f"{who}: {problem}")
     return cases
 
 
@@ -393,7 +416,13 @@ def from_raw(raw: Path, out: Path) -> Path:
         table, facts = raw / f"{case.slug}.csv", raw / f"{case.slug}.json"
         if not (table.is_file() and facts.is_file()):
             raise SystemExit(f"bench.profile_hopper_gemms: {case.name}: no {table} or {facts}")
-        results.append((case, json.loads(facts.read_text()), *raw_rows(table.read_text())))
+        results.append(
+            (
+                case,
+                json.loads(facts.read_text()),
+                *raw_rows(table.read_text(encoding=NCU_TEXT["encoding"])),
+            )
+        )
     return write_report(out, results, run)
 
 
@@ -405,15 +434,21 @@ def main() -> int:
     p.add_argument("--raw", type=Path, default=Path("profile_hopper_gemms_raw"), help=text)
     text = "write the page from the folder of an earlier run (--raw), running nothing"
     p.add_argument("--from-raw", type=Path, default=None, help=text)
-    text = "the (local experts, T) calls profiled, as LOCAL:T (the dense GEMM always comes first)"
-    p.add_argument("--cases", type=cli.local_tokens, nargs="+", default=list(CASES), help=text)
+    text = (
+        "the (local experts, T) calls profiled, as LOCAL:T (the dense GEMM always comes first;"
+        f" default: {' '.join(f'{local}:{tokens}' for local, tokens in CASES)})"
+    )
+    p.add_argument("--cases", type=cli.local_tokens, nargs="+", default=None, help=text)
     args = p.parse_args()
-    for local, tokens in args.cases:
-        if K3.experts % local:
-            p.error(f"case {local}:{tokens}: local experts must divide {K3.experts}")
     if args.child:
         child(Case(*args.child), args.facts)
         return 0
+    if args.from_raw is not None and args.cases is not None:
+        p.error("--cases with --from-raw: the page shows the cases of the run it reads")
+    cases = list(CASES) if args.cases is None else args.cases
+    problem = cases_problem(cases)
+    if problem:
+        p.error(problem)
     if args.from_raw is not None:
         print(from_raw(args.from_raw, args.out))
         return 0
@@ -424,9 +459,9 @@ def main() -> int:
     raw.mkdir(parents=True, exist_ok=True)
     run = report.Run.this_process()
     (raw / RUN_FILE).write_text(json.dumps(dataclasses.asdict(run)))
-    (raw / CASES_FILE).write_text(json.dumps(args.cases))
+    (raw / CASES_FILE).write_text(json.dumps(cases))
     results = []
-    for case in all_cases(args.cases):
+    for case in all_cases(cases):
         facts = raw / f"{case.slug}.json"
         facts.unlink(missing_ok=True)  # a folder reused from an earlier run
         command = ["ncu", "--csv", "--page", "raw", "--profile-from-start", "off", *sections]

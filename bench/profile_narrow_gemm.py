@@ -30,6 +30,7 @@ from bench import cli, report
 from bench.bench_narrow_gemm import EVERY_FORM, Layer, form_launches, row_calls
 from bench.profile_hopper_gemms import (
     KERNEL_NAME_CHARS,
+    NCU_TEXT,
     RUN_FILE,
     SECTIONS,
     number,
@@ -211,7 +212,7 @@ def from_raw(raw: Path, out: Path) -> Path:
         ) from None
     again = f"python -m bench.profile_narrow_gemm --from-raw {raw}"
     run = dataclasses.replace(run, command=f"{run.command}; then {again}")
-    columns, units, launches = raw_rows(table.read_text(), WHO)
+    columns, units, launches = raw_rows(table.read_text(encoding=NCU_TEXT["encoding"]), WHO)
     return write_report(out, rows, columns, units, launches, run)
 
 

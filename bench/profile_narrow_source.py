@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench import cli, report
 from bench.bench_narrow_gemm import EVERY_FORM
-from bench.profile_hopper_gemms import RUN_FILE, run_ncu
+from bench.profile_hopper_gemms import NCU_TEXT, RUN_FILE, run_ncu
 from dep_ep.ep import K3
 
 FORM = "specialized, tiles of 8, ring 4x2, 2 slots"
@@ -203,7 +203,7 @@ def load_raw(raw: Path) -> tuple[report.Run, dict, str, str]:
         name = form.read_text().strip()
         if name not in EVERY_FORM:
             raise ValueError(f"form {name[:80]!r}; not one of bench_narrow_gemm's forms")
-        text = table.read_text()
+        text = table.read_text(encoding=NCU_TEXT["encoding"])
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         # json's and the decoder's errors are ValueErrors.
         raise SystemExit(
@@ -277,10 +277,10 @@ def main() -> int:
     if not rep.is_file():
         raise SystemExit(f"{WHO}: ncu wrote no report (no NarrowGemmKernel launch profiled?)")
     try:
-        done = subprocess.run(page, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
+        done = subprocess.run(page, capture_output=True, timeout=NCU_TIMEOUT_S, **NCU_TEXT)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"{WHO}: ncu --import ran past {NCU_TIMEOUT_S} s") from None
-    (raw / "source.csv").write_text(done.stdout)
+    (raw / "source.csv").write_text(done.stdout, encoding=NCU_TEXT["encoding"])
     if done.returncode != 0:
         raise SystemExit(f"{WHO}: ncu --import failed (exit {done.returncode}): {done.stderr}")
     run, row, form, text = load_raw(raw)

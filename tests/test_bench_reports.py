@@ -623,8 +623,29 @@ def test_profile_hopper_gemms_page_again_keeps_the_runs_own_cases(tmp_path):
     assert "112 local experts, T = 128" in page and "448 local experts, T = 512" in page
     assert "56 local experts" not in page  # CASES, which this run did not profile
     assert page.count("| fc1 | 1 | 100.0 | 1000 | 100% |") == len(cases), page
-    (raw / gemms.CASES_FILE).write_text(json.dumps({"112": 128}))
-    with pytest.raises(SystemExit, match="expected \\[\\[local, T\\]"):
+    # A cases file that is not the run's own list of distinct [local, T] pairs: refused.
+    for listed, match in (
+        ({"56": 64}, r"expected \[\[local, T\], \.\.\.\], positive ints"),
+        (["56"], r"expected \[\[local, T\]"),
+        ([[56.9, 64]], r"expected \[\[local, T\]"),
+        ([["56", "64"]], r"expected \[\[local, T\]"),
+        ([[True, 64]], r"expected \[\[local, T\]"),
+        ([[0, 0]], r"expected \[\[local, T\]"),
+        ([[56, -64]], r"expected \[\[local, T\]"),
+        ([], "no case"),
+        ([[57, 64]], "case 57:64: local experts must divide 896"),
+        ([[112, 128], [112, 128]], "case 112:128 twice"),
+    ):
+        (raw / gemms.CASES_FILE).write_text(json.dumps(listed))
+        with pytest.raises(SystemExit, match=match):
+            gemms.from_raw(raw, tmp_path / "out")
+    for text in ("[[Infinity, 1]]", "[[1e400, 1]]", "{not json"):
+        (raw / gemms.CASES_FILE).write_text(text)
+        with pytest.raises(SystemExit, match=f"{gemms.CASES_FILE}: (expected|not readable)"):
+            gemms.from_raw(raw, tmp_path / "out")
+    (raw / gemms.CASES_FILE).unlink()
+    (raw / gemms.CASES_FILE).mkdir()  # not a file: refused, not read as "no list"
+    with pytest.raises(SystemExit, match="not readable as JSON"):
         gemms.from_raw(raw, tmp_path / "out")
 
 
@@ -636,11 +657,19 @@ def test_profile_hopper_gemms_cases_are_refused_unless_local_colon_t(case, capsy
     assert "expected LOCAL:T, two positive integers" in capsys.readouterr().err
 
 
-def test_profile_hopper_gemms_refuses_a_shard_that_does_not_divide_the_experts(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["profile_hopper_gemms", "--cases", "56:64", "57:64"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--cases", "56:64", "57:64"], "case 57:64: local experts must divide 896"),
+        (["--cases", "56:64", "112:1", "56:64"], "case 56:64 twice"),
+        (["--from-raw", "raw", "--cases", "56:64"], "--cases with --from-raw: the page shows"),
+    ],
+)
+def test_profile_hopper_gemms_refuses_cases_it_cannot_profile(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["profile_hopper_gemms", *argv])
     with pytest.raises(SystemExit):
         profile_hopper_gemms.main()
-    assert "case 57:64: local experts must divide 896" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_profile_hopper_gemms_without_ncu_says_so(tmp_path, monkeypatch):
