@@ -576,6 +576,18 @@ def test_profile_hopper_gemms_reads_ncu_raw_and_rates_each_gemm(tmp_path):
         gemms.time_us(launches[0], {gemms.TIME_METRIC: "furlong"})
 
 
+def write_gemm_cases(raw, cases) -> None:
+    """profile_hopper_gemms' files of each case in `raw` as a run writes them: ncu's CSV of one
+    launch (100 us; the dense GEMM's nvjet, else humming's FC1) and the child's facts
+    (10^11 FLOPs)."""
+    for case in cases:
+        group = "dense" if case.local == 0 else "fc1"
+        name = "nvjet_sm90" if case.local == 0 else FC1
+        (raw / f"{case.slug}.csv").write_text(raw_csv([(name, "100,000", "50", "50")]))
+        facts = {"rows": 1, "pairs": 1, "touched": 1, "flops": {group: 10**11}}
+        (raw / f"{case.slug}.json").write_text(json.dumps(facts))
+
+
 def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
     gemms = profile_hopper_gemms
     raw = tmp_path / "raw"
@@ -589,12 +601,7 @@ def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
         "date": "2026-12-03",
     }
     (raw / gemms.RUN_FILE).write_text(json.dumps(run))
-    for case in gemms.all_cases():
-        group = "dense" if case.local == 0 else "fc1"
-        name = "nvjet_sm90" if case.local == 0 else FC1
-        (raw / f"{case.slug}.csv").write_text(raw_csv([(name, "100,000", "50", "50")]))
-        facts = {"rows": 1, "pairs": 1, "touched": 1, "flops": {group: 10**11}}
-        (raw / f"{case.slug}.json").write_text(json.dumps(facts))
+    write_gemm_cases(raw, gemms.all_cases())
     page = gemms.from_raw(raw, tmp_path / "out").read_text()
     again = f"python -m bench.profile_hopper_gemms --from-raw {raw}"
     assert f"- Command: `python -m bench.profile_hopper_gemms; then {again}`" in page
@@ -613,12 +620,7 @@ def test_profile_hopper_gemms_page_again_keeps_the_runs_own_cases(tmp_path):
     cases = [(112, 128), (448, 512)]
     (raw / gemms.CASES_FILE).write_text(json.dumps(cases))
     assert gemms.run_cases(raw) == cases
-    for case in gemms.all_cases(cases):
-        group = "dense" if case.local == 0 else "fc1"
-        name = "nvjet_sm90" if case.local == 0 else FC1
-        (raw / f"{case.slug}.csv").write_text(raw_csv([(name, "100,000", "50", "50")]))
-        facts = {"rows": 1, "pairs": 1, "touched": 1, "flops": {group: 10**11}}
-        (raw / f"{case.slug}.json").write_text(json.dumps(facts))
+    write_gemm_cases(raw, gemms.all_cases(cases))
     page = gemms.from_raw(raw, tmp_path / "out").read_text()
     assert "112 local experts, T = 128" in page and "448 local experts, T = 512" in page
     assert "56 local experts" not in page  # CASES, which this run did not profile
