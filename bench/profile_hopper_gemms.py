@@ -407,7 +407,13 @@ def from_raw(raw: Path, out: Path) -> Path:
     header = raw / RUN_FILE
     if not header.is_file():
         raise SystemExit(f"bench.profile_hopper_gemms: {header} is missing; not a profiling run")
-    run = report.Run(**json.loads(header.read_text()))
+    try:
+        run = report.Run(**json.loads(header.read_text()))
+    except (ValueError, TypeError) as exc:  # not JSON (a ValueError), not the header's fields
+        raise SystemExit(
+            f"bench.profile_hopper_gemms: {header}: not a run's header as this module writes"
+            f" it: {exc}"
+        ) from None
     # The page's command: the profiling run's, then this one (the page is this one's output).
     again = f"python -m bench.profile_hopper_gemms --from-raw {raw}"
     run = dataclasses.replace(run, command=f"{run.command}; then {again}")

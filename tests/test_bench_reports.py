@@ -609,6 +609,11 @@ def test_profile_hopper_gemms_page_again_from_a_runs_folder(tmp_path):
     (raw / "l56_t64.csv").unlink()
     with pytest.raises(SystemExit, match="56 local experts, T = 64: no"):
         gemms.from_raw(raw, tmp_path / "out")
+    # A header that is not the run's: one line naming it, not a traceback.
+    for header in ("[1, 2]", '{"command": "c"}', "{not json"):
+        (raw / gemms.RUN_FILE).write_text(header)
+        with pytest.raises(SystemExit, match="run.json: not a run's header as this module"):
+            gemms.from_raw(raw, tmp_path / "out")
 
 
 def test_profile_hopper_gemms_page_again_keeps_the_runs_own_cases(tmp_path):
