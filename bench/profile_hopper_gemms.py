@@ -83,6 +83,10 @@ UTILIZATION = {
     "FMA %": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
     "DRAM %": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
 }
+# The experts' geometry as every profiler's page states it.
+K3_EXPERTS_GEOMETRY = (
+    f"K3 geometry (L {K3.latent}, I {K3.intermediate}, K {K3.topk}, E {K3.experts})"
+)
 RUN_FILE = "run.json"  # the profiling run's header (command, hardware, software, date)
 CASES_FILE = "cases.json"  # the profiling run's cases, [[local, T], ...], dense GEMM not counted
 # ncu's time units (short, as ncu 2025 writes them, and long) in microseconds.
@@ -303,8 +307,9 @@ def write_report(out: Path, results, run: report.Run | None = None) -> Path:
     title = "What bounds HopperExperts' GEMMs (humming engine), under Nsight Compute"
     page = report.Page(out / "profile_hopper_gemms.md", title, report.summary(__doc__), run)
     page.text(
-        f"K3 geometry (L {K3.latent}, I {K3.intermediate}, K {K3.topk}, E {K3.experts}); uniform"
-        " routing; ncu sections: " + ", ".join(SECTIONS) + ". TFLOP/s: the call's FC1 (FC2)"
+        f"{K3_EXPERTS_GEOMETRY}; uniform routing; ncu sections: "
+        + ", ".join(SECTIONS)
+        + ". TFLOP/s: the call's FC1 (FC2)"
         " FLOPs over the summed durations of its FC1 (FC2) launches under ncu; % dense: that"
         " rate over the dense FP8 GEMM's under the same clock control."
     )

@@ -29,6 +29,7 @@ import torch
 from bench import cli, report
 from bench.bench_narrow_gemm import EVERY_FORM, Layer, form_launches, row_calls
 from bench.profile_hopper_gemms import (
+    K3_EXPERTS_GEOMETRY,
     KERNEL_NAME_CHARS,
     NCU_TEXT,
     RUN_FILE,
@@ -138,8 +139,9 @@ def write_report(out: Path, facts: list[dict], columns, units, launches, run=Non
     title = "What bounds the narrow GEMM on humming's weights, under Nsight Compute"
     page = report.Page(out / "profile_narrow_gemm.md", title, report.summary(__doc__), run)
     page.text(
-        f"K3 geometry (L {K3.latent}, I {K3.intermediate}, K {K3.topk}, E {K3.experts}); uniform"
-        " routing; ncu sections: " + ", ".join(SECTIONS) + ". GB/s: the GEMM's touched weight"
+        f"{K3_EXPERTS_GEOMETRY}; uniform routing; ncu sections: "
+        + ", ".join(SECTIONS)
+        + ". GB/s: the GEMM's touched weight"
         " bytes (bench_narrow_gemm's) over its duration under ncu. diff: the narrow form's"
         " output against humming's on the same pairs (relative L2, from the child's warm run)."
         " Stalls: the"

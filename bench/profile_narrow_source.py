@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench import cli, report
 from bench.bench_narrow_gemm import EVERY_FORM
-from bench.profile_hopper_gemms import NCU_TEXT, RUN_FILE, run_ncu
+from bench.profile_hopper_gemms import K3_EXPERTS_GEOMETRY, NCU_TEXT, RUN_FILE, run_ncu
 from dep_ep.ep import K3
 
 FORM = "specialized, tiles of 8, ring 4x2, 2 slots"
@@ -155,8 +155,8 @@ def write_report(
     title = "Where the narrow GEMM's warps wait, under Nsight Compute's source counters"
     page = report.Page(out / "profile_narrow_source.md", title, report.summary(__doc__), run)
     page.text(
-        f"K3 geometry (L {K3.latent}, I {K3.intermediate}, K {K3.topk}, E {K3.experts}); uniform"
-        f" routing; {facts['local']} local experts, T = {facts['tokens']}: {facts['rows']} rows,"
+        f"{K3_EXPERTS_GEOMETRY}; uniform routing; {facts['local']} local experts,"
+        f" T = {facts['tokens']}: {facts['rows']} rows,"
         f" {facts['pairs']} pairs, {facts['touched']} experts touched. Form: `{form}`, FC1"
         f" ({facts['fc1_bytes'] / 1e6:.1f} MB of weights). Kernel: `{kernel[:120]}`."
     )
