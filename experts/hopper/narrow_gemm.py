@@ -452,9 +452,9 @@ class NarrowTuning:
       reading the one ring: chunk c of each stage is expanded by warpgroup c % expanders into
       slots of its own (stage_chunks and expanded_slots multiples of it), so each expands
       1 / expanders of the chunks. Under Nsight Compute one expanding warpgroup (a warp a
-      scheduler) left the consumers waiting on `full` for 75% of their time, its warps
-      latency-bound on their own chain of expansion, stores and the ring's barrier
-      (docs/experts.md, "The specialized narrow GEMM").
+      scheduler) left the consumers waiting on `full` for 81% of their loop's samples; two
+      took only 3-5% off on one H100, the consumers still waiting (docs/experts.md, "The
+      specialized narrow GEMM").
     The default (wgmma, a ring of 2 x 2) was the fastest form in 19 of the 30 rows of
     docs/results/bench_narrow_gemm.md (fields by keyword only)."""
 
