@@ -210,8 +210,9 @@ def staged_specialized(
 
 SPECIALIZED |= dict(staged_specialized(*row) for row in STAGED_SPECIALIZED)
 # Two expanding warpgroups (NarrowTuning.expanders), each expanding a ring stage's chunk of its
-# own into slots of its own: one expanding warpgroup left the consumers waiting on `full` 75% of
-# their time under Nsight Compute (docs/experts.md, "The specialized narrow GEMM").
+# own into slots of its own: one expanding warpgroup left the consumers waiting on `full` for 81%
+# of their loop's samples under Nsight Compute; two took 3-5% off FC1 on one H100
+# (docs/experts.md, "The specialized narrow GEMM").
 # (P, blocks, A from registers), each through a ring of 4 x 2
 TWO_EXPANDERS = ((8, 1, False), (8, 1, True), (16, 1, False), (16, 2, True), (32, 1, False))
 SPECIALIZED |= dict(
